@@ -1,0 +1,45 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both create .venv/ when missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.shardtune-installed
+# DeepSpeed compiles its ops on first use; keep them inside this environment.
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: setup demo test test-fast lint docs clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first and pinned: on these machines it is a local CPU wheel; a range would pull CUDA.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -r requirements.txt
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet deepspeed==0.19.8
+	$(PY) -m pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m shardtune train examples/tiny/sft_lora.yaml
+	@echo ""
+	@echo "Demo finished. Results in outputs/tiny-sft-lora/:"
+	@echo "  adapter_model.safetensors  LoRA adapter (load with PeftModel.from_pretrained)"
+	@echo "  trainer_log.jsonl          one line per logging step"
+	@echo "  train_results.json         loss, runtime, tokens/s"
+	@echo "  training_loss.png          loss curve"
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not distributed and not e2e"
+
+lint: setup
+	$(PY) -m ruff check src tests scripts
+
+docs: setup
+	$(PY) -m shardtune keys --markdown > docs/config.md
+
+clean:
+	rm -rf outputs models

@@ -1,0 +1,108 @@
+"""`shardtune` command: parse the subcommand and dispatch. Heavy libraries load only inside commands."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+USAGE = """usage: shardtune <command> [options]
+
+commands:
+  train CONFIG.yaml [key=value ...] [--key value ...]   fine-tune a model
+  check CONFIG.yaml [key=value ...]                      validate config, data and model paths; no weights loaded
+  make-tiny-model --out DIR [--layers N --hidden N ...]  write a random tiny LLaMA + local tokenizer
+  keys [--markdown]                                      list every config key
+
+Run `shardtune train --help` for every config key with its type, default and description.
+Set SHARDTUNE_DEBUG=1 (or pass --debug) to see tracebacks for errors."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        if argv:
+            print(_keys_help())
+        return 0
+    command, rest = argv[0], argv[1:]
+    handlers = {"train": _train, "check": _check, "make-tiny-model": _make_tiny_model, "keys": _keys}
+    if command not in handlers:
+        print(f"shardtune: unknown command '{command}'\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return run_reporting_errors(handlers[command], rest)
+
+
+def run_reporting_errors(handler, args: list[str]) -> int:
+    """User mistakes become one line per problem and exit code 2; tracebacks only with --debug."""
+    from shardtune.errors import ShardtuneError
+
+    debug = "--debug" in args or os.environ.get("SHARDTUNE_DEBUG") == "1"
+    try:
+        return handler(args)
+    except ShardtuneError as err:
+        if debug:
+            raise
+        for problem in err.problems:
+            print(f"shardtune: error: {problem}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("shardtune: interrupted", file=sys.stderr)
+        return 130
+
+
+def _keys_help() -> str:
+    from shardtune.config.reference import help_text
+
+    return "config keys (in the YAML, as key=value, or as --key value):" + help_text()
+
+
+def _train(args: list[str]) -> int:
+    if "-h" in args or "--help" in args:
+        print("usage: shardtune train CONFIG.yaml [key=value ...] [--key value ...] [--dry-run]\n")
+        print(_keys_help())
+        return 0
+    from shardtune.launch.run import train_command
+
+    return train_command(args)
+
+
+def _check(args: list[str]) -> int:
+    if "-h" in args or "--help" in args:
+        print("usage: shardtune check CONFIG.yaml [key=value ...]\n\nValidates everything `train` would, "
+              "without loading weights; exit 0 when fine, 2 with every problem listed.")
+        return 0
+    from shardtune.launch.run import check_command
+
+    return check_command(args)
+
+
+def _make_tiny_model(args: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="shardtune make-tiny-model")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--intermediate", type=int, default=172)
+    parser.add_argument("--vocab-size", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0)
+    ns = parser.parse_args(args)
+    from shardtune.model.tiny import build_tiny_model
+
+    out = build_tiny_model(ns.out, layers=ns.layers, hidden=ns.hidden, heads=ns.heads, kv_heads=ns.kv_heads,
+                           intermediate=ns.intermediate, vocab_size=ns.vocab_size, seed=ns.seed)
+    print(f"tiny model written to {out}")
+    return 0
+
+
+def _keys(args: list[str]) -> int:
+    from shardtune.config.reference import help_text, markdown_reference
+
+    print(markdown_reference() if "--markdown" in args else help_text().lstrip("\n"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Turn a command line (``CONFIG.yaml key=value --key value --flag``) into config values.
+
+Launchers inject their own arguments (the deepspeed launcher adds ``--local_rank=N``): those are
+tolerated here so they can never hide the YAML path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardtune.config.load import build_config, load_yaml_file, parse_override
+from shardtune.config.schema import TrainConfig, config_fields
+from shardtune.errors import ConfigError
+
+# Arguments that launchers add on their own; never config keys.
+LAUNCHER_ARGS = frozenset({"local_rank", "local-rank"})
+# Our own command-line switches (not config keys).
+CLI_SWITCHES = frozenset({"dry_run", "debug"})
+_CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+@dataclass
+class CommandLine:
+    """What a ``train``/``check`` command line asked for, before validation."""
+
+    config_path: str | None = None
+    values: dict[str, Any] = field(default_factory=dict)
+    switches: set[str] = field(default_factory=set)
+
+
+def parse_command_line(argv: list[str]) -> CommandLine:
+    """Split argv into the config file, key=value / --key value overrides and our switches."""
+    parsed = CommandLine()
+    bool_keys = {f.name for f in config_fields() if f.type in ("bool", "bool | None")}
+    overrides: list[tuple[str, Any]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if arg.startswith("--"):
+            name, sep, value = arg[2:].partition("=")
+            key = name.replace("-", "_")
+            if name in LAUNCHER_ARGS:
+                if not sep and i < len(argv) and not argv[i].startswith("-"):
+                    i += 1
+                continue
+            if key in CLI_SWITCHES:
+                parsed.switches.add(key)
+                continue
+            if not sep:
+                has_value = i < len(argv) and not argv[i].startswith("--")
+                if key in bool_keys and (not has_value or argv[i].lower() not in _BOOL_WORDS):
+                    overrides.append((key, True))
+                    continue
+                if not has_value:
+                    raise ConfigError(f"command line: --{name} needs a value")
+                value = argv[i]
+                i += 1
+            overrides.append(parse_override(f"{key}={value}"))
+        elif "=" in arg and not arg.endswith(_CONFIG_SUFFIXES):
+            overrides.append(parse_override(arg))
+        elif parsed.config_path is None:
+            parsed.config_path = arg
+        else:
+            raise ConfigError(f"command line: unexpected argument '{arg}' (a second config file?)")
+    parsed.values = dict(overrides)
+    return parsed
+
+
+_BOOL_WORDS = {"true", "false", "yes", "no", "on", "off", "1", "0"}
+
+
+def load_config(argv: list[str]) -> tuple[TrainConfig, CommandLine]:
+    """Read the YAML named on the command line, apply overrides, and type-check everything."""
+    cmd = parse_command_line(argv)
+    values: dict[str, Any] = {}
+    source = "command line"
+    if cmd.config_path is not None:
+        if not cmd.config_path.endswith(_CONFIG_SUFFIXES):
+            raise ConfigError(f"command line: '{cmd.config_path}' is not a .yaml/.yml/.json config file")
+        values.update(load_yaml_file(cmd.config_path))
+        source = cmd.config_path
+    values.update(cmd.values)
+    return build_config(values, source=source), cmd

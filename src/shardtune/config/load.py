@@ -1,0 +1,202 @@
+"""Load a config from YAML plus ``key=value`` / ``--key value`` overrides into a typed ``TrainConfig``.
+
+Every problem is collected and raised together as one ``ConfigError`` so a user fixes them in one go.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shardtune.config.schema import UNSUPPORTED_KEYS, TrainConfig, config_fields
+from shardtune.errors import ConfigError
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+_NONE = {"null", "none", "~", ""}
+
+
+def load_yaml_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML (or JSON) mapping; syntax errors name the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: YAML syntax error: {err.problem}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot read as YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of key: value, got {type(data).__name__}")
+    return data
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``key=value`` from the command line; the value is read as YAML (so lists and numbers work)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"cannot read override '{text}': expected key=value")
+    try:
+        value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().replace("-", "_"), value
+
+
+def build_config(values: dict[str, Any], source: str = "config") -> TrainConfig:
+    """Check and convert raw values into a ``TrainConfig``; raise one ConfigError listing every problem."""
+    fields = {f.name: f for f in config_fields()}
+    hints = typing.get_type_hints(TrainConfig)
+    problems: list[str] = []
+    converted: dict[str, Any] = {}
+    for key, raw in values.items():
+        if key not in fields:
+            problems.append(_unknown_key_message(str(key), list(fields)))
+            continue
+        try:
+            converted[key] = coerce_value(key, raw, hints[key], fields[key].metadata)
+        except ValueError as err:
+            problems.append(str(err))
+    if problems:
+        raise ConfigError(*(f"{source}: {p}" for p in problems))
+    return TrainConfig(**converted)
+
+
+def _unknown_key_message(key: str, known: list[str]) -> str:
+    if key in UNSUPPORTED_KEYS:
+        return f"key '{key}' is not supported by shardtune (remove it; it would have no effect)"
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return f"unknown key '{key}'{hint}"
+
+
+def coerce_value(key: str, raw: Any, hint: Any, meta: typing.Mapping[str, Any]) -> Any:
+    """Convert ``raw`` to the declared type and check choices and bounds; ValueError names the key."""
+    value = _convert(key, raw, hint)
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        shown = ", ".join("null" if c is None else str(c) for c in choices)
+        raise ValueError(f"{key}: {raw!r} is not allowed; choose one of: {shown}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        _check_bounds(key, value, meta)
+    return value
+
+
+def _check_bounds(key: str, value: float, meta: typing.Mapping[str, Any]) -> None:
+    low, high = meta.get("minimum"), meta.get("maximum")
+    if low is not None and (value < low or (meta.get("exclusive_minimum") and value == low)):
+        relation = ">" if meta.get("exclusive_minimum") else ">="
+        raise ValueError(f"{key}: {value} is out of range; it must be {relation} {low}")
+    if high is not None and value > high:
+        raise ValueError(f"{key}: {value} is out of range; it must be <= {high}")
+
+
+def _convert(key: str, raw: Any, hint: Any) -> Any:
+    options = _union_members(hint)
+    if type(None) in options and (raw is None or (isinstance(raw, str) and raw.strip().lower() in _NONE)):
+        return None
+    for option in options:
+        if option is type(None):
+            continue
+        try:
+            return _convert_to(raw, option)
+        except (TypeError, ValueError):
+            continue
+    names = " or ".join(_type_name(o) for o in options)
+    raise ValueError(f"{key}: expected {names}, got {raw!r}")
+
+
+def _union_members(hint: Any) -> tuple[Any, ...]:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return typing.get_args(hint)
+    return (hint,)
+
+
+def _convert_to(raw: Any, target: Any) -> Any:
+    origin = typing.get_origin(target) or target
+    if origin is bool:
+        return _to_bool(raw)
+    if origin is int:
+        return _to_int(raw)
+    if origin is float:
+        if isinstance(raw, bool):
+            raise TypeError
+        return float(raw)
+    if origin is list:
+        return _to_list(raw)
+    if origin is dict:
+        return _to_dict(raw)
+    if origin is str:
+        if isinstance(raw, (dict, list, bool)) or raw is None:
+            raise TypeError
+        return str(raw)
+    raise TypeError(f"unsupported type {target}")
+
+
+def _to_bool(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError
+
+
+def _to_int(raw: Any) -> int:
+    if isinstance(raw, bool):
+        raise TypeError
+    if isinstance(raw, float):
+        if not raw.is_integer():
+            raise ValueError
+        return int(raw)
+    return int(str(raw).strip())
+
+
+def _to_list(raw: Any) -> list[str]:
+    if isinstance(raw, str):
+        return [part.strip() for part in raw.split(",") if part.strip()]
+    if isinstance(raw, (list, tuple)) and all(isinstance(x, (str, int, float)) for x in raw):
+        return [str(x) for x in raw]
+    raise TypeError
+
+
+def _to_dict(raw: Any) -> dict:
+    if isinstance(raw, dict):
+        return raw
+    if isinstance(raw, str) and raw.strip().startswith("{"):
+        return json.loads(raw)
+    raise TypeError
+
+
+def _type_name(hint: Any) -> str:
+    origin = typing.get_origin(hint) or hint
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "a mapping", type(None): "null"}.get(origin, str(hint))
+
+
+def type_label(hint: Any) -> str:
+    """Short type description for --help and the generated key reference."""
+    return " | ".join(
+        {bool: "bool", int: "int", float: "float", str: "str", list: "list", dict: "mapping",
+         type(None): "null"}.get(typing.get_origin(o) or o, str(o))
+        for o in _union_members(hint)
+    )
+
+
+def config_to_dict(config: TrainConfig) -> dict[str, Any]:
+    """Plain mapping of every key (for writing the resolved config)."""
+    return dataclasses.asdict(config)

@@ -1,0 +1,181 @@
+"""Every config key shardtune accepts, declared once with its type, default and a one-line doc.
+
+Names follow LLaMA-Factory and Hugging Face ``TrainingArguments`` so existing YAML files work.
+This module must stay import-light: ``shardtune --help`` renders from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+MODEL, FINETUNE, DATA, OUTPUT, TRAIN, ENGINE = "model", "finetuning", "data", "output", "training", "engine"
+GROUP_TITLES = {
+    MODEL: "Model",
+    FINETUNE: "Fine-tuning method",
+    DATA: "Data",
+    OUTPUT: "Output, logging and saving",
+    TRAIN: "Optimisation",
+    ENGINE: "Distributed engine",
+}
+
+LR_SCHEDULERS = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+)
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "sgd", "adafactor")
+REPORT_TO = ("none", "tensorboard", "wandb", "mlflow")
+
+
+def _key(
+    default: Any,
+    doc: str,
+    group: str,
+    *,
+    choices: tuple[Any, ...] | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    exclusive_minimum: bool = False,
+) -> Any:
+    """Declare one config key; ``minimum``/``maximum`` bound numbers, ``choices`` enumerate values."""
+    meta = {
+        "doc": doc,
+        "group": group,
+        "choices": choices,
+        "minimum": minimum,
+        "maximum": maximum,
+        "exclusive_minimum": exclusive_minimum,
+    }
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class TrainConfig:
+    """The resolved settings of one training run (all keys optional except where validation says)."""
+
+    # --- model ---
+    model_name_or_path: str | None = _key(None, "local model directory or hub id (config.json required)", MODEL)
+    trust_remote_code: bool = _key(False, "allow code from the model directory to run (off by default)", MODEL)
+    attn_implementation: str = _key("sdpa", "attention kernel passed to transformers", MODEL,
+                                    choices=("sdpa", "eager", "flash_attention_2"))
+    build_tiny_model_if_missing: bool = _key(
+        False, "build a random tiny LLaMA + local tokenizer at model_name_or_path if it does not exist", MODEL)
+
+    # --- fine-tuning method ---
+    stage: str = _key("sft", "training stage: supervised fine-tuning or pre-training", FINETUNE, choices=("sft", "pt"))
+    do_train: bool = _key(True, "run training (shardtune only trains; false is refused)", FINETUNE)
+    finetuning_type: str = _key("lora", "which parameters train", FINETUNE, choices=("lora", "full", "freeze"))
+    lora_rank: int = _key(8, "LoRA rank r", FINETUNE, minimum=1)
+    lora_alpha: int | None = _key(None, "LoRA scaling alpha (default: 2 x lora_rank)", FINETUNE, minimum=1)
+    lora_dropout: float = _key(0.0, "dropout on the LoRA path", FINETUNE, minimum=0, maximum=1)
+    lora_target: list[str] = _key(["all"], "module names to adapt, comma separated, or 'all' linear layers",
+                                  FINETUNE)
+    freeze_trainable_layers: int = _key(
+        2, "freeze: train the last N decoder layers (negative: the first -N)", FINETUNE)
+    freeze_trainable_modules: list[str] = _key(
+        ["all"], "freeze: module names inside the trainable layers, or 'all'", FINETUNE)
+    quantization_bit: int | None = _key(None, "load the base model in 4 or 8 bits (bitsandbytes, CUDA only)",
+                                        FINETUNE, choices=(4, 8, None))
+
+    # --- data ---
+    dataset: list[str] = _key([], "dataset names from dataset_info.json, comma separated", DATA)
+    dataset_dir: str = _key("data", "folder holding dataset_info.json and the data files", DATA)
+    template: str = _key("default", "chat template (default, alpaca, chatml, llama3, qwen, auto)", DATA)
+    cutoff_len: int = _key(1024, "maximum tokens per training sequence", DATA, minimum=2)
+    max_samples: int | None = _key(None, "use at most this many samples per dataset", DATA, minimum=1)
+    val_size: float = _key(0.0, "held-out eval split: a fraction (< 1) or a sample count", DATA, minimum=0)
+    packing: bool | None = _key(None, "pack several samples per sequence (default: on for pt, off for sft)", DATA)
+    train_on_prompt: bool = _key(False, "compute the loss on prompt tokens too", DATA)
+    preprocessing_num_workers: int | None = _key(None, "processes used to tokenise the data", DATA, minimum=1)
+    overwrite_cache: bool = _key(False, "re-tokenise instead of reusing the datasets cache", DATA)
+
+    # --- output ---
+    output_dir: str | None = _key(None, "where checkpoints, logs and the final model go", OUTPUT)
+    overwrite_output_dir: bool = _key(False, "start afresh in a non-empty output_dir", OUTPUT)
+    logging_steps: int = _key(10, "log every N optimizer steps", OUTPUT, minimum=1)
+    logging_dir: str | None = _key(None, "tensorboard folder (default: output_dir/runs)", OUTPUT)
+    save_strategy: str = _key("steps", "when to write checkpoints", OUTPUT, choices=("no", "steps", "epoch"))
+    save_steps: int = _key(500, "checkpoint every N optimizer steps (save_strategy steps)", OUTPUT, minimum=1)
+    save_total_limit: int | None = _key(None, "keep at most N checkpoints (oldest deleted)", OUTPUT, minimum=1)
+    plot_loss: bool = _key(False, "write training_loss.png at the end", OUTPUT)
+    report_to: list[str] = _key(["none"], "experiment trackers: none, tensorboard, wandb, mlflow", OUTPUT)
+    resume_from_checkpoint: str | None = _key(None, "checkpoint folder to resume from", OUTPUT)
+
+    # --- optimisation ---
+    per_device_train_batch_size: int = _key(1, "micro batch per process", TRAIN, minimum=1)
+    per_device_eval_batch_size: int = _key(1, "eval micro batch per process", TRAIN, minimum=1)
+    gradient_accumulation_steps: int = _key(1, "micro batches per optimizer step", TRAIN, minimum=1)
+    learning_rate: float = _key(5e-5, "peak learning rate", TRAIN, minimum=0, exclusive_minimum=True)
+    weight_decay: float = _key(0.0, "AdamW weight decay (not applied to biases and norms)", TRAIN, minimum=0)
+    adam_beta1: float = _key(0.9, "Adam beta1", TRAIN, minimum=0, maximum=1)
+    adam_beta2: float = _key(0.999, "Adam beta2", TRAIN, minimum=0, maximum=1)
+    adam_epsilon: float = _key(1e-8, "Adam epsilon", TRAIN, minimum=0, exclusive_minimum=True)
+    max_grad_norm: float = _key(1.0, "clip the global gradient norm (0 disables)", TRAIN, minimum=0)
+    optim: str = _key("adamw_torch", "optimizer", TRAIN, choices=OPTIMIZERS)
+    num_train_epochs: float = _key(3.0, "passes over the data (ignored when max_steps > 0)", TRAIN, minimum=0)
+    max_steps: int = _key(-1, "total optimizer steps; overrides num_train_epochs when > 0", TRAIN)
+    lr_scheduler_type: str = _key("linear", "learning-rate schedule (transformers.get_scheduler)", TRAIN,
+                                  choices=LR_SCHEDULERS)
+    warmup_ratio: float = _key(0.0, "fraction of steps to warm up over", TRAIN, minimum=0, maximum=1)
+    warmup_steps: int = _key(0, "warm-up steps (overrides warmup_ratio when > 0)", TRAIN, minimum=0)
+    bf16: bool = _key(False, "bfloat16 autocast (CPU and GPU)", TRAIN)
+    fp16: bool = _key(False, "float16 autocast with loss scaling", TRAIN)
+    seed: int = _key(42, "random seed for weights of new modules, data order and dropout", TRAIN)
+    gradient_checkpointing: bool = _key(False, "recompute activations in backward to save memory", TRAIN)
+    dataloader_num_workers: int = _key(0, "data loader worker processes", TRAIN, minimum=0)
+    do_eval: bool = _key(False, "evaluate on the val_size split", TRAIN)
+    eval_strategy: str = _key("no", "when to evaluate", TRAIN, choices=("no", "steps", "epoch"))
+    eval_steps: int | None = _key(None, "evaluate every N steps (default: logging_steps)", TRAIN, minimum=1)
+
+    # --- engine ---
+    deepspeed: str | dict | None = _key(None, "DeepSpeed config: JSON path, inline mapping or preset name", ENGINE)
+    fsdp: str | list | bool | None = _key(None, "FSDP options, e.g. 'full_shard auto_wrap'", ENGINE)
+    fsdp_config: str | dict | None = _key(None, "FSDP settings: mapping or JSON/YAML path", ENGINE)
+    ddp_timeout: int = _key(1800, "seconds a collective may wait before the job fails", ENGINE, minimum=1)
+    ddp_find_unused_parameters: bool | None = _key(
+        None, "DDP unused-parameter search (default: off, LoRA included)", ENGINE)
+
+
+def config_fields() -> tuple[dataclasses.Field, ...]:
+    """The declared keys, in declaration order."""
+    return dataclasses.fields(TrainConfig)
+
+
+def key_names() -> list[str]:
+    return [f.name for f in config_fields()]
+
+
+# Hugging Face TrainingArguments (and common LLaMA-Factory) names that shardtune does not implement.
+# Refused by name so that a user never believes a setting took effect when it did not.
+UNSUPPORTED_KEYS = frozenset(
+    """
+    accelerator_config adafactor auto_find_batch_size average_tokens_across_devices batch_eval_metrics
+    bf16_full_eval data_seed dataloader_drop_last dataloader_persistent_workers dataloader_pin_memory
+    dataloader_prefetch_factor ddp_backend ddp_broadcast_buffers ddp_bucket_cap_mb debug disable_tqdm
+    dispatch_batches do_predict eval_accumulation_steps eval_delay eval_do_concat_batches eval_on_start
+    eval_use_gather_object fp16_backend fp16_full_eval fp16_opt_level fsdp_min_num_params
+    fsdp_transformer_layer_cls_to_wrap full_determinism generation_max_length generation_num_beams
+    gradient_checkpointing_kwargs greater_is_better group_by_length half_precision_backend hub_always_push
+    hub_model_id hub_private_repo hub_strategy hub_token ignore_data_skip include_for_metrics
+    include_inputs_for_metrics include_num_input_tokens_seen include_tokens_per_second jit_mode_eval
+    label_names label_smoothing_factor length_column_name load_best_model_at_end log_level log_level_replica
+    log_on_each_node logging_first_step logging_nan_inf_filter logging_strategy lr_scheduler_kwargs
+    metric_for_best_model mp_parameters neftune_noise_alpha no_cuda optim_args optim_target_modules
+    past_index per_gpu_eval_batch_size per_gpu_train_batch_size predict_with_generate prediction_loss_only
+    push_to_hub push_to_hub_model_id push_to_hub_organization push_to_hub_token ray_scope remove_unused_columns
+    restore_callback_states_from_checkpoint run_name save_on_each_node save_only_model save_safetensors
+    skip_memory_metrics split_batches tf32 torch_compile torch_compile_backend torch_compile_mode
+    torch_empty_cache_steps torchdynamo tpu_metrics_debug tpu_num_cores use_cpu use_ipex use_legacy_prediction_loop
+    use_liger_kernel use_mps_device do_predict eval_dataset flash_attn enable_liger_kernel use_unsloth
+    streaming mix_strategy interleave_probs neat_packing tokenized_path use_dora pissa_init loraplus_lr_ratio
+    additional_target resize_vocab rope_scaling shift_attn upcast_layernorm use_galore use_badam
+    """.split()
+)

@@ -1,0 +1,93 @@
+"""Rules that span several keys or look at files, run on the launching host before any work starts."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from shardtune.config.schema import REPORT_TO, TrainConfig
+from shardtune.errors import ConfigError
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def validate_config(config: TrainConfig, *, check_files: bool = True) -> None:
+    """Raise one ConfigError listing every cross-key problem (and file problems when asked)."""
+    problems = cross_key_problems(config)
+    if check_files:
+        problems += file_problems(config)
+    if problems:
+        raise ConfigError(*problems)
+
+
+def cross_key_problems(c: TrainConfig) -> list[str]:
+    """Combinations of keys that cannot work, each naming both keys and their values."""
+    problems: list[str] = []
+    if c.model_name_or_path is None:
+        problems.append("model_name_or_path is required (a local model directory or a hub id)")
+    if c.output_dir is None:
+        problems.append("output_dir is required (where the model and logs are written)")
+    if not c.dataset:
+        problems.append("dataset is required (names from dataset_info.json, comma separated)")
+    if not c.do_train:
+        problems.append("do_train (false): shardtune only trains; set do_train: true")
+    if c.bf16 and c.fp16:
+        problems.append("bf16 (true) and fp16 (true) are both set; choose one")
+    if c.max_steps <= 0 and c.num_train_epochs <= 0:
+        problems.append(f"max_steps ({c.max_steps}) and num_train_epochs ({c.num_train_epochs}): one must be > 0")
+    if c.quantization_bit is not None and c.finetuning_type != "lora":
+        problems.append(f"quantization_bit ({c.quantization_bit}) needs finetuning_type: lora "
+                        f"(got '{c.finetuning_type}'); quantized weights cannot be trained directly")
+    if (c.do_eval or c.eval_strategy != "no") and c.val_size <= 0:
+        problems.append(f"do_eval/eval_strategy ({c.eval_strategy}) needs val_size > 0 to hold out eval data")
+    if c.val_size >= 1 and not float(c.val_size).is_integer():
+        problems.append(f"val_size ({c.val_size}): use a fraction below 1 or a whole number of samples")
+    bad_trackers = [r for r in c.report_to if r not in REPORT_TO and r != "all"]
+    if bad_trackers:
+        problems.append(f"report_to: unknown tracker(s) {bad_trackers}; choose from {', '.join(REPORT_TO)}")
+    problems += _lora_target_problems(c)
+    return problems
+
+
+def _lora_target_problems(c: TrainConfig) -> list[str]:
+    if "all" in c.lora_target and len(c.lora_target) > 1:
+        return [f"lora_target ({','.join(c.lora_target)}): 'all' cannot be combined with module names"]
+    return []
+
+
+def file_problems(c: TrainConfig) -> list[str]:
+    """Paths that must exist before training: the model's config and the output folder's state."""
+    problems: list[str] = []
+    model = c.model_name_or_path
+    if model is not None and not (c.build_tiny_model_if_missing and not Path(model).exists()):
+        problems += model_path_problems(model)
+    if c.output_dir is not None:
+        problems += output_dir_problems(c)
+    if c.resume_from_checkpoint and not Path(c.resume_from_checkpoint).is_dir():
+        problems.append(f"resume_from_checkpoint: folder not found: {c.resume_from_checkpoint}")
+    return problems
+
+
+def model_path_problems(model: str) -> list[str]:
+    path = Path(model)
+    if path.is_dir():
+        if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
+            return [f"model_name_or_path: {model} has no config.json (is it a Hugging Face model folder?)"]
+        return []
+    if path.exists():
+        return [f"model_name_or_path: {model} is a file; give the model folder"]
+    if _HUB_ID.match(model) and not model.startswith((".", "/")):
+        return []  # a hub id: resolved by transformers at load time
+    return [f"model_name_or_path: folder not found: {model} (set build_tiny_model_if_missing: true "
+            "to create a tiny demo model there)"]
+
+
+def output_dir_problems(c: TrainConfig) -> list[str]:
+    out = Path(c.output_dir or "")
+    if out.exists() and not out.is_dir():
+        return [f"output_dir: {out} exists and is a file"]
+    finished = out / "train_results.json"
+    if finished.is_file() and not c.overwrite_output_dir and not c.resume_from_checkpoint:
+        return [f"output_dir: {out} already holds a finished run (train_results.json); "
+                "set overwrite_output_dir: true to replace it, or choose another output_dir"]
+    return []

@@ -1,0 +1,121 @@
+"""The one interface the training loop talks to; each engine (local, DDP, FSDP, DeepSpeed) implements it."""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+
+@dataclass(frozen=True)
+class PrecisionSettings:
+    bf16: bool = False
+    fp16: bool = False
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        if self.bf16:
+            return torch.bfloat16
+        if self.fp16:
+            return torch.float16
+        return None
+
+
+class Engine(ABC):
+    """Owns the model, optimizer and scheduler once prepared; the loop only calls these methods."""
+
+    name: str = "engine"
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+
+    def __init__(self, precision: PrecisionSettings, device: torch.device) -> None:
+        self.precision = precision
+        self.device = device
+
+    # --- topology ---
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def loss_scale_for_mean_reduction(self) -> float:
+        """Factor that undoes the engine's gradient averaging over data-parallel ranks.
+
+        The loop divides each rank's summed token loss by the global token count; engines that average
+        gradients across ranks would otherwise shrink the update by the world size.
+        """
+        return float(self.world_size)
+
+    # --- setup ---
+    @abstractmethod
+    def prepare(self, model: torch.nn.Module, build_optimizer: OptimizerFactory,
+                build_scheduler: SchedulerFactory) -> None:
+        """Wrap the model and build optimizer and scheduler over the (possibly sharded) parameters."""
+
+    def verify(self) -> None:
+        """Check after setup that the engine and world size are the ones asked for (no silent fallback)."""
+
+    # --- per step ---
+    def autocast(self) -> contextlib.AbstractContextManager:
+        dtype = self.precision.autocast_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
+        """Context for one micro-batch; engines skip gradient sync on all but the last."""
+        return contextlib.nullcontext()
+
+    @abstractmethod
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def step(self, max_grad_norm: float) -> float:
+        """Clip, step optimizer and scheduler, zero grads; return the gradient norm before clipping."""
+
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    def barrier(self) -> None:
+        return None
+
+    def current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # --- saving ---
+    @abstractmethod
+    def unwrapped_model(self) -> torch.nn.Module: ...
+
+    @abstractmethod
+    def save_model(self, out_dir: Path) -> None:
+        """Write the final model (or adapter) in Hugging Face format; main rank writes."""
+
+    @abstractmethod
+    def save_state(self, ckpt_dir: Path) -> None:
+        """Write everything needed to resume: weights, optimizer, scheduler."""
+
+    @abstractmethod
+    def load_state(self, ckpt_dir: Path) -> None: ...
+
+    def close(self) -> None:
+        return None
+
+    def iter_trainable(self) -> Iterator[torch.nn.Parameter]:
+        return (p for p in self.model.parameters() if p.requires_grad)

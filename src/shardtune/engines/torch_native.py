@@ -1,0 +1,91 @@
+"""Shared mechanics of the engines that use a plain torch optimizer (local, DDP, FSDP)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from shardtune.engines.base import Engine, OptimizerFactory, PrecisionSettings, SchedulerFactory
+
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+WEIGHTS_FILE = "trainable.safetensors"
+
+
+class TorchEngine(Engine):
+    """Autocast, fp16 loss scaling, clipping and the optimizer step, for a wrapped torch module."""
+
+    def __init__(self, precision: PrecisionSettings, device: torch.device) -> None:
+        super().__init__(precision, device)
+        self.scaler = torch.amp.GradScaler(device.type) if precision.fp16 else None
+
+    def prepare(self, model: torch.nn.Module, build_optimizer: OptimizerFactory,
+                build_scheduler: SchedulerFactory) -> None:
+        model.to(self.device)
+        self.model = self.wrap(model)
+        self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad])
+        self.scheduler = build_scheduler(self.optimizer)
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward()
+
+    def step(self, max_grad_norm: float) -> float:
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        norm = self.clip_grad_norm(max_grad_norm if max_grad_norm > 0 else float("inf"))
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(list(self.iter_trainable()), max_norm)
+
+    def unwrapped_model(self) -> torch.nn.Module:
+        return self.model
+
+    def save_model(self, out_dir: Path) -> None:
+        if self.is_main:
+            self.unwrapped_model().save_pretrained(out_dir, safe_serialization=True)
+
+    # Resume state: trainable weights as safetensors, optimizer/scheduler as tensor-only pickles
+    # that load with weights_only=True (no arbitrary objects).
+    def save_state(self, ckpt_dir: Path) -> None:
+        if not self.is_main:
+            return
+        model = self.unwrapped_model()
+        trainable = {n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
+        save_file(trainable, str(ckpt_dir / WEIGHTS_FILE))
+        torch.save(self.optimizer.state_dict(), ckpt_dir / OPTIMIZER_FILE)
+        torch.save(self.scheduler_state(), ckpt_dir / SCHEDULER_FILE)
+
+    def scheduler_state(self) -> dict[str, Any]:
+        state = self.scheduler.state_dict()
+        # LambdaLR keeps the lambdas; they are rebuilt from the config, not restored.
+        state.pop("lr_lambdas", None)
+        return state
+
+    def load_state(self, ckpt_dir: Path) -> None:
+        model = self.unwrapped_model()
+        weights = load_file(str(ckpt_dir / WEIGHTS_FILE), device=str(self.device))
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in weights]
+        if missing:
+            raise RuntimeError(f"checkpoint {ckpt_dir} lacks trainable weights: {missing[:3]}")
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                params[name].copy_(tensor)
+        self.optimizer.load_state_dict(torch.load(ckpt_dir / OPTIMIZER_FILE, weights_only=True))
+        self.scheduler.load_state_dict(torch.load(ckpt_dir / SCHEDULER_FILE, weights_only=True))

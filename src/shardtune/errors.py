@@ -1,0 +1,28 @@
+"""Errors a user can fix: the CLI turns them into one line each and exit code 2."""
+
+from __future__ import annotations
+
+
+class ShardtuneError(Exception):
+    """A mistake in the user's input (config, data, model path, launch settings).
+
+    ``problems`` holds one line per problem so that all of them are shown at once.
+    """
+
+    exit_code = 2
+
+    def __init__(self, *problems: str) -> None:
+        self.problems = [p for p in problems if p]
+        super().__init__("\n".join(self.problems))
+
+
+class ConfigError(ShardtuneError):
+    """A config key is unknown, mistyped, out of range, or conflicts with another key."""
+
+
+class DataError(ShardtuneError):
+    """A dataset name, file, record or template cannot be used."""
+
+
+class ModelError(ShardtuneError):
+    """A model directory, checkpoint or quantization setting cannot be used."""

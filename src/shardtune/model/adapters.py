@@ -1,0 +1,117 @@
+"""Choose which parameters train: full, freeze (last N layers) or LoRA adapters (peft)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from shardtune.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class FinetuningSettings:
+    """The subset of the config that decides trainable parameters."""
+
+    finetuning_type: str = "lora"
+    lora_rank: int = 8
+    lora_alpha: int | None = None
+    lora_dropout: float = 0.0
+    lora_target: tuple[str, ...] = ("all",)
+    freeze_trainable_layers: int = 2
+    freeze_trainable_modules: tuple[str, ...] = ("all",)
+    gradient_checkpointing: bool = False
+    is_quantized: bool = False
+
+
+def apply_finetuning(model: Any, settings: FinetuningSettings) -> Any:
+    """Mark trainable parameters; for LoRA, return the peft-wrapped model."""
+    if settings.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if settings.finetuning_type == "full":
+        model.requires_grad_(True)
+        return model
+    if settings.finetuning_type == "freeze":
+        apply_freeze(model, settings.freeze_trainable_layers, settings.freeze_trainable_modules)
+        return model
+    return apply_lora(model, settings)
+
+
+def decoder_layer_prefixes(model: Any) -> list[str]:
+    """Names like ``model.layers.3`` of each decoder layer, in order."""
+    pattern = re.compile(r"^(.*\.layers\.\d+)\.")
+    seen: dict[str, None] = {}
+    for name, _ in model.named_parameters():
+        match = pattern.match(name)
+        if match:
+            seen.setdefault(match.group(1), None)
+    return list(seen)
+
+
+def apply_freeze(model: Any, trainable_layers: int, modules: tuple[str, ...]) -> None:
+    """Train only the last ``trainable_layers`` decoder layers (the first ``-n`` when negative)."""
+    layers = decoder_layer_prefixes(model)
+    count = abs(trainable_layers)
+    if count == 0 or count > len(layers):
+        raise ConfigError(f"freeze_trainable_layers ({trainable_layers}): the model has {len(layers)} layers; "
+                          f"use 1..{len(layers)} (or a negative number for the first layers)")
+    chosen = layers[-count:] if trainable_layers > 0 else layers[:count]
+    wanted = set(modules)
+    matched = False
+    for name, param in model.named_parameters():
+        in_layer = any(name.startswith(prefix + ".") for prefix in chosen)
+        in_module = "all" in wanted or any(f".{m}." in name for m in wanted)
+        param.requires_grad_(in_layer and in_module)
+        matched |= in_layer and in_module
+    if not matched:
+        raise ConfigError(f"freeze_trainable_modules ({','.join(modules)}): no parameter of the chosen layers "
+                          "matches; use 'all' or names such as mlp, self_attn")
+
+
+def linear_module_names(model: Any) -> list[str]:
+    """Short names of the Linear layers LoRA can adapt (the output head excluded)."""
+    import torch
+
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+             if isinstance(module, torch.nn.Linear) and "lm_head" not in name}
+    return sorted(names)
+
+
+def apply_lora(model: Any, settings: FinetuningSettings) -> Any:
+    """Wrap with peft LoRA; an unknown ``lora_target`` is an error listing the real module names."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    available = linear_module_names(model)
+    targets: Any = "all-linear" if "all" in settings.lora_target else list(settings.lora_target)
+    if targets != "all-linear":
+        missing = [t for t in targets if t not in available]
+        if missing:
+            raise ConfigError(f"lora_target: {','.join(missing)} not found in the model; "
+                              f"linear modules are: {','.join(available)}")
+    if settings.is_quantized:
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=settings.gradient_checkpointing)
+    config = LoraConfig(
+        task_type="CAUSAL_LM",
+        r=settings.lora_rank,
+        lora_alpha=settings.lora_alpha or 2 * settings.lora_rank,
+        lora_dropout=settings.lora_dropout,
+        target_modules=targets,
+    )
+    model = get_peft_model(model, config)
+    if settings.gradient_checkpointing:
+        # Frozen embeddings give inputs without grad; checkpointed blocks then see no grad path.
+        model.enable_input_require_grads()
+    return model
+
+
+def count_parameters(model: Any) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    trainable = total = 0
+    for param in model.parameters():
+        n = param.numel()
+        total += n
+        if param.requires_grad:
+            trainable += n
+    return trainable, total

@@ -1,0 +1,89 @@
+"""Checkpoint folders: ``checkpoint-<step>/`` in output_dir, complete only when the marker exists."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shardtune.engines.base import Engine
+from shardtune.train.loop import TrainState
+
+COMPLETE_MARKER = "COMPLETE"
+STATE_FILE = "trainer_state.json"
+RNG_FILE = "rng_state.pt"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def checkpoint_dir(output_dir: Path, step: int) -> Path:
+    return output_dir / f"checkpoint-{step}"
+
+
+def complete_checkpoints(output_dir: Path) -> list[Path]:
+    """Finished checkpoints, oldest first (a folder without the marker was interrupted mid-save)."""
+    if not output_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in output_dir.iterdir()
+             if (m := _CHECKPOINT.match(p.name)) and (p / COMPLETE_MARKER).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    found = complete_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def save_checkpoint(engine: Engine, output_dir: Path, state: TrainState, save_total_limit: int | None) -> Path:
+    """Write engine state, progress and RNG; the marker goes last so a crash never leaves a 'complete' half."""
+    path = checkpoint_dir(output_dir, state.global_step)
+    if engine.is_main:
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+    engine.barrier()
+    engine.save_state(path)
+    torch.save(rng_state(), path / f"rank{engine.rank}_{RNG_FILE}")
+    engine.barrier()
+    if engine.is_main:
+        (path / STATE_FILE).write_text(json.dumps(state.to_dict(), indent=2))
+        (path / COMPLETE_MARKER).write_text("ok\n")
+        rotate_checkpoints(output_dir, save_total_limit)
+    engine.barrier()
+    return path
+
+
+def rotate_checkpoints(output_dir: Path, save_total_limit: int | None) -> None:
+    if not save_total_limit:
+        return
+    for old in complete_checkpoints(output_dir)[:-save_total_limit]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(engine: Engine, path: Path) -> TrainState:
+    engine.load_state(path)
+    rng_file = path / f"rank{engine.rank}_{RNG_FILE}"
+    if rng_file.is_file():
+        restore_rng_state(torch.load(rng_file, weights_only=True))
+    data = json.loads((path / STATE_FILE).read_text())
+    return TrainState(**data)
+
+
+def rng_state() -> dict:
+    return {
+        "python": list(random.getstate()[1]),
+        "python_pos": random.getstate()[2],
+        "numpy": torch.from_numpy(np.random.get_state()[1].astype(np.int64)),
+        "numpy_pos": int(np.random.get_state()[2]),
+        "torch": torch.get_rng_state(),
+    }
+
+
+def restore_rng_state(state: dict) -> None:
+    random.setstate((3, tuple(state["python"]), state["python_pos"]))
+    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))
+    torch.set_rng_state(state["torch"])

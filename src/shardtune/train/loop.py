@@ -1,0 +1,185 @@
+"""The training loop: engine-agnostic, token-normalised gradient accumulation.
+
+Each optimizer step consumes one *window* of ``gradient_accumulation_steps`` micro-batches. The loss of
+every micro-batch is its summed token loss divided by the number of trainable tokens in the whole window
+across all ranks, so accumulation gives exactly the update of one big batch (no average of averages).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from shardtune.engines.base import Engine
+
+IGNORE_INDEX = -100
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    total_steps: int
+    steps_per_epoch: int
+    gradient_accumulation_steps: int
+    max_grad_norm: float = 1.0
+    logging_steps: int = 10
+    save_steps: int | None = None
+    save_each_epoch: bool = False
+    eval_steps: int | None = None
+    eval_each_epoch: bool = False
+
+
+@dataclass
+class TrainState:
+    """Progress that a checkpoint must restore (written as trainer_state.json)."""
+
+    global_step: int = 0
+    epoch: float = 0.0
+    tokens_seen: int = 0
+    loss_history: list[dict[str, float]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class LoopHooks(Protocol):
+    """What the loop reports to; implemented by the workflow (logging, checkpoints, eval)."""
+
+    def on_step(self, state: TrainState, metrics: dict[str, float]) -> None: ...
+    def on_log(self, state: TrainState, metrics: dict[str, float]) -> None: ...
+    def on_save(self, state: TrainState) -> None: ...
+    def on_evaluate(self, state: TrainState) -> None: ...
+
+
+def token_loss_sum(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token cross entropy over trainable positions, and how many there were."""
+    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
+    logits = model(**inputs, use_cache=False).logits
+    shift_logits = logits[:, :-1, :].float()
+    shift_labels = batch["labels"][:, 1:]
+    loss = F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss, (shift_labels != IGNORE_INDEX).sum()
+
+
+def count_trainable_tokens(batch: Batch) -> int:
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def count_input_tokens(batch: Batch) -> int:
+    """Non-padding tokens in a batch (padding carries label -100 and position id 0 past the first)."""
+    mask = batch.get("attention_mask")
+    if mask is not None and mask.dim() == 2:
+        return int(mask.sum())
+    return int((batch["labels"] != IGNORE_INDEX).sum() if "real_tokens" not in batch else batch["real_tokens"].sum())
+
+
+def accumulation_windows(batches: Iterable[Batch], size: int) -> Iterator[list[Batch]]:
+    window: list[Batch] = []
+    for batch in batches:
+        window.append(batch)
+        if len(window) == size:
+            yield window
+            window = []
+    if window:
+        yield window
+
+
+def train_step(engine: Engine, window: list[Batch], max_grad_norm: float) -> dict[str, float]:
+    """Forward/backward every micro-batch of one window, then one optimizer step."""
+    local_tokens = sum(count_trainable_tokens(b) for b in window)
+    global_tokens = engine.all_reduce_sum(torch.tensor(float(local_tokens), device=engine.device))
+    # max(…, 1): a window whose samples are all masked must not divide by zero.
+    denominator = torch.clamp(global_tokens, min=1.0)
+    loss_total = torch.zeros((), device=engine.device)
+    for i, batch in enumerate(window):
+        batch = {k: v.to(engine.device) for k, v in batch.items()}
+        with engine.accumulation_context(is_last_micro_batch=i == len(window) - 1), engine.autocast():
+            loss_sum, _ = token_loss_sum(engine.model, batch)
+        engine.backward(loss_sum * engine.loss_scale_for_mean_reduction / denominator)
+        loss_total += loss_sum.detach()
+    grad_norm = engine.step(max_grad_norm)
+    step_loss = engine.all_reduce_sum(loss_total) / denominator
+    input_tokens = engine.all_reduce_sum(
+        torch.tensor(float(sum(count_input_tokens(b) for b in window)), device=engine.device))
+    return {"loss": float(step_loss), "grad_norm": grad_norm, "tokens": float(input_tokens),
+            "trainable_tokens": float(global_tokens)}
+
+
+@torch.no_grad()
+def evaluate(engine: Engine, batches: Iterable[Batch]) -> float:
+    """Mean token loss over the eval data, summed over ranks."""
+    engine.model.eval()
+    total = torch.zeros((), device=engine.device)
+    tokens = torch.zeros((), device=engine.device)
+    for batch in batches:
+        batch = {k: v.to(engine.device) for k, v in batch.items()}
+        with engine.autocast():
+            loss_sum, n = token_loss_sum(engine.model, batch)
+        total += loss_sum.float()
+        tokens += n
+    engine.model.train()
+    total, tokens = engine.all_reduce_sum(total), engine.all_reduce_sum(tokens.float())
+    return float(total / torch.clamp(tokens, min=1.0))
+
+
+def run_loop(engine: Engine, epoch_batches: Callable[[int], Iterable[Batch]], s: LoopSettings,
+             state: TrainState, hooks: LoopHooks) -> TrainState:
+    """Train until ``s.total_steps``; resumes mid-epoch by skipping the windows already done."""
+    engine.model.train()
+    interval: list[dict[str, float]] = []
+    while state.global_step < s.total_steps:
+        epoch = state.global_step // s.steps_per_epoch
+        done_in_epoch = state.global_step - epoch * s.steps_per_epoch
+        windows = accumulation_windows(epoch_batches(epoch), s.gradient_accumulation_steps)
+        for index, window in enumerate(windows):
+            if index < done_in_epoch:
+                continue
+            metrics = train_step(engine, window, s.max_grad_norm)
+            state.global_step += 1
+            state.epoch = epoch + (index + 1) / s.steps_per_epoch
+            state.tokens_seen += int(metrics["tokens"])
+            interval.append(metrics)
+            hooks.on_step(state, metrics)
+            end_of_epoch = index + 1 == s.steps_per_epoch
+            _after_step(state, s, hooks, interval, end_of_epoch)
+            if state.global_step >= s.total_steps:
+                break
+    return state
+
+
+def _after_step(state: TrainState, s: LoopSettings, hooks: LoopHooks, interval: list[dict[str, float]],
+                end_of_epoch: bool) -> None:
+    step, last = state.global_step, state.global_step >= s.total_steps
+    if step % s.logging_steps == 0 or last:
+        hooks.on_log(state, _interval_metrics(interval))
+        interval.clear()
+    if (s.eval_steps and step % s.eval_steps == 0) or (s.eval_each_epoch and end_of_epoch):
+        hooks.on_evaluate(state)
+    if not last and ((s.save_steps and step % s.save_steps == 0) or (s.save_each_epoch and end_of_epoch)):
+        hooks.on_save(state)
+
+
+def _interval_metrics(interval: list[dict[str, float]]) -> dict[str, float]:
+    trainable = sum(m["trainable_tokens"] for m in interval)
+    loss = sum(m["loss"] * m["trainable_tokens"] for m in interval) / max(trainable, 1.0)
+    return {"loss": loss, "grad_norm": interval[-1]["grad_norm"],
+            "tokens": sum(m["tokens"] for m in interval)}
+
+
+def steps_per_epoch(num_micro_batches: int, gradient_accumulation_steps: int) -> int:
+    return max(1, math.ceil(num_micro_batches / gradient_accumulation_steps))
+
+
+def total_training_steps(per_epoch: int, num_train_epochs: float, max_steps: int) -> int:
+    return max_steps if max_steps > 0 else max(1, math.ceil(per_epoch * num_train_epochs))
+
+
+def now() -> float:
+    return time.perf_counter()

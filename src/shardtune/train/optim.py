@@ -1,0 +1,61 @@
+"""Optimizer and learning-rate schedule from the Hugging Face names users already write."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from shardtune.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    optim: str = "adamw_torch"
+    learning_rate: float = 5e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+
+
+def split_decay_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict]:
+    """Biases and norm weights (1-D tensors) get no weight decay, as in the HF Trainer."""
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(params: list[torch.nn.Parameter], s: OptimizerSettings) -> torch.optim.Optimizer:
+    if not params:
+        raise ConfigError("no trainable parameters: check finetuning_type and lora_target/freeze settings")
+    groups = split_decay_groups(params, s.weight_decay)
+    betas = (s.adam_beta1, s.adam_beta2)
+    if s.optim in ("adamw_torch", "adamw_torch_fused"):
+        return torch.optim.AdamW(groups, lr=s.learning_rate, betas=betas, eps=s.adam_epsilon,
+                                 fused=s.optim == "adamw_torch_fused")
+    if s.optim == "sgd":
+        return torch.optim.SGD(groups, lr=s.learning_rate)
+    if s.optim == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(groups, lr=s.learning_rate, scale_parameter=False, relative_step=False)
+    if s.optim == "adamw_8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise ConfigError("optim (adamw_8bit) needs bitsandbytes: pip install bitsandbytes") from None
+        return bnb.optim.AdamW8bit(groups, lr=s.learning_rate, betas=betas, eps=s.adam_epsilon)
+    raise ConfigError(f"optim: unknown optimizer '{s.optim}'")
+
+
+def warmup_steps_for(total_steps: int, warmup_steps: int, warmup_ratio: float) -> int:
+    return warmup_steps if warmup_steps > 0 else math.ceil(total_steps * warmup_ratio)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, name: str, total_steps: int, warmup_steps: int):
+    from transformers import get_scheduler
+
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)

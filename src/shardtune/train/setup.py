@@ -1,0 +1,94 @@
+"""Translate the config into the explicit settings each component takes, and build those components."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from shardtune.config.schema import TrainConfig
+from shardtune.engines.base import Engine
+from shardtune.model.adapters import FinetuningSettings, apply_finetuning, count_parameters
+from shardtune.train.optim import OptimizerSettings
+
+
+def data_settings(c: TrainConfig) -> Any:
+    from shardtune.data import DataSettings
+
+    return DataSettings(
+        dataset=tuple(c.dataset),
+        dataset_dir=c.dataset_dir,
+        template=c.template,
+        stage=c.stage,
+        cutoff_len=c.cutoff_len,
+        max_samples=c.max_samples,
+        val_size=c.val_size,
+        packing=resolved_packing(c),
+        train_on_prompt=c.train_on_prompt,
+        seed=c.seed,
+        preprocessing_num_workers=c.preprocessing_num_workers,
+    )
+
+
+def resolved_packing(c: TrainConfig) -> bool:
+    return c.packing if c.packing is not None else c.stage == "pt"
+
+
+def finetuning_settings(c: TrainConfig) -> FinetuningSettings:
+    return FinetuningSettings(
+        finetuning_type=c.finetuning_type,
+        lora_rank=c.lora_rank,
+        lora_alpha=c.lora_alpha,
+        lora_dropout=c.lora_dropout,
+        lora_target=tuple(c.lora_target),
+        freeze_trainable_layers=c.freeze_trainable_layers,
+        freeze_trainable_modules=tuple(c.freeze_trainable_modules),
+        gradient_checkpointing=c.gradient_checkpointing,
+        is_quantized=c.quantization_bit is not None,
+    )
+
+
+def optimizer_settings(c: TrainConfig) -> OptimizerSettings:
+    return OptimizerSettings(optim=c.optim, learning_rate=c.learning_rate, weight_decay=c.weight_decay,
+                             adam_beta1=c.adam_beta1, adam_beta2=c.adam_beta2, adam_epsilon=c.adam_epsilon)
+
+
+def prepare_model_dir(c: TrainConfig, engine: Engine) -> None:
+    """Build the tiny demo model once (main rank) when asked and missing; other ranks wait."""
+    path = Path(c.model_name_or_path or "")
+    if c.build_tiny_model_if_missing and not (path / "config.json").is_file() and engine.is_main:
+        from shardtune.model.tiny import build_tiny_model
+
+        print(f"[shardtune] building the tiny demo model in {path}", flush=True)
+        build_tiny_model(path)
+    engine.barrier()
+
+
+def load_model_for_training(c: TrainConfig, settings: FinetuningSettings) -> torch.nn.Module:
+    from shardtune.model.load import load_causal_lm
+
+    compute_dtype = torch.bfloat16 if c.bf16 else (torch.float16 if c.fp16 else torch.float32)
+    model = load_causal_lm(c.model_name_or_path or "", trust_remote_code=c.trust_remote_code,
+                           attn_implementation=c.attn_implementation, quantization_bit=c.quantization_bit,
+                           compute_dtype=compute_dtype)
+    model = apply_finetuning(model, settings)
+    trainable, total = count_parameters(model)
+    print(f"[shardtune] {c.finetuning_type}: trainable params {trainable:,} of {total:,} "
+          f"({100 * trainable / max(total, 1):.4f}%)", flush=True)
+    return model
+
+
+def build_loader(dataset: Any, tokenizer: Any, batch_size: int, engine: Engine, c: TrainConfig,
+                 shuffle: bool) -> DataLoader | None:
+    """A loader over this rank's share of the data; the sampler's seed keeps ranks' orders consistent."""
+    if dataset is None:
+        return None
+    from shardtune.data import DataCollator
+
+    sampler = DistributedSampler(dataset, num_replicas=engine.world_size, rank=engine.rank,
+                                 shuffle=shuffle, seed=c.seed, drop_last=False)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler,
+                      collate_fn=DataCollator(pad_token_id=tokenizer.pad_token_id),
+                      num_workers=c.dataloader_num_workers)

@@ -1,0 +1,176 @@
+"""One training run on this rank, top to bottom: tokenizer, data, model, engine, loop, save."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardtune.config.load import config_to_dict
+from shardtune.config.schema import TrainConfig
+from shardtune.engines import build_engine
+from shardtune.engines.base import Engine
+from shardtune.train import checkpoint
+from shardtune.train.loop import LoopSettings, TrainState, evaluate, run_loop, steps_per_epoch, total_training_steps
+from shardtune.train.optim import build_optimizer, build_scheduler, warmup_steps_for
+from shardtune.train.reporting import LOG_FILE, Reporter, plot_loss
+from shardtune.train.setup import (
+    build_loader,
+    data_settings,
+    finetuning_settings,
+    load_model_for_training,
+    optimizer_settings,
+    prepare_model_dir,
+)
+
+RESULTS_FILE = "train_results.json"
+RESOLVED_CONFIG_FILE = "shardtune_config.json"
+
+
+def run_training(config: TrainConfig) -> dict[str, Any]:
+    """Train as configured and return the results written to train_results.json."""
+    set_seed(config.seed)
+    output_dir = Path(config.output_dir or "output")
+    engine = build_engine(config)
+    prepare_model_dir(config, engine)
+    from shardtune.data import build_datasets
+    from shardtune.model.load import load_tokenizer
+
+    tokenizer = load_tokenizer(config.model_name_or_path or "", trust_remote_code=config.trust_remote_code)
+    train_set, eval_set = build_datasets(tokenizer, data_settings(config))
+    train_loader = build_loader(train_set, tokenizer, config.per_device_train_batch_size, engine, config, True)
+    eval_loader = build_loader(eval_set, tokenizer, config.per_device_eval_batch_size, engine, config, False)
+    loop = loop_settings(config, len(train_loader), eval_loader is not None)
+    model = load_model_for_training(config, finetuning_settings(config))
+    engine.prepare(
+        model,
+        lambda params: build_optimizer(params, optimizer_settings(config)),
+        lambda opt: build_scheduler(opt, config.lr_scheduler_type, loop.total_steps,
+                                    warmup_steps_for(loop.total_steps, config.warmup_steps, config.warmup_ratio)),
+    )
+    engine.verify()
+    state = start_state(engine, config, output_dir)
+    hooks = RunHooks(engine, config, output_dir, loop.total_steps, eval_loader, state.global_step)
+
+    def epoch_batches(epoch: int):
+        train_loader.sampler.set_epoch(epoch)
+        return train_loader
+
+    state = run_loop(engine, epoch_batches, loop, state, hooks)
+    return finish_run(engine, tokenizer, config, output_dir, state, hooks)
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def loop_settings(c: TrainConfig, micro_batches: int, has_eval: bool) -> LoopSettings:
+    per_epoch = steps_per_epoch(micro_batches, c.gradient_accumulation_steps)
+    eval_on = has_eval and (c.do_eval or c.eval_strategy != "no")
+    return LoopSettings(
+        total_steps=total_training_steps(per_epoch, c.num_train_epochs, c.max_steps),
+        steps_per_epoch=per_epoch,
+        gradient_accumulation_steps=c.gradient_accumulation_steps,
+        max_grad_norm=c.max_grad_norm,
+        logging_steps=c.logging_steps,
+        save_steps=c.save_steps if c.save_strategy == "steps" else None,
+        save_each_epoch=c.save_strategy == "epoch",
+        eval_steps=(c.eval_steps or c.logging_steps) if eval_on and c.eval_strategy == "steps" else None,
+        eval_each_epoch=eval_on and c.eval_strategy == "epoch",
+    )
+
+
+def start_state(engine: Engine, c: TrainConfig, output_dir: Path) -> TrainState:
+    """Fresh state, or the state of the checkpoint to resume (explicit, else the latest complete one)."""
+    if engine.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        if c.overwrite_output_dir:
+            (output_dir / LOG_FILE).unlink(missing_ok=True)
+        (output_dir / RESOLVED_CONFIG_FILE).write_text(json.dumps(config_to_dict(c), indent=2))
+    engine.barrier()
+    source = Path(c.resume_from_checkpoint) if c.resume_from_checkpoint else None
+    if source is None and not c.overwrite_output_dir:
+        source = checkpoint.latest_checkpoint(output_dir)
+    if source is None:
+        return TrainState()
+    if engine.is_main:
+        print(f"[shardtune] resuming from {source}", flush=True)
+    return checkpoint.load_checkpoint(engine, source)
+
+
+@dataclass
+class RunHooks:
+    """Connects the loop to reporting, evaluation and checkpoints."""
+
+    engine: Engine
+    config: TrainConfig
+    output_dir: Path
+    total_steps: int
+    eval_loader: Any
+    start_step: int = 0
+
+    def __post_init__(self) -> None:
+        self.reporter = Reporter(self.output_dir, self.total_steps, enabled=self.engine.is_main,
+                                 trackers=self.config.report_to, logging_dir=self.config.logging_dir,
+                                 start_step=self.start_step)
+        self.last_log_time = self.reporter.start_time
+        self.train_losses: list[float] = []
+
+    def on_step(self, state: TrainState, metrics: dict[str, float]) -> None:
+        self.train_losses.append(metrics["loss"])
+        self.reporter.step(state.global_step, metrics)
+
+    def on_log(self, state: TrainState, metrics: dict[str, float]) -> None:
+        import time
+
+        current = time.perf_counter()
+        metrics = {**metrics, "seconds": current - self.last_log_time}
+        self.last_log_time = current
+        record = self.reporter.log(state.global_step, state.epoch, self.engine.current_lr(), metrics)
+        state.loss_history.append({"step": state.global_step, "loss": record["loss"]})
+
+    def on_save(self, state: TrainState) -> None:
+        checkpoint.save_checkpoint(self.engine, self.output_dir, state, self.config.save_total_limit)
+
+    def on_evaluate(self, state: TrainState) -> None:
+        if self.eval_loader is not None:
+            self.reporter.log_eval(state.global_step, state.epoch, evaluate(self.engine, self.eval_loader))
+
+
+def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path, state: TrainState,
+               hooks: RunHooks) -> dict[str, Any]:
+    """Save the final model and tokenizer, evaluate, and write train_results.json."""
+    import time
+
+    runtime = time.perf_counter() - hooks.reporter.start_time
+    engine.save_model(output_dir)
+    results: dict[str, Any] = {
+        "epoch": round(state.epoch, 4),
+        "global_step": state.global_step,
+        "train_loss": sum(hooks.train_losses) / max(len(hooks.train_losses), 1),
+        "final_loss": hooks.train_losses[-1] if hooks.train_losses else None,
+        "train_runtime": round(runtime, 3),
+        "train_tokens": state.tokens_seen,
+        "train_tokens_per_second": round(state.tokens_seen / max(runtime, 1e-9), 2),
+        "train_steps_per_second": round(len(hooks.train_losses) / max(runtime, 1e-9), 4),
+        "engine": engine.name,
+        "world_size": engine.world_size,
+    }
+    if hooks.eval_loader is not None:
+        results["eval_loss"] = evaluate(engine, hooks.eval_loader)
+    if engine.is_main:
+        tokenizer.save_pretrained(output_dir)
+        (output_dir / RESULTS_FILE).write_text(json.dumps(results, indent=2))
+        if c.plot_loss:
+            plot_loss(output_dir)
+    hooks.reporter.close()
+    engine.barrier()
+    engine.close()
+    return results
