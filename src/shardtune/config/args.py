@@ -71,10 +71,10 @@ def parse_command_line(argv: list[str]) -> CommandLine:
 _BOOL_WORDS = {"true", "false", "yes", "no", "on", "off", "1", "0"}
 
 
-def load_config(argv: list[str]) -> tuple[TrainConfig, CommandLine]:
-    """Read the YAML named on the command line, apply overrides, and type-check everything."""
+def load_config(argv: list[str], defaults: dict[str, Any] | None = None) -> tuple[TrainConfig, CommandLine]:
+    """Read the YAML named on the command line over ``defaults``, apply overrides, type-check everything."""
     cmd = parse_command_line(argv)
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = dict(defaults or {})
     source = "command line"
     if cmd.config_path is not None:
         if not cmd.config_path.endswith(_CONFIG_SUFFIXES):

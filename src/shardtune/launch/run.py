@@ -1,57 +1,171 @@
-"""What `shardtune train` and `shardtune check` do on the launching host, and what each rank runs."""
+"""What `shardtune train` / `shardtune check` do on the launching host, and what each rank runs.
+
+Flow: load + validate everything here (config, data, engine, launch arithmetic) -> write the resolved config
+into the run directory -> run in this process, or start torchrun with the config path -> every rank reads
+it, joins the process group, builds its engine and trains.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
 from shardtune.config.args import load_config
+from shardtune.config.load import config_to_dict
 from shardtune.config.schema import TrainConfig
 from shardtune.config.validate import validate_config
+from shardtune.engines.plan import EnginePlan, plan_engine
 from shardtune.errors import ConfigError
+from shardtune.launch import env as launch_env
+from shardtune.launch.torchrun import LaunchPlan, build_torchrun_argv, plan_launch, worker_argv
+
+LAUNCH_CONFIG = ".shardtune/launch_config.json"
 
 
-def preflight(argv: list[str]) -> tuple[TrainConfig, set[str]]:
+@dataclass(frozen=True)
+class Preflight:
+    config: TrainConfig
+    switches: frozenset[str]
+    engine: EnginePlan
+    world_size: int
+
+
+def preflight(argv: list[str], world_size: int, extra_values: dict | None = None) -> Preflight:
     """Load and validate everything that can be checked without weights; raise all problems at once."""
-    config, cmd = load_config(argv)
+    config, cmd = load_config(argv, defaults=extra_values)
     validate_config(config)
-    data_problems = _data_problems(config)
-    if data_problems:
-        raise ConfigError(*data_problems)
-    return config, cmd.switches
+    engine, problems = plan_engine(config, world_size, has_cuda=visible_gpu_count() > 0)
+    problems += _data_problems(config) + _engine_problems(config, engine, world_size)
+    if problems:
+        raise ConfigError(*problems)
+    return Preflight(config, frozenset(cmd.switches), engine, world_size)
 
 
 def _data_problems(config: TrainConfig) -> list[str]:
     from shardtune.data import check_data_settings
     from shardtune.train.setup import data_settings
 
-    if not config.dataset:
+    return check_data_settings(data_settings(config)) if config.dataset else []
+
+
+def _engine_problems(config: TrainConfig, engine: EnginePlan, world_size: int) -> list[str]:
+    if engine.kind != "deepspeed" or engine.deepspeed_raw is None:
         return []
-    return check_data_settings(data_settings(config))
+    from shardtune.engines.deepspeed_config import deepspeed_problems
+
+    return deepspeed_problems(engine.deepspeed_raw, deepspeed_inputs(config, world_size),
+                              engine.deepspeed_source or "deepspeed")
+
+
+def deepspeed_inputs(config: TrainConfig, world_size: int):
+    from shardtune.engines.deepspeed_config import DeepSpeedInputs
+
+    return DeepSpeedInputs(
+        micro_batch_size=config.per_device_train_batch_size,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        dp_world_size=world_size,
+        max_grad_norm=config.max_grad_norm,
+        bf16=config.bf16,
+        fp16=config.fp16,
+        hidden_size=model_hidden_size(config.model_name_or_path),
+    )
+
+
+def model_hidden_size(model: str | None) -> int | None:
+    """hidden_size from config.json without loading transformers (None for hub ids or missing files)."""
+    path = Path(model or "") / "config.json"
+    if not path.is_file():
+        return None
+    value = json.loads(path.read_text()).get("hidden_size")
+    return int(value) if value else None
+
+
+def visible_gpu_count() -> int:
+    """CUDA devices this process may use, found without importing torch (keeps `check` fast)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return len(list(gpus.iterdir())) if gpus.is_dir() else 0
 
 
 def check_command(argv: list[str]) -> int:
-    config, _ = preflight(argv)
-    print(f"ok: {config.stage} / {config.finetuning_type} on {config.model_name_or_path} "
-          f"with {','.join(config.dataset)} -> {config.output_dir}")
+    plan = plan_launch(launch_env.read_launch_env(), visible_gpu_count(), free_port=0)
+    pre = preflight(argv, plan.world_size)
+    c = pre.config
+    print(f"ok: {c.stage} / {c.finetuning_type} of {c.model_name_or_path} on {','.join(c.dataset)}; "
+          f"engine {pre.engine.kind}, world size {plan.world_size}, global batch "
+          f"{global_batch(c, plan.world_size)} -> {c.output_dir}")
     return 0
 
 
+def global_batch(c: TrainConfig, dp_size: int) -> int:
+    return c.per_device_train_batch_size * c.gradient_accumulation_steps * dp_size
+
+
 def train_command(argv: list[str]) -> int:
-    config, switches = preflight(argv)
-    if "dry_run" in switches:
-        print(f"would train in this process: {config.stage} / {config.finetuning_type}")
+    env = launch_env.read_launch_env()
+    if launch_env.inside_launcher():
+        return worker_command(argv)
+    plan = plan_launch(env, visible_gpu_count())
+    pre = preflight(argv, plan.world_size)
+    use_torchrun = env.force_torchrun or plan.world_size > 1 or pre.engine.needs_process_group
+    config_path = Path(pre.config.output_dir or ".") / LAUNCH_CONFIG
+    commands = [build_torchrun_argv(plan, r, [sys.executable, *worker_argv(str(config_path))][1:], sys.executable)
+                for r in range(plan.nnodes)] if use_torchrun else []
+    if "dry_run" in pre.switches:
+        from shardtune.launch.report import dry_run_report
+
+        print(dry_run_report(pre, plan, commands))
         return 0
-    return run_worker(config)
+    if not use_torchrun:
+        return run_worker(pre)
+    write_launch_config(pre.config, config_path)
+    return run_torchrun(commands[plan.node_rank], plan)
+
+
+def write_launch_config(config: TrainConfig, path: Path) -> None:
+    """Resolved config for the ranks; written atomically since every node may write the same file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(config_to_dict(config), indent=2))
+    tmp.replace(path)
+
+
+def run_torchrun(argv: list[str], plan: LaunchPlan) -> int:
+    env = dict(os.environ)
+    # Two ranks sharing a few cores slow each other down badly when each uses every core.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.nproc_per_node)))
+    if plan.master_addr in ("127.0.0.1", "localhost") and visible_gpu_count() == 0:
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    print(f"[shardtune] launching: {shlex.join(argv)}", flush=True)
+    result = subprocess.run(argv, env=env, check=False)
+    return result.returncode if result.returncode >= 0 else 128 - result.returncode
 
 
 def worker_command(argv: list[str]) -> int:
-    """Entry of `python -m shardtune.train`: validate, then train in this process."""
-    config, _ = preflight(argv)
-    return run_worker(config)
+    """Entry of every rank (`python -m shardtune.train`): validate, join the group, train."""
+    from shardtune.launch.accelerate import config_values_from_accelerate
+
+    rank_env = launch_env.read_rank_env()
+    accelerate_values = config_values_from_accelerate(launch_env.accelerate_settings())
+    pre = preflight(argv, rank_env.world_size, extra_values=accelerate_values)
+    return run_worker(pre, rank_env if launch_env.inside_launcher() else None)
 
 
-def run_worker(config: TrainConfig) -> int:
+def run_worker(pre: Preflight, rank_env: launch_env.RankEnv | None = None) -> int:
+    from shardtune.engines import build_engine
     from shardtune.train.workflow import run_training
 
-    results = run_training(config)
-    print(f"[shardtune] done: final loss {results['final_loss']:.4f} after {results['global_step']} steps; "
-          f"outputs in {config.output_dir}", flush=True)
+    engine = build_engine(pre.config, pre.engine, rank_env)
+    results = run_training(pre.config, engine)
+    if engine.is_main:
+        print(f"[shardtune] done: final loss {results['final_loss']:.4f} after {results['global_step']} steps "
+              f"({results['engine']}, world size {results['world_size']}); outputs in {pre.config.output_dir}",
+              flush=True)
     return 0

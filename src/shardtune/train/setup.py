@@ -90,5 +90,5 @@ def build_loader(dataset: Any, tokenizer: Any, batch_size: int, engine: Engine, 
     sampler = DistributedSampler(dataset, num_replicas=engine.world_size, rank=engine.rank,
                                  shuffle=shuffle, seed=c.seed, drop_last=False)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler,
-                      collate_fn=DataCollator(pad_token_id=tokenizer.pad_token_id),
+                      collate_fn=DataCollator(tokenizer.pad_token_id, attn_implementation=c.attn_implementation),
                       num_workers=c.dataloader_num_workers)

@@ -13,7 +13,6 @@ import torch
 
 from shardtune.config.load import config_to_dict
 from shardtune.config.schema import TrainConfig
-from shardtune.engines import build_engine
 from shardtune.engines.base import Engine
 from shardtune.train import checkpoint
 from shardtune.train.loop import LoopSettings, TrainState, evaluate, run_loop, steps_per_epoch, total_training_steps
@@ -32,11 +31,10 @@ RESULTS_FILE = "train_results.json"
 RESOLVED_CONFIG_FILE = "shardtune_config.json"
 
 
-def run_training(config: TrainConfig) -> dict[str, Any]:
-    """Train as configured and return the results written to train_results.json."""
+def run_training(config: TrainConfig, engine: Engine) -> dict[str, Any]:
+    """Train as configured with ``engine`` and return the results written to train_results.json."""
     set_seed(config.seed)
     output_dir = Path(config.output_dir or "output")
-    engine = build_engine(config)
     prepare_model_dir(config, engine)
     from shardtune.data import build_datasets
     from shardtune.model.load import load_tokenizer
@@ -92,7 +90,7 @@ def start_state(engine: Engine, c: TrainConfig, output_dir: Path) -> TrainState:
     if engine.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         if c.overwrite_output_dir:
-            (output_dir / LOG_FILE).unlink(missing_ok=True)
+            clear_previous_run(output_dir)
         (output_dir / RESOLVED_CONFIG_FILE).write_text(json.dumps(config_to_dict(c), indent=2))
     engine.barrier()
     source = Path(c.resume_from_checkpoint) if c.resume_from_checkpoint else None
@@ -103,6 +101,16 @@ def start_state(engine: Engine, c: TrainConfig, output_dir: Path) -> TrainState:
     if engine.is_main:
         print(f"[shardtune] resuming from {source}", flush=True)
     return checkpoint.load_checkpoint(engine, source)
+
+
+def clear_previous_run(output_dir: Path) -> None:
+    """overwrite_output_dir: drop our own logs and checkpoints so a later auto-resume cannot pick them up."""
+    import shutil
+
+    (output_dir / LOG_FILE).unlink(missing_ok=True)
+    (output_dir / RESULTS_FILE).unlink(missing_ok=True)
+    for old in output_dir.glob("checkpoint-*"):
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @dataclass

@@ -1,0 +1,42 @@
+"""PyTorch DistributedDataParallel: the default engine when more than one process runs."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from shardtune.engines.base import PrecisionSettings
+from shardtune.engines.distributed import DistContext, DistributedMixin
+from shardtune.engines.torch_native import TorchEngine
+
+
+class DDPEngine(DistributedMixin, TorchEngine):
+    name = "ddp"
+
+    def __init__(self, precision: PrecisionSettings, ctx: DistContext, find_unused_parameters: bool = False) -> None:
+        super().__init__(precision, ctx.device)
+        self.ctx = ctx
+        self.find_unused_parameters = find_unused_parameters
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        # Frozen (LoRA base) parameters are not registered for reduction, so LoRA needs no
+        # unused-parameter search; it stays off unless asked for, as it costs a graph walk per step.
+        device_ids = [self.ctx.local_rank] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids,
+                                       find_unused_parameters=self.find_unused_parameters)
+
+    def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if is_last_micro_batch else self.model.no_sync()
+
+    def unwrapped_model(self) -> torch.nn.Module:
+        return self.model.module
+
+    def verify(self) -> None:
+        import torch.distributed as dist
+
+        if not isinstance(self.model, DistributedDataParallel):
+            raise RuntimeError(f"engine ddp: model is {type(self.model).__name__}, not DistributedDataParallel")
+        if dist.get_world_size() != self.ctx.world_size:
+            raise RuntimeError(f"engine ddp: world size {dist.get_world_size()} != expected {self.ctx.world_size}")

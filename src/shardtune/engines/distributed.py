@@ -1,0 +1,62 @@
+"""Process-group setup and the collectives every multi-process engine shares."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from shardtune.launch.env import RankEnv
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+
+def init_distributed(rank_env: RankEnv, timeout_s: int) -> DistContext:
+    """Join the process group the launcher set up: NCCL on GPUs, gloo on CPU."""
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank_env.local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    backend = "nccl" if use_cuda else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return DistContext(rank=dist.get_rank(), local_rank=rank_env.local_rank, world_size=dist.get_world_size(),
+                       local_world_size=rank_env.local_world_size, device=device, backend=backend)
+
+
+class DistributedMixin:
+    """Topology and collectives for engines that run in a torch.distributed process group."""
+
+    ctx: DistContext
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def close(self) -> None:
+        # Ending with a barrier and destroy avoids ranks aborting at exit (seen with gloo).
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()

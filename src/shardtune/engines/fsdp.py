@@ -1,0 +1,192 @@
+"""Fully sharded data parallel: torch FSDP2 (`fully_shard`) by default, FSDP1 when `fsdp_version: 1`."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from shardtune.engines.base import OptimizerFactory, PrecisionSettings, SchedulerFactory
+from shardtune.engines.distributed import DistContext, DistributedMixin
+from shardtune.engines.fsdp_config import FsdpSettings, hybrid_mesh_shape
+from shardtune.engines.torch_native import SCHEDULER_FILE, TorchEngine
+
+DCP_DIR = "fsdp_state"
+FULL_STATE_FILE = "fsdp_full_state.pt"
+
+
+class FSDPEngine(DistributedMixin, TorchEngine):
+    name = "fsdp"
+
+    def __init__(self, settings: FsdpSettings, precision: PrecisionSettings, ctx: DistContext) -> None:
+        super().__init__(precision, ctx.device)
+        self.ctx = ctx
+        self.settings = settings
+        self.mesh = build_mesh(settings, ctx)
+        # FSDP shards gradients; torch's GradScaler cannot unscale them (validation refuses fp16 before launch).
+        self.scaler = None
+
+    def prepare(self, model: torch.nn.Module, build_optimizer: OptimizerFactory,
+                build_scheduler: SchedulerFactory) -> None:
+        self.inner = model
+        if self.settings.version == 2:
+            self.model = shard_fsdp2(model, self.settings, self.mesh, self.device)
+        else:
+            self.model = wrap_fsdp1(model, self.settings, self.mesh, self.device)
+        self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad])
+        self.scheduler = build_scheduler(self.optimizer)
+
+    def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
+        if self.settings.version == 2:
+            self.model.set_requires_gradient_sync(is_last_micro_batch)
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if is_last_micro_batch else self.model.no_sync()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        if self.settings.version == 1:
+            return self.model.clip_grad_norm_(max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(list(self.iter_trainable()), max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def unwrapped_model(self) -> torch.nn.Module:
+        return self.inner
+
+    @property
+    def wrapper_name(self) -> str:
+        return "fully_shard" if self.settings.version == 2 else "FullyShardedDataParallel"
+
+    def verify(self) -> None:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+        expected = FSDPModule if self.settings.version == 2 else FullyShardedDataParallel
+        if not isinstance(self.model, expected):
+            raise RuntimeError(f"engine fsdp{self.settings.version}: model is {type(self.model).__name__}, "
+                               f"not {expected.__name__}")
+        if dist.get_world_size() != self.ctx.world_size:
+            raise RuntimeError(f"engine fsdp: world size {dist.get_world_size()} != expected {self.ctx.world_size}")
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded weights on rank 0 (all ranks must call)."""
+        offload = self.device.type == "cuda"  # FSDP1's CPU offload of full state fails without a GPU
+        options = StateDictOptions(full_state_dict=True, cpu_offload=offload)
+        return get_model_state_dict(self.model, options=options)
+
+    def save_model(self, out_dir: Path) -> None:
+        state = self.full_state_dict()
+        if self.is_main:
+            state = {k: v.detach().cpu() for k, v in state.items()}
+            self.inner.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+        self.barrier()
+
+    def save_state(self, ckpt_dir: Path) -> None:
+        if self.settings.state_dict_type == "FULL_STATE_DICT":
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
+                                                options=StateDictOptions(full_state_dict=True))
+            if self.is_main:
+                torch.save({"model": model_sd, "optim": optim_sd}, ckpt_dir / FULL_STATE_FILE)
+        else:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(ckpt_dir / DCP_DIR))
+        if self.is_main:
+            torch.save(self.scheduler_state(), ckpt_dir / SCHEDULER_FILE)
+
+    def load_state(self, ckpt_dir: Path) -> None:
+        if (ckpt_dir / FULL_STATE_FILE).is_file():
+            full = torch.load(ckpt_dir / FULL_STATE_FILE, weights_only=True)
+            set_state_dict(self.model, self.optimizer, model_state_dict=full["model"],
+                           optim_state_dict=full["optim"], options=StateDictOptions(full_state_dict=True))
+        else:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, checkpoint_id=str(ckpt_dir / DCP_DIR))
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(torch.load(ckpt_dir / SCHEDULER_FILE, weights_only=True))
+
+
+def build_mesh(s: FsdpSettings, ctx: DistContext) -> DeviceMesh:
+    """1-D shard mesh, or (replicate, shard) for hybrid strategies and for NO_SHARD under FSDP2."""
+    device_type = ctx.device.type
+    if s.is_hybrid:
+        shape = hybrid_mesh_shape(s, ctx.world_size, ctx.local_world_size)
+        return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+    if s.sharding_strategy == "NO_SHARD" and s.version == 2:
+        return init_device_mesh(device_type, (ctx.world_size, 1), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (ctx.world_size,), mesh_dim_names=("shard",))
+
+
+def wrap_targets(model: torch.nn.Module, s: FsdpSettings) -> list[torch.nn.Module]:
+    """Submodules that get their own FSDP unit, innermost first."""
+    if s.auto_wrap_policy == "NO_WRAP":
+        return []
+    if s.auto_wrap_policy == "SIZE_BASED_WRAP":
+        return _size_based_targets(model, s.min_num_params)
+    names = set(s.transformer_layer_cls_to_wrap or layer_class_names(model))
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def layer_class_names(model: torch.nn.Module) -> list[str]:
+    """The decoder-layer class from the model's ``_no_split_modules`` (as HF and accelerate do)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = list(getattr(base, "_no_split_modules", None) or [])
+    if not names:
+        raise ValueError("fsdp_config: cannot find the model's layer class; set fsdp_transformer_layer_cls_to_wrap")
+    return names
+
+
+def _size_based_targets(model: torch.nn.Module, min_num_params: int) -> list[torch.nn.Module]:
+    chosen: list[torch.nn.Module] = []
+    covered: set[int] = set()
+    for module in reversed(list(model.modules())):  # children before parents
+        if module is model:
+            continue
+        size = sum(p.numel() for p in module.parameters() if id(p) not in covered)
+        if size >= min_num_params:
+            chosen.append(module)
+            covered.update(id(p) for p in module.parameters())
+    return chosen
+
+
+def shard_fsdp2(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, device: torch.device) -> torch.nn.Module:
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    model.to(device if not s.offload_params else torch.device("cpu"))
+    # Pinned memory needs an accelerator; on a CPU-only machine offload without pinning.
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if s.offload_params else OffloadPolicy()
+    reshard = s.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
+    for module in wrap_targets(model, s):
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, offload_policy=offload)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, offload_policy=offload)
+    return model
+
+
+def wrap_fsdp1(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, device: torch.device) -> torch.nn.Module:
+    from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+    targets = {id(m) for m in wrap_targets(model, s)}
+    policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in targets) if targets else None
+    prefetch = None if s.backward_prefetch == "NO_PREFETCH" else BackwardPrefetch[s.backward_prefetch]
+    return FullyShardedDataParallel(
+        model,
+        sharding_strategy=ShardingStrategy[s.sharding_strategy],
+        auto_wrap_policy=policy,
+        cpu_offload=CPUOffload(offload_params=s.offload_params),
+        backward_prefetch=prefetch,
+        forward_prefetch=s.forward_prefetch,
+        device_id=device,
+        sync_module_states=s.sync_module_states,
+        use_orig_params=s.use_orig_params,
+        device_mesh=mesh if s.is_hybrid else None,
+    )

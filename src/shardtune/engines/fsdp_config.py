@@ -1,0 +1,183 @@
+"""FSDP settings from the Hugging Face `fsdp` / `fsdp_config` keys or accelerate's variables (pure functions)."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
+STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
+FSDP_WORDS = {"full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2", "offload", "auto_wrap"}
+
+
+@dataclass(frozen=True)
+class FsdpSettings:
+    """Resolved FSDP options; ``version`` 2 is torch ``fully_shard``, 1 is ``FullyShardedDataParallel``."""
+
+    version: int = 2
+    sharding_strategy: str = "FULL_SHARD"
+    offload_params: bool = False
+    auto_wrap_policy: str = "TRANSFORMER_BASED_WRAP"
+    transformer_layer_cls_to_wrap: tuple[str, ...] = ()
+    min_num_params: int = 100_000_000
+    state_dict_type: str = "SHARDED_STATE_DICT"
+    backward_prefetch: str = "BACKWARD_PRE"
+    forward_prefetch: bool = False
+    cpu_ram_efficient_loading: bool = False
+    sync_module_states: bool = True
+    use_orig_params: bool = True
+    hsdp_shard_size: int | None = None
+    ignored: tuple[str, ...] = field(default=())
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.sharding_strategy.startswith("HYBRID")
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("ignored")
+        return data
+
+
+# fsdp_config key (HF spelling without the "fsdp_" prefix) -> FsdpSettings field.
+_KEYS = {
+    "version": "version",
+    "sharding_strategy": "sharding_strategy",
+    "reshard_after_forward": "sharding_strategy",
+    "offload_params": "offload_params",
+    "auto_wrap_policy": "auto_wrap_policy",
+    "transformer_layer_cls_to_wrap": "transformer_layer_cls_to_wrap",
+    "min_num_params": "min_num_params",
+    "state_dict_type": "state_dict_type",
+    "backward_prefetch": "backward_prefetch",
+    "forward_prefetch": "forward_prefetch",
+    "cpu_ram_efficient_loading": "cpu_ram_efficient_loading",
+    "sync_module_states": "sync_module_states",
+    "use_orig_params": "use_orig_params",
+    "hsdp_shard_size": "hsdp_shard_size",
+    "activation_checkpointing": None,  # use gradient_checkpointing
+}
+
+
+def fsdp_words(fsdp: Any) -> list[str]:
+    """The HF `fsdp` key: a string like 'full_shard auto_wrap', a list, or true."""
+    if fsdp in (None, False, "", []):
+        return []
+    if fsdp is True:
+        return ["full_shard", "auto_wrap"]
+    if isinstance(fsdp, str):
+        return fsdp.replace(",", " ").split()
+    return [str(w) for w in fsdp]
+
+
+def is_fsdp_requested(fsdp: Any, fsdp_config: Any) -> bool:
+    return bool(fsdp_words(fsdp)) or bool(fsdp_config)
+
+
+def resolve_fsdp_settings(fsdp: Any, fsdp_config: dict[str, Any] | None) -> tuple[FsdpSettings, list[str]]:
+    """Merge the `fsdp` words and `fsdp_config` mapping into settings; return (settings, problems)."""
+    problems: list[str] = []
+    values: dict[str, Any] = {}
+    for word in fsdp_words(fsdp):
+        word = word.lower()
+        if word not in FSDP_WORDS:
+            problems.append(f"fsdp: unknown option '{word}'; use any of {', '.join(sorted(FSDP_WORDS))}")
+        elif word == "offload":
+            values["offload_params"] = True
+        elif word == "auto_wrap":
+            values.setdefault("auto_wrap_policy", "TRANSFORMER_BASED_WRAP")
+        else:
+            values["sharding_strategy"] = word.upper()
+    for raw_key, raw_value in (fsdp_config or {}).items():
+        key = raw_key[5:] if raw_key.startswith("fsdp_") else raw_key
+        if key not in _KEYS:
+            close = difflib.get_close_matches(key, list(_KEYS), n=1)
+            hint = f" (did you mean 'fsdp_{close[0]}'?)" if close else ""
+            problems.append(f"fsdp_config: unknown key '{raw_key}'{hint}")
+            continue
+        if _KEYS[key] is None:
+            problems.append(f"fsdp_config: '{raw_key}' is not supported; set gradient_checkpointing: true instead")
+            continue
+        try:
+            values[_KEYS[key]] = _convert(key, raw_value)
+        except ValueError as err:
+            problems.append(f"fsdp_config: {raw_key}: {err}")
+    settings = FsdpSettings(**values)
+    return settings, problems + settings_problems(settings)
+
+
+def _convert(key: str, value: Any) -> Any:
+    if key == "version":
+        if int(value) not in (1, 2):
+            raise ValueError(f"{value!r} must be 1 or 2")
+        return int(value)
+    if key == "reshard_after_forward":
+        return "FULL_SHARD" if _to_bool(value) else "SHARD_GRAD_OP"
+    if key == "sharding_strategy":
+        return _choice(value, STRATEGIES, numbered=True)
+    if key == "auto_wrap_policy":
+        return _choice(value, WRAP_POLICIES)
+    if key == "state_dict_type":
+        return _choice(value, STATE_DICT_TYPES)
+    if key == "backward_prefetch":
+        return _choice(value, PREFETCH)
+    if key == "transformer_layer_cls_to_wrap":
+        items = value.split(",") if isinstance(value, str) else list(value)
+        return tuple(str(v).strip() for v in items if str(v).strip())
+    if key in ("min_num_params", "hsdp_shard_size"):
+        return int(value)
+    return _to_bool(value)
+
+
+def _choice(value: Any, allowed: tuple[str, ...], numbered: bool = False) -> str:
+    text = str(value).strip().upper()
+    if numbered and text.isdigit() and 1 <= int(text) <= len(allowed):
+        return allowed[int(text) - 1]  # accelerate numbers strategies from 1
+    if text not in allowed:
+        raise ValueError(f"{value!r} is not allowed; choose one of: {', '.join(allowed)}")
+    return text
+
+
+def _to_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    raise ValueError(f"{value!r} is not true/false")
+
+
+def settings_problems(s: FsdpSettings) -> list[str]:
+    problems = []
+    if s.hsdp_shard_size is not None and not s.is_hybrid:
+        problems.append(f"fsdp_config: hsdp_shard_size ({s.hsdp_shard_size}) only applies to HYBRID_SHARD strategies"
+                        f" (sharding_strategy is {s.sharding_strategy})")
+    if s.cpu_ram_efficient_loading and not s.sync_module_states:
+        problems.append("fsdp_config: cpu_ram_efficient_loading (true) needs sync_module_states (true): only rank 0 "
+                        "loads weights and the others receive them")
+    return problems
+
+
+def hybrid_mesh_shape(s: FsdpSettings, world_size: int, local_world_size: int) -> tuple[int, int]:
+    """(replicate, shard) for HYBRID strategies; an impossible layout raises ValueError naming the numbers.
+
+    FSDP1's default groups on a single node make the shard group the whole node and the replica group size 1,
+    or with 1 process per node a shard size of 1 that silently becomes NO_SHARD; we never let that happen.
+    """
+    shard = s.hsdp_shard_size or local_world_size
+    if shard < 2:
+        raise ValueError(f"{s.sharding_strategy} needs at least 2 processes per shard group, got {shard} "
+                         f"(world size {world_size}); use more processes per node or set fsdp_config.hsdp_shard_size")
+    if world_size % shard:
+        raise ValueError(f"{s.sharding_strategy}: shard group size {shard} does not divide world size {world_size}")
+    replicate = world_size // shard
+    if replicate < 2:
+        raise ValueError(f"{s.sharding_strategy} with shard group size {shard} and world size {world_size} has one "
+                         "replica, which is FULL_SHARD; use FULL_SHARD, or set fsdp_config.hsdp_shard_size to a "
+                         "divisor of the world size")
+    return replicate, shard

@@ -1,0 +1,82 @@
+"""Which engine a run uses and with what settings, decided on the launching host (pure)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from shardtune.config.schema import TrainConfig
+from shardtune.engines.fsdp_config import FsdpSettings, is_fsdp_requested, resolve_fsdp_settings
+
+ENGINE_KINDS = ("local", "ddp", "fsdp", "deepspeed")
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    kind: str
+    fsdp: FsdpSettings | None = None
+    deepspeed_raw: dict[str, Any] | None = None
+    deepspeed_source: str | None = None
+
+    @property
+    def needs_process_group(self) -> bool:
+        return self.kind != "local"
+
+
+def plan_engine(c: TrainConfig, world_size: int, has_cuda: bool) -> tuple[EnginePlan, list[str]]:
+    """Pick DeepSpeed / FSDP when configured, DDP for several processes, else local; list every problem."""
+    wants_fsdp = is_fsdp_requested(c.fsdp, c.fsdp_config)
+    if c.deepspeed and wants_fsdp:
+        return EnginePlan("local"), [f"deepspeed ({_short(c.deepspeed)}) and fsdp ({_short(c.fsdp or c.fsdp_config)})"
+                                     " are both set; choose one engine"]
+    if c.deepspeed:
+        return _plan_deepspeed(c)
+    if wants_fsdp:
+        return _plan_fsdp(c, has_cuda)
+    return EnginePlan("ddp" if world_size > 1 else "local"), []
+
+
+def _plan_deepspeed(c: TrainConfig) -> tuple[EnginePlan, list[str]]:
+    from shardtune.engines.deepspeed_config import load_deepspeed_setting
+    from shardtune.errors import ConfigError
+
+    try:
+        raw, source = load_deepspeed_setting(c.deepspeed)
+    except ConfigError as err:
+        return EnginePlan("deepspeed"), err.problems
+    return EnginePlan("deepspeed", deepspeed_raw=raw, deepspeed_source=source), []
+
+
+def _plan_fsdp(c: TrainConfig, has_cuda: bool) -> tuple[EnginePlan, list[str]]:
+    fsdp_config = c.fsdp_config
+    problems: list[str] = []
+    if isinstance(fsdp_config, str):
+        fsdp_config, problems = _load_fsdp_config_file(fsdp_config)
+    settings, more = resolve_fsdp_settings(c.fsdp, fsdp_config)
+    problems += more
+    if c.fp16:
+        problems.append("fp16 (true) with fsdp: sharded gradients cannot be unscaled by torch's GradScaler; "
+                        "use bf16: true")
+    if settings.offload_params and settings.version == 1 and not has_cuda:
+        problems.append("fsdp offload_params (true) with fsdp_version 1 pins memory and fails without a GPU; "
+                        "use fsdp_version: 2 (offload without pinned memory)")
+    return EnginePlan("fsdp", fsdp=settings), problems
+
+
+def _load_fsdp_config_file(path: str) -> tuple[dict[str, Any], list[str]]:
+    from pathlib import Path
+
+    from shardtune.config.load import load_yaml_file
+    from shardtune.errors import ConfigError
+
+    if not Path(path).is_file():
+        return {}, [f"fsdp_config: file not found: {path}"]
+    try:
+        return load_yaml_file(path), []
+    except ConfigError as err:
+        return {}, err.problems
+
+
+def _short(value: Any) -> str:
+    text = str(value)
+    return text if len(text) < 40 else text[:37] + "..."

@@ -1,0 +1,88 @@
+"""The torchrun command for each node, built as an argument list (never a shell string). Pure."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+from shardtune.errors import ConfigError
+from shardtune.launch.env import LaunchEnv
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How many processes on how many nodes, and where they meet."""
+
+    nnodes: int
+    node_rank: int
+    nproc_per_node: int
+    master_addr: str
+    master_port: int
+    rdzv_id: str | None = None
+    min_nnodes: int | None = None
+    max_nnodes: int | None = None
+    max_restarts: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def is_elastic(self) -> bool:
+        return self.max_restarts > 0 or self.min_nnodes is not None or self.max_nnodes is not None
+
+
+def plan_launch(env: LaunchEnv, visible_gpus: int, free_port: int | None = None) -> LaunchPlan:
+    """Apply defaults: NPROC_PER_NODE = visible GPUs (1 on CPU); MASTER_PORT = a free port on one node."""
+    problems = []
+    nproc = env.nproc_per_node if env.nproc_per_node is not None else max(visible_gpus, 1)
+    if nproc < 1:
+        problems.append(f"NPROC_PER_NODE={nproc} must be at least 1")
+    if env.nnodes < 1:
+        problems.append(f"NNODES={env.nnodes} must be at least 1")
+    if not 0 <= env.node_rank < max(env.nnodes, 1):
+        problems.append(f"NODE_RANK={env.node_rank} must be in 0..{env.nnodes - 1} for NNODES={env.nnodes}")
+    port = env.master_port
+    if port is None and env.nnodes > 1:
+        problems.append(f"MASTER_PORT must be set when NNODES={env.nnodes}: every node must use the same port")
+    if problems:
+        raise ConfigError(*problems)
+    return LaunchPlan(
+        nnodes=env.nnodes, node_rank=env.node_rank, nproc_per_node=nproc, master_addr=env.master_addr,
+        master_port=port if port is not None else (free_port or find_free_port()),
+        rdzv_id=env.rdzv_id, min_nnodes=env.min_nnodes, max_nnodes=env.max_nnodes, max_restarts=env.max_restarts,
+    )
+
+
+def find_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def build_torchrun_argv(plan: LaunchPlan, node_rank: int, worker: list[str], python: str) -> list[str]:
+    """`python -m torch.distributed.run ...` for one node, followed by the worker command."""
+    argv = [python, "-m", "torch.distributed.run", f"--nproc-per-node={plan.nproc_per_node}"]
+    if plan.is_elastic:
+        low = plan.min_nnodes or plan.nnodes
+        high = plan.max_nnodes or plan.nnodes
+        argv += [
+            f"--nnodes={low}:{high}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={plan.master_addr}:{plan.master_port}",
+            f"--rdzv-id={plan.rdzv_id or 'shardtune'}",
+            f"--max-restarts={plan.max_restarts}",
+        ]
+    else:
+        argv += [
+            f"--nnodes={plan.nnodes}",
+            f"--node-rank={node_rank}",
+            f"--master-addr={plan.master_addr}",
+            f"--master-port={plan.master_port}",
+        ]
+    return argv + worker
+
+
+def worker_argv(config_path: str) -> list[str]:
+    """What each rank runs: the module entry with the resolved config written by the launching host."""
+    return ["-m", "shardtune.train", config_path]
