@@ -152,3 +152,8 @@ def test_every_key_has_doc_and_group():
     for f in config_fields():
         assert f.metadata["doc"], f.name
     assert len(key_names()) == len(set(key_names()))
+
+
+def test_yaml_no_for_strategy_keys():
+    config = build_config({**BASE, "save_strategy": False, "eval_strategy": "no"})
+    assert config.save_strategy == "no" and config.eval_strategy == "no"

@@ -84,8 +84,10 @@ def _unknown_key_message(key: str, known: list[str]) -> str:
 
 def coerce_value(key: str, raw: Any, hint: Any, meta: typing.Mapping[str, Any]) -> Any:
     """Convert ``raw`` to the declared type and check choices and bounds; ValueError names the key."""
-    value = _convert(key, raw, hint)
     choices = meta.get("choices")
+    if isinstance(raw, bool) and choices and "no" in choices:
+        raw = "yes" if raw else "no"  # YAML 1.1 reads `save_strategy: no` as false
+    value = _convert(key, raw, hint)
     if choices is not None and value not in choices:
         shown = ", ".join("null" if c is None else str(c) for c in choices)
         raise ValueError(f"{key}: {raw!r} is not allowed; choose one of: {shown}")

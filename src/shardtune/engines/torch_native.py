@@ -72,10 +72,8 @@ class TorchEngine(Engine):
         torch.save(self.scheduler_state(), ckpt_dir / SCHEDULER_FILE)
 
     def scheduler_state(self) -> dict[str, Any]:
-        state = self.scheduler.state_dict()
-        # LambdaLR keeps the lambdas; they are rebuilt from the config, not restored.
-        state.pop("lr_lambdas", None)
-        return state
+        # LambdaLR stores None for plain-function lambdas: the schedule itself is rebuilt from the config.
+        return self.scheduler.state_dict()
 
     def load_state(self, ckpt_dir: Path) -> None:
         model = self.unwrapped_model()

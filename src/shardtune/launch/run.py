@@ -163,9 +163,27 @@ def run_worker(pre: Preflight, rank_env: launch_env.RankEnv | None = None) -> in
     from shardtune.train.workflow import run_training
 
     engine = build_engine(pre.config, pre.engine, rank_env)
+    if not engine.is_main:
+        quiet_this_rank()
     results = run_training(pre.config, engine)
     if engine.is_main:
         print(f"[shardtune] done: final loss {results['final_loss']:.4f} after {results['global_step']} steps "
               f"({results['engine']}, world size {results['world_size']}); outputs in {pre.config.output_dir}",
               flush=True)
     return 0
+
+
+def quiet_this_rank() -> None:
+    """Only rank 0 talks: other ranks keep warnings and errors (stderr) but drop progress and info output."""
+    import logging
+
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+    for name in ("shardtune", "transformers", "datasets", "peft"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        import datasets
+
+        datasets.disable_progress_bars()
+    except ImportError:
+        pass

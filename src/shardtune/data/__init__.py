@@ -1,0 +1,27 @@
+"""Data layer: dataset registry, record formats, chat templates, tokenisation, packing and batching.
+
+Typical use on every rank::
+
+    train, evaluation = build_datasets(tokenizer, settings)
+    collator = DataCollator(tokenizer.pad_token_id, attn_implementation=model.config._attn_implementation)
+
+and on the launching host, before spawning anything: ``check_data_settings(settings)``.
+This package never imports ``torch.distributed``; callers decide which rank preprocesses first.
+"""
+
+from shardtune.data.build import build_datasets
+from shardtune.data.checks import check_data_settings
+from shardtune.data.collator import DataCollator
+from shardtune.data.settings import IGNORE_INDEX, DataSettings
+from shardtune.data.templates import TEMPLATES, Template, get_template
+
+__all__ = [
+    "IGNORE_INDEX",
+    "TEMPLATES",
+    "DataCollator",
+    "DataSettings",
+    "Template",
+    "build_datasets",
+    "check_data_settings",
+    "get_template",
+]

@@ -1,0 +1,83 @@
+"""``build_datasets``: from settings and a tokenizer to tokenised train and eval datasets.
+
+Steps: check settings -> load each file -> normalise records -> concatenate -> tokenise (and truncate)
+-> hold out the eval split -> pack. Every step raises ``DataError`` with all problems it found.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from datasets import Dataset, concatenate_datasets
+
+from shardtune.data.checks import check_data_settings
+from shardtune.data.formats import normalize_records
+from shardtune.data.loading import load_records
+from shardtune.data.packing import pack_dataset
+from shardtune.data.processing import tokenize_pt, tokenize_sft
+from shardtune.data.registry import resolve_entries
+from shardtune.data.settings import DataSettings, dataset_names
+from shardtune.data.templates import get_template, missing_special_tokens
+from shardtune.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+
+def build_datasets(tokenizer: Any, settings: DataSettings) -> tuple[Dataset, Dataset | None]:
+    """Tokenised train dataset and, when ``val_size`` > 0, the held-out eval dataset.
+
+    sft rows hold ``input_ids`` and ``labels`` (plus ``position_ids`` and ``segment_ids`` when packed);
+    pt rows hold ``input_ids`` and ``labels``. Feed batches through ``DataCollator``.
+    """
+    problems = check_data_settings(settings)
+    if problems:
+        raise DataError(*problems)
+    records = load_normalized(settings)
+    tokenized = tokenize(records, tokenizer, settings)
+    if len(tokenized) == 0:
+        raise DataError(f"datasets {', '.join(dataset_names(settings))} produced no samples (all texts are empty)")
+    train, evaluation = split_eval(tokenized, settings.val_size, settings.seed)
+    if settings.packing and settings.stage == "sft":
+        train = pack_dataset(train, settings.cutoff_len)
+        evaluation = pack_dataset(evaluation, settings.cutoff_len) if evaluation is not None else None
+    return train, evaluation
+
+
+def load_normalized(settings: DataSettings) -> Dataset:
+    """Load every named dataset, normalise it, and concatenate; problems from all files are raised together."""
+    entries, problems = resolve_entries(dataset_names(settings), settings.dataset_dir)
+    parts: list[Dataset] = []
+    for entry in entries:
+        try:
+            records = load_records(entry, settings.max_samples)
+            parts.append(normalize_records(records, entry, settings.stage, settings.preprocessing_num_workers))
+        except DataError as err:
+            problems += err.problems
+    if problems:
+        raise DataError(*problems)
+    return parts[0] if len(parts) == 1 else concatenate_datasets(parts)
+
+
+def tokenize(records: Dataset, tokenizer: Any, settings: DataSettings) -> Dataset:
+    workers = settings.preprocessing_num_workers
+    if settings.stage == "pt":
+        return tokenize_pt(records, tokenizer, settings.cutoff_len, settings.packing, workers)
+    template = get_template(settings.template)
+    missing = missing_special_tokens(template, tokenizer)
+    if missing:
+        logger.warning("template '%s' uses %s, which the tokenizer does not know; they will be split into "
+                       "several ordinary tokens", template.name, ", ".join(missing))
+    return tokenize_sft(records, tokenizer, template, settings.cutoff_len, settings.train_on_prompt, workers)
+
+
+def split_eval(dataset: Dataset, val_size: float, seed: int) -> tuple[Dataset, Dataset | None]:
+    """Hold out ``val_size`` samples (a fraction below 1, else a count), shuffled with ``seed``."""
+    if val_size <= 0:
+        return dataset, None
+    count = int(val_size) if val_size >= 1 else max(1, round(val_size * len(dataset)))
+    if count >= len(dataset):
+        raise DataError(f"val_size ({val_size}) holds out {count} samples but only {len(dataset)} remain after "
+                        "preprocessing, leaving none for training; lower val_size")
+    split = dataset.train_test_split(test_size=count, seed=seed, shuffle=True)
+    return split["train"], split["test"]

@@ -1,0 +1,119 @@
+"""Batching: right padding, labels, positions, and the attention mask for plain or packed rows.
+
+How packed rows stay independent (checked against transformers 5.23: ``masking_utils.py``,
+``integrations/sdpa_attention.py``, ``integrations/flex_attention.py``,
+``modeling_flash_attention_utils.py`` and ``models/llama/modeling_llama.py``):
+
+* ``create_causal_mask`` returns a 4-D ``attention_mask`` unchanged ("already prepared") and the
+  attention function receives it as is. So for packed rows we build the block-diagonal causal
+  mask ourselves, shape ``[B, 1, L, L]``:
+  - ``sdpa``: boolean, True = may attend (the convention of transformers' own ``sdpa_mask``); it
+    goes straight into ``torch.nn.functional.scaled_dot_product_attention``.
+  - ``eager`` and ``flex_attention``: additive float32, 0 where allowed and the float32 minimum
+    where blocked, because both add the mask to the scores (``scores + attention_mask``); a
+    boolean mask would silently add 0/1 and block nothing.
+  - unknown (``attn_implementation=None``): the additive float32 mask, which SDPA also accepts
+    for any query dtype, so a collator built without the setting is slower at worst, never wrong.
+* ``flash_attention_*`` takes no dense mask. transformers only infers packed boundaries from
+  ``position_ids`` when the batch is a single row, so we pass the varlen kwargs explicitly:
+  ``cu_seq_lens_q/k`` (int32 offsets over the flattened ``B * L`` tokens) and ``max_length_q/k``
+  (Python ints, as transformers' ``DataCollatorWithFlattening`` does), and no ``attention_mask``.
+  (Relying on ``position_ids`` alone is not enough for sdpa/eager either: that detection is skipped
+  whenever a KV cache exists, and the model creates one unless ``use_cache=False``.)
+* Rows that are not packed get the usual 2-D padding mask ``[B, L]`` (1 = token, 0 = padding).
+
+Padding forms its own causal segment so that no query row is fully masked (an all-blocked row
+makes SDPA return NaN, which would then leak into real tokens through 0 * NaN).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from shardtune.data.settings import IGNORE_INDEX
+
+
+class DataCollator:
+    """Pads a list of tokenised samples into tensors.
+
+    Features hold ``input_ids`` and ``labels``; packed rows also ``position_ids`` and ``segment_ids``.
+    Returns tensors ``input_ids``, ``labels`` (IGNORE_INDEX on padding), ``position_ids`` and
+    ``attention_mask`` (see the module docstring for its shape per attention implementation);
+    packed rows under flash attention get the varlen kwargs instead of ``attention_mask``, two of
+    which are Python ints, so move only tensor values to the device.
+    """
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None,
+                 attn_implementation: str | None = None) -> None:
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.attn_implementation = attn_implementation
+
+    def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        length = self.padded_length(max(len(f["input_ids"]) for f in features))
+        batch = {
+            "input_ids": pad_rows([f["input_ids"] for f in features], length, self.pad_token_id),
+            "labels": pad_rows([f["labels"] for f in features], length, IGNORE_INDEX),
+            # Padding restarts its positions at 0 so it reads as one more sequence, never as a
+            # continuation of the last sample, for kernels that read boundaries from positions.
+            "position_ids": torch.stack([padded_positions(f, length) for f in features]),
+        }
+        segments = torch.stack([padded_segments(f, length) for f in features])
+        if not any("segment_ids" in f for f in features):
+            batch["attention_mask"] = (segments > 0).long()
+        elif "flash" in (self.attn_implementation or ""):
+            batch.update(flash_varlen_kwargs(segments))
+        else:
+            batch["attention_mask"] = block_causal_mask(segments, as_bool=self.attn_implementation == "sdpa")
+        return batch
+
+    def padded_length(self, longest: int) -> int:
+        multiple = self.pad_to_multiple_of
+        return -(-longest // multiple) * multiple if multiple else longest
+
+
+def pad_rows(rows: Sequence[Sequence[int]], length: int, value: int) -> torch.Tensor:
+    out = torch.full((len(rows), length), value, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+    return out
+
+
+def padded_positions(feature: dict[str, Any], length: int) -> torch.Tensor:
+    size = len(feature["input_ids"])
+    given = feature.get("position_ids")
+    positions = torch.as_tensor(given, dtype=torch.long) if given is not None else torch.arange(size)
+    return torch.cat([positions, torch.arange(length - size)])
+
+
+def padded_segments(feature: dict[str, Any], length: int) -> torch.Tensor:
+    """Segment id per token: 1.. for samples, 0 for padding."""
+    size = len(feature["input_ids"])
+    given = feature.get("segment_ids")
+    segments = torch.as_tensor(given, dtype=torch.long) if given is not None else torch.ones(size, dtype=torch.long)
+    return torch.cat([segments, torch.zeros(length - size, dtype=torch.long)])
+
+
+def block_causal_mask(segments: torch.Tensor, as_bool: bool) -> torch.Tensor:
+    """``[B, 1, L, L]`` mask letting each token see earlier tokens of its own segment only.
+
+    ``as_bool``: True = attend (for SDPA); otherwise additive float32, 0 or the float32 minimum.
+    """
+    length = segments.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    allowed = (segments[:, :, None] == segments[:, None, :]) & causal
+    allowed = allowed[:, None, :, :]
+    if as_bool:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=torch.float32).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+def flash_varlen_kwargs(segments: torch.Tensor) -> dict[str, Any]:
+    """Sequence offsets for flash-attn's varlen kernel over the flattened batch (padding included)."""
+    lengths = torch.cat([torch.unique_consecutive(row, return_counts=True)[1] for row in segments])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)])
+    longest = int(lengths.max())
+    return {"cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets, "max_length_q": longest, "max_length_k": longest}

@@ -1,0 +1,200 @@
+"""Record formats (alpaca, sharegpt, plain text) normalised into one shape.
+
+Every sft record becomes ``_system: str`` plus ``_messages: [{"role", "content"}, ...]`` alternating
+user/assistant and ending with an assistant turn; every pt record becomes ``_text: str``.
+Bad records are not dropped silently: each one yields a ``_problem`` line naming the file and the
+record index (counting from 0), and the caller raises them together.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from datasets import Dataset, Features, List, Value
+
+from shardtune.data.caching import step_fingerprint
+from shardtune.data.registry import DatasetEntry
+from shardtune.errors import DataError
+
+Message = dict[str, str]
+CHAT_FEATURES = Features({
+    "_system": Value("string"),
+    "_messages": List({"role": Value("string"), "content": Value("string")}),
+    "_problem": Value("string"),
+})
+TEXT_FEATURES = Features({"_text": Value("string"), "_problem": Value("string")})
+MAX_LISTED = 5
+
+
+class RecordError(ValueError):
+    """A single record cannot be used; the message says why (the caller adds file and index)."""
+
+
+def normalize_records(records: Dataset, entry: DatasetEntry, stage: str, num_proc: int | None) -> Dataset:
+    """Convert raw records of ``entry`` to the normalised columns; raises DataError listing bad records."""
+    require_columns(records.column_names, entry, stage)
+    convert, features = batch_converter(entry, stage)
+    normalized = records.map(convert, batched=True, with_indices=True, remove_columns=records.column_names,
+                             features=features, num_proc=num_proc, desc=f"Reading {entry.name}",
+                             new_fingerprint=step_fingerprint(records, "normalize", convert))
+    raise_record_problems(entry.path, [p for p in normalized["_problem"] if p])
+    return normalized.remove_columns("_problem")
+
+
+def batch_converter(entry: DatasetEntry, stage: str) -> tuple[Callable[..., dict[str, list[Any]]], Features]:
+    """The batched map function for ``entry`` and the columns it produces."""
+    if stage == "pt":
+        return partial(convert_text_batch, column=entry.columns["prompt"]), TEXT_FEATURES
+    if entry.formatting == "sharegpt":
+        to_chat = partial(sharegpt_to_chat, columns=entry.columns, tags=entry.tags)
+    else:
+        to_chat = partial(alpaca_to_chat, columns=entry.columns)
+    return partial(convert_chat_batch, to_chat=to_chat), CHAT_FEATURES
+
+
+def required_columns(entry: DatasetEntry, stage: str) -> dict[str, str]:
+    """Registry column key -> column name that every record of ``entry`` must have for ``stage``."""
+    if stage == "pt":
+        return {"prompt": entry.columns["prompt"]}
+    if entry.formatting == "sharegpt":
+        return {"messages": entry.columns["messages"]}
+    return {key: entry.columns[key] for key in ("prompt", "response")}
+
+
+def missing_column_problems(found: list[str], entry: DatasetEntry, stage: str) -> list[str]:
+    """One line per required column that ``found`` lacks, saying how to map it."""
+    return [
+        f"{entry.path}: records have no '{column}' column (dataset '{entry.name}', stage {stage}, "
+        f"found: {', '.join(found) or 'none'}); rename it or set columns.{key} in dataset_info.json"
+        for key, column in required_columns(entry, stage).items()
+        if column not in found
+    ]
+
+
+def require_columns(found: list[str], entry: DatasetEntry, stage: str) -> None:
+    problems = missing_column_problems(found, entry, stage)
+    if problems:
+        raise DataError(*problems)
+
+
+def raise_record_problems(path: Path, problems: list[str]) -> None:
+    if not problems:
+        return
+    listed = [f"{path} {p}" for p in problems[:MAX_LISTED]]
+    if len(problems) > MAX_LISTED:
+        listed.append(f"{path}: ... and {len(problems) - MAX_LISTED} more bad records")
+    raise DataError(*listed)
+
+
+def rows(batch: Mapping[str, list[Any]]) -> list[dict[str, Any]]:
+    size = len(next(iter(batch.values()))) if batch else 0
+    return [{key: values[i] for key, values in batch.items()} for i in range(size)]
+
+
+def convert_chat_batch(batch: Mapping[str, list[Any]], indices: list[int],
+                       to_chat: Callable[[Mapping[str, Any]], tuple[str, list[Message]]]) -> dict[str, list[Any]]:
+    """Apply ``to_chat`` to every record of a batch, recording a problem line instead of raising."""
+    out: dict[str, list[Any]] = {"_system": [], "_messages": [], "_problem": []}
+    for index, record in zip(indices, rows(batch), strict=True):
+        try:
+            system, messages = to_chat(record)
+            out["_problem"].append("")
+        except RecordError as err:
+            system, messages = "", []
+            out["_problem"].append(f"record {index} (0-based): {err}")
+        out["_system"].append(system)
+        out["_messages"].append(messages)
+    return out
+
+
+def convert_text_batch(batch: Mapping[str, list[Any]], indices: list[int], column: str) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {"_text": [], "_problem": []}
+    for index, value in zip(indices, batch[column], strict=True):
+        try:
+            out["_text"].append(as_text(value, column))
+            out["_problem"].append("")
+        except RecordError as err:
+            out["_text"].append("")
+            out["_problem"].append(f"record {index} (0-based): {err}")
+    return out
+
+
+def as_text(value: Any, column: str) -> str:
+    """Text of one field; numbers are accepted because CSV readers infer numeric columns."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise RecordError(f"'{column}' must be text, got {type(value).__name__}")
+
+
+def alpaca_to_chat(record: Mapping[str, Any], columns: Mapping[str, str]) -> tuple[str, list[Message]]:
+    """instruction (+ "\\n" + input) is the user turn, output the answer, history the earlier turns."""
+    instruction = as_text(record.get(columns["prompt"]), columns["prompt"])
+    query = as_text(record.get(columns["query"]), columns["query"])
+    user = "\n".join(part for part in (instruction, query) if part)
+    if not user:
+        raise RecordError(f"'{columns['prompt']}' is empty")
+    if record.get(columns["response"]) is None:
+        raise RecordError(f"'{columns['response']}' is missing")
+    answer = as_text(record[columns["response"]], columns["response"])
+    messages = history_messages(record.get(columns["history"]), columns["history"])
+    messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    return as_text(record.get(columns["system"]), columns["system"]), messages
+
+
+def history_messages(history: Any, column: str) -> list[Message]:
+    if history is None:
+        return []
+    if not isinstance(history, list) or not all(
+        isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(t, str) for t in pair)
+        for pair in history
+    ):
+        raise RecordError(f"'{column}' must be a list of [question, answer] string pairs")
+    messages: list[Message] = []
+    for question, answer in history:
+        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    return messages
+
+
+def sharegpt_to_chat(record: Mapping[str, Any], columns: Mapping[str, str], tags: Mapping[str, str]
+                     ) -> tuple[str, list[Message]]:
+    """Map role tags to user/assistant/system and check that turns alternate, starting with the user."""
+    turns = record.get(columns["messages"])
+    if not isinstance(turns, list) or not turns:
+        raise RecordError(f"'{columns['messages']}' must be a non-empty list of turns")
+    roles = {tags["user_tag"]: "user", tags["assistant_tag"]: "assistant", tags["system_tag"]: "system"}
+    system = as_text(record.get(columns["system"]), columns["system"])
+    messages: list[Message] = []
+    for number, turn in enumerate(turns):
+        role, content = turn_role_and_content(turn, number, roles, tags)
+        if role == "system" and number == 0:
+            system = content
+            continue
+        expected = "user" if len(messages) % 2 == 0 else "assistant"
+        if role != expected:
+            tag = tags["user_tag"] if expected == "user" else tags["assistant_tag"]
+            raise RecordError(f"turn {number} should be '{tag}' but is '{turn[tags['role_tag']]}' "
+                              "(turns must alternate user/assistant after an optional leading system turn)")
+        messages.append({"role": role, "content": content})
+    if len(messages) % 2 or not messages:
+        raise RecordError(f"the last turn must be an answer ('{tags['assistant_tag']}')")
+    return system, messages
+
+
+def turn_role_and_content(turn: Any, number: int, roles: Mapping[str, str], tags: Mapping[str, str]
+                          ) -> tuple[str, str]:
+    role_tag, content_tag = tags["role_tag"], tags["content_tag"]
+    if not isinstance(turn, dict) or role_tag not in turn or content_tag not in turn:
+        raise RecordError(f"turn {number} must be an object with '{role_tag}' and '{content_tag}' "
+                          "(set tags.role_tag/content_tag in dataset_info.json)")
+    if turn[role_tag] not in roles:
+        raise RecordError(f"turn {number} has role '{turn[role_tag]}'; expected one of {', '.join(roles)} "
+                          "(set tags.user_tag/assistant_tag/system_tag in dataset_info.json)")
+    return roles[turn[role_tag]], as_text(turn[content_tag], content_tag)

@@ -1,0 +1,120 @@
+"""Tokenisation and label masking for the sft and pt stages.
+
+sft: each turn's prompt and response pieces are encoded separately (batched, one tokenizer call per
+map batch) so the label mask is exact; prompt tokens get ``IGNORE_INDEX`` unless ``train_on_prompt``.
+pt: every text gets the eos token; with packing the texts are concatenated and cut into blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+from datasets import Dataset, Features, List, Value
+
+from shardtune.data.caching import step_fingerprint
+from shardtune.data.settings import IGNORE_INDEX
+from shardtune.data.templates import Template, special_token_strings
+from shardtune.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+TokenIds = list[int]
+TOKEN_FEATURES = Features({"input_ids": List(Value("int32")), "labels": List(Value("int32"))})
+# Bookkeeping columns added during sft encoding and removed before the dataset is returned.
+SFT_FEATURES = Features({**TOKEN_FEATURES, "_length": Value("int32"), "_needed": Value("int32")})
+
+
+def tokenize_sft(dataset: Dataset, tokenizer: Any, template: Template, cutoff_len: int, train_on_prompt: bool,
+                 num_proc: int | None = None) -> Dataset:
+    """Encode normalised chats; samples with nothing trainable within ``cutoff_len`` are dropped."""
+    encode = partial(encode_sft_batch, tokenizer=tokenizer, template=template, cutoff_len=cutoff_len,
+                     train_on_prompt=train_on_prompt)
+    encoded = dataset.map(encode, batched=True, remove_columns=dataset.column_names, features=SFT_FEATURES,
+                          num_proc=num_proc, desc="Tokenizing",
+                          new_fingerprint=step_fingerprint(dataset, "sft", encode))
+    kept = encoded.filter(has_tokens, batched=True, input_columns="_length", num_proc=num_proc, desc="Truncating",
+                          new_fingerprint=step_fingerprint(encoded, "drop-empty", has_tokens))
+    if len(kept) == 0 and len(encoded) > 0:
+        shortest = min(encoded["_needed"])
+        raise DataError(f"cutoff_len ({cutoff_len}) is too small: no sample keeps a trainable token; the shortest "
+                        f"sample needs {shortest} tokens (its first prompt plus one answer token); "
+                        f"raise cutoff_len to at least {shortest}")
+    if len(kept) < len(encoded):
+        logger.warning("dropped %d of %d samples whose first prompt does not fit in cutoff_len=%d",
+                       len(encoded) - len(kept), len(encoded), cutoff_len)
+    return kept.remove_columns(["_length", "_needed"])
+
+
+def has_tokens(lengths: list[int]) -> list[bool]:
+    return [length > 0 for length in lengths]
+
+
+def encode_sft_batch(batch: Mapping[str, list[Any]], tokenizer: Any, template: Template, cutoff_len: int,
+                     train_on_prompt: bool) -> dict[str, list[Any]]:
+    """Batched map function: render every sample's turns, encode all pieces at once, then assemble."""
+    rendered = [template.render_turns(system, messages, tokenizer)
+                for system, messages in zip(batch["_system"], batch["_messages"], strict=True)]
+    pieces = [piece for turns in rendered for turn in turns for piece in turn]
+    ids = tokenizer(pieces, add_special_tokens=False)["input_ids"] if pieces else []
+    out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "_length": [], "_needed": []}
+    start = 0
+    for turns in rendered:
+        pairs = [(ids[start + 2 * k], ids[start + 2 * k + 1]) for k in range(len(turns))]
+        start += 2 * len(turns)
+        input_ids, labels = assemble_sft_sample(pairs, cutoff_len, train_on_prompt)
+        out["input_ids"].append(input_ids)
+        out["labels"].append(labels)
+        out["_length"].append(len(input_ids))
+        out["_needed"].append(len(pairs[0][0]) + 1 if pairs else 0)
+    return out
+
+
+def assemble_sft_sample(pairs: list[tuple[TokenIds, TokenIds]], cutoff_len: int, train_on_prompt: bool
+                        ) -> tuple[TokenIds, TokenIds]:
+    """Concatenate (prompt, response) turns within ``cutoff_len``.
+
+    Whole turns are kept while they fit. The first turn that does not fit keeps its full prompt and
+    as much of its answer as fits (at least one token), then the sample ends: cutting a prompt would
+    remove the assistant header and teach the model answers to questions it never saw whole.
+    Returns empty lists when not even the first prompt plus one answer token fits.
+    """
+    input_ids: TokenIds = []
+    labels: TokenIds = []
+    for prompt, response in pairs:
+        room = cutoff_len - len(input_ids) - len(prompt)
+        if room < 1:
+            break
+        kept = response[:room]
+        input_ids += prompt + kept
+        labels += (prompt if train_on_prompt else [IGNORE_INDEX] * len(prompt)) + kept
+        if len(kept) < len(response):
+            break
+    if not any(label != IGNORE_INDEX for label in labels):
+        return [], []
+    return input_ids, labels
+
+
+def tokenize_pt(dataset: Dataset, tokenizer: Any, cutoff_len: int, packing: bool,
+                num_proc: int | None = None) -> Dataset:
+    """Encode plain texts for pre-training; labels equal input_ids (the model shifts them)."""
+    special_token_strings(tokenizer)  # fails early, with a remedy, when there is no eos token
+    encode = partial(encode_pt_batch, tokenizer=tokenizer, cutoff_len=cutoff_len, packing=packing)
+    return dataset.map(encode, batched=True, remove_columns=dataset.column_names, features=TOKEN_FEATURES,
+                       num_proc=num_proc, desc="Tokenizing", new_fingerprint=step_fingerprint(dataset, "pt", encode))
+
+
+def encode_pt_batch(batch: Mapping[str, list[Any]], tokenizer: Any, cutoff_len: int, packing: bool
+                    ) -> dict[str, list[Any]]:
+    """Batched map function. With packing, blocks do not cross map batches (1000 texts by default)."""
+    texts = [text for text in batch["_text"] if text.strip()]
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    documents = [ids + [tokenizer.eos_token_id] for ids in encoded]
+    if packing:
+        stream = [token for document in documents for token in document]
+        blocks = [stream[i : i + cutoff_len] for i in range(0, len(stream), cutoff_len)]
+    else:
+        blocks = [document[:cutoff_len] for document in documents]
+    return {"input_ids": blocks, "labels": [list(block) for block in blocks]}

@@ -1,0 +1,259 @@
+"""DeepSpeed ZeRO 0-3 (with CPU offload) driven natively through ``deepspeed.initialize``.
+
+The loop already divides each micro-batch loss by the token count of the whole window on all ranks, so this
+engine never lets DeepSpeed divide by gradient_accumulation_steps again (``scale_wrt_gas=False``) and marks
+the accumulation boundary itself on the last micro-batch of each window: the last window of an epoch may be
+shorter than gradient_accumulation_steps, which DeepSpeed's own micro-step counter would get wrong.
+The config arrives resolved (see ``deepspeed_config.build_deepspeed_config``): no "auto" left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardtune.engines.base import Engine, OptimizerFactory, PrecisionSettings, SchedulerFactory
+from shardtune.engines.deepspeed_config import (
+    has_own_optimizer,
+    has_own_scheduler,
+    offloads_optimizer,
+    offloads_params,
+    zero_stage,
+)
+from shardtune.engines.distributed import DistContext, DistributedMixin
+from shardtune.errors import ConfigError
+
+CHECKPOINT_TAG = "deepspeed"  # fixed tag: one DeepSpeed state per shardtune checkpoint-<step> folder
+
+
+class DeepSpeedEngine(DistributedMixin, Engine):
+    """One DeepSpeedEngine per process; the loop only sees the Engine interface."""
+
+    name = "deepspeed"
+
+    def __init__(self, ds_config: dict, precision: PrecisionSettings, ctx: DistContext) -> None:
+        super().__init__(precision, ctx.device)
+        self.ctx = ctx
+        self.ds_config = ds_config
+        self.ds: Any = None  # deepspeed.runtime.engine.DeepSpeedEngine once prepared
+        self._boundary_marked = False
+
+    # --- topology ---
+    @property
+    def zero_stage(self) -> int:
+        return zero_stage(self.ds_config)
+
+    @property
+    def loss_scale_for_mean_reduction(self) -> float:
+        # DeepSpeed averages gradients over data-parallel ranks unless gradient_allreduce_op is "sum".
+        averages = self.ds.gradient_average if self.ds is not None else \
+            self.ds_config.get("gradient_allreduce_op", "mean") == "mean"
+        return float(self.world_size) if averages else 1.0
+
+    @property
+    def is_peft(self) -> bool:
+        return hasattr(self.unwrapped_model(), "peft_config")
+
+    # --- setup ---
+    def prepare(self, model: torch.nn.Module, build_optimizer: OptimizerFactory,
+                build_scheduler: SchedulerFactory) -> None:
+        import deepspeed
+
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = None if has_own_optimizer(self.ds_config) else self._client_optimizer(trainable, build_optimizer)
+        # A callable: DeepSpeed calls it with the optimizer it steps (ours, or the one its JSON describes).
+        scheduler = None if has_own_scheduler(self.ds_config) else build_scheduler
+        self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, model_parameters=trainable, lr_scheduler=scheduler,
+            config=self.ds_config, dist_init_required=False)
+        self.model = self.ds
+
+    def _client_optimizer(self, params: list[torch.nn.Parameter],
+                          build_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
+        optimizer = build_optimizer(params)
+        if not offloads_optimizer(self.ds_config) or self.ds_config.get("zero_force_ds_cpu_optimizer") is False:
+            return optimizer
+        return to_cpu_adam(optimizer)
+
+    def verify(self) -> None:
+        """Fail loudly when DeepSpeed set up something other than what the config asked for."""
+        from deepspeed.runtime.engine import DeepSpeedEngine as DSEngine
+
+        if not isinstance(self.ds, DSEngine):
+            raise RuntimeError(f"deepspeed engine: expected a DeepSpeedEngine after prepare, got {type(self.ds)}")
+        wrong = [f"{what}: asked {asked}, got {got}" for what, asked, got in self._setup_facts() if asked != got]
+        if wrong:
+            raise RuntimeError("deepspeed engine set up differently than configured: " + "; ".join(wrong))
+
+    def _setup_facts(self) -> list[tuple[str, Any, Any]]:
+        ds, cfg = self.ds, self.ds_config
+        return [
+            ("ZeRO stage", self.zero_stage, int(ds.zero_optimization_stage())),
+            ("world size", self.ctx.world_size, dist.get_world_size()),
+            ("data-parallel world size", self.ctx.world_size, int(ds.dp_world_size)),
+            ("train_batch_size", cfg["train_batch_size"], ds.train_batch_size()),
+            ("gradient_accumulation_steps", cfg["gradient_accumulation_steps"], ds.gradient_accumulation_steps()),
+            ("bf16", self.precision.bf16, bool(ds.bfloat16_enabled())),
+            ("fp16", self.precision.fp16, bool(ds.fp16_enabled())),
+            ("optimizer offload", offloads_optimizer(cfg), bool(ds.zero_cpu_offload())),
+            ("parameter offload", offloads_params(cfg), bool(ds.zero_offload_param())),
+        ]
+
+    # --- per step ---
+    def autocast(self) -> contextlib.AbstractContextManager:
+        # DeepSpeed casts the module to bf16/fp16 itself; torch autocast on top would change the numerics.
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def accumulation_context(self, is_last_micro_batch: bool) -> Iterator[None]:
+        # The boundary stays set for the backward that follows the forward run in this context: DeepSpeed
+        # reduces (ZeRO 0/1) or finalises (ZeRO 2/3) the accumulated gradients when it is True.
+        self.ds.set_gradient_accumulation_boundary(is_last_micro_batch)
+        self._boundary_marked = is_last_micro_batch
+        yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # The loop's loss is already normalised over the whole window: no division by accumulation steps.
+        self.ds.backward(loss, scale_wrt_gas=False)
+
+    def step(self, max_grad_norm: float) -> float:
+        """DeepSpeed clips (gradient_clipping), steps optimizer and scheduler, and zeroes the gradients."""
+        if not self._boundary_marked:
+            raise RuntimeError("deepspeed engine: step() before a backward at an accumulation boundary; "
+                               "run the last micro-batch inside accumulation_context(is_last_micro_batch=True)")
+        clipping = float(self.ds.gradient_clipping())
+        if clipping != float(max(max_grad_norm, 0.0)):
+            raise RuntimeError(f"deepspeed engine: config gradient_clipping ({clipping}) differs from "
+                               f"max_grad_norm ({max_grad_norm}) the loop uses")
+        local_norm = self._plain_optimizer_grad_norm()
+        self.ds.step()
+        self._boundary_marked = False
+        norm = self.ds.get_global_grad_norm()
+        if norm is None:
+            norm = local_norm
+        return float(norm) if norm is not None else 0.0
+
+    def _plain_optimizer_grad_norm(self) -> float | None:
+        """The norm DeepSpeed does not report when it steps a bare torch optimizer (ZeRO-0 in fp32)."""
+        if hasattr(self.ds.optimizer, "_global_grad_norm"):
+            return None
+        grads = [p.grad for p in self.ds.module.parameters() if p.grad is not None]
+        # At the boundary the gradients are already averaged over ranks, so the local norm is the global one.
+        return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+
+    def current_lr(self) -> float:
+        return float(self.ds.get_lr()[0])
+
+    # --- saving ---
+    def unwrapped_model(self) -> torch.nn.Module:
+        return self.ds.module
+
+    def save_model(self, out_dir: Path) -> None:
+        """Hugging Face format with safetensors on rank 0; under ZeRO-3 every rank takes part in the gather."""
+        model = self.unwrapped_model()
+        expected = expected_saved_numel(model, adapter_only=self.is_peft)
+        state_dict = self._full_state_dict(adapter_only=self.is_peft)
+        error = None
+        if self.is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            model.save_pretrained(str(out_dir), state_dict=state_dict)
+            error = check_saved_numel(out_dir, expected)
+        error = self._broadcast_from_main(error)
+        if error:
+            raise RuntimeError(error)
+
+    def _full_state_dict(self, adapter_only: bool) -> dict[str, torch.Tensor] | None:
+        """Complete tensors on rank 0 (None elsewhere under ZeRO-3); trainable ones only for an adapter."""
+        if self.zero_stage == 3:
+            # Collective: gathers one module at a time onto rank 0. .clone() keeps the data once DeepSpeed
+            # re-partitions (on CPU .cpu() would return the very storage it frees).
+            state = self.ds._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=adapter_only)
+            return {k: v.clone() for k, v in state.items()} if state is not None else None
+        model = self.unwrapped_model()
+        if adapter_only:
+            return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def _broadcast_from_main(self, value: Any) -> Any:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def save_state(self, ckpt_dir: Path) -> None:
+        """All ranks write their shards; a LoRA run leaves the frozen base weights out."""
+        self.ds.save_checkpoint(str(ckpt_dir), tag=CHECKPOINT_TAG, exclude_frozen_parameters=self.is_peft)
+
+    def load_state(self, ckpt_dir: Path) -> None:
+        path, _ = self.ds.load_checkpoint(str(ckpt_dir), tag=CHECKPOINT_TAG, load_module_strict=not self.is_peft,
+                                          load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"deepspeed engine: no DeepSpeed state (tag {CHECKPOINT_TAG}) in {ckpt_dir}")
+
+    def destroy(self) -> None:
+        """Release DeepSpeed's hooks and buffers but keep the process group (e.g. to set up another engine)."""
+        if self.ds is not None:
+            self.ds.destroy()
+            self.ds = None
+
+    def close(self) -> None:
+        self.destroy()
+        super().close()
+
+
+def to_cpu_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The same Adam(W) as DeepSpeedCPUAdam, which ZeRO-Offload needs: same param groups and hyper-parameters."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        raise ConfigError(f"zero_optimization.offload_optimizer needs an Adam optimizer (DeepSpeedCPUAdam); "
+                          f"got {type(optimizer).__name__}: use optim adamw_torch")
+    defaults = optimizer.defaults
+    if defaults.get("amsgrad"):
+        raise ConfigError("zero_optimization.offload_optimizer: DeepSpeedCPUAdam has no amsgrad")
+    adamw = isinstance(optimizer, torch.optim.AdamW) or bool(defaults.get("decoupled_weight_decay"))
+    groups = [{"params": g["params"], "lr": g["lr"], "betas": g["betas"], "eps": g["eps"],
+               "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
+    return DeepSpeedCPUAdam(groups, lr=defaults["lr"], betas=defaults["betas"], eps=defaults["eps"],
+                            weight_decay=defaults["weight_decay"], adamw_mode=adamw)
+
+
+def expected_saved_numel(model: torch.nn.Module, adapter_only: bool) -> int:
+    """Elements a complete save holds: trainable (adapter) parameters, or all parameters and persistent buffers."""
+    def numel(p: torch.Tensor) -> int:
+        return int(getattr(p, "ds_numel", p.numel()))  # ZeRO-3 keeps the full size in ds_numel
+
+    if adapter_only:
+        return sum(numel(p) for p in model.parameters() if p.requires_grad)
+    total = sum(numel(p) for p in model.parameters())
+    for module in model.modules():
+        total += sum(b.numel() for name, b in module.named_buffers(recurse=False)
+                     if name not in module._non_persistent_buffers_set)
+    return total
+
+
+def check_saved_numel(out_dir: Path, expected: int) -> str | None:
+    """None when the safetensors files in ``out_dir`` hold ``expected`` elements and no empty tensor."""
+    from safetensors import safe_open
+
+    files = sorted(out_dir.glob("*.safetensors"))
+    if not files:
+        return f"save_model wrote no .safetensors file to {out_dir}"
+    saved, empty = 0, []
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                count = 1
+                for dim in handle.get_slice(key).get_shape():
+                    count *= dim
+                saved += count
+                if count == 0:
+                    empty.append(key)
+    if empty or saved != expected:
+        return (f"save_model wrote {saved} elements to {out_dir} but the model has {expected}"
+                + (f"; empty tensors: {empty[:3]}" if empty else ""))
+    return None

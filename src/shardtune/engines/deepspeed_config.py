@@ -1,0 +1,439 @@
+"""DeepSpeed JSON: presets, loading, checks against the training keys, and "auto" resolution.
+
+Pure functions (no process group, no deepspeed import) so every rule is unit-tested without processes and
+runs on the launching host before any rank starts. The training keys (batch size, accumulation, clipping,
+precision) are the source of truth: the JSON may leave them "auto" or out, but may not contradict them.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardtune.errors import ConfigError
+
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
+PRESETS: dict[str, str] = {
+    "z0": "ds_z0_config.json",
+    "z1": "ds_z1_config.json",
+    "z2": "ds_z2_config.json",
+    "z2_offload": "ds_z2_offload_config.json",
+    "z3": "ds_z3_config.json",
+    "z3_offload": "ds_z3_offload_config.json",
+}
+AUTO = "auto"
+
+# Top-level keys DeepSpeed 0.19.8 reads (deepspeed/runtime/config.py and the config classes it builds).
+# DeepSpeed itself ignores any other key, so a typo would silently fall back to a default.
+DEEPSPEED_TOP_LEVEL_KEYS = frozenset({
+    "activation_checkpointing", "aio", "amp", "autotuning", "bf16", "bfloat16", "checkpoint", "comet",
+    "comms_logger", "communication_data_type", "compile", "compression_training", "csv_monitor",
+    "data_efficiency", "data_parallel_size", "data_types", "dataloader_drop_last", "datastates_ckpt",
+    "disable_allgather", "disable_python_gc", "dump_state", "expert_parallel", "flops_profiler", "fp16",
+    "gradient_accumulation_steps", "gradient_allreduce_op", "gradient_clipping", "gradient_predivide_factor",
+    "hybrid_engine", "log_level", "managed_gradient_accumulation", "memory_breakdown", "nebula", "optimizer",
+    "pipeline", "prescale_gradients", "quantize_training", "scheduler", "seq_parallel_communication_data_type",
+    "sequence_parallel_size", "sparse_gradients", "steps_per_print", "tensor_parallel", "tensorboard", "timers",
+    "torch_autocast", "train_batch_size", "train_micro_batch_size_per_gpu", "use_data_before_expert_parallelism",
+    "vocabulary_size", "wall_clock_breakdown", "wandb", "weight_quantization", "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer", "zero_optimization",
+})
+# Blocks DeepSpeed 0.19.8 removed: it refuses them at initialize, we say so before launching.
+REMOVED_TOP_LEVEL_KEYS = frozenset({"eigenvalue", "sparse_attention", "elasticity", "graph_harvesting",
+                                    "curriculum_learning", "progressive_layer_drop"})
+# LLaMA-Factory's recent example files carry these; DeepSpeed never reads them (its keys are comms_logger and
+# tensorboard/wandb/csv_monitor), so they are accepted for compatibility and dropped from the resolved config.
+IGNORED_FOREIGN_KEYS = frozenset({"comms_config", "monitor_config"})
+
+# Optimizer types DeepSpeed can run on the CPU when the optimizer is offloaded.
+CPU_OFFLOAD_OPTIMIZER_TYPES = frozenset({"adam", "adamw", "adagrad", "lion"})
+# Our optimizers DeepSpeed's ZeRO treats as tested (torch Adam/AdamW); others need zero_allow_untested_optimizer.
+ADAM_OPTIMS = frozenset({"adamw_torch", "adamw_torch_fused"})
+
+# DeepSpeed's own defaults, used for the hidden-size-based "auto" values when the hidden size is unknown.
+DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000
+DEFAULT_PREFETCH_BUCKET_SIZE = 50_000_000
+DEFAULT_PARAM_PERSISTENCE_THRESHOLD = 100_000
+GATHER_ON_SAVE_KEYS = ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+                       "stage3_gather_fp16_weights_on_model_save")
+
+
+@dataclass(frozen=True)
+class DeepSpeedInputs:
+    """The training settings a DeepSpeed config must agree with (HF Trainer names in the comments)."""
+
+    micro_batch_size: int  # per_device_train_batch_size
+    gradient_accumulation_steps: int
+    dp_world_size: int  # data-parallel ranks (all ranks: shardtune has no model parallelism)
+    max_grad_norm: float
+    bf16: bool
+    fp16: bool
+    hidden_size: int | None  # model config hidden_size, for the ZeRO bucket sizes
+    optim: str = "adamw_torch"
+    learning_rate: float = 5e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    total_steps: int | None = None  # for a JSON scheduler's total_num_steps "auto"
+    warmup_steps: int = 0
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.micro_batch_size * self.gradient_accumulation_steps * self.dp_world_size
+
+
+# --- loading ---
+
+def load_deepspeed_setting(value: str | dict) -> tuple[dict, str]:
+    """The raw config and a description of where it came from: preset name, JSON file path or inline mapping."""
+    if isinstance(value, dict):
+        return copy.deepcopy(value), "the inline deepspeed mapping"
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"deepspeed ({value!r}): expected a preset name ({preset_list()}), "
+                          "a JSON file path or a mapping")
+    if value in PRESETS:
+        return read_json_config(PRESET_DIR / PRESETS[value]), f"preset {value} ({PRESETS[value]})"
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"deepspeed ({value}): no such preset or file; presets are: {preset_list()}")
+    return read_json_config(path), str(path)
+
+
+def preset_list() -> str:
+    return ", ".join(PRESETS)
+
+
+def read_json_config(path: Path) -> dict:
+    """Parse a JSON object; syntax errors and duplicate keys name the file, line and column."""
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"deepspeed: {path} is not valid JSON: {err.msg} at line {err.lineno}, "
+                          f"column {err.colno}") from None
+    except _DuplicateKey as dup:
+        raise ConfigError(f"deepspeed: {path} has the key '{dup.key}' twice in one object") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"deepspeed: {path} must hold a JSON object, not {type(data).__name__}")
+    return data
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    # DeepSpeed refuses duplicate keys too (dict_raise_error_on_duplicate_keys); json would keep the last.
+    result: dict = {}
+    for key, val in pairs:
+        if key in result:
+            raise _DuplicateKey(key)
+        result[key] = val
+    return result
+
+
+# --- queries on a (raw or resolved) config ---
+
+def zero_section(cfg: dict) -> dict:
+    section = cfg.get("zero_optimization")
+    return section if isinstance(section, dict) else {}
+
+
+def zero_stage(cfg: dict) -> int:
+    stage = zero_section(cfg).get("stage", 0)
+    return int(stage) if isinstance(stage, int | float) and not isinstance(stage, bool) else -1
+
+
+def _offloads(cfg: dict, key: str) -> bool:
+    section = zero_section(cfg).get(key)
+    return isinstance(section, dict) and str(section.get("device", "none")).lower() not in ("none", "")
+
+
+def offloads_optimizer(cfg: dict) -> bool:
+    return _offloads(cfg, "offload_optimizer")
+
+
+def offloads_params(cfg: dict) -> bool:
+    return _offloads(cfg, "offload_param")
+
+
+def gathers_weights_on_save(cfg: dict) -> bool:
+    zero = zero_section(cfg)
+    return any(zero.get(key) is True for key in GATHER_ON_SAVE_KEYS)
+
+
+def has_own_optimizer(cfg: dict) -> bool:
+    return isinstance(cfg.get("optimizer"), dict)
+
+
+def has_own_scheduler(cfg: dict) -> bool:
+    return isinstance(cfg.get("scheduler"), dict)
+
+
+def _precision_section(cfg: dict, name: str) -> dict:
+    # DeepSpeed still reads the old "bfloat16" spelling when "bf16" is absent.
+    section = cfg.get(name)
+    if section is None and name == "bf16":
+        section = cfg.get("bfloat16")
+    return section if isinstance(section, dict) else {}
+
+
+# --- "auto" resolution ---
+
+def _auto_values(inputs: DeepSpeedInputs) -> dict[tuple[str, ...], Callable[[], Any]]:
+    """The value each resolvable "auto" takes (HF Trainer's rules), keyed by its path in the config."""
+    hidden = inputs.hidden_size
+    return {
+        ("train_batch_size",): lambda: inputs.train_batch_size,
+        ("train_micro_batch_size_per_gpu",): lambda: inputs.micro_batch_size,
+        ("gradient_accumulation_steps",): lambda: inputs.gradient_accumulation_steps,
+        ("gradient_clipping",): lambda: inputs.max_grad_norm,
+        ("fp16", "enabled"): lambda: inputs.fp16,
+        ("bf16", "enabled"): lambda: inputs.bf16,
+        ("bfloat16", "enabled"): lambda: inputs.bf16,
+        ("zero_optimization", "reduce_bucket_size"):
+            lambda: hidden * hidden if hidden else DEFAULT_REDUCE_BUCKET_SIZE,
+        ("zero_optimization", "stage3_prefetch_bucket_size"):
+            lambda: int(0.9 * hidden * hidden) if hidden else DEFAULT_PREFETCH_BUCKET_SIZE,
+        ("zero_optimization", "stage3_param_persistence_threshold"):
+            lambda: 10 * hidden if hidden else DEFAULT_PARAM_PERSISTENCE_THRESHOLD,
+        ("optimizer", "params", "lr"): lambda: inputs.learning_rate,
+        ("optimizer", "params", "betas"): lambda: [inputs.adam_beta1, inputs.adam_beta2],
+        ("optimizer", "params", "eps"): lambda: inputs.adam_epsilon,
+        ("optimizer", "params", "weight_decay"): lambda: inputs.weight_decay,
+        ("scheduler", "params", "warmup_min_lr"): lambda: 0.0,
+        ("scheduler", "params", "warmup_max_lr"): lambda: inputs.learning_rate,
+        ("scheduler", "params", "warmup_num_steps"): lambda: inputs.warmup_steps,
+        ("scheduler", "params", "total_num_steps"): lambda: inputs.total_steps,
+    }
+
+
+# Keys whose "auto" is DeepSpeed's own default value: resolved by leaving the key out.
+DEEPSPEED_NATIVE_AUTO = frozenset({("data_types", "keep_in_fp32_modules")})
+# Keys the training settings decide; filled from them when the JSON leaves them out.
+FILLED_WHEN_MISSING = (("train_batch_size",), ("train_micro_batch_size_per_gpu",), ("gradient_accumulation_steps",),
+                       ("gradient_clipping",), ("fp16", "enabled"), ("bf16", "enabled"))
+
+
+def _walk_auto(node: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    """Paths of every "auto" value, nested mappings and lists included."""
+    if isinstance(node, dict):
+        for key, val in node.items():
+            yield from _walk_auto(val, (*path, str(key)))
+    elif isinstance(node, list):
+        for i, val in enumerate(node):
+            yield from _walk_auto(val, (*path, str(i)))
+    elif node == AUTO:
+        yield path
+
+
+def _set_path(cfg: dict, path: tuple[str, ...], value: Any) -> None:
+    node = cfg
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = value
+
+
+def _get_path(cfg: dict, path: tuple[str, ...]) -> Any:
+    node: Any = cfg
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def resolve_deepspeed_config(raw: dict, inputs: DeepSpeedInputs) -> dict:
+    """The config DeepSpeed will see: every "auto" replaced, training keys filled in; deterministic and JSON-able.
+
+    Call after ``deepspeed_problems`` came back empty; an "auto" left over is an internal error.
+    """
+    cfg = json.loads(json.dumps(raw))  # deep copy that also proves the mapping is plain JSON
+    for key in IGNORED_FOREIGN_KEYS:
+        cfg.pop(key, None)
+    if "bfloat16" in cfg and "bf16" not in cfg:
+        cfg["bf16"] = cfg.pop("bfloat16")
+    values = _auto_values(inputs)
+    for path in list(_walk_auto(cfg)):
+        if path in DEEPSPEED_NATIVE_AUTO:
+            _get_path(cfg, path[:-1]).pop(path[-1])
+        elif path in values:
+            _set_path(cfg, path, values[path]())
+    for path in FILLED_WHEN_MISSING:
+        if _get_path(cfg, path) is None:
+            _set_path(cfg, path, values[path]())
+    leftover = [".".join(p) for p in _walk_auto(cfg)]
+    assert not leftover, f"unresolved 'auto' in DeepSpeed config: {leftover}"
+    return cfg
+
+
+# --- checks ---
+
+def deepspeed_problems(raw: dict, inputs: DeepSpeedInputs, source: str) -> list[str]:
+    """Every reason this config cannot train as the training keys say, one line each (empty when fine)."""
+    return [
+        *_key_problems(raw, source),
+        *_auto_problems(raw, inputs, source),
+        *_batch_problems(raw, inputs, source),
+        *_precision_problems(raw, inputs, source),
+        *_zero_problems(raw, source),
+        *_optimizer_problems(raw, inputs, source),
+        *_reduction_problems(raw, source),
+    ]
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value)
+
+
+def _key_problems(raw: dict, source: str) -> list[str]:
+    problems = []
+    for key in raw:
+        if key in DEEPSPEED_TOP_LEVEL_KEYS or key in IGNORED_FOREIGN_KEYS:
+            continue
+        if key in REMOVED_TOP_LEVEL_KEYS:
+            problems.append(f"{key} in {source}: DeepSpeed 0.19.8 removed this feature and refuses the key; "
+                            "delete it")
+            continue
+        close = difflib.get_close_matches(key, sorted(DEEPSPEED_TOP_LEVEL_KEYS), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        problems.append(f"{key} in {source}: not a DeepSpeed 0.19.8 key (DeepSpeed would ignore it){hint}")
+    if "zero_optimization" in raw and not isinstance(raw["zero_optimization"], dict):
+        problems.append(f"zero_optimization in {source}: must be a mapping, got {_show(raw['zero_optimization'])}")
+    return problems
+
+
+def _auto_problems(raw: dict, inputs: DeepSpeedInputs, source: str) -> list[str]:
+    resolvable = _auto_values(inputs)
+    problems = []
+    for path in _walk_auto(raw):
+        dotted = ".".join(path)
+        if path == ("scheduler", "params", "total_num_steps") and inputs.total_steps is None:
+            problems.append(f"{dotted} in {source}: \"auto\" needs the number of training steps, "
+                            "which is not known here; set it explicitly")
+        elif path not in resolvable and path not in DEEPSPEED_NATIVE_AUTO:
+            problems.append(f"{dotted} in {source}: shardtune has no value for \"auto\" here; set it explicitly")
+    return problems
+
+
+def _explicit(raw: dict, path: tuple[str, ...]) -> Any:
+    """The value at ``path`` unless missing or "auto" (then None)."""
+    value = _get_path(raw, path)
+    return None if value == AUTO else value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _batch_problems(raw: dict, inputs: DeepSpeedInputs, source: str) -> list[str]:
+    pairs = (
+        ("train_micro_batch_size_per_gpu", inputs.micro_batch_size,
+         f"per_device_train_batch_size ({inputs.micro_batch_size})"),
+        ("gradient_accumulation_steps", inputs.gradient_accumulation_steps,
+         f"gradient_accumulation_steps ({inputs.gradient_accumulation_steps})"),
+        ("train_batch_size", inputs.train_batch_size,
+         f"per_device_train_batch_size ({inputs.micro_batch_size}) x gradient_accumulation_steps "
+         f"({inputs.gradient_accumulation_steps}) x world size ({inputs.dp_world_size}) = {inputs.train_batch_size}"),
+        ("gradient_clipping", inputs.max_grad_norm, f"max_grad_norm ({_show(inputs.max_grad_norm)})"),
+    )
+    problems = []
+    for key, expected, ours in pairs:
+        value = _explicit(raw, (key,))
+        if value is None:
+            continue
+        if not _is_number(value):
+            problems.append(f"{key} in {source}: must be a number or \"auto\", got {_show(value)}")
+        elif float(value) != float(expected):
+            problems.append(f"{key} ({_show(value)}) in {source} contradicts {ours}; use \"auto\" or the same value")
+    return problems
+
+
+def _precision_problems(raw: dict, inputs: DeepSpeedInputs, source: str) -> list[str]:
+    problems = []
+    enabled = {}
+    for name, ours in (("fp16", inputs.fp16), ("bf16", inputs.bf16)):
+        if name in raw and not isinstance(raw[name], dict):
+            problems.append(f"{name} in {source}: must be a mapping such as {{\"enabled\": \"auto\"}}, "
+                            f"got {_show(raw[name])}")
+            enabled[name] = ours
+            continue
+        value = _precision_section(raw, name).get("enabled")
+        if value is None or value == AUTO:
+            enabled[name] = ours
+            continue
+        enabled[name] = value
+        if not isinstance(value, bool):
+            problems.append(f"{name}.enabled in {source}: must be true, false or \"auto\", got {_show(value)}")
+        elif value != ours:
+            problems.append(f"{name}.enabled ({_show(value)}) in {source} contradicts {name} ({_show(ours)}); "
+                            f"use \"auto\" or the same value")
+    if enabled["fp16"] is True and enabled["bf16"] is True:
+        problems.append(f"fp16 and bf16 are both enabled (in {source} or the training keys); choose one")
+    return problems
+
+
+def _zero_problems(raw: dict, source: str) -> list[str]:
+    zero = zero_section(raw)
+    stage = zero.get("stage", 0)
+    if not _is_number(stage) or stage not in (0, 1, 2, 3):
+        return [f"zero_optimization.stage ({_show(stage)}) in {source}: must be 0, 1, 2 or 3"]
+    problems = []
+    if offloads_params(raw) and stage != 3:
+        problems.append(f"zero_optimization.offload_param in {source} needs stage 3, but stage is {stage}; "
+                        "remove offload_param or use stage 3")
+    if offloads_optimizer(raw) and stage == 0:
+        problems.append(f"zero_optimization.offload_optimizer in {source} needs stage 1, 2 or 3, but stage is 0")
+    if stage == 3 and not gathers_weights_on_save(raw):
+        problems.append(f"zero_optimization.stage3_gather_16bit_weights_on_model_save is not true in {source}: "
+                        "with ZeRO-3 the final save would write empty weights; set it to true")
+    return problems
+
+
+def _optimizer_problems(raw: dict, inputs: DeepSpeedInputs, source: str) -> list[str]:
+    offload = offloads_optimizer(raw)
+    if has_own_optimizer(raw):
+        kind = str(raw["optimizer"].get("type", ""))
+        if offload and kind.lower() not in CPU_OFFLOAD_OPTIMIZER_TYPES:
+            return [f"optimizer.type ({_show(kind)}) in {source} has no CPU implementation for "
+                    "zero_optimization.offload_optimizer; use AdamW, Adam, Adagrad or Lion, or drop the offload"]
+        return []
+    problems = []
+    if offload and inputs.optim not in ADAM_OPTIMS and raw.get("zero_force_ds_cpu_optimizer", True) is not False:
+        problems.append(f"zero_optimization.offload_optimizer in {source} runs DeepSpeedCPUAdam, which optim "
+                        f"({inputs.optim}) cannot become; use optim adamw_torch, or set "
+                        "\"zero_force_ds_cpu_optimizer\": false to step it on the CPU as is")
+    if zero_stage(raw) > 0 and inputs.optim not in ADAM_OPTIMS and raw.get("zero_allow_untested_optimizer") is not True:
+        problems.append(f"optim ({inputs.optim}) is not one DeepSpeed ZeRO tested; set "
+                        f"\"zero_allow_untested_optimizer\": true in {source} or use optim adamw_torch")
+    return problems
+
+
+def _reduction_problems(raw: dict, source: str) -> list[str]:
+    problems = []
+    op = raw.get("gradient_allreduce_op", "mean")
+    if op not in ("mean", "sum"):
+        problems.append(f"gradient_allreduce_op ({_show(op)}) in {source}: must be \"mean\" or \"sum\"")
+    elif op == "sum" and zero_stage(raw) == 3:
+        problems.append(f"gradient_allreduce_op (\"sum\") in {source}: DeepSpeed does not support it with stage 3")
+    if raw.get("managed_gradient_accumulation", True) is not True:
+        problems.append(f"managed_gradient_accumulation ({_show(raw['managed_gradient_accumulation'])}) in {source}: "
+                        "shardtune marks accumulation boundaries itself; remove the key")
+    return problems
+
+
+def build_deepspeed_config(value: str | dict, inputs: DeepSpeedInputs) -> dict:
+    """Load, check and resolve in one call; all problems are raised together as one ConfigError."""
+    raw, source = load_deepspeed_setting(value)
+    problems = deepspeed_problems(raw, inputs, source)
+    if problems:
+        raise ConfigError(*problems)
+    return resolve_deepspeed_config(raw, inputs)

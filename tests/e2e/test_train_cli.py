@@ -1,0 +1,113 @@
+"""The real CLI on the tiny model: loss falls, outputs exist and reload, resume continues the curve."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_cli
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+
+def read_log(output_dir: Path) -> list[dict]:
+    lines = (output_dir / "trainer_log.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def train_losses(output_dir: Path) -> dict[int, float]:
+    return {r["current_steps"]: r["loss"] for r in read_log(output_dir) if "loss" in r}
+
+
+def train(example: str, model: Path, out: Path, *overrides: str) -> None:
+    result = run_cli("train", example, f"model_name_or_path={model}", f"output_dir={out}", *overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_sft_lora_example(tiny_model_dir, tmp_path):
+    out = tmp_path / "lora"
+    train("examples/tiny/sft_lora.yaml", tiny_model_dir, out, "report_to=tensorboard")
+    losses = list(train_losses(out).values())
+    assert losses[-1] < losses[0] - 0.5, losses
+    for name in ("adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "train_results.json",
+                 "training_loss.png", "shardtune_config.json"):
+        assert (out / name).is_file(), name
+    record = read_log(out)[0]
+    for key in ("current_steps", "total_steps", "loss", "learning_rate", "epoch", "elapsed_time",
+                "remaining_time", "tokens_per_second"):
+        assert key in record
+    assert record["tokens_per_second"] > 0
+    assert list((out / "runs").rglob("events.out.tfevents*")), "tensorboard wrote no events"
+    results = json.loads((out / "train_results.json").read_text())
+    assert results["global_step"] == 40 and results["engine"] == "local"
+
+
+def test_sft_full_example_with_eval(tiny_model_dir, tmp_path):
+    out = tmp_path / "full"
+    train("examples/tiny/sft_full.yaml", tiny_model_dir, out)
+    losses = list(train_losses(out).values())
+    assert losses[-1] < losses[0] - 0.8, losses
+    assert any("eval_loss" in r for r in read_log(out))
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-20"]
+
+
+def test_pt_example(tiny_model_dir, tmp_path):
+    out = tmp_path / "pt"
+    train("examples/tiny/pt_full.yaml", tiny_model_dir, out)
+    losses = list(train_losses(out).values())
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_module_entry_and_flags_without_yaml(tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import cli_env
+
+    out = tmp_path / "flags"
+    result = subprocess.run(
+        [sys.executable, "-m", "shardtune.train", "--stage", "sft", "--model_name_or_path", str(tiny_model_dir),
+         "--dataset", "demo", "--template", "alpaca", "--finetuning_type", "freeze", "--output_dir", str(out),
+         "--max_steps", "3", "--per_device_train_batch_size", "2", "--cutoff_len", "128"],
+        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (out / "model.safetensors").is_file()
+
+
+def test_resume_continues_the_loss_curve(tiny_model_dir, tmp_path):
+    common = ("max_steps=6", "save_steps=3", "logging_steps=1", "lr_scheduler_type=cosine", "warmup_steps=1",
+              "max_samples=60", "per_device_train_batch_size=2", "gradient_accumulation_steps=2")
+    straight = tmp_path / "straight"
+    train("examples/tiny/sft_full.yaml", tiny_model_dir, straight, *common, "do_eval=false", "eval_strategy=no")
+    crashed = tmp_path / "crashed"
+    train("examples/tiny/sft_full.yaml", tiny_model_dir, crashed, *common, "do_eval=false", "eval_strategy=no")
+    # Simulate a crash after step 3: only the first checkpoint and the log up to it survive.
+    for name in ("model.safetensors", "train_results.json"):
+        (crashed / name).unlink()
+    shutil.rmtree(crashed / "checkpoint-6", ignore_errors=True)
+    kept = [line for line in (crashed / "trainer_log.jsonl").read_text().splitlines()
+            if json.loads(line)["current_steps"] <= 3]
+    (crashed / "trainer_log.jsonl").write_text("\n".join(kept) + "\n")
+    result = run_cli("train", "examples/tiny/sft_full.yaml", f"model_name_or_path={tiny_model_dir}",
+                     f"output_dir={crashed}", *common, "do_eval=false", "eval_strategy=no",
+                     "overwrite_output_dir=false")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from" in result.stdout
+    expected, resumed = train_losses(straight), train_losses(crashed)
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-4), (step, resumed, expected)
+
+
+def test_finished_output_dir_is_refused_before_work(tiny_model_dir, tmp_path):
+    out = tmp_path / "done"
+    out.mkdir()
+    (out / "train_results.json").write_text("{}")
+    result = run_cli("train", "examples/tiny/sft_lora.yaml", f"model_name_or_path={tiny_model_dir}",
+                     f"output_dir={out}", "overwrite_output_dir=false")
+    assert result.returncode == 2
+    assert "already holds a finished run" in result.stderr and "Traceback" not in result.stderr
