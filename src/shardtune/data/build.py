@@ -64,6 +64,7 @@ def tokenize(records: Dataset, tokenizer: Any, settings: DataSettings) -> Datase
     if settings.stage == "pt":
         return tokenize_pt(records, tokenizer, settings.cutoff_len, settings.packing, workers)
     template = get_template(settings.template)
+    template.validate(tokenizer)
     missing = missing_special_tokens(template, tokenizer)
     if missing:
         logger.warning("template '%s' uses %s, which the tokenizer does not know; they will be split into "

@@ -46,6 +46,10 @@ class Template:
             turns.append((head + prompt if index == 0 else prompt, response))
         return turns
 
+    def validate(self, tokenizer: Any) -> None:
+        """Raise DataError now if this template cannot work with ``tokenizer`` (checked before any map)."""
+        special_token_strings(tokenizer)
+
     def stop_token(self, tokenizer: Any) -> str:
         """The token that ends an assistant turn (what generation should stop on)."""
         return fill(self.stop_word, "", special_token_strings(tokenizer))
@@ -85,6 +89,10 @@ class TokenizerChatTemplate(Template):
             turns.append((with_prompt[len(done) :], full[len(with_prompt) :]))
             done = full
         return turns
+
+    def validate(self, tokenizer: Any) -> None:
+        require_chat_template(tokenizer)
+        special_token_strings(tokenizer)
 
     def stop_token(self, tokenizer: Any) -> str:
         return special_token_strings(tokenizer)["{eos}"]

@@ -35,12 +35,13 @@ class Preflight:
     world_size: int
 
 
-def preflight(argv: list[str], world_size: int, extra_values: dict | None = None) -> Preflight:
+def preflight(argv: list[str], world_size: int, local_world_size: int | None = None,
+              extra_values: dict | None = None) -> Preflight:
     """Load and validate everything that can be checked without weights; raise all problems at once."""
     config, cmd = load_config(argv, defaults=extra_values)
     validate_config(config)
     engine, problems = plan_engine(config, world_size, has_cuda=visible_gpu_count() > 0)
-    problems += _data_problems(config) + _engine_problems(config, engine, world_size)
+    problems += _data_problems(config) + _engine_problems(config, engine, world_size, local_world_size or world_size)
     if problems:
         raise ConfigError(*problems)
     return Preflight(config, frozenset(cmd.switches), engine, world_size)
@@ -53,7 +54,14 @@ def _data_problems(config: TrainConfig) -> list[str]:
     return check_data_settings(data_settings(config)) if config.dataset else []
 
 
-def _engine_problems(config: TrainConfig, engine: EnginePlan, world_size: int) -> list[str]:
+def _engine_problems(config: TrainConfig, engine: EnginePlan, world_size: int, local_world_size: int) -> list[str]:
+    if engine.fsdp is not None and engine.fsdp.is_hybrid:
+        from shardtune.engines.fsdp_config import hybrid_mesh_shape
+
+        try:
+            hybrid_mesh_shape(engine.fsdp, world_size, local_world_size)
+        except ValueError as err:
+            return [f"fsdp: {err}"]
     if engine.kind != "deepspeed" or engine.deepspeed_raw is None:
         return []
     from shardtune.engines.deepspeed_config import deepspeed_problems
@@ -96,7 +104,7 @@ def visible_gpu_count() -> int:
 
 def check_command(argv: list[str]) -> int:
     plan = plan_launch(launch_env.read_launch_env(), visible_gpu_count(), free_port=0)
-    pre = preflight(argv, plan.world_size)
+    pre = preflight(argv, plan.world_size, plan.nproc_per_node)
     c = pre.config
     print(f"ok: {c.stage} / {c.finetuning_type} of {c.model_name_or_path} on {','.join(c.dataset)}; "
           f"engine {pre.engine.kind}, world size {plan.world_size}, global batch "
@@ -113,7 +121,7 @@ def train_command(argv: list[str]) -> int:
     if launch_env.inside_launcher():
         return worker_command(argv)
     plan = plan_launch(env, visible_gpu_count())
-    pre = preflight(argv, plan.world_size)
+    pre = preflight(argv, plan.world_size, plan.nproc_per_node)
     use_torchrun = env.force_torchrun or plan.world_size > 1 or pre.engine.needs_process_group
     config_path = Path(pre.config.output_dir or ".") / LAUNCH_CONFIG
     commands = [build_torchrun_argv(plan, r, [sys.executable, *worker_argv(str(config_path))][1:], sys.executable)
@@ -154,7 +162,7 @@ def worker_command(argv: list[str]) -> int:
 
     rank_env = launch_env.read_rank_env()
     accelerate_values = config_values_from_accelerate(launch_env.accelerate_settings())
-    pre = preflight(argv, rank_env.world_size, extra_values=accelerate_values)
+    pre = preflight(argv, rank_env.world_size, rank_env.local_world_size, extra_values=accelerate_values)
     return run_worker(pre, rank_env if launch_env.inside_launcher() else None)
 
 

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from shardtune.engines.base import Engine
 
 IGNORE_INDEX = -100
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                "max_length_k")
 Batch = dict[str, torch.Tensor]
 
 
@@ -59,7 +61,7 @@ class LoopHooks(Protocol):
 
 def token_loss_sum(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross entropy over trainable positions, and how many there were."""
-    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
+    inputs = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
     logits = model(**inputs, use_cache=False).logits
     shift_logits = logits[:, :-1, :].float()
     shift_labels = batch["labels"][:, 1:]
@@ -73,11 +75,18 @@ def count_trainable_tokens(batch: Batch) -> int:
 
 
 def count_input_tokens(batch: Batch) -> int:
-    """Non-padding tokens in a batch (padding carries label -100 and position id 0 past the first)."""
+    """Non-padding tokens in a batch (the collator counts them; packed rows have no 2-D mask)."""
+    if "num_tokens" in batch:
+        return int(batch["num_tokens"])
     mask = batch.get("attention_mask")
     if mask is not None and mask.dim() == 2:
         return int(mask.sum())
-    return int((batch["labels"] != IGNORE_INDEX).sum() if "real_tokens" not in batch else batch["real_tokens"].sum())
+    return batch["input_ids"].numel()
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """Tensors to the device; plain values (flash-attention lengths) stay as they are."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def accumulation_windows(batches: Iterable[Batch], size: int) -> Iterator[list[Batch]]:
@@ -99,7 +108,7 @@ def train_step(engine: Engine, window: list[Batch], max_grad_norm: float) -> dic
     denominator = torch.clamp(global_tokens, min=1.0)
     loss_total = torch.zeros((), device=engine.device)
     for i, batch in enumerate(window):
-        batch = {k: v.to(engine.device) for k, v in batch.items()}
+        batch = to_device(batch, engine.device)
         with engine.accumulation_context(is_last_micro_batch=i == len(window) - 1), engine.autocast():
             loss_sum, _ = token_loss_sum(engine.model, batch)
         engine.backward(loss_sum * engine.loss_scale_for_mean_reduction / denominator)
@@ -119,7 +128,7 @@ def evaluate(engine: Engine, batches: Iterable[Batch]) -> float:
     total = torch.zeros((), device=engine.device)
     tokens = torch.zeros((), device=engine.device)
     for batch in batches:
-        batch = {k: v.to(engine.device) for k, v in batch.items()}
+        batch = to_device(batch, engine.device)
         with engine.autocast():
             loss_sum, n = token_loss_sum(engine.model, batch)
         total += loss_sum.float()

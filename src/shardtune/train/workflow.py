@@ -40,7 +40,12 @@ def run_training(config: TrainConfig, engine: Engine) -> dict[str, Any]:
     from shardtune.model.load import load_tokenizer
 
     tokenizer = load_tokenizer(config.model_name_or_path or "", trust_remote_code=config.trust_remote_code)
+    # Rank 0 tokenises first and fills the datasets cache; the other ranks then read it.
+    if not engine.is_main:
+        engine.barrier()
     train_set, eval_set = build_datasets(tokenizer, data_settings(config))
+    if engine.is_main:
+        engine.barrier()
     train_loader = build_loader(train_set, tokenizer, config.per_device_train_batch_size, engine, config, True)
     eval_loader = build_loader(eval_set, tokenizer, config.per_device_eval_batch_size, engine, config, False)
     loop = loop_settings(config, len(train_loader), eval_loader is not None)
