@@ -6,62 +6,12 @@ single-process run, and the final model must reload in plain transformers (or pe
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-import torch
 
 from tests.conftest import run_cli
+from tests.distributed.helpers import COMMON, check_saved_model, losses, train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
-
-STEPS = 4
-COMMON = ("examples/tiny/sft_full.yaml", f"max_steps={STEPS}", "logging_steps=1", "save_strategy=no",
-          "do_eval=false", "eval_strategy=no", "val_size=0", "plot_loss=false", "max_samples=80",
-          "gradient_accumulation_steps=2", "learning_rate=1e-3", "lr_scheduler_type=constant", "warmup_ratio=0")
-
-
-def losses(out: Path) -> list[float]:
-    records = [json.loads(x) for x in (out / "trainer_log.jsonl").read_text().splitlines() if x.strip()]
-    return [r["loss"] for r in records if "loss" in r]
-
-
-def train(model: Path, out: Path, finetuning: str, nproc: int, micro: int, *extra: str) -> dict:
-    env = {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": str(nproc)} if nproc > 1 else {}
-    result = run_cli("train", *COMMON, f"model_name_or_path={model}", f"output_dir={out}",
-                     f"finetuning_type={finetuning}", f"per_device_train_batch_size={micro}", *extra, **env)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return json.loads((out / "train_results.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir, tmp_path_factory) -> dict[str, list[float]]:
-    """Single-process losses with the global batch (4 per process x 2 processes = 8 per micro-step)."""
-    found = {}
-    for finetuning in ("full", "lora"):
-        out = tmp_path_factory.mktemp(f"ref-{finetuning}")
-        train(tiny_model_dir, out, finetuning, 1, 4)
-        found[finetuning] = losses(out)
-    return found
-
-
-def check_saved_model(out: Path, base: Path, finetuning: str) -> None:
-    from transformers import AutoModelForCausalLM
-
-    base_model = AutoModelForCausalLM.from_pretrained(base)
-    if finetuning == "lora":
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out)
-        lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
-        assert lora_b and all(p.abs().sum() > 0 for p in lora_b), "adapter weights are empty"
-        return
-    model = AutoModelForCausalLM.from_pretrained(out)
-    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in base_model.parameters())
-    changed = [not torch.equal(a, b) for a, b in zip(model.parameters(), base_model.parameters(), strict=True)]
-    assert all(changed), "some saved weights equal the untrained ones (empty or partial save)"
-
 
 ENGINES = {
     "ddp": (),

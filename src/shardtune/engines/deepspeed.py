@@ -27,6 +27,7 @@ from shardtune.engines.deepspeed_config import (
 )
 from shardtune.engines.distributed import DistContext, DistributedMixin
 from shardtune.errors import ConfigError
+from shardtune.train.optim import split_decay_groups
 
 CHECKPOINT_TAG = "deepspeed"  # fixed tag: one DeepSpeed state per shardtune checkpoint-<step> folder
 
@@ -65,11 +66,16 @@ class DeepSpeedEngine(DistributedMixin, Engine):
         import deepspeed
 
         trainable = [p for p in model.parameters() if p.requires_grad]
-        optimizer = None if has_own_optimizer(self.ds_config) else self._client_optimizer(trainable, build_optimizer)
+        if has_own_optimizer(self.ds_config):
+            # DeepSpeed builds the JSON's optimizer; the groups keep our rule of no decay on biases and norms.
+            decay = self.ds_config["optimizer"].get("params", {}).get("weight_decay", 0.0)
+            optimizer, params = None, split_decay_groups(trainable, decay)
+        else:
+            optimizer, params = self._client_optimizer(trainable, build_optimizer), trainable
         # A callable: DeepSpeed calls it with the optimizer it steps (ours, or the one its JSON describes).
         scheduler = None if has_own_scheduler(self.ds_config) else build_scheduler
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, model_parameters=trainable, lr_scheduler=scheduler,
+            model=model, optimizer=optimizer, model_parameters=params, lr_scheduler=scheduler,
             config=self.ds_config, dist_init_required=False)
         self.model = self.ds
 

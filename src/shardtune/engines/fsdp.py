@@ -40,6 +40,9 @@ class FSDPEngine(DistributedMixin, TorchEngine):
     def prepare(self, model: torch.nn.Module, build_optimizer: OptimizerFactory,
                 build_scheduler: SchedulerFactory) -> None:
         self.inner = model
+        if self.settings.sync_module_states:
+            # Done here for both versions: FSDP1's own sync_module_states refuses CPU modules.
+            broadcast_from_rank0(model)
         if self.settings.version == 2:
             self.model = shard_fsdp2(model, self.settings, self.mesh, self.device)
         else:
@@ -171,6 +174,13 @@ def shard_fsdp2(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, devic
     return model
 
 
+def broadcast_from_rank0(model: torch.nn.Module) -> None:
+    """Make every rank start from rank 0's weights and buffers."""
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            dist.broadcast(tensor, src=0)
+
+
 def wrap_fsdp1(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, device: torch.device) -> torch.nn.Module:
     from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
@@ -186,7 +196,7 @@ def wrap_fsdp1(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, device
         backward_prefetch=prefetch,
         forward_prefetch=s.forward_prefetch,
         device_id=device,
-        sync_module_states=s.sync_module_states,
+        sync_module_states=False,  # broadcast_from_rank0 already ran
         use_orig_params=s.use_orig_params,
         device_mesh=mesh if s.is_hybrid else None,
     )

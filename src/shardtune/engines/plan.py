@@ -63,6 +63,14 @@ def _plan_fsdp(c: TrainConfig, has_cuda: bool) -> tuple[EnginePlan, list[str]]:
     return EnginePlan("fsdp", fsdp=settings), problems
 
 
+def plan_notices(plan: EnginePlan) -> list[str]:
+    """Settings that are honoured only in part, said once on the launching host."""
+    if plan.fsdp is not None and plan.fsdp.cpu_ram_efficient_loading:
+        return ["fsdp_cpu_ram_efficient_loading: every rank still reads the weights from disk; rank 0's copy is "
+                "then broadcast (sync_module_states), so all ranks start identical"]
+    return []
+
+
 def _load_fsdp_config_file(path: str) -> tuple[dict[str, Any], list[str]]:
     from pathlib import Path
 

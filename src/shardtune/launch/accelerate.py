@@ -73,11 +73,17 @@ def deepspeed_from_env(env: Mapping[str, str]) -> str | dict[str, Any]:
     config: dict[str, Any] = {
         "train_batch_size": "auto",
         "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
+        # Explicit values from the accelerate config are kept so a contradiction with the training keys
+        # is reported before training instead of one side silently winning.
+        "gradient_accumulation_steps": _number_or_auto(env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"), int),
+        "gradient_clipping": _number_or_auto(env.get("ACCELERATE_GRADIENT_CLIPPING"), float),
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": "auto"},
         "fp16": {"enabled": "auto"},
         "zero_optimization": zero,
     }
     return config
+
+
+def _number_or_auto(value: str | None, kind: type) -> Any:
+    return kind(value) if _is_set(value) else "auto"

@@ -1,0 +1,100 @@
+"""The same training through every launcher users bring: torchrun, accelerate launch, deepspeed, 2 nodes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardtune.launch.torchrun import find_free_port
+from tests.conftest import REPO, cli_env
+from tests.distributed.helpers import COMMON, check_saved_model, losses
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+BIN = Path(sys.executable).parent
+
+
+def training_args(model: Path, out: Path, micro: int = 2) -> list[str]:
+    return [*COMMON, f"model_name_or_path={model}", f"output_dir={out}", "finetuning_type=full",
+            f"per_device_train_batch_size={micro}"]
+
+
+def run(argv: list[str], **env: str) -> subprocess.CompletedProcess:
+    result = subprocess.run(argv, cwd=REPO, env=cli_env(GLOO_SOCKET_IFNAME="lo", **env), capture_output=True,
+                            text=True, timeout=500)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result
+
+
+def engine_of(out: Path) -> tuple[str, int]:
+    results = json.loads((out / "train_results.json").read_text())
+    return results["engine"], results["world_size"]
+
+
+def test_torchrun_module_entry(reference, tiny_model_dir, tmp_path):
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "shardtune.train", *training_args(tiny_model_dir, tmp_path)])
+    assert engine_of(tmp_path) == ("ddp", 2)
+    assert losses(tmp_path) == pytest.approx(reference["full"], rel=2e-3)
+
+
+def test_torchrun_script_path_with_fsdp(reference, tiny_model_dir, tmp_path):
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "scripts/train.py",
+         *training_args(tiny_model_dir, tmp_path), "fsdp=full_shard auto_wrap"])
+    assert engine_of(tmp_path) == ("fsdp", 2)
+    assert losses(tmp_path) == pytest.approx(reference["full"], rel=2e-3)
+
+
+ACCELERATE = {
+    "single_node.yaml": "ddp",
+    "fsdp_config.yaml": "fsdp",
+    "fsdp_config_offload.yaml": "fsdp",
+    "fsdp2_config.yaml": "fsdp",
+    "deepspeed_z3.yaml": "deepspeed",
+}
+
+
+@pytest.mark.parametrize("config_file", sorted(ACCELERATE))
+def test_accelerate_launch_with_shipped_config(config_file, reference, tiny_model_dir, tmp_path):
+    run([str(BIN / "accelerate"), "launch", "--config_file", f"examples/accelerate/{config_file}", "-m",
+         "shardtune.train", *training_args(tiny_model_dir, tmp_path)])
+    assert engine_of(tmp_path) == (ACCELERATE[config_file], 2)
+    assert losses(tmp_path) == pytest.approx(reference["full"], rel=2e-3)
+    check_saved_model(tmp_path, tiny_model_dir, "full")
+
+
+def test_accelerate_multi_node_config_two_machines(reference, tiny_model_dir, tmp_path):
+    port = str(find_free_port())
+    base = [str(BIN / "accelerate"), "launch", "--config_file", "examples/accelerate/multi_node.yaml",
+            "--main_process_port", port]
+    args = ["-m", "shardtune.train", *training_args(tiny_model_dir, tmp_path, micro=2)]
+    env = cli_env(GLOO_SOCKET_IFNAME="lo")
+    nodes = [subprocess.Popen([*base, "--machine_rank", str(rank), *args], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=500) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    assert engine_of(tmp_path) == ("ddp", 2)
+    assert losses(tmp_path) == pytest.approx(reference["full"], rel=2e-3)
+
+
+def test_deepspeed_launcher_injects_local_rank(reference, tiny_model_dir, tmp_path):
+    run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(find_free_port()), "scripts/train.py",
+         *training_args(tiny_model_dir, tmp_path), "deepspeed=z2"])
+    assert engine_of(tmp_path) == ("deepspeed", 2)
+    assert losses(tmp_path) == pytest.approx(reference["full"], rel=2e-3)
+
+
+def test_two_nodes_through_shardtune_train(reference, tiny_model_dir, tmp_path):
+    """Two `shardtune train` invocations (NNODES=2, NODE_RANK=0/1) on loopback train as one job."""
+    port = str(find_free_port())
+    env = cli_env(NNODES="2", NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    argv = [sys.executable, "-m", "shardtune", "train", *training_args(tiny_model_dir, tmp_path, micro=2)]
+    nodes = [subprocess.Popen(argv, cwd=REPO, env={**env, "NODE_RANK": str(rank)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=500) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    assert engine_of(tmp_path) == ("ddp", 2)
+    assert losses(tmp_path) == pytest.approx(reference["full"], rel=2e-3)
