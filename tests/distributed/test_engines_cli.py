@@ -25,9 +25,15 @@ ENGINES = {
     "fsdp1-full_shard": ("fsdp=full_shard auto_wrap", "fsdp_config={'fsdp_version': 1}"),
     "fsdp1-shard_grad_op": ("fsdp=shard_grad_op auto_wrap", "fsdp_config={'fsdp_version': 1}"),
     "fsdp1-no_shard": ("fsdp=no_shard", "fsdp_config={'fsdp_version': 1}"),
+    "deepspeed-z0": ("deepspeed=z0",),
+    "deepspeed-z1": ("deepspeed=z1",),
+    "deepspeed-z2": ("deepspeed=z2",),
+    "deepspeed-z2_offload": ("deepspeed=z2_offload",),
+    "deepspeed-z3": ("deepspeed=z3",),
+    "deepspeed-z3_offload": ("deepspeed=z3_offload",),
 }
-RUNS = [(name, ft) for name in ENGINES for ft in ("full", "lora")
-        if ft == "full" or name in ("ddp", "fsdp2-full_shard", "fsdp1-full_shard")]
+WITH_LORA = ("ddp", "fsdp2-full_shard", "fsdp1-full_shard", "deepspeed-z2", "deepspeed-z3", "deepspeed-z3_offload")
+RUNS = [(name, ft) for name in ENGINES for ft in ("full", "lora") if ft == "full" or name in WITH_LORA]
 
 
 @pytest.mark.parametrize(("engine", "finetuning"), RUNS, ids=[f"{e}-{f}" for e, f in RUNS])

@@ -71,6 +71,7 @@ class Engine(ABC):
 
     def verify(self) -> None:
         """Check after setup that the engine and world size are the ones asked for (no silent fallback)."""
+        return None
 
     # --- per step ---
     def autocast(self) -> contextlib.AbstractContextManager:

@@ -52,8 +52,10 @@ class DeepSpeedEngine(DistributedMixin, Engine):
     @property
     def loss_scale_for_mean_reduction(self) -> float:
         # DeepSpeed averages gradients over data-parallel ranks unless gradient_allreduce_op is "sum".
-        averages = self.ds.gradient_average if self.ds is not None else \
-            self.ds_config.get("gradient_allreduce_op", "mean") == "mean"
+        if self.ds is not None:
+            averages = bool(self.ds.gradient_average)
+        else:
+            averages = self.ds_config.get("gradient_allreduce_op", "mean") == "mean"
         return float(self.world_size) if averages else 1.0
 
     @property
@@ -180,6 +182,8 @@ class DeepSpeedEngine(DistributedMixin, Engine):
             # re-partitions (on CPU .cpu() would return the very storage it frees).
             state = self.ds._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=adapter_only)
             return {k: v.clone() for k, v in state.items()} if state is not None else None
+        if not self.is_main:
+            return None  # below ZeRO-3 every rank holds the full weights: nothing to gather
         model = self.unwrapped_model()
         if adapter_only:
             return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}

@@ -21,6 +21,7 @@ from shardtune.engines.base import OptimizerFactory, PrecisionSettings, Schedule
 from shardtune.engines.distributed import DistContext, DistributedMixin
 from shardtune.engines.fsdp_config import FsdpSettings, hybrid_mesh_shape
 from shardtune.engines.torch_native import SCHEDULER_FILE, TorchEngine
+from shardtune.model.adapters import save_lora_adapter
 
 DCP_DIR = "fsdp_state"
 FULL_STATE_FILE = "fsdp_full_state.pt"
@@ -89,7 +90,10 @@ class FSDPEngine(DistributedMixin, TorchEngine):
         state = self.full_state_dict()
         if self.is_main:
             state = {k: v.detach().cpu() for k, v in state.items()}
-            self.inner.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+            if hasattr(self.inner, "peft_config"):
+                save_lora_adapter(self.inner, state, out_dir)
+            else:
+                self.inner.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
         self.barrier()
 
     def save_state(self, ckpt_dir: Path) -> None:
@@ -152,8 +156,8 @@ def _size_based_targets(model: torch.nn.Module, min_num_params: int) -> list[tor
     chosen: list[torch.nn.Module] = []
     covered: set[int] = set()
     for module in reversed(list(model.modules())):  # children before parents
-        if module is model:
-            continue
+        if module is model or isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            continue  # containers have no forward for FSDP to hook
         size = sum(p.numel() for p in module.parameters() if id(p) not in covered)
         if size >= min_num_params:
             chosen.append(module)

@@ -30,7 +30,11 @@ def plan_engine(c: TrainConfig, world_size: int, has_cuda: bool) -> tuple[Engine
         return EnginePlan("local"), [f"deepspeed ({_short(c.deepspeed)}) and fsdp ({_short(c.fsdp or c.fsdp_config)})"
                                      " are both set; choose one engine"]
     if c.deepspeed:
-        return _plan_deepspeed(c)
+        plan, problems = _plan_deepspeed(c)
+        if c.fp16 and not has_cuda:
+            problems.append("fp16 (true) with deepspeed needs a GPU: DeepSpeed's CPU accelerator has no fp16; "
+                            "use bf16: true")
+        return plan, problems
     if wants_fsdp:
         return _plan_fsdp(c, has_cuda)
     return EnginePlan("ddp" if world_size > 1 else "local"), []

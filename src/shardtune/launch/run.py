@@ -81,6 +81,13 @@ def deepspeed_inputs(config: TrainConfig, world_size: int):
         bf16=config.bf16,
         fp16=config.fp16,
         hidden_size=model_hidden_size(config.model_name_or_path),
+        optim=config.optim,
+        learning_rate=config.learning_rate,
+        weight_decay=config.weight_decay,
+        adam_beta1=config.adam_beta1,
+        adam_beta2=config.adam_beta2,
+        adam_epsilon=config.adam_epsilon,
+        warmup_steps=config.warmup_steps,
     )
 
 

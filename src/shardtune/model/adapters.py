@@ -115,3 +115,23 @@ def count_parameters(model: Any) -> tuple[int, int]:
         if param.requires_grad:
             trainable += n
     return trainable, total
+
+
+def save_lora_adapter(model: Any, state_dict: dict[str, Any], out_dir: Any, adapter: str = "default") -> int:
+    """Write a LoRA adapter from a full state dict, in peft's layout; returns the number of tensors.
+
+    peft's own ``save_pretrained(state_dict=...)`` matches keys against the live module tree, which FSDP1
+    rewrites in place (``_fsdp_wrapped_module``), so it would find nothing and write an empty adapter.
+    """
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    marker = f".{adapter}"
+    weights = {k.replace(marker, ""): v.detach().cpu().contiguous() for k, v in state_dict.items()
+               if ".lora_" in k and f"{marker}." in k}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    model.peft_config[adapter].save_pretrained(str(out))
+    return len(weights)
