@@ -115,9 +115,9 @@ def plot_loss(output_dir: Path) -> Path | None:
     evals = [(r["current_steps"], r["eval_loss"]) for r in records if "eval_loss" in r]
     fig, ax = plt.subplots(figsize=(6, 4))
     if train:
-        ax.plot(*zip(*train), label="train loss")
+        ax.plot(*zip(*train, strict=False), label="train loss")
     if evals:
-        ax.plot(*zip(*evals), "o-", label="eval loss")
+        ax.plot(*zip(*evals, strict=False), "o-", label="eval loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(f"training loss of {output_dir.name}")
