@@ -16,14 +16,16 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 ENGINES = {
     "ddp": (),
     "fsdp2-full_shard": ("fsdp=full_shard auto_wrap",),
-    "fsdp2-shard_grad_op": ("fsdp=shard_grad_op auto_wrap",),
+    "fsdp2-shard_grad_op-forward_prefetch": ("fsdp=shard_grad_op auto_wrap",
+                                             "fsdp_config={'fsdp_forward_prefetch': true}"),
     "fsdp2-no_shard": ("fsdp=no_shard",),
     "fsdp2-full_shard-offload": ("fsdp=full_shard auto_wrap offload",),
     "fsdp2-size_wrap-full_state_dict": ("fsdp=full_shard", "fsdp_config={'fsdp_auto_wrap_policy': "
                                         "'SIZE_BASED_WRAP', 'fsdp_min_num_params': 20000, "
                                         "'fsdp_state_dict_type': 'FULL_STATE_DICT'}"),
     "fsdp1-full_shard": ("fsdp=full_shard auto_wrap", "fsdp_config={'fsdp_version': 1}"),
-    "fsdp1-shard_grad_op": ("fsdp=shard_grad_op auto_wrap", "fsdp_config={'fsdp_version': 1}"),
+    "fsdp1-shard_grad_op-prefetch": ("fsdp=shard_grad_op auto_wrap", "fsdp_config={'fsdp_version': 1, "
+                                     "'fsdp_backward_prefetch': 'BACKWARD_POST', 'fsdp_forward_prefetch': true}"),
     "fsdp1-no_shard": ("fsdp=no_shard", "fsdp_config={'fsdp_version': 1}"),
     "deepspeed-z0": ("deepspeed=z0",),
     "deepspeed-z1": ("deepspeed=z1",),

@@ -9,11 +9,21 @@ and on the launching host, before spawning anything: ``check_data_settings(setti
 This package never imports ``torch.distributed``; callers decide which rank preprocesses first.
 """
 
-from shardtune.data.build import build_datasets
 from shardtune.data.checks import check_data_settings
-from shardtune.data.collator import DataCollator
 from shardtune.data.settings import IGNORE_INDEX, DataSettings
 from shardtune.data.templates import TEMPLATES, Template, get_template
+
+# build_datasets and DataCollator pull in `datasets` and torch; loaded on first use so that
+# `shardtune check` stays fast.
+_LAZY = {"build_datasets": "shardtune.data.build", "DataCollator": "shardtune.data.collator"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(name)
 
 __all__ = [
     "IGNORE_INDEX",

@@ -172,9 +172,14 @@ def shard_fsdp2(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, devic
     # Pinned memory needs an accelerator; on a CPU-only machine offload without pinning.
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if s.offload_params else OffloadPolicy()
     reshard = s.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
-    for module in wrap_targets(model, s):
+    units = wrap_targets(model, s)
+    for module in units:
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard, offload_policy=offload)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, offload_policy=offload)
+    if s.forward_prefetch:
+        # FSDP2 prefetches one unit ahead in backward by itself; forward prefetch is explicit.
+        for current, following in zip(units, units[1:], strict=False):
+            current.set_modules_to_forward_prefetch([following])
     return model
 
 

@@ -154,6 +154,9 @@ def _to_bool(value: Any) -> bool:
 
 def settings_problems(s: FsdpSettings) -> list[str]:
     problems = []
+    if s.version == 2 and s.backward_prefetch != "BACKWARD_PRE":
+        problems.append(f"fsdp_config: backward_prefetch ({s.backward_prefetch}) applies to fsdp_version 1; FSDP2 "
+                        "always prefetches the next unit in backward (remove the key or use fsdp_version: 1)")
     if s.hsdp_shard_size is not None and not s.is_hybrid:
         problems.append(f"fsdp_config: hsdp_shard_size ({s.hsdp_shard_size}) only applies to HYBRID_SHARD strategies"
                         f" (sharding_strategy is {s.sharding_strategy})")

@@ -25,6 +25,11 @@ class EnginePlan:
 
 def plan_engine(c: TrainConfig, world_size: int, has_cuda: bool) -> tuple[EnginePlan, list[str]]:
     """Pick DeepSpeed / FSDP when configured, DDP for several processes, else local; list every problem."""
+    plan, problems = _choose_engine(c, world_size, has_cuda)
+    return plan, problems + quantization_problems(c, plan, has_cuda)
+
+
+def _choose_engine(c: TrainConfig, world_size: int, has_cuda: bool) -> tuple[EnginePlan, list[str]]:
     wants_fsdp = is_fsdp_requested(c.fsdp, c.fsdp_config)
     if c.deepspeed and wants_fsdp:
         return EnginePlan("local"), [f"deepspeed ({_short(c.deepspeed)}) and fsdp ({_short(c.fsdp or c.fsdp_config)})"
@@ -92,3 +97,46 @@ def _load_fsdp_config_file(path: str) -> tuple[dict[str, Any], list[str]]:
 def _short(value: Any) -> str:
     text = str(value)
     return text if len(text) < 40 else text[:37] + "..."
+
+
+PRE_QUANTIZED = ("gptq", "awq", "aqlm", "eetq", "hqq", "exl2", "fp8", "compressed-tensors", "bitnet")
+
+
+def quantization_problems(c: TrainConfig, plan: EnginePlan, has_cuda: bool) -> list[str]:
+    """QLoRA rules: 4-bit bitsandbytes on CUDA; what FSDP and ZeRO-3 cannot shard is refused with the reason."""
+    method = _checkpoint_quant_method(c.model_name_or_path)
+    problems = []
+    if method and plan.kind in ("fsdp", "deepspeed"):
+        problems.append(f"model_name_or_path is a pre-quantized ({method}) checkpoint: {plan.kind} cannot shard its "
+                        "packed weights; use an unquantized model with quantization_bit: 4")
+    if c.quantization_bit is None:
+        return problems
+    if method:
+        problems.append(f"quantization_bit ({c.quantization_bit}): the model is already quantized ({method}); "
+                        "remove quantization_bit")
+    if not has_cuda:
+        problems.append(f"quantization_bit ({c.quantization_bit}) needs a CUDA GPU and bitsandbytes; none is "
+                        "visible here. Remove quantization_bit to train in full precision.")
+    if plan.kind == "fsdp" and c.quantization_bit == 8:
+        problems.append("quantization_bit (8) with fsdp: 8-bit bitsandbytes weights cannot be sharded; use 4")
+    if plan.kind == "deepspeed" and _zero_stage(plan) == 3:
+        problems.append(f"quantization_bit ({c.quantization_bit}) with DeepSpeed ZeRO-3: bitsandbytes weights "
+                        "cannot be partitioned; use FSDP (fsdp: full_shard auto_wrap) for sharded QLoRA, or ZeRO-2")
+    return problems
+
+
+def _checkpoint_quant_method(model: str | None) -> str | None:
+    import json
+    from pathlib import Path
+
+    path = Path(model or "") / "config.json"
+    if not path.is_file():
+        return None
+    quant = json.loads(path.read_text()).get("quantization_config") or {}
+    method = str(quant.get("quant_method", "")).lower()
+    return method if method in PRE_QUANTIZED else None
+
+
+def _zero_stage(plan: EnginePlan) -> int:
+    zero = (plan.deepspeed_raw or {}).get("zero_optimization") or {}
+    return int(zero.get("stage", 0)) if isinstance(zero, dict) else 0

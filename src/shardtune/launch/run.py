@@ -48,8 +48,8 @@ def preflight(argv: list[str], world_size: int, local_world_size: int | None = N
 
 
 def _data_problems(config: TrainConfig) -> list[str]:
-    from shardtune.data import check_data_settings
-    from shardtune.train.setup import data_settings
+    from shardtune.data.checks import check_data_settings
+    from shardtune.train.settings import data_settings
 
     return check_data_settings(data_settings(config)) if config.dataset else []
 

@@ -14,42 +14,6 @@ from shardtune.model.adapters import FinetuningSettings, apply_finetuning, count
 from shardtune.train.optim import OptimizerSettings
 
 
-def data_settings(c: TrainConfig) -> Any:
-    from shardtune.data import DataSettings
-
-    return DataSettings(
-        dataset=tuple(c.dataset),
-        dataset_dir=c.dataset_dir,
-        template=c.template,
-        stage=c.stage,
-        cutoff_len=c.cutoff_len,
-        max_samples=c.max_samples,
-        val_size=c.val_size,
-        packing=resolved_packing(c),
-        train_on_prompt=c.train_on_prompt,
-        seed=c.seed,
-        preprocessing_num_workers=c.preprocessing_num_workers,
-    )
-
-
-def resolved_packing(c: TrainConfig) -> bool:
-    return c.packing if c.packing is not None else c.stage == "pt"
-
-
-def finetuning_settings(c: TrainConfig) -> FinetuningSettings:
-    return FinetuningSettings(
-        finetuning_type=c.finetuning_type,
-        lora_rank=c.lora_rank,
-        lora_alpha=c.lora_alpha,
-        lora_dropout=c.lora_dropout,
-        lora_target=tuple(c.lora_target),
-        freeze_trainable_layers=c.freeze_trainable_layers,
-        freeze_trainable_modules=tuple(c.freeze_trainable_modules),
-        gradient_checkpointing=c.gradient_checkpointing,
-        is_quantized=c.quantization_bit is not None,
-    )
-
-
 def optimizer_settings(c: TrainConfig) -> OptimizerSettings:
     return OptimizerSettings(optim=c.optim, learning_rate=c.learning_rate, weight_decay=c.weight_decay,
                              adam_beta1=c.adam_beta1, adam_beta2=c.adam_beta2, adam_epsilon=c.adam_epsilon)

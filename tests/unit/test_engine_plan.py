@@ -1,0 +1,53 @@
+"""Engine choice and the combinations refused before launch (pure: no processes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardtune.config.load import build_config
+from shardtune.engines.plan import plan_engine
+
+BASE = {"model_name_or_path": "org/model", "dataset": "demo", "output_dir": "out"}
+
+
+def plan(has_cuda: bool = False, world_size: int = 2, **values):
+    return plan_engine(build_config({**BASE, **values}), world_size, has_cuda)
+
+
+def test_engine_choice():
+    assert plan(world_size=1)[0].kind == "local"
+    assert plan()[0].kind == "ddp"
+    assert plan(fsdp="full_shard auto_wrap")[0].kind == "fsdp"
+    assert plan(fsdp_config={"fsdp_version": 1})[0].fsdp.version == 1
+    chosen, problems = plan(deepspeed="z3")
+    assert chosen.kind == "deepspeed" and problems == []
+
+
+@pytest.mark.parametrize(("values", "has_cuda", "fragment"), [
+    ({"deepspeed": "z2", "fsdp": "full_shard"}, False, "are both set; choose one engine"),
+    ({"fsdp": "full_shard", "fp16": True}, True, "fp16 (true) with fsdp"),
+    ({"deepspeed": "z2", "fp16": True}, False, "DeepSpeed's CPU accelerator has no fp16"),
+    ({"fsdp": "full_shard offload", "fsdp_config": {"fsdp_version": 1}}, False, "fails without a GPU"),
+    ({"quantization_bit": 4}, False, "needs a CUDA GPU"),
+    ({"quantization_bit": 8, "fsdp": "full_shard"}, True, "8-bit bitsandbytes weights cannot be sharded"),
+    ({"quantization_bit": 4, "deepspeed": "z3"}, True, "cannot be partitioned"),
+    ({"deepspeed": "z9"}, False, "no such preset or file"),
+])
+def test_refused_combinations(values, has_cuda, fragment):
+    _, problems = plan(has_cuda=has_cuda, **values)
+    assert any(fragment in p for p in problems), problems
+
+
+def test_qlora_with_fsdp_is_accepted_on_cuda():
+    _, problems = plan(has_cuda=True, quantization_bit=4, fsdp="full_shard auto_wrap")
+    assert problems == []
+
+
+def test_pre_quantized_checkpoint_refused_for_sharding(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gptq"}}))
+    _, problems = plan(has_cuda=True, model_name_or_path=str(tmp_path), fsdp="full_shard")
+    assert any("pre-quantized (gptq)" in p for p in problems)
+    _, problems = plan(has_cuda=True, model_name_or_path=str(tmp_path), quantization_bit=4)
+    assert any("already quantized (gptq)" in p for p in problems)
