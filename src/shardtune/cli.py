@@ -10,6 +10,7 @@ USAGE = """usage: shardtune <command> [options]
 commands:
   train CONFIG.yaml [key=value ...] [--key value ...]   fine-tune a model
   check CONFIG.yaml [key=value ...]                      validate config, data and model paths; no weights loaded
+  export SOURCE --out DIR [--merge-lora] [--model BASE] turn a checkpoint or output into a Hugging Face folder
   make-tiny-model --out DIR [--layers N --hidden N ...]  write a random tiny LLaMA + local tokenizer
   keys [--markdown]                                      list every config key
 
@@ -25,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
             print(_keys_help())
         return 0
     command, rest = argv[0], argv[1:]
-    handlers = {"train": _train, "check": _check, "make-tiny-model": _make_tiny_model, "keys": _keys}
+    handlers = {"train": _train, "check": _check, "export": _export, "make-tiny-model": _make_tiny_model,
+                "keys": _keys}
     if command not in handlers:
         print(f"shardtune: unknown command '{command}'\n\n{USAGE}", file=sys.stderr)
         return 2
@@ -74,6 +76,32 @@ def _check(args: list[str]) -> int:
     from shardtune.launch.run import check_command
 
     return check_command(args)
+
+
+def _export(args: list[str]) -> int:
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="shardtune export",
+                                     description="Any checkpoint-<step> folder (any engine, any number of processes "
+                                                 "that wrote it) or final output -> a Hugging Face model folder.")
+    parser.add_argument("source", help="checkpoint-<step> folder or a run's output_dir")
+    parser.add_argument("--out", required=True, help="folder to write (replaced if it exists)")
+    parser.add_argument("--merge-lora", action="store_true", help="merge LoRA weights into the base model")
+    parser.add_argument("--model", help="base model (default: model_name_or_path of the run)")
+    parser.add_argument("--finetuning-type", choices=("full", "freeze", "lora"), help="default: that of the run")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    ns = parser.parse_args(args)
+    from shardtune.errors import ModelError
+    from shardtune.export.convert import export_model
+
+    source = Path(ns.source)
+    if not source.is_dir():
+        raise ModelError(f"export: {source} is not a folder")
+    out = export_model(source, Path(ns.out), base=ns.model, merge_lora=ns.merge_lora,
+                       finetuning_type=ns.finetuning_type)
+    print(f"exported {source} -> {out}")
+    return 0
 
 
 def _make_tiny_model(args: list[str]) -> int:

@@ -51,3 +51,12 @@ def test_pre_quantized_checkpoint_refused_for_sharding(tmp_path):
     assert any("pre-quantized (gptq)" in p for p in problems)
     _, problems = plan(has_cuda=True, model_name_or_path=str(tmp_path), quantization_bit=4)
     assert any("already quantized (gptq)" in p for p in problems)
+
+
+def test_accelerate_config_file_as_fsdp_config():
+    chosen, problems = plan(fsdp_config="examples/accelerate/fsdp_config.yaml", world_size=2)
+    assert problems == [] and chosen.fsdp.version == 1 and chosen.fsdp.state_dict_type == "FULL_STATE_DICT"
+    _, problems = plan(fsdp_config="examples/accelerate/fsdp_config.yaml", world_size=4)
+    assert any("num_processes: 2 but this launch has 4 processes" in p for p in problems)
+    _, problems = plan(fsdp_config="examples/accelerate/single_node.yaml")
+    assert any("not FSDP" in p for p in problems)

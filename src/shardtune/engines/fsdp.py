@@ -22,6 +22,7 @@ from shardtune.engines.distributed import DistContext, DistributedMixin
 from shardtune.engines.fsdp_config import FsdpSettings, hybrid_mesh_shape
 from shardtune.engines.torch_native import SCHEDULER_FILE, TorchEngine
 from shardtune.model.adapters import save_lora_adapter
+from shardtune.model.saved import expected_saved_parameters, verify_saved
 
 DCP_DIR = "fsdp_state"
 FULL_STATE_FILE = "fsdp_full_state.pt"
@@ -94,6 +95,7 @@ class FSDPEngine(DistributedMixin, TorchEngine):
                 save_lora_adapter(self.inner, state, out_dir)
             else:
                 self.inner.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+            verify_saved(out_dir, expected_saved_parameters(self.inner, state))
         self.barrier()
 
     def save_state(self, ckpt_dir: Path) -> None:

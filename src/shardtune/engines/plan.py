@@ -41,7 +41,7 @@ def _choose_engine(c: TrainConfig, world_size: int, has_cuda: bool) -> tuple[Eng
                             "use bf16: true")
         return plan, problems
     if wants_fsdp:
-        return _plan_fsdp(c, has_cuda)
+        return _plan_fsdp(c, has_cuda, world_size)
     return EnginePlan("ddp" if world_size > 1 else "local"), []
 
 
@@ -56,11 +56,11 @@ def _plan_deepspeed(c: TrainConfig) -> tuple[EnginePlan, list[str]]:
     return EnginePlan("deepspeed", deepspeed_raw=raw, deepspeed_source=source), []
 
 
-def _plan_fsdp(c: TrainConfig, has_cuda: bool) -> tuple[EnginePlan, list[str]]:
+def _plan_fsdp(c: TrainConfig, has_cuda: bool, world_size: int) -> tuple[EnginePlan, list[str]]:
     fsdp_config = c.fsdp_config
     problems: list[str] = []
     if isinstance(fsdp_config, str):
-        fsdp_config, problems = _load_fsdp_config_file(fsdp_config)
+        fsdp_config, problems = _load_fsdp_config_file(fsdp_config, world_size)
     settings, more = resolve_fsdp_settings(c.fsdp, fsdp_config)
     problems += more
     if c.fp16:
@@ -80,7 +80,8 @@ def plan_notices(plan: EnginePlan) -> list[str]:
     return []
 
 
-def _load_fsdp_config_file(path: str) -> tuple[dict[str, Any], list[str]]:
+def _load_fsdp_config_file(path: str, world_size: int) -> tuple[dict[str, Any], list[str]]:
+    """An FSDP settings file, or an accelerate config file whose `fsdp_config` section is used."""
     from pathlib import Path
 
     from shardtune.config.load import load_yaml_file
@@ -89,9 +90,27 @@ def _load_fsdp_config_file(path: str) -> tuple[dict[str, Any], list[str]]:
     if not Path(path).is_file():
         return {}, [f"fsdp_config: file not found: {path}"]
     try:
-        return load_yaml_file(path), []
+        data = load_yaml_file(path)
     except ConfigError as err:
         return {}, err.problems
+    if "distributed_type" not in data:
+        return data, []
+    section = dict(data.get("fsdp_config") or {})
+    section.setdefault("fsdp_version", 1)  # accelerate's default when the file names no version
+    return section, accelerate_file_problems(path, data, world_size)
+
+
+def accelerate_file_problems(path: str, data: dict[str, Any], world_size: int) -> list[str]:
+    """An accelerate config must describe the launch that actually happens (else ranks wait for peers)."""
+    problems = []
+    if data.get("distributed_type") != "FSDP":
+        problems.append(f"fsdp_config: {path} is an accelerate config with distributed_type "
+                        f"{data.get('distributed_type')}, not FSDP")
+    expected = data.get("num_processes")
+    if expected is not None and int(expected) != world_size:
+        problems.append(f"fsdp_config: {path} says num_processes: {expected} but this launch has {world_size} "
+                        "processes (NNODES x NPROC_PER_NODE); make them agree")
+    return problems
 
 
 def _short(value: Any) -> str:

@@ -58,7 +58,11 @@ class TorchEngine(Engine):
 
     def save_model(self, out_dir: Path) -> None:
         if self.is_main:
-            self.unwrapped_model().save_pretrained(out_dir, safe_serialization=True)
+            from shardtune.model.saved import expected_saved_parameters, verify_saved
+
+            model = self.unwrapped_model()
+            model.save_pretrained(out_dir, safe_serialization=True)
+            verify_saved(out_dir, expected_saved_parameters(model))
 
     # Resume state: trainable weights as safetensors, optimizer/scheduler as tensor-only pickles
     # that load with weights_only=True (no arbitrary objects).

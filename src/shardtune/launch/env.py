@@ -37,6 +37,12 @@ def read_rank_env(env: Mapping[str, str] | None = None) -> RankEnv:
     )
 
 
+def elastic_restart_count(env: Mapping[str, str] | None = None) -> int:
+    """How many times torchrun has restarted this job's workers (0 on the first attempt)."""
+    env = os.environ if env is None else env
+    return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def inside_launcher(env: Mapping[str, str] | None = None) -> bool:
     """True when a launcher (torchrun, deepspeed, accelerate) already started this process as a rank."""
     env = os.environ if env is None else env

@@ -12,7 +12,7 @@ import os
 import shlex
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shardtune.config.args import load_config
@@ -172,6 +172,11 @@ def worker_command(argv: list[str]) -> int:
     rank_env = launch_env.read_rank_env()
     accelerate_values = config_values_from_accelerate(launch_env.accelerate_settings())
     pre = preflight(argv, rank_env.world_size, rank_env.local_world_size, extra_values=accelerate_values)
+    if launch_env.elastic_restart_count() > 0 and pre.config.overwrite_output_dir:
+        # A restarted worker must continue from the latest checkpoint, never wipe the run it belongs to.
+        pre = replace(pre, config=replace(pre.config, overwrite_output_dir=False))
+        if rank_env.rank == 0:
+            print("[shardtune] restarted by torchrun: resuming instead of overwriting output_dir", flush=True)
     return run_worker(pre, rank_env if launch_env.inside_launcher() else None)
 
 

@@ -1,0 +1,1 @@
+"""Export checkpoints and outputs to plain Hugging Face model folders."""

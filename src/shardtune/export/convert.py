@@ -1,0 +1,162 @@
+"""Turn any checkpoint or final output into a plain Hugging Face model folder, in one process.
+
+Sources: a final output_dir (full model or LoRA adapter) or a ``checkpoint-<step>`` folder written by any engine
+(local/DDP ``trainable.safetensors``, FSDP sharded ``fsdp_state/`` or ``fsdp_full_state.pt``, DeepSpeed ZeRO
+``deepspeed/``). The number of processes that wrote it does not matter: sharded states are gathered here.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardtune.errors import ModelError
+
+RUN_CONFIG = "shardtune_config.json"
+
+
+def find_run_config(source: Path) -> dict[str, Any]:
+    """The resolved config of the run that wrote ``source`` (beside it, or in its output_dir)."""
+    for folder in (source, source.parent):
+        path = folder / RUN_CONFIG
+        if path.is_file():
+            return json.loads(path.read_text())
+    raise ModelError(f"export: no {RUN_CONFIG} in {source} or its parent; pass --model BASE_MODEL_DIR and "
+                     "--finetuning-type to say what was trained")
+
+
+def checkpoint_kind(source: Path) -> str:
+    """Which engine layout ``source`` holds."""
+    if (source / "deepspeed").is_dir():
+        return "deepspeed"
+    if (source / "fsdp_state").is_dir():
+        return "fsdp_sharded"
+    if (source / "fsdp_full_state.pt").is_file():
+        return "fsdp_full"
+    if (source / "trainable.safetensors").is_file():
+        return "torch"
+    if (source / "adapter_model.safetensors").is_file():
+        return "adapter"
+    if (source / "model.safetensors").is_file() or (source / "model.safetensors.index.json").is_file():
+        return "model"
+    raise ModelError(f"export: {source} holds no checkpoint shardtune knows (no deepspeed/, fsdp_state/, "
+                     "trainable.safetensors, adapter_model.safetensors or model.safetensors)")
+
+
+def build_trained_model(base: str, finetuning: dict[str, Any]) -> torch.nn.Module:
+    """The model structure that was trained: base weights, plus LoRA modules when LoRA was used."""
+    from shardtune.model.adapters import FinetuningSettings, apply_finetuning
+    from shardtune.model.load import load_causal_lm
+
+    model = load_causal_lm(base)
+    if finetuning.get("finetuning_type") != "lora":
+        return model
+    settings = FinetuningSettings(finetuning_type="lora", lora_rank=finetuning["lora_rank"],
+                                  lora_alpha=finetuning.get("lora_alpha"), lora_target=tuple(finetuning["lora_target"]))
+    return apply_finetuning(model, settings)
+
+
+def load_checkpoint_weights(model: torch.nn.Module, source: Path, kind: str) -> int:
+    """Copy the checkpoint's weights into ``model``; returns how many tensors were loaded."""
+    state = read_checkpoint_state(model, source, kind)
+    params = dict(model.state_dict())
+    unknown = [k for k in state if k not in params]
+    if unknown:
+        raise ModelError(f"export: {source} has weights the model lacks, e.g. {unknown[:3]}; is --model the base "
+                         "model this run trained?")
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    missing = [n for n in trainable if n not in state]
+    if missing:
+        raise ModelError(f"export: {source} lacks trained weights, e.g. {missing[:3]} (an incomplete save?)")
+    model.load_state_dict(state, strict=False)
+    return len(state)
+
+
+def read_checkpoint_state(model: torch.nn.Module, source: Path, kind: str) -> dict[str, torch.Tensor]:
+    if kind == "torch":
+        from safetensors.torch import load_file
+
+        return load_file(str(source / "trainable.safetensors"))
+    if kind == "fsdp_full":
+        return torch.load(source / "fsdp_full_state.pt", weights_only=True)["model"]
+    if kind == "fsdp_sharded":
+        return read_dcp_model_state(model, source / "fsdp_state")
+    if kind == "deepspeed":
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return dict(get_fp32_state_dict_from_zero_checkpoint(str(source), tag="deepspeed"))
+    raise ModelError(f"export: cannot read weights of kind {kind}")
+
+
+def read_dcp_model_state(model: torch.nn.Module, path: Path) -> dict[str, torch.Tensor]:
+    """Gather a torch distributed checkpoint in this one process (DCP reshards to the reader's layout)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    dcp.load(state, checkpoint_id=str(path))
+    return state["model"]
+
+
+def export_model(source: Path, out: Path, *, base: str | None = None, merge_lora: bool = False,
+                 finetuning_type: str | None = None) -> Path:
+    """Write ``out`` as a Hugging Face folder (safetensors, config, tokenizer) from ``source``."""
+    kind = checkpoint_kind(source)
+    run = find_run_config(source) if base is None or finetuning_type is None else {}
+    base = base or run.get("model_name_or_path")
+    finetuning = {**run, "finetuning_type": finetuning_type or run.get("finetuning_type")}
+    if not base:
+        raise ModelError("export: the base model is unknown; pass --model")
+    if kind == "model":
+        model = _load_plain(source)
+    elif kind == "adapter":
+        model = _load_adapter(base, source)
+    else:
+        model = build_trained_model(base, finetuning)
+        load_checkpoint_weights(model, source, kind)
+    if merge_lora and hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    save_exported(model, out, tokenizer_from=_tokenizer_source(source, base))
+    return out
+
+
+def _load_plain(source: Path) -> torch.nn.Module:
+    from shardtune.model.load import load_causal_lm
+
+    return load_causal_lm(str(source))
+
+
+def _load_adapter(base: str, source: Path) -> torch.nn.Module:
+    from peft import PeftModel
+
+    from shardtune.model.load import load_causal_lm
+
+    return PeftModel.from_pretrained(load_causal_lm(base), str(source))
+
+
+def _tokenizer_source(source: Path, base: str) -> str:
+    for folder in (source, source.parent):
+        if (folder / "tokenizer_config.json").is_file():
+            return str(folder)
+    return base
+
+
+def save_exported(model: torch.nn.Module, out: Path, tokenizer_from: str) -> None:
+    """Save weights + tokenizer, then check the written parameter count against the model's."""
+    from shardtune.model.load import load_tokenizer
+
+    if out.exists():
+        shutil.rmtree(out)
+    model.save_pretrained(out, safe_serialization=True)
+    load_tokenizer(tokenizer_from).save_pretrained(out)
+    check_saved_count(model, out)
+
+
+def check_saved_count(model: torch.nn.Module, out: Path) -> None:
+    """An empty or partial save is an error, never a silent success."""
+    from shardtune.model.saved import expected_saved_parameters, verify_saved
+
+    verify_saved(out, expected_saved_parameters(model))
