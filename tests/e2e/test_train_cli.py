@@ -52,7 +52,8 @@ def test_sft_full_example_with_eval(tiny_model_dir, tmp_path):
     assert losses[-1] < losses[0] - 0.8, losses
     assert any("eval_loss" in r for r in read_log(out))
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-20"]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-20", "checkpoint-40"]
+    assert all((out / name / "COMPLETE").is_file() for name in ("checkpoint-20", "checkpoint-40"))
 
 
 def test_pt_example(tiny_model_dir, tmp_path):

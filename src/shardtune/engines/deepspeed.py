@@ -23,12 +23,14 @@ from shardtune.engines.deepspeed_config import (
     has_own_scheduler,
     offloads_optimizer,
     offloads_params,
+    zero_shard_writers,
     zero_stage,
 )
 from shardtune.engines.distributed import DistContext, DistributedMixin
 from shardtune.errors import ConfigError
 from shardtune.train.optim import split_decay_groups
 
+UNIVERSAL_TAG = "deepspeed_universal"
 CHECKPOINT_TAG = "deepspeed"  # fixed tag: one DeepSpeed state per shardtune checkpoint-<step> folder
 
 
@@ -195,14 +197,43 @@ class DeepSpeedEngine(DistributedMixin, Engine):
         return box[0]
 
     def save_state(self, ckpt_dir: Path) -> None:
-        """All ranks write their shards; a LoRA run leaves the frozen base weights out."""
-        self.ds.save_checkpoint(str(ckpt_dir), tag=CHECKPOINT_TAG, exclude_frozen_parameters=self.is_peft)
+        """All ranks write their shards; a LoRA run leaves the frozen base weights out.
+
+        The (empty) universal-checkpoint info lets ``ds_to_universal`` convert the shards later, which is how a
+        checkpoint resumes on a different number of processes.
+        """
+        self.ds.save_checkpoint(str(ckpt_dir), tag=CHECKPOINT_TAG, exclude_frozen_parameters=self.is_peft,
+                                client_state={"universal_checkpoint_info": {}})
 
     def load_state(self, ckpt_dir: Path) -> None:
-        path, _ = self.ds.load_checkpoint(str(ckpt_dir), tag=CHECKPOINT_TAG, load_module_strict=not self.is_peft,
+        tag = CHECKPOINT_TAG
+        writers = zero_shard_writers(ckpt_dir / CHECKPOINT_TAG)
+        # The launching host refuses ZeRO-1/2 world-size changes first (resume_problems); this guards other paths.
+        if writers and writers != self.world_size:
+            if self.zero_stage != 3:
+                # DeepSpeed refuses a ZeRO-1/2 state from another world size, and its universal conversion of
+                # our ZeRO-1/2 states restored wrong weights when tried: refuse before loading anything.
+                from shardtune.errors import ModelError
+
+                raise ModelError(f"checkpoint {ckpt_dir} holds ZeRO-{self.zero_stage} shards of {writers} processes "
+                                 f"and this run has {self.world_size}: resume with {writers} processes, or run "
+                                 f"`shardtune export {ckpt_dir} --out DIR` and start a new run from DIR")
+            tag = self._convert_to_universal(ckpt_dir, writers)
+        path, _ = self.ds.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=not self.is_peft,
                                           load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
-            raise RuntimeError(f"deepspeed engine: no DeepSpeed state (tag {CHECKPOINT_TAG}) in {ckpt_dir}")
+            raise RuntimeError(f"deepspeed engine: no DeepSpeed state (tag {tag}) in {ckpt_dir}")
+
+    def _convert_to_universal(self, ckpt_dir: Path, writers: int) -> str:
+        """ZeRO shards are tied to the world size that wrote them; DeepSpeed's universal format is not."""
+        universal = ckpt_dir / UNIVERSAL_TAG
+        if self.is_main and not (universal / "zero").is_dir():
+            print(f"[shardtune] checkpoint written by {writers} processes, resuming on {self.world_size}: "
+                  f"converting to DeepSpeed's universal checkpoint in {universal}", flush=True)
+            convert_to_universal(ckpt_dir / CHECKPOINT_TAG, universal)
+        self.barrier()
+        self.ds._config.load_universal_checkpoint = True  # read by load_checkpoint; initialize() set it False
+        return UNIVERSAL_TAG
 
     def destroy(self) -> None:
         """Release DeepSpeed's hooks and buffers but keep the process group (e.g. to set up another engine)."""
@@ -267,3 +298,18 @@ def check_saved_numel(out_dir: Path, expected: int) -> str | None:
         return (f"save_model wrote {saved} elements to {out_dir} but the model has {expected}"
                 + (f"; empty tensors: {empty[:3]}" if empty else ""))
     return None
+
+
+def convert_to_universal(source: Path, target: Path) -> None:
+    import subprocess
+    import sys
+
+    from shardtune.errors import ModelError
+
+    argv = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(source),
+            "--output_folder", str(target)]
+    result = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        tail = result.stderr.strip().splitlines()[-1:] or ["(no message)"]
+        raise ModelError(f"checkpoint {source} cannot be converted for a different world size: {tail[0]}; resume "
+                         "with the number of processes that wrote it, or `shardtune export` it and start from that")

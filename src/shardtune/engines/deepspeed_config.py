@@ -437,3 +437,20 @@ def build_deepspeed_config(value: str | dict, inputs: DeepSpeedInputs) -> dict:
     if problems:
         raise ConfigError(*problems)
     return resolve_deepspeed_config(raw, inputs)
+
+
+def zero_shard_writers(tag_dir: Path) -> int:
+    """How many data-parallel ranks wrote the ZeRO optimizer shards in ``tag_dir`` (0: not sharded)."""
+    return len(list(Path(tag_dir).glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt")))
+
+
+def resume_problems(raw: dict, checkpoint_dir: Path | None, world_size: int) -> list[str]:
+    """A ZeRO-1/2 checkpoint only resumes on the world size that wrote it; ZeRO-3 is converted on load."""
+    if checkpoint_dir is None or zero_stage(raw) == 3:
+        return []
+    writers = zero_shard_writers(Path(checkpoint_dir) / "deepspeed")
+    if writers and writers != world_size:
+        return [f"checkpoint {checkpoint_dir} holds ZeRO-{zero_stage(raw)} shards of {writers} processes and this "
+                f"run has {world_size}: resume with {writers} processes, or run `shardtune export "
+                f"{checkpoint_dir} --out DIR` and start a new run from DIR"]
+    return []

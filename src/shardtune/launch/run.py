@@ -64,10 +64,13 @@ def _engine_problems(config: TrainConfig, engine: EnginePlan, world_size: int, l
             return [f"fsdp: {err}"]
     if engine.kind != "deepspeed" or engine.deepspeed_raw is None:
         return []
-    from shardtune.engines.deepspeed_config import deepspeed_problems
+    from shardtune.engines.deepspeed_config import deepspeed_problems, resume_problems
+    from shardtune.train.checkpoint import resume_source
 
     return deepspeed_problems(engine.deepspeed_raw, deepspeed_inputs(config, world_size),
-                              engine.deepspeed_source or "deepspeed")
+                              engine.deepspeed_source or "deepspeed") + \
+        resume_problems(engine.deepspeed_raw, resume_source(config), world_size)
+
 
 
 def deepspeed_inputs(config: TrainConfig, world_size: int):

@@ -87,3 +87,12 @@ def restore_rng_state(state: dict) -> None:
     random.setstate((3, tuple(state["python"]), state["python_pos"]))
     np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))
     torch.set_rng_state(state["torch"])
+
+
+def resume_source(config) -> Path | None:
+    """The checkpoint a run resumes from: the one named, else the latest complete one unless overwriting."""
+    if config.resume_from_checkpoint:
+        return Path(config.resume_from_checkpoint)
+    if config.overwrite_output_dir or not config.output_dir:
+        return None
+    return latest_checkpoint(Path(config.output_dir))

@@ -171,7 +171,7 @@ def _after_step(state: TrainState, s: LoopSettings, hooks: LoopHooks, interval: 
         interval.clear()
     if (s.eval_steps and step % s.eval_steps == 0) or (s.eval_each_epoch and end_of_epoch):
         hooks.on_evaluate(state)
-    if not last and ((s.save_steps and step % s.save_steps == 0) or (s.save_each_epoch and end_of_epoch)):
+    if (s.save_steps and step % s.save_steps == 0) or (s.save_each_epoch and end_of_epoch):
         hooks.on_save(state)
 
 

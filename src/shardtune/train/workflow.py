@@ -15,6 +15,7 @@ from shardtune.config.load import config_to_dict
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.base import Engine
 from shardtune.train import checkpoint
+from shardtune.train.checkpoint import resume_source
 from shardtune.train.loop import LoopSettings, TrainState, evaluate, run_loop, steps_per_epoch, total_training_steps
 from shardtune.train.optim import build_optimizer, build_scheduler, warmup_steps_for
 from shardtune.train.reporting import LOG_FILE, Reporter, plot_loss
@@ -92,9 +93,7 @@ def start_state(engine: Engine, c: TrainConfig, output_dir: Path) -> TrainState:
             clear_previous_run(output_dir)
         (output_dir / RESOLVED_CONFIG_FILE).write_text(json.dumps(config_to_dict(c), indent=2))
     engine.barrier()
-    source = Path(c.resume_from_checkpoint) if c.resume_from_checkpoint else None
-    if source is None and not c.overwrite_output_dir:
-        source = checkpoint.latest_checkpoint(output_dir)
+    source = resume_source(c)
     if source is None:
         return TrainState()
     if engine.is_main:

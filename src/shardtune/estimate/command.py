@@ -1,0 +1,137 @@
+"""`shardtune estimate CONFIG [key=value ...] [--gpus-per-node N] [--nodes M] [--gpu-memory 80GiB] ...`"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardtune.errors import ConfigError
+from shardtune.estimate.hardware import Hardware, parse_size
+
+USAGE = """usage: shardtune estimate CONFIG.yaml [key=value ...] [--gpus-per-node N] [--nodes M]
+                          [--gpu-memory SIZE] [--cpu-memory SIZE] [--model-config PATH] [--json]
+
+Estimates per-device memory of every engine option (DDP, ZeRO-1/2/3 with and without offload, FSDP
+strategies) from the model's config.json alone, marks which fit and recommends the fastest that does.
+
+  --gpus-per-node N    ranks per node (default: NPROC_PER_NODE, else the GPUs visible here, else 1)
+  --nodes M            number of nodes (default: NNODES, else 1)
+  --gpu-memory SIZE    memory of one GPU, e.g. 80GiB, 24GB (default: the GPUs visible here)
+  --cpu-memory SIZE    CPU memory of one node, e.g. 512GiB (default: this machine's)
+  --model-config PATH  config.json (or its folder) when model_name_or_path is a hub id not downloaded here
+  --json               print JSON (one object per option, bytes per component) instead of the table"""
+
+VALUE_FLAGS = ("--gpus-per-node", "--nodes", "--gpu-memory", "--cpu-memory", "--model-config")
+
+
+@dataclass(frozen=True)
+class EstimateArgs:
+    config_argv: list[str]
+    values: dict[str, str]
+    as_json: bool
+
+
+def split_estimate_args(argv: list[str]) -> EstimateArgs:
+    """Take our flags (``--flag value`` or ``--flag=value``) out; the rest is a train/check command line."""
+    rest: list[str] = []
+    values: dict[str, str] = {}
+    as_json = False
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, sep, value = arg.partition("=")
+        if arg == "--json":
+            as_json = True
+        elif name in VALUE_FLAGS:
+            if not sep:
+                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                    raise ConfigError(f"{name} needs a value, e.g. {name} {_EXAMPLES[name]}")
+                i += 1
+                value = argv[i]
+            values[name] = value
+        else:
+            rest.append(arg)
+        i += 1
+    return EstimateArgs(rest, values, as_json)
+
+
+_EXAMPLES = {"--gpus-per-node": "8", "--nodes": "2", "--gpu-memory": "80GiB", "--cpu-memory": "512GiB",
+             "--model-config": "path/to/config.json"}
+
+
+def parse_count(text: str, flag: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigError(f"{flag} ({text}): must be a whole number of at least 1")
+    return value
+
+
+def resolve_hardware(values: dict[str, str]) -> Hardware:
+    """Flags first, then the launch variables and this machine; no GPU here and no --gpu-memory is an error."""
+    from shardtune.launch.env import read_launch_env
+    from shardtune.launch.run import visible_gpu_count
+
+    env = read_launch_env()
+    gpus_here = visible_gpu_count()
+    nodes = parse_count(values["--nodes"], "--nodes") if "--nodes" in values else env.nnodes
+    per_node = parse_count(values["--gpus-per-node"], "--gpus-per-node") if "--gpus-per-node" in values \
+        else (env.nproc_per_node or max(gpus_here, 1))
+    if "--gpu-memory" in values:
+        gpu_memory = parse_size(values["--gpu-memory"], "--gpu-memory")
+    else:
+        gpu_memory = local_gpu_memory() if gpus_here else None
+        if gpu_memory is None:
+            raise ConfigError("--gpu-memory: no GPU is visible here; give the memory of one GPU of the machine "
+                              "to estimate for, e.g. --gpu-memory 80GiB")
+    cpu_memory = parse_size(values["--cpu-memory"], "--cpu-memory") if "--cpu-memory" in values \
+        else local_cpu_memory()
+    return Hardware(nodes=nodes, gpus_per_node=per_node, gpu_memory=gpu_memory, cpu_memory=cpu_memory)
+
+
+def local_gpu_memory() -> int | None:
+    """Memory of the first visible GPU from nvidia-smi (no torch import; None when it cannot be asked)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+        return int(out.split()[0]) * 1024**2
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def local_cpu_memory() -> int:
+    """MemTotal of this machine (Linux), else the physical pages sysconf reports."""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def estimate_command(argv: list[str]) -> int:
+    """Print the estimate table (or JSON) for a training config; exit code 0 even when nothing fits."""
+    from shardtune.config.args import load_config
+    from shardtune.estimate.config import workload_from_config
+    from shardtune.estimate.options import build_options
+    from shardtune.estimate.recommend import recommend
+    from shardtune.estimate.report import Estimate, estimate_dict, render_table
+    from shardtune.estimate.shape import load_model_shape
+
+    if "-h" in argv or "--help" in argv:
+        print(USAGE)
+        return 0
+    args = split_estimate_args(argv)
+    config, _ = load_config(args.config_argv)
+    shape = load_model_shape(config.model_name_or_path, args.values.get("--model-config"))
+    hardware = resolve_hardware(args.values)
+    workload = workload_from_config(config)
+    options = build_options(shape, workload, hardware)
+    estimate = Estimate(shape, workload, hardware, options, recommend(options, hardware))
+    print(json.dumps(estimate_dict(estimate), indent=2) if args.as_json else render_table(estimate))
+    return 0

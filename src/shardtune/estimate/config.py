@@ -1,0 +1,148 @@
+"""The memory model applied to a TrainConfig: what `train` (engine: auto), `check` and the workflow call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardtune.config.schema import TrainConfig
+from shardtune.errors import ConfigError, ShardtuneError
+from shardtune.estimate.hardware import Hardware, format_size
+from shardtune.estimate.options import (
+    OPTION_SPECS,
+    Context,
+    Option,
+    build_option,
+    build_options,
+    fsdp_states,
+    zero_settings,
+    zero_states,
+)
+from shardtune.estimate.recommend import recommend
+from shardtune.estimate.shape import ModelShape, load_model_shape
+from shardtune.estimate.workload import Workload
+
+
+def workload_from_config(c: TrainConfig) -> Workload:
+    """The estimate's view of a config: micro batch x cutoff_len tokens per device (the longest batch)."""
+    finetuning = "qlora" if c.finetuning_type == "lora" and c.quantization_bit is not None else c.finetuning_type
+    return Workload(
+        micro_batch=c.per_device_train_batch_size,
+        seq_len=c.cutoff_len,
+        precision="bf16" if c.bf16 else ("fp16" if c.fp16 else "fp32"),
+        finetuning_type=finetuning,
+        gradient_checkpointing=c.gradient_checkpointing,
+        lora_rank=c.lora_rank,
+        lora_targets=tuple(c.lora_target),
+        freeze_trainable_layers=c.freeze_trainable_layers,
+        freeze_trainable_modules=tuple(c.freeze_trainable_modules),
+        quantization_bit=c.quantization_bit,
+        attn_implementation=c.attn_implementation,
+        optim=c.optim,
+    )
+
+
+def options_for_config(c: TrainConfig, hardware: Hardware, model_config: str | None = None) -> list[Option]:
+    shape = load_model_shape(c.model_name_or_path, model_config)
+    return build_options(shape, workload_from_config(c), hardware)
+
+
+def recommend_for_config(config: TrainConfig, world_size: int, nproc_per_node: int, gpu_memory_bytes: int | None,
+                         cpu_memory_bytes: int) -> tuple[dict[str, Any], str]:
+    """Config values that select the fastest engine option that fits, and why (for `engine: auto`).
+
+    The values are meant for a config with neither ``deepspeed`` nor ``fsdp`` set: {} means DDP (or one
+    process). ``gpu_memory_bytes`` None means the ranks run on the CPU. Raises ConfigError when nothing fits.
+    """
+    hardware = hardware_for(world_size, nproc_per_node, gpu_memory_bytes, cpu_memory_bytes)
+    result = recommend(options_for_config(config, hardware), hardware)
+    if result.option is None:
+        raise ConfigError(f"engine (auto): {result.reason}")
+    return dict(result.option.engine_values), result.reason
+
+
+def hardware_for(world_size: int, nproc_per_node: int, gpu_memory_bytes: int | None,
+                 cpu_memory_bytes: int) -> Hardware:
+    nproc = max(1, nproc_per_node)
+    return Hardware(nodes=max(1, world_size // nproc), gpus_per_node=nproc, gpu_memory=gpu_memory_bytes,
+                    cpu_memory=cpu_memory_bytes)
+
+
+def configured_option(config: TrainConfig, hardware: Hardware, shape: ModelShape | None = None) -> Option:
+    """The option the config's own engine settings select (deepspeed JSON, fsdp words, or DDP)."""
+    shape = shape or load_model_shape(config.model_name_or_path)
+    c = Context(shape, workload_from_config(config), hardware)
+    name, states = _configured_states(config, c)
+    spec = next(s for s in OPTION_SPECS if s.name == name)
+    return build_option(spec.__class__(spec.name, spec.engine_values, spec.speed_rank, states, spec.family,
+                                       spec.offload), c)
+
+
+def _configured_states(config: TrainConfig, c: Context):
+    from shardtune.engines.fsdp_config import is_fsdp_requested, resolve_fsdp_settings
+
+    if config.deepspeed:
+        from shardtune.engines.deepspeed_config import load_deepspeed_setting
+
+        z = zero_settings(load_deepspeed_setting(config.deepspeed)[0], c.shape.hidden_size)
+        names = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+        name = names[z.stage] + ("+offload" if z.stage >= 2 and (z.offload_optimizer or z.offload_params) else "")
+        return name, lambda ctx: zero_states(ctx, z)
+    if is_fsdp_requested(config.fsdp, config.fsdp_config):
+        fsdp_config = config.fsdp_config if isinstance(config.fsdp_config, dict) else None
+        settings, _ = resolve_fsdp_settings(config.fsdp, fsdp_config)
+        return _fsdp_choice(settings, c)
+    return "DDP", OPTION_SPECS[0].states
+
+
+def _fsdp_choice(settings, c: Context):
+    strategy, offload = settings.sharding_strategy, settings.offload_params
+    if strategy == "NO_SHARD":
+        return "DDP", OPTION_SPECS[0].states
+    group = c.hardware.gpus_per_node if strategy.startswith("HYBRID") else c.ranks
+    reshard = strategy in ("FULL_SHARD", "HYBRID_SHARD")
+    name = "FSDP offload" if offload else {"FULL_SHARD": "FSDP FULL_SHARD", "SHARD_GRAD_OP": "FSDP SHARD_GRAD_OP"}.get(
+        strategy, "FSDP HYBRID_SHARD")
+    return name, lambda ctx: fsdp_states(ctx, group, reshard=reshard, offload=offload)
+
+
+def fit_warning(config: TrainConfig, world_size: int, nproc_per_node: int, gpu_memory_bytes: int | None,
+                cpu_memory_bytes: int) -> str | None:
+    """One line when the configured engine is estimated not to fit (for `shardtune check`), else None."""
+    hardware = hardware_for(world_size, nproc_per_node, gpu_memory_bytes, cpu_memory_bytes)
+    try:
+        option = configured_option(config, hardware)
+    except ShardtuneError:
+        return None  # an unreadable model shape is reported by the other checks
+    if option.fits or not option.available:
+        return None
+    best = recommend(build_options(load_model_shape(config.model_name_or_path), workload_from_config(config),
+                                   hardware), hardware)
+    hint = f"; {best.option.name} would fit ({_values(best.option)})" if best.option else f"; {best.reason}"
+    need = (f"{format_size(option.device_peak)} per GPU of {format_size(gpu_memory_bytes)}" if hardware.on_gpu
+            else f"{format_size(option.cpu_per_node)} of {format_size(cpu_memory_bytes)} CPU memory")
+    return f"memory: {option.name} is estimated to need {need}{hint}"
+
+
+def _values(option: Option) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in option.engine_values.items()) or "no deepspeed/fsdp setting"
+
+
+def estimate_for_run(config: TrainConfig, world_size: int, engine_kind: str, *, fsdp_settings: Any = None,
+                     deepspeed_raw: dict | None = None, local_world_size: int | None = None,
+                     on_gpu: bool = False) -> int | None:
+    """Estimated model states + activations per rank for the run as launched (what train_results.json records
+    beside the measured peak). ``engine_kind`` is EnginePlan.kind; None when the model shape is unknown."""
+    try:
+        shape = load_model_shape(config.model_name_or_path)
+    except ShardtuneError:
+        return None
+    nproc = local_world_size or world_size
+    hardware = hardware_for(world_size, nproc, 1 if on_gpu else None, 0)
+    c = Context(shape, workload_from_config(config), hardware)
+    if engine_kind == "deepspeed":
+        device = zero_states(c, zero_settings(deepspeed_raw or {}, shape.hidden_size))[0]
+    elif engine_kind == "fsdp" and fsdp_settings is not None:
+        device = _fsdp_choice(fsdp_settings, c)[1](c)[0]
+    else:
+        device = OPTION_SPECS[0].states(c)[0]
+    return int(round(device.measurable))

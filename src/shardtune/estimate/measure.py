@@ -1,0 +1,67 @@
+"""Measured peak memory of this rank, to record beside the estimate after a run.
+
+On a GPU: ``torch.cuda.max_memory_allocated`` (tensors only, like the estimate's measurable part). On the CPU:
+the process's peak resident memory. RSS also holds the interpreter and its libraries, so call
+``mark_memory_baseline`` just before the model is loaded and pass its result: the peak is then measured from
+that point (Linux resets the high-water mark through /proc/self/clear_refs) and the baseline is subtracted.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+@dataclass(frozen=True)
+class MemoryBaseline:
+    rss_bytes: int  # resident memory when marked (0 on a GPU)
+    peak_was_reset: bool  # the high-water mark restarted from rss_bytes
+
+
+def _cuda_in_use() -> bool:
+    # Never import torch here: a process that has not imported it is not using a GPU through it.
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized())
+
+
+def _status_bytes(field: str) -> int | None:
+    if not _STATUS.is_file():
+        return None
+    for line in _STATUS.read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def mark_memory_baseline() -> MemoryBaseline:
+    """Start measuring here: reset the peak counters and remember the current resident memory."""
+    if _cuda_in_use():
+        sys.modules["torch"].cuda.reset_peak_memory_stats()
+        return MemoryBaseline(0, True)
+    try:
+        _CLEAR_REFS.write_text("5")  # Linux: VmHWM := VmRSS
+        reset = True
+    except OSError:
+        reset = False
+    return MemoryBaseline(_status_bytes("VmRSS") or _ru_maxrss_bytes(), reset)
+
+
+def _ru_maxrss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # macOS reports bytes, Linux KiB
+
+
+def measured_peak_memory_bytes(baseline: MemoryBaseline | None = None) -> int:
+    """Peak accelerator memory allocated (GPU) or peak resident memory (CPU), minus ``baseline`` if given."""
+    if _cuda_in_use():
+        return int(sys.modules["torch"].cuda.max_memory_allocated())
+    peak = _status_bytes("VmHWM") or _ru_maxrss_bytes()
+    if baseline is None:
+        return peak
+    # Without a reset the high-water mark may predate the baseline; the difference is then a lower bound.
+    return max(0, peak - baseline.rss_bytes)

@@ -1,0 +1,343 @@
+"""Per-device memory of every engine option, modelled on how shardtune runs each engine.
+
+Torch engines (DDP, FSDP) keep fp32 weights and autocast to bf16/fp16; DeepSpeed casts the module to
+bf16/fp16 and keeps an fp32 master partition. Symbols: P total parameters, T trainable parameters, N ranks
+sharing the states (world size, or the ranks of one node for HYBRID_SHARD). Formulas: README.md here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+
+from shardtune.estimate.activations import activation_bytes, autocast_weight_copy_bytes
+from shardtune.estimate.hardware import GiB, Hardware
+from shardtune.estimate.shape import ModelShape
+from shardtune.estimate.workload import Workload, trainable_params, weight_bytes
+
+FP32 = 4
+# CUDA context, cuBLAS and NCCL workspaces: outside torch.cuda.max_memory_allocated, but on the device.
+GPU_RUNTIME_BYTES = 1 * GiB
+# The caching allocator's fragmentation, as a fraction of everything else on the device.
+ALLOCATOR_RESERVE = 0.05
+# Resident memory of one rank's interpreter with torch, transformers, datasets and DeepSpeed imported.
+CPU_RUNTIME_BYTES = 1 * GiB
+# DeepSpeed's defaults (and the shipped presets) for the sizes that bound its buffers, in elements.
+DEFAULT_REDUCE_BUCKET = 500_000_000
+DEFAULT_LIVE_PARAMETERS = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class Components:
+    """Bytes per device (or per rank in CPU memory) by what holds them."""
+
+    parameters: float = 0.0
+    gradients: float = 0.0
+    optimizer_states: float = 0.0
+    activations: float = 0.0
+    overhead: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.measurable + self.overhead
+
+    @property
+    def measurable(self) -> float:
+        """Model states + activations: the part a CPU run can measure (no runtime or allocator overhead)."""
+        return self.parameters + self.gradients + self.optimizer_states + self.activations
+
+    def to_dict(self) -> dict[str, int]:
+        data = {f.name: int(round(getattr(self, f.name))) for f in fields(self)}
+        data["total"] = int(round(self.total))
+        return data
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to run the job, with its memory on each device and in each node's CPU memory."""
+
+    name: str
+    engine_values: dict[str, str]
+    speed_rank: int  # lower is faster: less sharding, less offload
+    device: Components
+    cpu_per_rank: float  # offloaded states, or the fp32 copy every rank loads, whichever is larger
+    setup_device: float  # device bytes while the engine sets up (before it shards)
+    available: bool = True
+    note: str = ""
+    fits: bool = False
+    cpu_per_node: float = 0.0
+    device_peak: float = field(default=0.0)
+
+
+StateFn = Callable[["Context"], tuple[Components, float, float]]
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """What decides DeepSpeed's memory, read from its JSON (a preset or the user's file)."""
+
+    stage: int
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET
+    live_parameters: int = DEFAULT_LIVE_PARAMETERS
+
+
+def zero_settings(raw: dict, hidden_size: int) -> ZeroSettings:
+    """Stage, offload and buffer sizes; "auto" sizes resolve as shardtune resolves them (hidden_size squared)."""
+    from shardtune.engines.deepspeed_config import offloads_optimizer, offloads_params, zero_section, zero_stage
+
+    zero = zero_section(raw)
+
+    def size(key: str, default: int) -> int:
+        value = zero.get(key, default)
+        return hidden_size**2 if value == "auto" else int(float(value))
+
+    # Parameters are released after use only when not reused within max_reuse_distance, and at most
+    # max_live_parameters stay gathered: the smaller of the two bounds the gathered working set.
+    live = min(size("stage3_max_live_parameters", DEFAULT_LIVE_PARAMETERS),
+               size("stage3_max_reuse_distance", DEFAULT_LIVE_PARAMETERS))
+    return ZeroSettings(stage=max(zero_stage(raw), 0), offload_optimizer=offloads_optimizer(raw),
+                        offload_params=offloads_params(raw), reduce_bucket_size=size("reduce_bucket_size",
+                                                                                     DEFAULT_REDUCE_BUCKET),
+                        live_parameters=live)
+
+
+def preset_zero_settings(preset: str, hidden_size: int) -> ZeroSettings:
+    from shardtune.engines.deepspeed_config import load_deepspeed_setting
+
+    return zero_settings(load_deepspeed_setting(preset)[0], hidden_size)
+
+
+@dataclass(frozen=True)
+class Context:
+    shape: ModelShape
+    workload: Workload
+    hardware: Hardware
+
+    @property
+    def params(self) -> int:
+        return self.shape.total_params
+
+    @property
+    def trainable(self) -> int:
+        return trainable_params(self.shape, self.workload)
+
+    @property
+    def ranks(self) -> int:
+        return self.hardware.world_size
+
+    @property
+    def ds_bytes(self) -> int:
+        """DeepSpeed's module dtype: bf16/fp16 under mixed precision, else fp32."""
+        return self.workload.compute_bytes
+
+
+# --- torch engines: DDP and FSDP ---
+
+def ddp_states(c: Context) -> tuple[Components, float, float]:
+    """Full fp32 weights, gradients and Adam states; DDP's buckets hold a second copy of the gradients."""
+    w, t = c.workload, c.trainable
+    weights = weight_bytes(c.shape, w, FP32)
+    buckets = FP32 * t if c.ranks > 1 else 0  # gradient_as_bucket_view is off: buckets are separate
+    device = Components(
+        parameters=weights + autocast_weight_copy_bytes(c.shape, w),
+        gradients=FP32 * t + buckets,
+        optimizer_states=w.optimizer_state_bytes * t,
+        activations=activation_bytes(c.shape, w, FP32),
+    )
+    return device, weights, weights
+
+
+def fsdp_units(c: Context) -> tuple[float, float]:
+    """fp32 bytes of the root unit (embeddings, final norm, lm_head) and of one decoder-layer unit."""
+    s = c.shape
+    root = FP32 * (s.embedding_params + s.head_params + s.hidden_size)
+    layer = (weight_bytes(s, c.workload, FP32) - root) / s.num_layers
+    return root, layer
+
+
+def fsdp_trainable_units(c: Context) -> tuple[float, float]:
+    """fp32 gradient bytes of the root unit and of one layer unit before they are reduce-scattered."""
+    s, w = c.shape, c.workload
+    if w.finetuning_type != "full":
+        return 0.0, FP32 * c.trainable / max(1, s.num_layers)
+    root = FP32 * (s.embedding_params + s.head_params + s.hidden_size)
+    return root, FP32 * s.layer_params
+
+
+def fsdp_states(c: Context, group: int, reshard: bool, offload: bool) -> tuple[Components, float, float]:
+    """FSDP2 over ``group`` ranks. The root unit stays gathered from forward to the end of backward; two layer
+    units are gathered at a time (current + prefetched), or all of them after forward without resharding."""
+    w, t = c.workload, c.trainable
+    weights = weight_bytes(c.shape, w, FP32)
+    root, layer = fsdp_units(c)
+    root_grads, layer_grads = fsdp_trainable_units(c)
+    gathered = root + (2 * layer if reshard else weights - root)
+    sharded = 0.0 if offload else 1.0
+    device = Components(
+        parameters=sharded * weights / group + gathered + autocast_weight_copy_bytes(c.shape, w),
+        gradients=sharded * FP32 * t / group + root_grads + layer_grads,
+        optimizer_states=sharded * w.optimizer_state_bytes * t / group,
+        activations=activation_bytes(c.shape, w, FP32),
+    )
+    offloaded = (weights + (FP32 + w.optimizer_state_bytes) * t) / group if offload else 0.0
+    setup = 0.0 if offload else weights  # shard_fsdp2 moves the whole model to the device first
+    return device, max(weights, offloaded), setup
+
+
+# --- DeepSpeed ZeRO ---
+
+def zero_divisors(stage: int, ranks: int) -> tuple[int, int, int]:
+    """How many ranks share (parameters, gradients, optimizer states) at a ZeRO stage: the paper's
+    P_os (stage 1), P_os+g (stage 2) and P_os+g+p (stage 3)."""
+    return (ranks if stage >= 3 else 1, ranks if stage >= 2 else 1, ranks if stage >= 1 else 1)
+
+
+def zero_paper_model_states(params: float, ranks: int, stage: int, k: float = 12, param_bytes: float = 2,
+                            grad_bytes: float = 2) -> float:
+    """Model-state bytes per device as in the ZeRO paper (Rajbhandari et al., 2020, figure 1): fp16 parameters
+    and gradients (2 + 2 bytes) and K bytes of optimizer state per parameter (12 for mixed-precision Adam:
+    fp32 master, momentum, variance), each divided by the ranks that share it at this stage."""
+    p, g, o = zero_divisors(stage, ranks)
+    return param_bytes * params / p + grad_bytes * params / g + k * params / o
+
+
+def zero_states(c: Context, z: ZeroSettings) -> tuple[Components, float, float]:
+    """DeepSpeed ZeRO as the paper models it (parameters and gradients in the module dtype b, K = 4 + optimizer
+    state bytes for the fp32 master partition and states), plus what DeepSpeed adds: the gradient staging
+    bucket and, at stage 3, the gathered parameters. DeepSpeed keeps the separate fp32 master partition even in
+    fp32 training."""
+    w, t, n, b = c.workload, c.trainable, c.ranks, c.ds_bytes
+    p_div, g_div, o_div = zero_divisors(z.stage, n)
+    weights = weight_bytes(c.shape, w, b)
+    k = FP32 + w.optimizer_state_bytes
+    activations = activation_bytes(c.shape, w, b)
+    staging = staging_bucket_bytes(z, b, t, activations, c.hardware.on_gpu)
+    params = weights
+    if z.stage == 3:
+        gathered = weights * min(c.params, z.live_parameters) / c.params
+        params = (0.0 if z.offload_params else weights / p_div) + gathered
+    device = Components(
+        parameters=params,
+        gradients=staging + (0.0 if z.offload_optimizer else b * t / g_div),
+        optimizer_states=0.0 if z.offload_optimizer else k * t / o_div,
+        activations=activations,
+    )
+    offloaded = 0.0
+    if z.offload_optimizer:
+        offloaded += (FP32 + k) * t / n + b * t / n  # fp32 gradient partition, master + states, pinned copy
+    if z.offload_params:
+        offloaded += weights / n
+    load = weight_bytes(c.shape, w, FP32)  # every rank loads the fp32 checkpoint before DeepSpeed casts it
+    return device, max(load, offloaded), zero_setup_bytes(z, weights, t, n)
+
+
+def staging_bucket_bytes(z: ZeroSettings, b: int, trainable: int, activations: float, on_gpu: bool) -> float:
+    """Gradient memory of ZeRO's reduction beyond the gradient partition.
+
+    Each backward copies gradients into a bucket (contiguous_gradients, torch.empty(reduce_bucket_size) every
+    micro-step) and, when it reduces the bucket at the end of the backward, flattens them into one more tensor
+    of the filled size. On a GPU the caching allocator reserves the whole bucket up front. In CPU memory only
+    written pages are resident, and both buffers fill while the backward frees the activations, so they add
+    only what exceeds the activations.
+    """
+    filled = b * min(z.reduce_bucket_size, trainable)
+    if on_gpu:
+        return b * z.reduce_bucket_size + max(0.0, filled - activations)
+    return max(0.0, 2 * filled - activations)
+
+
+def zero_setup_bytes(z: ZeroSettings, weights: float, trainable: int, ranks: int) -> float:
+    """Device bytes while deepspeed.initialize runs: it moves the whole (cast) module to the device before
+    partitioning it; ZeRO-3 then fills a zeroed fp32 gradient buffer as large as the trainable parameters
+    (up to sub_group_size) to create the optimizer states."""
+    if z.stage < 3:
+        return weights
+    return max(weights, weights / ranks + FP32 * min(trainable, DEFAULT_LIVE_PARAMETERS))
+
+
+def zero_preset_states(preset: str) -> StateFn:
+    return lambda c: zero_states(c, preset_zero_settings(preset, c.shape.hidden_size))
+
+
+# --- the options, fastest first ---
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    name: str
+    engine_values: dict[str, str]
+    speed_rank: int
+    states: StateFn
+    family: str  # "torch", "fsdp" or "deepspeed": availability rules differ
+    offload: bool = False
+
+
+OPTION_SPECS: tuple[OptionSpec, ...] = (
+    OptionSpec("DDP", {}, 0, ddp_states, "torch"),
+    OptionSpec("ZeRO-1", {"deepspeed": "z1"}, 1, zero_preset_states("z1"), "deepspeed"),
+    OptionSpec("ZeRO-2", {"deepspeed": "z2"}, 2, zero_preset_states("z2"), "deepspeed"),
+    OptionSpec("FSDP SHARD_GRAD_OP", {"fsdp": "shard_grad_op auto_wrap"}, 3,
+               lambda c: fsdp_states(c, c.ranks, reshard=False, offload=False), "fsdp"),
+    OptionSpec("FSDP HYBRID_SHARD", {"fsdp": "hybrid_shard auto_wrap"}, 4,
+               lambda c: fsdp_states(c, c.hardware.gpus_per_node, reshard=True, offload=False), "fsdp"),
+    OptionSpec("ZeRO-3", {"deepspeed": "z3"}, 5, zero_preset_states("z3"), "deepspeed"),
+    OptionSpec("FSDP FULL_SHARD", {"fsdp": "full_shard auto_wrap"}, 5,
+               lambda c: fsdp_states(c, c.ranks, reshard=True, offload=False), "fsdp"),
+    OptionSpec("ZeRO-2+offload", {"deepspeed": "z2_offload"}, 6,
+               zero_preset_states("z2_offload"), "deepspeed", offload=True),
+    OptionSpec("ZeRO-3+offload", {"deepspeed": "z3_offload"}, 7,
+               zero_preset_states("z3_offload"), "deepspeed", offload=True),
+    OptionSpec("FSDP offload", {"fsdp": "full_shard auto_wrap offload"}, 7,
+               lambda c: fsdp_states(c, c.ranks, reshard=True, offload=True), "fsdp", offload=True),
+)
+
+
+def unavailable_reason(spec: OptionSpec, c: Context) -> str:
+    """Why shardtune would refuse this option for this job ('' when it would run)."""
+    w, hw = c.workload, c.hardware
+    if spec.offload and not hw.on_gpu:
+        return "the ranks already run on the CPU"
+    if spec.family == "fsdp" and w.precision == "fp16":
+        return "FSDP cannot unscale fp16 gradients; use bf16"
+    if spec.family == "deepspeed" and w.precision == "fp16" and not hw.on_gpu:
+        return "DeepSpeed has no fp16 on the CPU; use bf16"
+    if w.quantization_bit is not None and spec.name.startswith("ZeRO-3"):
+        return "ZeRO-3 cannot partition bitsandbytes weights"
+    if w.quantization_bit == 8 and spec.family == "fsdp":
+        return "FSDP cannot shard 8-bit bitsandbytes weights"
+    if spec.family == "deepspeed" and spec.offload and w.optim not in ("adamw_torch", "adamw_torch_fused"):
+        return f"optimizer offload runs DeepSpeedCPUAdam, not {w.optim}"
+    if spec.name == "FSDP HYBRID_SHARD" and (hw.nodes < 2 or hw.gpus_per_node < 2):
+        return "needs 2+ nodes with 2+ ranks each (on one node it is FULL_SHARD)"
+    return ""
+
+
+def with_overhead(device: Components, on_gpu: bool) -> Components:
+    if not on_gpu:
+        return device
+    overhead = GPU_RUNTIME_BYTES + ALLOCATOR_RESERVE * device.measurable
+    return Components(device.parameters, device.gradients, device.optimizer_states, device.activations, overhead)
+
+
+def build_option(spec: OptionSpec, c: Context) -> Option:
+    """Evaluate one option and decide whether it fits the hardware."""
+    device, cpu_rank, setup = spec.states(c)
+    hw = c.hardware
+    device = with_overhead(device, hw.on_gpu)
+    peak = max(device.total, setup)
+    per_node = hw.gpus_per_node * (cpu_rank + CPU_RUNTIME_BYTES)
+    if not hw.on_gpu:  # device memory is this node's RAM
+        per_node = hw.gpus_per_node * (max(device.total, setup, cpu_rank) + CPU_RUNTIME_BYTES)
+    reason = unavailable_reason(spec, c)
+    fits_device = not hw.on_gpu or peak <= (hw.gpu_memory or 0)
+    fits = not reason and fits_device and per_node <= hw.cpu_memory
+    return Option(spec.name, dict(spec.engine_values), spec.speed_rank, device, cpu_rank, setup,
+                  available=not reason, note=reason, fits=fits, cpu_per_node=per_node, device_peak=peak)
+
+
+def build_options(shape: ModelShape, workload: Workload, hardware: Hardware) -> list[Option]:
+    """Every engine option, fastest first."""
+    c = Context(shape, workload, hardware)
+    return [build_option(spec, c) for spec in OPTION_SPECS]

@@ -1,0 +1,53 @@
+"""Pick the fastest option that fits and say why."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardtune.estimate.hardware import Hardware, format_size
+from shardtune.estimate.options import Option
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    option: Option | None
+    reason: str
+
+
+def recommend(options: list[Option], hardware: Hardware) -> Recommendation:
+    """The fastest available option that fits; ties (ZeRO-3 vs FULL_SHARD) go to the smaller device peak."""
+    fitting = [o for o in options if o.fits]
+    if not fitting:
+        return Recommendation(None, nothing_fits_reason(options, hardware))
+    best = min(fitting, key=lambda o: (o.speed_rank, o.device_peak))
+    return Recommendation(best, fit_reason(best, options, hardware))
+
+
+def fit_reason(best: Option, options: list[Option], hardware: Hardware) -> str:
+    """'ZeRO-2: fits in 38.1 GiB of 80 GiB per GPU; faster options need more: DDP 96 GiB, ZeRO-1 52 GiB.'"""
+    where = f"{format_size(best.device_peak)} of {format_size(hardware.gpu_memory)} per GPU" if hardware.on_gpu \
+        else f"{format_size(best.cpu_per_node)} of {format_size(hardware.cpu_memory)} CPU memory"
+    faster = [o for o in options if o.speed_rank < best.speed_rank and o.available and not o.fits]
+    text = f"{best.name} is the fastest option that fits ({where})"
+    if faster:
+        text += "; the faster ones do not: " + ", ".join(f"{o.name} {_shortfall(o, hardware)}" for o in faster)
+    elif best.speed_rank == 0:
+        text += ": no sharding or offload is needed"
+    return text
+
+
+def _shortfall(option: Option, hardware: Hardware) -> str:
+    if hardware.on_gpu and option.device_peak > (hardware.gpu_memory or 0):
+        return f"needs {format_size(option.device_peak)}"
+    return f"needs {format_size(option.cpu_per_node)} CPU memory per node"
+
+
+def nothing_fits_reason(options: list[Option], hardware: Hardware) -> str:
+    available = [o for o in options if o.available]
+    if not available:
+        return "no engine option can run this job here"
+    smallest = min(available, key=lambda o: o.device_peak if hardware.on_gpu else o.cpu_per_node)
+    return (f"no option fits {hardware.describe()}; the smallest, {smallest.name}, needs "
+            f"{format_size(smallest.device_peak)} per device and {format_size(smallest.cpu_per_node)} CPU memory "
+            "per node: enable gradient_checkpointing, lower per_device_train_batch_size or cutoff_len, use LoRA, "
+            "or add GPUs")

@@ -1,0 +1,112 @@
+"""The estimate as a table for people and as JSON for scripts (same content)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from shardtune.estimate.hardware import GiB, Hardware
+from shardtune.estimate.options import Option
+from shardtune.estimate.recommend import Recommendation
+from shardtune.estimate.shape import ModelShape
+from shardtune.estimate.workload import Workload, trainable_params
+
+
+@dataclass(frozen=True)
+class Estimate:
+    shape: ModelShape
+    workload: Workload
+    hardware: Hardware
+    options: list[Option]
+    recommendation: Recommendation
+
+
+def option_dict(o: Option) -> dict[str, Any]:
+    return {
+        "name": o.name,
+        "engine_values": o.engine_values,
+        "available": o.available,
+        "fits": o.fits,
+        "note": o.note,
+        "device_bytes": o.device.to_dict(),
+        "device_peak_bytes": int(round(o.device_peak)),
+        "setup_device_bytes": int(round(o.setup_device)),
+        "cpu_bytes_per_rank": int(round(o.cpu_per_rank)),
+        "cpu_bytes_per_node": int(round(o.cpu_per_node)),
+    }
+
+
+def estimate_dict(e: Estimate) -> dict[str, Any]:
+    """JSON-ready: one object per option with its bytes per component."""
+    best = e.recommendation.option
+    return {
+        "model": {**asdict(e.shape), "total_params": e.shape.total_params,
+                  "trainable_params": trainable_params(e.shape, e.workload)},
+        "workload": asdict(e.workload),
+        "hardware": {**asdict(e.hardware), "world_size": e.hardware.world_size},
+        "options": [option_dict(o) for o in e.options],
+        "recommendation": {"name": best.name if best else None,
+                           "engine_values": best.engine_values if best else None,
+                           "reason": e.recommendation.reason},
+    }
+
+
+COLUMNS = ("option", "params", "grads", "optim", "activ", "overhead", "per GPU", "CPU/node", "fits")
+
+
+def render_table(e: Estimate) -> str:
+    """Header lines, one row per option (GiB), and the recommendation with its reason."""
+    rows = [COLUMNS] + [_row(o, e.hardware) for o in e.options]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines = [_header(e), ""]
+    for row in rows:
+        cells = [row[0].ljust(widths[0])] + [c.rjust(widths[i + 1]) for i, c in enumerate(row[1:-1])] + [row[-1]]
+        lines.append("  ".join(cells).rstrip())
+    if e.hardware.on_gpu and any(_setup_dominates(o) for o in e.options):
+        lines += ["", "* the peak comes while the engine sets up: the whole model is on each device before it is "
+                  "sharded"]
+    notes = [f"  {o.name}: {o.note}" for o in e.options if o.note]
+    if notes:
+        lines += ["", "not available:", *notes]
+    best = e.recommendation.option
+    lines += ["", f"recommended: {best.name} ({_values(best)})" if best else "recommended: none",
+              f"why: {e.recommendation.reason}"]
+    return "\n".join(lines)
+
+
+def _header(e: Estimate) -> str:
+    s, w = e.shape, e.workload
+    trainable = trainable_params(s, w)
+    method = w.finetuning_type + (f" r={w.lora_rank}" if w.is_lora else "")
+    checkpointing = "on" if w.gradient_checkpointing else "off"
+    return "\n".join([
+        f"model: {s.source or s.model_type} ({s.total_params / 1e9:.3g}B params; {method}, "
+        f"{trainable / 1e9:.3g}B trainable)",
+        f"run: {w.precision}, micro batch {w.micro_batch} x {w.seq_len} tokens, gradient checkpointing "
+        f"{checkpointing}, {w.attn_implementation} attention, {w.optim}",
+        f"hardware: {e.hardware.describe()} (world size {e.hardware.world_size})",
+        "memory per device in GiB; 'CPU/node' adds every rank of a node (offloaded states or the fp32 copy each "
+        "rank loads)",
+    ])
+
+
+def _row(o: Option, hw: Hardware) -> tuple[str, ...]:
+    d = o.device
+    fits = "yes" if o.fits else ("n/a" if not o.available else "no")
+    peak = _gib(o.device_peak) + ("*" if _setup_dominates(o) else "") if hw.on_gpu else "-"
+    return (o.name, _gib(d.parameters), _gib(d.gradients), _gib(d.optimizer_states), _gib(d.activations),
+            _gib(d.overhead), peak, _gib(o.cpu_per_node), fits)
+
+
+def _setup_dominates(o: Option) -> bool:
+    return o.setup_device > o.device.total
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / GiB:.1f}" if num_bytes >= 0.05 * GiB or num_bytes == 0 else f"{num_bytes / GiB:.2f}"
+
+
+def _values(option: Option) -> str:
+    values = ", ".join(f"{k}: {v}" for k, v in option.engine_values.items())
+    return values or "no deepspeed/fsdp key"
+

@@ -1,0 +1,106 @@
+"""What is trained and how: the inputs of the memory model besides the model shape and the hardware."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardtune.estimate.shape import ModelShape, freeze_trainable_params, lora_params, lora_target_modules
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+FINETUNING_TYPES = ("full", "freeze", "lora", "qlora")
+
+# Optimizer state bytes per trainable parameter (all fp32 unless noted).
+OPTIMIZER_STATE_BYTES = {
+    "adamw_torch": 8,  # exp_avg + exp_avg_sq
+    "adamw_torch_fused": 8,
+    "adamw_8bit": 2,  # two 8-bit states (block constants are negligible)
+    "sgd": 0,  # shardtune's SGD has no momentum buffer
+    "adafactor": 0,  # factored second moment: rows + columns per matrix, negligible next to the weights
+}
+
+# 4-bit NF4 with double quantization: 4 bits per weight + 8-bit absmax per 64 weights + fp32 per 256 blocks.
+NF4_BYTES_PER_PARAM = 0.5 + (8 / 64 + 32 / (64 * 256)) / 8
+# LLM.int8: one byte per weight + an fp32 scale per output row (negligible).
+INT8_BYTES_PER_PARAM = 1.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Per-device batch geometry, precision and fine-tuning method."""
+
+    micro_batch: int
+    seq_len: int
+    precision: str = "fp32"
+    finetuning_type: str = "full"
+    gradient_checkpointing: bool = False
+    lora_rank: int = 8
+    lora_targets: tuple[str, ...] = ("all",)
+    freeze_trainable_layers: int = 2
+    freeze_trainable_modules: tuple[str, ...] = ("all",)
+    quantization_bit: int | None = None
+    attn_implementation: str = "sdpa"
+    optim: str = "adamw_torch"
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+    @property
+    def mixed_precision(self) -> bool:
+        return self.precision != "fp32"
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes of one activation element in the matmuls: 2 under bf16/fp16, else 4."""
+        return 2 if self.mixed_precision else 4
+
+    @property
+    def is_lora(self) -> bool:
+        return self.finetuning_type in ("lora", "qlora")
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        return OPTIMIZER_STATE_BYTES.get(self.optim, 8)
+
+
+def trainable_params(shape: ModelShape, w: Workload) -> int:
+    """Parameters that get gradients and optimizer states."""
+    if w.is_lora:
+        return lora_params(shape, w.lora_rank, w.lora_targets)
+    if w.finetuning_type == "freeze":
+        return freeze_trainable_params(shape, w.freeze_trainable_layers, w.freeze_trainable_modules)
+    return shape.total_params
+
+
+def grad_path_layers(shape: ModelShape, w: Workload) -> int:
+    """Decoder layers the backward pass runs through (and that therefore keep activations).
+
+    Freezing the last N layers stops the backward after them; freezing all but the first N does not.
+    """
+    if w.finetuning_type == "freeze" and w.freeze_trainable_layers > 0:
+        return min(w.freeze_trainable_layers, shape.num_layers)
+    return shape.num_layers
+
+
+def quantized_linear_params(shape: ModelShape, w: Workload) -> int:
+    """Base linear weights stored by bitsandbytes (QLoRA); 0 without quantization."""
+    if w.quantization_bit is None:
+        return 0
+    return shape.num_layers * shape.layer_linear_params
+
+
+def weight_bytes(shape: ModelShape, w: Workload, module_bytes: int) -> float:
+    """Bytes of all weights as the engine holds them: ``module_bytes`` each, quantized linears less.
+
+    LoRA adapters are counted at ``module_bytes`` too (peft creates them in the module's dtype; under QLoRA
+    prepare_model_for_kbit_training upcasts everything that is not quantized to fp32).
+    """
+    quantized = quantized_linear_params(shape, w)
+    per_quantized = NF4_BYTES_PER_PARAM if w.quantization_bit == 4 else INT8_BYTES_PER_PARAM
+    adapters = lora_params(shape, w.lora_rank, w.lora_targets) if w.is_lora else 0
+    plain = shape.total_params - quantized + adapters
+    return plain * module_bytes + quantized * per_quantized
+
+
+def lora_module_count(w: Workload) -> int:
+    return len(lora_target_modules(w.lora_targets)) if w.is_lora else 0

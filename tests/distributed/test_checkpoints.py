@@ -1,0 +1,148 @@
+"""Checkpoints for every engine family: resume continues the loss curve, across world sizes, after SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, cli_env, run_cli
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+RUN = ("examples/tiny/sft_full.yaml", "max_steps=6", "save_steps=3", "logging_steps=1", "do_eval=false",
+       "eval_strategy=no", "val_size=0", "plot_loss=false", "max_samples=80", "gradient_accumulation_steps=2",
+       "learning_rate=1e-3", "lr_scheduler_type=cosine", "warmup_steps=1")
+
+
+def train(model: Path, out: Path, nproc: int, micro: int, *extra: str, overwrite: bool = True) -> None:
+    env = {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": str(nproc)}
+    result = run_cli("train", *RUN, f"model_name_or_path={model}", f"output_dir={out}",
+                     f"per_device_train_batch_size={micro}", f"overwrite_output_dir={str(overwrite).lower()}",
+                     *extra, **env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result
+
+
+def losses_by_step(out: Path) -> dict[int, float]:
+    records = [json.loads(x) for x in (out / "trainer_log.jsonl").read_text().splitlines() if x.strip()]
+    return {r["current_steps"]: r["loss"] for r in records if "loss" in r}
+
+
+def crash_after_first_checkpoint(finished: Path, crashed: Path) -> None:
+    """A copy of a finished run as it was when the process died right after checkpoint-3."""
+    shutil.copytree(finished, crashed)
+    for path in crashed.iterdir():
+        if path.name not in ("checkpoint-3", "trainer_log.jsonl", "shardtune_config.json", ".shardtune"):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    kept = [x for x in (crashed / "trainer_log.jsonl").read_text().splitlines()
+            if json.loads(x)["current_steps"] <= 3]
+    (crashed / "trainer_log.jsonl").write_text("\n".join(kept) + "\n")
+
+
+FAMILIES = {
+    "ddp": (),
+    "fsdp2-sharded": ("fsdp=full_shard auto_wrap",),
+    "fsdp1-full_state_dict": ("fsdp=full_shard auto_wrap",
+                              "fsdp_config={'fsdp_version': 1, 'fsdp_state_dict_type': 'FULL_STATE_DICT'}"),
+    "deepspeed-z2": ("deepspeed=z2",),
+    "deepspeed-z3": ("deepspeed=z3",),
+    "fsdp2-lora": ("fsdp=full_shard auto_wrap", "finetuning_type=lora"),
+    "deepspeed-z3-lora": ("deepspeed=z3", "finetuning_type=lora"),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_resume_matches_uninterrupted_run(family, tiny_model_dir, tmp_path):
+    finished, crashed = tmp_path / "finished", tmp_path / "crashed"
+    train(tiny_model_dir, finished, 2, 2, *FAMILIES[family])
+    assert (finished / "checkpoint-3" / "COMPLETE").is_file()
+    crash_after_first_checkpoint(finished, crashed)
+    result = train(tiny_model_dir, crashed, 2, 2, *FAMILIES[family], overwrite=False)
+    assert "resuming from" in result.stdout
+    expected, resumed = losses_by_step(finished), losses_by_step(crashed)
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-3), (step, resumed, expected)
+
+
+@pytest.mark.parametrize("family", ["fsdp2-sharded", "deepspeed-z3"])
+def test_resume_on_a_different_world_size(family, tiny_model_dir, tmp_path):
+    """Written by 2 processes, resumed by 1 with the same global batch: the curve continues."""
+    finished, crashed = tmp_path / "finished", tmp_path / "crashed"
+    train(tiny_model_dir, finished, 2, 2, *FAMILIES[family])
+    crash_after_first_checkpoint(finished, crashed)
+    train(tiny_model_dir, crashed, 1, 4, *FAMILIES[family], overwrite=False)
+    expected, resumed = losses_by_step(finished), losses_by_step(crashed)
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(expected[step], rel=2e-3), (step, resumed, expected)
+
+
+def test_zero2_on_a_different_world_size_says_what_to_do(tiny_model_dir, tmp_path):
+    finished, crashed = tmp_path / "finished", tmp_path / "crashed"
+    train(tiny_model_dir, finished, 2, 2, "deepspeed=z2")
+    crash_after_first_checkpoint(finished, crashed)
+    result = run_cli("train", *RUN, f"model_name_or_path={tiny_model_dir}", f"output_dir={crashed}",
+                     "per_device_train_batch_size=4", "overwrite_output_dir=false", "deepspeed=z2",
+                     FORCE_TORCHRUN="1", NPROC_PER_NODE="1")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "launching" not in result.stdout, "must be refused on the launching host"
+    assert "holds ZeRO-2 shards of 2 processes and this run has 1" in result.stderr
+    assert "shardtune export" in result.stderr
+
+
+def test_sigkill_of_a_rank_is_recovered_by_torchrun(tiny_model_dir, tmp_path):
+    env = cli_env(NPROC_PER_NODE="2", MAX_RESTARTS="1", MASTER_PORT=str(_free_port()), GLOO_SOCKET_IFNAME="lo")
+    argv = [sys.executable, "-m", "shardtune", "train", *RUN, f"model_name_or_path={tiny_model_dir}",
+            f"output_dir={tmp_path}", "max_steps=120", "save_steps=10", "per_device_train_batch_size=2"]
+    job = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        _wait_for(lambda: (tmp_path / "checkpoint-20" / "COMPLETE").is_file(), timeout=300)
+        victim = _worker_pids(job.pid)[-1]
+        os.kill(victim, signal.SIGKILL)
+        stdout, stderr = job.communicate(timeout=600)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 0, stderr[-4000:]
+    assert "resuming from" in stdout
+    results = json.loads((tmp_path / "train_results.json").read_text())
+    assert results["global_step"] == 120
+
+
+def _free_port() -> int:
+    from shardtune.launch.torchrun import find_free_port
+
+    return find_free_port()
+
+
+def _wait_for(condition, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        time.sleep(0.2)
+
+
+def _worker_pids(root: int) -> list[int]:
+    """Training worker processes under the launcher (grandchildren: shardtune -> torchrun -> workers)."""
+    found: list[int] = []
+    frontier = [root]
+    while frontier:
+        parent = frontier.pop()
+        children = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split()
+        for child in map(int, children):
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if "shardtune.train" in cmdline and "torch.distributed.run" not in cmdline:
+                found.append(child)
+            frontier.append(child)
+    assert found, "no worker process found"
+    return sorted(found)

@@ -1,0 +1,47 @@
+"""Checkpoint folders count only when complete; rotation and auto-resume ignore interrupted saves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardtune.config.load import build_config
+from shardtune.train.checkpoint import (
+    COMPLETE_MARKER,
+    complete_checkpoints,
+    latest_checkpoint,
+    resume_source,
+    rotate_checkpoints,
+)
+
+
+def make(out: Path, step: int, complete: bool = True) -> Path:
+    path = out / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    if complete:
+        (path / COMPLETE_MARKER).write_text("ok\n")
+    return path
+
+
+def test_interrupted_save_is_never_the_latest(tmp_path):
+    make(tmp_path, 3)
+    make(tmp_path, 10)
+    make(tmp_path, 12, complete=False)  # killed while saving
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-10"
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["checkpoint-3", "checkpoint-10"]
+
+
+def test_rotation_keeps_the_newest_complete(tmp_path):
+    for step in (2, 4, 6):
+        make(tmp_path, step)
+    make(tmp_path, 8, complete=False)
+    rotate_checkpoints(tmp_path, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-6", "checkpoint-8"]
+
+
+def test_resume_source_rules(tmp_path):
+    make(tmp_path, 5)
+    base = {"model_name_or_path": "org/m", "dataset": "demo", "output_dir": str(tmp_path)}
+    assert resume_source(build_config(base)) == tmp_path / "checkpoint-5"
+    assert resume_source(build_config({**base, "overwrite_output_dir": True})) is None
+    named = build_config({**base, "resume_from_checkpoint": "/elsewhere/checkpoint-1"})
+    assert resume_source(named) == Path("/elsewhere/checkpoint-1")

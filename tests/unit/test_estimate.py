@@ -1,0 +1,282 @@
+"""Memory estimate: formulas against hand-computed values, recommendation, CLI output. No torch import."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from shardtune.config.args import load_config
+from shardtune.errors import ConfigError
+from shardtune.estimate import (
+    Hardware,
+    Workload,
+    build_options,
+    estimate_command,
+    estimate_for_run,
+    fit_warning,
+    load_model_shape,
+    measured_peak_memory_bytes,
+    parse_size,
+    recommend,
+    recommend_for_config,
+)
+from shardtune.estimate.activations import layer_activation_bytes, logits_bytes
+from shardtune.estimate.config import configured_option, hardware_for
+from shardtune.estimate.measure import mark_memory_baseline
+from shardtune.estimate.options import zero_paper_model_states
+from shardtune.estimate.shape import ModelShape, freeze_trainable_params, lora_params, shape_from_config
+from tests.conftest import REPO
+
+GiB = 1024**3
+LLAMA3_8B = ModelShape(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336,
+                       vocab_size=128256)
+TINY_CONFIG = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "intermediate_size": 172, "vocab_size": 2048, "tie_word_embeddings": False}
+LLAMA3_FULL = str(REPO / "examples" / "train_full" / "llama3_full_sft.yaml")
+TINY_LORA = str(REPO / "examples" / "tiny" / "sft_lora.yaml")
+
+
+@pytest.fixture
+def tiny_model(tmp_path):
+    """Only config.json: the estimate never reads weights."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    return tmp_path
+
+
+# --- model states: the ZeRO paper's example (7.5B parameters, 64 devices, K = 12) ---
+
+@pytest.mark.parametrize(("stage", "gigabytes"), [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_model_states(stage, gigabytes):
+    assert zero_paper_model_states(7.5e9, 64, stage) / 1e9 == pytest.approx(gigabytes, abs=0.05)
+
+
+def test_deepspeed_options_are_the_paper_formula_plus_buffers():
+    n, p = 8, LLAMA3_8B.total_params
+    w = Workload(micro_batch=1, seq_len=2048, precision="bf16", gradient_checkpointing=True)
+    options = {o.name: o for o in build_options(LLAMA3_8B, w, Hardware(1, n, 80 * GiB, 2048 * GiB))}
+    bucket = 2 * 5e8  # reduce_bucket_size of the z1/z2 presets, bf16, reserved up front on a GPU
+    z1, z2, z3 = options["ZeRO-1"].device, options["ZeRO-2"].device, options["ZeRO-3"].device
+    assert z1.parameters + z1.gradients - bucket + z1.optimizer_states == pytest.approx(
+        zero_paper_model_states(p, n, 1))
+    assert z2.parameters + z2.gradients - bucket + z2.optimizer_states == pytest.approx(
+        zero_paper_model_states(p, n, 2))
+    gathered = 2 * 1e9  # stage3_max_live_parameters of the z3 preset, bf16
+    z3_bucket = 2 * 4096**2  # "auto" reduce bucket: hidden_size squared
+    assert z3.parameters - gathered + z3.gradients - z3_bucket + z3.optimizer_states == pytest.approx(
+        zero_paper_model_states(p, n, 3))
+
+
+def test_ddp_keeps_fp32_weights_gradients_twice_and_adam():
+    p = LLAMA3_8B.total_params
+    ddp = build_options(LLAMA3_8B, Workload(1, 512), Hardware(1, 8, 80 * GiB, 2048 * GiB))[0]
+    assert ddp.name == "DDP"
+    assert (ddp.device.parameters, ddp.device.gradients, ddp.device.optimizer_states) == (4 * p, 8 * p, 8 * p)
+    single = build_options(LLAMA3_8B, Workload(1, 512), Hardware(1, 1, 80 * GiB, 2048 * GiB))[0]
+    assert single.device.gradients == 4 * p  # one process: no DDP buckets
+
+
+# --- parameter counts ---
+
+def test_llama3_8b_parameter_count():
+    assert LLAMA3_8B.total_params == 8_030_261_248
+
+
+def test_lora_and_freeze_trainable_counts():
+    # r x (in + out) per adapted linear: 65536 + 2 x 40960 + 65536 + 3 x 147456 per layer (peft prints 20,971,520)
+    assert lora_params(LLAMA3_8B, 8, ["all"]) == 20_971_520
+    assert lora_params(LLAMA3_8B, 16, ["q_proj", "v_proj"]) == 32 * 16 * (8192 + 5120)
+    assert freeze_trainable_params(LLAMA3_8B, 2, ["all"]) == 2 * 218_112_000
+    assert freeze_trainable_params(LLAMA3_8B, -1, ["mlp"]) == 3 * 4096 * 14336
+
+
+def test_shape_from_config_variants():
+    tiny = shape_from_config(TINY_CONFIG)
+    assert tiny.total_params == 2 * 2048 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 172 + 2 * 64) + 64
+    tied = shape_from_config({**TINY_CONFIG, "tie_word_embeddings": True})
+    assert tiny.total_params - tied.total_params == 2048 * 64
+    qwen = shape_from_config({**TINY_CONFIG, "model_type": "qwen2"})  # q/k/v biases, no o_proj bias
+    assert qwen.total_params - tiny.total_params == 2 * (64 + 32 + 32)
+    with pytest.raises(ConfigError, match="--model-config"):
+        shape_from_config({"hidden_size": 8})
+
+
+def test_unknown_lora_target_is_an_error():
+    with pytest.raises(ConfigError, match="lora_target"):
+        lora_params(LLAMA3_8B, 8, ["c_attn"])
+
+
+# --- activations (the per-token sizes below were also counted with torch's saved_tensors_hooks) ---
+
+def test_layer_activation_bytes_fp32_full():
+    shape = ModelShape(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=688,
+                       vocab_size=2048)
+    w = Workload(micro_batch=2, seq_len=128)
+    norms = 2 * (3 * 4 * 256 + 4)  # input (fp32), x/rms, output and 1/rms, for each of the two norms
+    attention = 4 * 4 * 256 + 4 * 4 + 4 * 128  # q, repeated k and v, output; log-sum-exp; fp32 mask copy
+    mlp = 4 * 4 * 688
+    assert layer_activation_bytes(shape, w, 4, 128) == norms + attention + mlp == 21784
+    assert logits_bytes(shape, w) == 3 * 2 * 128 * 2048 * 4
+
+
+def test_gradient_checkpointing_and_lora_shrink_activations():
+    w = Workload(micro_batch=1, seq_len=2048, precision="bf16")
+    hw = Hardware(1, 8, 80 * GiB, 2048 * GiB)
+    full = build_options(LLAMA3_8B, w, hw)[0].device.activations
+    checkpointed = build_options(LLAMA3_8B, Workload(1, 2048, "bf16", gradient_checkpointing=True), hw)[0]
+    lora = build_options(LLAMA3_8B, Workload(1, 2048, "bf16", finetuning_type="lora"), hw)[0]
+    assert checkpointed.device.activations < full / 4
+    assert lora.device.activations < full
+    assert lora.device.optimizer_states == 8 * lora_params(LLAMA3_8B, 8, ["all"])
+
+
+# --- recommendation ---
+
+@pytest.mark.parametrize(("gpu_memory", "expected"), [
+    ("200GiB", {}),
+    ("40GiB", {"deepspeed": "z2"}),
+    ("24GiB", {"deepspeed": "z3"}),
+    ("22GiB", {"deepspeed": "z2_offload"}),
+    ("16GiB", {"deepspeed": "z3_offload"}),
+])
+def test_engine_auto_shifts_as_gpu_memory_shrinks(gpu_memory, expected):
+    config, _ = load_config([LLAMA3_FULL])
+    values, reason = recommend_for_config(config, 8, 8, parse_size(gpu_memory, "--gpu-memory"), 1024 * GiB)
+    assert values == expected
+    assert "fastest option that fits" in reason
+
+
+def test_reason_names_the_faster_options_that_do_not_fit():
+    config, _ = load_config([LLAMA3_FULL])
+    _, reason = recommend_for_config(config, 8, 8, 24 * GiB, 1024 * GiB)
+    assert reason.startswith("ZeRO-3 is the fastest option that fits")
+    assert "DDP needs" in reason and "ZeRO-2 needs" in reason
+
+
+def test_nothing_fits_is_an_error_with_remedies():
+    config, _ = load_config([LLAMA3_FULL])
+    with pytest.raises(ConfigError, match="gradient_checkpointing"):
+        recommend_for_config(config, 1, 1, 8 * GiB, 64 * GiB)
+
+
+def test_unavailable_options_never_win():
+    w = Workload(1, 512, "fp16")
+    options = build_options(LLAMA3_8B, w, Hardware(1, 8, 80 * GiB, 2048 * GiB))
+    fsdp = [o for o in options if o.name.startswith("FSDP")]
+    assert all(not o.available and not o.fits for o in fsdp)
+    assert not recommend(options, Hardware(1, 8, 80 * GiB, 2048 * GiB)).option.name.startswith("FSDP")
+
+
+def test_configured_option_follows_engine_keys():
+    hw = hardware_for(8, 8, 80 * GiB, 1024 * GiB)
+    for extra, name in ((["deepspeed=z3_offload"], "ZeRO-3+offload"), (["deepspeed=z1"], "ZeRO-1"),
+                        (["fsdp=shard_grad_op auto_wrap"], "FSDP SHARD_GRAD_OP"), ([], "DDP")):
+        config, _ = load_config([LLAMA3_FULL, *extra])
+        assert configured_option(config, hw).name == name
+
+
+def test_fit_warning_for_check():
+    config, _ = load_config([LLAMA3_FULL])
+    warning = fit_warning(config, 8, 8, 24 * GiB, 1024 * GiB)
+    assert warning.startswith("memory: DDP is estimated to need") and "ZeRO-3 would fit (deepspeed: z3)" in warning
+    config, _ = load_config([LLAMA3_FULL, "deepspeed=z3"])
+    assert fit_warning(config, 8, 8, 80 * GiB, 1024 * GiB) is None
+
+
+# --- sizes and the command ---
+
+@pytest.mark.parametrize(("text", "expected"), [("80GiB", 80 * GiB), ("24GB", 24 * 10**9), ("512G", 512 * GiB),
+                                                ("1.5TiB", int(1.5 * 1024**4)), ("4096", 4096)])
+def test_parse_size(text, expected):
+    assert parse_size(text, "--gpu-memory") == expected
+
+
+@pytest.mark.parametrize("text", ["80 gigs", "-1GB", "0GB", "", "GiB"])
+def test_parse_size_errors_name_the_flag(text):
+    with pytest.raises(ConfigError, match=r"^--cpu-memory \("):
+        parse_size(text, "--cpu-memory")
+
+
+def test_estimate_command_table_for_tiny_lora(tiny_model, capsys):
+    argv = [TINY_LORA, f"model_name_or_path={tiny_model}", "--gpus-per-node", "2", "--gpu-memory", "24GB",
+            "--cpu-memory=64GiB"]
+    assert estimate_command(argv) == 0
+    out = capsys.readouterr().out
+    assert "lora r=16" in out and "2 x 22.4 GiB GPU" in out
+    for name in ("DDP", "ZeRO-1", "ZeRO-2+offload", "ZeRO-3", "FSDP FULL_SHARD", "FSDP offload"):
+        assert name in out
+    assert "recommended: DDP" in out
+
+
+def test_estimate_command_json_shape(tiny_model, capsys):
+    argv = [TINY_LORA, f"model_name_or_path={tiny_model}", "--gpus-per-node=2", "--nodes", "2",
+            "--gpu-memory", "80GiB", "--cpu-memory", "512GiB", "--json"]
+    assert estimate_command(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["hardware"]["world_size"] == 4
+    assert len(data["options"]) == 10
+    for option in data["options"]:
+        assert set(option["device_bytes"]) == {"parameters", "gradients", "optimizer_states", "activations",
+                                               "overhead", "total"}
+        assert all(isinstance(v, int) for v in option["device_bytes"].values())
+        assert isinstance(option["fits"], bool)
+    assert data["recommendation"]["name"] == "DDP"
+    assert data["model"]["trainable_params"] == lora_params(shape_from_config(TINY_CONFIG), 16, ["all"])
+
+
+def test_estimate_command_for_a_hub_model(capsys, tmp_path):
+    assert estimate_command([LLAMA3_FULL, "--gpus-per-node", "8", "--gpu-memory", "80GiB",
+                             "--cpu-memory", "1TiB"]) == 0
+    assert "8.03B params" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="--model-config PATH"):
+        estimate_command([LLAMA3_FULL, "model_name_or_path=acme/unknown-7b", "--gpu-memory", "80GiB"])
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    assert estimate_command([LLAMA3_FULL, "model_name_or_path=acme/unknown-7b", "--model-config", str(tmp_path),
+                             "--gpu-memory", "80GiB", "--cpu-memory", "1TiB"]) == 0
+
+
+def test_estimate_command_flag_errors(tiny_model, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    base = [TINY_LORA, f"model_name_or_path={tiny_model}"]
+    with pytest.raises(ConfigError, match="^--gpu-memory: no GPU is visible"):
+        estimate_command(base)
+    with pytest.raises(ConfigError, match=r"^--gpus-per-node \(two\)"):
+        estimate_command([*base, "--gpus-per-node", "two", "--gpu-memory", "80GiB"])
+    with pytest.raises(ConfigError, match="^--gpu-memory needs a value"):
+        estimate_command([*base, "--gpu-memory"])
+
+
+# --- after a run ---
+
+def test_estimate_for_run_matches_the_configured_option(tiny_model):
+    config, _ = load_config([TINY_LORA, f"model_name_or_path={tiny_model}"])
+    ddp = estimate_for_run(config, 2, "ddp")
+    option = configured_option(config, hardware_for(2, 2, None, 0))
+    assert ddp == round(option.device.measurable)
+    from shardtune.engines.deepspeed_config import load_deepspeed_setting
+    from shardtune.engines.fsdp_config import resolve_fsdp_settings
+
+    z3 = estimate_for_run(config, 2, "deepspeed", deepspeed_raw=load_deepspeed_setting("z3")[0])
+    fsdp = estimate_for_run(config, 2, "fsdp", fsdp_settings=resolve_fsdp_settings("full_shard auto_wrap", None)[0])
+    assert 0 < z3 and 0 < fsdp and ddp > 0
+    missing, _ = load_config([TINY_LORA, "model_name_or_path=acme/unknown-7b"])
+    assert estimate_for_run(missing, 2, "ddp") is None
+
+
+def test_measured_peak_memory_bytes():
+    baseline = mark_memory_baseline()
+    assert measured_peak_memory_bytes() > 10 * 1024**2  # the whole interpreter
+    assert 0 <= measured_peak_memory_bytes(baseline) < measured_peak_memory_bytes()
+
+
+def test_estimate_package_imports_no_heavy_library():
+    code = "import sys, shardtune.estimate; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_shapes_come_from_local_folder_before_built_in(tiny_model):
+    assert load_model_shape(str(tiny_model)).hidden_size == 64
+    assert load_model_shape("meta-llama/Meta-Llama-3-8B-Instruct").total_params == LLAMA3_8B.total_params
