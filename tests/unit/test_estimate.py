@@ -280,3 +280,17 @@ def test_estimate_package_imports_no_heavy_library():
 def test_shapes_come_from_local_folder_before_built_in(tiny_model):
     assert load_model_shape(str(tiny_model)).hidden_size == 64
     assert load_model_shape("meta-llama/Meta-Llama-3-8B-Instruct").total_params == LLAMA3_8B.total_params
+
+
+def test_fsdp_keeps_unsharded_gradients_while_accumulating():
+    hw = Hardware(1, 8, 80 * GiB, 2048 * GiB)
+    p = LLAMA3_8B.total_params
+
+    def full_shard(accumulation: int):
+        w = Workload(1, 512, gradient_accumulation_steps=accumulation)
+        return next(o for o in build_options(LLAMA3_8B, w, hw) if o.name == "FSDP FULL_SHARD").device
+
+    assert full_shard(2).gradients == 4 * p
+    root = 2 * LLAMA3_8B.embedding_params + LLAMA3_8B.hidden_size  # embeddings, lm_head, final norm
+    assert full_shard(1).gradients == pytest.approx(4 * p / 8 + 4 * root + 4 * LLAMA3_8B.layer_params)
+    assert full_shard(1).optimizer_states == full_shard(2).optimizer_states == 8 * p / 8

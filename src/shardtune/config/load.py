@@ -75,6 +75,7 @@ def build_config(values: dict[str, Any], source: str = "config") -> TrainConfig:
 
 
 def _unknown_key_message(key: str, known: list[str]) -> str:
+    key = key if key.isprintable() else repr(key)[1:-1]  # keep the message on one line
     if key in UNSUPPORTED_KEYS:
         return f"key '{key}' is not supported by shardtune (remove it; it would have no effect)"
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)

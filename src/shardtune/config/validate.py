@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -86,6 +87,11 @@ def output_dir_problems(c: TrainConfig) -> list[str]:
     out = Path(c.output_dir or "")
     if out.exists() and not out.is_dir():
         return [f"output_dir: {out} exists and is a file"]
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        return [f"output_dir: cannot create {out}: {existing} is a file"]
+    if not os.access(existing, os.W_OK):
+        return [f"output_dir: {existing} is not writable; choose another output_dir"]
     finished = out / "train_results.json"
     if finished.is_file() and not c.overwrite_output_dir and not c.resume_from_checkpoint:
         return [f"output_dir: {out} already holds a finished run (train_results.json); "

@@ -6,8 +6,10 @@ ourselves and report the file and line number of the first bad records.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+import logging
 from pathlib import Path
 
 from datasets import Dataset, load_dataset
@@ -22,7 +24,8 @@ PEEK_JSON_BYTES = 8 * 1024 * 1024  # a .json array is parsed whole to peek at it
 def load_records(entry: DatasetEntry, max_samples: int | None = None) -> Dataset:
     """Load the raw records of one registry entry, keeping at most ``max_samples`` from the start."""
     try:
-        records = load_dataset(entry.loader, data_files=str(entry.path), split="train")
+        with quiet_datasets_logging():
+            records = load_dataset(entry.loader, data_files=str(entry.path), split="train")
     except Exception as err:  # datasets wraps parser failures in several exception types
         raise DataError(*read_problems(entry.path, entry.loader, err)) from err
     if len(records) == 0:
@@ -30,6 +33,18 @@ def load_records(entry: DatasetEntry, max_samples: int | None = None) -> Dataset
     if max_samples is not None and len(records) > max_samples:
         records = records.select(range(max_samples))
     return records
+
+
+@contextlib.contextmanager
+def quiet_datasets_logging():
+    """datasets logs a parser traceback before raising; our DataError names the file and line instead."""
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def read_problems(path: Path, loader: str, err: BaseException) -> list[str]:

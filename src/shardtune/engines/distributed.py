@@ -28,10 +28,24 @@ def init_distributed(rank_env: RankEnv, timeout_s: int) -> DistContext:
     if use_cuda:
         torch.cuda.set_device(device)
     backend = "nccl" if use_cuda else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend=backend, timeout=timeout, **restart_store(rank_env, timeout))
     return DistContext(rank=dist.get_rank(), local_rank=rank_env.local_rank, world_size=dist.get_world_size(),
                        local_world_size=rank_env.local_world_size, device=device, backend=backend)
+
+
+def restart_store(rank_env: RankEnv, timeout: datetime.timedelta) -> dict:
+    """After a torchrun restart, a store namespace of this attempt's own.
+
+    torchrun keeps one store across restarts; without a fresh prefix the new ranks can read the dead ranks'
+    addresses left in it and wait on them forever (seen with gloo).
+    """
+    if rank_env.restart_count == 0 or rank_env.master_addr is None or rank_env.master_port is None:
+        return {}
+    store = dist.TCPStore(rank_env.master_addr, rank_env.master_port, is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"shardtune/restart-{rank_env.restart_count}", store),
+            "rank": rank_env.rank, "world_size": rank_env.world_size}
 
 
 class DistributedMixin:

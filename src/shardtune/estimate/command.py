@@ -29,6 +29,8 @@ VALUE_FLAGS = ("--gpus-per-node", "--nodes", "--gpu-memory", "--cpu-memory", "--
 
 @dataclass(frozen=True)
 class EstimateArgs:
+    """The estimate's own flags, and the rest of the command line (config file and overrides)."""
+
     config_argv: list[str]
     values: dict[str, str]
     as_json: bool
@@ -63,6 +65,7 @@ _EXAMPLES = {"--gpus-per-node": "8", "--nodes": "2", "--gpu-memory": "80GiB", "-
 
 
 def parse_count(text: str, flag: str) -> int:
+    """A positive whole number from ``flag``'s value."""
     try:
         value = int(text)
     except ValueError:

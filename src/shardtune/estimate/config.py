@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 from shardtune.config.schema import TrainConfig
 from shardtune.errors import ConfigError, ShardtuneError
@@ -11,6 +12,7 @@ from shardtune.estimate.options import (
     OPTION_SPECS,
     Context,
     Option,
+    StateFn,
     build_option,
     build_options,
     fsdp_states,
@@ -20,6 +22,9 @@ from shardtune.estimate.options import (
 from shardtune.estimate.recommend import recommend
 from shardtune.estimate.shape import ModelShape, load_model_shape
 from shardtune.estimate.workload import Workload
+
+if TYPE_CHECKING:
+    from shardtune.engines.fsdp_config import FsdpSettings
 
 
 def workload_from_config(c: TrainConfig) -> Workload:
@@ -38,10 +43,12 @@ def workload_from_config(c: TrainConfig) -> Workload:
         quantization_bit=c.quantization_bit,
         attn_implementation=c.attn_implementation,
         optim=c.optim,
+        gradient_accumulation_steps=c.gradient_accumulation_steps,
     )
 
 
 def options_for_config(c: TrainConfig, hardware: Hardware, model_config: str | None = None) -> list[Option]:
+    """Every engine option for this config on ``hardware``, fastest first."""
     shape = load_model_shape(c.model_name_or_path, model_config)
     return build_options(shape, workload_from_config(c), hardware)
 
@@ -62,6 +69,7 @@ def recommend_for_config(config: TrainConfig, world_size: int, nproc_per_node: i
 
 def hardware_for(world_size: int, nproc_per_node: int, gpu_memory_bytes: int | None,
                  cpu_memory_bytes: int) -> Hardware:
+    """The launch as the estimate sees it: nodes x ranks per node, memory per GPU (None: CPU ranks) and node."""
     nproc = max(1, nproc_per_node)
     return Hardware(nodes=max(1, world_size // nproc), gpus_per_node=nproc, gpu_memory=gpu_memory_bytes,
                     cpu_memory=cpu_memory_bytes)
@@ -73,11 +81,10 @@ def configured_option(config: TrainConfig, hardware: Hardware, shape: ModelShape
     c = Context(shape, workload_from_config(config), hardware)
     name, states = _configured_states(config, c)
     spec = next(s for s in OPTION_SPECS if s.name == name)
-    return build_option(spec.__class__(spec.name, spec.engine_values, spec.speed_rank, states, spec.family,
-                                       spec.offload), c)
+    return build_option(dataclasses.replace(spec, states=states), c)
 
 
-def _configured_states(config: TrainConfig, c: Context):
+def _configured_states(config: TrainConfig, c: Context) -> tuple[str, StateFn]:
     from shardtune.engines.fsdp_config import is_fsdp_requested, resolve_fsdp_settings
 
     if config.deepspeed:
@@ -94,11 +101,11 @@ def _configured_states(config: TrainConfig, c: Context):
     return "DDP", OPTION_SPECS[0].states
 
 
-def _fsdp_choice(settings, c: Context):
+def _fsdp_choice(settings: FsdpSettings, c: Context) -> tuple[str, StateFn]:
     strategy, offload = settings.sharding_strategy, settings.offload_params
     if strategy == "NO_SHARD":
         return "DDP", OPTION_SPECS[0].states
-    group = c.hardware.gpus_per_node if strategy.startswith("HYBRID") else c.ranks
+    group = (settings.hsdp_shard_size or c.hardware.gpus_per_node) if settings.is_hybrid else c.ranks
     reshard = strategy in ("FULL_SHARD", "HYBRID_SHARD")
     name = "FSDP offload" if offload else {"FULL_SHARD": "FSDP FULL_SHARD", "SHARD_GRAD_OP": "FSDP SHARD_GRAD_OP"}.get(
         strategy, "FSDP HYBRID_SHARD")
@@ -127,16 +134,22 @@ def _values(option: Option) -> str:
     return ", ".join(f"{k}: {v}" for k, v in option.engine_values.items()) or "no deepspeed/fsdp setting"
 
 
-def estimate_for_run(config: TrainConfig, world_size: int, engine_kind: str, *, fsdp_settings: Any = None,
+def estimate_for_run(config: TrainConfig, world_size: int, engine_kind: str, *,
+                     fsdp_settings: FsdpSettings | None = None,
                      deepspeed_raw: dict | None = None, local_world_size: int | None = None,
                      on_gpu: bool = False) -> int | None:
     """Estimated model states + activations per rank for the run as launched (what train_results.json records
     beside the measured peak). ``engine_kind`` is EnginePlan.kind; None when the model shape is unknown."""
     try:
-        shape = load_model_shape(config.model_name_or_path)
+        return _measurable_for_run(config, world_size, engine_kind, fsdp_settings, deepspeed_raw,
+                                   local_world_size or world_size, on_gpu)
     except ShardtuneError:
-        return None
-    nproc = local_world_size or world_size
+        return None  # the shape is unknown here (or not LLaMA-like): nothing to record
+
+
+def _measurable_for_run(config: TrainConfig, world_size: int, engine_kind: str, fsdp_settings: FsdpSettings | None,
+                        deepspeed_raw: dict | None, nproc: int, on_gpu: bool) -> int:
+    shape = load_model_shape(config.model_name_or_path)
     hardware = hardware_for(world_size, nproc, 1 if on_gpu else None, 0)
     c = Context(shape, workload_from_config(config), hardware)
     if engine_kind == "deepspeed":

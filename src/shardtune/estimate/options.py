@@ -8,7 +8,7 @@ sharing the states (world size, or the ranks of one node for HYBRID_SHARD). Form
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from shardtune.estimate.activations import activation_bytes, autocast_weight_copy_bytes
 from shardtune.estimate.hardware import GiB, Hardware
@@ -25,6 +25,7 @@ CPU_RUNTIME_BYTES = 1 * GiB
 # DeepSpeed's defaults (and the shipped presets) for the sizes that bound its buffers, in elements.
 DEFAULT_REDUCE_BUCKET = 500_000_000
 DEFAULT_LIVE_PARAMETERS = 1_000_000_000
+DEFAULT_SUB_GROUP = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class Option:
     note: str = ""
     fits: bool = False
     cpu_per_node: float = 0.0
-    device_peak: float = field(default=0.0)
+    device_peak: float = 0.0
 
 
 StateFn = Callable[["Context"], tuple[Components, float, float]]
@@ -104,6 +105,7 @@ def zero_settings(raw: dict, hidden_size: int) -> ZeroSettings:
 
 
 def preset_zero_settings(preset: str, hidden_size: int) -> ZeroSettings:
+    """Settings of a shipped DeepSpeed preset (z1, z2, z2_offload, z3, z3_offload)."""
     from shardtune.engines.deepspeed_config import load_deepspeed_setting
 
     return zero_settings(load_deepspeed_setting(preset)[0], hidden_size)
@@ -111,6 +113,8 @@ def preset_zero_settings(preset: str, hidden_size: int) -> ZeroSettings:
 
 @dataclass(frozen=True)
 class Context:
+    """Everything an option's memory function reads."""
+
     shape: ModelShape
     workload: Workload
     hardware: Hardware
@@ -168,16 +172,25 @@ def fsdp_trainable_units(c: Context) -> tuple[float, float]:
 
 def fsdp_states(c: Context, group: int, reshard: bool, offload: bool) -> tuple[Components, float, float]:
     """FSDP2 over ``group`` ranks. The root unit stays gathered from forward to the end of backward; two layer
-    units are gathered at a time (current + prefetched), or all of them after forward without resharding."""
+    units are gathered at a time (current + prefetched), or all of them after forward without resharding.
+
+    Gradients: each unit's unsharded gradients live until its reduce-scatter (the root's until the end of the
+    backward). With gradient accumulation, shardtune turns gradient sync off for all but the last micro-batch,
+    and FSDP then keeps the accumulated gradients unsharded: the whole fp32 gradient is on every device.
+    """
     w, t = c.workload, c.trainable
     weights = weight_bytes(c.shape, w, FP32)
     root, layer = fsdp_units(c)
     root_grads, layer_grads = fsdp_trainable_units(c)
     gathered = root + (2 * layer if reshard else weights - root)
     sharded = 0.0 if offload else 1.0
+    if w.gradient_accumulation_steps > 1:
+        grads = FP32 * t
+    else:
+        grads = sharded * FP32 * t / group + root_grads + layer_grads
     device = Components(
         parameters=sharded * weights / group + gathered + autocast_weight_copy_bytes(c.shape, w),
-        gradients=sharded * FP32 * t / group + root_grads + layer_grads,
+        gradients=grads,
         optimizer_states=sharded * w.optimizer_state_bytes * t / group,
         activations=activation_bytes(c.shape, w, FP32),
     )
@@ -254,10 +267,11 @@ def zero_setup_bytes(z: ZeroSettings, weights: float, trainable: int, ranks: int
     (up to sub_group_size) to create the optimizer states."""
     if z.stage < 3:
         return weights
-    return max(weights, weights / ranks + FP32 * min(trainable, DEFAULT_LIVE_PARAMETERS))
+    return max(weights, weights / ranks + FP32 * min(trainable, DEFAULT_SUB_GROUP))
 
 
 def zero_preset_states(preset: str) -> StateFn:
+    """The state function of an option that runs a DeepSpeed preset."""
     return lambda c: zero_states(c, preset_zero_settings(preset, c.shape.hidden_size))
 
 
@@ -266,6 +280,8 @@ def zero_preset_states(preset: str) -> StateFn:
 
 @dataclass(frozen=True)
 class OptionSpec:
+    """An engine option before it is evaluated: its name, config values, speed rank and memory function."""
+
     name: str
     engine_values: dict[str, str]
     speed_rank: int
@@ -315,6 +331,7 @@ def unavailable_reason(spec: OptionSpec, c: Context) -> str:
 
 
 def with_overhead(device: Components, on_gpu: bool) -> Components:
+    """Add the GPU runtime and the allocator reserve (nothing on CPU ranks: their runtime is in CPU memory)."""
     if not on_gpu:
         return device
     overhead = GPU_RUNTIME_BYTES + ALLOCATOR_RESERVE * device.measurable

@@ -14,6 +14,8 @@ from shardtune.estimate.workload import Workload, trainable_params
 
 @dataclass(frozen=True)
 class Estimate:
+    """Everything the report shows."""
+
     shape: ModelShape
     workload: Workload
     hardware: Hardware
@@ -22,6 +24,7 @@ class Estimate:
 
 
 def option_dict(o: Option) -> dict[str, Any]:
+    """One option for JSON: bytes per component on a device, its peak, set-up and CPU memory."""
     return {
         "name": o.name,
         "engine_values": o.engine_values,

@@ -40,6 +40,7 @@ class Workload:
     quantization_bit: int | None = None
     attn_implementation: str = "sdpa"
     optim: str = "adamw_torch"
+    gradient_accumulation_steps: int = 1
 
     @property
     def tokens(self) -> int:

@@ -19,6 +19,7 @@ class RankEnv:
     local_world_size: int = 1
     master_addr: str | None = None
     master_port: int | None = None
+    restart_count: int = 0
 
     @property
     def is_distributed(self) -> bool:
@@ -34,6 +35,7 @@ def read_rank_env(env: Mapping[str, str] | None = None) -> RankEnv:
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1))),
         master_addr=env.get("MASTER_ADDR"),
         master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None,
+        restart_count=elastic_restart_count(env),
     )
 
 

@@ -145,8 +145,22 @@ def train_command(argv: list[str]) -> int:
         return 0
     if not use_torchrun:
         return run_worker(pre)
+    if env.master_port is not None and plan.node_rank == 0:
+        check_port_free(plan.master_addr, plan.master_port)
     write_launch_config(pre.config, config_path)
     return run_torchrun(commands[plan.node_rank], plan)
+
+
+def check_port_free(addr: str, port: int) -> None:
+    """Node 0 hosts the rendezvous: a taken MASTER_PORT would otherwise surface as a hang or a trace."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("" if addr not in ("127.0.0.1", "localhost") else addr, port))
+        except OSError:
+            raise ConfigError(f"MASTER_PORT={port} is already in use on this machine; choose another port "
+                              "or unset MASTER_PORT to pick a free one") from None
 
 
 def write_launch_config(config: TrainConfig, path: Path) -> None:
@@ -164,8 +178,27 @@ def run_torchrun(argv: list[str], plan: LaunchPlan) -> int:
     if plan.master_addr in ("127.0.0.1", "localhost") and visible_gpu_count() == 0:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     print(f"[shardtune] launching: {shlex.join(argv)}", flush=True)
-    result = subprocess.run(argv, env=env, check=False)
-    return result.returncode if result.returncode >= 0 else 128 - result.returncode
+    return wait_for_launcher(subprocess.Popen(argv, env=env))
+
+
+def wait_for_launcher(proc: subprocess.Popen) -> int:
+    """Wait for torchrun; on Ctrl-C / SIGTERM pass the signal on and keep waiting so ranks can save.
+
+    (subprocess.run would kill torchrun outright on KeyboardInterrupt and lose the checkpoint.)
+    """
+    import signal
+
+    def forward(signum, frame) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    while True:
+        try:
+            code = proc.wait()
+            return code if code >= 0 else 128 - code
+        except KeyboardInterrupt:
+            print("[shardtune] interrupted: waiting for the ranks to save a checkpoint", file=sys.stderr, flush=True)
 
 
 def worker_command(argv: list[str]) -> int:
@@ -185,17 +218,41 @@ def worker_command(argv: list[str]) -> int:
 
 def run_worker(pre: Preflight, rank_env: launch_env.RankEnv | None = None) -> int:
     from shardtune.engines import build_engine
-    from shardtune.train.workflow import run_training
+    from shardtune.train.workflow import StopRequest, run_training
 
     engine = build_engine(pre.config, pre.engine, rank_env)
     if not engine.is_main:
         quiet_this_rank()
-    results = run_training(pre.config, engine)
+    stop = StopRequest()
+    install_stop_handlers(stop)
+    results = run_training(pre.config, engine, stop)
+    if results.get("interrupted"):
+        if engine.is_main:
+            print(f"[shardtune] interrupted at step {results['global_step']}; checkpoint saved where save_steps is "
+                  "set. Run the same command again to resume.", flush=True)
+        return 130
     if engine.is_main:
         print(f"[shardtune] done: final loss {results['final_loss']:.4f} after {results['global_step']} steps "
               f"({results['engine']}, world size {results['world_size']}); outputs in {pre.config.output_dir}",
               flush=True)
     return 0
+
+
+def install_stop_handlers(stop) -> None:
+    """Ctrl-C and SIGTERM finish the current step, save a checkpoint and exit instead of killing the run."""
+    import signal
+
+    def request_stop(signum, frame) -> None:
+        # No escalation on a second signal: torchrun follows Ctrl-C with SIGTERM to every rank, and it
+        # SIGKILLs ranks itself if they take too long.
+        if stop.requested:
+            return
+        stop.requested = True
+        print(f"[shardtune] {signal.Signals(signum).name}: stopping after this step and saving a checkpoint",
+              file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
 
 
 def quiet_this_rank() -> None:

@@ -70,6 +70,7 @@ def load_checkpoint(engine: Engine, path: Path) -> TrainState:
     if rng_file.is_file():
         restore_rng_state(torch.load(rng_file, weights_only=True))
     data = json.loads((path / STATE_FILE).read_text())
+    data.pop("interrupted", None)
     return TrainState(**data)
 
 

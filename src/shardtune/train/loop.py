@@ -45,6 +45,7 @@ class TrainState:
     epoch: float = 0.0
     tokens_seen: int = 0
     loss_history: list[dict[str, float]] = field(default_factory=list)
+    interrupted: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -57,6 +58,7 @@ class LoopHooks(Protocol):
     def on_log(self, state: TrainState, metrics: dict[str, float]) -> None: ...
     def on_save(self, state: TrainState) -> None: ...
     def on_evaluate(self, state: TrainState) -> None: ...
+    def should_stop(self) -> bool: ...
 
 
 def token_loss_sum(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,6 +162,11 @@ def run_loop(engine: Engine, epoch_batches: Callable[[int], Iterable[Batch]], s:
             _after_step(state, s, hooks, interval, end_of_epoch)
             if state.global_step >= s.total_steps:
                 break
+            if hooks.should_stop():
+                state.interrupted = True
+                if s.save_steps and state.global_step % s.save_steps:
+                    hooks.on_save(state)  # not already saved by _after_step
+                return state
     return state
 
 

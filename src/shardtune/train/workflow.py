@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +26,12 @@ RESULTS_FILE = "train_results.json"
 RESOLVED_CONFIG_FILE = "shardtune_config.json"
 
 
-def run_training(config: TrainConfig, engine: Engine) -> dict[str, Any]:
-    """Train as configured with ``engine`` and return the results written to train_results.json."""
+def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None = None) -> dict[str, Any]:
+    """Train as configured with ``engine`` and return the results written to train_results.json.
+
+    When ``stop`` is raised (Ctrl-C, SIGTERM) the run ends after the current step with a checkpoint and returns
+    ``{"interrupted": True, ...}`` without a final model, so the same command resumes.
+    """
     set_seed(config.seed)
     output_dir = Path(config.output_dir or "output")
     prepare_model_dir(config, engine)
@@ -53,14 +57,26 @@ def run_training(config: TrainConfig, engine: Engine) -> dict[str, Any]:
     )
     engine.verify()
     state = start_state(engine, config, output_dir)
-    hooks = RunHooks(engine, config, output_dir, loop.total_steps, eval_loader, state.global_step)
+    hooks = RunHooks(engine, config, output_dir, loop.total_steps, eval_loader, state.global_step,
+                     stop or StopRequest())
 
     def epoch_batches(epoch: int):
         train_loader.sampler.set_epoch(epoch)
         return train_loader
 
     state = run_loop(engine, epoch_batches, loop, state, hooks)
+    if state.interrupted:
+        hooks.reporter.close()
+        engine.close()
+        return {"interrupted": True, "global_step": state.global_step}
     return finish_run(engine, tokenizer, config, output_dir, state, hooks)
+
+
+@dataclass
+class StopRequest:
+    """Set from a signal handler; the loop checks it between steps (all ranks agree through a reduction)."""
+
+    requested: bool = False
 
 
 def set_seed(seed: int) -> None:
@@ -121,6 +137,7 @@ class RunHooks:
     total_steps: int
     eval_loader: Any
     start_step: int = 0
+    stop: StopRequest = field(default_factory=StopRequest)
 
     def __post_init__(self) -> None:
         self.reporter = Reporter(self.output_dir, self.total_steps, enabled=self.engine.is_main,
@@ -141,6 +158,11 @@ class RunHooks:
         self.last_log_time = current
         record = self.reporter.log(state.global_step, state.epoch, self.engine.current_lr(), metrics)
         state.loss_history.append({"step": state.global_step, "loss": record["loss"]})
+
+    def should_stop(self) -> bool:
+        # Ranks may receive the signal at different steps; the sum makes them stop at the same one.
+        flag = torch.tensor(1.0 if self.stop.requested else 0.0, device=self.engine.device)
+        return bool(self.engine.all_reduce_sum(flag) > 0)
 
     def on_save(self, state: TrainState) -> None:
         checkpoint.save_checkpoint(self.engine, self.output_dir, state, self.config.save_total_limit)

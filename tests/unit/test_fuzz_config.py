@@ -1,0 +1,65 @@
+"""Random mutations of a valid config and of a data file: `shardtune check` either passes or exits 2 cleanly."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import tempfile
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shardtune.cli import main
+from shardtune.config.schema import key_names
+from tests.conftest import REPO
+
+VALID = {"model_name_or_path": "org/model", "dataset": "demo", "dataset_dir": str(REPO / "data"),
+         "template": "chatml", "output_dir": "outputs/fuzz", "max_steps": 2}
+VALUES = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True),
+                   st.text(max_size=20), st.lists(st.text(max_size=5), max_size=3),
+                   st.dictionaries(st.text(max_size=5), st.integers(), max_size=2))
+KEYS = st.one_of(st.sampled_from(key_names()), st.text(min_size=1, max_size=12))
+
+
+def run_check(config_text: str) -> tuple[int, str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "cfg.yaml"
+        path.write_text(config_text)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = main(["check", str(path)])
+    return code, err.getvalue()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(KEYS, VALUES, max_size=4))
+def test_mutated_configs_pass_or_exit_2(mutation):
+    code, err = run_check(json.dumps({**VALID, **mutation}, default=str))
+    assert code in (0, 2), err
+    assert "Traceback" not in err
+    if code == 2:
+        assert err.strip() and all(line.startswith("shardtune: error:") for line in err.strip().splitlines())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(max_size=200))
+def test_garbage_config_files_exit_2(blob):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "cfg.yaml"
+        path.write_bytes(blob)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = main(["check", str(path)])
+    assert code == 2 and "Traceback" not in err.getvalue()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.text(max_size=40), st.just('{"instruction": "a", "output": "b"}')), max_size=5))
+def test_mutated_data_files_pass_or_exit_2(lines):
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "d.jsonl").write_text("\n".join(lines))
+        (Path(tmp) / "dataset_info.json").write_text(json.dumps({"d": {"file_name": "d.jsonl"}}))
+        code, err = run_check(json.dumps({**VALID, "dataset": "d", "dataset_dir": tmp}))
+    assert code in (0, 2) and "Traceback" not in err
