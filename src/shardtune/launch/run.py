@@ -7,6 +7,7 @@ it, joins the process group, builds its engine and trains.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -178,27 +179,42 @@ def run_torchrun(argv: list[str], plan: LaunchPlan) -> int:
     if plan.master_addr in ("127.0.0.1", "localhost") and visible_gpu_count() == 0:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     print(f"[shardtune] launching: {shlex.join(argv)}", flush=True)
-    return wait_for_launcher(subprocess.Popen(argv, env=env))
+    return wait_for_launcher(subprocess.Popen(argv, env=env, start_new_session=True))
 
 
 def wait_for_launcher(proc: subprocess.Popen) -> int:
-    """Wait for torchrun; on Ctrl-C / SIGTERM pass the signal on and keep waiting so ranks can save.
+    """Wait for torchrun; Ctrl-C / SIGTERM reach the ranks directly so they finish the step and save.
 
-    (subprocess.run would kill torchrun outright on KeyboardInterrupt and lose the checkpoint.)
+    torchrun runs in its own session so the terminal's Ctrl-C does not hit it: torchrun treats a signal as a
+    failure (a traceback, ranks killed). Ranks that stop on request exit 0; this process then exits 130.
     """
     import signal
 
-    def forward(signum, frame) -> None:
-        if proc.poll() is None:
-            proc.send_signal(signum)
+    interrupted = []
 
-    signal.signal(signal.SIGTERM, forward)
-    while True:
-        try:
-            code = proc.wait()
-            return code if code >= 0 else 128 - code
-        except KeyboardInterrupt:
-            print("[shardtune] interrupted: waiting for the ranks to save a checkpoint", file=sys.stderr, flush=True)
+    def stop_ranks(signum, frame) -> None:
+        interrupted.append(signum)
+        print("[shardtune] interrupted: the ranks finish this step, save a checkpoint and exit",
+              file=sys.stderr, flush=True)
+        for pid in child_pids(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGINT, stop_ranks)
+    signal.signal(signal.SIGTERM, stop_ranks)
+    code = proc.wait()
+    if interrupted:
+        return 130
+    return code if code >= 0 else 128 - code
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (torchrun's ranks), from /proc."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            children += [int(c) for c in (task / "children").read_text().split()]
+    return children
 
 
 def worker_command(argv: list[str]) -> int:
@@ -230,7 +246,8 @@ def run_worker(pre: Preflight, rank_env: launch_env.RankEnv | None = None) -> in
         if engine.is_main:
             print(f"[shardtune] interrupted at step {results['global_step']}; checkpoint saved where save_steps is "
                   "set. Run the same command again to resume.", flush=True)
-        return 130
+        # Under a launcher exit 0, so torchrun reports no failure; the launching process says 130.
+        return 0 if rank_env is not None else 130
     if engine.is_main:
         print(f"[shardtune] done: final loss {results['final_loss']:.4f} after {results['global_step']} steps "
               f"({results['engine']}, world size {results['world_size']}); outputs in {pre.config.output_dir}",
