@@ -10,6 +10,8 @@ USAGE = """usage: shardtune <command> [options]
 commands:
   train CONFIG.yaml [key=value ...] [--key value ...]   fine-tune a model
   check CONFIG.yaml [key=value ...]                      validate config, data and model paths; no weights loaded
+  estimate CONFIG.yaml [--gpus-per-node N --nodes M --gpu-memory 80GiB --cpu-memory 512GiB] [--json]
+                                                         memory per engine option and the recommended engine
   export SOURCE --out DIR [--merge-lora] [--model BASE] turn a checkpoint or output into a Hugging Face folder
   make-tiny-model --out DIR [--layers N --hidden N ...]  write a random tiny LLaMA + local tokenizer
   keys [--markdown]                                      list every config key
@@ -26,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
             print(_keys_help())
         return 0
     command, rest = argv[0], argv[1:]
-    handlers = {"train": _train, "check": _check, "export": _export, "make-tiny-model": _make_tiny_model,
-                "keys": _keys}
+    handlers = {"train": _train, "check": _check, "estimate": _estimate, "export": _export,
+                "make-tiny-model": _make_tiny_model, "keys": _keys}
     if command not in handlers:
         print(f"shardtune: unknown command '{command}'\n\n{USAGE}", file=sys.stderr)
         return 2
@@ -76,6 +78,12 @@ def _check(args: list[str]) -> int:
     from shardtune.launch.run import check_command
 
     return check_command(args)
+
+
+def _estimate(args: list[str]) -> int:
+    from shardtune.estimate.command import estimate_command
+
+    return estimate_command(args)
 
 
 def _export(args: list[str]) -> int:

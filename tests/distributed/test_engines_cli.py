@@ -43,6 +43,7 @@ def test_engine_matches_single_process(engine, finetuning, reference, tiny_model
     results = train(tiny_model_dir, tmp_path, finetuning, 2, 2, *ENGINES[engine])
     assert results["world_size"] == 2
     assert results["engine"] == engine.split("-")[0].rstrip("12")
+    assert len(results["peak_memory_bytes_per_rank"]) == 2 and min(results["peak_memory_bytes_per_rank"]) > 0
     assert losses(tmp_path) == pytest.approx(reference[finetuning], rel=2e-3)
     check_saved_model(tmp_path, tiny_model_dir, finetuning)
 

@@ -43,6 +43,8 @@ def test_sft_lora_example(tiny_model_dir, tmp_path):
     assert list((out / "runs").rglob("events.out.tfevents*")), "tensorboard wrote no events"
     results = json.loads((out / "train_results.json").read_text())
     assert results["global_step"] == 40 and results["engine"] == "local"
+    assert len(results["peak_memory_bytes_per_rank"]) == 1 and results["peak_memory_bytes_per_rank"][0] > 0
+    assert results["estimated_memory_bytes"] > 0 and results["memory_measured_over_estimate"] > 0
 
 
 def test_sft_full_example_with_eval(tiny_model_dir, tmp_path):

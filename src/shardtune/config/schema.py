@@ -136,6 +136,8 @@ class TrainConfig:
     eval_steps: int | None = _key(None, "evaluate every N steps (default: logging_steps)", TRAIN, minimum=1)
 
     # --- engine ---
+    engine: str = _key("manual", "auto: pick the fastest engine the memory estimate says fits, at launch", ENGINE,
+                       choices=("manual", "auto"))
     deepspeed: str | dict | None = _key(None, "DeepSpeed config: JSON path, inline mapping or preset name", ENGINE)
     fsdp: str | list | bool | None = _key(None, "FSDP options, e.g. 'full_shard auto_wrap'", ENGINE)
     fsdp_config: str | dict | None = _key(None, "FSDP settings: mapping or JSON/YAML path", ENGINE)

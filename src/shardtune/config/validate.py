@@ -46,6 +46,8 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
     bad_trackers = [r for r in c.report_to if r not in REPORT_TO and r != "all"]
     if bad_trackers:
         problems.append(f"report_to: unknown tracker(s) {bad_trackers}; choose from {', '.join(REPORT_TO)}")
+    if c.engine == "auto" and (c.deepspeed or c.fsdp or c.fsdp_config):
+        problems.append("engine (auto) with deepspeed/fsdp set: let the estimate choose, or remove engine: auto")
     problems += _lora_target_problems(c)
     return problems
 

@@ -41,11 +41,25 @@ def preflight(argv: list[str], world_size: int, local_world_size: int | None = N
     """Load and validate everything that can be checked without weights; raise all problems at once."""
     config, cmd = load_config(argv, defaults=extra_values)
     validate_config(config)
+    if config.engine == "auto":
+        config = apply_engine_auto(config, world_size, local_world_size or world_size)
     engine, problems = plan_engine(config, world_size, has_cuda=visible_gpu_count() > 0)
     problems += _data_problems(config) + _engine_problems(config, engine, world_size, local_world_size or world_size)
     if problems:
         raise ConfigError(*problems)
     return Preflight(config, frozenset(cmd.switches), engine, world_size)
+
+
+def apply_engine_auto(config: TrainConfig, world_size: int, nproc_per_node: int) -> TrainConfig:
+    """`engine: auto`: the fastest engine option the memory estimate says fits, decided here, once."""
+    from shardtune.estimate.command import local_cpu_memory, local_gpu_memory
+    from shardtune.estimate.config import recommend_for_config
+
+    gpu_memory = local_gpu_memory() if visible_gpu_count() else None
+    values, reason = recommend_for_config(config, world_size, nproc_per_node, gpu_memory, local_cpu_memory())
+    chosen = ", ".join(f"{k}: {v}" for k, v in values.items()) or "DDP (no deepspeed/fsdp)"
+    print(f"[shardtune] engine auto -> {chosen}: {reason}", flush=True)
+    return replace(config, engine="manual", **values)
 
 
 def _data_problems(config: TrainConfig) -> list[str]:
@@ -117,10 +131,22 @@ def check_command(argv: list[str]) -> int:
     plan = plan_launch(launch_env.read_launch_env(), visible_gpu_count(), free_port=0)
     pre = preflight(argv, plan.world_size, plan.nproc_per_node)
     c = pre.config
+    warning = memory_warning(c, plan)
+    if warning:
+        print(f"shardtune: warning: {warning}", file=sys.stderr)
     print(f"ok: {c.stage} / {c.finetuning_type} of {c.model_name_or_path} on {','.join(c.dataset)}; "
           f"engine {pre.engine.kind}, world size {plan.world_size}, global batch "
           f"{global_batch(c, plan.world_size)} -> {c.output_dir}")
     return 0
+
+
+def memory_warning(c: TrainConfig, plan: LaunchPlan) -> str | None:
+    """The memory estimate's verdict on this launch (None when it fits or cannot be estimated)."""
+    from shardtune.estimate.command import local_cpu_memory, local_gpu_memory
+    from shardtune.estimate.config import fit_warning
+
+    gpu_memory = local_gpu_memory() if visible_gpu_count() else None
+    return fit_warning(c, plan.world_size, plan.nproc_per_node, gpu_memory, local_cpu_memory())
 
 
 def global_batch(c: TrainConfig, dp_size: int) -> int:
@@ -241,7 +267,7 @@ def run_worker(pre: Preflight, rank_env: launch_env.RankEnv | None = None) -> in
         quiet_this_rank()
     stop = StopRequest()
     install_stop_handlers(stop)
-    results = run_training(pre.config, engine, stop)
+    results = run_training(pre.config, engine, stop, memory=memory_probe(pre, engine))
     if results.get("interrupted"):
         if engine.is_main:
             print(f"[shardtune] interrupted at step {results['global_step']}; checkpoint saved where save_steps is "
@@ -253,6 +279,17 @@ def run_worker(pre: Preflight, rank_env: launch_env.RankEnv | None = None) -> in
               f"({results['engine']}, world size {results['world_size']}); outputs in {pre.config.output_dir}",
               flush=True)
     return 0
+
+
+def memory_probe(pre: Preflight, engine):
+    """Measured peak memory from here on, and the estimate to compare it with (train_results.json)."""
+    from shardtune.estimate.config import estimate_for_run
+    from shardtune.estimate.measure import mark_memory_baseline
+    from shardtune.train.workflow import MemoryProbe
+
+    estimate = estimate_for_run(pre.config, engine.world_size, pre.engine.kind, fsdp_settings=pre.engine.fsdp,
+                                deepspeed_raw=pre.engine.deepspeed_raw, on_gpu=engine.device.type == "cuda")
+    return MemoryProbe(baseline=mark_memory_baseline(), estimate_bytes=estimate)
 
 
 def install_stop_handlers(stop) -> None:

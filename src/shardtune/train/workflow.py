@@ -26,7 +26,8 @@ RESULTS_FILE = "train_results.json"
 RESOLVED_CONFIG_FILE = "shardtune_config.json"
 
 
-def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None = None) -> dict[str, Any]:
+def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None = None,
+                 memory: MemoryProbe | None = None) -> dict[str, Any]:
     """Train as configured with ``engine`` and return the results written to train_results.json.
 
     When ``stop`` is raised (Ctrl-C, SIGTERM) the run ends after the current step with a checkpoint and returns
@@ -69,7 +70,22 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
         hooks.reporter.close()
         engine.close()
         return {"interrupted": True, "global_step": state.global_step}
-    return finish_run(engine, tokenizer, config, output_dir, state, hooks)
+    return finish_run(engine, tokenizer, config, output_dir, state, hooks, memory)
+
+
+@dataclass
+class MemoryProbe:
+    """Where peak-memory measurement started and what the estimate predicted (bytes per rank)."""
+
+    baseline: Any
+    estimate_bytes: int | None
+
+    def per_rank_peaks(self, engine: Engine) -> list[int]:
+        from shardtune.estimate.measure import measured_peak_memory_bytes
+
+        mine = torch.zeros(engine.world_size, dtype=torch.float64, device=engine.device)
+        mine[engine.rank] = float(measured_peak_memory_bytes(self.baseline))
+        return [int(v) for v in engine.all_reduce_sum(mine).tolist()]
 
 
 @dataclass
@@ -127,6 +143,18 @@ def clear_previous_run(output_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def memory_results(peaks: list[int], estimate: int | None, announce: bool) -> dict[str, Any]:
+    """Measured peak per rank beside the estimate; the ratio is printed so a user sees how far off it is."""
+    found: dict[str, Any] = {"peak_memory_bytes_per_rank": peaks, "estimated_memory_bytes": estimate}
+    if estimate:
+        found["memory_measured_over_estimate"] = round(max(peaks) / estimate, 3)
+        if announce:
+            print(f"[shardtune] peak memory {max(peaks) / 2**20:.1f} MiB per rank (measured) vs "
+                  f"{estimate / 2**20:.1f} MiB (estimated): ratio {found['memory_measured_over_estimate']}",
+                  flush=True)
+    return found
+
+
 @dataclass
 class RunHooks:
     """Connects the loop to reporting, evaluation and checkpoints."""
@@ -173,7 +201,7 @@ class RunHooks:
 
 
 def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path, state: TrainState,
-               hooks: RunHooks) -> dict[str, Any]:
+               hooks: RunHooks, memory: MemoryProbe | None = None) -> dict[str, Any]:
     """Save the final model and tokenizer, evaluate, and write train_results.json."""
     import time
 
@@ -193,6 +221,8 @@ def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path,
     }
     if hooks.eval_loader is not None:
         results["eval_loss"] = evaluate(engine, hooks.eval_loader)
+    if memory is not None:
+        results.update(memory_results(memory.per_rank_peaks(engine), memory.estimate_bytes, engine.is_main))
     if engine.is_main:
         tokenizer.save_pretrained(output_dir)
         (output_dir / RESULTS_FILE).write_text(json.dumps(results, indent=2))
