@@ -98,3 +98,16 @@ def test_two_nodes_through_shardtune_train(reference, tiny_model_dir, tmp_path):
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
     assert engine_of(tmp_path) == ("ddp", 2)
     assert losses(tmp_path) == pytest.approx(reference["full"], rel=2e-3)
+
+
+def test_node_that_never_joins_ends_the_job_within_the_timeout(tiny_model_dir, tmp_path):
+    import time
+
+    env = cli_env(NNODES="2", NODE_RANK="0", NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=str(find_free_port()), RDZV_TIMEOUT="10")
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "shardtune", "train", *training_args(tiny_model_dir, tmp_path)],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert time.monotonic() - start < 60
+    assert "waiting for clients" in result.stderr and "never joined" in result.stderr

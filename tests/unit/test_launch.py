@@ -106,3 +106,9 @@ def test_hybrid_mesh_never_silently_degrades():
     with pytest.raises(ValueError, match="at least 2 processes per shard group"):
         hybrid_mesh_shape(hybrid, world_size=2, local_world_size=1)
     assert hybrid_mesh_shape(FsdpSettings(sharding_strategy="HYBRID_SHARD", hsdp_shard_size=2), 4, 4) == (2, 2)
+
+
+def test_rendezvous_timeout_bounds_the_wait():
+    env = read_launch_env({"NNODES": "2", "MASTER_PORT": "29500", "RDZV_TIMEOUT": "30"})
+    argv = build_torchrun_argv(plan_launch(env, visible_gpus=0), 0, worker_argv("c.json"), PY)
+    assert "--rdzv-conf=join_timeout=30,timeout=30" in argv

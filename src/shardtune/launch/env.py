@@ -66,9 +66,11 @@ class LaunchEnv:
     max_nnodes: int | None = None
     max_restarts: int = 0
     cuda_visible_devices: str | None = None
+    rdzv_timeout: int | None = None
 
 
-_INT_VARS = ("NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_PORT", "MIN_NNODES", "MAX_NNODES", "MAX_RESTARTS")
+_INT_VARS = ("NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_PORT", "MIN_NNODES", "MAX_NNODES", "MAX_RESTARTS",
+             "RDZV_TIMEOUT")
 
 
 def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -97,6 +99,7 @@ def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
         max_nnodes=ints.get("MAX_NNODES"),
         max_restarts=ints.get("MAX_RESTARTS", 0),
         cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
+        rdzv_timeout=ints.get("RDZV_TIMEOUT"),
     )
 
 

@@ -175,7 +175,12 @@ def train_command(argv: list[str]) -> int:
     if env.master_port is not None and plan.node_rank == 0:
         check_port_free(plan.master_addr, plan.master_port)
     write_launch_config(pre.config, config_path)
-    return run_torchrun(commands[plan.node_rank], plan)
+    code = run_torchrun(commands[plan.node_rank], plan)
+    if code not in (0, 130) and plan.nnodes > 1:
+        print(f"shardtune: error: the job failed (exit code {code}); if the log shows a rendezvous timeout, a node "
+              f"never joined: start every node with NNODES={plan.nnodes}, MASTER_ADDR={plan.master_addr} and "
+              f"MASTER_PORT={plan.master_port}", file=sys.stderr)
+    return code
 
 
 def check_port_free(addr: str, port: int) -> None:

@@ -22,6 +22,7 @@ class LaunchPlan:
     min_nnodes: int | None = None
     max_nnodes: int | None = None
     max_restarts: int = 0
+    rdzv_timeout: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -51,6 +52,7 @@ def plan_launch(env: LaunchEnv, visible_gpus: int, free_port: int | None = None)
         nnodes=env.nnodes, node_rank=env.node_rank, nproc_per_node=nproc, master_addr=env.master_addr,
         master_port=port if port is not None else (free_port or find_free_port()),
         rdzv_id=env.rdzv_id, min_nnodes=env.min_nnodes, max_nnodes=env.max_nnodes, max_restarts=env.max_restarts,
+        rdzv_timeout=env.rdzv_timeout,
     )
 
 
@@ -80,6 +82,9 @@ def build_torchrun_argv(plan: LaunchPlan, node_rank: int, worker: list[str], pyt
             f"--master-addr={plan.master_addr}",
             f"--master-port={plan.master_port}",
         ]
+    if plan.rdzv_timeout is not None:
+        # Bounds how long the nodes wait for each other (a node that never starts ends the job, not a hang).
+        argv.append(f"--rdzv-conf=join_timeout={plan.rdzv_timeout},timeout={plan.rdzv_timeout}")
     return argv + worker
 
 
