@@ -23,6 +23,7 @@ from shardtune.engines.deepspeed_config import (
     zero_stage,
 )
 from shardtune.errors import ConfigError
+from shardtune.train.settings import OptimizerSettings
 
 REPO = Path(__file__).resolve().parents[2]
 INPUTS = DeepSpeedInputs(micro_batch_size=2, gradient_accumulation_steps=4, dp_world_size=2, max_grad_norm=1.0,
@@ -197,7 +198,8 @@ def test_json_adamw_with_offload_is_fine_and_its_autos_resolve():
     raw["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": AUTO, "warmup_max_lr": AUTO,
                                                             "warmup_num_steps": AUTO, "total_num_steps": AUTO}}
     assert problems_for(raw) == []
-    resolved = resolve_deepspeed_config(raw, replace(INPUTS, learning_rate=2e-4, weight_decay=0.1))
+    inputs = replace(INPUTS, optimizer=OptimizerSettings(learning_rate=2e-4, weight_decay=0.1))
+    resolved = resolve_deepspeed_config(raw, inputs)
     assert resolved["optimizer"]["params"] == {"lr": 2e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1}
     assert resolved["scheduler"]["params"] == {"warmup_min_lr": 0.0, "warmup_max_lr": 2e-4,
                                                "warmup_num_steps": 10, "total_num_steps": 100}
@@ -210,17 +212,17 @@ def test_scheduler_total_steps_auto_needs_the_step_count():
 
 
 def test_client_optimizer_offload_needs_adam():
-    problems = problems_for(with_zero("z2_offload"), replace(INPUTS, optim="sgd"))
+    problems = problems_for(with_zero("z2_offload"), replace(INPUTS, optimizer=OptimizerSettings(optim="sgd")))
     assert any("runs DeepSpeedCPUAdam, which optim (sgd) cannot become" in p for p in problems), problems
     relaxed = with_zero("z2_offload")
     relaxed["zero_force_ds_cpu_optimizer"] = False
-    assert problems_for(relaxed, replace(INPUTS, optim="sgd")) == []
+    assert problems_for(relaxed, replace(INPUTS, optimizer=OptimizerSettings(optim="sgd"))) == []
 
 
 def test_untested_optimizer_under_zero_needs_the_opt_in():
     raw = z2()
     del raw["zero_allow_untested_optimizer"]
-    problems = problems_for(raw, replace(INPUTS, optim="adafactor"))
+    problems = problems_for(raw, replace(INPUTS, optimizer=OptimizerSettings(optim="adafactor")))
     assert any("optim (adafactor) is not one DeepSpeed ZeRO tested" in p for p in problems), problems
     assert problems_for(raw) == []  # adamw_torch is tested
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.errors import ConfigError
+from shardtune.train.settings import OptimizerSettings
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 PRESETS: dict[str, str] = {
@@ -74,12 +75,7 @@ class DeepSpeedInputs:
     bf16: bool
     fp16: bool
     hidden_size: int | None  # model config hidden_size, for the ZeRO bucket sizes
-    optim: str = "adamw_torch"
-    learning_rate: float = 5e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
+    optimizer: OptimizerSettings = OptimizerSettings()  # fills a JSON optimizer section's "auto" values
     total_steps: int | None = None  # for a JSON scheduler's total_num_steps "auto"
     warmup_steps: int = 0
 
@@ -205,12 +201,12 @@ def _auto_values(inputs: DeepSpeedInputs) -> dict[tuple[str, ...], Callable[[], 
             lambda: int(0.9 * hidden * hidden) if hidden else DEFAULT_PREFETCH_BUCKET_SIZE,
         ("zero_optimization", "stage3_param_persistence_threshold"):
             lambda: 10 * hidden if hidden else DEFAULT_PARAM_PERSISTENCE_THRESHOLD,
-        ("optimizer", "params", "lr"): lambda: inputs.learning_rate,
-        ("optimizer", "params", "betas"): lambda: [inputs.adam_beta1, inputs.adam_beta2],
-        ("optimizer", "params", "eps"): lambda: inputs.adam_epsilon,
-        ("optimizer", "params", "weight_decay"): lambda: inputs.weight_decay,
+        ("optimizer", "params", "lr"): lambda: inputs.optimizer.learning_rate,
+        ("optimizer", "params", "betas"): lambda: [inputs.optimizer.adam_beta1, inputs.optimizer.adam_beta2],
+        ("optimizer", "params", "eps"): lambda: inputs.optimizer.adam_epsilon,
+        ("optimizer", "params", "weight_decay"): lambda: inputs.optimizer.weight_decay,
         ("scheduler", "params", "warmup_min_lr"): lambda: 0.0,
-        ("scheduler", "params", "warmup_max_lr"): lambda: inputs.learning_rate,
+        ("scheduler", "params", "warmup_max_lr"): lambda: inputs.optimizer.learning_rate,
         ("scheduler", "params", "warmup_num_steps"): lambda: inputs.warmup_steps,
         ("scheduler", "params", "total_num_steps"): lambda: inputs.total_steps,
     }
@@ -407,12 +403,13 @@ def _optimizer_problems(raw: dict, inputs: DeepSpeedInputs, source: str) -> list
                     "zero_optimization.offload_optimizer; use AdamW, Adam, Adagrad or Lion, or drop the offload"]
         return []
     problems = []
-    if offload and inputs.optim not in ADAM_OPTIMS and raw.get("zero_force_ds_cpu_optimizer", True) is not False:
+    optim = inputs.optimizer.optim
+    if offload and optim not in ADAM_OPTIMS and raw.get("zero_force_ds_cpu_optimizer", True) is not False:
         problems.append(f"zero_optimization.offload_optimizer in {source} runs DeepSpeedCPUAdam, which optim "
-                        f"({inputs.optim}) cannot become; use optim adamw_torch, or set "
+                        f"({optim}) cannot become; use optim adamw_torch, or set "
                         "\"zero_force_ds_cpu_optimizer\": false to step it on the CPU as is")
-    if zero_stage(raw) > 0 and inputs.optim not in ADAM_OPTIMS and raw.get("zero_allow_untested_optimizer") is not True:
-        problems.append(f"optim ({inputs.optim}) is not one DeepSpeed ZeRO tested; set "
+    if zero_stage(raw) > 0 and optim not in ADAM_OPTIMS and raw.get("zero_allow_untested_optimizer") is not True:
+        problems.append(f"optim ({optim}) is not one DeepSpeed ZeRO tested; set "
                         f"\"zero_allow_untested_optimizer\": true in {source} or use optim adamw_torch")
     return problems
 

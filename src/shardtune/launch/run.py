@@ -90,6 +90,7 @@ def _engine_problems(config: TrainConfig, engine: EnginePlan, world_size: int, l
 
 def deepspeed_inputs(config: TrainConfig, world_size: int):
     from shardtune.engines.deepspeed_config import DeepSpeedInputs
+    from shardtune.train.settings import optimizer_settings
 
     return DeepSpeedInputs(
         micro_batch_size=config.per_device_train_batch_size,
@@ -99,12 +100,7 @@ def deepspeed_inputs(config: TrainConfig, world_size: int):
         bf16=config.bf16,
         fp16=config.fp16,
         hidden_size=model_hidden_size(config.model_name_or_path),
-        optim=config.optim,
-        learning_rate=config.learning_rate,
-        weight_decay=config.weight_decay,
-        adam_beta1=config.adam_beta1,
-        adam_beta2=config.adam_beta2,
-        adam_epsilon=config.adam_epsilon,
+        optimizer=optimizer_settings(config),
         warmup_steps=config.warmup_steps,
     )
 

@@ -3,21 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from shardtune.errors import ConfigError
+from shardtune.train.settings import OptimizerSettings
 
-
-@dataclass(frozen=True)
-class OptimizerSettings:
-    optim: str = "adamw_torch"
-    learning_rate: float = 5e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
+__all__ = ["OptimizerSettings", "build_optimizer", "build_scheduler", "split_decay_groups"]
 
 
 def split_decay_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict]:

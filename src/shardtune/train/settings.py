@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from shardtune.config.schema import TrainConfig
 from shardtune.data.settings import DataSettings
 from shardtune.model.adapters import FinetuningSettings
@@ -39,3 +41,18 @@ def finetuning_settings(c: TrainConfig) -> FinetuningSettings:
         gradient_checkpointing=c.gradient_checkpointing,
         is_quantized=c.quantization_bit is not None,
     )
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    optim: str = "adamw_torch"
+    learning_rate: float = 5e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+
+
+def optimizer_settings(c: TrainConfig) -> OptimizerSettings:
+    return OptimizerSettings(optim=c.optim, learning_rate=c.learning_rate, weight_decay=c.weight_decay,
+                             adam_beta1=c.adam_beta1, adam_beta2=c.adam_beta2, adam_epsilon=c.adam_epsilon)

@@ -11,12 +11,6 @@ from torch.utils.data import DataLoader, DistributedSampler
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.base import Engine
 from shardtune.model.adapters import FinetuningSettings, apply_finetuning, count_parameters
-from shardtune.train.optim import OptimizerSettings
-
-
-def optimizer_settings(c: TrainConfig) -> OptimizerSettings:
-    return OptimizerSettings(optim=c.optim, learning_rate=c.learning_rate, weight_decay=c.weight_decay,
-                             adam_beta1=c.adam_beta1, adam_beta2=c.adam_beta2, adam_epsilon=c.adam_epsilon)
 
 
 def prepare_model_dir(c: TrainConfig, engine: Engine) -> None:

@@ -19,8 +19,8 @@ from shardtune.train.checkpoint import resume_source
 from shardtune.train.loop import LoopSettings, TrainState, evaluate, run_loop, steps_per_epoch, total_training_steps
 from shardtune.train.optim import build_optimizer, build_scheduler, warmup_steps_for
 from shardtune.train.reporting import LOG_FILE, Reporter, plot_loss
-from shardtune.train.settings import data_settings, finetuning_settings
-from shardtune.train.setup import build_loader, load_model_for_training, optimizer_settings, prepare_model_dir
+from shardtune.train.settings import data_settings, finetuning_settings, optimizer_settings
+from shardtune.train.setup import build_loader, load_model_for_training, prepare_model_dir
 
 RESULTS_FILE = "train_results.json"
 RESOLVED_CONFIG_FILE = "shardtune_config.json"
