@@ -38,8 +38,8 @@ def dry_run_report(pre: Preflight, plan: LaunchPlan, commands: list[list[str]]) 
 
 def engine_description(pre: Preflight, plan: LaunchPlan) -> str:
     kind = pre.engine.kind
-    if kind == "local" and plan.world_size == 1 and pre.engine.needs_process_group is False:
-        return "local (single process)" if plan.world_size == 1 else "ddp"
+    if kind == "local":
+        return "local (single process)"
     if kind == "fsdp" and pre.engine.fsdp is not None:
         return f"fsdp{pre.engine.fsdp.version} {pre.engine.fsdp.sharding_strategy}"
     if kind == "deepspeed":

@@ -8,7 +8,6 @@ across all ranks, so accumulation gives exactly the update of one big batch (no 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
@@ -195,7 +194,3 @@ def steps_per_epoch(num_micro_batches: int, gradient_accumulation_steps: int) ->
 
 def total_training_steps(per_epoch: int, num_train_epochs: float, max_steps: int) -> int:
     return max_steps if max_steps > 0 else max(1, math.ceil(per_epoch * num_train_epochs))
-
-
-def now() -> float:
-    return time.perf_counter()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,8 +180,6 @@ class RunHooks:
         self.reporter.step(state.global_step, metrics)
 
     def on_log(self, state: TrainState, metrics: dict[str, float]) -> None:
-        import time
-
         current = time.perf_counter()
         metrics = {**metrics, "seconds": current - self.last_log_time}
         self.last_log_time = current
@@ -203,8 +202,6 @@ class RunHooks:
 def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path, state: TrainState,
                hooks: RunHooks, memory: MemoryProbe | None = None) -> dict[str, Any]:
     """Save the final model and tokenizer, evaluate, and write train_results.json."""
-    import time
-
     runtime = time.perf_counter() - hooks.reporter.start_time
     engine.save_model(output_dir)
     results: dict[str, Any] = {
