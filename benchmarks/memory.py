@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -34,6 +33,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from common import machine, machine_line
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -324,16 +325,6 @@ def model_params(model_dir: Path) -> int:
     return load_model_shape(str(model_dir)).total_params
 
 
-def machine() -> dict:
-    import deepspeed
-    import torch
-    import transformers
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "deepspeed": deepspeed.__version__, "cpu": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "platform": platform.platform()}
-
-
 def render_markdown(rows: list[dict], command: str, info: dict, accumulation: int) -> str:
     lines = ["| model | params | engine | estimate | measured | error | RSS incl. file pages |",
              "|---|---:|---|---:|---:|---:|---:|"]
@@ -346,8 +337,7 @@ def render_markdown(rows: list[dict], command: str, info: dict, accumulation: in
         footer += (" Without accumulation DDP and FSDP free gradients between steps and the backward creates them"
                    " while it frees activations, so the estimate's sum is an upper bound (benchmarks/README.md).")
     return "\n".join([f"Command: `{command}`", "",
-                      f"Machine: {info['platform']}, {info['cpus']} CPUs; Python {info['python']}, torch "
-                      f"{info['torch']}, transformers {info['transformers']}, DeepSpeed {info['deepspeed']}.",
+                      machine_line(info),
                       "", *lines, "", footer])
 
 

@@ -94,8 +94,12 @@ class TrainConfig:
     val_size: float = _key(0.0, "held-out eval split: a fraction (< 1) or a sample count", DATA, minimum=0)
     packing: bool | None = _key(None, "pack several samples per sequence (default: on for pt, off for sft)", DATA)
     train_on_prompt: bool = _key(False, "compute the loss on prompt tokens too", DATA)
+    group_by_length: bool = _key(False, "batch samples of similar length together (less padding, unpacked)",
+                                 DATA)
     preprocessing_num_workers: int | None = _key(None, "processes used to tokenise the data", DATA, minimum=1)
-    overwrite_cache: bool = _key(False, "re-tokenise instead of reusing the datasets cache", DATA)
+    overwrite_cache: bool = _key(False, "re-tokenise instead of reusing the datasets cache or tokenized_path", DATA)
+    tokenized_path: str | None = _key(
+        None, "folder for the tokenised datasets: built by one rank once, then loaded by later runs and ranks", DATA)
 
     # --- output ---
     output_dir: str | None = _key(None, "where checkpoints, logs and the final model go", OUTPUT)
@@ -108,6 +112,8 @@ class TrainConfig:
     plot_loss: bool = _key(False, "write training_loss.png at the end", OUTPUT)
     report_to: list[str] = _key(["none"], "experiment trackers: none, tensorboard, wandb, mlflow", OUTPUT)
     resume_from_checkpoint: str | None = _key(None, "checkpoint folder to resume from", OUTPUT)
+    throughput_warmup_steps: int = _key(
+        1, "first optimizer steps left out of the throughput figures in train_results.json", OUTPUT, minimum=0)
 
     # --- optimisation ---
     per_device_train_batch_size: int = _key(1, "micro batch per process", TRAIN, minimum=1)
@@ -165,7 +171,7 @@ UNSUPPORTED_KEYS = frozenset(
     dispatch_batches do_predict eval_accumulation_steps eval_delay eval_do_concat_batches eval_on_start
     eval_use_gather_object fp16_backend fp16_full_eval fp16_opt_level fsdp_min_num_params
     fsdp_transformer_layer_cls_to_wrap full_determinism generation_max_length generation_num_beams
-    gradient_checkpointing_kwargs greater_is_better group_by_length half_precision_backend hub_always_push
+    gradient_checkpointing_kwargs greater_is_better half_precision_backend hub_always_push
     hub_model_id hub_private_repo hub_strategy hub_token ignore_data_skip include_for_metrics
     include_inputs_for_metrics include_num_input_tokens_seen include_tokens_per_second jit_mode_eval
     label_names label_smoothing_factor length_column_name load_best_model_at_end log_level log_level_replica
@@ -177,7 +183,7 @@ UNSUPPORTED_KEYS = frozenset(
     skip_memory_metrics split_batches tf32 torch_compile torch_compile_backend torch_compile_mode
     torch_empty_cache_steps torchdynamo tpu_metrics_debug tpu_num_cores use_cpu use_ipex use_legacy_prediction_loop
     use_liger_kernel use_mps_device do_predict eval_dataset flash_attn enable_liger_kernel use_unsloth
-    streaming mix_strategy interleave_probs neat_packing tokenized_path use_dora pissa_init loraplus_lr_ratio
+    streaming mix_strategy interleave_probs neat_packing use_dora pissa_init loraplus_lr_ratio
     additional_target resize_vocab rope_scaling shift_attn upcast_layernorm use_galore use_badam
     """.split()
 )

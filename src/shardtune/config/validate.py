@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from shardtune.config.schema import REPORT_TO, TrainConfig
+from shardtune.data.tokenized import is_saved
 from shardtune.errors import ConfigError
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -28,8 +29,9 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
         problems.append("model_name_or_path is required (a local model directory or a hub id)")
     if c.output_dir is None:
         problems.append("output_dir is required (where the model and logs are written)")
-    if not c.dataset:
-        problems.append("dataset is required (names from dataset_info.json, comma separated)")
+    if not c.dataset and not (c.tokenized_path and is_saved(c.tokenized_path)):
+        problems.append("dataset is required (names from dataset_info.json, comma separated), unless "
+                        "tokenized_path holds datasets prepared by an earlier run")
     if not c.do_train:
         problems.append("do_train (false): shardtune only trains; set do_train: true")
     if c.bf16 and c.fp16:

@@ -6,9 +6,12 @@ Steps: check settings -> load each file -> normalise records -> concatenate -> t
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
+import datasets
 from datasets import Dataset, concatenate_datasets
 
 from shardtune.data.checks import check_data_settings
@@ -33,8 +36,9 @@ def build_datasets(tokenizer: Any, settings: DataSettings) -> tuple[Dataset, Dat
     problems = check_data_settings(settings)
     if problems:
         raise DataError(*problems)
-    records = load_normalized(settings)
-    tokenized = tokenize(records, tokenizer, settings)
+    with fresh_cache(settings.overwrite_cache):
+        records = load_normalized(settings)
+        tokenized = tokenize(records, tokenizer, settings)
     if len(tokenized) == 0:
         raise DataError(f"datasets {', '.join(dataset_names(settings))} produced no samples (all texts are empty)")
     train, evaluation = split_eval(tokenized, settings.val_size, settings.seed)
@@ -42,6 +46,19 @@ def build_datasets(tokenizer: Any, settings: DataSettings) -> tuple[Dataset, Dat
         train = pack_dataset(train, settings.cutoff_len)
         evaluation = pack_dataset(evaluation, settings.cutoff_len) if evaluation is not None else None
     return train, evaluation
+
+
+@contextlib.contextmanager
+def fresh_cache(enabled: bool) -> Iterator[None]:
+    """overwrite_cache: recompute every step instead of reading datasets' cache files."""
+    if not enabled:
+        yield
+        return
+    datasets.disable_caching()
+    try:
+        yield
+    finally:
+        datasets.enable_caching()
 
 
 def load_normalized(settings: DataSettings) -> Dataset:

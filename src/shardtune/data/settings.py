@@ -29,6 +29,7 @@ class DataSettings:
     train_on_prompt: bool = False
     seed: int = 42
     preprocessing_num_workers: int | None = None
+    overwrite_cache: bool = False
 
 
 def dataset_names(settings: DataSettings) -> list[str]:

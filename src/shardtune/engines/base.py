@@ -51,6 +51,10 @@ class Engine(ABC):
         return 0
 
     @property
+    def local_rank(self) -> int:
+        return 0
+
+    @property
     def is_main(self) -> bool:
         return self.rank == 0
 

@@ -61,6 +61,10 @@ class DistributedMixin:
     def rank(self) -> int:
         return self.ctx.rank
 
+    @property
+    def local_rank(self) -> int:
+        return self.ctx.local_rank
+
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         value = value.clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM)

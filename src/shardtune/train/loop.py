@@ -116,9 +116,11 @@ def train_step(engine: Engine, window: list[Batch], max_grad_norm: float) -> dic
         loss_total += loss_sum.detach()
     grad_norm = engine.step(max_grad_norm)
     step_loss = engine.all_reduce_sum(loss_total) / denominator
-    input_tokens = engine.all_reduce_sum(
-        torch.tensor(float(sum(count_input_tokens(b) for b in window)), device=engine.device))
-    return {"loss": float(step_loss), "grad_norm": grad_norm, "tokens": float(input_tokens),
+    # Non-padding tokens and computed token slots (rows x padded length), summed over ranks in one call.
+    counts = engine.all_reduce_sum(torch.tensor(
+        [float(sum(count_input_tokens(b) for b in window)), float(sum(b["input_ids"].numel() for b in window))],
+        device=engine.device))
+    return {"loss": float(step_loss), "grad_norm": grad_norm, "tokens": float(counts[0]), "slots": float(counts[1]),
             "trainable_tokens": float(global_tokens)}
 
 

@@ -22,6 +22,7 @@ def data_settings(c: TrainConfig) -> DataSettings:
         train_on_prompt=c.train_on_prompt,
         seed=c.seed,
         preprocessing_num_workers=c.preprocessing_num_workers,
+        overwrite_cache=c.overwrite_cache,
     )
 
 

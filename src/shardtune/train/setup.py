@@ -24,6 +24,54 @@ def prepare_model_dir(c: TrainConfig, engine: Engine) -> None:
     engine.barrier()
 
 
+def prepare_datasets(tokenizer: Any, c: TrainConfig, engine: Engine) -> tuple[Any, Any]:
+    """Tokenise once and let the other ranks read the result: (train, eval or None)."""
+    from shardtune.data import build_datasets
+    from shardtune.train.settings import data_settings
+
+    if c.tokenized_path:
+        return prepare_tokenized(tokenizer, c, engine)
+    # Rank 0 tokenises first and fills the datasets cache; the other ranks then read it.
+    if not engine.is_main:
+        engine.barrier()
+    datasets = build_datasets(tokenizer, data_settings(c))
+    if engine.is_main:
+        engine.barrier()
+    return datasets
+
+
+def prepare_tokenized(tokenizer: Any, c: TrainConfig, engine: Engine) -> tuple[Any, Any]:
+    """tokenized_path: rank 0 builds it when missing or stale; then, on nodes that do not share its
+    filesystem (it is still missing there), the node's first rank builds a copy; then every rank loads."""
+    from shardtune.data.tokenized import cache_key, load_tokenized
+    from shardtune.train.settings import data_settings
+
+    key = cache_key(data_settings(c), tokenizer) if c.dataset else None
+    if engine.is_main:
+        build_tokenized(tokenizer, c, key, force=c.overwrite_cache)
+    engine.barrier()
+    if engine.local_rank == 0 and not engine.is_main:
+        build_tokenized(tokenizer, c, key, force=False)
+    engine.barrier()
+    return load_tokenized(c.tokenized_path or "", key)
+
+
+def build_tokenized(tokenizer: Any, c: TrainConfig, key: dict[str, Any] | None, force: bool) -> None:
+    from shardtune.data import build_datasets
+    from shardtune.data.tokenized import is_current, save_tokenized
+    from shardtune.errors import DataError
+    from shardtune.train.settings import data_settings
+
+    path = c.tokenized_path or ""
+    if not force and is_current(path, key):
+        return
+    if key is None:
+        raise DataError(f"tokenized_path {path} holds no prepared datasets and no dataset is configured")
+    print(f"[shardtune] tokenising into {path} (reused by later runs with the same data settings)", flush=True)
+    train, evaluation = build_datasets(tokenizer, data_settings(c))
+    save_tokenized(path, train, evaluation, key)
+
+
 def load_model_for_training(c: TrainConfig, settings: FinetuningSettings) -> torch.nn.Module:
     from shardtune.model.load import load_causal_lm
 
@@ -45,8 +93,18 @@ def build_loader(dataset: Any, tokenizer: Any, batch_size: int, engine: Engine, 
         return None
     from shardtune.data import DataCollator
 
-    sampler = DistributedSampler(dataset, num_replicas=engine.world_size, rank=engine.rank,
-                                 shuffle=shuffle, seed=c.seed, drop_last=False)
+    sampler = make_sampler(dataset, batch_size, engine, c, shuffle)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                       collate_fn=DataCollator(tokenizer.pad_token_id, attn_implementation=c.attn_implementation),
                       num_workers=c.dataloader_num_workers)
+
+
+def make_sampler(dataset: Any, batch_size: int, engine: Engine, c: TrainConfig, shuffle: bool) -> DistributedSampler:
+    """This rank's share of the data; the seed keeps every rank's view of the order the same."""
+    if shuffle and c.group_by_length:
+        from shardtune.data.sampling import LengthGroupedSampler
+
+        lengths = [len(ids) for ids in dataset["input_ids"]]
+        return LengthGroupedSampler(lengths, batch_size, engine.world_size, engine.rank, c.seed)
+    return DistributedSampler(dataset, num_replicas=engine.world_size, rank=engine.rank, shuffle=shuffle,
+                              seed=c.seed, drop_last=False)

@@ -20,8 +20,9 @@ from shardtune.train.checkpoint import resume_source
 from shardtune.train.loop import LoopSettings, TrainState, evaluate, run_loop, steps_per_epoch, total_training_steps
 from shardtune.train.optim import build_optimizer, build_scheduler, warmup_steps_for
 from shardtune.train.reporting import LOG_FILE, Reporter, plot_loss
-from shardtune.train.settings import data_settings, finetuning_settings, optimizer_settings
-from shardtune.train.setup import build_loader, load_model_for_training, prepare_model_dir
+from shardtune.train.settings import finetuning_settings, optimizer_settings
+from shardtune.train.setup import build_loader, load_model_for_training, prepare_datasets, prepare_model_dir
+from shardtune.train.throughput import ThroughputMeter
 
 RESULTS_FILE = "train_results.json"
 RESOLVED_CONFIG_FILE = "shardtune_config.json"
@@ -37,16 +38,10 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     set_seed(config.seed)
     output_dir = Path(config.output_dir or "output")
     prepare_model_dir(config, engine)
-    from shardtune.data import build_datasets
     from shardtune.model.load import load_tokenizer
 
     tokenizer = load_tokenizer(config.model_name_or_path or "", trust_remote_code=config.trust_remote_code)
-    # Rank 0 tokenises first and fills the datasets cache; the other ranks then read it.
-    if not engine.is_main:
-        engine.barrier()
-    train_set, eval_set = build_datasets(tokenizer, data_settings(config))
-    if engine.is_main:
-        engine.barrier()
+    train_set, eval_set = prepare_datasets(tokenizer, config, engine)
     train_loader = build_loader(train_set, tokenizer, config.per_device_train_batch_size, engine, config, True)
     eval_loader = build_loader(eval_set, tokenizer, config.per_device_eval_batch_size, engine, config, False)
     loop = loop_settings(config, len(train_loader), eval_loader is not None)
@@ -66,6 +61,7 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
         train_loader.sampler.set_epoch(epoch)
         return train_loader
 
+    hooks.meter.start()
     state = run_loop(engine, epoch_batches, loop, state, hooks)
     if state.interrupted:
         hooks.reporter.close()
@@ -81,12 +77,15 @@ class MemoryProbe:
     baseline: Any
     estimate_bytes: int | None
 
-    def per_rank_peaks(self, engine: Engine) -> list[int]:
+    def per_rank_peaks(self, engine: Engine) -> tuple[list[int], list[int]]:
+        """Per rank: the peak the run gained since the baseline, and the process's whole peak (CPU: RSS)."""
         from shardtune.estimate.measure import measured_peak_memory_bytes
 
-        mine = torch.zeros(engine.world_size, dtype=torch.float64, device=engine.device)
-        mine[engine.rank] = float(measured_peak_memory_bytes(self.baseline))
-        return [int(v) for v in engine.all_reduce_sum(mine).tolist()]
+        mine = torch.zeros(2, engine.world_size, dtype=torch.float64, device=engine.device)
+        mine[0, engine.rank] = float(measured_peak_memory_bytes(self.baseline))
+        mine[1, engine.rank] = float(measured_peak_memory_bytes())
+        gained, whole = engine.all_reduce_sum(mine).tolist()
+        return [int(v) for v in gained], [int(v) for v in whole]
 
 
 @dataclass
@@ -144,13 +143,15 @@ def clear_previous_run(output_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def memory_results(peaks: list[int], estimate: int | None, announce: bool) -> dict[str, Any]:
-    """Measured peak per rank beside the estimate; the ratio is printed so a user sees how far off it is."""
-    found: dict[str, Any] = {"peak_memory_bytes_per_rank": peaks, "estimated_memory_bytes": estimate}
+def memory_results(peaks: tuple[list[int], list[int]], estimate: int | None, announce: bool) -> dict[str, Any]:
+    """Measured peaks per rank beside the estimate; the ratio is printed so a user sees how far off it is."""
+    gained, whole = peaks
+    found: dict[str, Any] = {"peak_memory_bytes_per_rank": gained, "peak_process_memory_bytes_per_rank": whole,
+                             "estimated_memory_bytes": estimate}
     if estimate:
-        found["memory_measured_over_estimate"] = round(max(peaks) / estimate, 3)
+        found["memory_measured_over_estimate"] = round(max(gained) / estimate, 3)
         if announce:
-            print(f"[shardtune] peak memory {max(peaks) / 2**20:.1f} MiB per rank (measured) vs "
+            print(f"[shardtune] peak memory {max(gained) / 2**20:.1f} MiB per rank (measured) vs "
                   f"{estimate / 2**20:.1f} MiB (estimated): ratio {found['memory_measured_over_estimate']}",
                   flush=True)
     return found
@@ -174,8 +175,10 @@ class RunHooks:
                                  start_step=self.start_step)
         self.last_log_time = self.reporter.start_time
         self.train_losses: list[float] = []
+        self.meter = ThroughputMeter(warmup_steps=self.config.throughput_warmup_steps)
 
     def on_step(self, state: TrainState, metrics: dict[str, float]) -> None:
+        self.meter.record(metrics)
         self.train_losses.append(metrics["loss"])
         self.reporter.step(state.global_step, metrics)
 
@@ -193,10 +196,12 @@ class RunHooks:
 
     def on_save(self, state: TrainState) -> None:
         checkpoint.save_checkpoint(self.engine, self.output_dir, state, self.config.save_total_limit)
+        self.meter.start()  # saving is not training time
 
     def on_evaluate(self, state: TrainState) -> None:
         if self.eval_loader is not None:
             self.reporter.log_eval(state.global_step, state.epoch, evaluate(self.engine, self.eval_loader))
+        self.meter.start()
 
 
 def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path, state: TrainState,
@@ -215,6 +220,7 @@ def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path,
         "train_steps_per_second": round(len(hooks.train_losses) / max(runtime, 1e-9), 4),
         "engine": engine.name,
         "world_size": engine.world_size,
+        "throughput": hooks.meter.summary(),
     }
     if hooks.eval_loader is not None:
         results["eval_loss"] = evaluate(engine, hooks.eval_loader)
