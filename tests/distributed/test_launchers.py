@@ -91,13 +91,17 @@ def test_two_nodes_through_shardtune_train(reference, tiny_model_dir, tmp_path):
     """Two `shardtune train` invocations (NNODES=2, NODE_RANK=0/1) on loopback train as one job."""
     port = str(find_free_port())
     env = cli_env(NNODES="2", NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    argv = [sys.executable, "-m", "shardtune", "train", *training_args(tiny_model_dir, tmp_path, micro=2)]
+    # With a tokenised-data cache: rank 0 builds it, the other node's first rank finds it on the shared disk.
+    argv = [sys.executable, "-m", "shardtune", "train", *training_args(tiny_model_dir, tmp_path, micro=2),
+            f"tokenized_path={tmp_path / 'tokenized'}"]
     nodes = [subprocess.Popen(argv, cwd=REPO, env={**env, "NODE_RANK": str(rank)}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     outputs = [node.communicate(timeout=500) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
     assert engine_of(tmp_path) == ("ddp", 2)
     assert losses(tmp_path) == pytest.approx(reference["full"], rel=2e-3)
+    assert (tmp_path / "tokenized" / "shardtune_data.json").is_file()
+    assert "tokenising into" in outputs[0][0] and "tokenising into" not in outputs[1][0]
 
 
 def test_node_that_never_joins_ends_the_job_within_the_timeout(tiny_model_dir, tmp_path):

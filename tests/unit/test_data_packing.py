@@ -139,3 +139,45 @@ def test_packed_logits_equal_logits_of_each_sample_alone(tokenizer: Any, unpacke
                 torch.testing.assert_close(logits[row_index, start : start + len(ids)], alone, atol=1e-5, rtol=0)
                 start += len(ids)
     assert max(rows[0]["segment_ids"]) >= 3 and max(rows[1]["segment_ids"]) >= 2
+
+
+def varlen_reference_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
+                               cu_seq_lens_q: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """What flash-attn's varlen kernel computes, in plain torch: causal attention within each sequence of the
+    flattened batch, the sequences given by ``cu_seq_lens_q`` (the kwargs our collator builds for flash)."""
+    batch, heads, length, dim = query.shape
+    q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value))
+    out = torch.empty_like(q)
+    offsets = cu_seq_lens_q.tolist()
+    for start, end in zip(offsets[:-1], offsets[1:], strict=True):
+        piece = torch.nn.functional.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
+            is_causal=True, scale=scaling, enable_gqa=True)
+        out[start:end] = piece.transpose(0, 1)
+    return out.reshape(batch, length, heads, dim), None
+
+
+def test_flash_varlen_kwargs_give_each_sample_its_own_attention(tokenizer: Any,
+                                                                unpacked_and_packed: tuple[Any, Any]) -> None:
+    """Position-id/offset based flattening (the flash-attention path) runs here through a reference varlen
+    kernel registered with transformers: the kwargs must reach attention and the offsets must be right."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register("varlen_reference", varlen_reference_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("varlen_reference", ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
+    _, packed = unpacked_and_packed
+    model = tiny_llama(len(tokenizer), "varlen_reference")
+    rows = sorted(packed, key=lambda row: max(row["segment_ids"]), reverse=True)[:2]
+    rows[1] = {key: values[: len(values) * 2 // 3] for key, values in rows[1].items()}  # forces padding
+    batch = DataCollator(tokenizer.pad_token_id, attn_implementation="flash_attention_2")(rows)
+    reference = tiny_llama(len(tokenizer), "sdpa")
+    with torch.no_grad():
+        logits = model(**batch, use_cache=False).logits
+        for row_index, row in enumerate(rows):
+            start = 0
+            for ids, _, _ in split_row(row):
+                alone = reference(input_ids=torch.tensor([ids])).logits[0]
+                torch.testing.assert_close(logits[row_index, start : start + len(ids)], alone, atol=1e-5, rtol=0)
+                start += len(ids)
