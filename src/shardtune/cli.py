@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 USAGE = """usage: shardtune <command> [options]
@@ -38,13 +37,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_reporting_errors(handler, args: list[str]) -> int:
     """User mistakes become one line per problem and exit code 2; tracebacks only with --debug."""
-    from shardtune.errors import ShardtuneError
+    from shardtune.errors import ShardtuneError, debug_requested
 
-    debug = "--debug" in args or os.environ.get("SHARDTUNE_DEBUG") == "1"
     try:
         return handler(args)
     except ShardtuneError as err:
-        if debug:
+        if debug_requested(args):
             raise
         for problem in err.problems:
             print(f"shardtune: error: {problem}", file=sys.stderr)

@@ -26,3 +26,10 @@ class DataError(ShardtuneError):
 
 class ModelError(ShardtuneError):
     """A model directory, checkpoint or quantization setting cannot be used."""
+
+
+def debug_requested(args: list[str]) -> bool:
+    """`--debug` or SHARDTUNE_DEBUG=1: show tracebacks and every process's raw output."""
+    import os
+
+    return "--debug" in args or os.environ.get("SHARDTUNE_DEBUG") == "1"

@@ -13,6 +13,8 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -21,8 +23,15 @@ from shardtune.config.load import config_to_dict
 from shardtune.config.schema import TrainConfig
 from shardtune.config.validate import validate_config
 from shardtune.engines.plan import EnginePlan, plan_engine, plan_notices
-from shardtune.errors import ConfigError
+from shardtune.errors import ConfigError, ShardtuneError, debug_requested
 from shardtune.launch import env as launch_env
+from shardtune.launch.failures import (
+    peer_failed_since,
+    report_rank_failure,
+    save_rank_failure,
+    saved_failure_report,
+)
+from shardtune.launch.launcher_output import LauncherOutput, pump
 from shardtune.launch.torchrun import LaunchPlan, build_torchrun_argv, plan_launch, worker_argv
 
 LAUNCH_CONFIG = ".shardtune/launch_config.json"
@@ -159,7 +168,8 @@ def train_command(argv: list[str]) -> int:
     for notice in plan_notices(pre.engine):
         print(f"[shardtune] note: {notice}", flush=True)
     config_path = Path(pre.config.output_dir or ".") / LAUNCH_CONFIG
-    commands = [build_torchrun_argv(plan, r, [sys.executable, *worker_argv(str(config_path))][1:], sys.executable)
+    debug = debug_requested(argv)
+    commands = [build_torchrun_argv(plan, r, worker_argv(str(config_path), debug), sys.executable)
                 for r in range(plan.nnodes)] if use_torchrun else []
     if "dry_run" in pre.switches:
         from shardtune.launch.report import dry_run_report
@@ -171,7 +181,7 @@ def train_command(argv: list[str]) -> int:
     if env.master_port is not None and plan.node_rank == 0:
         check_port_free(plan.master_addr, plan.master_port)
     write_launch_config(pre.config, config_path)
-    code = run_torchrun(commands[plan.node_rank], plan)
+    code = run_torchrun(commands[plan.node_rank], plan, Path(pre.config.output_dir or "."), debug)
     if code not in (0, 130) and plan.nnodes > 1:
         print(f"shardtune: error: the job failed (exit code {code}); if the log shows a rendezvous timeout, a node "
               f"never joined: start every node with NNODES={plan.nnodes}, MASTER_ADDR={plan.master_addr} and "
@@ -199,14 +209,41 @@ def write_launch_config(config: TrainConfig, path: Path) -> None:
     tmp.replace(path)
 
 
-def run_torchrun(argv: list[str], plan: LaunchPlan) -> int:
+def run_torchrun(argv: list[str], plan: LaunchPlan, run_dir: Path, debug: bool = False) -> int:
+    """Run torchrun for this node; unless ``debug``, a failed rank ends up as one line, not three tracebacks."""
     env = dict(os.environ)
     # Two ranks sharing a few cores slow each other down badly when each uses every core.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.nproc_per_node)))
     if plan.master_addr in ("127.0.0.1", "localhost") and visible_gpu_count() == 0:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     print(f"[shardtune] launching: {shlex.join(argv)}", flush=True)
-    return wait_for_launcher(subprocess.Popen(argv, env=env, start_new_session=True))
+    if debug:
+        return wait_for_launcher(subprocess.Popen(argv, env=env, start_new_session=True))
+    started = time.time()
+    output = LauncherOutput()
+    # Only stderr is filtered (torchrun's account of a failure goes there); stdout stays the terminal's.
+    proc = subprocess.Popen(argv, env=env, start_new_session=True, stderr=subprocess.PIPE)
+    reader = threading.Thread(target=pump, args=(proc.stderr.fileno(), output, sys.stderr), daemon=True)
+    reader.start()
+    code = wait_for_launcher(proc)
+    # A rank's own child processes can hold the pipe open after torchrun ended: do not wait on them for long.
+    reader.join(timeout=5)
+    if not reader.is_alive():
+        proc.stderr.close()
+    return report_launch_failure(code, output, run_dir, started)
+
+
+def report_launch_failure(code: int, output: LauncherOutput, run_dir: Path, started: float) -> int:
+    """One line when no rank could say why it failed (killed, for instance); exit code 2 for bad input."""
+    failed = output.failed_ranks()
+    if code in (0, 130) or not failed:
+        return code
+    if not output.any_rank_reported:
+        # torchrun stops the other ranks with SIGTERM: the cause is the first failure that is not one of those.
+        cause = next((f for f in failed if not f.stopped_by_torchrun), failed[0])
+        print(saved_failure_report(run_dir, cause.rank, started) or f"shardtune: error: {cause.describe()}",
+              file=sys.stderr, flush=True)
+    return 2 if any(f.exit_code == 2 for f in failed) else code
 
 
 def wait_for_launcher(proc: subprocess.Popen) -> int:
@@ -256,18 +293,30 @@ def worker_command(argv: list[str]) -> int:
         pre = replace(pre, config=replace(pre.config, overwrite_output_dir=False))
         if rank_env.rank == 0:
             print("[shardtune] restarted by torchrun: resuming instead of overwriting output_dir", flush=True)
-    return run_worker(pre, rank_env if launch_env.inside_launcher() else None)
+    if not launch_env.inside_launcher():
+        return run_worker(pre)
+    try:
+        return run_worker(pre, rank_env)
+    except ShardtuneError:
+        raise
+    except Exception as err:
+        run_dir, ddp_timeout = Path(pre.config.output_dir or "."), pre.config.ddp_timeout
+        if debug_requested(argv):
+            save_rank_failure(err, rank_env.rank, run_dir, ddp_timeout)  # the peers' signal handlers look for it
+            raise
+        return report_rank_failure(err, rank_env.rank, run_dir, ddp_timeout)
 
 
 def run_worker(pre: Preflight, rank_env: launch_env.RankEnv | None = None) -> int:
     from shardtune.engines import build_engine
     from shardtune.train.workflow import StopRequest, run_training
 
+    started = time.time()
     engine = build_engine(pre.config, pre.engine, rank_env)
     if not engine.is_main:
         quiet_this_rank()
     stop = StopRequest()
-    install_stop_handlers(stop)
+    install_stop_handlers(stop, Path(pre.config.output_dir or ".") if rank_env is not None else None, started)
     results = run_training(pre.config, engine, stop, memory=memory_probe(pre, engine))
     if results.get("interrupted"):
         if engine.is_main:
@@ -293,11 +342,20 @@ def memory_probe(pre: Preflight, engine):
     return MemoryProbe(baseline=mark_memory_baseline(), estimate_bytes=estimate)
 
 
-def install_stop_handlers(stop) -> None:
-    """Ctrl-C and SIGTERM finish the current step, save a checkpoint and exit instead of killing the run."""
+def install_stop_handlers(stop, run_dir: Path | None = None, started: float = 0.0) -> None:
+    """Ctrl-C and SIGTERM finish the current step, save a checkpoint and exit instead of killing the run.
+
+    One exception, under a launcher (``run_dir`` set): a signal that arrives after another rank of this run
+    wrote its error file is torchrun stopping a failed job. No checkpoint can be saved without every rank, and
+    a stuck rank would hold the job until torchrun's SIGKILL 30 s later, so the signal ends the rank at once.
+    """
     import signal
 
     def request_stop(signum, frame) -> None:
+        if run_dir is not None and peer_failed_since(run_dir, started):
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)  # dies by the signal, as torchrun expects of a rank it stops
+            return
         # No escalation on a second signal: torchrun follows Ctrl-C with SIGTERM to every rank, and it
         # SIGKILLs ranks itself if they take too long.
         if stop.requested:

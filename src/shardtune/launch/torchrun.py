@@ -88,6 +88,6 @@ def build_torchrun_argv(plan: LaunchPlan, node_rank: int, worker: list[str], pyt
     return argv + worker
 
 
-def worker_argv(config_path: str) -> list[str]:
+def worker_argv(config_path: str, debug: bool = False) -> list[str]:
     """What each rank runs: the module entry with the resolved config written by the launching host."""
-    return ["-m", "shardtune.train", config_path]
+    return ["-m", "shardtune.train", config_path, *(["--debug"] if debug else [])]

@@ -1,0 +1,186 @@
+"""A failed rank: one report line, its traceback in a file, torchrun's own account of it dropped on the host."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from shardtune.launch.failures import (
+    FailureKind,
+    classify_failure,
+    error_file,
+    failure_summary,
+    peer_failed_since,
+    report_rank_failure,
+    saved_failure_report,
+)
+from shardtune.launch.launcher_output import LauncherOutput, RankExit
+from shardtune.launch.torchrun import worker_argv
+
+GLOO_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+               "[127.0.0.1]:59009. This is typically caused by a remote worker crashing.")
+GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                "5000ms for recv operation to complete")
+
+# torchrun's stderr after rank 1 failed (torch 2.13), as the launching host receives it.
+TORCHRUN_TAIL = """\
+W1122 18:21:41.082000 27381 .venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 27383 closing signal SIGTERM
+E1122 18:21:41.148000 27381 .venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 1 (pid: 27384) of binary: /work/main/.venv/bin/python
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "/work/main/.venv/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 383, in launch_agent
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\x20
+============================================================
+shardtune.train FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-22_18:21:41
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 27383)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 27383
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-22_18:21:41
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 27384)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""  # noqa: E501
+
+REPORT = "[shardtune] rank 1 failed: RuntimeError: boom (full traceback: out/.shardtune/rank-1-error.txt)\n"
+BAR = "train:   5%|▌         | 1/20 [00:00<00:01, 11.14it/s, loss=7.9131]"
+
+
+def filtered(*chunks: str) -> tuple[str, LauncherOutput]:
+    output = LauncherOutput()
+    return "".join(output.feed(chunk) for chunk in chunks) + output.finish(), output
+
+
+@pytest.mark.parametrize(("message", "kind"), [
+    ("boom", FailureKind.OWN),
+    (GLOO_CLOSED, FailureKind.PEER_LOST),
+    ("NCCL error: remote process exited or there was a network error", FailureKind.PEER_LOST),
+    (GLOO_TIMEOUT, FailureKind.TIMED_OUT),
+    ("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE)", FailureKind.TIMED_OUT),
+])
+def test_failures_are_told_apart(message, kind):
+    assert classify_failure(RuntimeError(message)) is kind
+
+
+def test_a_value_error_about_a_timeout_is_the_rank_own():
+    assert classify_failure(ValueError("timed out waiting for the tokenizer")) is FailureKind.OWN
+
+
+def test_timeout_summary_names_ddp_timeout():
+    line = failure_summary(RuntimeError(GLOO_TIMEOUT), 0, 5)
+    assert line.startswith("[shardtune] rank 0 failed: a collective waited longer than ddp_timeout (5 s)")
+
+
+def raised(err: Exception) -> Exception:
+    try:
+        raise err
+    except Exception as caught:
+        return caught
+
+
+def test_own_failure_prints_one_line_and_saves_the_traceback(tmp_path, capsys):
+    assert report_rank_failure(raised(RuntimeError("boom\nsecond line")), 1, tmp_path, 1800) == 1
+    err = capsys.readouterr().err
+    path = error_file(tmp_path, 1)
+    assert err == f"[shardtune] rank 1 failed: RuntimeError: boom (full traceback: {path})\n"
+    saved = path.read_text()
+    assert saved.startswith("[shardtune] rank 1 failed: RuntimeError: boom\n") and "Traceback" in saved
+
+
+def test_a_rank_that_only_lost_its_peer_is_silent(tmp_path, capsys):
+    report_rank_failure(raised(RuntimeError(GLOO_CLOSED)), 0, tmp_path, 1800)
+    assert capsys.readouterr().err == ""
+    assert "Connection closed by peer" in error_file(tmp_path, 0).read_text()
+
+
+def test_error_files_count_only_when_newer_than_the_rank(tmp_path):
+    report_rank_failure(raised(RuntimeError(GLOO_CLOSED)), 0, tmp_path, 1800)
+    old = time.time() - 3600
+    os.utime(error_file(tmp_path, 0), (old, old))
+    assert not peer_failed_since(tmp_path, time.time() - 60)
+    assert saved_failure_report(tmp_path, 0, time.time() - 60) is None
+    assert peer_failed_since(tmp_path, old - 1)
+    assert saved_failure_report(tmp_path, 0, old - 1).startswith("[shardtune] rank 0 failed: lost the connection")
+
+
+def test_torchrun_account_is_dropped_and_its_table_read():
+    shown, output = filtered(REPORT, TORCHRUN_TAIL)
+    assert shown == REPORT
+    assert output.any_rank_reported
+    assert output.failed_ranks() == [RankExit(1, -9), RankExit(0, -15)]
+    assert output.failed_ranks()[0].describe().startswith("rank 1 was killed by SIGKILL")
+
+
+def test_the_same_report_from_several_ranks_is_shown_once():
+    timeout = "[shardtune] rank {} failed: a collective waited longer than ddp_timeout (5 s) (rank-{}-error.txt)\n"
+    error = "shardtune: error: lora_target: q_prj not found in the model\n"
+    shown, _ = filtered(timeout.format(0, 0), error, timeout.format(2, 2), error, REPORT)
+    assert shown == timeout.format(0, 0) + error + REPORT
+
+
+def test_progress_bars_pass_at_once_and_a_report_starts_its_own_line():
+    output = LauncherOutput()
+    assert output.feed("\r" + BAR) == "\r" + BAR
+    assert output.feed(REPORT) == "\n" + REPORT
+
+
+def test_a_report_split_across_reads_is_still_recognised():
+    shown, output = filtered("\r" + BAR + REPORT[:12], REPORT[12:], REPORT)
+    assert shown == "\r" + BAR + "\n" + REPORT
+    assert output.any_rank_reported
+
+
+def test_other_tracebacks_pass_unchanged():
+    text = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+            "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError: waiting for clients\n")
+    rank_traceback = "[rank1]: Traceback (most recent call last):\n[rank1]:   File \"y.py\"\n[rank1]: KeyError: 1\n"
+    shown, output = filtered(text, rank_traceback, "done\n")
+    assert shown == text + rank_traceback + "done\n"
+    assert output.failed_ranks() == []
+
+
+def test_worker_gets_debug_switch():
+    assert worker_argv("c.json", debug=True)[-1] == "--debug"
+    assert "--debug" not in worker_argv("c.json")
+
+
+def test_host_names_a_killed_rank_when_no_rank_could_report(tmp_path, capsys):
+    from shardtune.launch.run import report_launch_failure
+
+    _, output = filtered(TORCHRUN_TAIL)
+    assert report_launch_failure(1, output, tmp_path, time.time()) == 1
+    assert capsys.readouterr().err.startswith("shardtune: error: rank 1 was killed by SIGKILL")
+
+
+def test_host_shows_the_saved_report_of_a_rank_that_could_not_print_it(tmp_path, capsys):
+    from shardtune.launch.run import report_launch_failure
+
+    started = time.time() - 1
+    report_rank_failure(raised(RuntimeError(GLOO_CLOSED)), 1, tmp_path, 1800)  # silent: it only lost its peer
+    capsys.readouterr()
+    _, output = filtered(TORCHRUN_TAIL.replace("exitcode  : -9", "exitcode  : 1"))
+    assert report_launch_failure(1, output, tmp_path, started) == 1
+    assert capsys.readouterr().err.startswith("[shardtune] rank 1 failed: lost the connection to another rank")
+
+
+def test_host_is_quiet_after_a_report_and_says_2_for_bad_input(tmp_path, capsys):
+    from shardtune.launch.run import report_launch_failure
+
+    _, output = filtered("shardtune: error: lora_target: q_prj not found\n",
+                         TORCHRUN_TAIL.replace("exitcode  : -9", "exitcode  : 2"))
+    assert report_launch_failure(1, output, tmp_path, time.time()) == 2
+    assert capsys.readouterr().err == ""
