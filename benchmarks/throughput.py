@@ -21,6 +21,9 @@ Two suites:
 * ``engines``: packed rows, a fixed number of steps after warm-up, for 1 and 2 processes and DDP (a single
   process runs the local engine), ZeRO-2, ZeRO-3 and FSDP FULL_SHARD.
 
+Beside them, ``startup`` times the commands a user waits on before any training: ``shardtune --help`` and
+``shardtune check CONFIG`` (median of 5 wall times each).
+
 Repeats are interleaved (A B C A B C) so that a change in machine load hits every variant alike; a row reports
 the median over repeats.
 """
@@ -117,6 +120,19 @@ def run_once(spec: RunSpec, config: str, scratch: Path) -> dict:
     }
 
 
+def startup_times(config: str, samples: int = 5) -> dict[str, float]:
+    """Median wall seconds of `shardtune --help` and `shardtune check CONFIG` (fresh interpreter each)."""
+    found = {}
+    for name, args in {"help": ["--help"], "check": ["check", config]}.items():
+        times = []
+        for _ in range(samples):
+            started = time.perf_counter()
+            subprocess.run([*SHARDTUNE, *args], cwd=REPO, capture_output=True, check=True)
+            times.append(time.perf_counter() - started)
+        found[f"{name}_seconds"] = round(statistics.median(times), 3)
+    return found
+
+
 def median_row(runs: list[dict]) -> dict:
     """The first run's fields, with the measured numbers replaced by their medians over repeats."""
     row = dict(runs[0])
@@ -158,6 +174,13 @@ def packing_summary(rows: list[dict]) -> dict:
 
 
 def render_markdown(rows: list[dict], summary: dict, command: str, info: dict) -> str:
+    out = [f"Command: `{command}`", "", machine_line(info), ""]
+    if "startup" in summary:
+        times = summary["startup"]
+        out += [f"`shardtune --help`: {times['help_seconds']:.2f} s; `shardtune check {summary['config']}`: "
+                f"{times['check_seconds']:.2f} s (median wall time of 5).", ""]
+    if not rows:
+        return "\n".join(out) + "\n"
     lines = ["| suite | variant | procs | engine | tokens/s | padding | step median | first step | loss/token | "
              "peak RSS per rank |", "|---|---|---:|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
@@ -166,8 +189,8 @@ def render_markdown(rows: list[dict], summary: dict, command: str, info: dict) -
                      f"{r['effective_tokens_per_second']:,.0f} | {100 * r['padding_fraction']:.1f}% | "
                      f"{1000 * r['step_time_median_seconds']:.1f} ms | {r['first_step_seconds']:.1f} s | "
                      f"{r['loss_per_token']:.6f} | {memory} MiB |")
-    out = [f"Command: `{command}`", "", machine_line(info), "", *lines, ""]
-    if summary:
+    out += [*lines, ""]
+    if "packed_over_padded" in summary:
         worst = max(summary["loss_per_token_relative_difference"].values())
         out.append(f"Packed over padded: **{summary['packed_over_padded']:.2f}x** effective tokens/s; loss per token "
                    f"within {worst:.1e} (relative) of the padded run.")
@@ -178,19 +201,21 @@ def write_results(rows: list[dict], summary: dict, command: str, info: dict, out
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps({"command": command, "machine": info, "summary": summary,
                                                    "rows": rows}, indent=2) + "\n")
+    (out / f"{name}.md").write_text(render_markdown(rows, summary, command, info))
+    if not rows:
+        return
     columns = [k for k in rows[0] if k not in ("tokens_per_second_each_repeat",)]
     with open(out / f"{name}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         for r in rows:
             writer.writerow({**r, "peak_memory_mib_per_rank": " ".join(map(str, r["peak_memory_mib_per_rank"]))})
-    (out / f"{name}.md").write_text(render_markdown(rows, summary, command, info))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=CONFIG, help="training YAML (default: %(default)s)")
-    parser.add_argument("--suites", default="packing,engines", help="packing, engines or both")
+    parser.add_argument("--suites", default="startup,packing,engines", help="any of startup, packing, engines")
     parser.add_argument("--engines", default="ddp,zero2,zero3,fsdp", help="engines suite: ddp, zero2, zero3, fsdp")
     parser.add_argument("--procs", default="1,2", help="engines suite: process counts")
     parser.add_argument("--steps", type=int, default=20, help="engines suite: measured steps after warm-up")
@@ -209,8 +234,11 @@ def main(argv: list[str]) -> int:
         specs += engine_specs(args.engines.split(","), [int(n) for n in args.procs.split(",")], args.steps,
                               args.warmup)
     command = shlex.join(["python", "benchmarks/throughput.py", *argv])
+    summary: dict = {"config": args.config}
+    if "startup" in suites:
+        summary["startup"] = startup_times(args.config)
     rows = run_all(specs, args.config, args.repeats)
-    summary = packing_summary(rows)
+    summary.update(packing_summary(rows))
     info = machine()
     write_results(rows, summary, command, info, args.out, args.name)
     print(render_markdown(rows, summary, command, info))

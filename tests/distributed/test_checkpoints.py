@@ -73,29 +73,20 @@ def test_resume_matches_uninterrupted_run(family, tiny_model_dir, tmp_path):
         assert resumed[step] == pytest.approx(expected[step], rel=1e-3), (step, resumed, expected)
 
 
-@pytest.mark.parametrize("family", ["fsdp2-sharded", "deepspeed-z3"])
-def test_resume_on_a_different_world_size(family, tiny_model_dir, tmp_path):
-    """Written by 2 processes, resumed by 1 with the same global batch: the curve continues."""
+@pytest.mark.parametrize(("family", "writers", "readers"), [
+    ("fsdp2-sharded", 2, 1), ("deepspeed-z2", 2, 1), ("deepspeed-z2", 1, 2), ("deepspeed-z3", 2, 1),
+])
+def test_resume_on_a_different_world_size(family, writers, readers, tiny_model_dir, tmp_path):
+    """Written by N processes, resumed by M with the same global batch: the curve continues."""
     finished, crashed = tmp_path / "finished", tmp_path / "crashed"
-    train(tiny_model_dir, finished, 2, 2, *FAMILIES[family])
+    train(tiny_model_dir, finished, writers, 4 // writers, *FAMILIES[family])
     crash_after_first_checkpoint(finished, crashed)
-    train(tiny_model_dir, crashed, 1, 4, *FAMILIES[family], overwrite=False)
+    result = train(tiny_model_dir, crashed, readers, 4 // readers, *FAMILIES[family], overwrite=False)
+    if family.startswith("deepspeed"):
+        assert f"written by {writers} processes, resuming on {readers}" in result.stdout
     expected, resumed = losses_by_step(finished), losses_by_step(crashed)
     for step in (4, 5, 6):
         assert resumed[step] == pytest.approx(expected[step], rel=2e-3), (step, resumed, expected)
-
-
-def test_zero2_on_a_different_world_size_says_what_to_do(tiny_model_dir, tmp_path):
-    finished, crashed = tmp_path / "finished", tmp_path / "crashed"
-    train(tiny_model_dir, finished, 2, 2, "deepspeed=z2")
-    crash_after_first_checkpoint(finished, crashed)
-    result = run_cli("train", *RUN, f"model_name_or_path={tiny_model_dir}", f"output_dir={crashed}",
-                     "per_device_train_batch_size=4", "overwrite_output_dir=false", "deepspeed=z2",
-                     FORCE_TORCHRUN="1", NPROC_PER_NODE="1")
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert "launching" not in result.stdout, "must be refused on the launching host"
-    assert "holds ZeRO-2 shards of 2 processes and this run has 1" in result.stderr
-    assert "shardtune export" in result.stderr
 
 
 def test_sigkill_of_a_rank_is_recovered_by_torchrun(tiny_model_dir, tmp_path):

@@ -388,3 +388,18 @@ def test_loss_factor_undoes_deepspeed_rank_averaging(op, factor):
                              ctx)
     assert engine.loss_scale_for_mean_reduction == factor
     assert engine.zero_stage == 2 and engine.name == "deepspeed"
+
+
+def test_resume_on_another_world_size_is_refused_only_for_optimizer_state_on_nvme(tmp_path):
+    from shardtune.engines.deepspeed_config import resume_problems
+
+    shards = tmp_path / "checkpoint-3" / "deepspeed"
+    shards.mkdir(parents=True)
+    for rank in (0, 1):
+        (shards / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    zero2 = {"zero_optimization": {"stage": 2}}
+    nvme = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}}
+    assert resume_problems(zero2, tmp_path / "checkpoint-3", world_size=1) == []
+    assert resume_problems(nvme, tmp_path / "checkpoint-3", world_size=2) == []
+    [problem] = resume_problems(nvme, tmp_path / "checkpoint-3", world_size=1)
+    assert "2 processes" in problem and "NVMe" in problem and "shardtune export" in problem

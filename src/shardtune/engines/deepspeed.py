@@ -208,21 +208,30 @@ class DeepSpeedEngine(DistributedMixin, Engine):
     def load_state(self, ckpt_dir: Path) -> None:
         tag = CHECKPOINT_TAG
         writers = zero_shard_writers(ckpt_dir / CHECKPOINT_TAG)
-        # The launching host refuses ZeRO-1/2 world-size changes first (resume_problems); this guards other paths.
         if writers and writers != self.world_size:
             if self.zero_stage != 3:
-                # DeepSpeed refuses a ZeRO-1/2 state from another world size, and its universal conversion of
-                # our ZeRO-1/2 states restored wrong weights when tried: refuse before loading anything.
-                from shardtune.errors import ModelError
-
-                raise ModelError(f"checkpoint {ckpt_dir} holds ZeRO-{self.zero_stage} shards of {writers} processes "
-                                 f"and this run has {self.world_size}: resume with {writers} processes, or run "
-                                 f"`shardtune export {ckpt_dir} --out DIR` and start a new run from DIR")
+                self._load_resharded_zero12(ckpt_dir, writers)
+                return
             tag = self._convert_to_universal(ckpt_dir, writers)
         path, _ = self.ds.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=not self.is_peft,
                                           load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
             raise RuntimeError(f"deepspeed engine: no DeepSpeed state (tag {tag}) in {ckpt_dir}")
+
+    def _load_resharded_zero12(self, ckpt_dir: Path, writers: int) -> None:
+        """Module weights and scheduler through DeepSpeed; fp32 weights and Adam moments re-split by us."""
+        from shardtune.engines.deepspeed_reshard import full_states, restore_partitions
+
+        if self.is_main:
+            print(f"[shardtune] checkpoint written by {writers} processes, resuming on {self.world_size}: "
+                  f"re-splitting its ZeRO-{self.zero_stage} optimizer state", flush=True)
+        path, _ = self.ds.load_checkpoint(str(ckpt_dir), tag=CHECKPOINT_TAG, load_module_strict=not self.is_peft,
+                                          load_optimizer_states=False, load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"deepspeed engine: no DeepSpeed state (tag {CHECKPOINT_TAG}) in {ckpt_dir}")
+        missing = restore_partitions(self.ds, full_states(ckpt_dir / CHECKPOINT_TAG), self.rank, self.world_size)
+        if missing:
+            raise RuntimeError(f"deepspeed engine: checkpoint {ckpt_dir} has no optimizer state for {missing[:3]}")
 
     def _convert_to_universal(self, ckpt_dir: Path, writers: int) -> str:
         """ZeRO shards are tied to the world size that wrote them; DeepSpeed's universal format is not."""

@@ -442,12 +442,14 @@ def zero_shard_writers(tag_dir: Path) -> int:
 
 
 def resume_problems(raw: dict, checkpoint_dir: Path | None, world_size: int) -> list[str]:
-    """A ZeRO-1/2 checkpoint only resumes on the world size that wrote it; ZeRO-3 is converted on load."""
-    if checkpoint_dir is None or zero_stage(raw) == 3:
+    """ZeRO shards are tied to the world size that wrote them; shardtune re-splits them on load (ZeRO-3 through
+    DeepSpeed's universal checkpoint, ZeRO-1/2 itself), except optimizer state kept on NVMe."""
+    if checkpoint_dir is None:
         return []
     writers = zero_shard_writers(Path(checkpoint_dir) / "deepspeed")
-    if writers and writers != world_size:
-        return [f"checkpoint {checkpoint_dir} holds ZeRO-{zero_stage(raw)} shards of {writers} processes and this "
-                f"run has {world_size}: resume with {writers} processes, or run `shardtune export "
-                f"{checkpoint_dir} --out DIR` and start a new run from DIR"]
+    offload = raw.get("zero_optimization", {}).get("offload_optimizer") or {}
+    if writers and writers != world_size and offload.get("device") == "nvme":
+        return [f"checkpoint {checkpoint_dir} holds ZeRO shards of {writers} processes with the optimizer state "
+                f"on NVMe, and this run has {world_size}: resume with {writers} processes, or run `shardtune "
+                f"export {checkpoint_dir} --out DIR` and start a new run from DIR"]
     return []
