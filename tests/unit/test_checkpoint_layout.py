@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from shardtune.config.load import build_config
 from shardtune.train.checkpoint import (
     COMPLETE_MARKER,
@@ -45,3 +47,27 @@ def test_resume_source_rules(tmp_path):
     assert resume_source(build_config({**base, "overwrite_output_dir": True})) is None
     named = build_config({**base, "resume_from_checkpoint": "/elsewhere/checkpoint-1"})
     assert resume_source(named) == Path("/elsewhere/checkpoint-1")
+
+
+class Payload:
+    """Stands for an object a tampered checkpoint could carry; unpickling it would run its code."""
+
+    def __reduce__(self):
+        return (print, ("unpickled!",))
+
+
+def test_deepspeed_reads_are_forced_to_weights_only(tmp_path, capsys):
+    import pickle
+
+    import torch
+
+    from shardtune.engines.safe_load import weights_only_loads
+
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": {"w": torch.ones(2)}, "extra": Payload()}, path)
+    with weights_only_loads(), pytest.raises(pickle.UnpicklingError, match="Unsupported global"):
+        torch.load(path, weights_only=False)  # what DeepSpeed's loaders pass
+    assert "unpickled!" not in capsys.readouterr().out
+    torch.save({"module": {"w": torch.ones(2)}}, path)
+    with weights_only_loads():
+        assert torch.load(path, weights_only=False)["module"]["w"].sum() == 2

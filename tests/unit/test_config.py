@@ -128,6 +128,13 @@ def test_deepspeed_launcher_local_rank_does_not_hide_the_yaml(tmp_path):
     assert cmd.config_path == str(path) and cmd.values == {"seed": 1}
 
 
+def test_key_value_whose_value_is_a_json_file_is_an_override_not_a_config():
+    cmd = parse_command_line(["cfg.yaml", "deepspeed=examples/deepspeed/ds_z2_config.json", "fsdp_config=f.yaml"])
+    assert cmd.config_path == "cfg.yaml"
+    assert cmd.values == {"deepspeed": "examples/deepspeed/ds_z2_config.json", "fsdp_config": "f.yaml"}
+    assert parse_command_line(["runs/a=b.yaml"]).config_path == "runs/a=b.yaml"
+
+
 def test_output_dir_with_finished_run_needs_overwrite(tmp_path):
     (tmp_path / "train_results.json").write_text("{}")
     config = build_config({**BASE, "output_dir": str(tmp_path)})

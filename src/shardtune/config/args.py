@@ -58,7 +58,7 @@ def parse_command_line(argv: list[str]) -> CommandLine:
                 value = argv[i]
                 i += 1
             overrides.append(parse_override(f"{key}={value}"))
-        elif "=" in arg and not arg.endswith(_CONFIG_SUFFIXES):
+        elif "=" in arg and arg.partition("=")[0].isidentifier():  # a key=value (a path has / or . first)
             overrides.append(parse_override(arg))
         elif parsed.config_path is None:
             parsed.config_path = arg

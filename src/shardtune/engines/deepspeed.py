@@ -27,6 +27,7 @@ from shardtune.engines.deepspeed_config import (
     zero_stage,
 )
 from shardtune.engines.distributed import DistContext, DistributedMixin
+from shardtune.engines.safe_load import weights_only_loads
 from shardtune.errors import ConfigError
 from shardtune.train.optim import split_decay_groups
 
@@ -213,8 +214,9 @@ class DeepSpeedEngine(DistributedMixin, Engine):
                 self._load_resharded_zero12(ckpt_dir, writers)
                 return
             tag = self._convert_to_universal(ckpt_dir, writers)
-        path, _ = self.ds.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=not self.is_peft,
-                                          load_optimizer_states=True, load_lr_scheduler_states=True)
+        with weights_only_loads():
+            path, _ = self.ds.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=not self.is_peft,
+                                              load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
             raise RuntimeError(f"deepspeed engine: no DeepSpeed state (tag {tag}) in {ckpt_dir}")
 
@@ -225,8 +227,9 @@ class DeepSpeedEngine(DistributedMixin, Engine):
         if self.is_main:
             print(f"[shardtune] checkpoint written by {writers} processes, resuming on {self.world_size}: "
                   f"re-splitting its ZeRO-{self.zero_stage} optimizer state", flush=True)
-        path, _ = self.ds.load_checkpoint(str(ckpt_dir), tag=CHECKPOINT_TAG, load_module_strict=not self.is_peft,
-                                          load_optimizer_states=False, load_lr_scheduler_states=True)
+        with weights_only_loads():
+            path, _ = self.ds.load_checkpoint(str(ckpt_dir), tag=CHECKPOINT_TAG, load_module_strict=not self.is_peft,
+                                              load_optimizer_states=False, load_lr_scheduler_states=True)
         if path is None:
             raise RuntimeError(f"deepspeed engine: no DeepSpeed state (tag {CHECKPOINT_TAG}) in {ckpt_dir}")
         missing = restore_partitions(self.ds, full_states(ckpt_dir / CHECKPOINT_TAG), self.rank, self.world_size)
@@ -315,7 +318,8 @@ def convert_to_universal(source: Path, target: Path) -> None:
 
     from shardtune.errors import ModelError
 
-    argv = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(source),
+    argv = [sys.executable, "-m", "shardtune.engines.safe_load", "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder", str(source),
             "--output_folder", str(target)]
     result = subprocess.run(argv, capture_output=True, text=True, check=False)
     if result.returncode != 0:

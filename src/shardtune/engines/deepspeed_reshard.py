@@ -32,11 +32,9 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def load_shard(path: Path) -> dict[str, Any]:
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
+    from shardtune.engines.safe_load import deepspeed_record_classes
 
-    with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+    with torch.serialization.safe_globals(deepspeed_record_classes()):
         return torch.load(path, map_location="cpu", weights_only=True)
 
 

@@ -88,7 +88,10 @@ def read_checkpoint_state(model: torch.nn.Module, source: Path, kind: str) -> di
     if kind == "deepspeed":
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return dict(get_fp32_state_dict_from_zero_checkpoint(str(source), tag="deepspeed"))
+        from shardtune.engines.safe_load import weights_only_loads
+
+        with weights_only_loads():
+            return dict(get_fp32_state_dict_from_zero_checkpoint(str(source), tag="deepspeed"))
     raise ModelError(f"export: cannot read weights of kind {kind}")
 
 
