@@ -89,6 +89,24 @@ def test_resume_on_a_different_world_size(family, writers, readers, tiny_model_d
         assert resumed[step] == pytest.approx(expected[step], rel=2e-3), (step, resumed, expected)
 
 
+def test_a_run_killed_while_saving_resumes_from_the_previous_checkpoint(tiny_model_dir, tmp_path):
+    """The state a SIGKILL in the middle of writing checkpoint-6 leaves: shards half written, no COMPLETE."""
+    finished, crashed = tmp_path / "finished", tmp_path / "crashed"
+    train(tiny_model_dir, finished, 2, 2, *FAMILIES["deepspeed-z2"])
+    crash_after_first_checkpoint(finished, crashed)
+    partial = crashed / "checkpoint-6"
+    shutil.copytree(crashed / "checkpoint-3", partial)
+    (partial / "COMPLETE").unlink()
+    for shard in (partial / "deepspeed").glob("*.pt"):
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    result = train(tiny_model_dir, crashed, 2, 2, *FAMILIES["deepspeed-z2"], overwrite=False)
+    assert f"resuming from {crashed / 'checkpoint-3'}" in result.stdout
+    expected, resumed = losses_by_step(finished), losses_by_step(crashed)
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-3), (step, resumed, expected)
+    assert (partial / "COMPLETE").is_file(), "the half-written folder is replaced by a complete save"
+
+
 def test_sigkill_of_a_rank_is_recovered_by_torchrun(tiny_model_dir, tmp_path):
     env = cli_env(NPROC_PER_NODE="2", MAX_RESTARTS="1", MASTER_PORT=str(_free_port()), GLOO_SOCKET_IFNAME="lo")
     argv = [sys.executable, "-m", "shardtune", "train", *RUN, f"model_name_or_path={tiny_model_dir}",
