@@ -73,15 +73,19 @@ def test_resume_matches_uninterrupted_run(family, tiny_model_dir, tmp_path):
         assert resumed[step] == pytest.approx(expected[step], rel=1e-3), (step, resumed, expected)
 
 
+RESHARDED = {**FAMILIES, "deepspeed-z2-lora": ("deepspeed=z2", "finetuning_type=lora")}
+
+
 @pytest.mark.parametrize(("family", "writers", "readers"), [
-    ("fsdp2-sharded", 2, 1), ("deepspeed-z2", 2, 1), ("deepspeed-z2", 1, 2), ("deepspeed-z3", 2, 1),
+    ("fsdp2-sharded", 2, 1), ("deepspeed-z2", 2, 1), ("deepspeed-z2", 1, 2), ("deepspeed-z2-lora", 2, 1),
+    ("deepspeed-z3", 2, 1),
 ])
 def test_resume_on_a_different_world_size(family, writers, readers, tiny_model_dir, tmp_path):
     """Written by N processes, resumed by M with the same global batch: the curve continues."""
     finished, crashed = tmp_path / "finished", tmp_path / "crashed"
-    train(tiny_model_dir, finished, writers, 4 // writers, *FAMILIES[family])
+    train(tiny_model_dir, finished, writers, 4 // writers, *RESHARDED[family])
     crash_after_first_checkpoint(finished, crashed)
-    result = train(tiny_model_dir, crashed, readers, 4 // readers, *FAMILIES[family], overwrite=False)
+    result = train(tiny_model_dir, crashed, readers, 4 // readers, *RESHARDED[family], overwrite=False)
     if family.startswith("deepspeed"):
         assert f"written by {writers} processes, resuming on {readers}" in result.stdout
     expected, resumed = losses_by_step(finished), losses_by_step(crashed)
