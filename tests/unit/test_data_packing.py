@@ -120,24 +120,34 @@ def tiny_llama(vocab_size: int, attn_implementation: str) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
+def two_packed_rows(packed: Any) -> list[dict[str, list[int]]]:
+    """The two rows holding the most samples, the second cut short so the batch needs padding."""
+    rows = sorted(packed, key=lambda row: max(row["segment_ids"]), reverse=True)[:2]
+    rows[1] = {key: values[: len(values) * 2 // 3] for key, values in rows[1].items()}
+    return rows
+
+
+def assert_each_sample_matches(logits: torch.Tensor, rows: list[dict[str, list[int]]],
+                               reference: LlamaForCausalLM) -> None:
+    """Every sample's logits in the packed batch equal ``reference`` run on that sample alone."""
+    for row_index, row in enumerate(rows):
+        start = 0
+        for ids, _, _ in split_row(row):
+            alone = reference(input_ids=torch.tensor([ids])).logits[0]
+            torch.testing.assert_close(logits[row_index, start : start + len(ids)], alone, atol=1e-5, rtol=0)
+            start += len(ids)
+
+
 @pytest.mark.parametrize(("model_attention", "collator_attention"), [
     ("sdpa", "sdpa"), ("eager", "eager"), ("sdpa", None), ("eager", None),
 ])
 def test_packed_logits_equal_logits_of_each_sample_alone(tokenizer: Any, unpacked_and_packed: tuple[Any, Any],
                                                          model_attention: str, collator_attention: str | None) -> None:
-    _, packed = unpacked_and_packed
     model = tiny_llama(len(tokenizer), model_attention)
-    rows = sorted(packed, key=lambda row: max(row["segment_ids"]), reverse=True)[:2]
-    rows[1] = {key: values[: len(values) * 2 // 3] for key, values in rows[1].items()}  # forces padding
+    rows = two_packed_rows(unpacked_and_packed[1])
     batch = DataCollator(tokenizer.pad_token_id, attn_implementation=collator_attention)(rows)
     with torch.no_grad():
-        logits = model(**batch).logits
-        for row_index, row in enumerate(rows):
-            start = 0
-            for ids, _, _ in split_row(row):
-                alone = model(input_ids=torch.tensor([ids])).logits[0]
-                torch.testing.assert_close(logits[row_index, start : start + len(ids)], alone, atol=1e-5, rtol=0)
-                start += len(ids)
+        assert_each_sample_matches(model(**batch).logits, rows, model)
     assert max(rows[0]["segment_ids"]) >= 3 and max(rows[1]["segment_ids"]) >= 2
 
 
@@ -167,17 +177,8 @@ def test_flash_varlen_kwargs_give_each_sample_its_own_attention(tokenizer: Any,
 
     AttentionInterface.register("varlen_reference", varlen_reference_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register("varlen_reference", ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
-    _, packed = unpacked_and_packed
     model = tiny_llama(len(tokenizer), "varlen_reference")
-    rows = sorted(packed, key=lambda row: max(row["segment_ids"]), reverse=True)[:2]
-    rows[1] = {key: values[: len(values) * 2 // 3] for key, values in rows[1].items()}  # forces padding
+    rows = two_packed_rows(unpacked_and_packed[1])
     batch = DataCollator(tokenizer.pad_token_id, attn_implementation="flash_attention_2")(rows)
-    reference = tiny_llama(len(tokenizer), "sdpa")
     with torch.no_grad():
-        logits = model(**batch, use_cache=False).logits
-        for row_index, row in enumerate(rows):
-            start = 0
-            for ids, _, _ in split_row(row):
-                alone = reference(input_ids=torch.tensor([ids])).logits[0]
-                torch.testing.assert_close(logits[row_index, start : start + len(ids)], alone, atol=1e-5, rtol=0)
-                start += len(ids)
+        assert_each_sample_matches(model(**batch, use_cache=False).logits, rows, tiny_llama(len(tokenizer), "sdpa"))

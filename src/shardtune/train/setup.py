@@ -46,29 +46,28 @@ def prepare_tokenized(tokenizer: Any, c: TrainConfig, engine: Engine) -> tuple[A
     from shardtune.data.tokenized import cache_key, load_tokenized
     from shardtune.train.settings import data_settings
 
-    key = cache_key(data_settings(c), tokenizer) if c.dataset else None
+    settings, path = data_settings(c), c.tokenized_path or ""
+    key = cache_key(settings, tokenizer) if c.dataset else None
     if engine.is_main:
-        build_tokenized(tokenizer, c, key, force=c.overwrite_cache)
+        build_tokenized(tokenizer, settings, path, key, force=c.overwrite_cache)
     engine.barrier()
     if engine.local_rank == 0 and not engine.is_main:
-        build_tokenized(tokenizer, c, key, force=False)
+        build_tokenized(tokenizer, settings, path, key, force=False)
     engine.barrier()
-    return load_tokenized(c.tokenized_path or "", key)
+    return load_tokenized(path, key)
 
 
-def build_tokenized(tokenizer: Any, c: TrainConfig, key: dict[str, Any] | None, force: bool) -> None:
+def build_tokenized(tokenizer: Any, settings: Any, path: str, key: dict[str, Any] | None, force: bool) -> None:
     from shardtune.data import build_datasets
     from shardtune.data.tokenized import is_current, save_tokenized
     from shardtune.errors import DataError
-    from shardtune.train.settings import data_settings
 
-    path = c.tokenized_path or ""
     if not force and is_current(path, key):
         return
     if key is None:
         raise DataError(f"tokenized_path {path} holds no prepared datasets and no dataset is configured")
     print(f"[shardtune] tokenising into {path} (reused by later runs with the same data settings)", flush=True)
-    train, evaluation = build_datasets(tokenizer, data_settings(c))
+    train, evaluation = build_datasets(tokenizer, settings)
     save_tokenized(path, train, evaluation, key)
 
 
