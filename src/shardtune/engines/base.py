@@ -7,9 +7,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from shardtune.model.source import ModelSource
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -68,6 +71,10 @@ class Engine(ABC):
         return float(self.world_size)
 
     # --- setup ---
+    def build_model(self, source: ModelSource) -> torch.nn.Module:
+        """The model to train, loaded as this engine needs it: whole on the host unless the engine shards."""
+        return source.load_full()
+
     @abstractmethod
     def prepare(self, model: torch.nn.Module, build_optimizer: OptimizerFactory,
                 build_scheduler: SchedulerFactory) -> None:

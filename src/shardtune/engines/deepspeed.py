@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -28,8 +28,12 @@ from shardtune.engines.deepspeed_config import (
 )
 from shardtune.engines.distributed import DistContext, DistributedMixin
 from shardtune.engines.safe_load import weights_only_loads
+from shardtune.engines.sharded_loading import ShardedLoad, fill_zero3
 from shardtune.errors import ConfigError
 from shardtune.train.optim import split_decay_groups
+
+if TYPE_CHECKING:
+    from shardtune.model.source import ModelSource
 
 UNIVERSAL_TAG = "deepspeed_universal"
 CHECKPOINT_TAG = "deepspeed"  # fixed tag: one DeepSpeed state per shardtune checkpoint-<step> folder
@@ -45,6 +49,7 @@ class DeepSpeedEngine(DistributedMixin, Engine):
         self.ctx = ctx
         self.ds_config = ds_config
         self.ds: Any = None  # deepspeed.runtime.engine.DeepSpeedEngine once prepared
+        self.loading: ShardedLoad | None = None
         self._boundary_marked = False
 
     # --- topology ---
@@ -66,6 +71,32 @@ class DeepSpeedEngine(DistributedMixin, Engine):
         return hasattr(self.unwrapped_model(), "peft_config")
 
     # --- setup ---
+    def build_model(self, source: ModelSource) -> torch.nn.Module:
+        """ZeRO-3: the model is built partitioned (``zero.Init``) and filled one gathered parameter at a time,
+        rank 0 reading the files; below ZeRO-3 every rank holds the whole model anyway."""
+        if self.zero_stage != 3 or source.quantization_bit is not None:
+            return source.load_full()
+        skeleton = source.build_skeleton(construction=self._partitioned_construction())
+        self.loading = ShardedLoad.start(skeleton, self.device, self.rank, rank0_reads=True)
+        fill_zero3(skeleton.model, self.loading)
+        return skeleton.model
+
+    def _partitioned_construction(self) -> contextlib.AbstractContextManager:
+        import deepspeed
+        from transformers.integrations.deepspeed import prevent_arange_dtype_change
+
+        # zero.Init sizes partitions by DeepSpeed's view of the world: join the existing process group first.
+        deepspeed.init_distributed(dist_backend=self.ctx.backend, dist_init_required=False)
+        stack = contextlib.ExitStack()
+        # Must come first: zero.Init would otherwise cast the rotary frequencies' arange to the training dtype.
+        stack.enter_context(prevent_arange_dtype_change())
+        stack.enter_context(deepspeed.zero.Init(config_dict_or_path=self.ds_config))
+        return stack
+
+    @property
+    def weights_bytes_read(self) -> int:
+        return self.loading.bytes_read if self.loading is not None else 0
+
     def prepare(self, model: torch.nn.Module, build_optimizer: OptimizerFactory,
                 build_scheduler: SchedulerFactory) -> None:
         import deepspeed

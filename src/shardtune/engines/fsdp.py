@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -20,9 +22,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from shardtune.engines.base import OptimizerFactory, PrecisionSettings, SchedulerFactory
 from shardtune.engines.distributed import DistContext, DistributedMixin
 from shardtune.engines.fsdp_config import FsdpSettings, hybrid_mesh_shape
+from shardtune.engines.sharded_loading import ShardedLoad, fill_fully_sharded, fsdp1_param_init
 from shardtune.engines.torch_native import SCHEDULER_FILE, TorchEngine
 from shardtune.model.adapters import save_lora_adapter
 from shardtune.model.saved import expected_saved_parameters, verify_saved
+
+if TYPE_CHECKING:
+    from shardtune.model.source import ModelSource
 
 DCP_DIR = "fsdp_state"
 FULL_STATE_FILE = "fsdp_full_state.pt"
@@ -38,19 +44,50 @@ class FSDPEngine(DistributedMixin, TorchEngine):
         self.mesh = build_mesh(settings, ctx)
         # FSDP shards gradients; torch's GradScaler cannot unscale them (validation refuses fp16 before launch).
         self.scaler = None
+        self.loading: ShardedLoad | None = None
+
+    def build_model(self, source: ModelSource) -> torch.nn.Module:
+        """An empty skeleton: ``prepare`` shards it first and then fills each rank's shard from the files."""
+        skeleton = source.build_skeleton()
+        self.loading = ShardedLoad.start(skeleton, self.device, self.rank, self.settings.cpu_ram_efficient_loading)
+        return skeleton.model
 
     def prepare(self, model: torch.nn.Module, build_optimizer: OptimizerFactory,
                 build_scheduler: SchedulerFactory) -> None:
         self.inner = model
-        if self.settings.sync_module_states:
-            # Done here for both versions: FSDP1's own sync_module_states refuses CPU modules.
-            broadcast_from_rank0(model)
+        if self.loading is None:
+            # A model loaded whole on every rank (tests, scripts): on the device first, so that the broadcast
+            # below moves device tensors, as NCCL requires.
+            model.to(self.device if not self.settings.offload_params else torch.device("cpu"))
+            if self.settings.sync_module_states:
+                broadcast_from_rank0(model)
         if self.settings.version == 2:
-            self.model = shard_fsdp2(model, self.settings, self.mesh, self.device)
+            self.model = shard_fsdp2(model, self.settings, self.mesh, self.device, self.mixed_precision)
+            if self.loading is not None:
+                fill_fully_sharded(self.model, self.loading, self.storage_device)
         else:
-            self.model = wrap_fsdp1(model, self.settings, self.mesh, self.device)
+            init = fsdp1_param_init(model, self.loading) if self.loading is not None else None
+            self.model = wrap_fsdp1(model, self.settings, self.mesh, self.device, self.mixed_precision, init)
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad])
         self.scheduler = build_scheduler(self.optimizer)
+
+    @property
+    def storage_device(self) -> torch.device:
+        """Where the sharded parameters live: the host when they are offloaded."""
+        return torch.device("cpu") if self.settings.offload_params else self.device
+
+    @property
+    def mixed_precision(self) -> torch.dtype | None:
+        """bf16 parameters in forward and backward, fp32 sharded master weights and gradient reductions."""
+        return self.precision.autocast_dtype
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        # FSDP's mixed-precision policy already runs the model in bf16; autocast on top would change the numerics.
+        return contextlib.nullcontext()
+
+    @property
+    def weights_bytes_read(self) -> int:
+        return self.loading.bytes_read if self.loading is not None else 0
 
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         if self.settings.version == 2:
@@ -91,11 +128,12 @@ class FSDPEngine(DistributedMixin, TorchEngine):
         state = self.full_state_dict()
         if self.is_main:
             state = {k: v.detach().cpu() for k, v in state.items()}
+            expected = expected_saved_parameters(self.inner, state)  # save_pretrained empties the dict it is given
             if hasattr(self.inner, "peft_config"):
                 save_lora_adapter(self.inner, state, out_dir)
             else:
                 self.inner.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
-            verify_saved(out_dir, expected_saved_parameters(self.inner, state))
+            verify_saved(out_dir, expected)
         self.barrier()
 
     def save_state(self, ckpt_dir: Path) -> None:
@@ -167,17 +205,20 @@ def _size_based_targets(model: torch.nn.Module, min_num_params: int) -> list[tor
     return chosen
 
 
-def shard_fsdp2(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, device: torch.device) -> torch.nn.Module:
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+def shard_fsdp2(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, device: torch.device,
+                compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """``fully_shard`` each wrap unit, then the root; meta parameters stay meta (filled afterwards)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    model.to(device if not s.offload_params else torch.device("cpu"))
     # Pinned memory needs an accelerator; on a CPU-only machine offload without pinning.
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if s.offload_params else OffloadPolicy()
+    precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if compute_dtype \
+        else MixedPrecisionPolicy()
     reshard = s.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
     units = wrap_targets(model, s)
     for module in units:
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, offload_policy=offload)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, offload_policy=offload)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, offload_policy=offload, mp_policy=precision)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, offload_policy=offload, mp_policy=precision)
     if s.forward_prefetch:
         # FSDP2 prefetches one unit ahead in backward by itself; forward prefetch is explicit.
         for current, following in zip(units, units[1:], strict=False):
@@ -186,14 +227,24 @@ def shard_fsdp2(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, devic
 
 
 def broadcast_from_rank0(model: torch.nn.Module) -> None:
-    """Make every rank start from rank 0's weights and buffers."""
+    """Make every rank start from rank 0's weights and buffers (the model must already be on the engine's
+    device: NCCL broadcasts device tensors only)."""
     with torch.no_grad():
         for tensor in model.state_dict().values():
             dist.broadcast(tensor, src=0)
 
 
-def wrap_fsdp1(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, device: torch.device) -> torch.nn.Module:
-    from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, FullyShardedDataParallel, ShardingStrategy
+def wrap_fsdp1(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, device: torch.device,
+               compute_dtype: torch.dtype | None = None,
+               param_init_fn: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
+    """FullyShardedDataParallel; ``param_init_fn`` fills a meta skeleton unit by unit while it is wrapped."""
+    from torch.distributed.fsdp import (
+        BackwardPrefetch,
+        CPUOffload,
+        FullyShardedDataParallel,
+        MixedPrecision,
+        ShardingStrategy,
+    )
     from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
     targets = {id(m) for m in wrap_targets(model, s)}
@@ -207,7 +258,11 @@ def wrap_fsdp1(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, device
         backward_prefetch=prefetch,
         forward_prefetch=s.forward_prefetch,
         device_id=device,
-        sync_module_states=False,  # broadcast_from_rank0 already ran
+        sync_module_states=False,  # the skeleton's loader or broadcast_from_rank0 already made ranks agree
+        param_init_fn=param_init_fn,
+        # Buffers (rotary frequencies) keep their dtype: they are not trained and bf16 would round them.
+        mixed_precision=MixedPrecision(param_dtype=compute_dtype, reduce_dtype=torch.float32) if compute_dtype
+        else None,
         use_orig_params=s.use_orig_params,
         device_mesh=mesh if s.is_hybrid else None,
     )

@@ -100,10 +100,34 @@ def apply_lora(model: Any, settings: FinetuningSettings) -> Any:
         target_modules=targets,
     )
     model = get_peft_model(model, config)
+    initialize_adapter_weights(model)
     if settings.gradient_checkpointing:
         # Frozen embeddings give inputs without grad; checkpointed blocks then see no grad path.
         model.enable_input_require_grads()
     return model
+
+
+def initialize_adapter_weights(model: Any) -> None:
+    """(Re)draw every LoRA matrix on the host with peft's own initialisation, layer by layer in model order.
+
+    peft places new adapter weights on their base layer's device; on a model built without its base weights (the
+    meta device) their values would be lost. Drawing them again here, on the host, gives the same values whether
+    the base model was loaded whole or left empty for a sharding engine to fill.
+    """
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    for module in model.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        for adapter in [*module.lora_A.keys(), *module.lora_embedding_A.keys()]:
+            for container in (module.lora_A, module.lora_B, module.lora_embedding_A, module.lora_embedding_B):
+                part = container[adapter] if adapter in container else None
+                if isinstance(part, torch.nn.Module) and any(p.is_meta for p in part.parameters()):
+                    part.to_empty(device="cpu")
+                elif isinstance(part, torch.nn.Parameter) and part.is_meta:
+                    container[adapter] = torch.nn.Parameter(torch.empty_like(part, device="cpu"))
+            module.reset_lora_parameters(adapter, init_lora_weights=True)
 
 
 def count_parameters(model: Any) -> tuple[int, int]:

@@ -10,7 +10,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.base import Engine
-from shardtune.model.adapters import FinetuningSettings, apply_finetuning, count_parameters
+from shardtune.model.adapters import FinetuningSettings
+from shardtune.model.source import ModelSource
 
 
 def prepare_model_dir(c: TrainConfig, engine: Engine) -> None:
@@ -71,18 +72,12 @@ def build_tokenized(tokenizer: Any, settings: Any, path: str, key: dict[str, Any
     save_tokenized(path, train, evaluation, key)
 
 
-def load_model_for_training(c: TrainConfig, settings: FinetuningSettings) -> torch.nn.Module:
-    from shardtune.model.load import load_causal_lm
-
+def model_source(c: TrainConfig, settings: FinetuningSettings) -> ModelSource:
+    """Where the model comes from and how it is set up for training; each engine decides how to load it."""
     compute_dtype = torch.bfloat16 if c.bf16 else (torch.float16 if c.fp16 else torch.float32)
-    model = load_causal_lm(c.model_name_or_path or "", trust_remote_code=c.trust_remote_code,
-                           attn_implementation=c.attn_implementation, quantization_bit=c.quantization_bit,
-                           compute_dtype=compute_dtype)
-    model = apply_finetuning(model, settings)
-    trainable, total = count_parameters(model)
-    print(f"[shardtune] {c.finetuning_type}: trainable params {trainable:,} of {total:,} "
-          f"({100 * trainable / max(total, 1):.4f}%)", flush=True)
-    return model
+    return ModelSource(c.model_name_or_path or "", settings, trust_remote_code=c.trust_remote_code,
+                       attn_implementation=c.attn_implementation, quantization_bit=c.quantization_bit,
+                       compute_dtype=compute_dtype)
 
 
 def build_loader(dataset: Any, tokenizer: Any, batch_size: int, engine: Engine, c: TrainConfig,

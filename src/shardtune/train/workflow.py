@@ -21,7 +21,7 @@ from shardtune.train.loop import LoopSettings, TrainState, evaluate, run_loop, s
 from shardtune.train.optim import build_optimizer, build_scheduler, warmup_steps_for
 from shardtune.train.reporting import LOG_FILE, Reporter, plot_loss
 from shardtune.train.settings import finetuning_settings, optimizer_settings
-from shardtune.train.setup import build_loader, load_model_for_training, prepare_datasets, prepare_model_dir
+from shardtune.train.setup import build_loader, model_source, prepare_datasets, prepare_model_dir
 from shardtune.train.throughput import ThroughputMeter
 
 RESULTS_FILE = "train_results.json"
@@ -45,7 +45,7 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     train_loader = build_loader(train_set, tokenizer, config.per_device_train_batch_size, engine, config, True)
     eval_loader = build_loader(eval_set, tokenizer, config.per_device_eval_batch_size, engine, config, False)
     loop = loop_settings(config, len(train_loader), eval_loader is not None)
-    model = load_model_for_training(config, finetuning_settings(config))
+    model = engine.build_model(model_source(config, finetuning_settings(config)))
     engine.prepare(
         model,
         lambda params: build_optimizer(params, optimizer_settings(config)),

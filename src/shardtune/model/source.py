@@ -1,0 +1,148 @@
+"""What a rank needs to build its model: loaded whole, or as an empty skeleton that an engine fills shard by shard.
+
+Replicating engines (one process, DDP, ZeRO-0/1/2) call ``load_full``. Sharding engines (FSDP, ZeRO-3) call
+``build_skeleton``: the same architecture and the same fine-tuning setup, but the base weights are never
+allocated in full (meta tensors, or DeepSpeed's partitioned parameters when built inside ``zero.Init``); the
+engine then reads each tensor through ``weights`` and keeps only its shard. Trainable tensors that do not come from
+the checkpoint (new LoRA matrices) are created on the host with their initial values, drawing the same random
+numbers as ``load_full`` does (``initialize_adapter_weights``), so both paths start from the same weights for
+a given seed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from shardtune.errors import ModelError
+from shardtune.model.adapters import FinetuningSettings, apply_finetuning, count_parameters
+from shardtune.model.weights import WeightsReader, open_weights
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """How to load the model of a run (explicit settings, not the whole config)."""
+
+    name_or_path: str
+    finetuning: FinetuningSettings
+    trust_remote_code: bool = False
+    attn_implementation: str = "sdpa"
+    quantization_bit: int | None = None
+    compute_dtype: torch.dtype = torch.float32
+
+    def load_full(self) -> torch.nn.Module:
+        """The whole model in float32 on the host (quantised loads through bitsandbytes), fine-tuning applied."""
+        from shardtune.model.load import load_causal_lm
+
+        model = load_causal_lm(self.name_or_path, trust_remote_code=self.trust_remote_code,
+                               attn_implementation=self.attn_implementation,
+                               quantization_bit=self.quantization_bit, compute_dtype=self.compute_dtype)
+        return self._finish(model)
+
+    def build_skeleton(self, construction: contextlib.AbstractContextManager | None = None) -> Skeleton:
+        """The model without its base weights, fine-tuning applied; ``construction`` replaces the meta device.
+
+        Building draws no random numbers (it runs under a forked generator), so the fine-tuning step that follows
+        draws exactly what it draws after ``load_full``.
+        """
+        weights = open_weights(self.name_or_path)
+        if weights is None:
+            raise ModelError(f"model_name_or_path: {self.name_or_path} has no safetensors weights "
+                             "(model.safetensors or model.safetensors.index.json) to load shard by shard")
+        with torch.random.fork_rng(devices=[]):
+            model = self._empty_model(construction)
+        checkpoint_names = checkpoint_names_by_parameter(model, weights)
+        model = self._finish(model)
+        return Skeleton(model, weights, _names_after_finetuning(model, checkpoint_names))
+
+    def _empty_model(self, construction: contextlib.AbstractContextManager | None) -> torch.nn.Module:
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.initialization import no_init_weights
+
+        try:
+            config = AutoConfig.from_pretrained(self.name_or_path, trust_remote_code=self.trust_remote_code)
+        except (OSError, ValueError) as err:
+            raise ModelError(f"model_name_or_path: cannot read the config of {self.name_or_path}: {err}") from None
+        # Buffers (rotary frequencies) are computed at construction and are not in the checkpoint: keep them real.
+        context = construction or init_empty_weights(include_buffers=False)
+        with no_init_weights(), context:
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                    attn_implementation=self.attn_implementation,
+                                                    trust_remote_code=self.trust_remote_code)
+
+    def _finish(self, model: torch.nn.Module) -> torch.nn.Module:
+        model = apply_finetuning(model, self.finetuning)
+        trainable, total = count_parameters(model)
+        print(f"[shardtune] {self.finetuning.finetuning_type}: trainable params {trainable:,} of {total:,} "
+              f"({100 * trainable / max(total, 1):.4f}%)", flush=True)
+        return model
+
+
+@dataclass
+class Skeleton:
+    """A model whose checkpoint tensors are still to be loaded, with where each one is found."""
+
+    model: torch.nn.Module
+    weights: WeightsReader
+    checkpoint_names: dict[str, str]  # parameter or persistent-buffer name in ``model`` -> name in the files
+
+    def initial_values(self) -> dict[str, torch.Tensor]:
+        """Tensors that already hold their starting values (new adapter weights), by name in ``model``."""
+        return {name: tensor.detach().clone() for name, tensor in _named_states(self.model)
+                if not tensor.is_meta and name not in self.checkpoint_names}
+
+    def non_persistent_buffers(self) -> dict[str, torch.Tensor]:
+        """Buffers computed at construction and absent from checkpoints (rotary frequencies)."""
+        found = {}
+        for module_name, module in self.model.named_modules():
+            for name in module._non_persistent_buffers_set:
+                buffer = module._buffers.get(name)
+                if buffer is not None:
+                    found[f"{module_name}.{name}" if module_name else name] = buffer.detach().clone()
+        return found
+
+
+def _named_states(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters (shared ones once) and persistent buffers: what a checkpoint holds."""
+    yield from model.named_parameters()
+    for module_name, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                yield (f"{module_name}.{name}" if module_name else name), buffer
+
+
+def checkpoint_names_by_parameter(model: torch.nn.Module, weights: WeightsReader) -> dict[int, str]:
+    """id(tensor) -> its name in the weights files; a tensor the files lack is a ModelError naming it.
+
+    A tied tensor (embedding and output layer) has several names; the one the files hold is used.
+    """
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    for name, buffer in _named_states(model):
+        names.setdefault(id(buffer), []).append(name)
+    found, missing = {}, []
+    for key, aliases in names.items():
+        stored = next((n for n in aliases if n in weights), None)
+        if stored is None:
+            missing.append(aliases[0])
+        else:
+            found[key] = stored
+    if missing:
+        raise ModelError(f"model_name_or_path: the weights in {weights.folder} lack {len(missing)} tensors of the "
+                         f"model (first: {missing[0]}); the folder does not match its config.json")
+    return found
+
+
+def _names_after_finetuning(model: torch.nn.Module, by_id: dict[int, str]) -> dict[str, str]:
+    """Names in the fine-tuning wrapper (peft renames and nests the base layers) -> names in the files."""
+    mapped = {}
+    for name, tensor in _named_states(model):
+        stored = by_id.get(id(tensor))
+        if stored is not None:
+            mapped[name] = stored
+    return mapped
