@@ -16,8 +16,13 @@ COMMON = ("examples/tiny/sft_full.yaml", f"max_steps={STEPS}", "logging_steps=1"
 
 
 def losses(out: Path) -> list[float]:
+    return logged(out, "loss")
+
+
+def logged(out: Path, key: str) -> list[float]:
+    """One value per logged training step (trainer_log.jsonl)."""
     records = [json.loads(x) for x in (out / "trainer_log.jsonl").read_text().splitlines() if x.strip()]
-    return [r["loss"] for r in records if "loss" in r]
+    return [r[key] for r in records if key in r and "loss" in r]
 
 
 def train(model: Path, out: Path, finetuning: str, nproc: int, micro: int, *extra: str) -> dict:
@@ -29,12 +34,14 @@ def train(model: Path, out: Path, finetuning: str, nproc: int, micro: int, *extr
 
 
 def reference_losses(tiny_model_dir, tmp_path_factory) -> dict[str, list[float]]:
-    """Single-process losses with the global batch (4 per process x 2 processes = 8 per micro-step)."""
+    """Single-process losses with the global batch (4 per process x 2 processes = 8 per micro-step);
+    ``"<finetuning>:grad_norm"`` holds the gradient norms of the same steps."""
     found = {}
     for finetuning in ("full", "lora"):
         out = tmp_path_factory.mktemp(f"ref-{finetuning}")
         train(tiny_model_dir, out, finetuning, 1, 4)
         found[finetuning] = losses(out)
+        found[f"{finetuning}:grad_norm"] = logged(out, "grad_norm")
     return found
 
 

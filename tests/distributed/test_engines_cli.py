@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import run_cli
-from tests.distributed.helpers import COMMON, check_saved_model, losses, train
+from tests.distributed.helpers import COMMON, check_saved_model, logged, losses, train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -45,6 +45,8 @@ def test_engine_matches_single_process(engine, finetuning, reference, tiny_model
     assert results["engine"] == engine.split("-")[0].rstrip("12")
     assert len(results["peak_memory_bytes_per_rank"]) == 2 and min(results["peak_memory_bytes_per_rank"]) > 0
     assert losses(tmp_path) == pytest.approx(reference[finetuning], rel=2e-3)
+    # Losses alone would not see gradients scaled by the world size: Adam's update hardly depends on their scale.
+    assert logged(tmp_path, "grad_norm") == pytest.approx(reference[f"{finetuning}:grad_norm"], rel=2e-3)
     check_saved_model(tmp_path, tiny_model_dir, finetuning)
 
 

@@ -75,6 +75,11 @@ class Engine(ABC):
         """The model to train, loaded as this engine needs it: whole on the host unless the engine shards."""
         return source.load_full()
 
+    @property
+    def weights_bytes_read(self) -> int:
+        """Bytes of checkpoint weights this rank read itself (sharding engines load tensor by tensor)."""
+        return 0
+
     @abstractmethod
     def prepare(self, model: torch.nn.Module, build_optimizer: OptimizerFactory,
                 build_scheduler: SchedulerFactory) -> None:

@@ -4,8 +4,8 @@ NCCL moves CUDA tensors only: a collective handed a host tensor fails on a GPU (
 same code passes every CPU test over gloo. With the guard installed, each torch.distributed collective (also the
 ones FSDP and DeepSpeed call) first compares its tensors' device with the engine's and raises, naming the
 collective and both devices, when they differ. Tests can then run the engine with its device set apart from the
-device tensors land on by default (``declared_device``), so a tensor that was never moved to the engine's device
-is caught on a CPU machine too.
+host, for example the meta device with ``execute=False`` (collectives are checked, not run), so a tensor that was
+never moved to the engine's device is caught on a CPU machine too.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class CollectiveGuard:
     """Counts checked collectives; ``device`` is where every collective tensor must live."""
 
     device: torch.device
+    execute: bool = True  # False: check only (a test whose engine device, such as meta, has no collectives)
     checked: int = 0
     originals: dict[tuple[Any, str], Callable] = field(default_factory=dict)
 
@@ -62,7 +63,7 @@ class CollectiveGuard:
         @functools.wraps(original)
         def checked(*args: Any, **kwargs: Any) -> Any:
             self.check(name, args, kwargs)
-            return original(*args, **kwargs)
+            return original(*args, **kwargs) if self.execute else None
 
         return checked
 

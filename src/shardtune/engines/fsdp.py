@@ -121,7 +121,9 @@ class FSDPEngine(DistributedMixin, TorchEngine):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded weights on rank 0 (all ranks must call)."""
         offload = self.device.type == "cuda"  # FSDP1's CPU offload of full state fails without a GPU
-        options = StateDictOptions(full_state_dict=True, cpu_offload=offload)
+        # An adapter run saves the adapter: gathering the frozen base too would rebuild the whole model.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=offload,
+                                   ignore_frozen_params=hasattr(self.inner, "peft_config"))
         return get_model_state_dict(self.model, options=options)
 
     def save_model(self, out_dir: Path) -> None:
@@ -164,7 +166,7 @@ class FSDPEngine(DistributedMixin, TorchEngine):
 
 def build_mesh(s: FsdpSettings, ctx: DistContext) -> DeviceMesh:
     """1-D shard mesh, or (replicate, shard) for hybrid strategies and for NO_SHARD under FSDP2."""
-    device_type = ctx.device.type
+    device_type = "cpu" if ctx.backend == "gloo" else ctx.device.type  # gloo meshes are host meshes
     if s.is_hybrid:
         shape = hybrid_mesh_shape(s, ctx.world_size, ctx.local_world_size)
         return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))

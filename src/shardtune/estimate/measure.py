@@ -65,3 +65,8 @@ def measured_peak_memory_bytes(baseline: MemoryBaseline | None = None) -> int:
         return peak
     # Without a reset the high-water mark may predate the baseline; the difference is then a lower bound.
     return max(0, peak - baseline.rss_bytes)
+
+
+def host_peak_bytes() -> int:
+    """Peak resident host memory of this process (on a GPU too, where the other measures count device memory)."""
+    return _status_bytes("VmHWM") or _ru_maxrss_bytes()

@@ -216,6 +216,11 @@ def run_torchrun(argv: list[str], plan: LaunchPlan, run_dir: Path, debug: bool =
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.nproc_per_node)))
     if plan.master_addr in ("127.0.0.1", "localhost") and visible_gpu_count() == 0:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if visible_gpu_count() == 0:
+        # CPU ranks keep their weights in host memory. glibc's adaptive mmap threshold keeps freed multi-MB blocks
+        # (FSDP and ZeRO-3 gather and free one layer at a time) in its heap, so a sharded run's resident memory
+        # grew as large as a replicated one's (measured: FSDP2 LoRA of a 217M model, 1.87 GB -> 0.78 GB per rank).
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
     print(f"[shardtune] launching: {shlex.join(argv)}", flush=True)
     if debug:
         return wait_for_launcher(subprocess.Popen(argv, env=env, start_new_session=True))

@@ -53,6 +53,8 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
                                     warmup_steps_for(loop.total_steps, config.warmup_steps, config.warmup_ratio)),
     )
     engine.verify()
+    if memory is not None:
+        memory.mark_setup_done()
     state = start_state(engine, config, output_dir)
     hooks = RunHooks(engine, config, output_dir, loop.total_steps, eval_loader, state.global_step,
                      stop or StopRequest())
@@ -76,16 +78,28 @@ class MemoryProbe:
 
     baseline: Any
     estimate_bytes: int | None
+    setup_peaks: tuple[int, int] = (0, 0)  # this rank's (gained, whole-process) peak once the model was set up
 
-    def per_rank_peaks(self, engine: Engine) -> tuple[list[int], list[int]]:
-        """Per rank: the peak the run gained since the baseline, and the process's whole peak (CPU: RSS)."""
+    def mark_setup_done(self) -> None:
+        """Model built, loaded and sharded, optimizer ready: the peak so far is the setup peak."""
         from shardtune.estimate.measure import measured_peak_memory_bytes
 
-        mine = torch.zeros(2, engine.world_size, dtype=torch.float64, device=engine.device)
-        mine[0, engine.rank] = float(measured_peak_memory_bytes(self.baseline))
-        mine[1, engine.rank] = float(measured_peak_memory_bytes())
-        gained, whole = engine.all_reduce_sum(mine).tolist()
-        return [int(v) for v in gained], [int(v) for v in whole]
+        self.setup_peaks = (measured_peak_memory_bytes(self.baseline), measured_peak_memory_bytes())
+
+    def per_rank(self, engine: Engine) -> dict[str, list[int]]:
+        """Every rank's measurements, by train_results.json key (one reduction)."""
+        from shardtune.estimate.measure import host_peak_bytes, measured_peak_memory_bytes
+
+        mine = {"peak_memory_bytes_per_rank": measured_peak_memory_bytes(self.baseline),
+                "peak_process_memory_bytes_per_rank": measured_peak_memory_bytes(),
+                "peak_setup_memory_bytes_per_rank": self.setup_peaks[0],
+                "peak_setup_process_memory_bytes_per_rank": self.setup_peaks[1],
+                "peak_host_memory_bytes_per_rank": host_peak_bytes(),
+                "weights_bytes_read_per_rank": engine.weights_bytes_read}
+        table = torch.zeros(len(mine), engine.world_size, dtype=torch.float64, device=engine.device)
+        table[:, engine.rank] = torch.tensor([float(v) for v in mine.values()], dtype=torch.float64)
+        summed = engine.all_reduce_sum(table).tolist()
+        return {key: [int(v) for v in row] for key, row in zip(mine, summed, strict=True)}
 
 
 @dataclass
@@ -143,11 +157,10 @@ def clear_previous_run(output_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def memory_results(peaks: tuple[list[int], list[int]], estimate: int | None, announce: bool) -> dict[str, Any]:
+def memory_results(per_rank: dict[str, list[int]], estimate: int | None, announce: bool) -> dict[str, Any]:
     """Measured peaks per rank beside the estimate; the ratio is printed so a user sees how far off it is."""
-    gained, whole = peaks
-    found: dict[str, Any] = {"peak_memory_bytes_per_rank": gained, "peak_process_memory_bytes_per_rank": whole,
-                             "estimated_memory_bytes": estimate}
+    found: dict[str, Any] = {**per_rank, "estimated_memory_bytes": estimate}
+    gained = per_rank["peak_memory_bytes_per_rank"]
     if estimate:
         found["memory_measured_over_estimate"] = round(max(gained) / estimate, 3)
         if announce:
@@ -225,7 +238,7 @@ def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path,
     if hooks.eval_loader is not None:
         results["eval_loss"] = evaluate(engine, hooks.eval_loader)
     if memory is not None:
-        results.update(memory_results(memory.per_rank_peaks(engine), memory.estimate_bytes, engine.is_main))
+        results.update(memory_results(memory.per_rank(engine), memory.estimate_bytes, engine.is_main))
     if engine.is_main:
         tokenizer.save_pretrained(output_dir)
         (output_dir / RESULTS_FILE).write_text(json.dumps(results, indent=2))
