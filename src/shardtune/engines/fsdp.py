@@ -221,6 +221,10 @@ def shard_fsdp2(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, devic
     for module in units:
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard, offload_policy=offload, mp_policy=precision)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, offload_policy=offload, mp_policy=precision)
+    if s.backward_prefetch == "NO_PREFETCH":
+        # One unit gathered at a time in backward: less memory, no overlap of gathering and compute.
+        for unit in units:
+            unit.set_modules_to_backward_prefetch([])
     if s.forward_prefetch:
         # FSDP2 prefetches one unit ahead in backward by itself; forward prefetch is explicit.
         for current, following in zip(units, units[1:], strict=False):

@@ -154,9 +154,9 @@ def _to_bool(value: Any) -> bool:
 
 def settings_problems(s: FsdpSettings) -> list[str]:
     problems = []
-    if s.version == 2 and s.backward_prefetch != "BACKWARD_PRE":
-        problems.append(f"fsdp_config: backward_prefetch ({s.backward_prefetch}) applies to fsdp_version 1; FSDP2 "
-                        "always prefetches the next unit in backward (remove the key or use fsdp_version: 1)")
+    if s.version == 2 and s.backward_prefetch == "BACKWARD_POST":
+        problems.append("fsdp_config: backward_prefetch (BACKWARD_POST) applies to fsdp_version 1; FSDP2 prefetches "
+                        "the next unit before each backward (BACKWARD_PRE) or, with NO_PREFETCH, not at all")
     if s.hsdp_shard_size is not None and not s.is_hybrid:
         problems.append(f"fsdp_config: hsdp_shard_size ({s.hsdp_shard_size}) only applies to HYBRID_SHARD strategies"
                         f" (sharding_strategy is {s.sharding_strategy})")

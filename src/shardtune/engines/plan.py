@@ -72,14 +72,6 @@ def _plan_fsdp(c: TrainConfig, has_cuda: bool, world_size: int) -> tuple[EngineP
     return EnginePlan("fsdp", fsdp=settings), problems
 
 
-def plan_notices(plan: EnginePlan) -> list[str]:
-    """Settings that are honoured only in part, said once on the launching host."""
-    if plan.fsdp is not None and plan.fsdp.cpu_ram_efficient_loading:
-        return ["fsdp_cpu_ram_efficient_loading: every rank still reads the weights from disk; rank 0's copy is "
-                "then broadcast (sync_module_states), so all ranks start identical"]
-    return []
-
-
 def _load_fsdp_config_file(path: str, world_size: int) -> tuple[dict[str, Any], list[str]]:
     """An FSDP settings file, or an accelerate config file whose `fsdp_config` section is used."""
     from pathlib import Path

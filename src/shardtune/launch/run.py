@@ -22,7 +22,7 @@ from shardtune.config.args import load_config
 from shardtune.config.load import config_to_dict
 from shardtune.config.schema import TrainConfig
 from shardtune.config.validate import validate_config
-from shardtune.engines.plan import EnginePlan, plan_engine, plan_notices
+from shardtune.engines.plan import EnginePlan, plan_engine
 from shardtune.errors import ConfigError, ShardtuneError, debug_requested
 from shardtune.launch import env as launch_env
 from shardtune.launch.failures import (
@@ -165,8 +165,6 @@ def train_command(argv: list[str]) -> int:
     plan = plan_launch(env, visible_gpu_count())
     pre = preflight(argv, plan.world_size, plan.nproc_per_node)
     use_torchrun = env.force_torchrun or plan.world_size > 1 or pre.engine.needs_process_group
-    for notice in plan_notices(pre.engine):
-        print(f"[shardtune] note: {notice}", flush=True)
     config_path = Path(pre.config.output_dir or ".") / LAUNCH_CONFIG
     debug = debug_requested(argv)
     commands = [build_torchrun_argv(plan, r, worker_argv(str(config_path), debug), sys.executable)

@@ -70,9 +70,12 @@ class ModelSource:
         # Buffers (rotary frequencies) are computed at construction and are not in the checkpoint: keep them real.
         context = construction or init_empty_weights(include_buffers=False)
         with no_init_weights(), context:
-            return AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                    attn_implementation=self.attn_implementation,
-                                                    trust_remote_code=self.trust_remote_code)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                     attn_implementation=self.attn_implementation,
+                                                     trust_remote_code=self.trust_remote_code)
+        # Tying ran inside the contexts, which give every assigned parameter a new tensor: tie again.
+        model.tie_weights()
+        return model
 
     def _finish(self, model: torch.nn.Module) -> torch.nn.Module:
         model = apply_finetuning(model, self.finetuning)
