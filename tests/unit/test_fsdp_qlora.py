@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from shardtune.engines.fsdp_qlora import (
+    drop_quant_state_entries,
     fsdp1_lora_units,
     fsdp2_units_unsafe_for_4bit,
     prepare_qlora_for_fsdp,
@@ -160,6 +161,16 @@ def test_tensors_to_broadcast_are_params_buffers_and_quant_state_never_state_dic
     assert {id(t) for t in quant_state_tensors(state)} <= ids
     assert len(quant_state_tensors(state)) == 5  # absmax, code, offset + nested absmax, code
     assert len(ids) == len(tensors)
+
+
+def test_drop_quant_state_entries_keeps_weights_and_lora():
+    layer = "base_model.model.model.layers.0.self_attn.q_proj"
+    kept = {f"{layer}.base_layer.weight": 1, f"{layer}.lora_A.default.weight": 2, "model.norm.weight": 3,
+            "model.layers.0.mlp.offset_proj.weight": 4}
+    # The entries bitsandbytes' Linear4bit adds to a state dict (as seen in an FSDP1 checkpoint of a 4-bit model).
+    dropped = {f"{layer}.base_layer.weight.{suffix}": 0 for suffix in (
+        "absmax", "quant_map", "nested_absmax", "nested_quant_map", "offset", "quant_state.bitsandbytes__nf4")}
+    assert drop_quant_state_entries({**kept, **dropped}) == kept
 
 
 def test_rank0_first_orders_the_first_rank_before_the_others():

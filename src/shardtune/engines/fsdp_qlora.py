@@ -1,7 +1,7 @@
 """FSDP + QLoRA: bitsandbytes 4-bit base weights sharded by FSDP without losing their quantisation state.
 
 The 4-bit weights are loaded with ``bnb_4bit_quant_storage`` equal to the compute dtype (``model/load.py``), so
-FSDP sees floating-point parameters it can shard. Four things still go wrong, each handled here:
+FSDP sees floating-point parameters it can shard. Five things still go wrong, each handled here:
 
 * **Mixed dtypes.** peft's ``prepare_model_for_kbit_training`` upcasts every weight that is not 4-bit to fp32,
   while the 4-bit weights stay in bf16 storage; FSDP1 refuses a unit whose flat parameter would mix dtypes.
@@ -18,6 +18,9 @@ FSDP sees floating-point parameters it can shard. Four things still go wrong, ea
   A unit whose all-gather inputs have two dtypes is gathered as bytes instead. ``fsdp2_units_unsafe_for_4bit``
   names the units that would copy packed weights as floats; the engine must refuse them. With the dtypes set by
   ``prepare_qlora_for_fsdp`` every decoder layer holds fp32 LoRA weights beside its bf16 4-bit ones, so none is.
+* **Checkpoints.** A sharded state dict of a 4-bit model holds bitsandbytes' quantisation-state entries, which
+  ``load_state_dict`` then refuses; with ``ignore_frozen_params``, ``drop_quant_state_entries`` leaves the
+  trainable weights only (the 4-bit base is reloaded from the model folder on resume).
 * **Broadcast from rank 0.** ``model.state_dict()`` of a 4-bit model holds, per layer, a CPU tensor packing the
   quantisation metadata (NCCL cannot send it) and copies that a broadcast would fill in vain;
   ``tensors_to_broadcast`` lists the parameters, buffers and quantisation-state tensors instead.
@@ -34,7 +37,9 @@ and peft#1550 (FSDP + QLoRA in Trainer), TRL's SFT trainer (no fp32 upcast for s
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -170,6 +175,23 @@ def quant_state_tensors(state: object) -> list[torch.Tensor]:
             if isinstance(value, torch.Tensor):
                 found.append(value)
     return found
+
+
+# What bitsandbytes' Linear4bit.state_dict() adds after "<layer>.weight.": the QuantState's tensors and the packed
+# metadata ("quant_state.bitsandbytes__nf4").
+_QUANT_STATE_ENTRY = re.compile(r"\.weight\.(absmax|quant_map|nested_absmax|nested_quant_map|offset|quant_state\..+)$")
+
+
+def drop_quant_state_entries(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` without bitsandbytes' quantisation-state entries.
+
+    For resumable checkpoints of a QLoRA model: the 4-bit base is reloaded (and quantised) from the model folder,
+    so a checkpoint needs only the trainable weights - take the state with
+    ``StateDictOptions(ignore_frozen_params=True)``, which drops the frozen parameters but not these entries, and
+    load it back with ``strict=False`` (the frozen entries are then missing by design; DCP still fails on a missing
+    trainable one). FSDP1 otherwise saves them and its ``load_state_dict`` refuses them as unexpected keys.
+    """
+    return {key: value for key, value in state_dict.items() if not _QUANT_STATE_ENTRY.search(key)}
 
 
 @contextlib.contextmanager
