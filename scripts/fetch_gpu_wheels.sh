@@ -22,6 +22,7 @@ WHEELS=(
   "datasets==5.2.0"            # not there
   "dill==0.4.1"                # datasets
   "multiprocess==0.70.19"      # datasets
+  "fsspec==2026.9.0"           # datasets 5.2.0 requires <= 2026.9.0; the machine's version is not recorded
   "hjson==3.1.0"               # deepspeed
   "pydantic==2.14.3"           # deepspeed
   "pydantic-core==2.50.4"      # pydantic (the exact version pydantic 2.14.3 requires)
