@@ -41,7 +41,7 @@ def test_refused_combinations(values, has_cuda, fragment):
 
 
 def test_qlora_with_fsdp_is_accepted_on_cuda():
-    _, problems = plan(has_cuda=True, quantization_bit=4, fsdp="full_shard auto_wrap")
+    _, problems = plan(has_cuda=True, quantization_bit=4, fsdp="full_shard auto_wrap", bf16=True)
     assert problems == []
 
 

@@ -130,6 +130,10 @@ def quantization_problems(c: TrainConfig, plan: EnginePlan, has_cuda: bool) -> l
                         "visible here. Remove quantization_bit to train in full precision.")
     if plan.kind == "fsdp" and c.quantization_bit == 8:
         problems.append("quantization_bit (8) with fsdp: 8-bit bitsandbytes weights cannot be sharded; use 4")
+    if plan.kind == "fsdp" and c.quantization_bit == 4 and not c.bf16:
+        # See engines/fsdp_qlora.py: 4-bit weights stored as fp32 would be all-gathered as floats.
+        problems.append("quantization_bit (4) with fsdp needs bf16: true (the 4-bit weights are stored in the compute "
+                        "dtype so that FSDP can shard them; shardtune shards them in bf16 only)")
     if plan.kind == "deepspeed" and _zero_stage(plan) == 3:
         problems.append(f"quantization_bit ({c.quantization_bit}) with DeepSpeed ZeRO-3: bitsandbytes weights "
                         "cannot be partitioned; use FSDP (fsdp: full_shard auto_wrap) for sharded QLoRA, or ZeRO-2")

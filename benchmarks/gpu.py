@@ -1,0 +1,294 @@
+"""GPU throughput, MFU and peak memory of `shardtune train` under each engine, on a ~0.5B model.
+
+    python benchmarks/gpu.py                                   # every engine, full and LoRA
+    python benchmarks/gpu.py --engines local,ddp --finetuning full
+    python benchmarks/gpu.py --shape tiny --allow-cpu --steps 3 # a check of this script on a machine without GPU
+
+The model has random weights in the shape of Qwen2.5-0.5B (hidden 896, 24 layers, 14 heads, 2 key-value heads,
+intermediate 4864, vocabulary 151936, tied embeddings), built from ``AutoConfig.for_model("qwen2", ...)`` with
+shardtune's locally trained tokenizer: nothing is downloaded. The data is plain text cut into packed rows of
+``--cutoff`` tokens (stage ``pt``), tokenised once into ``--work-dir`` and reused by every run.
+
+Each run is the real command line (``shardtune train CONFIG key=value ...``; FORCE_TORCHRUN and NPROC_PER_NODE in
+its environment for every engine but ``local``), bf16, one run at a time. The numbers come from the run's own
+``train_results.json``: effective tokens per second summed over ranks after ``--warmup`` steps, the median step
+time, the peak accelerator memory each rank allocated from model loading on (``peak_memory_bytes_per_rank``).
+MFU = 6 x parameters x tokens/s per GPU / peak bf16 FLOP/s: the H200's dense bf16 datasheet figure (989 TFLOP/s)
+and, beside it, the rate this script measures for an 8192^3 bf16 matrix product on the same GPU. 6 x parameters
+counts neither attention's own FLOPs nor, for LoRA, that frozen weights get no weight gradient: it is the usual
+model-FLOPs convention, the same for every row.
+
+Results merge into ``benchmarks/results/gpu-<date>.{json,md}`` (rows of the same engine and finetuning type are
+replaced), so the engines can be run in separate invocations; ``--out`` moves them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from common import machine, machine_line
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+SHARDTUNE = [sys.executable, "-m", "shardtune.cli"]
+H200_DENSE_BF16_FLOPS = 989e12  # NVIDIA H200 SXM datasheet, dense (no sparsity)
+
+SHAPES = {
+    # Qwen2.5-0.5B's published config.json, weights random.
+    "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768,
+                         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    # Only for checking this script without a GPU.
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=172, vocab_size=4096, max_position_embeddings=2048, tie_word_embeddings=True),
+}
+ENGINES = {
+    "local": ("local", []),
+    "ddp": ("DDP", []),
+    "fsdp2": ("FSDP2 FULL_SHARD", ["fsdp=full_shard auto_wrap"]),
+    "zero2": ("ZeRO-2", ["deepspeed=z2"]),
+    "zero3": ("ZeRO-3", ["deepspeed=z3"]),
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    steps: int
+    warmup: int
+    micro_batch: int
+    accumulation: int
+    cutoff: int
+    processes: int
+
+
+def build_model(folder: Path, shape: str) -> dict:
+    """A random Qwen2-architecture model of ``shape`` with shardtune's local tokenizer; returns its sizes."""
+    info_file = folder / "shardtune_bench_model.json"
+    if info_file.is_file():
+        return json.loads(info_file.read_text())
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardtune.model.tiny import build_tiny_tokenizer, bundled_corpus
+
+    tokenizer = build_tiny_tokenizer(bundled_corpus(), vocab_size=2048)
+    config = AutoConfig.for_model("qwen2", **SHAPES[shape], bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    info = {"shape": shape, "parameters": sum(p.numel() for p in model.parameters()),
+            "embedding_parameters": model.get_input_embeddings().weight.numel(), **SHAPES[shape]}
+    info_file.write_text(json.dumps(info, indent=2))
+    return info
+
+
+def write_dataset(folder: Path, min_chars: int, seed: int = 0) -> None:
+    """Plain text for stage pt: the bundled corpus and demo text, shuffled and repeated to ``min_chars``."""
+    if (folder / "dataset_info.json").is_file():
+        return
+    from shardtune.model.tiny import bundled_corpus
+
+    demo = [json.loads(line)["text"] for line in (REPO / "data" / "demo_pt.jsonl").read_text().splitlines() if line]
+    lines = [*bundled_corpus(), *demo]
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = 0
+    with open(folder / "bench_pt.jsonl", "w") as f:
+        while written < min_chars:
+            text = " ".join(rng.sample(lines, k=min(20, len(lines))))
+            f.write(json.dumps({"text": text}) + "\n")
+            written += len(text)
+    (folder / "dataset_info.json").write_text(json.dumps({"bench_pt": {"file_name": "bench_pt.jsonl",
+                                                                       "columns": {"prompt": "text"}}}))
+
+
+def write_config(work: Path, model: Path, s: Settings) -> Path:
+    import yaml
+
+    config = {
+        "model_name_or_path": str(model), "stage": "pt", "do_train": True, "dataset": "bench_pt",
+        "dataset_dir": str(work / "data"), "tokenized_path": str(work / f"tokenized-{s.cutoff}"),
+        "cutoff_len": s.cutoff, "packing": True, "bf16": True, "lora_rank": 16, "learning_rate": 1.0e-5,
+        "lr_scheduler_type": "constant", "warmup_ratio": 0.0, "per_device_train_batch_size": s.micro_batch,
+        "gradient_accumulation_steps": s.accumulation, "max_steps": s.steps + s.warmup,
+        "throughput_warmup_steps": s.warmup, "logging_steps": 100000, "save_strategy": "no", "plot_loss": False,
+        "report_to": ["none"], "overwrite_output_dir": True, "seed": 42,
+    }
+    path = work / "bench_config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def command_for(engine: str, finetuning: str, config: Path, out: Path, processes: int) -> tuple[list[str], dict]:
+    argv = [*SHARDTUNE, "train", str(config), f"output_dir={out}", f"finetuning_type={finetuning}",
+            *ENGINES[engine][1]]
+    env = {**os.environ}
+    if engine != "local":
+        env.update(FORCE_TORCHRUN="1", NPROC_PER_NODE=str(processes))
+    return argv, env
+
+
+def run_one(engine: str, finetuning: str, config: Path, work: Path, s: Settings, info: dict,
+            peaks: dict[str, float | None]) -> dict:
+    out = work / "runs" / f"{engine}-{finetuning}"
+    argv, env = command_for(engine, finetuning, config, out, s.processes)
+    started = time.time()
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True)
+    row = {"engine": engine, "label": ENGINES[engine][0], "finetuning": finetuning,
+           "command": (f"FORCE_TORCHRUN=1 NPROC_PER_NODE={s.processes} " if engine != "local" else "")
+           + shlex.join(["shardtune", *argv[len(SHARDTUNE):]])}
+    if done.returncode != 0:
+        # One engine failing must not cost the others' numbers: the row records the failure instead.
+        sys.stderr.write(done.stdout[-2000:] + done.stderr[-4000:])
+        reasons = [line for line in done.stdout.splitlines() + done.stderr.splitlines() if "failed" in line
+                   or "error" in line]
+        return {**row, "processes": s.processes, "error": (reasons or [f"exit code {done.returncode}"])[-1][:300]}
+    results = json.loads((out / "train_results.json").read_text())
+    gpus = results["world_size"]
+    tokens_per_second = results["throughput"]["effective_tokens_per_second"]
+    flops_per_gpu = 6 * info["parameters"] * tokens_per_second / gpus
+    row.update({
+        "processes": gpus, "engine_used": results["engine"], "tokens_per_second": tokens_per_second,
+        "step_time_median_seconds": results["throughput"]["step_time_median_seconds"],
+        "measured_steps": results["throughput"]["measured_steps"], "final_loss": results["final_loss"],
+        "peak_memory_gib_per_rank": [round(b / 2**30, 2) for b in results["peak_memory_bytes_per_rank"]],
+        "wall_seconds": round(time.time() - started, 1),
+    })
+    if "peak_setup_memory_bytes_per_rank" in results:
+        row["peak_setup_memory_gib_per_rank"] = [round(b / 2**30, 2)
+                                                 for b in results["peak_setup_memory_bytes_per_rank"]]
+    for name, peak in peaks.items():
+        row[f"mfu_{name}"] = round(flops_per_gpu / peak, 4) if peak else None
+    return row
+
+
+def measured_bf16_matmul_flops(size: int = 8192, repeats: int = 10) -> float | None:
+    """FLOP/s of an ``size``^3 bf16 matrix product on this GPU (mean of ``repeats`` after 3 warm-ups)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1000 / repeats
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * size**3 / seconds
+
+
+def merge_rows(path: Path, rows: list[dict]) -> list[dict]:
+    """Earlier rows of this results file, with those of the same engine and finetuning type replaced."""
+    old = json.loads(path.read_text())["rows"] if path.is_file() else []
+    fresh = {(r["engine"], r["finetuning"]) for r in rows}
+    order = list(ENGINES)
+    merged = [r for r in old if (r["engine"], r["finetuning"]) not in fresh] + rows
+    return sorted(merged, key=lambda r: (r["finetuning"], order.index(r["engine"])))
+
+
+def render_markdown(rows: list[dict], meta: dict) -> str:
+    info, model, s = meta["machine"], meta["model"], meta["settings"]
+    peak = meta["measured_bf16_matmul_tflops"]
+    out = [
+        f"# GPU benchmark, {meta['date']}", "", machine_line(info), "",
+        f"Model: random weights, {model['shape']} shape (Qwen2 architecture), {model['parameters'] / 1e6:.1f}M "
+        f"parameters ({model['embedding_parameters'] / 1e6:.1f}M of them the tied embedding). Data: packed rows of "
+        f"{s['cutoff']} tokens (stage pt), micro-batch {s['micro_batch']} x accumulation {s['accumulation']} per "
+        f"process, bf16, {s['steps']} measured steps after {s['warmup']} of warm-up. LoRA: rank 16 on every linear "
+        "layer.", "",
+        "MFU = 6 x parameters x tokens/s per GPU / peak: against the H200's dense bf16 datasheet figure "
+        "(989 TFLOP/s) and against the measured 8192^3 bf16 matrix product"
+        + (f" ({peak:.0f} TFLOP/s on this GPU)." if peak else " (not measured: no GPU)."), "",
+        "| finetuning | engine | procs | tokens/s | step median | MFU (989) | MFU (measured) | peak memory per rank |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['finetuning']} | {r['label']} | {r['processes']} | failed: {r['error']} | | | | |")
+            continue
+        mfu = [f"{100 * r[k]:.1f}%" if r.get(k) is not None else "-" for k in ("mfu_spec", "mfu_measured")]
+        memory = ", ".join(f"{m:.2f}" for m in r["peak_memory_gib_per_rank"])
+        out.append(f"| {r['finetuning']} | {r['label']} | {r['processes']} | {r['tokens_per_second']:,.0f} | "
+                   f"{1000 * r['step_time_median_seconds']:.0f} ms | {mfu[0]} | {mfu[1]} | {memory} GiB |")
+    out += ["", "Commands (from the repository root; the config is written by the script):", ""]
+    out += [f"- `{r['command']}`" for r in rows]
+    return "\n".join(out) + "\n"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engines", default=",".join(ENGINES), help="any of %(default)s")
+    parser.add_argument("--finetuning", default="full,lora", help="full, lora or both")
+    parser.add_argument("--shape", default="qwen2.5-0.5b", choices=list(SHAPES))
+    parser.add_argument("--steps", type=int, default=20, help="measured optimizer steps")
+    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the rates")
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--accumulation", type=int, default=2)
+    parser.add_argument("--cutoff", type=int, default=2048, help="tokens per packed row")
+    parser.add_argument("--processes", type=int, default=0, help="processes for torchrun engines (default: GPUs)")
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/shardtune-bench-gpu"))
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--date", default=datetime.date.today().isoformat())
+    parser.add_argument("--allow-cpu", action="store_true", help="run without a GPU (to check the script)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not gpus and not args.allow_cpu:
+        print("benchmarks/gpu.py needs a CUDA GPU (--allow-cpu runs it anyway, to check the script)")
+        return 2
+    s = Settings(args.steps, args.warmup, args.micro_batch, args.accumulation, args.cutoff,
+                 args.processes or max(gpus, 1))
+    work = args.work_dir / args.shape
+    info = build_model(work / "model", args.shape)
+    tokens_needed = (s.steps + s.warmup) * s.micro_batch * s.accumulation * s.cutoff * s.processes
+    write_dataset(work / "data", min_chars=5 * tokens_needed)
+    config = write_config(work, work / "model", s)
+    measured = measured_bf16_matmul_flops()
+    peaks = {"spec": H200_DENSE_BF16_FLOPS if gpus else None, "measured": measured}
+    rows = []
+    for finetuning in args.finetuning.split(","):
+        for engine in args.engines.split(","):
+            row = run_one(engine, finetuning, config, work, s, info, peaks)
+            print(f"  {finetuning} {row['label']}: " + (f"FAILED: {row['error']}" if "error" in row else
+                  f"{row['tokens_per_second']:,.0f} tokens/s, peak {row['peak_memory_gib_per_rank']} GiB"),
+                  flush=True)
+            rows.append(row)
+    stem = args.out / f"gpu-{args.date}"
+    rows = merge_rows(stem.with_suffix(".json"), rows)
+    meta = {"date": args.date, "machine": machine(), "model": info, "settings": vars(s),
+            "measured_bf16_matmul_tflops": measured / 1e12 if measured else None,
+            "command": shlex.join(["python", "benchmarks/gpu.py", *argv])}
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(render_markdown(rows, meta))
+    print(render_markdown(rows, meta))
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
