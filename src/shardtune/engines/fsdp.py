@@ -22,8 +22,18 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from shardtune.engines.base import OptimizerFactory, PrecisionSettings, SchedulerFactory
 from shardtune.engines.distributed import DistContext, DistributedMixin
 from shardtune.engines.fsdp_config import FsdpSettings, hybrid_mesh_shape
+from shardtune.engines.fsdp_qlora import (
+    fsdp1_lora_units,
+    fsdp2_units_unsafe_for_4bit,
+    layers_missing_quant_state,
+    prepare_qlora_for_fsdp,
+    quantized_layers,
+    rank0_first,
+    tensors_to_broadcast,
+)
 from shardtune.engines.sharded_loading import ShardedLoad, fill_fully_sharded, fsdp1_param_init
 from shardtune.engines.torch_native import SCHEDULER_FILE, TorchEngine
+from shardtune.errors import ModelError
 from shardtune.model.adapters import save_lora_adapter
 from shardtune.model.saved import expected_saved_parameters, verify_saved
 
@@ -45,9 +55,17 @@ class FSDPEngine(DistributedMixin, TorchEngine):
         # FSDP shards gradients; torch's GradScaler cannot unscale them (validation refuses fp16 before launch).
         self.scaler = None
         self.loading: ShardedLoad | None = None
+        self.quantized = False
 
     def build_model(self, source: ModelSource) -> torch.nn.Module:
-        """An empty skeleton: ``prepare`` shards it first and then fills each rank's shard from the files."""
+        """An empty skeleton: ``prepare`` shards it first and then fills each rank's shard from the files.
+
+        QLoRA is the exception: bitsandbytes quantises while loading, so each node's first rank loads the (4-bit,
+        an eighth of fp32) model whole, then the others, and rank 0's copy is broadcast before sharding.
+        """
+        if source.quantization_bit is not None:
+            with rank0_first(self.local_rank == 0, self.barrier):
+                return source.load_full()
         skeleton = source.build_skeleton()
         self.loading = ShardedLoad.start(skeleton, self.device, self.rank, self.settings.cpu_ram_efficient_loading)
         return skeleton.model
@@ -55,6 +73,9 @@ class FSDPEngine(DistributedMixin, TorchEngine):
     def prepare(self, model: torch.nn.Module, build_optimizer: OptimizerFactory,
                 build_scheduler: SchedulerFactory) -> None:
         self.inner = model
+        self.quantized = bool(quantized_layers(model))
+        if self.quantized:
+            prepare_qlora_for_fsdp(model, self.mixed_precision or torch.bfloat16)
         if self.loading is None:
             # A model loaded whole on every rank (tests, scripts): on the device first, so that the broadcast
             # below moves device tensors, as NCCL requires.
@@ -67,7 +88,8 @@ class FSDPEngine(DistributedMixin, TorchEngine):
                 fill_fully_sharded(self.model, self.loading, self.storage_device)
         else:
             init = fsdp1_param_init(model, self.loading) if self.loading is not None else None
-            self.model = wrap_fsdp1(model, self.settings, self.mesh, self.device, self.mixed_precision, init)
+            self.model = wrap_fsdp1(model, self.settings, self.mesh, self.device, self.mixed_precision, init,
+                                    extra_units=fsdp1_lora_units(model) if self.quantized else [])
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad])
         self.scheduler = build_scheduler(self.optimizer)
 
@@ -112,6 +134,9 @@ class FSDPEngine(DistributedMixin, TorchEngine):
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
         expected = FSDPModule if self.settings.version == 2 else FullyShardedDataParallel
+        lost = layers_missing_quant_state(self.inner)
+        if lost:
+            raise RuntimeError(f"engine fsdp: 4-bit layers lost their quantisation state when sharded: {lost[:3]}")
         if not isinstance(self.model, expected):
             raise RuntimeError(f"engine fsdp{self.settings.version}: model is {type(self.model).__name__}, "
                                f"not {expected.__name__}")
@@ -218,6 +243,10 @@ def shard_fsdp2(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, devic
         else MixedPrecisionPolicy()
     reshard = s.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
     units = wrap_targets(model, s)
+    unsafe = fsdp2_units_unsafe_for_4bit(units, model, compute_dtype)
+    if unsafe:
+        raise ModelError(f"fsdp: units {', '.join(unsafe)} hold only 4-bit weights, which FSDP2 would gather as "
+                         "floating-point values; wrap LoRA layers with them or use fsdp_version: 1")
     for module in units:
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard, offload_policy=offload, mp_policy=precision)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, offload_policy=offload, mp_policy=precision)
@@ -236,14 +265,16 @@ def broadcast_from_rank0(model: torch.nn.Module) -> None:
     """Make every rank start from rank 0's weights and buffers (the model must already be on the engine's
     device: NCCL broadcasts device tensors only)."""
     with torch.no_grad():
-        for tensor in model.state_dict().values():
+        for tensor in tensors_to_broadcast(model):
             dist.broadcast(tensor, src=0)
 
 
 def wrap_fsdp1(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, device: torch.device,
                compute_dtype: torch.dtype | None = None,
-               param_init_fn: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
-    """FullyShardedDataParallel; ``param_init_fn`` fills a meta skeleton unit by unit while it is wrapped."""
+               param_init_fn: Callable[[torch.nn.Module], None] | None = None,
+               extra_units: list[torch.nn.Module] | None = None) -> torch.nn.Module:
+    """FullyShardedDataParallel; ``param_init_fn`` fills a meta skeleton unit by unit while it is wrapped;
+    ``extra_units`` get their own unit too (QLoRA: fp32 adapters apart from bf16 weights)."""
     from torch.distributed.fsdp import (
         BackwardPrefetch,
         CPUOffload,
@@ -253,7 +284,7 @@ def wrap_fsdp1(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, device
     )
     from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
-    targets = {id(m) for m in wrap_targets(model, s)}
+    targets = {id(m) for m in [*wrap_targets(model, s), *(extra_units or [])]}
     policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in targets) if targets else None
     prefetch = None if s.backward_prefetch == "NO_PREFETCH" else BackwardPrefetch[s.backward_prefetch]
     return FullyShardedDataParallel(
