@@ -5,6 +5,10 @@ memory (train_results.json) is compared with the same run on the tiny model, whi
 overhead (interpreter, libraries, allocator): under ZeRO-3 and FSDP2 FULL_SHARD a LoRA run (frozen base, so
 optimizer state is negligible) stays below 0.65 x the model's bytes above that overhead, while DDP holds the
 full copy. Full fine-tuning keeps each rank's setup peak near its share of the model (no transient full copy).
+Each engine gets a model shaped so a layer is a small part of it, as in real LLMs (a Llama-3-8B layer is 2.7% of
+the model): FSDP2 gathers a whole decoder layer at a time (with its all-gather buffers, about 4 layers' worth on
+gloo), so it gets 46 thin layers (2.2% each); ZeRO-3 gathers one module at a time but keeps some bookkeeping per
+layer, so it gets 18 wider layers (5.5% each). Both are over 200M parameters and 800 MB.
 Several minutes of 2 cores: marked `bigmodel`, run by `make test-big` (see README, Tests).
 """
 
@@ -20,26 +24,30 @@ from tests.distributed.helpers import losses
 
 pytestmark = [pytest.mark.distributed, pytest.mark.bigmodel, pytest.mark.timeout(1800)]
 
-# 46 thin layers: ~206M parameters, and a layer gathered in full is ~2% of the model.
-BIG_SHAPE = ("--layers", "46", "--hidden", "640", "--heads", "10", "--kv-heads", "2", "--intermediate", "1792")
+SHAPES = {"fsdp2": ("--layers", "46", "--hidden", "640", "--heads", "10", "--kv-heads", "2", "--intermediate", "1792"),
+          "zero3": ("--layers", "18", "--hidden", "1024", "--heads", "16", "--kv-heads", "4", "--intermediate", "2816")}
 RUN = ("examples/tiny/pt_full.yaml", "max_steps=2", "logging_steps=1", "save_strategy=no", "plot_loss=false",
        "max_samples=16", "cutoff_len=8", "per_device_train_batch_size=1", "gradient_accumulation_steps=1",
        "learning_rate=1e-4", "lr_scheduler_type=constant", "warmup_ratio=0", "lora_target=q_proj")
-# ZeRO-3 as shipped keeps up to 1e9 gathered parameters alive (the whole of this model); bound it as one would
-# for a model larger than a device.
-Z3_BOUNDED = {"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e7, "stage3_max_reuse_distance": 0,
+# ZeRO-3 as shipped keeps up to 1e9 gathered parameters alive (the whole of this model) and prefetches; bound it
+# as one would for a model larger than a device.
+Z3_BOUNDED = {"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e6, "stage3_max_reuse_distance": 0,
+                                    "stage3_prefetch_bucket_size": 0,
                                     "stage3_gather_16bit_weights_on_model_save": True}}
 MIB = 2**20
 
 
 @pytest.fixture(scope="module")
-def big_model(tmp_path_factory) -> tuple[Path, int]:
-    out = tmp_path_factory.mktemp("models") / "big"
-    result = run_cli("make-tiny-model", "--out", str(out), *BIG_SHAPE)
-    assert result.returncode == 0, result.stderr[-2000:]
-    weights = (out / "model.safetensors").stat().st_size
-    assert weights >= 800e6
-    return out, weights
+def big_models(tmp_path_factory) -> dict[str, tuple[Path, int]]:
+    """Per engine: the model folder and its weights' bytes."""
+    found = {}
+    for engine, shape in SHAPES.items():
+        out = tmp_path_factory.mktemp("models") / f"big-{engine}"
+        result = run_cli("make-tiny-model", "--out", str(out), *shape)
+        assert result.returncode == 0, result.stderr[-2000:]
+        found[engine] = out, (out / "model.safetensors").stat().st_size
+        assert found[engine][1] >= 800e6
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +69,8 @@ def engines(z3_file: str) -> dict[str, tuple[str, ...]]:
 
 
 @pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
-def test_lora_rank_never_holds_the_model(engine, big_model, z3_file, tiny_model_dir, tmp_path):
-    model, weights = big_model
+def test_lora_rank_never_holds_the_model(engine, big_models, z3_file, tiny_model_dir, tmp_path):
+    model, weights = big_models[engine]
     settings = engines(z3_file)[engine]
     overhead = run(tiny_model_dir, tmp_path / "tiny", "lora", *settings)["peak_process_memory_bytes_per_rank"]
     big = run(model, tmp_path / "big", "lora", *settings)
@@ -77,8 +85,8 @@ def test_lora_rank_never_holds_the_model(engine, big_model, z3_file, tiny_model_
     assert losses(tmp_path / "big") == pytest.approx(losses(tmp_path / "ddp"), rel=2e-3)
 
 
-def test_rank0_alone_reads_weights_with_cpu_ram_efficient_loading(big_model, tmp_path):
-    model, weights = big_model
+def test_rank0_alone_reads_weights_with_cpu_ram_efficient_loading(big_models, tmp_path):
+    model, weights = big_models["fsdp2"]
     result = run(model, tmp_path / "out", "lora", "fsdp=full_shard auto_wrap",
                  "fsdp_config={'fsdp_cpu_ram_efficient_loading': true}")
     read = result["weights_bytes_read_per_rank"]
@@ -86,15 +94,15 @@ def test_rank0_alone_reads_weights_with_cpu_ram_efficient_loading(big_model, tmp
 
 
 @pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
-def test_full_finetune_setup_peak_is_the_shard(engine, big_model, z3_file, tiny_model_dir, tmp_path):
+def test_full_finetune_setup_peak_is_the_shard(engine, big_models, z3_file, tiny_model_dir, tmp_path):
     """No transient full copy while loading: the setup peak is this rank's share of the model states."""
-    model, weights = big_model
+    model, weights = big_models[engine]
     settings = engines(z3_file)[engine]
     overhead = run(tiny_model_dir, tmp_path / "tiny", "full", *settings)["peak_setup_process_memory_bytes_per_rank"]
     big = run(model, tmp_path / "big", "full", *settings)
-    # At setup FSDP2 holds fp32 parameter shards (its Adam states appear at the first step); DeepSpeed ZeRO-3 also
-    # builds its fp32 partitions, gradient partitions and Adam states during initialize: 4 x 4 bytes a parameter.
-    states = weights / 2 * (1 if engine == "fsdp2" else 4)
+    # What each engine holds once set up, per rank: FSDP2 its fp32 parameter shards; ZeRO-3 also its fp32 master
+    # partition and its gradient partition (3 x 4 bytes a parameter). Both create Adam's states at the first step.
+    states = weights / 2 * (1 if engine == "fsdp2" else 3)
     for rank, (peak, base) in enumerate(zip(big["peak_setup_process_memory_bytes_per_rank"], overhead, strict=True)):
         assert abs((peak - base) - states) < 0.15 * states, (f"rank {rank}: setup peak {(peak - base) / MIB:.0f} MiB "
                                                              f"above the tiny run, model states {states / MIB:.0f} MiB")
