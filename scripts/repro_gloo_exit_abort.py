@@ -1,8 +1,8 @@
 """Reproduce the gloo exit abort: 2 processes join a gloo group, all-reduce, exit; count the SIGABRTs.
 
-    python scripts/repro_gloo_exit_abort.py --runs 30                   # as shardtune ended a rank before the fix
-    python scripts/repro_gloo_exit_abort.py --runs 30 --exit leave_rank  # shardtune's rank exit (the fix)
-    python scripts/repro_gloo_exit_abort.py --runs 30 --end all_reduce   # widest window: aborts most runs
+    python scripts/repro_gloo_exit_abort.py --runs 30                      # as a shardtune rank ended before
+    python scripts/repro_gloo_exit_abort.py --runs 30 --exit leave_rank    # shardtune's rank exit now
+    python scripts/repro_gloo_exit_abort.py --runs 30 --end late_release   # the race made certain
 
 Each rank all-reduces a tensor made in Python (so the tensor has a Python object), then ends like a
 shardtune rank did: barrier, destroy_process_group() while something still holds the group object (FSDP2's
@@ -10,8 +10,10 @@ mesh does; see --release-group), and a normal interpreter exit. gloo's worker th
 of interpreter shutdown; when one of them drops the last C++ reference to such a tensor it must take the GIL,
 CPython ends a thread that asks for the GIL after finalization began (pthread_exit), and that forced unwind
 through the noexcept ~AsyncWork destructor calls std::terminate: "terminate called without an active
-exception", SIGABRT. ``--exit leave_rank`` ends the rank with shardtune.launch.run.leave_rank instead (flush,
-exit handlers, os._exit), which never starts interpreter shutdown. The worker imports no other shardtune code.
+exception", SIGABRT. It needs the worker to be late, so it is rare (2 runs in 30 on a loaded 2-core machine);
+``--end late_release`` holds one release until exit begins (about 4 runs in 5 abort). ``--exit leave_rank``
+ends the rank with shardtune.launch.run.leave_rank (exit handlers, flush, os._exit), which never starts
+interpreter shutdown; apart from that call the worker uses no shardtune code.
 """
 
 from __future__ import annotations
@@ -115,7 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="normal: let the interpreter shut down; leave_rank: shardtune's rank exit")
     parser.add_argument("--end", choices=["barrier", "all_reduce", "late_release"], default="barrier",
                         help="barrier: barrier + destroy_process_group() after the last all-reduce, as "
-                             "shardtune's engines close; all_reduce: exit right after it")
+                             "shardtune's engines close; all_reduce: exit right after it; late_release: gloo's "
+                             "worker releases one more tensor only once exit begins")
     parser.add_argument("--release-group", action="store_true",
                         help="hold no reference to the group, so destroy_process_group() joins gloo's threads")
     parser.add_argument("--steps", type=int, default=20, help="all-reduces per rank")
