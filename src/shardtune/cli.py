@@ -37,16 +37,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_reporting_errors(handler, args: list[str]) -> int:
     """User mistakes become one line per problem and exit code 2; tracebacks only with --debug."""
-    from shardtune.errors import ShardtuneError, debug_requested
+    from shardtune.errors import ShardtuneError, debug_requested, report_error
 
     try:
         return handler(args)
     except ShardtuneError as err:
         if debug_requested(args):
             raise
-        for problem in err.problems:
-            print(f"shardtune: error: {problem}", file=sys.stderr)
-        return err.exit_code
+        return report_error(err)
     except KeyboardInterrupt:
         print("shardtune: interrupted", file=sys.stderr)
         return 130

@@ -28,6 +28,15 @@ class ModelError(ShardtuneError):
     """A model directory, checkpoint or quantization setting cannot be used."""
 
 
+def report_error(err: ShardtuneError) -> int:
+    """Print one line per problem on stderr; return the exit code for it."""
+    import sys
+
+    for problem in err.problems:
+        print(f"shardtune: error: {problem}", file=sys.stderr)
+    return err.exit_code
+
+
 def debug_requested(args: list[str]) -> bool:
     """`--debug` or SHARDTUNE_DEBUG=1: show tracebacks and every process's raw output."""
     import os

@@ -11,11 +11,16 @@ import pytest
 from shardtune.config.args import load_config
 from shardtune.errors import ConfigError
 from shardtune.estimate import (
+    Components,
     Hardware,
+    RunMemoryEstimate,
+    Setup,
     Workload,
     build_options,
+    compare_run_memory,
     estimate_command,
     estimate_for_run,
+    estimate_run_memory,
     fit_warning,
     load_model_shape,
     measured_peak_memory_bytes,
@@ -24,9 +29,10 @@ from shardtune.estimate import (
     recommend_for_config,
 )
 from shardtune.estimate.activations import layer_activation_bytes, logits_bytes
+from shardtune.estimate.compare import CPU_RUN_RUNTIME_BYTES, run_memory_estimate
 from shardtune.estimate.config import configured_option, hardware_for
 from shardtune.estimate.measure import mark_memory_baseline
-from shardtune.estimate.options import zero_paper_model_states
+from shardtune.estimate.options import CPU_RUNTIME_BYTES, zero_paper_model_states
 from shardtune.estimate.shape import ModelShape, freeze_trainable_params, lora_params, shape_from_config
 from tests.conftest import REPO
 
@@ -59,23 +65,23 @@ def test_deepspeed_options_are_the_paper_formula_plus_buffers():
     options = {o.name: o for o in build_options(LLAMA3_8B, w, Hardware(1, n, 80 * GiB, 2048 * GiB))}
     bucket = 2 * 5e8  # reduce_bucket_size of the z1/z2 presets, bf16, reserved up front on a GPU
     z1, z2, z3 = options["ZeRO-1"].device, options["ZeRO-2"].device, options["ZeRO-3"].device
-    assert z1.parameters + z1.gradients - bucket + z1.optimizer_states == pytest.approx(
-        zero_paper_model_states(p, n, 1))
-    assert z2.parameters + z2.gradients - bucket + z2.optimizer_states == pytest.approx(
-        zero_paper_model_states(p, n, 2))
+    assert z1.model_states == pytest.approx(zero_paper_model_states(p, n, 1))
+    assert z2.model_states == pytest.approx(zero_paper_model_states(p, n, 2))
+    assert z3.model_states == pytest.approx(zero_paper_model_states(p, n, 3))
+    assert z1.buffers == z2.buffers == bucket
     gathered = 2 * 1e9  # stage3_max_live_parameters of the z3 preset, bf16
     z3_bucket = 2 * 4096**2  # "auto" reduce bucket: hidden_size squared
-    assert z3.parameters - gathered + z3.gradients - z3_bucket + z3.optimizer_states == pytest.approx(
-        zero_paper_model_states(p, n, 3))
+    assert z3.buffers == pytest.approx(gathered + z3_bucket)
 
 
 def test_ddp_keeps_fp32_weights_gradients_twice_and_adam():
     p = LLAMA3_8B.total_params
     ddp = build_options(LLAMA3_8B, Workload(1, 512), Hardware(1, 8, 80 * GiB, 2048 * GiB))[0]
     assert ddp.name == "DDP"
-    assert (ddp.device.parameters, ddp.device.gradients, ddp.device.optimizer_states) == (4 * p, 8 * p, 8 * p)
+    assert (ddp.device.parameters, ddp.device.gradients, ddp.device.optimizer_states) == (4 * p, 4 * p, 8 * p)
+    assert ddp.device.buffers == 4 * p  # DDP's buckets: the second copy of the gradients
     single = build_options(LLAMA3_8B, Workload(1, 512), Hardware(1, 1, 80 * GiB, 2048 * GiB))[0]
-    assert single.device.gradients == 4 * p  # one process: no DDP buckets
+    assert single.device.buffers == 0  # one process: no DDP buckets
 
 
 # --- parameter counts ---
@@ -218,8 +224,8 @@ def test_estimate_command_json_shape(tiny_model, capsys):
     assert data["hardware"]["world_size"] == 4
     assert len(data["options"]) == 10
     for option in data["options"]:
-        assert set(option["device_bytes"]) == {"parameters", "gradients", "optimizer_states", "activations",
-                                               "overhead", "total"}
+        assert set(option["device_bytes"]) == {"parameters", "gradients", "optimizer_states", "buffers",
+                                               "activations", "overhead", "total"}
         assert all(isinstance(v, int) for v in option["device_bytes"].values())
         assert isinstance(option["fits"], bool)
     assert data["recommendation"]["name"] == "DDP"
@@ -292,5 +298,114 @@ def test_fsdp_keeps_unsharded_gradients_while_accumulating():
 
     assert full_shard(2).gradients == 4 * p
     root = 2 * LLAMA3_8B.embedding_params + LLAMA3_8B.hidden_size  # embeddings, lm_head, final norm
-    assert full_shard(1).gradients == pytest.approx(4 * p / 8 + 4 * root + 4 * LLAMA3_8B.layer_params)
+    assert full_shard(1).gradients == pytest.approx(4 * p / 8)
+    # Without accumulation the root unit's and one layer's gradients wait unsharded for their reduce-scatter.
+    assert full_shard(1).buffers - full_shard(2).buffers == pytest.approx(4 * root + 4 * LLAMA3_8B.layer_params)
     assert full_shard(1).optimizer_states == full_shard(2).optimizer_states == 8 * p / 8
+
+
+# --- loading: the set-up peak (issue 11) ---
+
+QWEN3_8B_CONFIG = {"model_type": "qwen3", "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
+                   "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936,
+                   "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+
+def test_8b_full_finetuning_on_one_node_of_eight_80gib_gpus():
+    """FSDP FULL_SHARD and ZeRO-3 hold 16 bytes per parameter / 8 ranks of model states, a node's host memory
+    holds one copy of the model while loading, and the recommendation fits."""
+    shape = shape_from_config(QWEN3_8B_CONFIG)
+    p = shape.total_params
+    hw = Hardware(1, 8, 80 * GiB, 1024 * GiB)
+    options = {o.name: o for o in build_options(shape, Workload(1, 4096, "bf16"), hw)}
+    for name in ("FSDP FULL_SHARD", "ZeRO-3"):
+        sharded = options[name]
+        assert sharded.device.model_states == pytest.approx(16 * p / 8, rel=0.15)
+        assert sharded.setup_cpu_per_node <= shape.checkpoint_copy_bytes == 2 * p  # one bf16 copy per node
+        assert sharded.cpu_per_node == sharded.setup_cpu_per_node + 8 * CPU_RUNTIME_BYTES
+        assert sharded.setup_device < p  # its shard plus one gathered piece, never the whole model
+    assert options["DDP"].setup_cpu_per_node == 8 * 4 * p  # every rank loads its own fp32 copy
+    best = recommend(list(options.values()), hw).option
+    assert best is not None and best.fits and best.device_peak <= 80 * GiB
+
+
+def test_setup_peak_per_loading_path():
+    p, n = LLAMA3_8B.total_params, 8
+    options = {o.name: o for o in build_options(LLAMA3_8B, Workload(1, 512, "bf16"), Hardware(1, n, 80 * GiB,
+                                                                                                2048 * GiB))}
+    piece = LLAMA3_8B.embedding_params  # the largest tensor a sharded load gathers at once
+    assert options["DDP"].setup.device == 4 * p and options["DDP"].setup.host_per_rank == 4 * p
+    assert options["ZeRO-2"].setup.device == 2 * p  # deepspeed.initialize casts, then moves the whole module
+    assert options["FSDP FULL_SHARD"].setup.device == pytest.approx(4 * p / n + 4 * piece)
+    assert options["FSDP offload"].setup.device == 4 * piece
+    assert options["FSDP offload"].setup.host_per_rank == pytest.approx(4 * p / n)
+    # ZeRO-3: the optimizer's zeroed fp32 gradient buffer (sub_group_size 1e9) outgrows the gathered piece.
+    assert options["ZeRO-3"].setup.device == pytest.approx(2 * p / n + 4 * 1e9)
+    assert options["ZeRO-3+offload"].setup.device == 2 * piece
+    for name in ("FSDP FULL_SHARD", "ZeRO-3", "FSDP offload", "ZeRO-3+offload"):
+        assert options[name].setup.host_per_node == 4 * p  # the checkpoint (dtype not given: fp32), read once per node
+
+
+def test_checkpoint_dtype_comes_from_config_json():
+    assert shape_from_config(TINY_CONFIG).checkpoint_bytes == 4  # unknown: counted as fp32
+    assert shape_from_config({**TINY_CONFIG, "dtype": "bfloat16"}).checkpoint_bytes == 2
+    assert shape_from_config({**TINY_CONFIG, "torch_dtype": "float16"}).checkpoint_bytes == 2
+    assert shape_from_config({**TINY_CONFIG, "torch_dtype": "float32"}).checkpoint_bytes == 4
+
+
+def test_estimate_command_prints_the_setup_peak(tiny_model, capsys):
+    argv = [TINY_LORA, f"model_name_or_path={tiny_model}", "--gpus-per-node", "2", "--gpu-memory", "24GB",
+            "--cpu-memory=64GiB"]
+    assert estimate_command(argv) == 0
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("option"))
+    assert header.split() == ["option", "params", "grads", "optim", "buffers", "activ", "overhead", "per", "GPU",
+                              "setup", "CPU/node", "fits"]
+    assert estimate_command([*argv, "--json"]) == 0
+    for option in json.loads(capsys.readouterr().out)["options"]:
+        assert option["setup_device_bytes"] > 0 and option["setup_cpu_bytes_per_node"] > 0
+
+
+# --- a finished run: measured peak against the estimate of the same quantity ---
+
+# Peak resident memory each rank gained (train_results.json), measured with the tiny model (TINY_CONFIG) on 2 CPU
+# ranks (local: 1): sft_full.yaml with finetuning_type=lora, max_steps=2, max_samples=80 (2026-11-23, torch 2.13
+# CPU). The run-end line said "ratio" 5.25 (local), 5.40 (DDP), 4.08 (FSDP2), 6.96 (ZeRO-2) and 7.34 (ZeRO-3):
+# that estimate counted the tensors only.
+MEASURED_TINY_LORA = {"local": [210_497_536], "ddp": [217_104_384, 201_023_488], "fsdp": [166_612_992, 151_793_664],
+                      "z2": [278_568_960, 277_929_984], "z3": [299_393_024, 288_866_304]}
+
+
+@pytest.mark.parametrize("run", sorted(MEASURED_TINY_LORA))
+def test_tiny_lora_run_compares_like_with_like(run, tiny_model):
+    from shardtune.engines.deepspeed_config import load_deepspeed_setting
+    from shardtune.engines.fsdp_config import resolve_fsdp_settings
+
+    sft = str(REPO / "examples" / "tiny" / "sft_full.yaml")
+    config, _ = load_config([sft, f"model_name_or_path={tiny_model}", "finetuning_type=lora"])
+    kind = {"z2": "deepspeed", "z3": "deepspeed"}.get(run, run)
+    engine = {"fsdp_settings": resolve_fsdp_settings("full_shard auto_wrap", None)[0] if run == "fsdp" else None,
+              "deepspeed_raw": load_deepspeed_setting(run)[0] if kind == "deepspeed" else None}
+    ranks = len(MEASURED_TINY_LORA[run])
+    estimate = estimate_run_memory(config, ranks, kind, **engine)
+    assert estimate.training == estimate_for_run(config, ranks, kind, **engine)  # the tensors alone, as before
+    assert estimate.runtime == CPU_RUN_RUNTIME_BYTES[kind]
+    found, line = compare_run_memory(estimate, MEASURED_TINY_LORA[run])
+    assert 0.9 <= found["memory_measured_over_estimate"] <= 1.1, line
+    assert found["estimated_memory_bytes"] == round(estimate.peak)
+    assert line.startswith(f"[shardtune] peak memory {max(MEASURED_TINY_LORA[run]) / 2**20:.1f} MiB per rank "
+                           "(measured) vs ")
+
+
+def test_run_comparison_with_a_setup_peak_and_on_a_gpu():
+    est = RunMemoryEstimate(training=300 * 2**20, setup=500 * 2**20, runtime=100 * 2**20)
+    found, line = compare_run_memory(est, [660 * 2**20, 600 * 2**20], setup_peak_per_rank=[540 * 2**20, 10])
+    assert found["memory_measured_over_estimate"] == 1.1  # 660 / max(300, 500) + 100
+    assert found["setup_memory_measured_over_estimate"] == 0.9  # 540 / (500 + 100)
+    assert "set-up peak 540.0 MiB vs 600.0 MiB: ratio 0.9" in line
+    gpu = run_memory_estimate(Components(parameters=10.0, activations=5.0), Setup(device=40.0, host_per_node=99.0),
+                              on_gpu=True, engine_kind="fsdp")
+    assert (gpu.training, gpu.setup, gpu.runtime, gpu.peak) == (15.0, 40.0, 0.0, 40.0)
+    cpu = run_memory_estimate(Components(parameters=10.0), Setup(device=4.0, host_per_rank=8.0, host_per_node=3.0),
+                              on_gpu=False, engine_kind="fsdp")
+    assert cpu.setup == 8.0 + 3.0  # the rank that reads the checkpoint for the others holds that copy too
+    assert compare_run_memory(None, [1]) == ({"estimated_memory_bytes": None}, None)

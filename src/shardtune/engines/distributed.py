@@ -74,7 +74,9 @@ class DistributedMixin:
         dist.barrier()
 
     def close(self) -> None:
-        # Ending with a barrier and destroy avoids ranks aborting at exit (seen with gloo).
+        # The barrier keeps a rank from closing its sockets while a peer still waits on it. Destroying the
+        # group does not stop gloo's worker threads while the engine still holds the group object; a rank
+        # therefore leaves through launch.run.leave_rank, which never starts interpreter shutdown.
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

@@ -7,11 +7,14 @@ from typing import TYPE_CHECKING, Any
 
 from shardtune.config.schema import TrainConfig
 from shardtune.errors import ConfigError, ShardtuneError
+from shardtune.estimate.compare import RunMemoryEstimate, run_memory_estimate
 from shardtune.estimate.hardware import Hardware, format_size
 from shardtune.estimate.options import (
     OPTION_SPECS,
+    Components,
     Context,
     Option,
+    Setup,
     StateFn,
     build_option,
     build_options,
@@ -138,24 +141,35 @@ def estimate_for_run(config: TrainConfig, world_size: int, engine_kind: str, *,
                      fsdp_settings: FsdpSettings | None = None,
                      deepspeed_raw: dict | None = None, local_world_size: int | None = None,
                      on_gpu: bool = False) -> int | None:
-    """Estimated model states + activations per rank for the run as launched (what train_results.json records
-    beside the measured peak). ``engine_kind`` is EnginePlan.kind; None when the model shape is unknown."""
+    """Estimated tensors of a step per rank (model states, buffers, activations) for the run as launched.
+    ``engine_kind`` is EnginePlan.kind; None when the model shape is unknown. What a run measures also holds
+    the set-up and, on the CPU, the runtime: compare with ``estimate_run_memory`` instead."""
+    found = estimate_run_memory(config, world_size, engine_kind, fsdp_settings=fsdp_settings,
+                                deepspeed_raw=deepspeed_raw, local_world_size=local_world_size, on_gpu=on_gpu)
+    return None if found is None else int(round(found.training))
+
+
+def estimate_run_memory(config: TrainConfig, world_size: int, engine_kind: str, *,
+                        fsdp_settings: FsdpSettings | None = None, deepspeed_raw: dict | None = None,
+                        local_world_size: int | None = None, on_gpu: bool = False) -> RunMemoryEstimate | None:
+    """The estimate of what a run measures per rank (see compare.py); None when the model shape is unknown."""
     try:
-        return _measurable_for_run(config, world_size, engine_kind, fsdp_settings, deepspeed_raw,
-                                   local_world_size or world_size, on_gpu)
+        device, setup = _run_states(config, world_size, engine_kind, fsdp_settings, deepspeed_raw,
+                                    local_world_size or world_size, on_gpu)
     except ShardtuneError:
         return None  # the shape is unknown here (or not LLaMA-like): nothing to record
+    return run_memory_estimate(device, setup, on_gpu, engine_kind)
 
 
-def _measurable_for_run(config: TrainConfig, world_size: int, engine_kind: str, fsdp_settings: FsdpSettings | None,
-                        deepspeed_raw: dict | None, nproc: int, on_gpu: bool) -> int:
+def _run_states(config: TrainConfig, world_size: int, engine_kind: str, fsdp_settings: FsdpSettings | None,
+                deepspeed_raw: dict | None, nproc: int, on_gpu: bool) -> tuple[Components, Setup]:
     shape = load_model_shape(config.model_name_or_path)
     hardware = hardware_for(world_size, nproc, 1 if on_gpu else None, 0)
     c = Context(shape, workload_from_config(config), hardware)
     if engine_kind == "deepspeed":
-        device = zero_states(c, zero_settings(deepspeed_raw or {}, shape.hidden_size))[0]
+        device, _, setup = zero_states(c, zero_settings(deepspeed_raw or {}, shape.hidden_size))
     elif engine_kind == "fsdp" and fsdp_settings is not None:
-        device = _fsdp_choice(fsdp_settings, c)[1](c)[0]
+        device, _, setup = _fsdp_choice(fsdp_settings, c)[1](c)
     else:
-        device = OPTION_SPECS[0].states(c)[0]
-    return int(round(device.measurable))
+        device, _, setup = OPTION_SPECS[0].states(c)
+    return device, setup

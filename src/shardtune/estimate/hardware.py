@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from shardtune.errors import ConfigError
 
+MiB = 1024**2
 GiB = 1024**3
 # Decimal and binary units; a bare K/M/G/T means binary, as `free -g` and most GPU spec sheets do.
 _UNITS = {

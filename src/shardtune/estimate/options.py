@@ -8,7 +8,7 @@ sharing the states (world size, or the ranks of one node for HYBRID_SHARD). Form
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from shardtune.estimate.activations import activation_bytes, autocast_weight_copy_bytes
 from shardtune.estimate.hardware import GiB, Hardware
@@ -32,9 +32,10 @@ DEFAULT_SUB_GROUP = 1_000_000_000
 class Components:
     """Bytes per device (or per rank in CPU memory) by what holds them."""
 
-    parameters: float = 0.0
-    gradients: float = 0.0
-    optimizer_states: float = 0.0
+    parameters: float = 0.0  # this rank's share of the weights, as the engine keeps them between steps
+    gradients: float = 0.0  # this rank's share of the gradients
+    optimizer_states: float = 0.0  # this rank's share of the optimizer states (and DeepSpeed's fp32 master copy)
+    buffers: float = 0.0  # transient copies: gathered weights, autocast casts, unreduced gradients, buckets
     activations: float = 0.0
     overhead: float = 0.0
 
@@ -43,14 +44,28 @@ class Components:
         return self.measurable + self.overhead
 
     @property
+    def model_states(self) -> float:
+        """Parameters + gradients + optimizer states: what ZeRO and FSDP divide among the ranks."""
+        return self.parameters + self.gradients + self.optimizer_states
+
+    @property
     def measurable(self) -> float:
-        """Model states + activations: the part a CPU run can measure (no runtime or allocator overhead)."""
-        return self.parameters + self.gradients + self.optimizer_states + self.activations
+        """Every tensor of a step: model states, buffers and activations (no runtime or allocator overhead)."""
+        return self.model_states + self.buffers + self.activations
 
     def to_dict(self) -> dict[str, int]:
         data = {f.name: int(round(getattr(self, f.name))) for f in fields(self)}
         data["total"] = int(round(self.total))
         return data
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Memory while the model is loaded and the engine sets up, before the first step (bytes)."""
+
+    device: float  # on each rank's device
+    host_per_rank: float = 0.0  # host memory each rank fills itself (its own full copy, or its offloaded shard)
+    host_per_node: float = 0.0  # host memory held once per node: the one checkpoint copy that fills the shards
 
 
 @dataclass(frozen=True)
@@ -61,16 +76,21 @@ class Option:
     engine_values: dict[str, str]
     speed_rank: int  # lower is faster: less sharding, less offload
     device: Components
-    cpu_per_rank: float  # offloaded states, or the fp32 copy every rank loads, whichever is larger
-    setup_device: float  # device bytes while the engine sets up (before it shards)
+    cpu_per_rank: float  # host bytes per rank while training: the offloaded states (runtime not included)
+    setup: Setup
     available: bool = True
     note: str = ""
     fits: bool = False
-    cpu_per_node: float = 0.0
+    cpu_per_node: float = 0.0  # the larger of set-up and training, plus every rank's runtime
+    setup_cpu_per_node: float = 0.0  # while loading, without the runtime
     device_peak: float = 0.0
 
+    @property
+    def setup_device(self) -> float:
+        return self.setup.device
 
-StateFn = Callable[["Context"], tuple[Components, float, float]]
+
+StateFn = Callable[["Context"], tuple[Components, float, Setup]]
 
 
 @dataclass(frozen=True)
@@ -137,20 +157,40 @@ class Context:
         return self.workload.compute_bytes
 
 
+# --- loading: how the weights reach each rank ---
+
+def full_load_setup(c: Context, device_bytes: float) -> Setup:
+    """DDP and ZeRO-1/2: every rank reads the whole checkpoint into fp32 weights on its host, then moves them
+    (DeepSpeed: casts and moves them) to its device."""
+    return Setup(device=device_bytes, host_per_rank=weight_bytes(c.shape, c.workload, FP32))
+
+
+def sharded_load_setup(c: Context, shard: float, module_bytes: int, offload: bool) -> Setup:
+    """FSDP and ZeRO-3: the model is created empty (meta device, deepspeed.zero.Init) and filled one tensor at
+    a time from one checkpoint copy per node, so a rank holds its shard plus the piece being gathered (one
+    layer or the embedding). With offload the shard lives in host memory and only the piece on the device."""
+    piece = module_bytes * c.shape.largest_load_unit
+    source = c.shape.checkpoint_copy_bytes
+    if offload:
+        return Setup(device=piece, host_per_rank=shard, host_per_node=source)
+    return Setup(device=shard + piece, host_per_node=source)
+
+
 # --- torch engines: DDP and FSDP ---
 
-def ddp_states(c: Context) -> tuple[Components, float, float]:
+def ddp_states(c: Context) -> tuple[Components, float, Setup]:
     """Full fp32 weights, gradients and Adam states; DDP's buckets hold a second copy of the gradients."""
     w, t = c.workload, c.trainable
     weights = weight_bytes(c.shape, w, FP32)
     buckets = FP32 * t if c.ranks > 1 else 0  # gradient_as_bucket_view is off: buckets are separate
     device = Components(
-        parameters=weights + autocast_weight_copy_bytes(c.shape, w),
-        gradients=FP32 * t + buckets,
+        parameters=weights,
+        gradients=FP32 * t,
         optimizer_states=w.optimizer_state_bytes * t,
+        buffers=buckets + autocast_weight_copy_bytes(c.shape, w),
         activations=activation_bytes(c.shape, w, FP32),
     )
-    return device, weights, weights
+    return device, 0.0, full_load_setup(c, weights)
 
 
 def fsdp_units(c: Context) -> tuple[float, float]:
@@ -170,7 +210,7 @@ def fsdp_trainable_units(c: Context) -> tuple[float, float]:
     return root, FP32 * s.layer_params
 
 
-def fsdp_states(c: Context, group: int, reshard: bool, offload: bool) -> tuple[Components, float, float]:
+def fsdp_states(c: Context, group: int, reshard: bool, offload: bool) -> tuple[Components, float, Setup]:
     """FSDP2 over ``group`` ranks. The root unit stays gathered from forward to the end of backward; two layer
     units are gathered at a time (current + prefetched), or all of them after forward without resharding.
 
@@ -181,22 +221,21 @@ def fsdp_states(c: Context, group: int, reshard: bool, offload: bool) -> tuple[C
     w, t = c.workload, c.trainable
     weights = weight_bytes(c.shape, w, FP32)
     root, layer = fsdp_units(c)
-    root_grads, layer_grads = fsdp_trainable_units(c)
     gathered = root + (2 * layer if reshard else weights - root)
-    sharded = 0.0 if offload else 1.0
+    kept = 0.0 if offload else 1.0  # offload keeps the shards in host memory
     if w.gradient_accumulation_steps > 1:
-        grads = FP32 * t
+        grads, unreduced = FP32 * t, 0.0
     else:
-        grads = sharded * FP32 * t / group + root_grads + layer_grads
+        grads, unreduced = kept * FP32 * t / group, sum(fsdp_trainable_units(c))
     device = Components(
-        parameters=sharded * weights / group + gathered + autocast_weight_copy_bytes(c.shape, w),
+        parameters=kept * weights / group,
         gradients=grads,
-        optimizer_states=sharded * w.optimizer_state_bytes * t / group,
+        optimizer_states=kept * w.optimizer_state_bytes * t / group,
+        buffers=gathered + unreduced + autocast_weight_copy_bytes(c.shape, w),
         activations=activation_bytes(c.shape, w, FP32),
     )
     offloaded = (weights + (FP32 + w.optimizer_state_bytes) * t) / group if offload else 0.0
-    setup = 0.0 if offload else weights  # shard_fsdp2 moves the whole model to the device first
-    return device, max(weights, offloaded), setup
+    return device, offloaded, sharded_load_setup(c, weights / group, FP32, offload)
 
 
 # --- DeepSpeed ZeRO ---
@@ -216,25 +255,25 @@ def zero_paper_model_states(params: float, ranks: int, stage: int, k: float = 12
     return param_bytes * params / p + grad_bytes * params / g + k * params / o
 
 
-def zero_states(c: Context, z: ZeroSettings) -> tuple[Components, float, float]:
+def zero_states(c: Context, z: ZeroSettings) -> tuple[Components, float, Setup]:
     """DeepSpeed ZeRO as the paper models it (parameters and gradients in the module dtype b, K = 4 + optimizer
-    state bytes for the fp32 master partition and states), plus what DeepSpeed adds: the gradient staging
-    bucket and, at stage 3, the gathered parameters. DeepSpeed keeps the separate fp32 master partition even in
-    fp32 training."""
+    state bytes for the fp32 master partition and states), plus what DeepSpeed adds as buffers: the gradient
+    staging bucket and, at stage 3, the gathered parameters. DeepSpeed keeps the separate fp32 master partition
+    even in fp32 training."""
     w, t, n, b = c.workload, c.trainable, c.ranks, c.ds_bytes
     p_div, g_div, o_div = zero_divisors(z.stage, n)
     weights = weight_bytes(c.shape, w, b)
     k = FP32 + w.optimizer_state_bytes
     activations = activation_bytes(c.shape, w, b)
-    staging = staging_bucket_bytes(z, b, t, activations, c.hardware.on_gpu)
-    params = weights
+    params, gathered = weights, 0.0
     if z.stage == 3:
+        params = 0.0 if z.offload_params else weights / p_div
         gathered = weights * min(c.params, z.live_parameters) / c.params
-        params = (0.0 if z.offload_params else weights / p_div) + gathered
     device = Components(
         parameters=params,
-        gradients=staging + (0.0 if z.offload_optimizer else b * t / g_div),
+        gradients=0.0 if z.offload_optimizer else b * t / g_div,
         optimizer_states=0.0 if z.offload_optimizer else k * t / o_div,
+        buffers=gathered + staging_bucket_bytes(z, b, t, activations, c.hardware.on_gpu),
         activations=activations,
     )
     offloaded = 0.0
@@ -242,8 +281,7 @@ def zero_states(c: Context, z: ZeroSettings) -> tuple[Components, float, float]:
         offloaded += (FP32 + k) * t / n + b * t / n  # fp32 gradient partition, master + states, pinned copy
     if z.offload_params:
         offloaded += weights / n
-    load = weight_bytes(c.shape, w, FP32)  # every rank loads the fp32 checkpoint before DeepSpeed casts it
-    return device, max(load, offloaded), zero_setup_bytes(z, weights, t, n)
+    return device, offloaded, zero_setup(c, z, weights)
 
 
 def staging_bucket_bytes(z: ZeroSettings, b: int, trainable: int, activations: float, on_gpu: bool) -> float:
@@ -261,13 +299,18 @@ def staging_bucket_bytes(z: ZeroSettings, b: int, trainable: int, activations: f
     return max(0.0, 2 * filled - activations)
 
 
-def zero_setup_bytes(z: ZeroSettings, weights: float, trainable: int, ranks: int) -> float:
-    """Device bytes while deepspeed.initialize runs: it moves the whole (cast) module to the device before
-    partitioning it; ZeRO-3 then fills a zeroed fp32 gradient buffer as large as the trainable parameters
-    (up to sub_group_size) to create the optimizer states."""
+def zero_setup(c: Context, z: ZeroSettings, weights: float) -> Setup:
+    """ZeRO-1/2 load like DDP and deepspeed.initialize casts and moves the whole module before partitioning it.
+    ZeRO-3 builds the model inside deepspeed.zero.Init (a sharded load); creating the optimizer then fills a
+    zeroed fp32 gradient buffer as large as the trainable parameters (up to sub_group_size) next to the
+    partition, on the device unless the optimizer is offloaded."""
     if z.stage < 3:
-        return weights
-    return max(weights, weights / ranks + FP32 * min(trainable, DEFAULT_SUB_GROUP))
+        return full_load_setup(c, weights)
+    load = sharded_load_setup(c, weights / c.ranks, c.ds_bytes, z.offload_params)
+    if z.offload_optimizer:
+        return load
+    partition = 0.0 if z.offload_params else weights / c.ranks
+    return replace(load, device=max(load.device, partition + FP32 * min(c.trainable, DEFAULT_SUB_GROUP)))
 
 
 def zero_preset_states(preset: str) -> StateFn:
@@ -334,8 +377,19 @@ def with_overhead(device: Components, on_gpu: bool) -> Components:
     """Add the GPU runtime and the allocator reserve (nothing on CPU ranks: their runtime is in CPU memory)."""
     if not on_gpu:
         return device
-    overhead = GPU_RUNTIME_BYTES + ALLOCATOR_RESERVE * device.measurable
-    return Components(device.parameters, device.gradients, device.optimizer_states, device.activations, overhead)
+    return replace(device, overhead=GPU_RUNTIME_BYTES + ALLOCATOR_RESERVE * device.measurable)
+
+
+def node_cpu_bytes(device: Components, cpu_per_rank: float, setup: Setup, hw: Hardware) -> tuple[float, float]:
+    """CPU memory of one node without the runtime: (while loading, while training).
+
+    On CPU ranks the device memory is this node's RAM, so a rank's device bytes count there too.
+    """
+    ranks = hw.gpus_per_node
+    if hw.on_gpu:
+        return ranks * setup.host_per_rank + setup.host_per_node, ranks * cpu_per_rank
+    loading = ranks * max(setup.device, setup.host_per_rank) + setup.host_per_node
+    return loading, ranks * max(device.total, cpu_per_rank)
 
 
 def build_option(spec: OptionSpec, c: Context) -> Option:
@@ -343,15 +397,15 @@ def build_option(spec: OptionSpec, c: Context) -> Option:
     device, cpu_rank, setup = spec.states(c)
     hw = c.hardware
     device = with_overhead(device, hw.on_gpu)
-    peak = max(device.total, setup)
-    per_node = hw.gpus_per_node * (cpu_rank + CPU_RUNTIME_BYTES)
-    if not hw.on_gpu:  # device memory is this node's RAM
-        per_node = hw.gpus_per_node * (max(device.total, setup, cpu_rank) + CPU_RUNTIME_BYTES)
+    peak = max(device.total, setup.device)
+    loading, training = node_cpu_bytes(device, cpu_rank, setup, hw)
+    per_node = max(loading, training) + hw.gpus_per_node * CPU_RUNTIME_BYTES
     reason = unavailable_reason(spec, c)
     fits_device = not hw.on_gpu or peak <= (hw.gpu_memory or 0)
     fits = not reason and fits_device and per_node <= hw.cpu_memory
     return Option(spec.name, dict(spec.engine_values), spec.speed_rank, device, cpu_rank, setup,
-                  available=not reason, note=reason, fits=fits, cpu_per_node=per_node, device_peak=peak)
+                  available=not reason, note=reason, fits=fits, cpu_per_node=per_node, setup_cpu_per_node=loading,
+                  device_peak=peak)
 
 
 def build_options(shape: ModelShape, workload: Workload, hardware: Hardware) -> list[Option]:

@@ -32,8 +32,10 @@ def option_dict(o: Option) -> dict[str, Any]:
         "fits": o.fits,
         "note": o.note,
         "device_bytes": o.device.to_dict(),
+        "model_states_bytes": int(round(o.device.model_states)),
         "device_peak_bytes": int(round(o.device_peak)),
         "setup_device_bytes": int(round(o.setup_device)),
+        "setup_cpu_bytes_per_node": int(round(o.setup_cpu_per_node)),
         "cpu_bytes_per_rank": int(round(o.cpu_per_rank)),
         "cpu_bytes_per_node": int(round(o.cpu_per_node)),
     }
@@ -54,7 +56,8 @@ def estimate_dict(e: Estimate) -> dict[str, Any]:
     }
 
 
-COLUMNS = ("option", "params", "grads", "optim", "activ", "overhead", "per GPU", "CPU/node", "fits")
+COLUMNS = ("option", "params", "grads", "optim", "buffers", "activ", "overhead", "per GPU", "setup", "CPU/node",
+           "fits")
 
 
 def render_table(e: Estimate) -> str:
@@ -66,8 +69,7 @@ def render_table(e: Estimate) -> str:
         cells = [row[0].ljust(widths[0])] + [c.rjust(widths[i + 1]) for i, c in enumerate(row[1:-1])] + [row[-1]]
         lines.append("  ".join(cells).rstrip())
     if e.hardware.on_gpu and any(_setup_dominates(o) for o in e.options):
-        lines += ["", "* the peak comes while the engine sets up: the whole model is on each device before it is "
-                  "sharded"]
+        lines += ["", "* the peak comes while the model is loaded and the engine sets up (the 'setup' column)"]
     notes = [f"  {o.name}: {o.note}" for o in e.options if o.note]
     if notes:
         lines += ["", "not available:", *notes]
@@ -88,8 +90,9 @@ def _header(e: Estimate) -> str:
         f"run: {w.precision}, micro batch {w.micro_batch} x {w.seq_len} tokens, gradient checkpointing "
         f"{checkpointing}, {w.attn_implementation} attention, {w.optim}",
         f"hardware: {e.hardware.describe()} (world size {e.hardware.world_size})",
-        "memory per device in GiB; 'CPU/node' adds every rank of a node (offloaded states or the fp32 copy each "
-        "rank loads)",
+        "memory per device in GiB; 'buffers' are transient copies (gathered weights, autocast casts, unreduced "
+        "gradients, buckets); 'setup' is the peak while the model loads and the engine shards it; 'CPU/node' adds "
+        "every rank of a node (the copies loaded, offloaded states, 1 GiB runtime each)",
     ])
 
 
@@ -97,8 +100,8 @@ def _row(o: Option, hw: Hardware) -> tuple[str, ...]:
     d = o.device
     fits = "yes" if o.fits else ("n/a" if not o.available else "no")
     peak = _gib(o.device_peak) + ("*" if _setup_dominates(o) else "") if hw.on_gpu else "-"
-    return (o.name, _gib(d.parameters), _gib(d.gradients), _gib(d.optimizer_states), _gib(d.activations),
-            _gib(d.overhead), peak, _gib(o.cpu_per_node), fits)
+    return (o.name, _gib(d.parameters), _gib(d.gradients), _gib(d.optimizer_states), _gib(d.buffers),
+            _gib(d.activations), _gib(d.overhead), peak, _gib(o.setup_device), _gib(o.cpu_per_node), fits)
 
 
 def _setup_dominates(o: Option) -> bool:

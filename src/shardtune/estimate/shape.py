@@ -20,6 +20,8 @@ LINEAR_MODULES = ATTENTION_MODULES + MLP_MODULES
 
 # Model types whose q/k/v projections always carry a bias, whatever `attention_bias` says.
 QKV_BIAS_MODEL_TYPES = frozenset({"qwen2"})
+# Checkpoint dtypes by their config.json name; anything else counts as 4 bytes (an upper bound).
+CHECKPOINT_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class ModelShape:
     mlp_bias: bool = False
     model_type: str = "llama"
     source: str = ""
+    checkpoint_bytes: int = 4  # bytes per weight in the checkpoint files (config.json's dtype; fp32 if unknown)
 
     @property
     def head_size(self) -> int:
@@ -91,6 +94,16 @@ class ModelShape:
     def total_params(self) -> int:
         """Embeddings + layers + final norm + output head: exact for LLaMA, Mistral and Qwen2 decoders."""
         return self.embedding_params + self.num_layers * self.layer_params + self.hidden_size + self.head_params
+
+    @property
+    def checkpoint_copy_bytes(self) -> int:
+        """One copy of the weights as the checkpoint stores them."""
+        return self.total_params * self.checkpoint_bytes
+
+    @property
+    def largest_load_unit(self) -> int:
+        """Parameters of the biggest piece a sharded load gathers at once: one decoder layer or the embedding."""
+        return max(self.layer_params, self.embedding_params)
 
 
 def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...] | list[str]) -> int:
@@ -158,7 +171,15 @@ def shape_from_config(data: dict, source: str = "") -> ModelShape:
         mlp_bias=bool(config.get("mlp_bias", False)),
         model_type=model_type,
         source=source,
+        checkpoint_bytes=checkpoint_dtype_bytes(config, data),
     )
+
+
+def checkpoint_dtype_bytes(config: dict, data: dict) -> int:
+    """Bytes per weight in the checkpoint: config.json's ``dtype`` (``torch_dtype`` before transformers 5)."""
+    names = [d.get(key) for d in (config, data) for key in ("dtype", "torch_dtype")]
+    dtype = next((str(n) for n in names if n), "float32")
+    return CHECKPOINT_DTYPE_BYTES.get(dtype.removeprefix("torch."), 4)
 
 
 def load_model_shape(model: str | None, model_config: str | None = None) -> ModelShape:
@@ -218,10 +239,12 @@ def hub_cache_config(model_id: str) -> Path | None:
 _LLAMA3_8B = {
     "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
     "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
 }
 _LLAMA3_70B = {
     "model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
     "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 128256, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
 }
 KNOWN_CONFIGS: dict[str, dict] = {
     "meta-llama/meta-llama-3-8b": _LLAMA3_8B,

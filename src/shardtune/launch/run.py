@@ -15,15 +15,17 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NoReturn
 
 from shardtune.config.args import load_config
 from shardtune.config.load import config_to_dict
 from shardtune.config.schema import TrainConfig
 from shardtune.config.validate import validate_config
 from shardtune.engines.plan import EnginePlan, plan_engine
-from shardtune.errors import ConfigError, ShardtuneError, debug_requested
+from shardtune.errors import ConfigError, ShardtuneError, debug_requested, report_error
 from shardtune.launch import env as launch_env
 from shardtune.launch.failures import (
     peer_failed_since,
@@ -285,7 +287,10 @@ def child_pids(pid: int) -> list[int]:
 
 
 def worker_command(argv: list[str]) -> int:
-    """Entry of every rank (`python -m shardtune.train`): validate, join the group, train."""
+    """Entry of every rank (`python -m shardtune.train`): validate, join the group, train.
+
+    Under a launcher the rank's process ends here (leave_rank), with the exit code of whatever happened.
+    """
     from shardtune.launch.accelerate import config_values_from_accelerate
 
     rank_env = launch_env.read_rank_env()
@@ -298,16 +303,52 @@ def worker_command(argv: list[str]) -> int:
             print("[shardtune] restarted by torchrun: resuming instead of overwriting output_dir", flush=True)
     if not launch_env.inside_launcher():
         return run_worker(pre)
+    leave_rank(run_rank(pre, rank_env, debug_requested(argv)))
+
+
+def run_rank(pre: Preflight, rank_env: launch_env.RankEnv, debug: bool) -> int:
+    """Train as one rank of a launcher's job; every outcome becomes an exit code, reported as the CLI would."""
     try:
         return run_worker(pre, rank_env)
-    except ShardtuneError:
-        raise
+    except ShardtuneError as err:
+        if debug:
+            traceback.print_exc()
+            return 1
+        return report_error(err)
+    except KeyboardInterrupt:  # Ctrl-C before the stop handlers were installed
+        print("shardtune: interrupted", file=sys.stderr)
+        return 130
     except Exception as err:
         run_dir, ddp_timeout = Path(pre.config.output_dir or "."), pre.config.ddp_timeout
-        if debug_requested(argv):
+        if debug:
             save_rank_failure(err, rank_env.rank, run_dir, ddp_timeout)  # the peers' signal handlers look for it
-            raise
+            traceback.print_exc()
+            return 1
         return report_rank_failure(err, rank_env.rank, run_dir, ddp_timeout)
+
+
+def leave_rank(code: int) -> NoReturn:
+    """End this rank's process with ``code`` without shutting the interpreter down (os._exit).
+
+    Why: after training, the engines still hold their gloo process group (FSDP2's mesh, DDP's reducer,
+    DeepSpeed's groups), so destroy_process_group() cannot join gloo's worker threads (pt_gloo_runloop) and
+    they outlive the start of interpreter shutdown. When one of them drops the last C++ reference to a
+    collective's work item, ~AsyncWork releases tensors made in Python and must take the GIL; CPython (3.11)
+    ends a thread that asks for the GIL once finalization began with pthread_exit, and that forced unwind
+    through the noexcept destructor calls std::terminate: "terminate called without an active exception",
+    SIGABRT, after a run that finished. It depends on thread scheduling (scripts/repro_gloo_exit_abort.py).
+    os._exit skips interpreter shutdown and C++ static destructors; what a rank leaves behind is written
+    first: the run closes its own files (Reporter, checkpoints), exit handlers (logging's flush among them)
+    run here, and stdout/stderr are flushed.
+    """
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        with contextlib.suppress(Exception):  # a closed stream must not change the exit code
+            if stream is not None:
+                stream.flush()
+    os._exit(code)
 
 
 def run_worker(pre: Preflight, rank_env: launch_env.RankEnv | None = None) -> int:
@@ -320,7 +361,7 @@ def run_worker(pre: Preflight, rank_env: launch_env.RankEnv | None = None) -> in
         quiet_this_rank()
     stop = StopRequest()
     install_stop_handlers(stop, Path(pre.config.output_dir or ".") if rank_env is not None else None, started)
-    results = run_training(pre.config, engine, stop, memory=memory_probe(pre, engine))
+    results = run_training(pre.config, engine, stop, memory=memory_probe(pre, engine, rank_env))
     if results.get("interrupted"):
         if engine.is_main:
             print(f"[shardtune] interrupted at step {results['global_step']}; checkpoint saved where save_steps is "
@@ -334,15 +375,17 @@ def run_worker(pre: Preflight, rank_env: launch_env.RankEnv | None = None) -> in
     return 0
 
 
-def memory_probe(pre: Preflight, engine):
+def memory_probe(pre: Preflight, engine, rank_env: launch_env.RankEnv | None):
     """Measured peak memory from here on, and the estimate to compare it with (train_results.json)."""
-    from shardtune.estimate.config import estimate_for_run
+    from shardtune.estimate.config import estimate_run_memory
     from shardtune.estimate.measure import mark_memory_baseline
     from shardtune.train.workflow import MemoryProbe
 
-    estimate = estimate_for_run(pre.config, engine.world_size, pre.engine.kind, fsdp_settings=pre.engine.fsdp,
-                                deepspeed_raw=pre.engine.deepspeed_raw, on_gpu=engine.device.type == "cuda")
-    return MemoryProbe(baseline=mark_memory_baseline(), estimate_bytes=estimate)
+    local_world_size = rank_env.local_world_size if rank_env is not None else 1
+    estimate = estimate_run_memory(pre.config, engine.world_size, pre.engine.kind, fsdp_settings=pre.engine.fsdp,
+                                   deepspeed_raw=pre.engine.deepspeed_raw, local_world_size=local_world_size,
+                                   on_gpu=engine.device.type == "cuda")
+    return MemoryProbe(baseline=mark_memory_baseline(), estimate=estimate)
 
 
 def install_stop_handlers(stop, run_dir: Path | None = None, started: float = 0.0) -> None:

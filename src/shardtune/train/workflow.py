@@ -77,7 +77,7 @@ class MemoryProbe:
     """Where peak-memory measurement started and what the estimate predicted (bytes per rank)."""
 
     baseline: Any
-    estimate_bytes: int | None
+    estimate: Any  # estimate.compare.RunMemoryEstimate, or None for an unknown model shape
     setup_peaks: tuple[int, int] = (0, 0)  # this rank's (gained, whole-process) peak once the model was set up
 
     def mark_setup_done(self) -> None:
@@ -157,17 +157,15 @@ def clear_previous_run(output_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def memory_results(per_rank: dict[str, list[int]], estimate: int | None, announce: bool) -> dict[str, Any]:
-    """Measured peaks per rank beside the estimate; the ratio is printed so a user sees how far off it is."""
-    found: dict[str, Any] = {**per_rank, "estimated_memory_bytes": estimate}
-    gained = per_rank["peak_memory_bytes_per_rank"]
-    if estimate:
-        found["memory_measured_over_estimate"] = round(max(gained) / estimate, 3)
-        if announce:
-            print(f"[shardtune] peak memory {max(gained) / 2**20:.1f} MiB per rank (measured) vs "
-                  f"{estimate / 2**20:.1f} MiB (estimated): ratio {found['memory_measured_over_estimate']}",
-                  flush=True)
-    return found
+def memory_results(per_rank: dict[str, list[int]], estimate: Any, announce: bool) -> dict[str, Any]:
+    """Measured peaks per rank beside the estimate of the same things; the comparison is printed."""
+    from shardtune.estimate.compare import compare_run_memory
+
+    fields, line = compare_run_memory(estimate, per_rank["peak_memory_bytes_per_rank"],
+                                      per_rank["peak_setup_memory_bytes_per_rank"])
+    if announce and line:
+        print(line, flush=True)
+    return {**per_rank, **fields}
 
 
 @dataclass
@@ -238,7 +236,7 @@ def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path,
     if hooks.eval_loader is not None:
         results["eval_loss"] = evaluate(engine, hooks.eval_loader)
     if memory is not None:
-        results.update(memory_results(memory.per_rank(engine), memory.estimate_bytes, engine.is_main))
+        results.update(memory_results(memory.per_rank(engine), memory.estimate, engine.is_main))
     if engine.is_main:
         tokenizer.save_pretrained(output_dir)
         (output_dir / RESULTS_FILE).write_text(json.dumps(results, indent=2))

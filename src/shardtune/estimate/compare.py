@@ -1,0 +1,87 @@
+"""What a finished run measured beside the estimate of that same quantity (train_results.json, the run-end line).
+
+The measurement (``measure.py``) is a rank's peak since a baseline taken after the process group is up and
+before the tokenizer, the data and the model: on a GPU the tensors the caching allocator handed out, on the CPU
+the resident memory gained. Both include the set-up (loading and sharding the model) as well as the steps, and
+on the CPU also what the run's libraries and data take after the baseline. So the comparable estimate is
+``max(training, setup) + runtime``, not the model states + activations alone. README.md has the numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from shardtune.estimate.hardware import MiB
+from shardtune.estimate.options import Components, Setup
+
+# Resident memory a CPU rank gains after the baseline besides its tensors, by EnginePlan.kind: the modules the
+# run imports after it (tokenizer and model code, peft; DeepSpeed also starts its communication op inside
+# deepspeed.initialize), the tokenizer and the tokenised data, pages of libraries touched for the first time.
+# FSDP imports the most before the baseline (DTensor and fully_shard), so less follows it. Measured with the
+# tiny model (0.37M parameters: its tensors are about 40 MiB, mostly activations) on 2 CPU ranks, full and LoRA:
+# measured peak minus the estimate of its tensors (README.md, "A finished run's memory line").
+CPU_RUN_RUNTIME_BYTES = {
+    "local": 159 * MiB,  # 156 and 162 MiB
+    "ddp": 165 * MiB,  # 162 and 169 MiB
+    "fsdp": 119 * MiB,  # 114 to 124 MiB in four runs
+    "deepspeed": 237 * MiB,  # ZeRO-2 228 and 233, ZeRO-3 243 and 247 MiB
+}
+
+
+@dataclass(frozen=True)
+class RunMemoryEstimate:
+    """The estimate of what a run measures on its busiest rank, in bytes."""
+
+    training: float  # tensors of a step: model states, buffers, activations
+    setup: float  # while the model is loaded and sharded (on the CPU: this rank's host memory then)
+    runtime: float  # besides tensors, what the measurement counts (CPU runs; 0 on a GPU)
+
+    @property
+    def peak(self) -> float:
+        return max(self.training, self.setup) + self.runtime
+
+    @property
+    def setup_peak(self) -> float:
+        return self.setup + self.runtime
+
+
+def run_memory_estimate(device: Components, setup: Setup, on_gpu: bool, engine_kind: str) -> RunMemoryEstimate:
+    """The comparable estimate from an option's memory: on the CPU the device is host memory, the rank that
+    reads the checkpoint for the others (rank 0) holds that copy too, and the runtime adds to both phases."""
+    if on_gpu:
+        return RunMemoryEstimate(device.measurable, setup.device, 0.0)
+    host = max(setup.device, setup.host_per_rank) + setup.host_per_node
+    runtime = CPU_RUN_RUNTIME_BYTES.get(engine_kind, max(CPU_RUN_RUNTIME_BYTES.values()))
+    return RunMemoryEstimate(device.measurable, host, runtime)
+
+
+def compare_run_memory(estimate: RunMemoryEstimate | None, peak_per_rank: list[int],
+                       setup_peak_per_rank: list[int] | None = None) -> tuple[dict[str, Any], str | None]:
+    """Fields for train_results.json and the line to print: the largest measured peak per rank against the
+    estimate of the same thing (None: no estimate, e.g. an unknown model shape; then no line either)."""
+    if estimate is None or not peak_per_rank:
+        return {"estimated_memory_bytes": None}, None
+    found: dict[str, Any] = {
+        "estimated_memory_bytes": int(round(estimate.peak)),
+        "estimated_memory_parts_bytes": {k: int(round(v)) for k, v in asdict(estimate).items()},
+        "memory_measured_over_estimate": _ratio(max(peak_per_rank), estimate.peak),
+    }
+    line = (f"[shardtune] peak memory {_mib(max(peak_per_rank))} per rank (measured) vs {_mib(estimate.peak)} "
+            f"(estimated: tensors {_mib(estimate.training)}, set-up {_mib(estimate.setup)}"
+            + (f", runtime {_mib(estimate.runtime)}" if estimate.runtime else "")
+            + f"): ratio {found['memory_measured_over_estimate']}")
+    if setup_peak_per_rank:
+        found["estimated_setup_memory_bytes"] = int(round(estimate.setup_peak))
+        found["setup_memory_measured_over_estimate"] = _ratio(max(setup_peak_per_rank), estimate.setup_peak)
+        line += (f"; set-up peak {_mib(max(setup_peak_per_rank))} vs {_mib(estimate.setup_peak)}: ratio "
+                 f"{found['setup_memory_measured_over_estimate']}")
+    return found, line
+
+
+def _ratio(measured: float, estimated: float) -> float | None:
+    return round(measured / estimated, 3) if estimated > 0 else None
+
+
+def _mib(num_bytes: float) -> str:
+    return f"{num_bytes / MiB:.1f} MiB"
