@@ -166,17 +166,16 @@ def probe_main(argv: list[str]) -> int:
     from shardtune.train import loop, workflow
 
     probe, shapes = RssProbe(), []
-    load_model, run_loop, train_step = workflow.load_model_for_training, workflow.run_loop, loop.train_step
+    make_source, run_loop, train_step = workflow.model_source, workflow.run_loop, loop.train_step
 
     modules_at_baseline: set[str] = set()
 
-    def load_after_baseline(*args, **kwargs):
+    def source_after_baseline(*args, **kwargs):
+        # The engine loads (and shards) the model from this source; "before_loop" marks the end of that set-up.
         start_communication_runtime(argv)
         modules_at_baseline.update(sys.modules)
         probe.start()
-        model = load_model(*args, **kwargs)
-        probe.mark("after_load")
-        return model
+        return make_source(*args, **kwargs)
 
     def step_and_mark(engine, window, *args, **kwargs):
         shapes.extend(list(b["input_ids"].shape) for b in window)
@@ -194,7 +193,7 @@ def probe_main(argv: list[str]) -> int:
         result_path.with_name(f"{result_path.stem}.rank{engine.rank}.json").write_text(json.dumps(report, indent=1))
         return state
 
-    workflow.load_model_for_training = load_after_baseline
+    workflow.model_source = source_after_baseline
     workflow.run_loop = loop_then_stop
     workflow.finish_run = finish_without_saving
     loop.train_step = step_and_mark
