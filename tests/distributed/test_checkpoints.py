@@ -50,6 +50,7 @@ def crash_after_first_checkpoint(finished: Path, crashed: Path) -> None:
 FAMILIES = {
     "ddp": (),
     "fsdp2-sharded": ("fsdp=full_shard auto_wrap",),
+    "fsdp2-full_state_dict": ("fsdp=full_shard auto_wrap", "fsdp_config={'fsdp_state_dict_type': 'FULL_STATE_DICT'}"),
     "fsdp1-full_state_dict": ("fsdp=full_shard auto_wrap",
                               "fsdp_config={'fsdp_version': 1, 'fsdp_state_dict_type': 'FULL_STATE_DICT'}"),
     "deepspeed-z2": ("deepspeed=z2",),

@@ -13,13 +13,21 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardtune.engines.base import OptimizerFactory, PrecisionSettings, SchedulerFactory
 from shardtune.engines.distributed import DistContext, DistributedMixin
-from shardtune.engines.fsdp_config import FsdpSettings, hybrid_mesh_shape
+from shardtune.engines.fsdp_config import (
+    FsdpSettings,
+    fsdp1_strategy_member,
+    hybrid_mesh_shape,
+    reshards_after_forward,
+)
+from shardtune.engines.safe_load import load_dcp_weights_only
 from shardtune.engines.torch_native import SCHEDULER_FILE, TorchEngine
 from shardtune.model.adapters import save_lora_adapter
 from shardtune.model.saved import expected_saved_parameters, verify_saved
@@ -81,11 +89,22 @@ class FSDPEngine(DistributedMixin, TorchEngine):
         if dist.get_world_size() != self.ctx.world_size:
             raise RuntimeError(f"engine fsdp: world size {dist.get_world_size()} != expected {self.ctx.world_size}")
 
+    def full_state_options(self, **extra: bool) -> StateDictOptions:
+        """Unsharded tensors gathered into rank 0's host memory only; the other ranks receive empty dicts.
+
+        torch ties rank-0-only to ``cpu_offload``. FSDP1 cannot take it on a CPU device: its offload assumes the
+        compute device is not the host, and there ``.cpu()`` returns the tensor itself, so the model state reads
+        storage FSDP1 just freed (storage size error or a crash) and the optimizer state comes back aliased
+        (every moment equal to the last one gathered). On CPU the device is the host, so offloading saves no
+        copy anyway: every rank gathers. FSDP1's NO_SHARD refuses offload (params are whole on every rank).
+        """
+        fsdp1_cannot_offload = self.settings.version == 1 and (
+            self.device.type == "cpu" or self.settings.sharding_strategy == "NO_SHARD")
+        return StateDictOptions(full_state_dict=True, cpu_offload=not fsdp1_cannot_offload, **extra)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded weights on rank 0 (all ranks must call)."""
-        offload = self.device.type == "cuda"  # FSDP1's CPU offload of full state fails without a GPU
-        options = StateDictOptions(full_state_dict=True, cpu_offload=offload)
-        return get_model_state_dict(self.model, options=options)
+        """Unsharded weights on rank 0 (all ranks must call; the others may receive an empty dict)."""
+        return get_model_state_dict(self.model, options=self.full_state_options())
 
     def save_model(self, out_dir: Path) -> None:
         state = self.full_state_dict()
@@ -100,8 +119,7 @@ class FSDPEngine(DistributedMixin, TorchEngine):
 
     def save_state(self, ckpt_dir: Path) -> None:
         if self.settings.state_dict_type == "FULL_STATE_DICT":
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
-                                                options=StateDictOptions(full_state_dict=True))
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.full_state_options())
             if self.is_main:
                 torch.save({"model": model_sd, "optim": optim_sd}, ckpt_dir / FULL_STATE_FILE)
         else:
@@ -112,16 +130,26 @@ class FSDPEngine(DistributedMixin, TorchEngine):
 
     def load_state(self, ckpt_dir: Path) -> None:
         if (ckpt_dir / FULL_STATE_FILE).is_file():
-            full = torch.load(ckpt_dir / FULL_STATE_FILE, weights_only=True)
-            set_state_dict(self.model, self.optimizer, model_state_dict=full["model"],
-                           optim_state_dict=full["optim"], options=StateDictOptions(full_state_dict=True))
+            self._load_full_state(ckpt_dir / FULL_STATE_FILE)
         else:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
             state = {"model": model_sd, "optim": optim_sd}
-            dcp.load(state, checkpoint_id=str(ckpt_dir / DCP_DIR))
+            load_dcp_weights_only(state, ckpt_dir / DCP_DIR)
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
-        self.scheduler.load_state_dict(torch.load(ckpt_dir / SCHEDULER_FILE, weights_only=True))
+        self.scheduler.load_state_dict(torch.load(ckpt_dir / SCHEDULER_FILE, map_location="cpu", weights_only=True))
+
+    def _load_full_state(self, path: Path) -> None:
+        """Only rank 0 reads the file (memory-mapped on its host); torch sends each tensor on to the others."""
+        if self.is_main:
+            full = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        else:
+            full = {"model": {}, "optim": {}}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        # Two calls: set_state_dict treats an empty model dict (every rank but 0) as "optimizer only", and
+        # those ranks would then skip the model's broadcasts that rank 0 waits in (seen with torch 2.13).
+        set_optimizer_state_dict(self.model, self.optimizer, full["optim"], options=options)
+        set_model_state_dict(self.model, full["model"], options=options)
 
 
 def build_mesh(s: FsdpSettings, ctx: DistContext) -> DeviceMesh:
@@ -173,7 +201,7 @@ def shard_fsdp2(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, devic
     model.to(device if not s.offload_params else torch.device("cpu"))
     # Pinned memory needs an accelerator; on a CPU-only machine offload without pinning.
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if s.offload_params else OffloadPolicy()
-    reshard = s.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
+    reshard = reshards_after_forward(s.sharding_strategy)  # hybrid strategies also get a 2-D mesh (build_mesh)
     units = wrap_targets(model, s)
     for module in units:
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard, offload_policy=offload)
@@ -201,7 +229,7 @@ def wrap_fsdp1(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, device
     prefetch = None if s.backward_prefetch == "NO_PREFETCH" else BackwardPrefetch[s.backward_prefetch]
     return FullyShardedDataParallel(
         model,
-        sharding_strategy=ShardingStrategy[s.sharding_strategy],
+        sharding_strategy=ShardingStrategy[fsdp1_strategy_member(s.sharding_strategy)],
         auto_wrap_policy=policy,
         cpu_offload=CPUOffload(offload_params=s.offload_params),
         backward_prefetch=prefetch,
