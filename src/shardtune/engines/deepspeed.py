@@ -221,8 +221,9 @@ class DeepSpeedEngine(DistributedMixin, Engine):
             raise RuntimeError(f"deepspeed engine: no DeepSpeed state (tag {tag}) in {ckpt_dir}")
 
     def _load_resharded_zero12(self, ckpt_dir: Path, writers: int) -> None:
-        """Module weights and scheduler through DeepSpeed; fp32 weights and Adam moments re-split by us."""
-        from shardtune.engines.deepspeed_reshard import full_states, restore_partitions
+        """Module weights and scheduler through DeepSpeed; fp32 weights and Adam moments re-split by us, each rank
+        reading only its own slices of the old shards."""
+        from shardtune.engines.deepspeed_reshard import restore_partitions
 
         if self.is_main:
             print(f"[shardtune] checkpoint written by {writers} processes, resuming on {self.world_size}: "
@@ -232,7 +233,7 @@ class DeepSpeedEngine(DistributedMixin, Engine):
                                               load_optimizer_states=False, load_lr_scheduler_states=True)
         if path is None:
             raise RuntimeError(f"deepspeed engine: no DeepSpeed state (tag {CHECKPOINT_TAG}) in {ckpt_dir}")
-        missing = restore_partitions(self.ds, full_states(ckpt_dir / CHECKPOINT_TAG), self.rank, self.world_size)
+        missing = restore_partitions(self.ds, ckpt_dir / CHECKPOINT_TAG, self.rank, self.world_size)
         if missing:
             raise RuntimeError(f"deepspeed engine: checkpoint {ckpt_dir} has no optimizer state for {missing[:3]}")
 
