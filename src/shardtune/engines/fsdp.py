@@ -89,7 +89,7 @@ class FSDPEngine(DistributedMixin, TorchEngine):
         if dist.get_world_size() != self.ctx.world_size:
             raise RuntimeError(f"engine fsdp: world size {dist.get_world_size()} != expected {self.ctx.world_size}")
 
-    def full_state_options(self, **extra: bool) -> StateDictOptions:
+    def full_state_options(self) -> StateDictOptions:
         """Unsharded tensors gathered into rank 0's host memory only; the other ranks receive empty dicts.
 
         torch ties rank-0-only to ``cpu_offload``. FSDP1 cannot take it on a CPU device: its offload assumes the
@@ -100,7 +100,7 @@ class FSDPEngine(DistributedMixin, TorchEngine):
         """
         fsdp1_cannot_offload = self.settings.version == 1 and (
             self.device.type == "cpu" or self.settings.sharding_strategy == "NO_SHARD")
-        return StateDictOptions(full_state_dict=True, cpu_offload=not fsdp1_cannot_offload, **extra)
+        return StateDictOptions(full_state_dict=True, cpu_offload=not fsdp1_cannot_offload)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded weights on rank 0 (all ranks must call; the others may receive an empty dict)."""
