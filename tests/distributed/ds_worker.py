@@ -44,6 +44,7 @@ class Case:
     preset: str
     finetuning: str
     resume: bool = False
+    gather_on_save: bool = True  # False: ZeRO-3's final save is written module by module
 
 
 CASES = {
@@ -53,6 +54,7 @@ CASES = {
     "z3": Case("z3", "full", resume=True),
     "z2_offload": Case("z2_offload", "full"),
     "z3_offload": Case("z3_offload", "full"),
+    "z3_offload_streamed": Case("z3_offload", "full", gather_on_save=False),
     "z2_lora": Case("z2", "lora", resume=True),
     "z3_lora": Case("z3", "lora", resume=True),
 }
@@ -152,7 +154,10 @@ def deepspeed_engine(ctx: DistContext, case: Case) -> DeepSpeedEngine:
     inputs = DeepSpeedInputs(micro_batch_size=MICRO_BATCH, gradient_accumulation_steps=ACCUMULATION,
                              dp_world_size=ctx.world_size, max_grad_norm=MAX_GRAD_NORM, bf16=False, fp16=False,
                              hidden_size=HIDDEN)
-    return DeepSpeedEngine(build_deepspeed_config(case.preset, inputs), PrecisionSettings(), ctx)
+    config = build_deepspeed_config(case.preset, inputs)
+    if not case.gather_on_save:
+        config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
+    return DeepSpeedEngine(config, PrecisionSettings(), ctx)
 
 
 def run_case(ctx: DistContext, case: Case, case_dir: Path) -> dict:

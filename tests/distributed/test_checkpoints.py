@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import REPO, cli_env, run_cli
 
@@ -50,6 +51,7 @@ def crash_after_first_checkpoint(finished: Path, crashed: Path) -> None:
 FAMILIES = {
     "ddp": (),
     "fsdp2-sharded": ("fsdp=full_shard auto_wrap",),
+    "fsdp2-full_state_dict": ("fsdp=full_shard auto_wrap", "fsdp_config={'fsdp_state_dict_type': 'FULL_STATE_DICT'}"),
     "fsdp1-full_state_dict": ("fsdp=full_shard auto_wrap",
                               "fsdp_config={'fsdp_version': 1, 'fsdp_state_dict_type': 'FULL_STATE_DICT'}"),
     "deepspeed-z2": ("deepspeed=z2",),
@@ -159,3 +161,30 @@ def _worker_pids(root: int) -> list[int]:
             frontier.append(child)
     assert found, "no worker process found"
     return sorted(found)
+
+
+def test_zero3_without_gathering_on_save_writes_the_trained_model_and_resumes(tiny_model_dir, tmp_path):
+    """stage3_gather_16bit_weights_on_model_save false: the final folder is still complete, written module by
+    module, and holds the weights the ZeRO-3 shards of the last checkpoint hold."""
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.engines.deepspeed_config import PRESET_DIR, PRESETS
+    from shardtune.export.convert import read_checkpoint_state
+    from tests.distributed.helpers import check_saved_model
+
+    config = json.loads((PRESET_DIR / PRESETS["z3"]).read_text())
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
+    (tmp_path / "z3.json").write_text(json.dumps(config))
+    finished, crashed = tmp_path / "finished", tmp_path / "crashed"
+    result = train(tiny_model_dir, finished, 2, 2, f"deepspeed={tmp_path / 'z3.json'}")
+    assert "writing the model one gathered module at a time" in result.stdout
+    check_saved_model(finished, tiny_model_dir, "full")  # every weight present and trained
+    saved = AutoModelForCausalLM.from_pretrained(finished)
+    shards = read_checkpoint_state(saved, finished / "checkpoint-6", "deepspeed")  # the same step's fp32 weights
+    for name, tensor in saved.state_dict().items():
+        torch.testing.assert_close(tensor, shards[name], rtol=0, atol=0)
+    crash_after_first_checkpoint(finished, crashed)
+    train(tiny_model_dir, crashed, 2, 2, f"deepspeed={tmp_path / 'z3.json'}", overwrite=False)
+    expected, resumed = losses_by_step(finished), losses_by_step(crashed)
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-3), (step, resumed, expected)

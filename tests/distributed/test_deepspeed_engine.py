@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "ds_worker.py"
 LAUNCHES = {
     "zero": ["z0", "z1", "z2", "z3", "z2_lora", "z3_lora"],
-    "offload": ["z2_offload", "z3_offload"],
+    "offload": ["z2_offload", "z3_offload", "z3_offload_streamed"],
 }
 CASES = [case for cases in LAUNCHES.values() for case in cases]
 RESUME_CASES = ["z3", "z2_lora", "z3_lora"]

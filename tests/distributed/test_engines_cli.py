@@ -50,10 +50,18 @@ def test_engine_matches_single_process(engine, finetuning, reference, tiny_model
     check_saved_model(tmp_path, tiny_model_dir, finetuning)
 
 
-def test_hybrid_shard_four_processes_keeps_replicas_equal(reference, tiny_model_dir, tmp_path):
+HYBRID = {
+    "fsdp2-hybrid_shard": ("fsdp=hybrid_shard auto_wrap", "fsdp_config={'hsdp_shard_size': 2}"),
+    "fsdp2-hybrid_shard_zero2": ("fsdp=hybrid_shard_zero2 auto_wrap", "fsdp_config={'hsdp_shard_size': 2}"),
+    "fsdp1-hybrid_shard_zero2": ("fsdp=hybrid_shard_zero2 auto_wrap",
+                                 "fsdp_config={'hsdp_shard_size': 2, 'fsdp_version': 1}"),
+}
+
+
+@pytest.mark.parametrize("engine", list(HYBRID))
+def test_hybrid_shard_four_processes_keeps_replicas_equal(engine, reference, tiny_model_dir, tmp_path):
     """HSDP on a 2x2 mesh (replicate x shard): same losses as one process with the same global batch."""
-    results = train(tiny_model_dir, tmp_path, "full", 4, 1, "fsdp=hybrid_shard auto_wrap",
-                    "fsdp_config={'hsdp_shard_size': 2}")
+    results = train(tiny_model_dir, tmp_path, "full", 4, 1, *HYBRID[engine])
     assert results["world_size"] == 4
     # Replicas that drifted apart would give a loss different from the single-process run.
     assert losses(tmp_path) == pytest.approx(reference["full"], rel=2e-3)

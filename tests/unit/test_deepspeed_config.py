@@ -18,6 +18,7 @@ from shardtune.engines.deepspeed_config import (
     DeepSpeedInputs,
     build_deepspeed_config,
     deepspeed_problems,
+    gathers_weights_on_save,
     load_deepspeed_setting,
     resolve_deepspeed_config,
     zero_stage,
@@ -168,12 +169,16 @@ def test_offload_optimizer_needs_a_zero_stage():
     assert any("offload_optimizer in ds.json needs stage 1, 2 or 3, but stage is 0" in p for p in problems)
 
 
-def test_zero3_without_gathered_save_is_refused_with_the_remedy():
+@pytest.mark.parametrize("gather", [False, None])
+def test_zero3_without_gathered_save_is_accepted(gather):
+    """The final save then gathers one module at a time (engines/deepspeed_save.py) instead of refusing."""
     raw = with_zero("z3")
-    del raw["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
-    [problem] = problems_for(raw)
-    assert "stage3_gather_16bit_weights_on_model_save" in problem and "empty weights" in problem
-    assert problem.endswith("set it to true")
+    if gather is None:
+        del raw["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
+    else:
+        raw["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = gather
+    assert problems_for(raw) == []
+    assert not gathers_weights_on_save(raw)
 
 
 def test_zero3_accepts_the_unprefixed_gather_key():
@@ -181,6 +186,7 @@ def test_zero3_accepts_the_unprefixed_gather_key():
     del raw["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
     raw["zero_optimization"]["gather_16bit_weights_on_model_save"] = True
     assert problems_for(raw) == []
+    assert gathers_weights_on_save(raw)
 
 
 # --- optimizers ---

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from shardtune.engines.fsdp_config import FsdpSettings, hybrid_mesh_shape, resolve_fsdp_settings
+from shardtune.engines.fsdp_config import (
+    STRATEGIES,
+    FsdpSettings,
+    fsdp1_strategy_member,
+    hybrid_mesh_shape,
+    reshards_after_forward,
+    resolve_fsdp_settings,
+)
 from shardtune.errors import ConfigError
 from shardtune.launch.accelerate import config_values_from_accelerate
 from shardtune.launch.env import read_launch_env
@@ -112,3 +119,12 @@ def test_rendezvous_timeout_bounds_the_wait():
     env = read_launch_env({"NNODES": "2", "MASTER_PORT": "29500", "RDZV_TIMEOUT": "30"})
     argv = build_torchrun_argv(plan_launch(env, visible_gpus=0), 0, worker_argv("c.json"), PY)
     assert "--rdzv-conf=join_timeout=30,timeout=30" in argv
+
+
+def test_every_strategy_maps_onto_fsdp1_and_fsdp2():
+    from torch.distributed.fsdp import ShardingStrategy
+
+    for strategy in STRATEGIES:
+        assert ShardingStrategy[fsdp1_strategy_member(strategy)]  # HYBRID_SHARD_ZERO2 is private in torch
+    assert ShardingStrategy[fsdp1_strategy_member("HYBRID_SHARD_ZERO2")] is ShardingStrategy._HYBRID_SHARD_ZERO2
+    assert [s for s in STRATEGIES if reshards_after_forward(s)] == ["FULL_SHARD", "HYBRID_SHARD"]

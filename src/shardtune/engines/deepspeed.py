@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from shardtune.engines.base import Engine, OptimizerFactory, PrecisionSettings, SchedulerFactory
 from shardtune.engines.deepspeed_config import (
+    gathers_weights_on_save,
     has_own_optimizer,
     has_own_scheduler,
     offloads_optimizer,
@@ -199,23 +200,42 @@ class DeepSpeedEngine(DistributedMixin, Engine):
         """Hugging Face format with safetensors on rank 0; under ZeRO-3 every rank takes part in the gather."""
         model = self.unwrapped_model()
         expected = expected_saved_numel(model, adapter_only=self.is_peft)
-        state_dict = self._full_state_dict(adapter_only=self.is_peft)
-        error = None
-        if self.is_main:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            model.save_pretrained(str(out_dir), state_dict=state_dict)
-            error = check_saved_numel(out_dir, expected)
+        if self.zero_stage == 3 and not self.is_peft and not gathers_weights_on_save(self.ds_config):
+            self._save_zero3_streamed(model, out_dir)
+        else:
+            state_dict = self._full_state_dict(adapter_only=self.is_peft)
+            if self.is_main:
+                out_dir.mkdir(parents=True, exist_ok=True)
+                model.save_pretrained(str(out_dir), state_dict=state_dict)
+        error = check_saved_numel(out_dir, expected) if self.is_main else None
         error = self._broadcast_from_main(error)
         if error:
             raise RuntimeError(error)
 
+    def _save_zero3_streamed(self, model: torch.nn.Module, out_dir: Path) -> None:
+        """``stage3_gather_16bit_weights_on_model_save: false``: no consolidated state dict on rank 0; each module
+        is gathered in turn and rank 0 writes the safetensors shards as they fill (an adapter is small: it takes
+        the consolidated path)."""
+        from shardtune.engines.deepspeed_save import write_model_streamed, zero3_module_states
+
+        states = zero3_module_states(model, self.is_main)
+        if not self.is_main:
+            for _ in states:  # join every module's gather
+                pass
+            return
+        print("[shardtune] ZeRO-3 without stage3_gather_16bit_weights_on_model_save: writing the model one "
+              "gathered module at a time", flush=True)
+        write_model_streamed(model, states, out_dir)
+
     def _full_state_dict(self, adapter_only: bool) -> dict[str, torch.Tensor] | None:
         """Complete tensors on rank 0 (None elsewhere under ZeRO-3); trainable ones only for an adapter."""
         if self.zero_stage == 3:
-            # Collective: gathers one module at a time onto rank 0. .clone() keeps the data once DeepSpeed
-            # re-partitions (on CPU .cpu() would return the very storage it frees).
+            # Collective: gathers one module at a time onto rank 0. On CPU .cpu() returns the very storage
+            # DeepSpeed frees when it re-partitions, so the data is cloned there; from a GPU it is a copy already.
             state = self.ds._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=adapter_only)
-            return {k: v.clone() for k, v in state.items()} if state is not None else None
+            if state is not None and self.device.type == "cpu":
+                state = {k: v.clone() for k, v in state.items()}
+            return state
         if not self.is_main:
             return None  # below ZeRO-3 every rank holds the full weights: nothing to gather
         model = self.unwrapped_model()
@@ -252,8 +272,9 @@ class DeepSpeedEngine(DistributedMixin, Engine):
             raise RuntimeError(f"deepspeed engine: no DeepSpeed state (tag {tag}) in {ckpt_dir}")
 
     def _load_resharded_zero12(self, ckpt_dir: Path, writers: int) -> None:
-        """Module weights and scheduler through DeepSpeed; fp32 weights and Adam moments re-split by us."""
-        from shardtune.engines.deepspeed_reshard import full_states, restore_partitions
+        """Module weights and scheduler through DeepSpeed; fp32 weights and Adam moments re-split by us, each rank
+        reading only its own slices of the old shards."""
+        from shardtune.engines.deepspeed_reshard import restore_partitions
 
         if self.is_main:
             print(f"[shardtune] checkpoint written by {writers} processes, resuming on {self.world_size}: "
@@ -263,7 +284,7 @@ class DeepSpeedEngine(DistributedMixin, Engine):
                                               load_optimizer_states=False, load_lr_scheduler_states=True)
         if path is None:
             raise RuntimeError(f"deepspeed engine: no DeepSpeed state (tag {CHECKPOINT_TAG}) in {ckpt_dir}")
-        missing = restore_partitions(self.ds, full_states(ckpt_dir / CHECKPOINT_TAG), self.rank, self.world_size)
+        missing = restore_partitions(self.ds, ckpt_dir / CHECKPOINT_TAG, self.rank, self.world_size)
         if missing:
             raise RuntimeError(f"deepspeed engine: checkpoint {ckpt_dir} has no optimizer state for {missing[:3]}")
 

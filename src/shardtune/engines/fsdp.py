@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -15,14 +16,22 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardtune.engines.base import OptimizerFactory, PrecisionSettings, SchedulerFactory
 from shardtune.engines.distributed import DistContext, DistributedMixin
-from shardtune.engines.fsdp_config import FsdpSettings, hybrid_mesh_shape
+from shardtune.engines.fsdp_config import (
+    FsdpSettings,
+    fsdp1_strategy_member,
+    hybrid_mesh_shape,
+    reshards_after_forward,
+)
 from shardtune.engines.fsdp_qlora import (
+    drop_quant_state_entries,
     fsdp1_lora_units,
     fsdp2_units_unsafe_for_4bit,
     layers_missing_quant_state,
@@ -31,6 +40,7 @@ from shardtune.engines.fsdp_qlora import (
     rank0_first,
     tensors_to_broadcast,
 )
+from shardtune.engines.safe_load import load_dcp_weights_only
 from shardtune.engines.sharded_loading import ShardedLoad, fill_fully_sharded, fsdp1_param_init
 from shardtune.engines.torch_native import SCHEDULER_FILE, TorchEngine
 from shardtune.errors import ModelError
@@ -143,12 +153,24 @@ class FSDPEngine(DistributedMixin, TorchEngine):
         if dist.get_world_size() != self.ctx.world_size:
             raise RuntimeError(f"engine fsdp: world size {dist.get_world_size()} != expected {self.ctx.world_size}")
 
+    def full_state_options(self) -> StateDictOptions:
+        """Unsharded tensors gathered into rank 0's host memory only; the other ranks receive empty dicts.
+
+        torch ties rank-0-only to ``cpu_offload``. FSDP1 cannot take it on a CPU device: its offload assumes the
+        compute device is not the host, and there ``.cpu()`` returns the tensor itself, so the model state reads
+        storage FSDP1 just freed (storage size error or a crash) and the optimizer state comes back aliased
+        (every moment equal to the last one gathered). On CPU the device is the host, so offloading saves no
+        copy anyway: every rank gathers. FSDP1's NO_SHARD refuses offload (params are whole on every rank).
+        """
+        fsdp1_cannot_offload = self.settings.version == 1 and (
+            self.device.type == "cpu" or self.settings.sharding_strategy == "NO_SHARD")
+        return StateDictOptions(full_state_dict=True, cpu_offload=not fsdp1_cannot_offload)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded weights on rank 0 (all ranks must call)."""
-        offload = self.device.type == "cuda"  # FSDP1's CPU offload of full state fails without a GPU
+        """Unsharded weights on rank 0 (all ranks must call; the others may receive an empty dict)."""
         # An adapter run saves the adapter: gathering the frozen base too would rebuild the whole model.
-        options = StateDictOptions(full_state_dict=True, cpu_offload=offload,
-                                   ignore_frozen_params=hasattr(self.inner, "peft_config"))
+        adapter_only = hasattr(self.inner, "peft_config")
+        options = dataclasses.replace(self.full_state_options(), ignore_frozen_params=adapter_only)
         return get_model_state_dict(self.model, options=options)
 
     def save_model(self, out_dir: Path) -> None:
@@ -165,28 +187,47 @@ class FSDPEngine(DistributedMixin, TorchEngine):
 
     def save_state(self, ckpt_dir: Path) -> None:
         if self.settings.state_dict_type == "FULL_STATE_DICT":
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
-                                                options=StateDictOptions(full_state_dict=True))
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.full_state_options())
             if self.is_main:
                 torch.save({"model": model_sd, "optim": optim_sd}, ckpt_dir / FULL_STATE_FILE)
         else:
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            model_sd, optim_sd = self._sharded_state()
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(ckpt_dir / DCP_DIR))
         if self.is_main:
             torch.save(self.scheduler_state(), ckpt_dir / SCHEDULER_FILE)
 
     def load_state(self, ckpt_dir: Path) -> None:
         if (ckpt_dir / FULL_STATE_FILE).is_file():
-            full = torch.load(ckpt_dir / FULL_STATE_FILE, weights_only=True)
-            set_state_dict(self.model, self.optimizer, model_state_dict=full["model"],
-                           optim_state_dict=full["optim"], options=StateDictOptions(full_state_dict=True))
+            self._load_full_state(ckpt_dir / FULL_STATE_FILE)
         else:
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            model_sd, optim_sd = self._sharded_state()
             state = {"model": model_sd, "optim": optim_sd}
-            dcp.load(state, checkpoint_id=str(ckpt_dir / DCP_DIR))
+            load_dcp_weights_only(state, ckpt_dir / DCP_DIR)
+            options = StateDictOptions(ignore_frozen_params=True, strict=False) if self.quantized else None
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
-        self.scheduler.load_state_dict(torch.load(ckpt_dir / SCHEDULER_FILE, weights_only=True))
+                           optim_state_dict=state["optim"], options=options)
+        self.scheduler.load_state_dict(torch.load(ckpt_dir / SCHEDULER_FILE, map_location="cpu", weights_only=True))
+
+    def _sharded_state(self) -> tuple[dict, dict]:
+        """This rank's shards; QLoRA leaves out the frozen 4-bit base and bitsandbytes' quantisation-state entries,
+        which the base model's files restore (FSDP1 refuses them on load)."""
+        if not self.quantized:
+            return get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
+                                            options=StateDictOptions(ignore_frozen_params=True))
+        return drop_quant_state_entries(model_sd), optim_sd
+
+    def _load_full_state(self, path: Path) -> None:
+        """Only rank 0 reads the file (memory-mapped on its host); torch sends each tensor on to the others."""
+        if self.is_main:
+            full = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        else:
+            full = {"model": {}, "optim": {}}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        # Two calls: set_state_dict treats an empty model dict (every rank but 0) as "optimizer only", and
+        # those ranks would then skip the model's broadcasts that rank 0 waits in (seen with torch 2.13).
+        set_optimizer_state_dict(self.model, self.optimizer, full["optim"], options=options)
+        set_model_state_dict(self.model, full["model"], options=options)
 
 
 def build_mesh(s: FsdpSettings, ctx: DistContext) -> DeviceMesh:
@@ -241,7 +282,7 @@ def shard_fsdp2(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, devic
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if s.offload_params else OffloadPolicy()
     precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if compute_dtype \
         else MixedPrecisionPolicy()
-    reshard = s.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
+    reshard = reshards_after_forward(s.sharding_strategy)  # hybrid strategies also get a 2-D mesh (build_mesh)
     units = wrap_targets(model, s)
     unsafe = fsdp2_units_unsafe_for_4bit(units, model, compute_dtype)
     if unsafe:
@@ -289,7 +330,7 @@ def wrap_fsdp1(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, device
     prefetch = None if s.backward_prefetch == "NO_PREFETCH" else BackwardPrefetch[s.backward_prefetch]
     return FullyShardedDataParallel(
         model,
-        sharding_strategy=ShardingStrategy[s.sharding_strategy],
+        sharding_strategy=ShardingStrategy[fsdp1_strategy_member(s.sharding_strategy)],
         auto_wrap_policy=policy,
         cpu_offload=CPUOffload(offload_params=s.offload_params),
         backward_prefetch=prefetch,

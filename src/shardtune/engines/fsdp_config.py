@@ -166,6 +166,17 @@ def settings_problems(s: FsdpSettings) -> list[str]:
     return problems
 
 
+def fsdp1_strategy_member(strategy: str) -> str:
+    """The ``torch.distributed.fsdp.ShardingStrategy`` member name; torch spells hybrid ZeRO-2 as a private one."""
+    return "_HYBRID_SHARD_ZERO2" if strategy == "HYBRID_SHARD_ZERO2" else strategy
+
+
+def reshards_after_forward(strategy: str) -> bool:
+    """FSDP2's ``reshard_after_forward``: the ZeRO-3-like strategies free the gathered parameters after forward,
+    the ZeRO-2-like ones (SHARD_GRAD_OP, HYBRID_SHARD_ZERO2) keep them for backward (NO_SHARD has none to free)."""
+    return strategy in ("FULL_SHARD", "HYBRID_SHARD")
+
+
 def hybrid_mesh_shape(s: FsdpSettings, world_size: int, local_world_size: int) -> tuple[int, int]:
     """(replicate, shard) for HYBRID strategies; an impossible layout raises ValueError naming the numbers.
 

@@ -89,5 +89,8 @@ class TorchEngine(Engine):
         with torch.no_grad():
             for name, tensor in weights.items():
                 params[name].copy_(tensor)
-        self.optimizer.load_state_dict(torch.load(ckpt_dir / OPTIMIZER_FILE, weights_only=True))
-        self.scheduler.load_state_dict(torch.load(ckpt_dir / SCHEDULER_FILE, weights_only=True))
+        # Straight onto this rank's device: without map_location every rank would load onto the device that
+        # saved the file (GPU 0).
+        self.optimizer.load_state_dict(torch.load(ckpt_dir / OPTIMIZER_FILE, map_location=self.device,
+                                                  weights_only=True))
+        self.scheduler.load_state_dict(torch.load(ckpt_dir / SCHEDULER_FILE, map_location="cpu", weights_only=True))

@@ -82,7 +82,8 @@ def read_checkpoint_state(model: torch.nn.Module, source: Path, kind: str) -> di
 
         return load_file(str(source / "trainable.safetensors"))
     if kind == "fsdp_full":
-        return torch.load(source / "fsdp_full_state.pt", weights_only=True)["model"]
+        # Memory-mapped: the optimizer state beside the weights is never read.
+        return torch.load(source / "fsdp_full_state.pt", map_location="cpu", weights_only=True, mmap=True)["model"]
     if kind == "fsdp_sharded":
         return read_dcp_model_state(model, source / "fsdp_state")
     if kind == "deepspeed":
@@ -97,10 +98,10 @@ def read_checkpoint_state(model: torch.nn.Module, source: Path, kind: str) -> di
 
 def read_dcp_model_state(model: torch.nn.Module, path: Path) -> dict[str, torch.Tensor]:
     """Gather a torch distributed checkpoint in this one process (DCP reshards to the reader's layout)."""
-    import torch.distributed.checkpoint as dcp
+    from shardtune.engines.safe_load import load_dcp_weights_only
 
     state = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()}}
-    dcp.load(state, checkpoint_id=str(path))
+    load_dcp_weights_only(state, path)
     return state["model"]
 
 

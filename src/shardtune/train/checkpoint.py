@@ -47,7 +47,7 @@ def save_checkpoint(engine: Engine, output_dir: Path, state: TrainState, save_to
         path.mkdir(parents=True)
     engine.barrier()
     engine.save_state(path)
-    torch.save(rng_state(), path / f"rank{engine.rank}_{RNG_FILE}")
+    save_rng_file(path / f"rank{engine.rank}_{RNG_FILE}")
     engine.barrier()
     if engine.is_main:
         (path / STATE_FILE).write_text(json.dumps(state.to_dict(), indent=2))
@@ -68,26 +68,43 @@ def load_checkpoint(engine: Engine, path: Path) -> TrainState:
     engine.load_state(path)
     rng_file = path / f"rank{engine.rank}_{RNG_FILE}"
     if rng_file.is_file():
-        restore_rng_state(torch.load(rng_file, weights_only=True))
+        load_rng_file(rng_file)
     data = json.loads((path / STATE_FILE).read_text())
     data.pop("interrupted", None)
     return TrainState(**data)
 
 
+def save_rng_file(path: Path) -> None:
+    torch.save(rng_state(), path)
+
+
+def load_rng_file(path: Path) -> None:
+    # RNG states are CPU byte tensors, whatever device the run used.
+    restore_rng_state(torch.load(path, map_location="cpu", weights_only=True))
+
+
 def rng_state() -> dict:
-    return {
+    """Python, numpy and torch CPU generators, plus the current CUDA device's once CUDA is in use."""
+    state = {
         "python": list(random.getstate()[1]),
         "python_pos": random.getstate()[2],
         "numpy": torch.from_numpy(np.random.get_state()[1].astype(np.int64)),
         "numpy_pos": int(np.random.get_state()[2]),
         "torch": torch.get_rng_state(),
     }
+    # Asking before CUDA is initialised would initialise it (a CPU-only run that merely has a GPU stays off it).
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()  # the current device: each rank sets its own at start-up
+    return state
 
 
 def restore_rng_state(state: dict) -> None:
     random.setstate((3, tuple(state["python"]), state["python_pos"]))
     np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))
     torch.set_rng_state(state["torch"])
+    # A checkpoint written on GPUs and resumed without CUDA keeps the CPU generators only.
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def resume_source(config) -> Path | None:
