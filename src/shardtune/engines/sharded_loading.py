@@ -8,13 +8,13 @@ each tensor it keeps, and no collective runs at all.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from shardtune.model.source import Skeleton
+from shardtune.model.source import Skeleton, named_checkpoint_states
 
 
 @dataclass
@@ -91,18 +91,9 @@ def fill_fully_sharded(model: torch.nn.Module, load: ShardedLoad, storage: torch
     model.to_empty(device=storage)
     load.restore_buffers(model)
     with torch.no_grad():
-        for name, tensor in _checkpoint_states(model):
+        for name, tensor in named_checkpoint_states(model):
             local, offsets, shape = local_block(tensor)
             local.copy_(load.block(name, tensor, offsets, shape))
-
-
-def _checkpoint_states(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Parameters (a tied one once) and persistent buffers, in the same order on every rank."""
-    yield from model.named_parameters()
-    for module_name, module in model.named_modules():
-        for name, buffer in module._buffers.items():
-            if buffer is not None and name not in module._non_persistent_buffers_set:
-                yield (f"{module_name}.{name}" if module_name else name), buffer
 
 
 def fsdp1_param_init(model: torch.nn.Module, load: ShardedLoad) -> Callable[[torch.nn.Module], None]:

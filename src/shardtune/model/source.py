@@ -95,7 +95,7 @@ class Skeleton:
 
     def initial_values(self) -> dict[str, torch.Tensor]:
         """Tensors that already hold their starting values (new adapter weights), by name in ``model``."""
-        return {name: tensor.detach().clone() for name, tensor in _named_states(self.model)
+        return {name: tensor.detach().clone() for name, tensor in named_checkpoint_states(self.model)
                 if not tensor.is_meta and name not in self.checkpoint_names}
 
     def non_persistent_buffers(self) -> dict[str, torch.Tensor]:
@@ -109,8 +109,9 @@ class Skeleton:
         return found
 
 
-def _named_states(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Parameters (shared ones once) and persistent buffers: what a checkpoint holds."""
+def named_checkpoint_states(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters (shared ones once) and persistent buffers: what a checkpoint holds, in the same order on every
+    rank."""
     yield from model.named_parameters()
     for module_name, module in model.named_modules():
         for name, buffer in module._buffers.items():
@@ -126,7 +127,7 @@ def checkpoint_names_by_parameter(model: torch.nn.Module, weights: WeightsReader
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
-    for name, buffer in _named_states(model):
+    for name, buffer in named_checkpoint_states(model):
         names.setdefault(id(buffer), []).append(name)
     found, missing = {}, []
     for key, aliases in names.items():
@@ -144,7 +145,7 @@ def checkpoint_names_by_parameter(model: torch.nn.Module, weights: WeightsReader
 def _names_after_finetuning(model: torch.nn.Module, by_id: dict[int, str]) -> dict[str, str]:
     """Names in the fine-tuning wrapper (peft renames and nests the base layers) -> names in the files."""
     mapped = {}
-    for name, tensor in _named_states(model):
+    for name, tensor in named_checkpoint_states(model):
         stored = by_id.get(id(tensor))
         if stored is not None:
             mapped[name] = stored
