@@ -234,3 +234,11 @@ def test_the_function_matches_cross_entropy_directly():
     expected = torch.nn.functional.cross_entropy((hidden @ weight.t() + bias).reshape(-1, VOCAB),
                                                  targets.reshape(-1), ignore_index=M, reduction="sum")
     assert float(linear_cross_entropy_sum(hidden, weight, bias, targets, 4)) == pytest.approx(float(expected))
+
+
+def test_the_config_key_reaches_the_loop():
+    from shardtune.config.schema import TrainConfig
+    from shardtune.train.workflow import loop_settings
+
+    assert loop_settings(TrainConfig(loss_chunk_size=37), 10, False).loss_chunk_size == 37
+    assert loop_settings(TrainConfig(), 10, False).loss_chunk_size == DEFAULT_LOSS_CHUNK_SIZE > 0
