@@ -206,14 +206,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             w, b = weight.to(dtype), bias.to(dtype) if bias is not None else None
             for start in range(0, rows.size(0), ctx.chunk_size):
                 end = min(start + ctx.chunk_size, rows.size(0))
-                chunk = rows[start:end].to(dtype)
-                grad_logits = _chunk_logit_grad(chunk, w, b, targets[start:end], lse[start:end], grad_total, dtype)
-                if grad_rows is not None:
-                    grad_rows[start:end] = grad_logits @ w
-                if grad_weight is not None:
-                    _add_product(grad_weight, grad_logits.t(), chunk)
-                if grad_bias is not None:
-                    grad_bias += grad_logits.sum(0, dtype=grad_bias.dtype)
+                _chunk_backward(rows[start:end].to(dtype), w, b, targets[start:end], lse[start:end], grad_total,
+                                grad_rows[start:end] if grad_rows is not None else None, grad_weight, grad_bias)
         return grad_rows, grad_weight, _as(grad_bias, bias), None, None, None
 
 
@@ -238,6 +232,20 @@ def _chunk_loss_sum(chunk: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
     peak = logits.amax(dim=1, keepdim=True)
     lse_out.copy_(logits.sub_(peak).exp_().sum(dim=1).log_().add_(peak.squeeze(1)))
     return (lse_out - picked).sum()
+
+
+def _chunk_backward(chunk: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, targets: torch.Tensor,
+                    lse: torch.Tensor, grad_total: torch.Tensor, grad_rows: torch.Tensor | None,
+                    grad_weight: torch.Tensor | None, grad_bias: torch.Tensor | None) -> None:
+    """Add one chunk's share to the gradients. A function of its own so that the chunk's ``[chunk, vocab]``
+    gradient is freed before the next chunk's is built (a loop variable would keep two alive)."""
+    grad_logits = _chunk_logit_grad(chunk, w, b, targets, lse, grad_total, w.dtype)
+    if grad_rows is not None:
+        grad_rows.copy_(grad_logits @ w)
+    if grad_weight is not None:
+        _add_product(grad_weight, grad_logits.t(), chunk)
+    if grad_bias is not None:
+        grad_bias += grad_logits.sum(0, dtype=grad_bias.dtype)
 
 
 def _chunk_logit_grad(chunk: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, targets: torch.Tensor,
