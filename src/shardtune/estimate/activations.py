@@ -83,12 +83,18 @@ def decoder_activation_bytes(shape: ModelShape, w: Workload, stream_bytes: int) 
     return w.tokens * (per_token + final_bytes(shape, w, stream_bytes))
 
 
-def logits_bytes(shape: ModelShape, w: Workload) -> int:
-    """The fp32 loss over the vocabulary: all tokens' logits, or one chunk's (see LOGITS_COPIES)."""
+def logits_bytes(shape: ModelShape, w: Workload, weight_bytes: int = FP32) -> int:
+    """The fp32 loss over the vocabulary: all tokens' logits, or one chunk's (see LOGITS_COPIES).
+
+    The chunked loss sums the head's weight gradient chunk by chunk, so when the head trains that gradient
+    (``weight_bytes`` per element, before the engine takes it) exists beside the chunk; the full-logits path
+    creates it only after two of its three copies are freed.
+    """
     if not w.is_loss_chunked:
         return LOGITS_COPIES * w.tokens * shape.vocab_size * FP32
     cast = w.compute_bytes if w.mixed_precision else 0
-    return min(w.loss_chunk_size, w.tokens) * shape.vocab_size * (FP32 + cast)
+    head_gradient = shape.vocab_size * shape.hidden_size * weight_bytes if w.finetuning_type == "full" else 0
+    return min(w.loss_chunk_size, w.tokens) * shape.vocab_size * (FP32 + cast) + head_gradient
 
 
 def input_bytes(w: Workload) -> int:
@@ -99,7 +105,7 @@ def input_bytes(w: Workload) -> int:
 
 
 def activation_bytes(shape: ModelShape, w: Workload, stream_bytes: int) -> int:
-    return decoder_activation_bytes(shape, w, stream_bytes) + logits_bytes(shape, w) + input_bytes(w)
+    return decoder_activation_bytes(shape, w, stream_bytes) + logits_bytes(shape, w, stream_bytes) + input_bytes(w)
 
 
 def autocast_weight_copy_bytes(shape: ModelShape, w: Workload) -> int:
