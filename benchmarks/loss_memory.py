@@ -8,7 +8,8 @@ full fine-tuning, one micro-batch of 2048 tokens, every position trainable (pre-
 the logits dominate. Each variant is one forward + backward of ``shardtune.train.loop.token_loss_sum`` (what the
 training loop runs) with the given ``loss_chunk_size`` (0: the full logits), from a state without gradients.
 Variants run interleaved in one process (A B C A B C, after one warm-up round), so machine load hits all alike;
-each row is the median.
+each row is the median. Time is the process's CPU time (one torch thread, so it is the work done, and other
+processes on a shared machine barely change it) and, beside it, the wall time.
 
 Peak memory is the resident memory the step gained, at its peak: VmHWM is reset to the current RSS through
 /proc/self/clear_refs just before the step, and the peak is VmHWM after it minus VmRSS before it. The script
@@ -68,7 +69,7 @@ def build_batch(tokens: int, seed: int = 1) -> dict:
 
 
 def measure_step(model, batch: dict, chunk_size: int, precision: str) -> dict:
-    """One forward + backward from a state without gradients: peak RSS gained, seconds, loss."""
+    """One forward + backward from a state without gradients: peak RSS gained, wall and CPU seconds, loss."""
     import torch
 
     from shardtune.train.loop import token_loss_sum
@@ -77,13 +78,13 @@ def measure_step(model, batch: dict, chunk_size: int, precision: str) -> dict:
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     before = memory_status()["VmRSS"]
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
         loss, _ = token_loss_sum(model, batch, chunk_size)
     loss.backward()
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     peak = memory_status()["VmHWM"] - before
-    return {"peak_bytes": peak, "seconds": seconds, "loss": float(loss)}
+    return {"peak_bytes": peak, "seconds": seconds, "cpu_seconds": cpu_seconds, "loss": float(loss.detach())}
 
 
 def estimate(tokens: int, chunk_size: int, precision: str) -> dict:
@@ -112,7 +113,8 @@ def run(chunks: list[int], precisions: list[str], tokens: int, repeats: int, thr
             if round_index > 0:  # round 0 warms up code paths and allocator
                 samples[(precision, chunk)].append(found)
             print(f"round {round_index} {precision} chunk {chunk:>5}: {found['peak_bytes'] / 2**20:8.1f} MiB "
-                  f"{found['seconds']:6.2f} s  loss {found['loss']:.4f}", flush=True)
+                  f"{found['seconds']:6.2f} s ({found['cpu_seconds']:6.2f} s CPU)  loss {found['loss']:.4f}",
+                  flush=True)
     return [summarise(precision, chunk, samples[(precision, chunk)], tokens) for precision, chunk in variants]
 
 
@@ -120,7 +122,9 @@ def summarise(precision: str, chunk: int, runs: list[dict], tokens: int) -> dict
     return {"precision": precision, "loss_chunk_size": chunk, "tokens": tokens,
             "peak_bytes": statistics.median(r["peak_bytes"] for r in runs),
             "seconds": statistics.median(r["seconds"] for r in runs),
+            "cpu_seconds": statistics.median(r["cpu_seconds"] for r in runs),
             "peak_bytes_runs": [r["peak_bytes"] for r in runs], "seconds_runs": [round(r["seconds"], 3) for r in runs],
+            "cpu_seconds_runs": [round(r["cpu_seconds"], 3) for r in runs],
             "loss": runs[0]["loss"], **estimate(tokens, chunk, precision)}
 
 
@@ -134,6 +138,7 @@ def with_drops(rows: list[dict]) -> list[dict]:
         r["measured_drop_bytes"] = base["peak_bytes"] - r["peak_bytes"]
         r["estimated_drop_bytes"] = base["step_bytes"] - r["step_bytes"]
         r["speedup"] = base["seconds"] / r["seconds"]
+        r["cpu_speedup"] = base["cpu_seconds"] / r["cpu_seconds"]
         r["loss_rel_diff"] = abs(r["loss"] - base["loss"]) / abs(base["loss"])
     return rows
 
@@ -144,17 +149,19 @@ def mib(num: float) -> str:
 
 def render_markdown(rows: list[dict], command: str, info: dict, threads: int) -> str:
     tokens = rows[0]["tokens"]
-    lines = ["| precision | loss_chunk_size | peak RSS gained | step (fwd+bwd) | vs full logits: memory | time | "
-             "estimate: logits term | estimate: step | estimate: drop | loss rel. diff |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| precision | loss_chunk_size | peak RSS gained | step CPU time | step wall time | "
+             "vs full logits: memory | CPU time | estimate: logits term | estimate: step | estimate: drop | "
+             "loss rel. diff |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         chunk = "0 (full logits)" if r["loss_chunk_size"] == 0 else str(r["loss_chunk_size"])
         drop = f"-{mib(r['measured_drop_bytes'])}" if r["loss_chunk_size"] else ""
-        speed = f"{r['speedup']:.2f}x" if r["loss_chunk_size"] else ""
+        speed = f"{r['cpu_speedup']:.2f}x" if r["loss_chunk_size"] else ""
         estimated = f"-{mib(r['estimated_drop_bytes'])}" if r["loss_chunk_size"] else ""
         loss = f"{r['loss_rel_diff']:.1e}" if r["loss_chunk_size"] else ""
-        lines.append(f"| {r['precision']} | {chunk} | {mib(r['peak_bytes'])} | {r['seconds']:.2f} s | {drop} | "
-                     f"{speed} | {mib(r['logits_bytes'])} | {mib(r['step_bytes'])} | {estimated} | {loss} |")
+        lines.append(f"| {r['precision']} | {chunk} | {mib(r['peak_bytes'])} | {r['cpu_seconds']:.2f} s | "
+                     f"{r['seconds']:.2f} s | {drop} | {speed} | {mib(r['logits_bytes'])} | {mib(r['step_bytes'])} | "
+                     f"{estimated} | {loss} |")
     regime = (f"Regime: one CPU process, {threads} thread(s); random LLaMA, hidden {MODEL['hidden_size']}, "
               f"{MODEL['num_hidden_layers']} layers, vocabulary {MODEL['vocab_size']:,}, untied head, full "
               f"fine-tuning; one micro-batch of {tokens} tokens, all trainable; median of the interleaved rounds.")

@@ -62,12 +62,13 @@ def layer_activation_bytes(shape: ModelShape, w: Workload, stream_bytes: int, se
 def final_bytes(shape: ModelShape, w: Workload, stream_bytes: int) -> int:
     """Bytes per token outside the layers: the final norm and what the head keeps.
 
-    The plain head keeps its input cast under autocast; the chunked loss keeps a copy of the hidden states of
-    the trainable positions (counted for every token: an upper bound) and one fp32 log-sum-exp per position.
+    The plain head keeps its input (the norm's output) and, under autocast, its cast. The chunked loss keeps
+    instead a copy of the trainable positions' hidden states (counted for every token: an upper bound) and one
+    fp32 log-sum-exp per position.
     """
     norm = norm_bytes(shape.hidden_size, stream_bytes, w.finetuning_type == "full")
     if w.is_loss_chunked:
-        return norm + shape.hidden_size * stream_bytes + FP32
+        return norm + FP32
     autocast = stream_bytes == FP32 and w.compute_bytes != FP32
     return norm + (shape.hidden_size * w.compute_bytes if autocast else 0)
 

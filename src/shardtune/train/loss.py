@@ -2,9 +2,9 @@
 
 Why this shape:
 
-* The plain path materialises the logits, an fp32 copy of them and the log-softmax, and keeps them through
-  the backward: with a 150k vocabulary that is about 2.4 GB per 4096 tokens, more than a small model's
-  decoder activations. Here the loss is computed ``chunk_size`` trainable tokens at a time from the final
+* The plain path materialises the logits, an fp32 copy of them and the log-softmax, and three such tensors
+  are alive when the backward starts: with a 150k vocabulary each is 2.5 GB per 4096 tokens, more than a
+  small model's decoder activations. Here the loss is computed ``chunk_size`` trainable tokens at a time from the final
   hidden states and the output layer's weight; only each chunk's log-sum-exp is kept, and the backward
   recomputes each chunk's logits to form the gradients of the hidden states and of the weight (and bias).
   Positions whose label is ``IGNORE_INDEX`` get no logits at all: they add nothing to the loss or gradients.
@@ -261,7 +261,7 @@ def _chunk_logit_grad(chunk: torch.Tensor, w: torch.Tensor, b: torch.Tensor | No
 
 def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``out += a @ b`` without an ``out``-sized temporary (the weight gradient is as large as the head: for a
-    4096-wide head over 150k tokens 2.5 GB in fp32, 1.2 GB in bf16)."""
+    4096-wide head and a 150k vocabulary 2.5 GB in fp32, 1.2 GB in bf16)."""
     if out.dtype == a.dtype:
         out.addmm_(a, b)
         return
