@@ -13,10 +13,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from shardtune.data.collator import DataCollator
 from shardtune.engines.base import PrecisionSettings
+from shardtune.errors import ModelError
 from shardtune.model.adapters import FinetuningSettings, apply_finetuning
 from shardtune.train import loss as loss_module
 from shardtune.train.loop import evaluate, token_loss_sum, train_step
-from shardtune.train.loss import DEFAULT_LOSS_CHUNK_SIZE, linear_cross_entropy_sum
+from shardtune.train.loss import DEFAULT_LOSS_CHUNK_SIZE, causal_lm_loss_sum, linear_cross_entropy_sum
 from tests.unit.test_data_packing import varlen_reference_attention
 from tests.unit.test_loop import make_engine
 
@@ -217,11 +218,18 @@ class ScaledLlama(LlamaForCausalLM):
 def test_unannounced_logit_postprocessing_is_caught():
     torch.manual_seed(0)
     model = ScaledLlama(tiny_llama().config)
-    with pytest.raises(RuntimeError, match="loss_chunk_size: 0"):
+    with pytest.raises(ModelError, match="loss_chunk_size: 0"):
         token_loss_sum(model, batch_of(features()), 4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         token_loss_sum(model, batch_of(features()), 0)  # the full-logits path is untouched
+
+
+def test_a_head_that_sees_only_some_positions_is_refused():
+    batch = batch_of(features())
+    inputs = {"input_ids": batch["input_ids"], "logits_to_keep": 1}  # the head gets the last position only
+    with pytest.raises(ModelError, match="does not match the labels"):
+        causal_lm_loss_sum(tiny_llama(), inputs, batch["labels"], 4)
 
 
 def test_the_function_matches_cross_entropy_directly():

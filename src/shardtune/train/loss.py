@@ -4,9 +4,10 @@ Why this shape:
 
 * The plain path materialises the logits, an fp32 copy of them and the log-softmax, and three such tensors
   are alive when the backward starts: with a 150k vocabulary each is 2.5 GB per 4096 tokens, more than a
-  small model's decoder activations. Here the loss is computed ``chunk_size`` trainable tokens at a time from the final
-  hidden states and the output layer's weight; only each chunk's log-sum-exp is kept, and the backward
-  recomputes each chunk's logits to form the gradients of the hidden states and of the weight (and bias).
+  small model's decoder activations. Here the loss is computed ``chunk_size`` trainable tokens at a time from
+  the final hidden states and the output layer's weight; only each chunk's log-sum-exp is kept, and the
+  backward recomputes each chunk's logits to form the gradients of the hidden states and of the weight (and
+  bias).
   Positions whose label is ``IGNORE_INDEX`` get no logits at all: they add nothing to the loss or gradients.
 * The chunked computation runs *inside the output layer's own forward call*, during the wrapped model's
   forward. Engines only make a sharded weight whole around the forward and backward of the module that owns
@@ -17,6 +18,11 @@ Why this shape:
   (shaped ``[1, 1, 1]`` so model code that indexes its logits keeps working) and the loss is taken from the
   model's output, the tensor the engines' backward hooks are attached to. The custom autograd function saves
   the weight the way ``F.linear`` does, so whatever makes a plain head work under an engine makes this work.
+  transformers' causal LMs (5.23: ``LlamaForCausalLM.forward``) call ``self.lm_head(hidden_states[:,
+  slice_indices, :])`` with every position when ``logits_to_keep`` is 0, so the head sees ``[batch, seq,
+  hidden]`` aligned with the labels; a head called with another shape, or twice, is refused with a remedy.
+  Computing the loss outside the model from ``model.model``'s output instead would bypass the engine wrapper's
+  forward (DDP's reducer, FSDP's root unshard) and read the weight outside its owner's hooks.
 * Heads whose logits the model changes after the head (Gemma's soft-cap, Cohere's and Granite's scales) or
   that are not a plain ``nn.Linear`` (quantized, LoRA on the head) use the plain path, with a warning naming
   the reason; a model that changes the returned value anyway is caught by comparing it with the loss computed.
@@ -38,6 +44,7 @@ import torch.nn.functional as F
 
 from shardtune.config.schema import TrainConfig
 from shardtune.data.settings import IGNORE_INDEX
+from shardtune.errors import ModelError
 
 # The config key's default (its choice is measured in benchmarks/loss_memory.py).
 DEFAULT_LOSS_CHUNK_SIZE: int = TrainConfig.loss_chunk_size
@@ -80,8 +87,8 @@ def causal_lm_loss_sum(model: torch.nn.Module, inputs: dict[str, Any], labels: t
         return plain_loss_sum(output, labels)
     assert call.loss is not None
     if output.shape != (1, 1, 1) or not torch.equal(output.detach().reshape(()), call.loss.detach()):
-        raise RuntimeError("the model changed what its output layer returned (a logit cap or scale this module "
-                           "does not know); set loss_chunk_size: 0 to use the full logits")
+        raise ModelError(f"loss_chunk_size ({chunk_size}): the model changed what its output layer returned (a "
+                         "logit cap or scale shardtune does not know); set loss_chunk_size: 0 to use the full logits")
     return output.reshape(())
 
 
@@ -144,10 +151,11 @@ def _head_computes_loss(head: torch.nn.Linear, targets: torch.Tensor, chunk_size
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         if call.ran:
-            raise RuntimeError("the model called its output layer twice in one forward; set loss_chunk_size: 0")
+            raise ModelError(f"loss_chunk_size ({chunk_size}): the model called its output layer twice in one "
+                             "forward; set loss_chunk_size: 0")
         if hidden.shape[:-1] != targets.shape:
-            raise RuntimeError(f"output layer input {tuple(hidden.shape)} does not match the labels "
-                               f"{tuple(targets.shape)}; set loss_chunk_size: 0")
+            raise ModelError(f"loss_chunk_size ({chunk_size}): the output layer's input {tuple(hidden.shape)} does "
+                             f"not match the labels {tuple(targets.shape)}; set loss_chunk_size: 0")
         call.ran = True
         call.loss = linear_cross_entropy_sum(hidden, head.weight, head.bias, targets, chunk_size)
         return call.loss.reshape(1, 1, 1)
