@@ -234,7 +234,7 @@ def start_communication_runtime(argv: list[str]) -> None:
         deepspeed.comm.init_distributed(dist_backend="gloo", dist_init_required=False, verbose=False)
 
 
-def finish_without_saving(engine, tokenizer, c, output_dir, state, hooks):
+def finish_without_saving(engine, tokenizer, c, output_dir, state, hooks, memory=None):
     """The measurement ends with the loop; saving the model would only cost time and disk."""
     hooks.reporter.close()
     engine.barrier()

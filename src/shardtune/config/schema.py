@@ -136,6 +136,8 @@ class TrainConfig:
     fp16: bool = _key(False, "float16 autocast with loss scaling", TRAIN)
     seed: int = _key(42, "random seed for weights of new modules, data order and dropout", TRAIN)
     gradient_checkpointing: bool = _key(False, "recompute activations in backward to save memory", TRAIN)
+    loss_chunk_size: int = _key(1024, "tokens per chunk of the loss's logits, recomputed in backward (0: full logits)",
+                                TRAIN, minimum=0)
     dataloader_num_workers: int = _key(0, "data loader worker processes", TRAIN, minimum=0)
     do_eval: bool = _key(False, "evaluate on the val_size split", TRAIN)
     eval_strategy: str = _key("no", "when to evaluate", TRAIN, choices=("no", "steps", "epoch"))

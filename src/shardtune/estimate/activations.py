@@ -15,9 +15,11 @@ FP32 = 4
 # Autocast casts the fp32 input of each of q/k/v/gate/up_proj to bf16 separately (it caches casts of weights
 # only), and each linear keeps its own cast for the backward.
 AUTOCAST_CAST_INPUTS = 5
-# The loss is computed in fp32 on [micro_batch, seq, vocab] logits. Three such tensors are alive at the
-# forward/backward boundary: the (fp32 copy of the) logits and the log-softmax at the end of the forward,
-# then the saved log-softmax, its incoming gradient and its outgoing gradient during the first backward op.
+# With loss_chunk_size 0 the loss is computed in fp32 on [micro_batch, seq, vocab] logits. Three such tensors
+# are alive at the forward/backward boundary: the (fp32 copy of the) logits and the log-softmax at the end of
+# the forward, then the saved log-softmax, its incoming gradient and its outgoing gradient during the first
+# backward op. Chunked (shardtune.train.loss), one [chunk, vocab] fp32 tensor is alive at a time, plus, under
+# mixed precision, the compute-dtype logits it is cast from (or, in the backward, cast to).
 LOGITS_COPIES = 3
 
 
@@ -58,10 +60,17 @@ def layer_activation_bytes(shape: ModelShape, w: Workload, stream_bytes: int, se
 
 
 def final_bytes(shape: ModelShape, w: Workload, stream_bytes: int) -> int:
-    """Bytes per token outside the layers: the final norm and, under autocast, the lm_head input cast."""
+    """Bytes per token outside the layers: the final norm and what the head keeps.
+
+    The plain head keeps its input (the norm's output) and, under autocast, its cast. The chunked loss keeps
+    instead a copy of the trainable positions' hidden states (counted for every token: an upper bound) and one
+    fp32 log-sum-exp per position.
+    """
+    norm = norm_bytes(shape.hidden_size, stream_bytes, w.finetuning_type == "full")
+    if w.is_loss_chunked:
+        return norm + FP32
     autocast = stream_bytes == FP32 and w.compute_bytes != FP32
-    head_cast = shape.hidden_size * w.compute_bytes if autocast else 0
-    return norm_bytes(shape.hidden_size, stream_bytes, w.finetuning_type == "full") + head_cast
+    return norm + (shape.hidden_size * w.compute_bytes if autocast else 0)
 
 
 def decoder_activation_bytes(shape: ModelShape, w: Workload, stream_bytes: int) -> int:
@@ -75,9 +84,18 @@ def decoder_activation_bytes(shape: ModelShape, w: Workload, stream_bytes: int) 
     return w.tokens * (per_token + final_bytes(shape, w, stream_bytes))
 
 
-def logits_bytes(shape: ModelShape, w: Workload) -> int:
-    """The fp32 loss over the vocabulary (see LOGITS_COPIES)."""
-    return LOGITS_COPIES * w.tokens * shape.vocab_size * FP32
+def logits_bytes(shape: ModelShape, w: Workload, weight_bytes: int = FP32) -> int:
+    """The fp32 loss over the vocabulary: all tokens' logits, or one chunk's (see LOGITS_COPIES).
+
+    The chunked loss sums the head's weight gradient chunk by chunk, so when the head trains that gradient
+    (``weight_bytes`` per element, before the engine takes it) exists beside the chunk; the full-logits path
+    creates it only after two of its three copies are freed.
+    """
+    if not w.is_loss_chunked:
+        return LOGITS_COPIES * w.tokens * shape.vocab_size * FP32
+    cast = w.compute_bytes if w.mixed_precision else 0
+    head_gradient = shape.vocab_size * shape.hidden_size * weight_bytes if w.finetuning_type == "full" else 0
+    return min(w.loss_chunk_size, w.tokens) * shape.vocab_size * (FP32 + cast) + head_gradient
 
 
 def input_bytes(w: Workload) -> int:
@@ -88,7 +106,7 @@ def input_bytes(w: Workload) -> int:
 
 
 def activation_bytes(shape: ModelShape, w: Workload, stream_bytes: int) -> int:
-    return decoder_activation_bytes(shape, w, stream_bytes) + logits_bytes(shape, w) + input_bytes(w)
+    return decoder_activation_bytes(shape, w, stream_bytes) + logits_bytes(shape, w, stream_bytes) + input_bytes(w)
 
 
 def autocast_weight_copy_bytes(shape: ModelShape, w: Workload) -> int:

@@ -47,6 +47,7 @@ def workload_from_config(c: TrainConfig) -> Workload:
         attn_implementation=c.attn_implementation,
         optim=c.optim,
         gradient_accumulation_steps=c.gradient_accumulation_steps,
+        loss_chunk_size=c.loss_chunk_size,
     )
 
 

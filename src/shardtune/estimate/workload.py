@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardtune.config.schema import TrainConfig
 from shardtune.estimate.shape import ModelShape, freeze_trainable_params, lora_params, lora_target_modules
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -41,10 +42,15 @@ class Workload:
     attn_implementation: str = "sdpa"
     optim: str = "adamw_torch"
     gradient_accumulation_steps: int = 1
+    loss_chunk_size: int = TrainConfig.loss_chunk_size  # 0: the loss takes the full [tokens, vocab] logits
 
     @property
     def tokens(self) -> int:
         return self.micro_batch * self.seq_len
+
+    @property
+    def is_loss_chunked(self) -> bool:
+        return self.loss_chunk_size > 0
 
     @property
     def mixed_precision(self) -> bool:

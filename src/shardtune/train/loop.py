@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from shardtune.engines.base import Engine
+from shardtune.train.loss import DEFAULT_LOSS_CHUNK_SIZE, causal_lm_loss_sum
 
 IGNORE_INDEX = -100
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
@@ -34,6 +34,7 @@ class LoopSettings:
     save_each_epoch: bool = False
     eval_steps: int | None = None
     eval_each_epoch: bool = False
+    loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
 
 
 @dataclass
@@ -60,15 +61,15 @@ class LoopHooks(Protocol):
     def should_stop(self) -> bool: ...
 
 
-def token_loss_sum(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed next-token cross entropy over trainable positions, and how many there were."""
+def token_loss_sum(model: torch.nn.Module, batch: Batch,
+                   chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token cross entropy over trainable positions, and how many there were.
+
+    ``chunk_size`` > 0 never builds the full logits (shardtune.train.loss); 0 computes them whole.
+    """
     inputs = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
-    logits = model(**inputs, use_cache=False).logits
-    shift_logits = logits[:, :-1, :].float()
-    shift_labels = batch["labels"][:, 1:]
-    loss = F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss, (shift_labels != IGNORE_INDEX).sum()
+    loss = causal_lm_loss_sum(model, inputs, batch["labels"], chunk_size)
+    return loss, (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
 
 
 def count_trainable_tokens(batch: Batch) -> int:
@@ -101,7 +102,8 @@ def accumulation_windows(batches: Iterable[Batch], size: int) -> Iterator[list[B
         yield window
 
 
-def train_step(engine: Engine, window: list[Batch], max_grad_norm: float) -> dict[str, float]:
+def train_step(engine: Engine, window: list[Batch], max_grad_norm: float,
+               loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE) -> dict[str, float]:
     """Forward/backward every micro-batch of one window, then one optimizer step."""
     local_tokens = sum(count_trainable_tokens(b) for b in window)
     global_tokens = engine.all_reduce_sum(torch.tensor(float(local_tokens), device=engine.device))
@@ -111,7 +113,7 @@ def train_step(engine: Engine, window: list[Batch], max_grad_norm: float) -> dic
     for i, batch in enumerate(window):
         batch = to_device(batch, engine.device)
         with engine.accumulation_context(is_last_micro_batch=i == len(window) - 1), engine.autocast():
-            loss_sum, _ = token_loss_sum(engine.model, batch)
+            loss_sum, _ = token_loss_sum(engine.model, batch, loss_chunk_size)
         engine.backward(loss_sum * engine.loss_scale_for_mean_reduction / denominator)
         loss_total += loss_sum.detach()
     grad_norm = engine.step(max_grad_norm)
@@ -125,7 +127,7 @@ def train_step(engine: Engine, window: list[Batch], max_grad_norm: float) -> dic
 
 
 @torch.no_grad()
-def evaluate(engine: Engine, batches: Iterable[Batch]) -> float:
+def evaluate(engine: Engine, batches: Iterable[Batch], loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE) -> float:
     """Mean token loss over the eval data, summed over ranks."""
     engine.model.eval()
     total = torch.zeros((), device=engine.device)
@@ -133,7 +135,7 @@ def evaluate(engine: Engine, batches: Iterable[Batch]) -> float:
     for batch in batches:
         batch = to_device(batch, engine.device)
         with engine.autocast():
-            loss_sum, n = token_loss_sum(engine.model, batch)
+            loss_sum, n = token_loss_sum(engine.model, batch, loss_chunk_size)
         total += loss_sum.float()
         tokens += n
     engine.model.train()
@@ -153,7 +155,7 @@ def run_loop(engine: Engine, epoch_batches: Callable[[int], Iterable[Batch]], s:
         for index, window in enumerate(windows):
             if index < done_in_epoch:
                 continue
-            metrics = train_step(engine, window, s.max_grad_norm)
+            metrics = train_step(engine, window, s.max_grad_norm, s.loss_chunk_size)
             state.global_step += 1
             state.epoch = epoch + (index + 1) / s.steps_per_epoch
             state.tokens_seen += int(metrics["tokens"])

@@ -128,6 +128,7 @@ def loop_settings(c: TrainConfig, micro_batches: int, has_eval: bool) -> LoopSet
         save_each_epoch=c.save_strategy == "epoch",
         eval_steps=(c.eval_steps or c.logging_steps) if eval_on and c.eval_strategy == "steps" else None,
         eval_each_epoch=eval_on and c.eval_strategy == "epoch",
+        loss_chunk_size=c.loss_chunk_size,
     )
 
 
@@ -211,7 +212,8 @@ class RunHooks:
 
     def on_evaluate(self, state: TrainState) -> None:
         if self.eval_loader is not None:
-            self.reporter.log_eval(state.global_step, state.epoch, evaluate(self.engine, self.eval_loader))
+            self.reporter.log_eval(state.global_step, state.epoch, evaluate(self.engine, self.eval_loader,
+                                                                             self.config.loss_chunk_size))
         self.meter.start()
 
 
@@ -234,7 +236,7 @@ def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path,
         "throughput": hooks.meter.summary(),
     }
     if hooks.eval_loader is not None:
-        results["eval_loss"] = evaluate(engine, hooks.eval_loader)
+        results["eval_loss"] = evaluate(engine, hooks.eval_loader, c.loss_chunk_size)
     if memory is not None:
         results.update(memory_results(memory.per_rank(engine), memory.estimate, engine.is_main))
     if engine.is_main:

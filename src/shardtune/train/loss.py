@@ -1,0 +1,282 @@
+"""Next-token cross entropy that never holds the full ``[tokens, vocab]`` logits.
+
+Why this shape:
+
+* The plain path materialises the logits, an fp32 copy of them and the log-softmax, and three such tensors
+  are alive when the backward starts: with a 150k vocabulary each is 2.5 GB per 4096 tokens, more than a
+  small model's decoder activations. Here the loss is computed ``chunk_size`` trainable tokens at a time from
+  the final hidden states and the output layer's weight; only each chunk's log-sum-exp is kept, and the
+  backward recomputes each chunk's logits to form the gradients of the hidden states and of the weight (and
+  bias).
+  Positions whose label is ``IGNORE_INDEX`` get no logits at all: they add nothing to the loss or gradients.
+* The chunked computation runs *inside the output layer's own forward call*, during the wrapped model's
+  forward. Engines only make a sharded weight whole around the forward and backward of the module that owns
+  it: DeepSpeed ZeRO-3 gathers ``lm_head.weight`` in the head's pre-forward hook and again in a pre-backward
+  hook it attaches to the head's output; FSDP1/FSDP2 unshard the root unit's parameters (the head lives in the
+  root) around the root's forward and backward. Reading the weight anywhere else sees an empty shard. So for
+  one forward of the model the head's ``forward`` is replaced by a function that returns the summed loss
+  (shaped ``[1, 1, 1]`` so model code that indexes its logits keeps working) and the loss is taken from the
+  model's output, the tensor the engines' backward hooks are attached to. The custom autograd function saves
+  the weight the way ``F.linear`` does, so whatever makes a plain head work under an engine makes this work.
+  transformers' causal LMs (5.23: ``LlamaForCausalLM.forward``) call ``self.lm_head(hidden_states[:,
+  slice_indices, :])`` with every position when ``logits_to_keep`` is 0, so the head sees ``[batch, seq,
+  hidden]`` aligned with the labels; a head called with another shape, or twice, is refused with a remedy.
+  Computing the loss outside the model from ``model.model``'s output instead would bypass the engine wrapper's
+  forward (DDP's reducer, FSDP's root unshard) and read the weight outside its owner's hooks.
+* Heads whose logits the model changes after the head (Gemma's soft-cap, Cohere's and Granite's scales) or
+  that are not a plain ``nn.Linear`` (quantized, LoRA on the head) use the plain path, with a warning naming
+  the reason; a model that changes the returned value anyway is caught by comparing it with the loss computed.
+* Mixed precision follows what autocast does to ``nn.Linear`` in the plain path: chunk logits are computed in
+  the autocast dtype, then the loss in fp32; the backward rounds the logits' gradient to that dtype before
+  both matmuls. The weight gradient is summed over chunks in the weight's dtype (fp32 under autocast).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from shardtune.config.schema import TrainConfig
+from shardtune.data.settings import IGNORE_INDEX
+from shardtune.errors import ModelError
+
+# The config key's default (its choice is measured in benchmarks/loss_memory.py).
+DEFAULT_LOSS_CHUNK_SIZE: int = TrainConfig.loss_chunk_size
+# Rows of the head's weight gradient per mixed-precision product (its temporary: 64 MiB at hidden 4096, bf16).
+PRODUCT_BLOCK_ROWS = 8192
+# Config attributes with which a model rescales or caps the head's logits after the head returns them.
+LOGIT_POSTPROCESSING_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier",
+                             "output_multiplier_scale")
+
+
+def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """``labels`` shifted left by one: position i is scored on token i + 1; the last position on nothing."""
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[..., :-1] = labels[..., 1:]
+    return targets
+
+
+def plain_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed fp32 cross entropy over the full logits (the reference the chunked path must match)."""
+    shift_logits = logits[:, :-1, :].float()
+    shift_labels = labels[:, 1:]
+    return F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def causal_lm_loss_sum(model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor,
+                       chunk_size: int) -> torch.Tensor:
+    """Summed next-token cross entropy of one forward of ``model`` on ``inputs``.
+
+    ``chunk_size`` > 0 computes it chunk by chunk inside the output layer (see the module docstring);
+    0, or a head that cannot be chunked exactly, takes the full logits.
+    """
+    head = chunkable_output_layer(model) if chunk_size > 0 else None
+    if head is None:
+        return plain_loss_sum(model(**inputs, use_cache=False).logits, labels)
+    with _head_computes_loss(head, next_token_targets(labels), chunk_size) as call:
+        output = model(**inputs, use_cache=False).logits
+    if not call.ran:
+        # The model never called its output layer: it produced the logits some other way.
+        return plain_loss_sum(output, labels)
+    assert call.loss is not None
+    if output.shape != (1, 1, 1) or not torch.equal(output.detach().reshape(()), call.loss.detach()):
+        raise ModelError(f"loss_chunk_size ({chunk_size}): the model changed what its output layer returned (a "
+                         "logit cap or scale shardtune does not know); set loss_chunk_size: 0 to use the full logits")
+    return output.reshape(())
+
+
+# --- which heads can be chunked ---
+
+def chunkable_output_layer(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The model's output layer as a plain ``nn.Linear``, or None (with a warning) when chunking cannot be exact."""
+    found = _causal_lm(model)
+    head = _innermost(found.get_output_embeddings()) if found is not None else None
+    reason = unchunkable_reason(found, head)
+    if reason is not None:
+        warnings.warn(f"loss_chunk_size: computing the loss from the full logits: {reason}", stacklevel=3)
+        return None
+    return head
+
+
+def unchunkable_reason(model: torch.nn.Module | None, head: torch.nn.Module | None) -> str | None:
+    if model is None or head is None:
+        return "the model has no output layer (get_output_embeddings() is None)"
+    if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
+        return f"its output layer is a {type(head).__name__}, not a plain Linear (quantized or adapted head)"
+    config = getattr(model, "config", None)
+    for key in LOGIT_POSTPROCESSING_KEYS:
+        value = getattr(config, key, None)
+        if value is not None and value != 1:
+            return f"the model rescales or caps its logits after the head ({key}={value})"
+    return None
+
+
+def _causal_lm(model: torch.nn.Module) -> Any:
+    """The model that has ``get_output_embeddings``, below engine wrappers that expose it as ``.module``."""
+    current: Any = model
+    while not hasattr(current, "get_output_embeddings"):
+        inner = getattr(current, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            return None
+        current = inner
+    return current
+
+
+def _innermost(head: torch.nn.Module | None) -> torch.nn.Module | None:
+    """An FSDP1 unit wrapping the head itself unshards around its inner module's call: patch that one."""
+    while head is not None and not isinstance(head, torch.nn.Linear) and isinstance(getattr(head, "module", None),
+                                                                                   torch.nn.Module):
+        head = head.module
+    return head
+
+
+# --- the head's forward, replaced for one model call ---
+
+@dataclass
+class _HeadCall:
+    ran: bool = False
+    loss: torch.Tensor | None = None
+
+
+@contextlib.contextmanager
+def _head_computes_loss(head: torch.nn.Linear, targets: torch.Tensor, chunk_size: int) -> Iterator[_HeadCall]:
+    call = _HeadCall()
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        if call.ran:
+            raise ModelError(f"loss_chunk_size ({chunk_size}): the model called its output layer twice in one "
+                             "forward; set loss_chunk_size: 0")
+        if hidden.shape[:-1] != targets.shape:
+            raise ModelError(f"loss_chunk_size ({chunk_size}): the output layer's input {tuple(hidden.shape)} does "
+                             f"not match the labels {tuple(targets.shape)}; set loss_chunk_size: 0")
+        call.ran = True
+        call.loss = linear_cross_entropy_sum(hidden, head.weight, head.bias, targets, chunk_size)
+        return call.loss.reshape(1, 1, 1)
+
+    head.forward = forward  # an instance attribute: nn.Module.__call__ still runs every hook around it
+    try:
+        yield call
+    finally:
+        del head.forward
+
+
+def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             targets: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """``cross_entropy(hidden @ weight.T + bias, targets, reduction="sum")`` over rows whose target is not
+    IGNORE_INDEX, ``chunk_size`` rows at a time, in the dtype autocast would give the head."""
+    rows = hidden.reshape(-1, hidden.size(-1))
+    flat = targets.reshape(-1)
+    kept = (flat != IGNORE_INDEX).nonzero().squeeze(1)
+    # Even with no trainable token the call stays in the graph, so every rank runs the same hooks and
+    # collectives and every parameter gets a (zero) gradient.
+    return _ChunkedLinearCrossEntropy.apply(rows.index_select(0, kept), weight, bias, flat.index_select(0, kept),
+                                            chunk_size, _compute_dtype(hidden, weight))
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device) and weight.dtype in (torch.float32, torch.float64):
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Saves the inputs and one log-sum-exp per row; the backward recomputes each chunk's logits."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                targets: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
+        lse = torch.empty(rows.size(0), dtype=_loss_dtype(dtype), device=rows.device)
+        total = torch.zeros((), dtype=_loss_dtype(dtype), device=rows.device)
+        with torch.autocast(rows.device.type, enabled=False):
+            w, b = weight.to(dtype), bias.to(dtype) if bias is not None else None
+            for start in range(0, rows.size(0), chunk_size):
+                end = min(start + chunk_size, rows.size(0))
+                total += _chunk_loss_sum(rows[start:end], w, b, targets[start:end], lse[start:end], dtype)
+        ctx.save_for_backward(rows, weight, bias, targets, lse)
+        ctx.chunk_size, ctx.dtype = chunk_size, dtype
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        rows, weight, bias, targets, lse = ctx.saved_tensors
+        need_rows, need_weight, need_bias = ctx.needs_input_grad[:3]
+        dtype = ctx.dtype
+        grad_rows = torch.zeros_like(rows) if need_rows else None
+        grad_weight = torch.zeros_like(weight) if need_weight else None
+        grad_bias = torch.zeros(weight.size(0), dtype=_loss_dtype(dtype), device=weight.device) if need_bias else None
+        with torch.autocast(rows.device.type, enabled=False):
+            w, b = weight.to(dtype), bias.to(dtype) if bias is not None else None
+            for start in range(0, rows.size(0), ctx.chunk_size):
+                end = min(start + ctx.chunk_size, rows.size(0))
+                _chunk_backward(rows[start:end].to(dtype), w, b, targets[start:end], lse[start:end], grad_total,
+                                grad_rows[start:end] if grad_rows is not None else None, grad_weight, grad_bias)
+        return grad_rows, grad_weight, _as(grad_bias, bias), None, None, None
+
+
+def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32, as the plain path's ``logits.float()`` (fp64 stays fp64, which lets gradcheck test this)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _chunk_logits(chunk: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Logits of one chunk in the loss dtype, computed (and rounded) in ``dtype`` as the plain head would."""
+    return F.linear(chunk.to(dtype), w, b).to(_loss_dtype(dtype))
+
+
+def _chunk_loss_sum(chunk: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, targets: torch.Tensor,
+                    lse_out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Summed cross entropy of one chunk; writes each row's log-sum-exp into ``lse_out``.
+
+    The log-sum-exp is taken in place so that one fp32 ``[chunk, vocab]`` tensor is alive, not two.
+    """
+    logits = _chunk_logits(chunk, w, b, dtype)
+    picked = logits.gather(1, targets[:, None]).squeeze(1)
+    peak = logits.amax(dim=1, keepdim=True)
+    lse_out.copy_(logits.sub_(peak).exp_().sum(dim=1).log_().add_(peak.squeeze(1)))
+    return (lse_out - picked).sum()
+
+
+def _chunk_backward(chunk: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, targets: torch.Tensor,
+                    lse: torch.Tensor, grad_total: torch.Tensor, grad_rows: torch.Tensor | None,
+                    grad_weight: torch.Tensor | None, grad_bias: torch.Tensor | None) -> None:
+    """Add one chunk's share to the gradients. A function of its own so that the chunk's ``[chunk, vocab]``
+    gradient is freed before the next chunk's is built (a loop variable would keep two alive)."""
+    grad_logits = _chunk_logit_grad(chunk, w, b, targets, lse, grad_total, w.dtype)
+    if grad_rows is not None:
+        grad_rows.copy_(grad_logits @ w)
+    if grad_weight is not None:
+        _add_product(grad_weight, grad_logits.t(), chunk)
+    if grad_bias is not None:
+        grad_bias += grad_logits.sum(0, dtype=grad_bias.dtype)
+
+
+def _chunk_logit_grad(chunk: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, targets: torch.Tensor,
+                      lse: torch.Tensor, grad_total: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """d(loss)/d(logits) of one chunk: softmax minus one-hot, times the incoming gradient, in ``dtype``."""
+    probs = _chunk_logits(chunk, w, b, dtype)
+    probs.sub_(lse[:, None]).exp_()
+    probs[torch.arange(probs.size(0), device=probs.device), targets] -= 1.0
+    return probs.mul_(grad_total).to(dtype)
+
+
+def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b`` without an ``out``-sized temporary (the weight gradient is as large as the head: for a
+    4096-wide head and a 150k vocabulary 2.5 GB in fp32, 1.2 GB in bf16)."""
+    if out.dtype == a.dtype:
+        out.addmm_(a, b)
+        return
+    # A bf16 product cannot be added into fp32 in one call on every device: add it a block of rows at a time.
+    for start in range(0, out.size(0), PRODUCT_BLOCK_ROWS):
+        out[start:start + PRODUCT_BLOCK_ROWS] += a[start:start + PRODUCT_BLOCK_ROWS] @ b
+
+
+def _as(grad: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
+    return None if grad is None or like is None else grad.to(like.dtype)
