@@ -149,8 +149,11 @@ class RssProbe:
         # peak is another lower bound; the larger of the two is the measurement.
         anon_at_hwm = end["VmHWM"] - self.mapped_peak
         anon_peak = max(self.anon_peak, anon_at_hwm)
+        setup = self.marks.get("before_loop", end)
         return {"baseline": self.baseline, "end": end, "marks": self.marks,
                 "rss_peak_delta": end["VmHWM"] - self.baseline["VmRSS"],
+                # The high-water mark when the loop began: the model built, loaded and sharded, the optimizer made.
+                "setup_rss_peak_delta": setup["VmHWM"] - self.baseline["VmRSS"],
                 "anon_sampled_delta": self.anon_peak - self.baseline["RssAnon"],
                 "anon_at_hwm_delta": anon_at_hwm - self.baseline["RssAnon"],
                 "peak_delta": anon_peak - self.baseline["RssAnon"]}
@@ -290,15 +293,18 @@ def estimate_row(argv: list[str], engine: str) -> dict:
     """The estimate shardtune makes for this config and engine (what train_results.json records)."""
     from shardtune.config.args import load_config
     from shardtune.engines.plan import plan_engine
-    from shardtune.estimate.config import configured_option, estimate_for_run, hardware_for
+    from shardtune.estimate.config import configured_option, estimate_for_run, estimate_run_memory, hardware_for
 
     config, _ = load_config(argv)
     plan, problems = plan_engine(config, NPROC, has_cuda=False)
     assert not problems, problems
     measurable = estimate_for_run(config, NPROC, plan.kind, fsdp_settings=plan.fsdp, deepspeed_raw=plan.deepspeed_raw,
                                   local_world_size=NPROC)
+    run = estimate_run_memory(config, NPROC, plan.kind, fsdp_settings=plan.fsdp, deepspeed_raw=plan.deepspeed_raw,
+                              local_world_size=NPROC)
     option = configured_option(config, hardware_for(NPROC, NPROC, None, 0))
-    return {"estimate": measurable, "option": option.name, "components": option.device.to_dict()}
+    return {"estimate": measurable, "setup_estimate": run.setup if run else None, "option": option.name,
+            "components": option.device.to_dict()}
 
 
 def run_one(spec: ModelSpec, engine: str, work: Path, steps: int, accumulation: int) -> dict:
@@ -311,6 +317,7 @@ def run_one(spec: ModelSpec, engine: str, work: Path, steps: int, accumulation: 
     measured = max(r["peak_delta"] for r in ranks)
     row.update(model=spec.name, engine=ENGINE_TITLES[engine], params=model_params(model_dir),
                measured=measured, measured_rss=max(r["rss_peak_delta"] for r in ranks),
+               measured_setup_rss=max(r["setup_rss_peak_delta"] for r in ranks),
                per_rank=[r["peak_delta"] for r in ranks], seconds=round(time.perf_counter() - start, 1),
                batch_shapes=sorted({tuple(s) for r in ranks for s in r["batch_shapes"]}),
                late_imports=max(len(r["imported_after_baseline"]) for r in ranks),
@@ -325,11 +332,13 @@ def model_params(model_dir: Path) -> int:
 
 
 def render_markdown(rows: list[dict], command: str, info: dict, accumulation: int) -> str:
-    lines = ["| model | params | engine | estimate | measured | error | RSS incl. file pages |",
-             "|---|---:|---|---:|---:|---:|---:|"]
+    lines = ["| model | params | engine | estimate | measured | error | RSS incl. file pages | loading peak: "
+             "estimate | loading peak: RSS measured |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        setup = mib(r["setup_estimate"]) if r.get("setup_estimate") is not None else "-"
         lines.append(f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['engine']} | {mib(r['estimate'])} | "
-                     f"{mib(r['measured'])} | {100 * r['error']:+.1f}% | {mib(r['measured_rss'])} |")
+                     f"{mib(r['measured'])} | {100 * r['error']:+.1f}% | {mib(r['measured_rss'])} | {setup} | "
+                     f"{mib(r['measured_setup_rss'])} |")
     worst = max(abs(r["error"]) for r in rows)
     footer = f"Largest error: {100 * worst:.1f}% (gradient_accumulation_steps {accumulation})."
     if accumulation == 1:
