@@ -87,9 +87,9 @@ class FSDPEngine(DistributedMixin, TorchEngine):
         if self.quantized:
             prepare_qlora_for_fsdp(model, self.mixed_precision or torch.bfloat16)
         if self.loading is None:
-            # A model loaded whole on every rank (tests, scripts): on the device first, so that the broadcast
-            # below moves device tensors, as NCCL requires.
-            model.to(self.device if not self.settings.offload_params else torch.device("cpu"))
+            # A model loaded whole on every rank (QLoRA, tests, scripts): on the device first, so that the
+            # broadcast below moves device tensors, as NCCL requires (offloading moves the shards back to the host).
+            model.to(self.device)
             if self.settings.sync_module_states:
                 broadcast_from_rank0(model)
         if self.settings.version == 2:
