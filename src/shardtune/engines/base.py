@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from shardtune.engines.sharded_loading import ShardedLoad
     from shardtune.model.source import ModelSource
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -43,6 +44,7 @@ class Engine(ABC):
     def __init__(self, precision: PrecisionSettings, device: torch.device) -> None:
         self.precision = precision
         self.device = device
+        self.loading: ShardedLoad | None = None  # set by sharding engines that fill a skeleton
 
     # --- topology ---
     @property
@@ -78,7 +80,7 @@ class Engine(ABC):
     @property
     def weights_bytes_read(self) -> int:
         """Bytes of checkpoint weights this rank read itself (sharding engines load tensor by tensor)."""
-        return 0
+        return self.loading.bytes_read if self.loading is not None else 0
 
     @abstractmethod
     def prepare(self, model: torch.nn.Module, build_optimizer: OptimizerFactory,

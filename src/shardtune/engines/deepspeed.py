@@ -50,7 +50,6 @@ class DeepSpeedEngine(DistributedMixin, Engine):
         self.ctx = ctx
         self.ds_config = ds_config
         self.ds: Any = None  # deepspeed.runtime.engine.DeepSpeedEngine once prepared
-        self.loading: ShardedLoad | None = None
         self._boundary_marked = False
 
     # --- topology ---
@@ -93,10 +92,6 @@ class DeepSpeedEngine(DistributedMixin, Engine):
         stack.enter_context(prevent_arange_dtype_change())
         stack.enter_context(deepspeed.zero.Init(config_dict_or_path=self.ds_config))
         return stack
-
-    @property
-    def weights_bytes_read(self) -> int:
-        return self.loading.bytes_read if self.loading is not None else 0
 
     def prepare(self, model: torch.nn.Module, build_optimizer: OptimizerFactory,
                 build_scheduler: SchedulerFactory) -> None:

@@ -64,7 +64,6 @@ class FSDPEngine(DistributedMixin, TorchEngine):
         self.mesh = build_mesh(settings, ctx)
         # FSDP shards gradients; torch's GradScaler cannot unscale them (validation refuses fp16 before launch).
         self.scaler = None
-        self.loading: ShardedLoad | None = None
         self.quantized = False
 
     def build_model(self, source: ModelSource) -> torch.nn.Module:
@@ -116,10 +115,6 @@ class FSDPEngine(DistributedMixin, TorchEngine):
     def autocast(self) -> contextlib.AbstractContextManager:
         # FSDP's mixed-precision policy already runs the model in bf16; autocast on top would change the numerics.
         return contextlib.nullcontext()
-
-    @property
-    def weights_bytes_read(self) -> int:
-        return self.loading.bytes_read if self.loading is not None else 0
 
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         if self.settings.version == 2:
