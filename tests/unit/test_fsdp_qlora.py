@@ -253,7 +253,8 @@ def test_4bit_lora_sharded_matches_one_unsharded_process(mode, tiny_model_dir, t
     pytest.importorskip("bitsandbytes")
     reference = _run_worker(tiny_model_dir, tmp_path / "reference", "none", 1)
     sharded = _run_worker(tiny_model_dir, tmp_path / mode, mode, 2)
-    assert sharded["losses"] == pytest.approx(reference["losses"], rel=1e-4)
+    # bf16 products summed over two ranks' halves in another order: seen 1.2e-4 apart on a 16-core host.
+    assert sharded["losses"] == pytest.approx(reference["losses"], rel=5e-4)
     assert reference["losses"][-1] < reference["losses"][0]
     assert sharded["missing_quant_state"] == [] and sharded["unsafe_units"] == []
     assert sharded["packed_bytes_unchanged"]
@@ -327,12 +328,16 @@ def _load_4bit_lora(model_dir: str) -> torch.nn.Module:
 def _wrap(model: torch.nn.Module, mode: str) -> tuple[torch.nn.Module, list[str]]:
     layers = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
     if mode == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # A host mesh: FSDP2's default mesh is on CUDA wherever a GPU is visible, which these gloo ranks and their
+        # host 4-bit weights are not (seen: both ranks crashed with SIGSEGV on a one-GPU machine).
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
         unsafe = fsdp2_units_unsafe_for_4bit(layers, model)
         for layer in layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model, unsafe
     if mode == "fsdp1":
         import functools

@@ -92,12 +92,12 @@ class FSDPEngine(DistributedMixin, TorchEngine):
             if self.settings.sync_module_states:
                 broadcast_from_rank0(model)
         if self.settings.version == 2:
-            self.model = shard_fsdp2(model, self.settings, self.mesh, self.device, self.mixed_precision)
+            self.model = shard_fsdp2(model, self.settings, self.mesh, self.device, self.param_cast_dtype)
             if self.loading is not None:
                 fill_fully_sharded(self.model, self.loading, self.storage_device)
         else:
             init = fsdp1_param_init(model, self.loading) if self.loading is not None else None
-            self.model = wrap_fsdp1(model, self.settings, self.mesh, self.device, self.mixed_precision, init,
+            self.model = wrap_fsdp1(model, self.settings, self.mesh, self.device, self.param_cast_dtype, init,
                                     extra_units=fsdp1_lora_units(model) if self.quantized else [])
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad])
         self.scheduler = build_scheduler(self.optimizer)
@@ -112,8 +112,21 @@ class FSDPEngine(DistributedMixin, TorchEngine):
         """bf16 parameters in forward and backward, fp32 sharded master weights and gradient reductions."""
         return self.precision.autocast_dtype
 
+    @property
+    def param_cast_dtype(self) -> torch.dtype | None:
+        """The dtype FSDP casts parameters to before gathering them; None keeps each parameter's own.
+
+        QLoRA keeps its own dtypes: cast to bf16, the fp32 LoRA weights would leave the packed 4-bit weights the
+        only dtype of their unit, which FSDP2 then gathers as floats (see ``fsdp_qlora``), and under FSDP1 the
+        fp32 activations of bitsandbytes' layers would meet bf16 weights. Autocast does the bf16 compute instead,
+        as in a single-process QLoRA run.
+        """
+        return None if self.quantized else self.mixed_precision
+
     def autocast(self) -> contextlib.AbstractContextManager:
         # FSDP's mixed-precision policy already runs the model in bf16; autocast on top would change the numerics.
+        if self.quantized:
+            return super().autocast()
         return contextlib.nullcontext()
 
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
@@ -336,6 +349,19 @@ def wrap_fsdp1(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, device
         # Buffers (rotary frequencies) keep their dtype: they are not trained and bf16 would round them.
         mixed_precision=MixedPrecision(param_dtype=compute_dtype, reduce_dtype=torch.float32) if compute_dtype
         else None,
-        use_orig_params=s.use_orig_params,
+        use_orig_params=fsdp1_uses_orig_params(s, mesh, bool(extra_units)),
         device_mesh=mesh if s.is_hybrid else None,
     )
+
+
+def fsdp1_uses_orig_params(s: FsdpSettings, mesh: DeviceMesh, has_frozen_units: bool) -> bool:
+    """``use_orig_params``, unless it would lose the parameters of wholly frozen units.
+
+    Unsharded (NO_SHARD, which FSDP1 also picks by itself on one process) with original parameters, FSDP1
+    exposes a unit's parameters as plain tensors during forward and restores them in its post-backward hook,
+    which never runs for a unit with nothing to train: its weights are then missing from every state dict
+    (seen with QLoRA, whose decoder layers are frozen units beside the LoRA units). Flat parameters do not
+    have this problem, and each of these units has one requires_grad value, which they need.
+    """
+    unsharded = s.sharding_strategy == "NO_SHARD" or mesh.size() == 1
+    return s.use_orig_params and not (unsharded and has_frozen_units)
