@@ -329,7 +329,8 @@ def test_8b_full_finetuning_on_one_node_of_eight_80gib_gpus():
         assert sharded.setup_cpu_per_node <= shape.checkpoint_copy_bytes == 2 * p  # one bf16 copy per node
         assert sharded.cpu_per_node == sharded.setup_cpu_per_node + 8 * CPU_RUNTIME_BYTES
         assert sharded.setup_device < p  # its shard plus one gathered piece, never the whole model
-    assert options["DDP"].setup_cpu_per_node == 8 * 4 * p  # every rank loads its own fp32 copy
+    # Every rank loads its own fp32 copy from the checkpoint, which the node's page cache holds once.
+    assert options["DDP"].setup_cpu_per_node == 8 * 4 * p + shape.checkpoint_copy_bytes
     best = recommend(list(options.values()), hw).option
     assert best is not None and best.fits and best.device_peak <= 80 * GiB
 
@@ -339,8 +340,12 @@ def test_setup_peak_per_loading_path():
     options = {o.name: o for o in build_options(LLAMA3_8B, Workload(1, 512, "bf16"), Hardware(1, n, 80 * GiB,
                                                                                                 2048 * GiB))}
     piece = LLAMA3_8B.embedding_params  # the largest tensor a sharded load gathers at once
-    assert options["DDP"].setup.device == 4 * p and options["DDP"].setup.host_per_rank == 4 * p
-    assert options["ZeRO-2"].setup.device == 2 * p  # deepspeed.initialize casts, then moves the whole module
+    # DDP: the fp32 weights and the reducer's fp32 gradient buckets, allocated when DDP wraps the model.
+    assert options["DDP"].setup.device == 8 * p and options["DDP"].setup.host_per_rank == 4 * p
+    # ZeRO-2: the bf16 module, then the fp32 master partition and Adam's two states (an eighth each).
+    assert options["ZeRO-2"].setup.device == pytest.approx(2 * p + 12 * p / n)
+    for name in ("DDP", "ZeRO-2"):
+        assert options[name].setup.rank_maps_checkpoint and options[name].setup.host_per_node == 4 * p
     assert options["FSDP FULL_SHARD"].setup.device == pytest.approx(4 * p / n + 4 * piece)
     assert options["FSDP offload"].setup.device == 4 * piece
     assert options["FSDP offload"].setup.host_per_rank == pytest.approx(4 * p / n)
@@ -413,5 +418,9 @@ def test_run_comparison_with_a_setup_peak_and_on_a_gpu():
     assert (gpu.training, gpu.setup, gpu.runtime, gpu.peak) == (15.0, 40.0, 0.0, 40.0)
     cpu = run_memory_estimate(Components(parameters=10.0), Setup(device=4.0, host_per_rank=8.0, host_per_node=3.0),
                               on_gpu=False, engine_kind="fsdp")
-    assert cpu.setup == 8.0 + 3.0  # the rank that reads the checkpoint for the others holds that copy too
+    assert cpu.setup == 8.0  # a sharded load opens the checkpoint one tensor at a time: its pages are not the rank's
+    mapped = run_memory_estimate(Components(parameters=10.0), Setup(device=4.0, host_per_rank=8.0, host_per_node=3.0,
+                                                                    rank_maps_checkpoint=True),
+                                 on_gpu=False, engine_kind="ddp")
+    assert mapped.setup == 8.0 + 3.0  # from_pretrained maps the whole file: its pages count in the rank's memory
     assert compare_run_memory(None, [1]) == ({"estimated_memory_bytes": None}, None)

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from shardtune.config.compat import translate_keys
 from shardtune.config.schema import UNSUPPORTED_KEYS, TrainConfig, config_fields
 from shardtune.errors import ConfigError
 
@@ -59,7 +60,7 @@ def build_config(values: dict[str, Any], source: str = "config") -> TrainConfig:
     """Check and convert raw values into a ``TrainConfig``; raise one ConfigError listing every problem."""
     fields = {f.name: f for f in config_fields()}
     hints = typing.get_type_hints(TrainConfig)
-    problems: list[str] = []
+    values, problems = translate_keys(values)  # LLaMA-Factory and Trainer spellings -> shardtune keys
     converted: dict[str, Any] = {}
     for key, raw in values.items():
         if key not in fields:

@@ -47,11 +47,11 @@ class RunMemoryEstimate:
 
 
 def run_memory_estimate(device: Components, setup: Setup, on_gpu: bool, engine_kind: str) -> RunMemoryEstimate:
-    """The comparable estimate from an option's memory: on the CPU the device is host memory, the rank that
-    reads the checkpoint for the others (rank 0) holds that copy too, and the runtime adds to both phases."""
+    """The comparable estimate from an option's memory: on the CPU the device is host memory (a rank that maps
+    the whole checkpoint counts its pages too), and the runtime adds to both phases."""
     if on_gpu:
         return RunMemoryEstimate(device.measurable, setup.device, 0.0)
-    host = max(setup.device, setup.host_per_rank) + setup.host_per_node
+    host = setup.host_peak_per_rank
     runtime = CPU_RUN_RUNTIME_BYTES.get(engine_kind, max(CPU_RUN_RUNTIME_BYTES.values()))
     return RunMemoryEstimate(device.measurable, host, runtime)
 

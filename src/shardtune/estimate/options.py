@@ -65,7 +65,16 @@ class Setup:
 
     device: float  # on each rank's device
     host_per_rank: float = 0.0  # host memory each rank fills itself (its own full copy, or its offloaded shard)
-    host_per_node: float = 0.0  # host memory held once per node: the one checkpoint copy that fills the shards
+    host_per_node: float = 0.0  # host memory held once per node: the checkpoint's copy in the page cache
+    # Each rank maps the whole checkpoint file while it loads (from_pretrained), so its resident memory counts the
+    # page-cache copy too; a sharded load opens the file for one tensor at a time and does not.
+    rank_maps_checkpoint: bool = False
+
+    @property
+    def host_peak_per_rank(self) -> float:
+        """A rank's resident memory while loading, where the device is the host (CPU runs)."""
+        mapped = self.host_per_node if self.rank_maps_checkpoint else 0.0
+        return max(self.device, self.host_per_rank + mapped)
 
 
 @dataclass(frozen=True)
@@ -160,9 +169,10 @@ class Context:
 # --- loading: how the weights reach each rank ---
 
 def full_load_setup(c: Context, device_bytes: float) -> Setup:
-    """DDP and ZeRO-1/2: every rank reads the whole checkpoint into fp32 weights on its host, then moves them
-    (DeepSpeed: casts and moves them) to its device."""
-    return Setup(device=device_bytes, host_per_rank=weight_bytes(c.shape, c.workload, FP32))
+    """DDP and ZeRO-1/2: every rank maps the whole checkpoint and reads it into fp32 weights on its host, then
+    moves them (DeepSpeed: casts and moves them) to its device, where the engine builds its buffers."""
+    return Setup(device=device_bytes, host_per_rank=weight_bytes(c.shape, c.workload, FP32),
+                 host_per_node=c.shape.checkpoint_copy_bytes, rank_maps_checkpoint=True)
 
 
 def sharded_load_setup(c: Context, shard: float, module_bytes: int, offload: bool) -> Setup:
@@ -190,7 +200,8 @@ def ddp_states(c: Context) -> tuple[Components, float, Setup]:
         buffers=buckets + autocast_weight_copy_bytes(c.shape, w),
         activations=activation_bytes(c.shape, w, FP32),
     )
-    return device, 0.0, full_load_setup(c, weights)
+    # The reducer allocates its buckets when DDP wraps the model (on the CPU they stay unwritten until a backward).
+    return device, 0.0, full_load_setup(c, weights + buckets)
 
 
 def fsdp_units(c: Context) -> tuple[float, float]:
@@ -300,12 +311,19 @@ def staging_bucket_bytes(z: ZeroSettings, b: int, trainable: int, activations: f
 
 
 def zero_setup(c: Context, z: ZeroSettings, weights: float) -> Setup:
-    """ZeRO-1/2 load like DDP and deepspeed.initialize casts and moves the whole module before partitioning it.
+    """ZeRO-1/2 load like DDP; deepspeed.initialize casts and moves the whole module, copies it into one flat
+    buffer, then creates the fp32 master partition and the optimizer states by stepping once on zero gradients.
+    The module and the flat buffer coexist only where there is room: DeepSpeed flattens on the GPU when it has
+    the memory free, else through host memory; on CPU ranks the host is the device.
+
     ZeRO-3 builds the model inside deepspeed.zero.Init (a sharded load); creating the optimizer then fills a
     zeroed fp32 gradient buffer as large as the trainable parameters (up to sub_group_size) next to the
     partition, on the device unless the optimizer is offloaded."""
     if z.stage < 3:
-        return full_load_setup(c, weights)
+        master_and_states = 0.0 if z.offload_optimizer else \
+            (FP32 + c.workload.optimizer_state_bytes) * c.trainable / c.ranks
+        flattening = weights if c.hardware.on_gpu else 2 * weights
+        return full_load_setup(c, max(flattening, weights + master_and_states))
     load = sharded_load_setup(c, weights / c.ranks, c.ds_bytes, z.offload_params)
     if z.offload_optimizer:
         return load
