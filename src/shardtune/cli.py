@@ -14,6 +14,7 @@ commands:
   export SOURCE --out DIR [--merge-lora] [--model BASE] turn a checkpoint or output into a Hugging Face folder
   make-tiny-model --out DIR [--layers N --hidden N ...]  write a random tiny LLaMA + local tokenizer
   keys [--markdown]                                      list every config key
+  convert-config FILE.yaml [--out NEW.yaml]              what happens to each key of a LLaMA-Factory file
 
 Run `shardtune train --help` for every config key with its type, default and description.
 Set SHARDTUNE_DEBUG=1 (or pass --debug) to see tracebacks for errors."""
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     handlers = {"train": _train, "check": _check, "estimate": _estimate, "export": _export,
-                "make-tiny-model": _make_tiny_model, "keys": _keys}
+                "make-tiny-model": _make_tiny_model, "keys": _keys, "convert-config": _convert_config}
     if command not in handlers:
         print(f"shardtune: unknown command '{command}'\n\n{USAGE}", file=sys.stderr)
         return 2
@@ -127,6 +128,25 @@ def _make_tiny_model(args: list[str]) -> int:
                            intermediate=ns.intermediate, vocab_size=ns.vocab_size, seed=ns.seed)
     print(f"tiny model written to {out}")
     return 0
+
+
+def _convert_config(args: list[str]) -> int:
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="shardtune convert-config",
+                                     description="Each key of a LLaMA-Factory or Trainer YAML file: honoured, mapped "
+                                                 "(and to what), refused (and why) or unknown. Exit 0 when the file "
+                                                 "runs as it is, 2 otherwise.")
+    parser.add_argument("config", help="the YAML file")
+    parser.add_argument("--out", help="also write the file in shardtune's spelling")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    ns = parser.parse_args(args)
+    from shardtune.config.convert import convert_config
+
+    lines, runs = convert_config(Path(ns.config), Path(ns.out) if ns.out else None)
+    print("\n".join(lines))
+    return 0 if runs else 2
 
 
 def _keys(args: list[str]) -> int:

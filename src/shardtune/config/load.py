@@ -64,7 +64,7 @@ def build_config(values: dict[str, Any], source: str = "config") -> TrainConfig:
     converted: dict[str, Any] = {}
     for key, raw in values.items():
         if key not in fields:
-            problems.append(_unknown_key_message(str(key), list(fields)))
+            problems.append(unknown_key_message(str(key), list(fields)))
             continue
         try:
             converted[key] = coerce_value(key, raw, hints[key], fields[key].metadata)
@@ -75,7 +75,7 @@ def build_config(values: dict[str, Any], source: str = "config") -> TrainConfig:
     return TrainConfig(**converted)
 
 
-def _unknown_key_message(key: str, known: list[str]) -> str:
+def unknown_key_message(key: str, known: list[str]) -> str:
     key = key if key.isprintable() else repr(key)[1:-1]  # keep the message on one line
     if key in UNSUPPORTED_KEYS:
         return f"key '{key}' is not supported by shardtune (remove it; it would have no effect)"

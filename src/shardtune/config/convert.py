@@ -1,0 +1,74 @@
+"""``shardtune convert-config``: what shardtune does with every key of a LLaMA-Factory (or Trainer) YAML file.
+
+Each key is one of: honoured (a shardtune key of the same name), mapped (another spelling, rewritten by
+``config.compat``), refused (known, cannot be honoured: the reason) or unknown. The rewritten file can be written
+out in shardtune's own spelling; it is the same run either way, since ``train`` applies the same translation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shardtune.config.compat import MAPPED, translate_keys
+from shardtune.config.load import build_config, load_yaml_file, unknown_key_message
+from shardtune.config.schema import UNSUPPORTED_KEYS, key_names
+from shardtune.errors import ConfigError
+
+HONOURED, MAPPED_STATUS, REFUSED, UNKNOWN = "honoured", "mapped", "refused", "unknown"
+
+
+@dataclass(frozen=True)
+class KeyReport:
+    key: str
+    status: str
+    detail: str = ""
+
+    def line(self) -> str:
+        return f"{self.status:9} {self.key}" + (f": {self.detail}" if self.detail else "")
+
+
+def key_reports(values: dict[str, Any]) -> list[KeyReport]:
+    """One report per key of ``values``, in file order."""
+    known = key_names()
+    reports = []
+    for key in values:
+        if key in MAPPED:
+            reports.append(KeyReport(key, MAPPED_STATUS, f"-> {MAPPED[key].becomes}"))
+        elif key in known:
+            reports.append(KeyReport(key, HONOURED))
+        else:
+            status = REFUSED if key in UNSUPPORTED_KEYS else UNKNOWN
+            reports.append(KeyReport(key, status, unknown_key_message(str(key), known)))
+    return reports
+
+
+def validation_problems(values: dict[str, Any], source: str) -> list[str]:
+    """What ``build_config`` would still refuse (types, ranges, contradictions), every problem listed."""
+    try:
+        build_config(values, source=source)
+    except ConfigError as err:
+        return list(err.problems)
+    return []
+
+
+def convert_config(path: Path, out: Path | None) -> tuple[list[str], bool]:
+    """(report lines, whether the file runs as it is); writes shardtune's spelling to ``out`` when given."""
+    values = load_yaml_file(path)
+    reports = key_reports(values)
+    lines = [report.line() for report in reports]
+    translated, _ = translate_keys(values)
+    problems = validation_problems(values, str(path))
+    blocked = [r for r in reports if r.status in (REFUSED, UNKNOWN)]
+    counts = {status: sum(r.status == status for r in reports) for status in (HONOURED, MAPPED_STATUS, REFUSED,
+                                                                                 UNKNOWN)}
+    lines.append(", ".join(f"{n} {status}" for status, n in counts.items()))
+    lines += [f"problem: {p}" for p in problems if not any(f"'{r.key}'" in p for r in blocked)]
+    if out is not None:
+        kept = {k: v for k, v in translated.items() if k not in {r.key for r in blocked}}
+        out.write_text(yaml.safe_dump(kept, sort_keys=False), encoding="utf-8")
+        lines.append(f"wrote {out} in shardtune's spelling ({len(kept)} keys; refused and unknown keys left out)")
+    return lines, not blocked and not problems
