@@ -22,9 +22,9 @@ CHATML = [
 ]
 # The literal (prompt, response, prompt, response) text each template must produce for the chat above.
 EXPECTED_PIECES = {
-    "default": [f"{BOS}System: {SYSTEM}\nHuman: {Q1}\nAssistant:", f" {A1}{EOS}\n", f"Human: {Q2}\nAssistant:",
-                f" {A2}{EOS}\n"],
-    "alpaca": [f"{BOS}{SYSTEM}\n\n### Instruction:\n{Q1}\n\n### Response:\n", f"{A1}{EOS}\n\n",
+    "default": [f"System: {SYSTEM}{EOS}\nHuman: {Q1}{EOS}\nAssistant:", f"{A1}{EOS}\n",
+                f"Human: {Q2}{EOS}\nAssistant:", f"{A2}{EOS}\n"],
+    "alpaca": [f"{SYSTEM}\n\n### Instruction:\n{Q1}\n\n### Response:\n", f"{A1}{EOS}\n\n",
                f"### Instruction:\n{Q2}\n\n### Response:\n", f"{A2}{EOS}\n\n"],
     "chatml": CHATML,
     "qwen": CHATML,
@@ -68,8 +68,8 @@ def expected_ids_and_labels(tokenizer: Any, pieces: list[str]) -> tuple[list[int
     return ids, labels
 
 
-def test_every_template_is_covered() -> None:
-    assert set(EXPECTED_PIECES) == set(TEMPLATES)
+def test_every_expected_name_is_a_template() -> None:
+    assert set(EXPECTED_PIECES) <= set(TEMPLATES)  # the rest are in test_templates_lf.py
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_PIECES))
@@ -91,7 +91,8 @@ def test_special_tokens_are_single_ids_and_the_stop_token_is_trained(tokenizer: 
 
 def test_qwen_adds_its_default_system_prompt(tokenizer: Any, tmp_path: Path) -> None:
     ids, _ = build_single(tokenizer, chat_dir(tmp_path, system=None), template="qwen")
-    expected = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n" + "".join(CHATML)[
+    default = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    expected = f"<|im_start|>system\n{default}<|im_end|>\n" + "".join(CHATML)[
         len(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n"):]
     assert ids == encode(tokenizer, expected)
     ids, _ = build_single(tokenizer, chat_dir(tmp_path, system=None), template="chatml")
@@ -123,7 +124,7 @@ def test_get_template_suggests_a_name() -> None:
 
 
 def test_stop_tokens(tokenizer: Any) -> None:
-    stops = {name: template.stop_token(tokenizer) for name, template in TEMPLATES.items()}
+    stops = {name: TEMPLATES[name].stop_token(tokenizer) for name in EXPECTED_PIECES}
     assert stops == {"default": EOS, "alpaca": EOS, "chatml": "<|im_end|>", "qwen": "<|im_end|>",
                      "llama3": "<|eot_id|>", "auto": EOS}
 
@@ -131,4 +132,4 @@ def test_stop_tokens(tokenizer: Any) -> None:
 def test_content_with_placeholders_stays_literal(tokenizer: Any) -> None:
     turns = get_template("default").render_turns("", [{"role": "user", "content": "say {eos} {content}"},
                                                       {"role": "assistant", "content": "{bos}"}], tokenizer)
-    assert turns == [(f"{BOS}Human: say {{eos}} {{content}}\nAssistant:", f" {{bos}}{EOS}\n")]
+    assert turns == [(f"Human: say {{eos}} {{content}}{EOS}\nAssistant:", f"{{bos}}{EOS}\n")]

@@ -88,7 +88,16 @@ class TrainConfig:
     # --- data ---
     dataset: list[str] = _key([], "dataset names from dataset_info.json, comma separated", DATA)
     dataset_dir: str = _key("data", "folder holding dataset_info.json and the data files", DATA)
-    template: str = _key("default", "chat template (default, alpaca, chatml, llama3, qwen, auto)", DATA)
+    template: str = _key("default", "chat template under LLaMA-Factory's name (default, empty, alpaca, vicuna, chatml, "
+                         "llama2, llama3, llama4, mistral, qwen, qwen3, qwen3_nothink, gemma, gemma3, phi, phi4, "
+                         "deepseek, deepseek3, glm4, yi, cohere, intern2, gpt_oss) or auto (the tokenizer's own)",
+                         DATA)
+    default_system: str | None = _key(None, "system prompt for samples without one (replaces the template's default)",
+                                      DATA)
+    enable_thinking: bool = _key(True, "reasoning templates (qwen3): train the think block; false masks an empty one",
+                                 DATA)
+    tool_format: str | None = _key(None, "tool-call format overriding the template's (qwen)", DATA,
+                                   choices=("qwen", None))
     cutoff_len: int = _key(1024, "maximum tokens per training sequence", DATA, minimum=2)
     max_samples: int | None = _key(None, "use at most this many samples per dataset", DATA, minimum=1)
     val_size: float = _key(0.0, "held-out eval split: a fraction (< 1) or a sample count", DATA, minimum=0)

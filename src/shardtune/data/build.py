@@ -80,7 +80,8 @@ def tokenize(records: Dataset, tokenizer: Any, settings: DataSettings) -> Datase
     workers = settings.preprocessing_num_workers
     if settings.stage == "pt":
         return tokenize_pt(records, tokenizer, settings.cutoff_len, settings.packing, workers)
-    template = get_template(settings.template)
+    template = get_template(settings.template, settings.default_system, settings.enable_thinking,
+                            settings.tool_format)
     template.validate(tokenizer)
     missing = missing_special_tokens(template, tokenizer)
     if missing:

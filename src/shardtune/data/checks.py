@@ -10,7 +10,12 @@ from shardtune.data.formats import missing_column_problems
 from shardtune.data.loading import peek_columns
 from shardtune.data.registry import DatasetEntry, did_you_mean, resolve_entries
 from shardtune.data.settings import STAGES, DataSettings, dataset_names
-from shardtune.data.templates import TEMPLATES
+from shardtune.data.templates import (
+    TEMPLATES,
+    TOOL_FORMATS,
+    unknown_template_message,
+    unknown_tool_format_message,
+)
 
 
 def check_data_settings(settings: DataSettings) -> list[str]:
@@ -32,8 +37,9 @@ def setting_problems(settings: DataSettings) -> list[str]:
         problems.append(f"stage '{settings.stage}' is not supported by the data pipeline; "
                         f"use one of {', '.join(STAGES)}{did_you_mean(settings.stage, STAGES)}")
     if settings.template not in TEMPLATES:
-        problems.append(f"unknown template '{settings.template}'{did_you_mean(settings.template, TEMPLATES)}; "
-                        f"choose one of {', '.join(TEMPLATES)}")
+        problems.append(unknown_template_message(settings.template))
+    if settings.tool_format is not None and settings.tool_format not in TOOL_FORMATS:
+        problems.append(unknown_tool_format_message(settings.tool_format))
     if settings.cutoff_len < 1:
         problems.append(f"cutoff_len ({settings.cutoff_len}) must be a positive number of tokens")
     if settings.max_samples is not None and settings.max_samples < 1:

@@ -55,8 +55,9 @@ def has_tokens(lengths: list[int]) -> list[bool]:
 def encode_sft_batch(batch: Mapping[str, list[Any]], tokenizer: Any, template: Template, cutoff_len: int,
                      train_on_prompt: bool) -> dict[str, list[Any]]:
     """Batched map function: render every sample's turns, encode all pieces at once, then assemble."""
-    rendered = [template.render_turns(system, messages, tokenizer)
-                for system, messages in zip(batch["_system"], batch["_messages"], strict=True)]
+    tools = batch.get("tools") or [""] * len(batch["_messages"])
+    rendered = [template.render_turns(system, messages, tokenizer, sample_tools or "")
+                for system, messages, sample_tools in zip(batch["_system"], batch["_messages"], tools, strict=True)]
     pieces = [piece for turns in rendered for turn in turns for piece in turn]
     ids = tokenizer(pieces, add_special_tokens=False)["input_ids"] if pieces else []
     out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "_length": [], "_needed": []}

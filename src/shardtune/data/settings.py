@@ -21,6 +21,9 @@ class DataSettings:
     dataset: tuple[str, ...]
     dataset_dir: str = "data"
     template: str = "default"
+    default_system: str | None = None
+    enable_thinking: bool = True
+    tool_format: str | None = None
     stage: str = "sft"
     cutoff_len: int = 1024
     max_samples: int | None = None

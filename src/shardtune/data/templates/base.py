@@ -1,0 +1,187 @@
+"""A chat template: how a conversation becomes text, split into (prompt, response) pieces per turn.
+
+Each turn is rendered as two strings so that the tokeniser can encode them separately and the
+label mask falls exactly on the boundary: the prompt piece (prefix, system, user message or tool
+result, and the assistant header) is masked, the response piece (answer or tool call plus the
+end-of-turn token) is trained. ``{bos}``/``{eos}`` in a format stand for the tokenizer's own special
+tokens; ``{content}`` for the text. The concatenated pieces equal what the family's official
+``chat_template`` renders for the same conversation (tests compare with the jinja source).
+
+Messages come in (ask, answer) pairs: ask is ``user`` or ``observation`` (a tool result; ``tool``
+is accepted too), answer is ``assistant`` or ``function`` (a tool call whose content is the JSON
+``{"name", "arguments"}`` or a list of them; ``function_call`` is accepted too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from shardtune.data.templates.tools import ToolStyle, parse_tool_calls, parse_tools
+from shardtune.errors import DataError
+
+Message = dict[str, str]
+Turn = tuple[str, str]  # (prompt text, response text)
+
+ASK_ROLES = {"user": "user", "observation": "observation", "tool": "observation"}
+ANSWER_ROLES = {"assistant": "assistant", "function": "function", "function_call": "function"}
+SYSTEM_PLACEMENTS = ("block", "first_user", "last_user")
+_SPECIAL_LITERAL = re.compile(r"<\|[A-Za-z_]+\|>")
+
+
+@dataclass(frozen=True)
+class Template:
+    """A fixed prompt format. ``user_format`` ends with the assistant header, so the answer follows it.
+
+    ``system_placement``: ``block`` renders ``system_format`` once before the first turn; ``first_user``
+    / ``last_user`` prepend it to that user message (families whose official template has no system
+    role of its own). ``final_suffix`` follows only the last answer (e.g. Phi-3 closes with eos).
+    ``thinking`` applies Qwen3's reasoning rules: ``<think>`` blocks are kept only after the last user
+    query, and the final answer always carries one (empty when the data has none).
+    """
+
+    name: str
+    user_format: str
+    assistant_format: str
+    system_format: str = "{content}"
+    system_placement: str = "block"
+    prefix: str = ""
+    default_system: str = ""
+    stop_word: str = "{eos}"
+    strip_content: bool = False
+    final_suffix: str = ""
+    tool_style: ToolStyle | None = None
+    thinking: bool = False
+    enable_thinking: bool = True
+
+    def render_turns(self, system: str, messages: Sequence[Message], tokenizer: Any, tools: str = ""
+                     ) -> list[Turn]:
+        """Render ``messages`` (ask/answer pairs) into one (prompt, response) pair per answer."""
+        specials = special_token_strings(tokenizer)
+        pairs = ask_answer_pairs(messages)
+        tool_list = parse_tools(tools)
+        self.require_tool_support(pairs, tool_list)
+        system = system or self.default_system
+        last_query = max((k for k, (ask, _) in enumerate(pairs) if ask["role"] == "user"), default=-1)
+        turns = []
+        for k, (ask, answer) in enumerate(pairs):
+            head = self.render_head(system, tool_list, specials) if k == 0 else ""
+            prompt = head + self.render_ask(ask, system, k, pairs, specials)
+            think, content = self.split_thinking(answer, k >= last_query, k == len(pairs) - 1)
+            response = fill(self.assistant_format, content, specials)
+            if k == len(pairs) - 1:
+                response += fill(self.final_suffix, "", specials)
+            if think and not self.enable_thinking:
+                prompt += think  # the no-think generation prompt already holds the empty block
+            else:
+                response = think + response
+            turns.append((prompt, response))
+        return turns
+
+    def render_head(self, system: str, tools: list[dict[str, Any]], specials: dict[str, str]) -> str:
+        head = fill(self.prefix, "", specials)
+        if tools:
+            assert self.tool_style is not None, "require_tool_support runs first"
+            return head + self.tool_style.system_block(system, tools)
+        if system and self.system_placement == "block":
+            head += fill(self.system_format, system, specials)
+        return head
+
+    def render_ask(self, ask: Message, system: str, index: int, pairs: list[tuple[Message, Message]],
+                   specials: dict[str, str]) -> str:
+        if ask["role"] == "observation":
+            assert self.tool_style is not None, "require_tool_support runs first"
+            return fill(self.tool_style.observation_format, ask["content"], specials)
+        content = ask["content"].strip() if self.strip_content else ask["content"]
+        user_indices = [k for k, (message, _) in enumerate(pairs) if message["role"] == "user"]
+        target = user_indices[0] if self.system_placement == "first_user" else user_indices[-1]
+        if system and self.system_placement != "block" and index == target:
+            content = fill(self.system_format, system, specials) + content
+        return fill(self.user_format, content, specials)
+
+    def split_thinking(self, answer: Message, after_query: bool, is_last: bool) -> tuple[str, str]:
+        """(think block, answer text) for one answer; the think block is empty unless ``thinking``.
+
+        As Qwen3's template: reasoning before the last user query is dropped; after it, an answer shows
+        its reasoning, and the final answer shows a (possibly empty) block.
+        """
+        if answer["role"] == "function":
+            assert self.tool_style is not None, "require_tool_support runs first"
+            content = self.tool_style.calls(parse_tool_calls(answer["content"]))
+        else:
+            content = answer["content"].strip() if self.strip_content else answer["content"]
+        if not self.thinking:
+            return "", content
+        reasoning = ""
+        if "</think>" in content:
+            reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+            content = content.split("</think>")[-1].lstrip("\n")
+        if not self.enable_thinking:
+            reasoning = ""
+        if not after_query or not (is_last or reasoning):
+            return "", content
+        return f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n", content.lstrip("\n")
+
+    def require_tool_support(self, pairs: list[tuple[Message, Message]], tools: list[dict[str, Any]]) -> None:
+        uses_tools = bool(tools) or any(ask["role"] == "observation" or answer["role"] == "function"
+                                        for ask, answer in pairs)
+        if uses_tools and self.tool_style is None:
+            raise DataError(f"template '{self.name}' has no tool-call format in shardtune, but the data has "
+                            "tools, tool calls or tool results; use a template with tools (qwen, qwen3, "
+                            "qwen3_nothink) or drop the tool columns")
+
+    def with_options(self, default_system: str | None = None, enable_thinking: bool = True,
+                     tool_style: ToolStyle | None = None) -> Template:
+        """This template with the config's ``default_system``, ``enable_thinking`` and ``tool_format``."""
+        changes: dict[str, Any] = {"enable_thinking": enable_thinking}
+        if default_system is not None:
+            changes["default_system"] = default_system
+        if tool_style is not None:
+            changes["tool_style"] = tool_style
+        return dataclasses.replace(self, **changes)
+
+    def validate(self, tokenizer: Any) -> None:
+        """Raise DataError now if this template cannot work with ``tokenizer`` (checked before any map)."""
+        special_token_strings(tokenizer)
+
+    def stop_token(self, tokenizer: Any) -> str:
+        """The token that ends an assistant turn (what generation should stop on)."""
+        return fill(self.stop_word, "", special_token_strings(tokenizer))
+
+    def literal_special_tokens(self) -> set[str]:
+        """Special tokens such as ``<|im_end|>`` written literally in the formats."""
+        text = (self.prefix + self.system_format + self.user_format + self.assistant_format + self.stop_word
+                + self.final_suffix)
+        return set(_SPECIAL_LITERAL.findall(text))
+
+
+def ask_answer_pairs(messages: Sequence[Message]) -> list[tuple[Message, Message]]:
+    """Messages as (ask, answer) pairs with canonical role names; a broken order is a DataError."""
+    pairs = []
+    for index in range(0, len(messages) - 1, 2):
+        ask, answer = messages[index], messages[index + 1]
+        if ask["role"] not in ASK_ROLES or answer["role"] not in ANSWER_ROLES:
+            raise DataError(f"message {index} ('{ask['role']}') and {index + 1} ('{answer['role']}') must be a "
+                            f"question ({', '.join(ASK_ROLES)}) followed by an answer ({', '.join(ANSWER_ROLES)})")
+        pairs.append(({"role": ASK_ROLES[ask["role"]], "content": ask["content"]},
+                      {"role": ANSWER_ROLES[answer["role"]], "content": answer["content"]}))
+    return pairs
+
+
+def special_token_strings(tokenizer: Any) -> dict[str, str]:
+    """Values for ``{bos}``/``{eos}``; a missing BOS is simply left out, a missing EOS is an error."""
+    eos = getattr(tokenizer, "eos_token", None)
+    if not eos:
+        raise DataError("the tokenizer has no eos_token, so answers cannot be terminated; "
+                        "set eos_token in the tokenizer config")
+    return {"{bos}": getattr(tokenizer, "bos_token", None) or "", "{eos}": eos}
+
+
+def fill(fmt: str, content: str, specials: dict[str, str]) -> str:
+    """Substitute special tokens first, then the content, so text that contains "{eos}" stays literal."""
+    for placeholder, token in specials.items():
+        fmt = fmt.replace(placeholder, token)
+    return fmt.replace("{content}", content)

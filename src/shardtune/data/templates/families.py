@@ -1,0 +1,175 @@
+"""The named templates, under LLaMA-Factory's names, each following its family's official chat_template.
+
+Where LLaMA-Factory's own template renders different text, the official one is followed and the
+difference is noted on the entry (docs: docs/templates.md lists them all).
+"""
+
+from __future__ import annotations
+
+from shardtune.data.templates.auto import TokenizerChatTemplate
+from shardtune.data.templates.base import Template
+from shardtune.data.templates.tools import QWEN_TOOLS
+
+_CHATML: dict[str, str] = {
+    "system_format": "<|im_start|>system\n{content}<|im_end|>\n",
+    "user_format": "<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n",
+    "assistant_format": "{content}<|im_end|>\n",
+    "stop_word": "<|im_end|>",
+}
+_LLAMA3_HEADER = "<|start_header_id|>{role}<|end_header_id|>\n\n"
+_LLAMA4_HEADER = "<|header_start|>{role}<|header_end|>\n\n"
+_GEMMA: dict[str, str] = {
+    "prefix": "{bos}",
+    "system_format": "{content}\n\n",
+    "system_placement": "first_user",
+    "user_format": "<start_of_turn>user\n{content}<end_of_turn>\n<start_of_turn>model\n",
+    "assistant_format": "{content}<end_of_turn>\n",
+    "stop_word": "<end_of_turn>",
+}
+
+
+def _llama3_turns(header: str, end: str) -> dict[str, str]:
+    return {
+        "system_format": header.format(role="system") + "{content}" + end,
+        "user_format": header.format(role="user") + "{content}" + end + header.format(role="assistant"),
+        "assistant_format": "{content}" + end,
+        "stop_word": end,
+    }
+
+
+TEMPLATES: dict[str, Template] = {
+    # LLaMA-Factory's own formats (no model ships them), rendered as LLaMA-Factory does.
+    "default": Template(
+        name="default",
+        system_format="System: {content}{eos}\n",
+        user_format="Human: {content}{eos}\nAssistant:",
+        assistant_format="{content}{eos}\n",
+    ),
+    "empty": Template(name="empty", user_format="{content}", assistant_format="{content}"),
+    # Stanford Alpaca's prompt. LLaMA-Factory glues a custom system prompt to "### Instruction"
+    # without the blank line; the default system text is identical.
+    "alpaca": Template(
+        name="alpaca",
+        system_format="{content}\n\n",
+        default_system="Below is an instruction that describes a task. "
+        "Write a response that appropriately completes the request.",
+        user_format="### Instruction:\n{content}\n\n### Response:\n",
+        assistant_format="{content}{eos}\n\n",
+    ),
+    # FastChat's vicuna_v1.1: "SYSTEM USER: q ASSISTANT: a</s>USER: ...". LLaMA-Factory drops the space
+    # after the system prompt and after "ASSISTANT:".
+    "vicuna": Template(
+        name="vicuna",
+        prefix="{bos}",
+        system_format="{content} ",
+        default_system="A chat between a curious user and an artificial intelligence assistant. "
+        "The assistant gives helpful, detailed, and polite answers to the user's questions.",
+        user_format="USER: {content} ASSISTANT:",
+        assistant_format=" {content}{eos}",
+    ),
+    "chatml": Template(name="chatml", **_CHATML),
+    # Llama-2-chat: system inside the first [INST], contents stripped, " answer </s>" with spaces.
+    # LLaMA-Factory writes "[/INST]answer</s>" (no spaces).
+    "llama2": Template(
+        name="llama2",
+        system_format="<<SYS>>\n{content}\n<</SYS>>\n\n",
+        system_placement="first_user",
+        user_format="{bos}[INST] {content} [/INST]",
+        assistant_format=" {content} {eos}",
+        strip_content=True,
+    ),
+    # Meta-Llama-3-Instruct: every content is trimmed (LLaMA-Factory does not trim). Llama 3.1+ official
+    # templates also add a "Cutting Knowledge Date" system block; LLaMA-Factory and this one do not.
+    "llama3": Template(name="llama3", prefix="{bos}", strip_content=True,
+                       **_llama3_turns(_LLAMA3_HEADER, "<|eot_id|>")),
+    "llama4": Template(name="llama4", prefix="{bos}", **_llama3_turns(_LLAMA4_HEADER, "<|eot|>")),
+    # Mistral-7B-Instruct-v0.3: the system prompt goes into the LAST user message (LLaMA-Factory: first).
+    "mistral": Template(
+        name="mistral",
+        prefix="{bos}",
+        system_format="{content}\n\n",
+        system_placement="last_user",
+        user_format="[INST] {content}[/INST]",
+        assistant_format=" {content}{eos}",
+    ),
+    # Qwen2.5-Instruct.
+    "qwen": Template(name="qwen", default_system="You are Qwen, created by Alibaba Cloud. You are a helpful "
+                     "assistant.", tool_style=QWEN_TOOLS, **_CHATML),
+    # Qwen3 (hybrid thinking): reasoning kept only after the last user query, the final answer always
+    # has a think block. LLaMA-Factory keeps every turn's reasoning and adds empty blocks to all turns.
+    "qwen3": Template(name="qwen3", thinking=True, tool_style=QWEN_TOOLS, **_CHATML),
+    # Qwen3-Instruct-2507 (no thinking).
+    "qwen3_nothink": Template(name="qwen3_nothink", tool_style=QWEN_TOOLS, **_CHATML),
+    # Gemma 1/2 reject a system role; Gemma 3 prepends it to the first user turn, used for all three.
+    # Contents are trimmed (LLaMA-Factory does not trim).
+    "gemma": Template(name="gemma", strip_content=True, **_GEMMA),
+    "gemma3": Template(name="gemma3", strip_content=True, **_GEMMA),
+    # Phi-3-mini-instruct: the rendered chat ends with eos after the last "<|end|>\n" (LLaMA-Factory: no eos).
+    "phi": Template(
+        name="phi",
+        system_format="<|system|>\n{content}<|end|>\n",
+        user_format="<|user|>\n{content}<|end|>\n<|assistant|>\n",
+        assistant_format="{content}<|end|>\n",
+        final_suffix="{eos}",
+        stop_word="<|end|>",
+    ),
+    "phi4": Template(
+        name="phi4",
+        system_format="<|im_start|>system<|im_sep|>{content}<|im_end|>",
+        user_format="<|im_start|>user<|im_sep|>{content}<|im_end|><|im_start|>assistant<|im_sep|>",
+        assistant_format="{content}<|im_end|>",
+        stop_word="<|im_end|>",
+    ),
+    # deepseek-llm-chat: "User: q\n\nAssistant: a<eos>" (LLaMA-Factory drops the space after "Assistant:").
+    "deepseek": Template(
+        name="deepseek",
+        prefix="{bos}",
+        system_format="{content}\n\n",
+        user_format="User: {content}\n\nAssistant:",
+        assistant_format=" {content}{eos}",
+    ),
+    # DeepSeek-V3: the system text follows BOS directly.
+    "deepseek3": Template(
+        name="deepseek3",
+        prefix="{bos}",
+        user_format="<｜User｜>{content}<｜Assistant｜>",
+        assistant_format="{content}{eos}",
+    ),
+    # GLM-4-chat: no end-of-turn token after answers (the next "<|user|>" stops generation); the final
+    # answer gets eos so that training teaches stopping, as LLaMA-Factory's efficient_eos does.
+    "glm4": Template(
+        name="glm4",
+        prefix="[gMASK]<sop>",
+        system_format="<|system|>\n{content}",
+        user_format="<|user|>\n{content}<|assistant|>",
+        assistant_format="\n{content}",
+        final_suffix="{eos}",
+        stop_word="<|user|>",
+    ),
+    "yi": Template(name="yi", **_CHATML),
+    # Command-R: contents stripped (LLaMA-Factory does not strip).
+    "cohere": Template(
+        name="cohere",
+        prefix="{bos}",
+        system_format="<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>{content}<|END_OF_TURN_TOKEN|>",
+        user_format="<|START_OF_TURN_TOKEN|><|USER_TOKEN|>{content}<|END_OF_TURN_TOKEN|>"
+        "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
+        assistant_format="{content}<|END_OF_TURN_TOKEN|>",
+        stop_word="<|END_OF_TURN_TOKEN|>",
+        strip_content=True,
+    ),
+    # InternLM2/2.5-chat jinja: BOS + chatml, no default system (LLaMA-Factory adds InternLM's
+    # meta-instruction, which only the model's remote-code chat() uses).
+    "intern2": Template(name="intern2", prefix="{bos}", **_CHATML),
+    # gpt-oss (harmony): final-channel answers; the official template's system block also carries a
+    # knowledge cutoff, the current date and "Reasoning: medium", which this template leaves out.
+    "gpt_oss": Template(
+        name="gpt_oss",
+        system_format="<|start|>system<|message|>{content}<|end|>",
+        default_system="You are ChatGPT, a large language model trained by OpenAI.",
+        user_format="<|start|>user<|message|>{content}<|end|><|start|>assistant",
+        assistant_format="<|channel|>final<|message|>{content}<|end|>",
+        stop_word="<|end|>",
+    ),
+    "auto": TokenizerChatTemplate(),
+}

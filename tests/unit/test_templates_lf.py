@@ -1,0 +1,244 @@
+"""LLaMA-Factory template names: our text against the official jinja templates and hand-checked strings.
+
+The fixtures in fixtures/chat_templates/ are the families' official ``chat_template`` sources; they are
+rendered with transformers' ``apply_chat_template`` so the expected text does not come from our code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shardtune.data.processing import encode_sft_batch
+from shardtune.data.settings import IGNORE_INDEX
+from shardtune.data.templates import TEMPLATES, get_template
+from shardtune.errors import DataError
+from tests.unit.conftest_data import build_test_tokenizer, encode
+
+FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
+SYSTEM, Q1, A1, Q2, A2 = "Be brief.", "What is 2+2?", "4", "And 3+3?", "It is 6."
+BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+SINGLE = [{"role": "user", "content": Q1}, {"role": "assistant", "content": A1}]
+MULTI = SINGLE + [{"role": "user", "content": Q2}, {"role": "assistant", "content": A2}]
+TOOLS = [{"name": "add", "description": "Add two numbers", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}]
+CALL = {"name": "add", "arguments": {"a": 3, "b": 3}}
+TOOL_CHAT = [{"role": "user", "content": Q2}, {"role": "function", "content": json.dumps(CALL)},
+             {"role": "observation", "content": "6"}, {"role": "assistant", "content": A2}]
+# (template, fixture, does the official template take a system message)
+OFFICIAL = [("qwen", "qwen2_5", True), ("qwen3", "qwen3", True), ("llama3", "llama3", True),
+            ("gemma", "gemma", False), ("llama2", "llama2", True), ("phi", "phi3", True),
+            ("deepseek", "deepseek", True), ("phi4", "phi4", True)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return build_test_tokenizer()
+
+
+def ours(name: str, messages: list[dict[str, str]], tokenizer: Any, system: str = "", tools: str = "",
+         **options: Any) -> list[tuple[str, str]]:
+    return get_template(name, **options).render_turns(system, messages, tokenizer, tools)
+
+
+def official(fixture: str, messages: list[dict[str, Any]], tokenizer: Any, system: str = "",
+             **kwargs: Any) -> str:
+    head = [{"role": "system", "content": system}] if system else []
+    text = tokenizer.apply_chat_template(head + messages, chat_template=(FIXTURES / f"{fixture}.jinja").read_text(),
+                                         tokenize=False, **kwargs)
+    assert isinstance(text, str)
+    return text
+
+
+def joined(turns: list[tuple[str, str]]) -> str:
+    return "".join(prompt + response for prompt, response in turns)
+
+
+@pytest.mark.parametrize(("name", "fixture", "has_system"), OFFICIAL)
+@pytest.mark.parametrize("chat", ["single", "multi", "system"])
+def test_text_equals_the_official_template(tokenizer: Any, name: str, fixture: str, has_system: bool,
+                                           chat: str) -> None:
+    if chat == "system" and not has_system:
+        pytest.skip(f"{fixture}'s official template rejects a system message")
+    messages = SINGLE if chat == "single" else MULTI
+    system = SYSTEM if chat == "system" else ""
+    assert joined(ours(name, messages, tokenizer, system)) == official(fixture, messages, tokenizer, system)
+
+
+@pytest.mark.parametrize(("name", "fixture", "has_system"), OFFICIAL)
+def test_every_prompt_piece_is_the_official_generation_prompt(tokenizer: Any, name: str, fixture: str,
+                                                              has_system: bool) -> None:
+    """The masked/trained boundary sits where the official template ends its generation prompt."""
+    turns = ours(name, MULTI, tokenizer)
+    for k in range(len(turns)):
+        prompt_text = joined(turns[:k]) + turns[k][0]
+        assert prompt_text == official(fixture, MULTI[: 2 * k + 1], tokenizer, add_generation_prompt=True)
+
+
+def openai_messages(chat: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """LLaMA-Factory's function/observation roles as the official templates take them."""
+    converted: list[dict[str, Any]] = []
+    for message in chat:
+        if message["role"] == "function":
+            calls = [{"type": "function", "function": call} for call in [json.loads(message["content"])]]
+            converted.append({"role": "assistant", "content": "", "tool_calls": calls})
+        elif message["role"] == "observation":
+            converted.append({"role": "tool", "content": message["content"]})
+        else:
+            converted.append(message)
+    return converted
+
+
+@pytest.mark.parametrize(("name", "fixture"), [("qwen", "qwen2_5"), ("qwen3", "qwen3"), ("qwen3_nothink", "qwen2_5")])
+@pytest.mark.parametrize("system", ["", SYSTEM])
+def test_tool_calls_and_results_equal_the_official_template(tokenizer: Any, name: str, fixture: str,
+                                                            system: str) -> None:
+    tools = [{"type": "function", "function": tool} for tool in TOOLS]
+    expected = official(fixture, openai_messages(TOOL_CHAT), tokenizer, system, tools=tools)
+    if name == "qwen3_nothink":  # Qwen2.5's layout without its default system prompt
+        expected = expected.replace("You are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n", "")
+    assert joined(ours(name, TOOL_CHAT, tokenizer, system, json.dumps(TOOLS))) == expected
+
+
+def test_qwen_tool_call_text_by_hand(tokenizer: Any) -> None:
+    turns = ours("qwen3", TOOL_CHAT, tokenizer)
+    assert turns[0] == (f"<|im_start|>user\n{Q2}<|im_end|>\n<|im_start|>assistant\n",
+                        '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 3}}\n</tool_call><|im_end|>\n')
+    assert turns[1] == ("<|im_start|>user\n<tool_response>\n6\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+                        f"<think>\n\n</think>\n\n{A2}<|im_end|>\n")
+
+
+REASONED = [{"role": "user", "content": Q1}, {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
+            {"role": "user", "content": Q2}, {"role": "assistant", "content": "<think>\nadd again\n</think>\n\n6"}]
+
+
+def test_qwen3_keeps_only_the_last_reasoning_as_the_official_template(tokenizer: Any) -> None:
+    turns = ours("qwen3", REASONED, tokenizer)
+    assert joined(turns) == official("qwen3", REASONED, tokenizer)
+    assert turns[0][1] == "4<|im_end|>\n"
+    assert turns[1][1] == "<think>\nadd again\n</think>\n\n6<|im_end|>\n"
+
+
+def test_qwen3_enable_thinking_false_masks_an_empty_think_block(tokenizer: Any) -> None:
+    turns = ours("qwen3", REASONED, tokenizer, enable_thinking=False)
+    assert turns[1] == (f"<|im_start|>user\n{Q2}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+                        "6<|im_end|>\n")
+    # the prompt piece is exactly the official no-think generation prompt
+    assert joined(turns[:1]) + turns[1][0] == official("qwen3", REASONED[:3], tokenizer, add_generation_prompt=True,
+                                                      enable_thinking=False)
+
+
+def test_qwen3_nothink_has_no_think_block(tokenizer: Any) -> None:
+    assert ours("qwen3_nothink", SINGLE, tokenizer) == [
+        (f"<|im_start|>user\n{Q1}<|im_end|>\n<|im_start|>assistant\n", f"{A1}<|im_end|>\n")]
+
+
+# Hand-checked (prompt, response) pairs for a system prompt + two turns, from each family's official format.
+HAND = {
+    "default": [f"System: {SYSTEM}{EOS}\nHuman: {Q1}{EOS}\nAssistant:", f"{A1}{EOS}\n",
+                f"Human: {Q2}{EOS}\nAssistant:", f"{A2}{EOS}\n"],
+    "empty": [f"{SYSTEM}{Q1}", A1, Q2, A2],
+    "alpaca": [f"{SYSTEM}\n\n### Instruction:\n{Q1}\n\n### Response:\n", f"{A1}{EOS}\n\n",
+               f"### Instruction:\n{Q2}\n\n### Response:\n", f"{A2}{EOS}\n\n"],
+    "vicuna": [f"{BOS}{SYSTEM} USER: {Q1} ASSISTANT:", f" {A1}{EOS}", f"USER: {Q2} ASSISTANT:", f" {A2}{EOS}"],
+    "chatml": [f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{Q1}<|im_end|>\n<|im_start|>assistant\n",
+               f"{A1}<|im_end|>\n", f"<|im_start|>user\n{Q2}<|im_end|>\n<|im_start|>assistant\n", f"{A2}<|im_end|>\n"],
+    "llama4": [f"{BOS}<|header_start|>system<|header_end|>\n\n{SYSTEM}<|eot|><|header_start|>user<|header_end|>\n\n"
+               f"{Q1}<|eot|><|header_start|>assistant<|header_end|>\n\n", f"{A1}<|eot|>",
+               f"<|header_start|>user<|header_end|>\n\n{Q2}<|eot|><|header_start|>assistant<|header_end|>\n\n",
+               f"{A2}<|eot|>"],
+    "mistral": [f"{BOS}[INST] {Q1}[/INST]", f" {A1}{EOS}", f"[INST] {SYSTEM}\n\n{Q2}[/INST]", f" {A2}{EOS}"],
+    "gemma3": [f"{BOS}<start_of_turn>user\n{SYSTEM}\n\n{Q1}<end_of_turn>\n<start_of_turn>model\n",
+               f"{A1}<end_of_turn>\n", f"<start_of_turn>user\n{Q2}<end_of_turn>\n<start_of_turn>model\n",
+               f"{A2}<end_of_turn>\n"],
+    "deepseek3": [f"{BOS}{SYSTEM}<｜User｜>{Q1}<｜Assistant｜>", f"{A1}{EOS}", f"<｜User｜>{Q2}<｜Assistant｜>",
+                  f"{A2}{EOS}"],
+    "glm4": [f"[gMASK]<sop><|system|>\n{SYSTEM}<|user|>\n{Q1}<|assistant|>", f"\n{A1}",
+             f"<|user|>\n{Q2}<|assistant|>", f"\n{A2}{EOS}"],
+    "yi": [f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{Q1}<|im_end|>\n<|im_start|>assistant\n",
+           f"{A1}<|im_end|>\n", f"<|im_start|>user\n{Q2}<|im_end|>\n<|im_start|>assistant\n", f"{A2}<|im_end|>\n"],
+    "cohere": [f"{BOS}<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>{SYSTEM}<|END_OF_TURN_TOKEN|>"
+               f"<|START_OF_TURN_TOKEN|><|USER_TOKEN|>{Q1}<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
+               f"{A1}<|END_OF_TURN_TOKEN|>", f"<|START_OF_TURN_TOKEN|><|USER_TOKEN|>{Q2}<|END_OF_TURN_TOKEN|>"
+               "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>", f"{A2}<|END_OF_TURN_TOKEN|>"],
+    "intern2": [f"{BOS}<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{Q1}<|im_end|>\n"
+                "<|im_start|>assistant\n", f"{A1}<|im_end|>\n",
+                f"<|im_start|>user\n{Q2}<|im_end|>\n<|im_start|>assistant\n", f"{A2}<|im_end|>\n"],
+    "gpt_oss": [f"<|start|>system<|message|>{SYSTEM}<|end|><|start|>user<|message|>{Q1}<|end|><|start|>assistant",
+                f"<|channel|>final<|message|>{A1}<|end|>", f"<|start|>user<|message|>{Q2}<|end|><|start|>assistant",
+                f"<|channel|>final<|message|>{A2}<|end|>"],
+}
+
+
+def test_every_named_template_is_checked() -> None:
+    checked = set(HAND) | {name for name, _, _ in OFFICIAL} | {"qwen3_nothink", "auto"}
+    assert checked == set(TEMPLATES)
+
+
+@pytest.mark.parametrize("name", sorted(HAND))
+def test_hand_checked_text(tokenizer: Any, name: str) -> None:
+    turns = ours(name, MULTI, tokenizer, SYSTEM)
+    assert [piece for turn in turns for piece in turn] == HAND[name]
+
+
+def test_default_system_replaces_the_templates_default(tokenizer: Any) -> None:
+    assert ours("qwen", SINGLE, tokenizer, default_system="Be kind.")[0][0].startswith(
+        "<|im_start|>system\nBe kind.<|im_end|>\n")
+    assert ours("qwen", SINGLE, tokenizer, SYSTEM, default_system="Be kind.")[0][0].startswith(
+        f"<|im_start|>system\n{SYSTEM}<|im_end|>\n")
+
+
+def test_tools_on_a_template_without_a_tool_format_is_refused(tokenizer: Any) -> None:
+    with pytest.raises(DataError, match="template 'llama2' has no tool-call format"):
+        ours("llama2", TOOL_CHAT, tokenizer)
+    turns = ours("chatml", TOOL_CHAT, tokenizer, tools=json.dumps(TOOLS), tool_format="qwen")
+    assert "<tool_response>\n6\n</tool_response>" in turns[1][0]
+
+
+def test_unknown_template_suggests_the_closest_and_auto() -> None:
+    with pytest.raises(DataError, match=r"unknown template 'qwen2_5' \(did you mean 'qwen'\?\); or use 'auto'"):
+        get_template("qwen2_5")
+    with pytest.raises(DataError, match="tool_format 'llama3' is not supported"):
+        get_template("qwen", tool_format="llama3")
+
+
+def encode_one(tokenizer: Any, name: str, messages: list[dict[str, str]], tools: str = "",
+               **options: Any) -> tuple[list[int], list[int]]:
+    batch = {"_system": [""], "_messages": [messages], "tools": [tools]}
+    out = encode_sft_batch(batch, tokenizer, get_template(name, **options), cutoff_len=4096, train_on_prompt=False)
+    return out["input_ids"][0], out["labels"][0]
+
+
+def expected_ids_and_labels(tokenizer: Any, pieces: list[str]) -> tuple[list[int], list[int]]:
+    ids: list[int] = []
+    labels: list[int] = []
+    for index, piece in enumerate(pieces):
+        encoded = encode(tokenizer, piece)
+        ids += encoded
+        labels += encoded if index % 2 else [IGNORE_INDEX] * len(encoded)
+    return ids, labels
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3", "vicuna", "phi"])
+def test_ids_and_label_mask(tokenizer: Any, name: str) -> None:
+    pieces = [piece for turn in ours(name, MULTI, tokenizer) for piece in turn]
+    assert encode_one(tokenizer, name, MULTI) == expected_ids_and_labels(tokenizer, pieces)
+
+
+def test_tool_chat_ids_mask_tool_results_and_train_calls(tokenizer: Any) -> None:
+    ids, labels = encode_one(tokenizer, "qwen3", TOOL_CHAT, json.dumps(TOOLS))
+    trained = tokenizer.decode([t for t, label in zip(ids, labels, strict=True) if label != IGNORE_INDEX])
+    assert trained == ('<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 3}}\n</tool_call><|im_end|>\n'
+                       f"<think>\n\n</think>\n\n{A2}<|im_end|>\n")
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert labels.count(im_end) == 2  # both answers' end-of-turn tokens are trained
+
+
+def test_enable_thinking_false_masks_the_empty_block_in_ids(tokenizer: Any) -> None:
+    ids, labels = encode_one(tokenizer, "qwen3", SINGLE, enable_thinking=False)
+    trained = tokenizer.decode([t for t, label in zip(ids, labels, strict=True) if label != IGNORE_INDEX])
+    assert trained == f"{A1}<|im_end|>\n"
+    assert "<think>" in tokenizer.decode(ids)
