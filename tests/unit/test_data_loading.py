@@ -51,7 +51,7 @@ def test_json_jsonl_csv_and_parquet_give_the_same_tokens(tokenizer: Any, tmp_pat
     assert len(results[0]) == 3
     assert all(result == results[0] for result in results)
     assert tokenizer.decode(results[0][0]) == (
-        "<|begin_of_text|>Human: Add the numbers.\n2, 3\nAssistant: 5<|end_of_text|>\n"
+        "Human: Add the numbers.\n2, 3<|end_of_text|>\nAssistant:5<|end_of_text|>\n"
     )
 
 
