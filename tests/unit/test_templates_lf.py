@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from shardtune.data.processing import encode_sft_batch
+from shardtune.data.processing import SftOptions, encode_sft_batch
 from shardtune.data.settings import IGNORE_INDEX
 from shardtune.data.templates import TEMPLATES, get_template
 from shardtune.errors import DataError
@@ -208,7 +208,7 @@ def test_unknown_template_suggests_the_closest_and_auto() -> None:
 def encode_one(tokenizer: Any, name: str, messages: list[dict[str, str]], tools: str = "",
                **options: Any) -> tuple[list[int], list[int]]:
     batch = {"_system": [""], "_messages": [messages], "tools": [tools]}
-    out = encode_sft_batch(batch, tokenizer, get_template(name, **options), cutoff_len=4096, train_on_prompt=False)
+    out = encode_sft_batch(batch, tokenizer, get_template(name, **options), SftOptions(cutoff_len=4096))
     return out["input_ids"][0], out["labels"][0]
 
 

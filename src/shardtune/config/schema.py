@@ -107,6 +107,17 @@ class TrainConfig:
                                  DATA)
     preprocessing_num_workers: int | None = _key(None, "processes used to tokenise the data", DATA, minimum=1)
     overwrite_cache: bool = _key(False, "re-tokenise instead of reusing the datasets cache or tokenized_path", DATA)
+    eval_dataset: list[str] = _key([], "dataset names evaluated on (comma separated), instead of a val_size hold-out",
+                                   DATA)
+    mix_strategy: str = _key("concat", "how several datasets mix: concatenated or interleaved by interleave_probs "
+                             "until the first (under) or every dataset (over, repeating) runs out, or each once",
+                             DATA, choices=("concat", "interleave_under", "interleave_over", "interleave_once"))
+    interleave_probs: list[str] = _key([], "interleave: probability of drawing from each dataset, comma separated, "
+                                       "summing to 1 (default: equal)", DATA)
+    mask_history: bool = _key(False, "train only on the last turn's answer; earlier turns are context", DATA)
+    neat_packing: bool = _key(False, "pack sft samples without attention between them (turns packing on; shardtune's "
+                              "sft packing is always neat)", DATA)
+    preprocessing_batch_size: int = _key(1000, "records per batch of the preprocessing map calls", DATA, minimum=1)
     tokenized_path: str | None = _key(
         None, "folder for the tokenised datasets: built by one rank once, then loaded by later runs and ranks", DATA)
 
@@ -193,8 +204,8 @@ UNSUPPORTED_KEYS = frozenset(
     restore_callback_states_from_checkpoint run_name save_on_each_node save_only_model save_safetensors
     skip_memory_metrics split_batches tf32 torch_compile torch_compile_backend torch_compile_mode
     torch_empty_cache_steps torchdynamo tpu_metrics_debug tpu_num_cores use_cpu use_ipex use_legacy_prediction_loop
-    use_liger_kernel use_mps_device do_predict eval_dataset flash_attn enable_liger_kernel use_unsloth
-    streaming mix_strategy interleave_probs neat_packing use_dora pissa_init loraplus_lr_ratio
+    use_liger_kernel use_mps_device do_predict flash_attn enable_liger_kernel use_unsloth
+    streaming buffer_size use_dora pissa_init loraplus_lr_ratio
     additional_target resize_vocab rope_scaling shift_attn upcast_layernorm use_galore use_badam
     """.split()
 )

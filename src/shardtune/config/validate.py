@@ -41,8 +41,9 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
     if c.quantization_bit is not None and c.finetuning_type != "lora":
         problems.append(f"quantization_bit ({c.quantization_bit}) needs finetuning_type: lora "
                         f"(got '{c.finetuning_type}'); quantized weights cannot be trained directly")
-    if (c.do_eval or c.eval_strategy != "no") and c.val_size <= 0:
-        problems.append(f"do_eval/eval_strategy ({c.eval_strategy}) needs val_size > 0 to hold out eval data")
+    if (c.do_eval or c.eval_strategy != "no") and c.val_size <= 0 and not c.eval_dataset:
+        problems.append(f"do_eval/eval_strategy ({c.eval_strategy}) needs val_size > 0 to hold out eval data, or "
+                        "eval_dataset naming the eval datasets")
     if c.val_size >= 1 and not float(c.val_size).is_integer():
         problems.append(f"val_size ({c.val_size}): use a fraction below 1 or a whole number of samples")
     bad_trackers = [r for r in c.report_to if r not in REPORT_TO and r != "all"]

@@ -1,7 +1,8 @@
 """``build_datasets``: from settings and a tokenizer to tokenised train and eval datasets.
 
-Steps: check settings -> load each file -> normalise records -> concatenate -> tokenise (and truncate)
--> hold out the eval split -> pack. Every step raises ``DataError`` with all problems it found.
+Steps: check settings -> load each entry's files (num_samples, max_samples) -> normalise records -> mix
+(concat or interleave) -> tokenise (and truncate) -> eval_dataset, or hold out the eval split -> pack.
+Every step raises ``DataError`` with all problems it found.
 """
 
 from __future__ import annotations
@@ -12,15 +13,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import datasets
-from datasets import Dataset, concatenate_datasets
+from datasets import Dataset, concatenate_datasets, interleave_datasets
 
 from shardtune.data.checks import check_data_settings
 from shardtune.data.formats import normalize_records
 from shardtune.data.loading import load_records
 from shardtune.data.packing import pack_dataset
-from shardtune.data.processing import tokenize_pt, tokenize_sft
+from shardtune.data.processing import SftOptions, tokenize_pt, tokenize_sft
 from shardtune.data.registry import resolve_entries
-from shardtune.data.settings import DataSettings, dataset_names
+from shardtune.data.settings import MIX_STRATEGIES, DataSettings, dataset_names
 from shardtune.data.templates import get_template, missing_special_tokens
 from shardtune.errors import DataError
 
@@ -28,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 
 def build_datasets(tokenizer: Any, settings: DataSettings) -> tuple[Dataset, Dataset | None]:
-    """Tokenised train dataset and, when ``val_size`` > 0, the held-out eval dataset.
+    """Tokenised train dataset and the eval dataset: ``eval_dataset`` when named, else the ``val_size``
+    hold-out, else None.
 
     sft rows hold ``input_ids`` and ``labels`` (plus ``position_ids`` and ``segment_ids`` when packed);
     pt rows hold ``input_ids`` and ``labels``. Feed batches through ``DataCollator``.
@@ -37,11 +39,15 @@ def build_datasets(tokenizer: Any, settings: DataSettings) -> tuple[Dataset, Dat
     if problems:
         raise DataError(*problems)
     with fresh_cache(settings.overwrite_cache):
-        records = load_normalized(settings)
-        tokenized = tokenize(records, tokenizer, settings)
+        tokenized = tokenize(load_mixed(dataset_names(settings), settings), tokenizer, settings)
+        named_eval = (tokenize(load_mixed(list(settings.eval_dataset), settings), tokenizer, settings)
+                      if settings.eval_dataset else None)
     if len(tokenized) == 0:
         raise DataError(f"datasets {', '.join(dataset_names(settings))} produced no samples (all texts are empty)")
-    train, evaluation = split_eval(tokenized, settings.val_size, settings.seed)
+    if named_eval is not None:
+        train, evaluation = tokenized, named_eval
+    else:
+        train, evaluation = split_eval(tokenized, settings.val_size, settings.seed)
     if settings.packing and settings.stage == "sft":
         train = pack_dataset(train, settings.cutoff_len)
         evaluation = pack_dataset(evaluation, settings.cutoff_len) if evaluation is not None else None
@@ -61,25 +67,37 @@ def fresh_cache(enabled: bool) -> Iterator[None]:
         datasets.enable_caching()
 
 
-def load_normalized(settings: DataSettings) -> Dataset:
-    """Load every named dataset, normalise it, and concatenate; problems from all files are raised together."""
-    entries, problems = resolve_entries(dataset_names(settings), settings.dataset_dir)
+def load_mixed(names: list[str], settings: DataSettings) -> Dataset:
+    """Load every named dataset, normalise it, and mix them; problems from all files are raised together."""
+    entries, problems = resolve_entries(names, settings.dataset_dir)
     parts: list[Dataset] = []
     for entry in entries:
         try:
-            records = load_records(entry, settings.max_samples)
-            parts.append(normalize_records(records, entry, settings.stage, settings.preprocessing_num_workers))
+            records = load_records(entry, settings.max_samples, settings.seed)
+            parts.append(normalize_records(records, entry, settings.stage, settings.preprocessing_num_workers,
+                                           settings.preprocessing_batch_size))
         except DataError as err:
             problems += err.problems
     if problems:
         raise DataError(*problems)
-    return parts[0] if len(parts) == 1 else concatenate_datasets(parts)
+    return mix_datasets(parts, settings.mix_strategy, settings.interleave_probs, settings.seed)
+
+
+def mix_datasets(parts: list[Dataset], strategy: str, probabilities: tuple[float, ...], seed: int) -> Dataset:
+    """One dataset from several: concatenated, or interleaved by ``probabilities`` (see DataSettings)."""
+    if len(parts) == 1:
+        return parts[0]
+    stopping = MIX_STRATEGIES[strategy]
+    if stopping is None:
+        return concatenate_datasets(parts)
+    return interleave_datasets(parts, probabilities=list(probabilities) or None, seed=seed,
+                               stopping_strategy=stopping)
 
 
 def tokenize(records: Dataset, tokenizer: Any, settings: DataSettings) -> Dataset:
-    workers = settings.preprocessing_num_workers
+    workers, batch_size = settings.preprocessing_num_workers, settings.preprocessing_batch_size
     if settings.stage == "pt":
-        return tokenize_pt(records, tokenizer, settings.cutoff_len, settings.packing, workers)
+        return tokenize_pt(records, tokenizer, settings.cutoff_len, settings.packing, workers, batch_size)
     template = get_template(settings.template, settings.default_system, settings.enable_thinking,
                             settings.tool_format)
     template.validate(tokenizer)
@@ -87,7 +105,8 @@ def tokenize(records: Dataset, tokenizer: Any, settings: DataSettings) -> Datase
     if missing:
         logger.warning("template '%s' uses %s, which the tokenizer does not know; they will be split into "
                        "several ordinary tokens", template.name, ", ".join(missing))
-    return tokenize_sft(records, tokenizer, template, settings.cutoff_len, settings.train_on_prompt, workers)
+    options = SftOptions(settings.cutoff_len, settings.train_on_prompt, settings.mask_history)
+    return tokenize_sft(records, tokenizer, template, options, workers, batch_size)
 
 
 def split_eval(dataset: Dataset, val_size: float, seed: int) -> tuple[Dataset, Dataset | None]:

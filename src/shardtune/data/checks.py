@@ -6,10 +6,12 @@ columns, and the template name. Everything found is returned together.
 
 from __future__ import annotations
 
+import math
+
 from shardtune.data.formats import missing_column_problems
 from shardtune.data.loading import peek_columns
 from shardtune.data.registry import DatasetEntry, did_you_mean, resolve_entries
-from shardtune.data.settings import STAGES, DataSettings, dataset_names
+from shardtune.data.settings import MIX_STRATEGIES, STAGES, DataSettings, dataset_names
 from shardtune.data.templates import (
     TEMPLATES,
     TOOL_FORMATS,
@@ -24,7 +26,7 @@ def check_data_settings(settings: DataSettings) -> list[str]:
     names = dataset_names(settings)
     if not names:
         return problems + ["dataset is empty; name at least one entry of dataset_info.json, e.g. dataset: demo"]
-    entries, entry_problems = resolve_entries(names, settings.dataset_dir)
+    entries, entry_problems = resolve_entries([*names, *settings.eval_dataset], settings.dataset_dir)
     problems += entry_problems
     for entry in entries:
         problems += entry_stage_problems(entry, settings.stage)
@@ -50,17 +52,66 @@ def setting_problems(settings: DataSettings) -> list[str]:
     workers = settings.preprocessing_num_workers
     if workers is not None and workers < 1:
         problems.append(f"preprocessing_num_workers ({workers}) must be at least 1, or unset for no workers")
-    return problems
+    if settings.preprocessing_batch_size < 1:
+        problems.append(f"preprocessing_batch_size ({settings.preprocessing_batch_size}) must be at least 1")
+    if settings.eval_dataset and settings.val_size > 0:
+        problems.append(f"eval_dataset ({','.join(settings.eval_dataset)}) and val_size ({settings.val_size}) are "
+                        "both set; evaluate on the named datasets or on a hold-out, not both (unset one)")
+    if settings.mask_history and settings.train_on_prompt:
+        problems.append("mask_history (true) and train_on_prompt (true) contradict each other: one trains only the "
+                        "last answer, the other every prompt too; unset one")
+    if settings.neat_packing and settings.stage == "pt":
+        problems.append("neat_packing (true) with stage pt: pt packing cuts one stream of texts into blocks, so "
+                        "texts are not kept apart; unset neat_packing (or use stage sft)")
+    return problems + mix_problems(settings)
+
+
+def mix_problems(settings: DataSettings) -> list[str]:
+    """mix_strategy and interleave_probs: one probability per dataset, summing to 1."""
+    strategy, probs = settings.mix_strategy, settings.interleave_probs
+    if strategy not in MIX_STRATEGIES:
+        return [f"mix_strategy '{strategy}' is unknown; use one of {', '.join(MIX_STRATEGIES)}"
+                f"{did_you_mean(strategy, MIX_STRATEGIES)}"]
+    if not probs:
+        return []
+    if strategy == "concat":
+        return [f"interleave_probs ({','.join(map(str, probs))}) only applies to an interleave mix_strategy, "
+                "not concat; set mix_strategy: interleave_under (or interleave_over), or unset interleave_probs"]
+    names = dataset_names(settings)
+    if len(probs) != len(names):
+        return [f"interleave_probs has {len(probs)} values but dataset names {len(names)} datasets "
+                f"({','.join(names)}); give one probability per dataset"]
+    if not all(math.isfinite(p) and p >= 0 for p in probs) or abs(sum(probs) - 1) > 1e-6:
+        return [f"interleave_probs ({','.join(map(str, probs))}) must be numbers >= 0 that sum to 1"]
+    return []
 
 
 def entry_stage_problems(entry: DatasetEntry, stage: str) -> list[str]:
     """Does the entry fit the stage, and does its first record have the columns the stage reads?"""
+    preference = preference_problems(entry, stage)
+    if preference:
+        return preference
     if stage == "pt" and entry.formatting != "alpaca":
         return [f"dataset '{entry.name}' is {entry.formatting} but stage pt reads plain text; use an alpaca "
                 "entry whose columns.prompt names the text column"]
     if stage not in STAGES:
         return []
-    columns, problems = peek_columns(entry.path)
+    columns, problems = peek_columns(entry.data_files[0])
     if columns is not None:
         problems += missing_column_problems(columns, entry, stage)
     return problems
+
+
+def preference_problems(entry: DatasetEntry, stage: str) -> list[str]:
+    """Ranking (chosen/rejected) and KTO (kto_tag) entries: their columns are checked, and the stages that
+    train on one answer per prompt refuse them rather than silently dropping the preference."""
+    wanted = [entry.columns[key] for key in ("chosen", "rejected", "kto_tag") if key in entry.columns]
+    if not entry.ranking and "kto_tag" not in entry.columns:
+        return []
+    columns, problems = peek_columns(entry.data_files[0])
+    if columns is not None:
+        problems += [f"{entry.path}: records have no '{name}' column (dataset '{entry.name}'), which its columns "
+                     "name; rename it or fix columns in dataset_info.json" for name in wanted if name not in columns]
+    kind = "a ranking (chosen/rejected)" if entry.ranking else "a KTO (kto_tag)"
+    return problems + [f"dataset '{entry.name}' is {kind} dataset, which stage {stage} cannot train on (it "
+                       "learns one answer per prompt); use it with a preference stage, or remove it from dataset"]

@@ -1,13 +1,18 @@
 """Record formats (alpaca, sharegpt, plain text) normalised into one shape.
 
-Every sft record becomes ``_system: str`` plus ``_messages: [{"role", "content"}, ...]`` alternating
-user/assistant and ending with an assistant turn; every pt record becomes ``_text: str``.
+Every sft record becomes ``_system: str``, ``tools: str`` (the tool definitions as text, "" when none; the
+template renders them) and ``_messages: [{"role", "content"}, ...]``: prompt turns (role ``user`` or
+``observation``, a tool's result) alternating with answer turns (``assistant`` or ``function_call``, a tool
+call), starting with a prompt and ending with an answer. Every pt record becomes ``_text: str``.
+Formattings: alpaca, sharegpt (role tags from ``tags``) and openai (``messages`` with role/content,
+``tool_calls`` and ``tool`` results).
 Bad records are not dropped silently: each one yields a ``_problem`` line naming the file and the
 record index (counting from 0), and the caller raises them together.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -24,6 +29,7 @@ Message = dict[str, str]
 CHAT_FEATURES = Features({
     "_system": Value("string"),
     "_messages": List({"role": Value("string"), "content": Value("string")}),
+    "tools": Value("string"),
     "_problem": Value("string"),
 })
 TEXT_FEATURES = Features({"_text": Value("string"), "_problem": Value("string")})
@@ -34,12 +40,13 @@ class RecordError(ValueError):
     """A single record cannot be used; the message says why (the caller adds file and index)."""
 
 
-def normalize_records(records: Dataset, entry: DatasetEntry, stage: str, num_proc: int | None) -> Dataset:
+def normalize_records(records: Dataset, entry: DatasetEntry, stage: str, num_proc: int | None,
+                      batch_size: int = 1000) -> Dataset:
     """Convert raw records of ``entry`` to the normalised columns; raises DataError listing bad records."""
     require_columns(records.column_names, entry, stage)
     convert, features = batch_converter(entry, stage)
     normalized = records.map(convert, batched=True, with_indices=True, remove_columns=records.column_names,
-                             features=features, num_proc=num_proc, desc=f"Reading {entry.name}",
+                             features=features, num_proc=num_proc, batch_size=batch_size, desc=f"Reading {entry.name}",
                              new_fingerprint=step_fingerprint(records, "normalize", convert))
     raise_record_problems(entry.path, [p for p in normalized["_problem"] if p])
     return normalized.remove_columns("_problem")
@@ -49,18 +56,19 @@ def batch_converter(entry: DatasetEntry, stage: str) -> tuple[Callable[..., dict
     """The batched map function for ``entry`` and the columns it produces."""
     if stage == "pt":
         return partial(convert_text_batch, column=entry.columns["prompt"]), TEXT_FEATURES
-    if entry.formatting == "sharegpt":
-        to_chat = partial(sharegpt_to_chat, columns=entry.columns, tags=entry.tags)
+    converters = {"sharegpt": sharegpt_to_chat, "openai": openai_to_chat}
+    if entry.formatting in converters:
+        to_chat = partial(converters[entry.formatting], columns=entry.columns, tags=entry.tags)
     else:
         to_chat = partial(alpaca_to_chat, columns=entry.columns)
-    return partial(convert_chat_batch, to_chat=to_chat), CHAT_FEATURES
+    return partial(convert_chat_batch, to_chat=to_chat, tools_column=entry.columns["tools"]), CHAT_FEATURES
 
 
 def required_columns(entry: DatasetEntry, stage: str) -> dict[str, str]:
     """Registry column key -> column name that every record of ``entry`` must have for ``stage``."""
     if stage == "pt":
         return {"prompt": entry.columns["prompt"]}
-    if entry.formatting == "sharegpt":
+    if entry.formatting != "alpaca":
         return {"messages": entry.columns["messages"]}
     return {key: entry.columns[key] for key in ("prompt", "response")}
 
@@ -96,18 +104,21 @@ def rows(batch: Mapping[str, list[Any]]) -> list[dict[str, Any]]:
 
 
 def convert_chat_batch(batch: Mapping[str, list[Any]], indices: list[int],
-                       to_chat: Callable[[Mapping[str, Any]], tuple[str, list[Message]]]) -> dict[str, list[Any]]:
+                       to_chat: Callable[[Mapping[str, Any]], tuple[str, list[Message]]], tools_column: str
+                       ) -> dict[str, list[Any]]:
     """Apply ``to_chat`` to every record of a batch, recording a problem line instead of raising."""
-    out: dict[str, list[Any]] = {"_system": [], "_messages": [], "_problem": []}
+    out: dict[str, list[Any]] = {"_system": [], "_messages": [], "tools": [], "_problem": []}
     for index, record in zip(indices, rows(batch), strict=True):
         try:
             system, messages = to_chat(record)
+            tools = tools_text(record.get(tools_column), tools_column)
             out["_problem"].append("")
         except RecordError as err:
-            system, messages = "", []
+            system, messages, tools = "", [], ""
             out["_problem"].append(f"record {index} (0-based): {err}")
         out["_system"].append(system)
         out["_messages"].append(messages)
+        out["tools"].append(tools)
     return out
 
 
@@ -163,13 +174,23 @@ def history_messages(history: Any, column: str) -> list[Message]:
     return messages
 
 
+PROMPT_ROLES = ("user", "observation")  # turns at even positions (0-based): what the model reads
+ANSWER_ROLES = ("assistant", "function_call")  # turns at odd positions: what the model writes
+
+
+def role_map(tags: Mapping[str, str]) -> dict[str, str]:
+    """Role tag in the data -> normalised role."""
+    return {tags["user_tag"]: "user", tags["assistant_tag"]: "assistant", tags["observation_tag"]: "observation",
+            tags["function_tag"]: "function_call", tags["system_tag"]: "system"}
+
+
 def sharegpt_to_chat(record: Mapping[str, Any], columns: Mapping[str, str], tags: Mapping[str, str]
                      ) -> tuple[str, list[Message]]:
-    """Map role tags to user/assistant/system and check that turns alternate, starting with the user."""
+    """Map role tags to roles; a leading system turn becomes the system prompt; turns must alternate."""
     turns = record.get(columns["messages"])
     if not isinstance(turns, list) or not turns:
         raise RecordError(f"'{columns['messages']}' must be a non-empty list of turns")
-    roles = {tags["user_tag"]: "user", tags["assistant_tag"]: "assistant", tags["system_tag"]: "system"}
+    roles = role_map(tags)
     system = as_text(record.get(columns["system"]), columns["system"])
     messages: list[Message] = []
     for number, turn in enumerate(turns):
@@ -177,15 +198,76 @@ def sharegpt_to_chat(record: Mapping[str, Any], columns: Mapping[str, str], tags
         if role == "system" and number == 0:
             system = content
             continue
-        expected = "user" if len(messages) % 2 == 0 else "assistant"
-        if role != expected:
-            tag = tags["user_tag"] if expected == "user" else tags["assistant_tag"]
-            raise RecordError(f"turn {number} should be '{tag}' but is '{turn[tags['role_tag']]}' "
-                              "(turns must alternate user/assistant after an optional leading system turn)")
         messages.append({"role": role, "content": content})
-    if len(messages) % 2 or not messages:
-        raise RecordError(f"the last turn must be an answer ('{tags['assistant_tag']}')")
+    check_alternation(messages, tags)
     return system, messages
+
+
+def openai_to_chat(record: Mapping[str, Any], columns: Mapping[str, str], tags: Mapping[str, str]
+                   ) -> tuple[str, list[Message]]:
+    """OpenAI messages: an assistant turn with ``tool_calls`` becomes a function_call turn holding the calls
+    as JSON, and consecutive tool results become one observation turn (as LLaMA-Factory joins them)."""
+    turns = record.get(columns["messages"])
+    if not isinstance(turns, list) or not turns:
+        raise RecordError(f"'{columns['messages']}' must be a non-empty list of messages")
+    roles = role_map(tags)
+    system = as_text(record.get(columns["system"]), columns["system"])
+    messages: list[Message] = []
+    results: list[str] = []
+    for number, turn in enumerate(turns):
+        calls = turn.get("tool_calls") if isinstance(turn, dict) else None
+        if calls:
+            turn = {tags["role_tag"]: tags["function_tag"], tags["content_tag"]: tool_calls_text(calls, number)}
+        role, content = turn_role_and_content(turn, number, roles, tags)
+        if role == "system" and number == 0:
+            system = content
+        elif role == "observation":
+            results.append(content)
+            continue
+        else:
+            messages += observation_turn(results) + [{"role": role, "content": content}]
+        results = []
+    check_alternation(messages + observation_turn(results), tags)
+    return system, messages + observation_turn(results)
+
+
+def tool_calls_text(calls: Any, number: int) -> str:
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and "function" in c for c in calls):
+        raise RecordError(f"message {number}: tool_calls must be a list of objects with a 'function'")
+    return json.dumps([call["function"] for call in calls], ensure_ascii=False)
+
+
+def observation_turn(results: list[str]) -> list[Message]:
+    return [{"role": "observation", "content": "\n</tool_response>\n<tool_response>\n".join(results)}] \
+        if results else []
+
+
+def check_alternation(messages: list[Message], tags: Mapping[str, str]) -> None:
+    """Prompt turns (user, observation) and answer turns (assistant, function_call) alternate, prompt first,
+    answer last, as LLaMA-Factory requires; a record that breaks this is reported, not skipped."""
+    for number, message in enumerate(messages):
+        allowed = PROMPT_ROLES if number % 2 == 0 else ANSWER_ROLES
+        if message["role"] not in allowed:
+            names = [tag_of(role, tags) for role in allowed]
+            raise RecordError(f"turn {number} should be '{names[0]}' but is '{tag_of(message['role'], tags)}' "
+                              f"('{names[1]}' fits there too; counting after a leading system turn, turns must "
+                              "alternate prompt/answer)")
+    if len(messages) % 2 or not messages:
+        raise RecordError(f"the last turn must be an answer ('{tags['assistant_tag']}' or '{tags['function_tag']}')")
+
+
+def tag_of(role: str, tags: Mapping[str, str]) -> str:
+    """The data's tag for a normalised role (``function_call`` -> ``tags["function_tag"]``)."""
+    return tags[f"{'function' if role == 'function_call' else role}_tag"]
+
+
+def tools_text(value: Any, column: str) -> str:
+    """The tools column as text: JSON lists/objects (OpenAI style) are serialised, absent is empty."""
+    if value is None or isinstance(value, str):
+        return value or ""
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, ensure_ascii=False)
+    raise RecordError(f"'{column}' must be text or a JSON list of tools, got {type(value).__name__}")
 
 
 def turn_role_and_content(turn: Any, number: int, roles: Mapping[str, str], tags: Mapping[str, str]
@@ -196,5 +278,6 @@ def turn_role_and_content(turn: Any, number: int, roles: Mapping[str, str], tags
                           "(set tags.role_tag/content_tag in dataset_info.json)")
     if turn[role_tag] not in roles:
         raise RecordError(f"turn {number} has role '{turn[role_tag]}'; expected one of {', '.join(roles)} "
-                          "(set tags.user_tag/assistant_tag/system_tag in dataset_info.json)")
+                          "(set tags.user_tag/assistant_tag/observation_tag/function_tag/system_tag in "
+                          "dataset_info.json)")
     return roles[turn[role_tag]], as_text(turn[content_tag], content_tag)

@@ -12,6 +12,7 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
 from datasets import Dataset, load_dataset
 
 from shardtune.data.registry import DatasetEntry
@@ -21,18 +22,34 @@ MAX_LISTED = 5  # bad lines or records listed before "... and N more"
 PEEK_JSON_BYTES = 8 * 1024 * 1024  # a .json array is parsed whole to peek at it, so only small ones
 
 
-def load_records(entry: DatasetEntry, max_samples: int | None = None) -> Dataset:
-    """Load the raw records of one registry entry, keeping at most ``max_samples`` from the start."""
+def load_records(entry: DatasetEntry, max_samples: int | None = None, seed: int = 42) -> Dataset:
+    """Load the raw records of one registry entry.
+
+    As in LLaMA-Factory: the entry's ``num_samples`` draws that many records first, then ``max_samples`` keeps
+    at most that many from the start.
+    """
     try:
         with quiet_datasets_logging():
-            records = load_dataset(entry.loader, data_files=str(entry.path), split="train")
+            records = load_dataset(entry.loader, data_files=[str(f) for f in entry.data_files], split="train")
     except Exception as err:  # datasets wraps parser failures in several exception types
-        raise DataError(*read_problems(entry.path, entry.loader, err)) from err
+        raise DataError(*files_read_problems(entry, err)) from err
     if len(records) == 0:
         raise DataError(f"{entry.path}: no records (dataset '{entry.name}'); add records or remove the dataset")
+    if entry.num_samples is not None:
+        records = records.select(sample_indices(len(records), entry.num_samples, seed))
     if max_samples is not None and len(records) > max_samples:
         records = records.select(range(max_samples))
     return records
+
+
+def sample_indices(size: int, count: int, seed: int) -> list[int]:
+    """``count`` record indices out of ``size``: every record once (shuffled) while it lasts, then records drawn
+    with replacement for the rest - so up-sampling keeps all records and adds repeats, as LLaMA-Factory does."""
+    rng = np.random.default_rng(seed)
+    indices = rng.permutation(size)[:count].tolist()
+    if count > size:
+        indices += rng.integers(0, size, count - size).tolist()
+    return indices
 
 
 @contextlib.contextmanager
@@ -45,6 +62,16 @@ def quiet_datasets_logging():
         yield
     finally:
         logger.setLevel(level)
+
+
+def files_read_problems(entry: DatasetEntry, err: BaseException) -> list[str]:
+    """Why the entry's files could not be loaded: line-level JSON problems of any file, else the parser's."""
+    if entry.loader == "json":
+        problems = [p for f in entry.data_files for p in json_syntax_problems(f)]
+        if problems:
+            return problems[:MAX_LISTED]
+    return [f"{entry.path}: cannot be read as {entry.loader} ({innermost_message(err)}); "
+            "check the file's format and encoding"]
 
 
 def read_problems(path: Path, loader: str, err: BaseException) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -27,23 +28,32 @@ TOKEN_FEATURES = Features({"input_ids": List(Value("int32")), "labels": List(Val
 SFT_FEATURES = Features({**TOKEN_FEATURES, "_length": Value("int32"), "_needed": Value("int32")})
 
 
-def tokenize_sft(dataset: Dataset, tokenizer: Any, template: Template, cutoff_len: int, train_on_prompt: bool,
-                 num_proc: int | None = None) -> Dataset:
+@dataclass(frozen=True)
+class SftOptions:
+    """How sft samples are cut and masked: ``mask_history`` trains only the last turn's answer."""
+
+    cutoff_len: int
+    train_on_prompt: bool = False
+    mask_history: bool = False
+
+
+def tokenize_sft(dataset: Dataset, tokenizer: Any, template: Template, options: SftOptions,
+                 num_proc: int | None = None, batch_size: int = 1000) -> Dataset:
     """Encode normalised chats; samples with nothing trainable within ``cutoff_len`` are dropped."""
-    encode = partial(encode_sft_batch, tokenizer=tokenizer, template=template, cutoff_len=cutoff_len,
-                     train_on_prompt=train_on_prompt)
+    cutoff_len = options.cutoff_len
+    encode = partial(encode_sft_batch, tokenizer=tokenizer, template=template, options=options)
     encoded = dataset.map(encode, batched=True, remove_columns=dataset.column_names, features=SFT_FEATURES,
-                          num_proc=num_proc, desc="Tokenizing",
+                          num_proc=num_proc, batch_size=batch_size, desc="Tokenizing",
                           new_fingerprint=step_fingerprint(dataset, "sft", encode))
     kept = encoded.filter(has_tokens, batched=True, input_columns="_length", num_proc=num_proc, desc="Truncating",
                           new_fingerprint=step_fingerprint(encoded, "drop-empty", has_tokens))
     if len(kept) == 0 and len(encoded) > 0:
         shortest = min(encoded["_needed"])
         raise DataError(f"cutoff_len ({cutoff_len}) is too small: no sample keeps a trainable token; the shortest "
-                        f"sample needs {shortest} tokens (its first prompt plus one answer token); "
+                        f"sample needs {shortest} tokens (its trained turn's prompt plus one answer token); "
                         f"raise cutoff_len to at least {shortest}")
     if len(kept) < len(encoded):
-        logger.warning("dropped %d of %d samples whose first prompt does not fit in cutoff_len=%d",
+        logger.warning("dropped %d of %d samples whose trained turn's prompt does not fit in cutoff_len=%d",
                        len(encoded) - len(kept), len(encoded), cutoff_len)
     return kept.remove_columns(["_length", "_needed"])
 
@@ -52,8 +62,8 @@ def has_tokens(lengths: list[int]) -> list[bool]:
     return [length > 0 for length in lengths]
 
 
-def encode_sft_batch(batch: Mapping[str, list[Any]], tokenizer: Any, template: Template, cutoff_len: int,
-                     train_on_prompt: bool) -> dict[str, list[Any]]:
+def encode_sft_batch(batch: Mapping[str, list[Any]], tokenizer: Any, template: Template, options: SftOptions
+                     ) -> dict[str, list[Any]]:
     """Batched map function: render every sample's turns, encode all pieces at once, then assemble."""
     tools = batch.get("tools") or [""] * len(batch["_messages"])
     rendered = [template.render_turns(system, messages, tokenizer, sample_tools or "")
@@ -65,11 +75,15 @@ def encode_sft_batch(batch: Mapping[str, list[Any]], tokenizer: Any, template: T
     for turns in rendered:
         pairs = [(ids[start + 2 * k], ids[start + 2 * k + 1]) for k in range(len(turns))]
         start += 2 * len(turns)
-        input_ids, labels = assemble_sft_sample(pairs, cutoff_len, train_on_prompt)
+        if options.mask_history:
+            input_ids, labels = assemble_last_turn_sample(pairs, options.cutoff_len)
+        else:
+            input_ids, labels = assemble_sft_sample(pairs, options.cutoff_len, options.train_on_prompt)
         out["input_ids"].append(input_ids)
         out["labels"].append(labels)
         out["_length"].append(len(input_ids))
-        out["_needed"].append(len(pairs[0][0]) + 1 if pairs else 0)
+        trained = pairs[-1] if options.mask_history else pairs[0] if pairs else ([], [])
+        out["_needed"].append(len(trained[0]) + 1 if pairs else 0)
     return out
 
 
@@ -98,18 +112,41 @@ def assemble_sft_sample(pairs: list[tuple[TokenIds, TokenIds]], cutoff_len: int,
     return input_ids, labels
 
 
+def assemble_last_turn_sample(pairs: list[tuple[TokenIds, TokenIds]], cutoff_len: int) -> tuple[TokenIds, TokenIds]:
+    """``mask_history``: the last turn is trained, earlier turns are context (labels IGNORE_INDEX).
+
+    The last turn is kept first (its full prompt and as much answer as fits, at least one token), then earlier
+    whole turns are put before it, newest first, while they fit - as LLaMA-Factory gives the last turns priority.
+    Returns empty lists when the last prompt plus one answer token does not fit.
+    """
+    if not pairs:
+        return [], []
+    prompt, response = pairs[-1]
+    room = cutoff_len - len(prompt)
+    if room < 1 or not response:
+        return [], []
+    input_ids, labels = prompt + response[:room], [IGNORE_INDEX] * len(prompt) + response[:room]
+    for prompt, response in reversed(pairs[:-1]):
+        if len(input_ids) + len(prompt) + len(response) > cutoff_len:
+            break
+        input_ids = prompt + response + input_ids
+        labels = [IGNORE_INDEX] * (len(prompt) + len(response)) + labels
+    return input_ids, labels
+
+
 def tokenize_pt(dataset: Dataset, tokenizer: Any, cutoff_len: int, packing: bool,
-                num_proc: int | None = None) -> Dataset:
+                num_proc: int | None = None, batch_size: int = 1000) -> Dataset:
     """Encode plain texts for pre-training; labels equal input_ids (the model shifts them)."""
     special_token_strings(tokenizer)  # fails early, with a remedy, when there is no eos token
     encode = partial(encode_pt_batch, tokenizer=tokenizer, cutoff_len=cutoff_len, packing=packing)
     return dataset.map(encode, batched=True, remove_columns=dataset.column_names, features=TOKEN_FEATURES,
-                       num_proc=num_proc, desc="Tokenizing", new_fingerprint=step_fingerprint(dataset, "pt", encode))
+                       num_proc=num_proc, batch_size=batch_size, desc="Tokenizing",
+                       new_fingerprint=step_fingerprint(dataset, "pt", encode))
 
 
 def encode_pt_batch(batch: Mapping[str, list[Any]], tokenizer: Any, cutoff_len: int, packing: bool
                     ) -> dict[str, list[Any]]:
-    """Batched map function. With packing, blocks do not cross map batches (1000 texts by default)."""
+    """Batched map function. With packing, blocks do not cross map batches (preprocessing_batch_size texts)."""
     texts = [text for text in batch["_text"] if text.strip()]
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     documents = [ids + [tokenizer.eos_token_id] for ids in encoded]

@@ -5,7 +5,9 @@ The file follows LLaMA-Factory's layout so that users can bring theirs::
     {"demo": {"file_name": "demo_alpaca.json", "formatting": "alpaca",
               "columns": {"prompt": "instruction", ...}, "tags": {"role_tag": "from", ...}}}
 
-Only local files are supported; hub downloads belong to the user's own preparation step.
+``file_name`` may name a file or a folder of files (``folder``, ``subset`` and ``split`` pick inside it, see
+``datafiles``). Entries that download (``hf_hub_url``, ``ms_hub_url``, ...) are refused, with the way to use a
+local copy, only when ``dataset`` names them: a large registry of hub entries loads fine.
 """
 
 from __future__ import annotations
@@ -17,38 +19,60 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardtune.data.datafiles import pick_data_files
+
 INFO_FILE = "dataset_info.json"
 LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-FORMATTINGS = ("alpaca", "sharegpt")
+FORMATTINGS = ("alpaca", "sharegpt", "openai")
+# Columns every formatting may map; preference (chosen, rejected) and KTO (kto_tag) columns are validated
+# now and read by preference stages, which refuse them for sft (see checks.entry_stage_problems).
+COMMON_COLUMNS = ("system", "tools", "chosen", "rejected", "kto_tag")
 DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
     "alpaca": {"prompt": "instruction", "query": "input", "response": "output", "system": "system",
-               "history": "history"},
-    "sharegpt": {"messages": "conversations", "system": "system"},
+               "history": "history", "tools": "tools"},
+    "sharegpt": {"messages": "conversations", "system": "system", "tools": "tools"},
+    "openai": {"messages": "messages", "system": "system", "tools": "tools"},
 }
-DEFAULT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
-                "system_tag": "system"}
-# Tags LLaMA-Factory knows for tool calls; accepted so its files load, unused because we train no tool turns.
-EXTRA_TAGS = ("observation_tag", "function_tag")
-ENTRY_KEYS = ("file_name", "formatting", "columns", "tags")
-# LLaMA-Factory keys that point at remote data or features we do not implement.
-UNSUPPORTED_KEYS = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name", "subset", "split",
-                    "folder", "num_samples", "ranking")
+DEFAULT_TAGS: dict[str, dict[str, str]] = {
+    "sharegpt": {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
+                 "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"},
+    "openai": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
+               "observation_tag": "tool", "function_tag": "function_call", "system_tag": "system"},
+}
+DEFAULT_TAGS["alpaca"] = DEFAULT_TAGS["sharegpt"]
+# LLaMA-Factory's multimodal columns: refused by name, shardtune trains text models only.
+MEDIA_COLUMNS = ("images", "videos", "audios")
+ENTRY_KEYS = ("file_name", "formatting", "columns", "tags", "ranking", "subset", "split", "folder", "num_samples")
+# Keys of entries whose data lives on a hub or in a bucket; this machine cannot download.
+HUB_KEYS = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
 
 
 @dataclass(frozen=True)
 class DatasetEntry:
-    """One resolved registry entry; ``columns`` and ``tags`` already include the defaults."""
+    """One resolved registry entry; ``columns`` and ``tags`` already include the defaults.
+
+    ``path`` is what ``file_name`` names (a file or a folder); ``files`` the data files picked from it by
+    ``folder``, ``subset`` and ``split``. ``num_samples`` draws that many records (see loading.sample_records).
+    """
 
     name: str
     path: Path
     formatting: str
     columns: Mapping[str, str]
     tags: Mapping[str, str]
+    files: tuple[Path, ...] = ()
+    ranking: bool = False
+    num_samples: int | None = None
+    split: str = "train"
 
     @property
     def loader(self) -> str:
-        """The ``datasets`` builder that reads this file: json, csv or parquet."""
-        return LOADERS[self.path.suffix.lower()]
+        """The ``datasets`` builder that reads this entry's files: json, csv or parquet."""
+        return LOADERS[(self.files[0] if self.files else self.path).suffix.lower()]
+
+    @property
+    def data_files(self) -> tuple[Path, ...]:
+        return self.files or (self.path,)
 
 
 def did_you_mean(word: str, options: Iterable[str]) -> str:
@@ -104,31 +128,61 @@ def resolve_entry(name: str, raw: Any, dataset_dir: Path, path: Path) -> tuple[D
     where = f"{path}: dataset '{name}'"
     if not isinstance(raw, dict):
         return None, [f"{where} must be an object with a file_name, got {type(raw).__name__}"]
+    hub = hub_problem(raw, where, dataset_dir)
+    if hub:
+        return None, [hub]
     problems = key_problems(raw, where)
     formatting = raw.get("formatting", "alpaca")
     if formatting not in FORMATTINGS:
         problems.append(f"{where} has formatting '{formatting}'; use one of {', '.join(FORMATTINGS)}"
                         f"{did_you_mean(str(formatting), FORMATTINGS)}")
         formatting = "alpaca"
-    columns = mapping_field(raw, "columns", DEFAULT_COLUMNS[formatting], (), where, problems)
-    tags = mapping_field(raw, "tags", DEFAULT_TAGS, EXTRA_TAGS, where, problems)
-    file_path = data_file_problems(raw, dataset_dir, where, problems)
+    columns = mapping_field(raw, "columns", DEFAULT_COLUMNS[formatting], COMMON_COLUMNS, where, problems)
+    tags = mapping_field(raw, "tags", DEFAULT_TAGS[formatting], (), where, problems)
+    ranking, num_samples, split = option_values(raw, columns, where, problems)
+    file_path = data_path_problems(raw, dataset_dir, where, problems)
     if problems or file_path is None:
         return None, problems
-    return DatasetEntry(name, file_path, formatting, columns, tags), []
+    files, file_problems = pick_data_files(file_path, raw.get("folder"), raw.get("subset"), split, where)
+    if file_problems:
+        return None, file_problems
+    return DatasetEntry(name, file_path, formatting, columns, tags, files, ranking, num_samples, split), []
+
+
+def hub_problem(raw: dict[str, Any], where: str, dataset_dir: Path) -> str:
+    """One line for an entry that downloads its data; only entries named by ``dataset`` get here."""
+    key = next((k for k in HUB_KEYS if k in raw), None)
+    if key is None:
+        return ""
+    return (f"{where} is downloaded from '{key}' ({raw[key]}), but shardtune does not download data: download it "
+            f"on a machine with network access, copy it into {dataset_dir}, and in the entry replace {key} by "
+            "\"file_name\" naming that local file or folder")
 
 
 def key_problems(raw: dict[str, Any], where: str) -> list[str]:
-    problems = []
-    for key in raw:
-        if key in UNSUPPORTED_KEYS:
-            if key == "ranking" and not raw[key]:
-                continue
-            problems.append(f"{where} uses '{key}', which shardtune does not support; "
-                            "download the data and point file_name at a local file")
-        elif key not in ENTRY_KEYS:
-            problems.append(f"{where} has unknown key '{key}'{did_you_mean(key, ENTRY_KEYS)}")
-    return problems
+    return [f"{where} has unknown key '{key}'{did_you_mean(key, ENTRY_KEYS)}" for key in raw if key not in ENTRY_KEYS]
+
+
+def option_values(raw: dict[str, Any], columns: Mapping[str, str], where: str, problems: list[str]
+                  ) -> tuple[bool, int | None, str]:
+    """ranking, num_samples and split, checked; problems are appended."""
+    ranking = raw.get("ranking", False)
+    if not isinstance(ranking, bool):
+        problems.append(f"{where}: ranking must be true or false, got {ranking!r}")
+        ranking = False
+    if ranking and not {"chosen", "rejected"} <= set(columns):
+        problems.append(f"{where} is a ranking dataset but columns lack chosen/rejected; "
+                        "name the preferred and the rejected answer columns")
+    num_samples = raw.get("num_samples")
+    if num_samples is not None and (not isinstance(num_samples, int) or isinstance(num_samples, bool)
+                                    or num_samples < 1):
+        problems.append(f"{where}: num_samples must be a positive whole number, got {num_samples!r}")
+        num_samples = None
+    for key in ("split", "subset", "folder"):
+        if raw.get(key) is not None and (not isinstance(raw[key], str) or not raw[key]):
+            problems.append(f"{where}: {key} must be a non-empty string, got {raw[key]!r}")
+    split = raw.get("split") or "train"
+    return ranking, num_samples, split if isinstance(split, str) else "train"
 
 
 def mapping_field(raw: dict[str, Any], key: str, defaults: dict[str, str], extra: tuple[str, ...], where: str,
@@ -138,24 +192,28 @@ def mapping_field(raw: dict[str, Any], key: str, defaults: dict[str, str], extra
     if not isinstance(given, dict):
         problems.append(f"{where}: '{key}' must be an object, got {type(given).__name__}")
         return dict(defaults)
-    allowed = (*defaults, *extra)
+    allowed = tuple(dict.fromkeys((*defaults, *extra)))
     for sub_key, value in given.items():
-        if sub_key not in allowed:
+        if sub_key in MEDIA_COLUMNS:
+            problems.append(f"{where}: columns.{sub_key} (multimodal data) is not supported; shardtune trains "
+                            "text-only models, remove the column")
+        elif sub_key not in allowed:
             problems.append(f"{where}: unknown {key} key '{sub_key}'{did_you_mean(sub_key, allowed)}; "
                             f"allowed: {', '.join(allowed)}")
         elif not isinstance(value, str):
             problems.append(f"{where}: {key}.{sub_key} must be a string, got {value!r}")
-    return {**defaults, **{k: v for k, v in given.items() if isinstance(v, str)}}
+    return {**defaults, **{k: v for k, v in given.items() if isinstance(v, str) and k in allowed}}
 
 
-def data_file_problems(raw: dict[str, Any], dataset_dir: Path, where: str, problems: list[str]) -> Path | None:
-    """The entry's data file if it exists and has a readable extension; otherwise append why not."""
+def data_path_problems(raw: dict[str, Any], dataset_dir: Path, where: str, problems: list[str]) -> Path | None:
+    """The file or folder ``file_name`` names, if it exists; otherwise append why not."""
     file_name = raw.get("file_name")
     if not isinstance(file_name, str) or not file_name:
-        if not any(key in raw for key in UNSUPPORTED_KEYS):
-            problems.append(f"{where} needs a 'file_name' (a file inside {dataset_dir})")
+        problems.append(f"{where} needs a 'file_name' (a file or folder inside {dataset_dir})")
         return None
     file_path = dataset_dir / file_name
+    if file_path.is_dir():
+        return file_path
     if file_path.suffix.lower() not in LOADERS:
         problems.append(f"{where}: file '{file_name}' has an unsupported extension; "
                         f"use one of {', '.join(LOADERS)}")

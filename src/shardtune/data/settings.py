@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 STAGES = ("sft", "pt")
+# How several datasets become one, as LLaMA-Factory names it -> datasets' interleave stopping strategy.
+MIX_STRATEGIES = {"concat": None, "interleave_under": "first_exhausted", "interleave_over": "all_exhausted",
+                  "interleave_once": "all_exhausted_without_replacement"}
 IGNORE_INDEX = -100  # label value that the loss skips (transformers' convention)
 
 
@@ -12,10 +15,15 @@ IGNORE_INDEX = -100  # label value that the loss skips (transformers' convention
 class DataSettings:
     """Which datasets to load and how to turn them into token ids.
 
-    ``dataset`` names entries of ``<dataset_dir>/dataset_info.json``; several are concatenated.
-    ``val_size`` below 1 is a fraction of the samples held out for evaluation, 1 or more a count.
-    ``packing`` puts several whole samples into one row of at most ``cutoff_len`` tokens (sft),
-    or concatenates texts into ``cutoff_len`` blocks (pt).
+    ``dataset`` names entries of ``<dataset_dir>/dataset_info.json``; several are mixed by ``mix_strategy``:
+    concatenated, or interleaved by drawing each sample from dataset i with probability ``interleave_probs[i]``
+    (equal when empty) until the first dataset runs out (under), all have run out (over, the short ones
+    repeat) or all have been used once (once).
+    ``eval_dataset`` names the datasets evaluated on; otherwise ``val_size`` below 1 is a fraction of the
+    samples held out for evaluation, 1 or more a count.
+    ``packing`` puts several whole samples into one row of at most ``cutoff_len`` tokens (sft), each seeing
+    only itself (what LLaMA-Factory calls ``neat_packing``), or concatenates texts into ``cutoff_len``
+    blocks (pt). ``mask_history``: only the last turn's answer is trained; earlier turns are context.
     """
 
     dataset: tuple[str, ...]
@@ -33,6 +41,12 @@ class DataSettings:
     seed: int = 42
     preprocessing_num_workers: int | None = None
     overwrite_cache: bool = False
+    eval_dataset: tuple[str, ...] = ()
+    mix_strategy: str = "concat"
+    interleave_probs: tuple[float, ...] = ()
+    mask_history: bool = False
+    neat_packing: bool = False
+    preprocessing_batch_size: int = 1000
 
 
 def dataset_names(settings: DataSettings) -> list[str]:

@@ -33,11 +33,12 @@ def cache_key(settings: DataSettings, tokenizer: Any) -> dict[str, Any]:
     from shardtune.data.caching import source_digest
     from shardtune.data.registry import resolve_entries
 
-    entries, _ = resolve_entries(dataset_names(settings), settings.dataset_dir)
+    entries, _ = resolve_entries([*dataset_names(settings), *settings.eval_dataset], settings.dataset_dir)
     files = {}
     for entry in entries:
-        stat = entry.path.stat()
-        files[str(entry.path)] = f"{stat.st_size}:{stat.st_mtime_ns}"
+        for path in entry.data_files:
+            stat = path.stat()
+            files[str(path)] = f"{stat.st_size}:{stat.st_mtime_ns}"
     data = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(settings).items() if k not in NOT_IN_KEY}
     return {"settings": data, "files": files, "tokenizer": Hasher.hash(tokenizer), "code": source_digest()}
 

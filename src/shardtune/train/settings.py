@@ -26,11 +26,28 @@ def data_settings(c: TrainConfig) -> DataSettings:
         seed=c.seed,
         preprocessing_num_workers=c.preprocessing_num_workers,
         overwrite_cache=c.overwrite_cache,
+        eval_dataset=tuple(c.eval_dataset),
+        mix_strategy=c.mix_strategy,
+        interleave_probs=tuple(as_probability(p) for p in c.interleave_probs),
+        mask_history=c.mask_history,
+        neat_packing=c.neat_packing,
+        preprocessing_batch_size=c.preprocessing_batch_size,
     )
 
 
 def resolved_packing(c: TrainConfig) -> bool:
+    """neat_packing turns packing on: shardtune's sft packing always keeps samples apart."""
+    if c.neat_packing:
+        return True
     return c.packing if c.packing is not None else c.stage == "pt"
+
+
+def as_probability(text: str) -> float:
+    """A number, or NaN, which the data checks report with the key's values."""
+    try:
+        return float(text)
+    except ValueError:
+        return float("nan")
 
 
 def finetuning_settings(c: TrainConfig) -> FinetuningSettings:
