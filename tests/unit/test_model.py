@@ -60,9 +60,9 @@ def test_quantization_without_cuda_is_a_clear_error():
     import torch
 
     from shardtune.errors import ModelError
-    from shardtune.model.load import quantization_config
+    from shardtune.model.load import Quantization, quantization_config
 
     if torch.cuda.is_available():
         pytest.skip("has CUDA")
     with pytest.raises(ModelError, match="needs a CUDA GPU"):
-        quantization_config(4, torch.bfloat16)
+        quantization_config(Quantization(4), torch.bfloat16)

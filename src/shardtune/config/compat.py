@@ -31,10 +31,85 @@ def _rename(target: str) -> Translate:
     return lambda value, _values: {target: value}
 
 
+def _refuse_unless(accepted: Any, reason: str) -> Callable[[str], Translate]:
+    """A key whose ``accepted`` value is what shardtune does anyway; any other value is refused with ``reason``."""
+
+    def for_key(key: str) -> Translate:
+        def translate(value: Any, _values: Mapping[str, Any]) -> dict[str, Any]:
+            if value == accepted or value is None:
+                return {}
+            raise ValueError(f"key '{key}' ({value!r}): {reason}")
+
+        return translate
+
+    return for_key
+
+
+# LLaMA-Factory's `flash_attn` -> transformers' attn_implementation. `auto` lets LLaMA-Factory pick FA2 when it is
+# installed, else SDPA; shardtune never switches kernels behind the user's back, so auto is SDPA here.
+FLASH_ATTN = {"auto": "sdpa", "sdpa": "sdpa", "disabled": "eager", "eager": "eager", "fa2": "flash_attention_2"}
+
+
+def _flash_attn(value: Any, _values: Mapping[str, Any]) -> dict[str, Any]:
+    choice = str(value).strip().lower()
+    if choice not in FLASH_ATTN:
+        raise ValueError(f"flash_attn: {value!r} is not allowed; choose one of: auto, disabled, sdpa, fa2")
+    return {"attn_implementation": FLASH_ATTN[choice]}
+
+
+def _gradient_checkpointing_off(value: Any, _values: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(value, bool):
+        raise ValueError(f"disable_gradient_checkpointing: expected true/false, got {value!r}")
+    return {"gradient_checkpointing": not value}
+
+
+def _use_reentrant(value: Any, values: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(value, bool):
+        raise ValueError(f"use_reentrant_gc: expected true/false, got {value!r}")
+    given = values.get("gradient_checkpointing_kwargs")
+    return {"gradient_checkpointing_kwargs": {**(given if isinstance(given, dict) else {}), "use_reentrant": value}}
+
+
+def _into_fsdp_config(name: str) -> Translate:
+    """A Trainer ``fsdp_*`` key given at the top level -> the same key inside ``fsdp_config`` (merged with it)."""
+
+    def translate(value: Any, values: Mapping[str, Any]) -> dict[str, Any]:
+        given = values.get("fsdp_config")
+        if given is not None and not isinstance(given, dict):
+            raise ValueError(f"key '{name}' with fsdp_config read from a file ({given}): put {name} into that file")
+        short = name.removeprefix("fsdp_")
+        for spelling in (name, short):
+            if given and spelling in given and given[spelling] != value:
+                raise ValueError(f"key '{name}' ({value!r}) contradicts fsdp_config.{spelling} "
+                                 f"({given[spelling]!r}); keep one")
+        return {"fsdp_config": {**(given or {}), name: value}}
+
+    return translate
+
+
 # Another spelling -> what it becomes. Grouped as the schema is; each group is owned by the code that honours it.
 MAPPED: dict[str, Mapped] = {
     # --- training arguments of the Hugging Face Trainer ---
     "evaluation_strategy": Mapped("eval_strategy (its newer name)", _rename("eval_strategy")),
+    # --- model, outputs and memory (lfkeys) ---
+    "flash_attn": Mapped("attn_implementation (auto/sdpa: sdpa, disabled: eager, fa2: flash_attention_2)",
+                         _flash_attn),
+    "disable_gradient_checkpointing": Mapped("gradient_checkpointing (negated)", _gradient_checkpointing_off),
+    "use_reentrant_gc": Mapped("gradient_checkpointing_kwargs.use_reentrant", _use_reentrant),
+    "fsdp_transformer_layer_cls_to_wrap": Mapped(
+        "fsdp_config.transformer_layer_cls_to_wrap", _into_fsdp_config("fsdp_transformer_layer_cls_to_wrap")),
+    "fsdp_min_num_params": Mapped("fsdp_config.min_num_params", _into_fsdp_config("fsdp_min_num_params")),
+    "save_safetensors": Mapped("nothing: safetensors is the only format written", _refuse_unless(
+        True, "shardtune writes models only as safetensors; remove the key or set it to true")("save_safetensors")),
+    "resize_vocab": Mapped("refused when true", _refuse_unless(
+        False, "growing the vocabulary is not implemented yet; add the tokens to the tokenizer and resize the "
+               "model's embeddings before training, then remove the key")("resize_vocab")),
+    "new_special_tokens": Mapped("refused", _refuse_unless(
+        None, "adding tokens is not implemented yet; add them to the tokenizer and resize the model's embeddings "
+              "before training, then remove the key")("new_special_tokens")),
+    "pure_bf16": Mapped("refused when true", _refuse_unless(
+        False, "no shardtune engine keeps bf16 weights without an fp32 master copy yet; use bf16: true (mixed "
+               "precision) instead")("pure_bf16")),
 }
 
 
@@ -52,8 +127,15 @@ def translate_keys(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]
             problems.append(str(err))
             continue
         for target, new in produced.items():
-            if target in result and result[target] != new:
+            current = result.get(target)
+            if isinstance(current, dict) and isinstance(new, dict) and _agree(current, new):
+                new = {**current, **new}  # several keys fill one mapping (fsdp_config)
+            elif target in result and current != new:
                 problems.append(f"key '{key}' ({value!r}) contradicts '{target}' ({result[target]!r}); keep one")
                 continue
             result[target] = new
     return result, problems
+
+
+def _agree(first: Mapping[str, Any], second: Mapping[str, Any]) -> bool:
+    return all(first[key] == second[key] for key in first.keys() & second.keys())

@@ -31,6 +31,8 @@ LR_SCHEDULERS = (
 )
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "sgd", "adafactor")
 REPORT_TO = ("none", "tensorboard", "wandb", "mlflow")
+# LLaMA-Factory's spellings; only bnb quantizes on load here (pre-quantized checkpoints are read from config.json).
+QUANTIZATION_METHODS = ("bnb", "gptq", "awq", "aqlm", "quanto", "eetq", "hqq", "mxfp4", "fp8")
 
 
 def _key(
@@ -68,6 +70,18 @@ class TrainConfig:
                                     choices=("sdpa", "eager", "flash_attention_2"))
     build_tiny_model_if_missing: bool = _key(
         False, "build a random tiny LLaMA + local tokenizer at model_name_or_path if it does not exist", MODEL)
+    adapter_name_or_path: list[str] = _key(
+        [], "LoRA adapter folders, comma separated: all but the last are merged into the base, the last one "
+            "continues training", MODEL)
+    create_new_adapter: bool = _key(
+        False, "merge every adapter of adapter_name_or_path into the base and train a new one", MODEL)
+    rope_scaling: str | None = _key(None, "stretch RoPE to cutoff_len beyond the model's trained context", MODEL,
+                                    choices=(None, "linear", "dynamic", "yarn", "llama3"))
+    quantization_method: str = _key("bnb", "how quantization_bit quantizes on load (bitsandbytes only)", MODEL,
+                                    choices=QUANTIZATION_METHODS)
+    quantization_type: str = _key("nf4", "4-bit data type of bitsandbytes", MODEL, choices=("nf4", "fp4"))
+    double_quantization: bool = _key(True, "4-bit: quantize the quantization constants too (bitsandbytes)",
+                                     MODEL)
 
     # --- fine-tuning method ---
     stage: str = _key("sft", "training stage: supervised fine-tuning or pre-training", FINETUNE, choices=("sft", "pt"))
@@ -125,10 +139,16 @@ class TrainConfig:
     output_dir: str | None = _key(None, "where checkpoints, logs and the final model go", OUTPUT)
     overwrite_output_dir: bool = _key(False, "start afresh in a non-empty output_dir", OUTPUT)
     logging_steps: int = _key(10, "log every N optimizer steps", OUTPUT, minimum=1)
+    logging_first_step: bool = _key(False, "log the first optimizer step too", OUTPUT)
+    run_name: str | None = _key(None, "name of the run in train_results.json and trackers (default: output_dir's "
+                                      "name)", OUTPUT)
     logging_dir: str | None = _key(None, "tensorboard folder (default: output_dir/runs)", OUTPUT)
     save_strategy: str = _key("steps", "when to write checkpoints", OUTPUT, choices=("no", "steps", "epoch"))
     save_steps: int = _key(500, "checkpoint every N optimizer steps (save_strategy steps)", OUTPUT, minimum=1)
     save_total_limit: int | None = _key(None, "keep at most N checkpoints (oldest deleted)", OUTPUT, minimum=1)
+    save_only_model: bool = _key(
+        False, "checkpoints hold the model only (no optimizer/scheduler state; a resume restarts the optimizer)",
+        OUTPUT)
     plot_loss: bool = _key(False, "write training_loss.png at the end", OUTPUT)
     report_to: list[str] = _key(["none"], "experiment trackers: none, tensorboard, wandb, mlflow", OUTPUT)
     resume_from_checkpoint: str | None = _key(None, "checkpoint folder to resume from", OUTPUT)
@@ -156,6 +176,8 @@ class TrainConfig:
     fp16: bool = _key(False, "float16 autocast with loss scaling", TRAIN)
     seed: int = _key(42, "random seed for weights of new modules, data order and dropout", TRAIN)
     gradient_checkpointing: bool = _key(False, "recompute activations in backward to save memory", TRAIN)
+    gradient_checkpointing_kwargs: dict | None = _key(
+        None, "arguments of torch.utils.checkpoint, e.g. {use_reentrant: false} (the default)", TRAIN)
     loss_chunk_size: int = _key(1024, "tokens per chunk of the loss's logits, recomputed in backward (0: full logits)",
                                 TRAIN, minimum=0)
     dataloader_num_workers: int = _key(0, "data loader worker processes", TRAIN, minimum=0)
@@ -191,21 +213,21 @@ UNSUPPORTED_KEYS = frozenset(
     bf16_full_eval data_seed dataloader_drop_last dataloader_persistent_workers dataloader_pin_memory
     dataloader_prefetch_factor ddp_backend ddp_broadcast_buffers ddp_bucket_cap_mb debug disable_tqdm
     dispatch_batches do_predict eval_accumulation_steps eval_delay eval_do_concat_batches eval_on_start
-    eval_use_gather_object fp16_backend fp16_full_eval fp16_opt_level fsdp_min_num_params
-    fsdp_transformer_layer_cls_to_wrap full_determinism generation_max_length generation_num_beams
-    gradient_checkpointing_kwargs greater_is_better half_precision_backend hub_always_push
+    eval_use_gather_object fp16_backend fp16_full_eval fp16_opt_level
+    full_determinism generation_max_length generation_num_beams
+    greater_is_better half_precision_backend hub_always_push
     hub_model_id hub_private_repo hub_strategy hub_token ignore_data_skip include_for_metrics
     include_inputs_for_metrics include_num_input_tokens_seen include_tokens_per_second jit_mode_eval
     label_names label_smoothing_factor length_column_name load_best_model_at_end log_level log_level_replica
-    log_on_each_node logging_first_step logging_nan_inf_filter logging_strategy lr_scheduler_kwargs
+    log_on_each_node logging_nan_inf_filter logging_strategy lr_scheduler_kwargs
     metric_for_best_model mp_parameters neftune_noise_alpha no_cuda optim_args optim_target_modules
     past_index per_gpu_eval_batch_size per_gpu_train_batch_size predict_with_generate prediction_loss_only
     push_to_hub push_to_hub_model_id push_to_hub_organization push_to_hub_token ray_scope remove_unused_columns
-    restore_callback_states_from_checkpoint run_name save_on_each_node save_only_model save_safetensors
+    restore_callback_states_from_checkpoint save_on_each_node
     skip_memory_metrics split_batches tf32 torch_compile torch_compile_backend torch_compile_mode
     torch_empty_cache_steps torchdynamo tpu_metrics_debug tpu_num_cores use_cpu use_ipex use_legacy_prediction_loop
-    use_liger_kernel use_mps_device do_predict flash_attn enable_liger_kernel use_unsloth
+    use_liger_kernel use_mps_device do_predict enable_liger_kernel use_unsloth
     streaming buffer_size use_dora pissa_init loraplus_lr_ratio
-    additional_target resize_vocab rope_scaling shift_attn upcast_layernorm use_galore use_badam
+    additional_target shift_attn upcast_layernorm use_galore use_badam
     """.split()
 )

@@ -52,6 +52,35 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
     if c.engine == "auto" and (c.deepspeed or c.fsdp or c.fsdp_config):
         problems.append("engine (auto) with deepspeed/fsdp set: let the estimate choose, or remove engine: auto")
     problems += _lora_target_problems(c)
+    problems += model_key_problems(c)
+    return problems
+
+
+CHECKPOINT_ARGUMENTS = ("use_reentrant", "preserve_rng_state", "determinism_check", "debug")
+
+
+def model_key_problems(c: TrainConfig) -> list[str]:
+    """Adapters, quantization and checkpointing keys that cannot work together (LLaMA-Factory's rules)."""
+    problems: list[str] = []
+    adapters = c.adapter_name_or_path
+    if adapters and c.finetuning_type != "lora":
+        problems.append(f"adapter_name_or_path ({','.join(adapters)}) needs finetuning_type: lora (got "
+                        f"'{c.finetuning_type}'); merge the adapters into the model first (shardtune export)")
+    if adapters and c.quantization_bit is not None and (len(adapters) > 1 or c.create_new_adapter):
+        problems.append(f"adapter_name_or_path ({len(adapters)} adapter(s), create_new_adapter: "
+                        f"{str(c.create_new_adapter).lower()}) with quantization_bit ({c.quantization_bit}): adapters "
+                        "cannot be merged into quantized weights; merge them into the unquantized model first")
+    if c.quantization_method != "bnb":
+        problems.append(f"quantization_method ({c.quantization_method}): shardtune quantizes on load with bitsandbytes "
+                        "only (bnb); a GPTQ/AWQ/... checkpoint that is already quantized is recognised from its "
+                        "config.json without this key")
+    unknown = sorted(set(c.gradient_checkpointing_kwargs or {}) - set(CHECKPOINT_ARGUMENTS))
+    if unknown:
+        problems.append(f"gradient_checkpointing_kwargs: unknown argument(s) {unknown}; torch.utils.checkpoint "
+                        f"takes {', '.join(CHECKPOINT_ARGUMENTS)}")
+    if c.gradient_checkpointing_kwargs and not c.gradient_checkpointing:
+        problems.append("gradient_checkpointing_kwargs (or use_reentrant_gc) is set but gradient_checkpointing is "
+                        "false, so it would have no effect; remove it or enable gradient_checkpointing")
     return problems
 
 
@@ -69,6 +98,9 @@ def file_problems(c: TrainConfig) -> list[str]:
         problems += model_path_problems(model)
     if c.output_dir is not None:
         problems += output_dir_problems(c)
+    for adapter in c.adapter_name_or_path:
+        if not (Path(adapter) / "adapter_config.json").is_file():
+            problems.append(f"adapter_name_or_path: {adapter} is not a LoRA adapter folder (no adapter_config.json)")
     if c.resume_from_checkpoint and not Path(c.resume_from_checkpoint).is_dir():
         problems.append(f"resume_from_checkpoint: folder not found: {c.resume_from_checkpoint}")
     return problems

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from shardtune.errors import ConfigError
+from shardtune.model.pretrained_adapters import load_adapter_weights, resumed_lora_config
 
 
 @dataclass(frozen=True)
@@ -21,19 +22,25 @@ class FinetuningSettings:
     freeze_trainable_layers: int = 2
     freeze_trainable_modules: tuple[str, ...] = ("all",)
     gradient_checkpointing: bool = False
+    checkpointing_kwargs: dict[str, Any] = field(default_factory=dict)  # torch.utils.checkpoint arguments
     is_quantized: bool = False
+    resume_adapter: str | None = None  # a saved LoRA adapter that trains on (its own rank, alpha and targets)
 
 
 def apply_finetuning(model: Any, settings: FinetuningSettings) -> Any:
     """Mark trainable parameters; for LoRA, return the peft-wrapped model."""
     if settings.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False, **settings.checkpointing_kwargs}
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.config.use_cache = False
     if settings.finetuning_type == "full":
         model.requires_grad_(True)
         return model
     if settings.finetuning_type == "freeze":
         apply_freeze(model, settings.freeze_trainable_layers, settings.freeze_trainable_modules)
+        if settings.gradient_checkpointing:
+            # Reentrant checkpointing drops the gradients of a block whose inputs need none (frozen layers before).
+            model.enable_input_require_grads()
         return model
     return apply_lora(model, settings)
 
@@ -99,8 +106,12 @@ def apply_lora(model: Any, settings: FinetuningSettings) -> Any:
         lora_dropout=settings.lora_dropout,
         target_modules=targets,
     )
+    if settings.resume_adapter:
+        config = resumed_lora_config(settings.resume_adapter)
     model = get_peft_model(model, config)
     initialize_adapter_weights(model)
+    if settings.resume_adapter:
+        load_adapter_weights(model, settings.resume_adapter)
     if settings.gradient_checkpointing:
         # Frozen embeddings give inputs without grad; checkpointed blocks then see no grad path.
         model.enable_input_require_grads()

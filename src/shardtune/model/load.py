@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,28 +24,98 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> Any
     return tokenizer
 
 
-def quantization_config(bits: int, compute_dtype: Any) -> Any:
-    """bitsandbytes settings for QLoRA; storage dtype matches compute dtype so FSDP can shard it."""
+@dataclass(frozen=True)
+class Quantization:
+    """How the base model is quantized on load (bitsandbytes): LLaMA-Factory's quantization_* keys."""
+
+    bits: int
+    quant_type: str = "nf4"
+    double_quant: bool = True
+
+
+def quantization_config(quant: Quantization, compute_dtype: Any) -> Any:
+    """bitsandbytes settings for QLoRA, after checking that CUDA and bitsandbytes are here."""
     import torch
 
     if not torch.cuda.is_available():
-        raise ModelError(f"quantization_bit ({bits}) needs a CUDA GPU and bitsandbytes; none is visible here. "
+        raise ModelError(f"quantization_bit ({quant.bits}) needs a CUDA GPU and bitsandbytes; none is visible here. "
                          "Remove quantization_bit to train in full precision.")
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
-        raise ModelError(f"quantization_bit ({bits}) needs bitsandbytes: pip install bitsandbytes") from None
+        raise ModelError(f"quantization_bit ({quant.bits}) needs bitsandbytes: pip install bitsandbytes") from None
+    return bitsandbytes_config(quant, compute_dtype)
+
+
+def bitsandbytes_config(quant: Quantization, compute_dtype: Any) -> Any:
+    """The transformers config object; storage dtype matches compute dtype so FSDP can shard 4-bit weights."""
     from transformers import BitsAndBytesConfig
 
-    if bits == 8:
+    if quant.bits == 8:
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(
         load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
+        bnb_4bit_quant_type=quant.quant_type,
+        bnb_4bit_use_double_quant=quant.double_quant,
         bnb_4bit_compute_dtype=compute_dtype,
         bnb_4bit_quant_storage=compute_dtype,
     )
+
+
+def load_model_config(name_or_path: str, *, trust_remote_code: bool = False, rope_scaling: str | None = None,
+                      max_length: int | None = None) -> Any:
+    """The model's config, with RoPE scaling set the way LLaMA-Factory sets it (``apply_rope_scaling``)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ModelError(f"model_name_or_path: cannot read the config of {name_or_path}: {err}") from None
+    if rope_scaling is not None:
+        apply_rope_scaling(config, rope_scaling, max_length)
+    return config
+
+
+def apply_rope_scaling(config: Any, rope_type: str, max_length: int | None) -> bool:
+    """Stretch RoPE so ``max_length`` tokens fit: factor = ceil(max_length / trained context); True when applied.
+
+    Like LLaMA-Factory, nothing changes (and a line says so) when ``max_length`` already fits the trained context.
+    """
+    trained = getattr(config, "max_position_embeddings", None)
+    if getattr(config, "rope_parameters", None) is None or not trained:
+        raise ModelError(f"rope_scaling ({rope_type}): the model ({config.model_type}) has no RoPE settings to scale")
+    if not max_length or max_length <= trained:
+        print(f"[shardtune] rope_scaling ({rope_type}) not applied: cutoff_len ({max_length}) fits the model's "
+              f"context ({trained})", flush=True)
+        return False
+    factor = float(math.ceil(max_length / trained))
+    params: dict[str, Any] = {**config.rope_parameters, "rope_type": rope_type, "factor": factor}
+    if rope_type in ("dynamic", "yarn", "llama3"):
+        params["original_max_position_embeddings"] = trained
+    if rope_type in ("yarn", "llama3"):
+        config.max_position_embeddings = int(trained * factor)
+    if rope_type == "llama3":
+        params.update(low_freq_factor=1.0, high_freq_factor=4.0)
+    config.rope_parameters = params
+    print(f"[shardtune] rope_scaling: {rope_type} with factor {factor:g} ({trained} -> {max_length} tokens)",
+          flush=True)
+    return True
+
+
+def check_attention(attn_implementation: str) -> None:
+    """flash_attention_2 needs CUDA and the flash-attn package; say so before loading instead of deep inside."""
+    if attn_implementation != "flash_attention_2":
+        return
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ModelError("attn_implementation (flash_attention_2, flash_attn: fa2) needs a CUDA GPU; none is visible "
+                         "here. Use flash_attn: sdpa (or attn_implementation: sdpa)")
+    if importlib.util.find_spec("flash_attn") is None:
+        raise ModelError("attn_implementation (flash_attention_2, flash_attn: fa2) needs the flash-attn package: "
+                         "pip install flash-attn, or use flash_attn: sdpa")
 
 
 def load_causal_lm(
@@ -51,17 +123,21 @@ def load_causal_lm(
     *,
     trust_remote_code: bool = False,
     attn_implementation: str = "sdpa",
-    quantization_bit: int | None = None,
+    quantization: Quantization | None = None,
     compute_dtype: Any = None,
+    config: Any = None,
 ) -> Any:
     """Load weights in float32 (mixed precision autocasts); quantized loads go through bitsandbytes."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    check_attention(attn_implementation)
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "attn_implementation": attn_implementation,
                               "dtype": torch.float32}
-    if quantization_bit is not None:
-        kwargs["quantization_config"] = quantization_config(quantization_bit, compute_dtype or torch.bfloat16)
+    if config is not None:
+        kwargs["config"] = config
+    if quantization is not None:
+        kwargs["quantization_config"] = quantization_config(quantization, compute_dtype or torch.bfloat16)
         kwargs["dtype"] = compute_dtype or torch.bfloat16
     try:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)

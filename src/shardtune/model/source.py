@@ -19,6 +19,8 @@ import torch
 
 from shardtune.errors import ModelError
 from shardtune.model.adapters import FinetuningSettings, apply_finetuning, count_parameters
+from shardtune.model.load import Quantization, load_model_config
+from shardtune.model.pretrained_adapters import AdapterPlan, merge_adapters
 from shardtune.model.weights import WeightsReader, open_weights
 
 
@@ -31,16 +33,28 @@ class ModelSource:
     trust_remote_code: bool = False
     attn_implementation: str = "sdpa"
     quantization_bit: int | None = None
+    quantization_type: str = "nf4"
+    double_quantization: bool = True
     compute_dtype: torch.dtype = torch.float32
+    adapters: AdapterPlan = AdapterPlan()  # earlier LoRA adapters to merge; the one to resume is in ``finetuning``
+    rope_scaling: str | None = None
+    max_length: int | None = None  # the longest sequence trained on (cutoff_len), for rope_scaling
 
     def load_full(self) -> torch.nn.Module:
         """The whole model in float32 on the host (quantised loads through bitsandbytes), fine-tuning applied."""
         from shardtune.model.load import load_causal_lm
 
+        quantization = None
+        if self.quantization_bit is not None:
+            quantization = Quantization(self.quantization_bit, self.quantization_type, self.double_quantization)
         model = load_causal_lm(self.name_or_path, trust_remote_code=self.trust_remote_code,
-                               attn_implementation=self.attn_implementation,
-                               quantization_bit=self.quantization_bit, compute_dtype=self.compute_dtype)
-        return self._finish(model)
+                               attn_implementation=self.attn_implementation, quantization=quantization,
+                               compute_dtype=self.compute_dtype, config=self._config())
+        return self._finish(merge_adapters(model, self.adapters.to_merge))
+
+    def _config(self) -> object:
+        return load_model_config(self.name_or_path, trust_remote_code=self.trust_remote_code,
+                                 rope_scaling=self.rope_scaling, max_length=self.max_length)
 
     def build_skeleton(self, construction: contextlib.AbstractContextManager | None = None) -> Skeleton:
         """The model without its base weights, fine-tuning applied; ``construction`` replaces the meta device.
@@ -48,6 +62,10 @@ class ModelSource:
         Building draws no random numbers (it runs under a forked generator), so the fine-tuning step that follows
         draws exactly what it draws after ``load_full``.
         """
+        if self.adapters.to_merge:
+            raise ModelError(f"adapter_name_or_path: merging {len(self.adapters.to_merge)} adapter(s) needs the whole "
+                             "base model on each process, which a sharding engine (FSDP, ZeRO-3) never loads; merge "
+                             "them first (shardtune export) or train with DDP or ZeRO-1/2")
         weights = open_weights(self.name_or_path)
         if weights is None:
             raise ModelError(f"model_name_or_path: {self.name_or_path} has no safetensors weights "
@@ -60,13 +78,13 @@ class ModelSource:
 
     def _empty_model(self, construction: contextlib.AbstractContextManager | None) -> torch.nn.Module:
         from accelerate import init_empty_weights
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
         from transformers.initialization import no_init_weights
 
-        try:
-            config = AutoConfig.from_pretrained(self.name_or_path, trust_remote_code=self.trust_remote_code)
-        except (OSError, ValueError) as err:
-            raise ModelError(f"model_name_or_path: cannot read the config of {self.name_or_path}: {err}") from None
+        from shardtune.model.load import check_attention
+
+        check_attention(self.attn_implementation)
+        config = self._config()
         # Buffers (rotary frequencies) are computed at construction and are not in the checkpoint: keep them real.
         context = construction or init_empty_weights(include_buffers=False)
         with no_init_weights(), context:

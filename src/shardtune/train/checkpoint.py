@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from shardtune.config.schema import TrainConfig
 from shardtune.engines.base import Engine
+from shardtune.model.pretrained_adapters import plan_adapters
 from shardtune.train.loop import TrainState
 
 COMPLETE_MARKER = "COMPLETE"
+MODEL_ONLY_MARKER = "MODEL_ONLY"  # save_only_model: the folder holds the model (or adapter), no optimizer state
 STATE_FILE = "trainer_state.json"
 RNG_FILE = "rng_state.pt"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -38,19 +44,26 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(engine: Engine, output_dir: Path, state: TrainState, save_total_limit: int | None) -> Path:
-    """Write engine state, progress and RNG; the marker goes last so a crash never leaves a 'complete' half."""
+def save_checkpoint(engine: Engine, output_dir: Path, state: TrainState, save_total_limit: int | None,
+                    model_only: bool = False) -> Path:
+    """Write engine state (or, ``model_only``, the model as the final save writes it), progress and RNG; the
+    marker goes last so a crash never leaves a 'complete' half."""
     path = checkpoint_dir(output_dir, state.global_step)
     if engine.is_main:
         if path.exists():
             shutil.rmtree(path)
         path.mkdir(parents=True)
     engine.barrier()
-    engine.save_state(path)
+    if model_only:
+        engine.save_model(path)
+    else:
+        engine.save_state(path)
     save_rng_file(path / f"rank{engine.rank}_{RNG_FILE}")
     engine.barrier()
     if engine.is_main:
         (path / STATE_FILE).write_text(json.dumps(state.to_dict(), indent=2))
+        if model_only:
+            (path / MODEL_ONLY_MARKER).write_text("model weights only: the optimizer restarts on resume\n")
         (path / COMPLETE_MARKER).write_text("ok\n")
         rotate_checkpoints(output_dir, save_total_limit)
     engine.barrier()
@@ -64,14 +77,46 @@ def rotate_checkpoints(output_dir: Path, save_total_limit: int | None) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def is_model_only(path: Path) -> bool:
+    return (path / MODEL_ONLY_MARKER).is_file()
+
+
 def load_checkpoint(engine: Engine, path: Path) -> TrainState:
+    """Restore everything; a model-only checkpoint's weights were loaded with the model (``model_only_config``),
+    so here only progress, RNG and the learning-rate schedule's position come back."""
+    if is_model_only(path):
+        state = load_progress(engine, path)
+        fast_forward_schedule(engine.scheduler, state.global_step)
+        return state
     engine.load_state(path)
+    return load_progress(engine, path)
+
+
+def load_progress(engine: Engine, path: Path) -> TrainState:
+    """Step counters and loss history, and this rank's random generators."""
     rng_file = path / f"rank{engine.rank}_{RNG_FILE}"
     if rng_file.is_file():
         load_rng_file(rng_file)
     data = json.loads((path / STATE_FILE).read_text())
     data.pop("interrupted", None)
     return TrainState(**data)
+
+
+def fast_forward_schedule(scheduler: Any, steps: int) -> None:
+    """Put a fresh learning-rate schedule where the checkpoint's run left it (its state was not saved)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": intended here
+        for _ in range(steps):
+            scheduler.step()
+
+
+def model_only_config(config: TrainConfig, path: Path) -> TrainConfig:
+    """The config that builds the model from a model-only checkpoint: a LoRA run trains the saved adapter on
+    (earlier adapters still merged first), other runs start from the saved full weights."""
+    if config.finetuning_type == "lora":
+        merged = plan_adapters(tuple(config.adapter_name_or_path), config.create_new_adapter).to_merge
+        return dataclasses.replace(config, adapter_name_or_path=[*merged, str(path)], create_new_adapter=False)
+    return dataclasses.replace(config, model_name_or_path=str(path), adapter_name_or_path=[])
 
 
 def save_rng_file(path: Path) -> None:

@@ -30,6 +30,7 @@ class LoopSettings:
     gradient_accumulation_steps: int
     max_grad_norm: float = 1.0
     logging_steps: int = 10
+    logging_first_step: bool = False
     save_steps: int | None = None
     save_each_epoch: bool = False
     eval_steps: int | None = None
@@ -176,7 +177,7 @@ def run_loop(engine: Engine, epoch_batches: Callable[[int], Iterable[Batch]], s:
 def _after_step(state: TrainState, s: LoopSettings, hooks: LoopHooks, interval: list[dict[str, float]],
                 end_of_epoch: bool) -> None:
     step, last = state.global_step, state.global_step >= s.total_steps
-    if step % s.logging_steps == 0 or last:
+    if step % s.logging_steps == 0 or last or (step == 1 and s.logging_first_step):
         hooks.on_log(state, _interval_metrics(interval))
         interval.clear()
     if (s.eval_steps and step % s.eval_steps == 0) or (s.eval_each_epoch and end_of_epoch):

@@ -17,7 +17,7 @@ class Reporter:
     """Main-rank reporting; every method is a no-op on other ranks."""
 
     def __init__(self, output_dir: Path, total_steps: int, *, enabled: bool, trackers: list[str],
-                 logging_dir: str | None, start_step: int = 0) -> None:
+                 logging_dir: str | None, start_step: int = 0, run_name: str = "") -> None:
         self.output_dir = output_dir
         self.total_steps = total_steps
         self.enabled = enabled
@@ -31,6 +31,7 @@ class Reporter:
             self.progress = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
             if "tensorboard" in trackers or "all" in trackers:
                 self.tensorboard = open_tensorboard(logging_dir or str(output_dir / "runs"))
+                self.tensorboard.add_text("run_name", run_name or output_dir.name)
             for name in trackers:
                 if name in ("wandb", "mlflow"):
                     raise_if_missing(name)

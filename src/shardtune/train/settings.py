@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from shardtune.config.schema import TrainConfig
 from shardtune.data.settings import DataSettings
 from shardtune.model.adapters import FinetuningSettings
+from shardtune.model.pretrained_adapters import AdapterPlan, plan_adapters
 
 
 def data_settings(c: TrainConfig) -> DataSettings:
@@ -60,8 +61,14 @@ def finetuning_settings(c: TrainConfig) -> FinetuningSettings:
         freeze_trainable_layers=c.freeze_trainable_layers,
         freeze_trainable_modules=tuple(c.freeze_trainable_modules),
         gradient_checkpointing=c.gradient_checkpointing,
+        checkpointing_kwargs=dict(c.gradient_checkpointing_kwargs or {}),
         is_quantized=c.quantization_bit is not None,
+        resume_adapter=adapter_plan(c).to_resume,
     )
+
+
+def adapter_plan(c: TrainConfig) -> AdapterPlan:
+    return plan_adapters(tuple(c.adapter_name_or_path), c.create_new_adapter)
 
 
 @dataclass(frozen=True)

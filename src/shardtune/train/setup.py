@@ -75,9 +75,13 @@ def build_tokenized(tokenizer: Any, settings: Any, path: str, key: dict[str, Any
 def model_source(c: TrainConfig, settings: FinetuningSettings) -> ModelSource:
     """Where the model comes from and how it is set up for training; each engine decides how to load it."""
     compute_dtype = torch.bfloat16 if c.bf16 else (torch.float16 if c.fp16 else torch.float32)
+    from shardtune.train.settings import adapter_plan
+
     return ModelSource(c.model_name_or_path or "", settings, trust_remote_code=c.trust_remote_code,
                        attn_implementation=c.attn_implementation, quantization_bit=c.quantization_bit,
-                       compute_dtype=compute_dtype)
+                       quantization_type=c.quantization_type, double_quantization=c.double_quantization,
+                       compute_dtype=compute_dtype, adapters=adapter_plan(c), rope_scaling=c.rope_scaling,
+                       max_length=c.cutoff_len)
 
 
 def build_loader(dataset: Any, tokenizer: Any, batch_size: int, engine: Engine, c: TrainConfig,

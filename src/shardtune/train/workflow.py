@@ -45,7 +45,7 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     train_loader = build_loader(train_set, tokenizer, config.per_device_train_batch_size, engine, config, True)
     eval_loader = build_loader(eval_set, tokenizer, config.per_device_eval_batch_size, engine, config, False)
     loop = loop_settings(config, len(train_loader), eval_loader is not None)
-    model = engine.build_model(model_source(config, finetuning_settings(config)))
+    model = engine.build_model(model_source(*model_config(config)))
     engine.prepare(
         model,
         lambda params: build_optimizer(params, optimizer_settings(config)),
@@ -70,6 +70,15 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
         engine.close()
         return {"interrupted": True, "global_step": state.global_step}
     return finish_run(engine, tokenizer, config, output_dir, state, hooks, memory)
+
+
+def model_config(c: TrainConfig) -> tuple[TrainConfig, Any]:
+    """The config the model is built from: ``c``, or for a model-only checkpoint to resume, one that loads its
+    weights (they are the model's starting point; nothing else of the engine's state was saved)."""
+    source = resume_source(c)
+    if source is not None and checkpoint.is_model_only(source):
+        c = checkpoint.model_only_config(c, source)
+    return c, finetuning_settings(c)
 
 
 @dataclass
@@ -124,6 +133,7 @@ def loop_settings(c: TrainConfig, micro_batches: int, has_eval: bool) -> LoopSet
         gradient_accumulation_steps=c.gradient_accumulation_steps,
         max_grad_norm=c.max_grad_norm,
         logging_steps=c.logging_steps,
+        logging_first_step=c.logging_first_step,
         save_steps=c.save_steps if c.save_strategy == "steps" else None,
         save_each_epoch=c.save_strategy == "epoch",
         eval_steps=(c.eval_steps or c.logging_steps) if eval_on and c.eval_strategy == "steps" else None,
@@ -144,7 +154,9 @@ def start_state(engine: Engine, c: TrainConfig, output_dir: Path) -> TrainState:
     if source is None:
         return TrainState()
     if engine.is_main:
-        print(f"[shardtune] resuming from {source}", flush=True)
+        restart = (": it holds the model only (save_only_model), so the optimizer state starts afresh"
+                   if checkpoint.is_model_only(source) else "")
+        print(f"[shardtune] resuming from {source}{restart}", flush=True)
     return checkpoint.load_checkpoint(engine, source)
 
 
@@ -184,7 +196,7 @@ class RunHooks:
     def __post_init__(self) -> None:
         self.reporter = Reporter(self.output_dir, self.total_steps, enabled=self.engine.is_main,
                                  trackers=self.config.report_to, logging_dir=self.config.logging_dir,
-                                 start_step=self.start_step)
+                                 start_step=self.start_step, run_name=run_name(self.config, self.output_dir))
         self.last_log_time = self.reporter.start_time
         self.train_losses: list[float] = []
         self.meter = ThroughputMeter(warmup_steps=self.config.throughput_warmup_steps)
@@ -207,7 +219,8 @@ class RunHooks:
         return bool(self.engine.all_reduce_sum(flag) > 0)
 
     def on_save(self, state: TrainState) -> None:
-        checkpoint.save_checkpoint(self.engine, self.output_dir, state, self.config.save_total_limit)
+        checkpoint.save_checkpoint(self.engine, self.output_dir, state, self.config.save_total_limit,
+                                   model_only=self.config.save_only_model)
         self.meter.start()  # saving is not training time
 
     def on_evaluate(self, state: TrainState) -> None:
@@ -217,12 +230,18 @@ class RunHooks:
         self.meter.start()
 
 
+def run_name(c: TrainConfig, output_dir: Path) -> str:
+    """``run_name``, else the output folder's name (the Trainer's default is the output_dir itself)."""
+    return c.run_name or output_dir.resolve().name
+
+
 def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path, state: TrainState,
                hooks: RunHooks, memory: MemoryProbe | None = None) -> dict[str, Any]:
     """Save the final model and tokenizer, evaluate, and write train_results.json."""
     runtime = time.perf_counter() - hooks.reporter.start_time
     engine.save_model(output_dir)
     results: dict[str, Any] = {
+        "run_name": run_name(c, output_dir),
         "epoch": round(state.epoch, 4),
         "global_step": state.global_step,
         "train_loss": sum(hooks.train_losses) / max(len(hooks.train_losses), 1),
