@@ -37,17 +37,17 @@ def read_config_json(folder: str | Path) -> dict[str, Any] | None:
     return data
 
 
-def model_folder_problems(folder: str | Path) -> list[str]:
+def model_folder_problems(folder: str | Path, key: str = "model_name_or_path") -> list[str]:
     """Everything wrong with a local model folder, one line each; empty when it looks loadable."""
     folder = Path(folder)
     if not (folder / CONFIG_FILE).is_file():
         if (folder / ADAPTER_CONFIG_FILE).is_file():
             return []  # an adapter folder: its base model is checked when it is loaded
-        return [f"{folder} has no config.json (is it a Hugging Face model folder?)"]
+        return [f"{key}: {folder} has no config.json (is it a Hugging Face model folder?)"]
     problems = _config_problems(folder / CONFIG_FILE)
     problems += _tokenizer_problems(folder)
     problems += weights_problems(folder)
-    return [f"model_name_or_path: {p}" for p in problems]
+    return [f"{key}: {p}" for p in problems]
 
 
 def _config_problems(path: Path) -> list[str]:
@@ -70,9 +70,9 @@ def _tokenizer_problems(folder: Path) -> list[str]:
 def weights_problems(folder: Path) -> list[str]:
     """Missing, truncated or unreadable weight files (headers only)."""
     if (folder / SAFETENSORS_INDEX).is_file():
-        return _index_problems(folder / SAFETENSORS_INDEX, _safetensors_problem)
+        return _index_problems(folder / SAFETENSORS_INDEX, safetensors_file_problem)
     if (folder / "model.safetensors").is_file():
-        return _listed([_safetensors_problem(folder / "model.safetensors")])
+        return _listed([safetensors_file_problem(folder / "model.safetensors")])
     if (folder / BIN_INDEX).is_file():
         return _index_problems(folder / BIN_INDEX, _torch_file_problem)
     if (folder / "pytorch_model.bin").is_file():
@@ -100,26 +100,29 @@ def _listed(problems: list[str | None]) -> list[str]:
     return [p for p in problems if p]
 
 
-def _safetensors_problem(path: Path) -> str | None:
-    """A safetensors file is an 8-byte header length, a JSON header, then exactly the bytes the header lists."""
+def safetensors_file_problem(path: Path, remedy: str = _REMEDY) -> str | None:
+    """Why ``path`` cannot be read (None when it can).
+
+    A safetensors file is an 8-byte header length, a JSON header, then exactly the bytes the header lists.
+    """
     size = path.stat().st_size
     try:
         with path.open("rb") as handle:
             (header_len,) = struct.unpack("<Q", handle.read(8)) if size >= 8 else (-1,)
             if header_len < 0 or 8 + header_len > size:
-                return f"{path} is truncated ({size} bytes, shorter than its own header); {_REMEDY}"
+                return f"{path} is truncated ({size} bytes, shorter than its own header); {remedy}"
             header = json.loads(handle.read(header_len))
     except (OSError, ValueError, struct.error) as err:
-        return f"{path} cannot be read as safetensors ({err}); {_REMEDY}"
+        return f"{path} cannot be read as safetensors ({err}); {remedy}"
     if not isinstance(header, dict):
-        return f"{path} cannot be read as safetensors (its header is not a mapping); {_REMEDY}"
+        return f"{path} cannot be read as safetensors (its header is not a mapping); {remedy}"
     ends = [info["data_offsets"][1] for name, info in header.items()
             if name != "__metadata__" and isinstance(info, dict) and len(info.get("data_offsets", ())) == 2]
     expected, present = max(ends, default=0), size - 8 - header_len
     if present != expected:  # safetensors refuses any difference ("file not fully covered")
         state = "truncated" if present < expected else "damaged"
         return (f"{path} is {state}: its header lists {expected} bytes of tensors, the file holds {present}; "
-                f"{_REMEDY}")
+                f"{remedy}")
     return None
 
 
