@@ -314,3 +314,17 @@ def test_launch_and_config_problems_are_reported_in_one_round(tiny_model_dir, tm
     assert len(lines) == 2, err
     assert "MASTER_PORT=70000 is out of range" in lines[0] and "model.safetensors is truncated" in lines[1]
     assert "[shardtune] launching" not in out
+
+
+def test_yaml_merge_keys_and_nested_duplicates(tmp_path):
+    """`<<: *base` then overriding a key is YAML's own reuse, not a repetition; a repeated nested key is refused."""
+    from shardtune.config.load import load_yaml_file
+    from shardtune.errors import ConfigError
+
+    (tmp_path / "ok.yaml").write_text("base: &b\n  x: 1\nuse:\n  <<: *b\n  x: 2\n")
+    assert load_yaml_file(tmp_path / "ok.yaml")["use"] == {"x": 2}
+    (tmp_path / "bad.yaml").write_text("a:\n  x: 1\n  x: 2\nb: 1\nb: 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_yaml_file(tmp_path / "bad.yaml")
+    assert [p.split(": key")[0] for p in err.value.problems] == [f"{tmp_path / 'bad.yaml'}:3",
+                                                                 f"{tmp_path / 'bad.yaml'}:5"]
