@@ -42,8 +42,9 @@ def load_yaml_file(path: str | Path) -> dict[str, Any]:
     except (yaml.YAMLError, UnicodeDecodeError, OSError) as err:
         raise ConfigError(f"{path}: cannot read as YAML: {err}") from None
     if loader.repeated:
+        repeated = sorted(loader.repeated, key=lambda r: r[2])  # nested mappings are built after their parent
         raise ConfigError(*(f"{path}:{line}: key '{key}' is given twice (first on line {first}); YAML would "
-                            "silently keep the last value: keep one" for key, first, line in loader.repeated))
+                            "silently keep the last value: keep one" for key, first, line in repeated))
     if data is None:
         return {}
     if not isinstance(data, dict):
