@@ -1,11 +1,14 @@
 """The catalogue of bad inputs: each gives exit code 2 and one line naming the key, file or line. No traceback.
 
-Every case id also appears in the README's troubleshooting table (checked below).
+Every case goes through the CLI entry (`shardtune <command> ...`); `train` cases must fail on the launching host,
+before any rank is started. Every case id also appears in the README's troubleshooting table (checked below).
 """
 
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +31,8 @@ class Case:
     prepare: Callable[[Path], dict] | None = None  # writes files, returns more config edits
     command: str = "check"
     raw_yaml: str | None = None
+    damage: Callable[[Path], object] | None = None  # spoils a copy of the tiny model, used as model_name_or_path
+    argv: Callable[[Path, Path], list[str]] | None = None  # (tmp, config path) -> arguments after the command
 
 
 def jsonl_dataset(tmp: Path, lines: list[str], formatting: str = "alpaca", columns: dict | None = None) -> dict:
@@ -54,6 +59,63 @@ def taken_port(tmp: Path) -> dict:
     sock.listen()
     taken_port.keep = sock  # held open while the CLI runs
     return {"__env__": {"MASTER_PORT": str(sock.getsockname()[1]), "FORCE_TORCHRUN": "1"}}
+
+
+def accelerate_yaml(tmp: Path, text: str) -> dict:
+    (tmp / "acc.yaml").write_text(text)
+    return {"fsdp_config": str(tmp / "acc.yaml")}
+
+
+def checkpoint(tmp: Path, complete: bool = True, state: str | None = '{"global_step": 3}', step: int = 3) -> Path:
+    path = tmp / "out" / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    if complete:
+        (path / "COMPLETE").write_text("ok\n")
+    if state is not None:
+        (path / "trainer_state.json").write_text(state)
+    return path
+
+
+def unfinished_after_finished(tmp: Path) -> Path:
+    """checkpoint-3 finished, checkpoint-6 cut off while saving (no marker): resuming the latter is refused."""
+    checkpoint(tmp)
+    return checkpoint(tmp, complete=False, state=None, step=6)
+
+
+def truncate(path: Path, keep: int = 5000) -> None:
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+def remove_weights(model: Path) -> None:
+    (model / "model.safetensors").unlink()
+
+
+def split_index(model: Path) -> None:
+    """An index naming two shards, of which only the first is present."""
+    (model / "model.safetensors").rename(model / "model-00001-of-00002.safetensors")
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+
+
+def remove_tokenizer(model: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).unlink()
+
+
+def export_source(tmp: Path, weights: bytes | None = None, run_config: bool = True, base: str = "org/base") -> Path:
+    """A checkpoint folder as the local/DDP engine writes it: trainable.safetensors (+ the run's config)."""
+    import torch
+    from safetensors.torch import save_file
+
+    source = tmp / "checkpoint-2"
+    source.mkdir()
+    save_file({"w": torch.zeros(4)}, str(source / "trainable.safetensors"))
+    if weights is not None:
+        (source / "trainable.safetensors").write_bytes(weights)
+    if run_config:
+        (source / "shardtune_config.json").write_text(json.dumps({"model_name_or_path": base,
+                                                                  "finetuning_type": "lora"}))
+    return source
 
 
 RECORD = '{"instruction": "Say hi.", "input": "", "output": "Hi!"}'
@@ -108,6 +170,83 @@ CATALOGUE = [
     Case("multi-node-without-port", "MASTER_PORT must be set when NNODES=2", env={"NNODES": "2"}),
     Case("port-in-use", "is already in use", prepare=taken_port, command="train"),
     Case("lora-target-unknown", "lora_target: q_prj not found", {"lora_target": "q_prj"}, command="train"),
+    # --- round two: config files and the command line ---
+    Case("yaml-duplicate-key", "cfg.yaml:3: key 'learning_rate' is given twice (first on line 1)",
+         raw_yaml="learning_rate: 1.0e-4\nseed: 1\nlearning_rate: 5.0e-4\n"),
+    Case("config-not-yaml", "is not a .yaml/.yml/.json config file", argv=lambda t, cfg: [str(t / "cfg.txt")]),
+    Case("extra-argument", "unexpected argument 'lr'", argv=lambda t, cfg: [str(cfg), "lr"]),
+    Case("flag-without-value", "--learning_rate needs a value", argv=lambda t, cfg: [str(cfg), "--learning_rate"]),
+    Case("output-dir-missing", "output_dir is required", {"output_dir": None}),
+    Case("no-steps-or-epochs", "max_steps (0) and num_train_epochs (0.0): one must be > 0",
+         {"max_steps": 0, "num_train_epochs": 0}),
+    Case("quantization-needs-lora", "quantization_bit (4) needs finetuning_type: lora",
+         {"quantization_bit": 4, "finetuning_type": "full"}),
+    Case("unknown-tracker", "report_to: unknown tracker(s) ['wandbb']", {"report_to": "wandbb"}),
+    Case("lora-target-all-combined", "'all' cannot be combined", {"lora_target": "all,q_proj"}),
+    Case("engine-auto-with-engine", "engine (auto) with deepspeed/fsdp set", {"engine": "auto", "deepspeed": "z2"}),
+    Case("dataset-dir-missing", "dataset_dir '/no/such/data' does not exist", {"dataset_dir": "/no/such/data"}),
+    # --- model folders (checked on the launching host; only headers and small JSON files are read) ---
+    Case("model-path-is-file", "is a file; give the model folder",
+         prepare=lambda t: (t / "m.bin").write_text("x") and {"model_name_or_path": str(t / "m.bin")}),
+    Case("model-config-invalid-json", "config.json line 2, column 1: not valid JSON",
+         damage=lambda m: (m / "config.json").write_text('{"model_type": "llama",\n}'), command="train"),
+    Case("model-config-without-model-type", "config.json has no model_type",
+         damage=lambda m: (m / "config.json").write_text('{"hidden_size": 64}')),
+    Case("model-weights-truncated", "model.safetensors is truncated",
+         damage=lambda m: truncate(m / "model.safetensors"), command="train", env={"FORCE_TORCHRUN": "1"}),
+    Case("model-weights-missing", "has no weights (model.safetensors", damage=remove_weights),
+    Case("model-shard-missing", "model-00002-of-00002.safetensors is listed in model.safetensors.index.json but "
+         "missing", damage=split_index),
+    Case("model-tokenizer-missing", "has no tokenizer files", damage=remove_tokenizer),
+    Case("model-tokenizer-invalid", "tokenizer.json line 1, column 2: not valid JSON",
+         damage=lambda m: (m / "tokenizer.json").write_text("{oops")),
+    # --- engine files ---
+    Case("deepspeed-duplicate-key", "has the key 'stage' twice",
+         prepare=lambda t: ds_json(t, '{"zero_optimization": {"stage": 2, "stage": 3}}')),
+    Case("deepspeed-not-an-object", "must hold a JSON object, not list", prepare=lambda t: ds_json(t, "[1, 2]")),
+    Case("fsdp-config-missing", "fsdp_config: file not found", {"fsdp_config": "/no/such/fsdp.yaml"}),
+    Case("accelerate-config-not-fsdp", "distributed_type DEEPSPEED, not FSDP",
+         prepare=lambda t: accelerate_yaml(t, "distributed_type: DEEPSPEED\nnum_processes: 1\n")),
+    Case("accelerate-config-duplicate-key", "acc.yaml:3: key 'num_processes' is given twice",
+         prepare=lambda t: accelerate_yaml(t, "distributed_type: FSDP\nnum_processes: 1\nnum_processes: 2\n")),
+    Case("accelerate-config-bad-option", "fsdp_sharding_strategy: 'X' is not allowed",
+         prepare=lambda t: accelerate_yaml(t, "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: X\n")),
+    # --- launch variables (read in launch/env.py, checked with their ranges before anything starts) ---
+    Case("master-port-out-of-range", "MASTER_PORT=70000 is out of range; set MASTER_PORT to a whole number from 1 "
+         "to 65535", env={"MASTER_PORT": "70000", "FORCE_TORCHRUN": "1"}, command="train"),
+    Case("force-torchrun-not-a-flag", "FORCE_TORCHRUN='maybe' is not 1/0", env={"FORCE_TORCHRUN": "maybe"}),
+    Case("nproc-per-node-zero", "NPROC_PER_NODE=0 is out of range", env={"NPROC_PER_NODE": "0"}),
+    Case("min-nnodes-above-max", "MIN_NNODES (3) is above MAX_NNODES (2)", env={"MIN_NNODES": "3", "MAX_NNODES": "2"}),
+    Case("rank-out-of-range", "RANK=5 is out of range", env={"RANK": "5", "WORLD_SIZE": "2"}, command="train"),
+    # --- checkpoints ---
+    Case("resume-not-a-checkpoint", "is not a finished checkpoint (no COMPLETE marker)",
+         prepare=lambda t: (t / "plain").mkdir() or {"resume_from_checkpoint": str(t / "plain")}, command="train"),
+    Case("resume-checkpoint-unfinished", "checkpoint-6 is not a finished checkpoint (no COMPLETE marker); did you "
+         "mean", prepare=lambda t: {"resume_from_checkpoint": str(unfinished_after_finished(t))}),
+    Case("resume-checkpoint-damaged", "trainer_state.json cannot be read",
+         prepare=lambda t: {"resume_from_checkpoint": str(checkpoint(t, state="{"))}),
+    Case("resume-checkpoint-is-file", "is a file; give a checkpoint-<step> folder",
+         prepare=lambda t: (t / "ck").write_text("x") and {"resume_from_checkpoint": str(t / "ck")}),
+    Case("auto-resume-damaged", "output_dir (resuming from", command="train",
+         prepare=lambda t: checkpoint(t, state=None) and {"output_dir": str(t / "out")}),
+    # --- the other commands ---
+    Case("export-source-missing", "export: /no/such/run is not a folder", command="export",
+         argv=lambda t, cfg: ["/no/such/run", "--out", str(t / "x")]),
+    Case("export-unknown-layout", "holds no checkpoint shardtune knows", command="export",
+         argv=lambda t, cfg: [str(t), "--out", str(t / "x")]),
+    Case("export-checkpoint-truncated", "trainable.safetensors is truncated", command="export",
+         argv=lambda t, cfg: [str(export_source(t, weights=b"\x10")), "--out", str(t / "x")]),
+    Case("export-base-model-damaged", "export: base model: ", command="export", damage=remove_weights,
+         argv=lambda t, cfg: [str(export_source(t, base=str(t / "model"))), "--out", str(t / "x")]),
+    Case("export-lora-without-run-config", "--finetuning-type lora needs the run's shardtune_config.json",
+         command="export", argv=lambda t, cfg: [str(export_source(t, run_config=False)), "--out", str(t / "x"),
+                                                "--model", str(t), "--finetuning-type", "lora"]),
+    Case("estimate-bad-gpu-count", "--gpus-per-node (two)", command="estimate",
+         argv=lambda t, cfg: [str(cfg), "--gpus-per-node", "two"]),
+    Case("estimate-model-config-invalid", "config.json: cannot read it as JSON", command="estimate",
+         damage=lambda m: (m / "config.json").write_text("{")),
+    Case("estimate-model-config-missing", "--model-config (/no/such/config.json)", command="estimate",
+         argv=lambda t, cfg: [str(cfg), "--model-config", "/no/such/config.json"]),
 ]
 
 
@@ -117,7 +256,11 @@ def write_config(tmp: Path, case: Case, tiny_model_dir: Path) -> tuple[Path, dic
         if case.id != "config-file-missing":
             path.write_text(case.raw_yaml)
         return path, {}
-    values = {"model_name_or_path": str(tiny_model_dir), "dataset": "demo", "dataset_dir": str(DATA),
+    model = tiny_model_dir
+    if case.damage is not None:
+        model = Path(shutil.copytree(tiny_model_dir, tmp / "model"))
+        case.damage(model)
+    values = {"model_name_or_path": str(model), "dataset": "demo", "dataset_dir": str(DATA),
               "template": "chatml", "output_dir": str(tmp / "run"), "max_steps": 2, "cutoff_len": 128,
               **case.edit}
     env = dict(case.env)
@@ -137,9 +280,11 @@ def test_bad_input_gives_one_clear_line_and_exit_2(case, tiny_model_dir, tmp_pat
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    code = main([case.command, str(path)])
-    err = capsys.readouterr().err
+    args = case.argv(tmp_path, path) if case.argv is not None else [str(path)]
+    code = main([case.command, *args])
+    out, err = capsys.readouterr()
     assert code == 2, err
+    assert "[shardtune] launching" not in out, "the mistake must be found before any rank starts"
     assert "Traceback" not in err
     lines = [line for line in err.splitlines() if line.startswith("shardtune: error:")]
     assert len(lines) == 1, err
@@ -147,8 +292,39 @@ def test_bad_input_gives_one_clear_line_and_exit_2(case, tiny_model_dir, tmp_pat
 
 
 def test_catalogue_is_large_enough_and_documented():
-    assert len(CATALOGUE) >= 30
+    assert len(CATALOGUE) >= 60
+    assert len({c.id for c in CATALOGUE}) == len(CATALOGUE), "case ids must be unique"
     readme = (REPO / "README.md").read_text()
     section = readme[readme.index("## Troubleshooting"):]
-    missing = [c.id for c in CATALOGUE if f"`{c.id}`" not in section]
-    assert not missing, f"README troubleshooting lacks: {missing}"
+    section = section[:section.index("\n## ")]
+    rows = re.findall(r"^\| `([a-z0-9-]+)` \|", section, flags=re.MULTILINE)
+    assert sorted(rows) == sorted(c.id for c in CATALOGUE), "README table rows and CATALOGUE must list the same cases"
+
+
+def test_launch_and_config_problems_are_reported_in_one_round(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """A bad launch variable does not hide the config's problems: both come out of one run, before any rank."""
+    model = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
+    truncate(model / "model.safetensors")
+    path, _ = write_config(tmp_path, Case("x", "", {"model_name_or_path": str(model)}), tiny_model_dir)
+    monkeypatch.setenv("MASTER_PORT", "70000")
+    monkeypatch.setenv("NPROC_PER_NODE", "2")
+    assert main(["train", str(path)]) == 2
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.startswith("shardtune: error:")]
+    assert len(lines) == 2, err
+    assert "MASTER_PORT=70000 is out of range" in lines[0] and "model.safetensors is truncated" in lines[1]
+    assert "[shardtune] launching" not in out
+
+
+def test_yaml_merge_keys_and_nested_duplicates(tmp_path):
+    """`<<: *base` then overriding a key is YAML's own reuse, not a repetition; a repeated nested key is refused."""
+    from shardtune.config.load import load_yaml_file
+    from shardtune.errors import ConfigError
+
+    (tmp_path / "ok.yaml").write_text("base: &b\n  x: 1\nuse:\n  <<: *b\n  x: 2\n")
+    assert load_yaml_file(tmp_path / "ok.yaml")["use"] == {"x": 2}
+    (tmp_path / "bad.yaml").write_text("a:\n  x: 1\n  x: 2\nb: 1\nb: 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_yaml_file(tmp_path / "bad.yaml")
+    assert [p.split(": key")[0] for p in err.value.problems] == [f"{tmp_path / 'bad.yaml'}:3",
+                                                                 f"{tmp_path / 'bad.yaml'}:5"]

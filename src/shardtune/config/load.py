@@ -25,23 +25,55 @@ _NONE = {"null", "none", "~", ""}
 
 
 def load_yaml_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML (or JSON) mapping; syntax errors name the file and line."""
+    """Read a YAML (or JSON) mapping; syntax errors and repeated keys name the file and line."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        loader = _UniqueKeyLoader(path.read_text(encoding="utf-8"))
+        try:
+            data = loader.get_single_data()
+        finally:
+            loader.dispose()
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         raise ConfigError(f"{where}: YAML syntax error: {err.problem}") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
+    except (yaml.YAMLError, UnicodeDecodeError, OSError) as err:
         raise ConfigError(f"{path}: cannot read as YAML: {err}") from None
+    if loader.repeated:
+        repeated = sorted(loader.repeated, key=lambda r: r[2])  # nested mappings are built after their parent
+        raise ConfigError(*(f"{path}:{line}: key '{key}' is given twice (first on line {first}); YAML would "
+                            "silently keep the last value: keep one" for key, first, line in repeated))
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of key: value, got {type(data).__name__}")
     return data
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that records every key repeated within one mapping (PyYAML keeps the last one silently)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.repeated: list[tuple[str, int, int]] = []  # key, first line, repeated line (1-based)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first_lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` then overriding a key is YAML's own way of reusing a block
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in first_lines:
+                    self.repeated.append((str(key), first_lines[key], line))
+                else:
+                    first_lines[key] = line
+            except TypeError:
+                pass  # an unhashable key: SafeLoader itself reports it below
+        return super().construct_mapping(node, deep=deep)
 
 
 def parse_override(text: str) -> tuple[str, Any]:

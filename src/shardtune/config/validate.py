@@ -9,6 +9,8 @@ from pathlib import Path
 from shardtune.config.schema import REPORT_TO, TrainConfig
 from shardtune.data.tokenized import is_saved
 from shardtune.errors import ConfigError
+from shardtune.model.folder import model_folder_problems
+from shardtune.train.checkpoint_folders import checkpoint_problems, resume_source
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -101,17 +103,17 @@ def file_problems(c: TrainConfig) -> list[str]:
     for adapter in c.adapter_name_or_path:
         if not (Path(adapter) / "adapter_config.json").is_file():
             problems.append(f"adapter_name_or_path: {adapter} is not a LoRA adapter folder (no adapter_config.json)")
-    if c.resume_from_checkpoint and not Path(c.resume_from_checkpoint).is_dir():
-        problems.append(f"resume_from_checkpoint: folder not found: {c.resume_from_checkpoint}")
+    resume = resume_source(c)
+    if resume is not None:
+        key = "resume_from_checkpoint" if c.resume_from_checkpoint else f"output_dir (resuming from {resume})"
+        problems += checkpoint_problems(resume, key)
     return problems
 
 
 def model_path_problems(model: str) -> list[str]:
     path = Path(model)
     if path.is_dir():
-        if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
-            return [f"model_name_or_path: {model} has no config.json (is it a Hugging Face model folder?)"]
-        return []
+        return model_folder_problems(path)
     if path.exists():
         return [f"model_name_or_path: {model} is a file; give the model folder"]
     if _HUB_ID.match(model) and not model.startswith((".", "/")):

@@ -141,13 +141,9 @@ def quantization_problems(c: TrainConfig, plan: EnginePlan, has_cuda: bool) -> l
 
 
 def _checkpoint_quant_method(model: str | None) -> str | None:
-    import json
-    from pathlib import Path
+    from shardtune.model.folder import read_config_json
 
-    path = Path(model or "") / "config.json"
-    if not path.is_file():
-        return None
-    quant = json.loads(path.read_text()).get("quantization_config") or {}
+    quant = (read_config_json(model or "") or {}).get("quantization_config") or {}
     method = str(quant.get("quant_method", "")).lower()
     return method if method in PRE_QUANTIZED else None
 

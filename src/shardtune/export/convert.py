@@ -105,15 +105,40 @@ def read_dcp_model_state(model: torch.nn.Module, path: Path) -> dict[str, torch.
     return state["model"]
 
 
+def _lora_run_config(source: Path) -> dict[str, Any]:
+    """LoRA's rank and target modules are known only from the run's config."""
+    try:
+        return find_run_config(source)
+    except ModelError:
+        raise ModelError(f"export: --finetuning-type lora needs the run's {RUN_CONFIG} (its lora_rank and "
+                         f"lora_target) in {source} or its parent; copy it there from the run's output_dir") from None
+
+
+def check_export_inputs(source: Path, base: str) -> None:
+    """The base model folder and the checkpoint's weight files, checked before anything is loaded."""
+    from shardtune.model.folder import model_folder_problems, safetensors_file_problem
+
+    problems = model_folder_problems(base, "export: base model") if Path(base).is_dir() else []
+    for name in ("trainable.safetensors", "adapter_model.safetensors", "model.safetensors"):
+        problem = safetensors_file_problem(source / name, "export an earlier checkpoint, or train again") \
+            if (source / name).is_file() else None
+        problems += [f"export: {problem}"] if problem else []
+    if problems:
+        raise ModelError(*problems)
+
+
 def export_model(source: Path, out: Path, *, base: str | None = None, merge_lora: bool = False,
                  finetuning_type: str | None = None) -> Path:
     """Write ``out`` as a Hugging Face folder (safetensors, config, tokenizer) from ``source``."""
     kind = checkpoint_kind(source)
     run = find_run_config(source) if base is None or finetuning_type is None else {}
+    if finetuning_type == "lora" and not run:
+        run = _lora_run_config(source)
     base = base or run.get("model_name_or_path")
     finetuning = {**run, "finetuning_type": finetuning_type or run.get("finetuning_type")}
     if not base:
         raise ModelError("export: the base model is unknown; pass --model")
+    check_export_inputs(source, base)
     if kind == "model":
         model = _load_plain(source)
     elif kind == "adapter":

@@ -27,16 +27,19 @@ class RankEnv:
 
 
 def read_rank_env(env: Mapping[str, str] | None = None) -> RankEnv:
+    """This rank's place in the job; variables set by hand (a stale RANK in the shell) are checked too."""
     env = os.environ if env is None else env
-    return RankEnv(
-        rank=int(env.get("RANK", 0)),
-        local_rank=int(env.get("LOCAL_RANK", 0)),
-        world_size=int(env.get("WORLD_SIZE", 1)),
-        local_world_size=int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1))),
-        master_addr=env.get("MASTER_ADDR"),
-        master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None,
-        restart_count=elastic_restart_count(env),
-    )
+    problems: list[str] = []
+    world_size = _int_variable(env, "WORLD_SIZE", 1, None, problems) or 1
+    rank = _int_variable(env, "RANK", 0, world_size - 1, problems) or 0
+    local_world_size = _int_variable(env, "LOCAL_WORLD_SIZE", 1, None, problems) or world_size
+    local_rank = _int_variable(env, "LOCAL_RANK", 0, local_world_size - 1, problems) or 0
+    master_port = _int_variable(env, "MASTER_PORT", 1, 65535, problems)
+    if problems:
+        raise ConfigError(*problems)
+    return RankEnv(rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=local_world_size,
+                   master_addr=env.get("MASTER_ADDR"), master_port=master_port,
+                   restart_count=elastic_restart_count(env))
 
 
 def elastic_restart_count(env: Mapping[str, str] | None = None) -> int:
@@ -69,26 +72,29 @@ class LaunchEnv:
     rdzv_timeout: int | None = None
 
 
-_INT_VARS = ("NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_PORT", "MIN_NNODES", "MAX_NNODES", "MAX_RESTARTS",
-             "RDZV_TIMEOUT")
+# Integer launch variables and the values they may take (inclusive; None: no bound).
+_INT_RANGES: dict[str, tuple[int | None, int | None]] = {
+    "NNODES": (1, None), "NODE_RANK": (0, None), "NPROC_PER_NODE": (1, None), "MASTER_PORT": (1, 65535),
+    "MIN_NNODES": (1, None), "MAX_NNODES": (1, None), "MAX_RESTARTS": (0, None), "RDZV_TIMEOUT": (1, None),
+}
+_FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False, "": False}
 
 
 def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
-    """Parse the launch variables; a malformed one is an error naming it."""
+    """Parse the launch variables; every malformed or out-of-range one is named, all in one error."""
     env = os.environ if env is None else env
-    problems, ints = [], {}
-    for name in _INT_VARS:
-        raw = env.get(name)
-        if raw is None or raw == "":
-            continue
-        try:
-            ints[name] = int(raw)
-        except ValueError:
-            problems.append(f"environment variable {name}={raw!r} is not an integer")
+    problems: list[str] = []
+    ints = {name: value for name, (low, high) in _INT_RANGES.items()
+            if (value := _int_variable(env, name, low, high, problems)) is not None}
+    force = env.get("FORCE_TORCHRUN", "0").strip().lower()
+    if force not in _FLAGS:
+        problems.append(f"environment variable FORCE_TORCHRUN={env['FORCE_TORCHRUN']!r} is not 1/0 (or true/false); "
+                        "set FORCE_TORCHRUN=1 to always launch through torchrun")
+    problems += _node_problems(ints)
     if problems:
         raise ConfigError(*problems)
     return LaunchEnv(
-        force_torchrun=env.get("FORCE_TORCHRUN", "0").lower() in ("1", "true", "yes"),
+        force_torchrun=_FLAGS[force],
         nnodes=ints.get("NNODES", 1),
         node_rank=ints.get("NODE_RANK", 0),
         nproc_per_node=ints.get("NPROC_PER_NODE"),
@@ -101,6 +107,42 @@ def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
         cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
         rdzv_timeout=ints.get("RDZV_TIMEOUT"),
     )
+
+
+def _int_variable(env: Mapping[str, str], name: str, low: int | None, high: int | None,
+                  problems: list[str]) -> int | None:
+    """The integer value of ``name`` (None when unset); a bad one adds a problem naming it and its range."""
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        problems.append(f"environment variable {name}={raw!r} is not an integer; {_range_text(name, low, high)}")
+        return None
+    if (low is not None and value < low) or (high is not None and value > high):
+        problems.append(f"environment variable {name}={value} is out of range; {_range_text(name, low, high)}")
+        return None
+    return value
+
+
+def _range_text(name: str, low: int | None, high: int | None) -> str:
+    if high is not None:
+        return f"set {name} to a whole number from {low} to {high}, or unset it"
+    return f"set {name} to a whole number >= {low}, or unset it"
+
+
+def _node_problems(ints: Mapping[str, int]) -> list[str]:
+    """Rules between the variables: the node rank fits the node count, several nodes agree on a port."""
+    nnodes, problems = ints.get("NNODES", 1), []
+    if ints.get("NODE_RANK", 0) >= nnodes:
+        problems.append(f"NODE_RANK={ints['NODE_RANK']} must be in 0..{nnodes - 1} for NNODES={nnodes}")
+    if nnodes > 1 and "MASTER_PORT" not in ints:
+        problems.append(f"MASTER_PORT must be set when NNODES={nnodes}: every node must use the same port")
+    low, high = ints.get("MIN_NNODES"), ints.get("MAX_NNODES")
+    if low is not None and high is not None and low > high:
+        problems.append(f"MIN_NNODES ({low}) is above MAX_NNODES ({high}); swap them")
+    return problems
 
 
 def accelerate_settings(env: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -118,10 +118,9 @@ def deepspeed_inputs(config: TrainConfig, world_size: int):
 
 def model_hidden_size(model: str | None) -> int | None:
     """hidden_size from config.json without loading transformers (None for hub ids or missing files)."""
-    path = Path(model or "") / "config.json"
-    if not path.is_file():
-        return None
-    value = json.loads(path.read_text()).get("hidden_size")
+    from shardtune.model.folder import read_config_json
+
+    value = (read_config_json(model or "") or {}).get("hidden_size")
     return int(value) if value else None
 
 
@@ -134,9 +133,26 @@ def visible_gpu_count() -> int:
     return len(list(gpus.iterdir())) if gpus.is_dir() else 0
 
 
+def plan_and_preflight(argv: list[str], free_port: int | None = None
+                       ) -> tuple[launch_env.LaunchEnv, LaunchPlan, Preflight]:
+    """Launch variables and config checked together, so one run of the command shows every problem.
+
+    With a bad launch variable the world size is unknown: only the checks that do not depend on it run.
+    """
+    try:
+        env = launch_env.read_launch_env()
+    except ConfigError as launch_error:
+        try:
+            validate_config(load_config(argv)[0])
+        except ShardtuneError as config_error:
+            raise ConfigError(*launch_error.problems, *config_error.problems) from None
+        raise
+    plan = plan_launch(env, visible_gpu_count(), free_port)
+    return env, plan, preflight(argv, plan.world_size, plan.nproc_per_node)
+
+
 def check_command(argv: list[str]) -> int:
-    plan = plan_launch(launch_env.read_launch_env(), visible_gpu_count(), free_port=0)
-    pre = preflight(argv, plan.world_size, plan.nproc_per_node)
+    _, plan, pre = plan_and_preflight(argv, free_port=0)
     c = pre.config
     warning = memory_warning(c, plan)
     if warning:
@@ -161,11 +177,9 @@ def global_batch(c: TrainConfig, dp_size: int) -> int:
 
 
 def train_command(argv: list[str]) -> int:
-    env = launch_env.read_launch_env()
     if launch_env.inside_launcher():
         return worker_command(argv)
-    plan = plan_launch(env, visible_gpu_count())
-    pre = preflight(argv, plan.world_size, plan.nproc_per_node)
+    env, plan, pre = plan_and_preflight(argv)
     use_torchrun = env.force_torchrun or plan.world_size > 1 or pre.engine.needs_process_group
     config_path = Path(pre.config.output_dir or ".") / LAUNCH_CONFIG
     debug = debug_requested(argv)

@@ -1,11 +1,10 @@
-"""Checkpoint folders: ``checkpoint-<step>/`` in output_dir, complete only when the marker exists."""
+"""Saving and loading checkpoints (engine state, progress, RNG); finding them is in checkpoint_folders.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import random
-import re
 import shutil
 import warnings
 from pathlib import Path
@@ -17,31 +16,18 @@ import torch
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.base import Engine
 from shardtune.model.pretrained_adapters import plan_adapters
+from shardtune.train.checkpoint_folders import (  # noqa: F401 - discovery lives there, torch-free
+    COMPLETE_MARKER,
+    STATE_FILE,
+    checkpoint_dir,
+    complete_checkpoints,
+    latest_checkpoint,
+    resume_source,
+)
 from shardtune.train.loop import TrainState
 
-COMPLETE_MARKER = "COMPLETE"
 MODEL_ONLY_MARKER = "MODEL_ONLY"  # save_only_model: the folder holds the model (or adapter), no optimizer state
-STATE_FILE = "trainer_state.json"
 RNG_FILE = "rng_state.pt"
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-
-
-def checkpoint_dir(output_dir: Path, step: int) -> Path:
-    return output_dir / f"checkpoint-{step}"
-
-
-def complete_checkpoints(output_dir: Path) -> list[Path]:
-    """Finished checkpoints, oldest first (a folder without the marker was interrupted mid-save)."""
-    if not output_dir.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in output_dir.iterdir()
-             if (m := _CHECKPOINT.match(p.name)) and (p / COMPLETE_MARKER).is_file()]
-    return [p for _, p in sorted(found)]
-
-
-def latest_checkpoint(output_dir: Path) -> Path | None:
-    found = complete_checkpoints(output_dir)
-    return found[-1] if found else None
 
 
 def save_checkpoint(engine: Engine, output_dir: Path, state: TrainState, save_total_limit: int | None,
@@ -150,12 +136,3 @@ def restore_rng_state(state: dict) -> None:
     # A checkpoint written on GPUs and resumed without CUDA keeps the CPU generators only.
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def resume_source(config) -> Path | None:
-    """The checkpoint a run resumes from: the one named, else the latest complete one unless overwriting."""
-    if config.resume_from_checkpoint:
-        return Path(config.resume_from_checkpoint)
-    if config.overwrite_output_dir or not config.output_dir:
-        return None
-    return latest_checkpoint(Path(config.output_dir))

@@ -1,0 +1,148 @@
+"""Check a local model folder before anything loads it: config.json, tokenizer files and weight files.
+
+Run on the launching host (``shardtune check`` and before ``train`` spawns ranks), so a damaged download is one
+line naming the file instead of a traceback from transformers or safetensors in every rank. Only headers and small
+JSON files are read, never the weights themselves. No torch import: ``check`` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from shardtune.errors import ModelError
+
+CONFIG_FILE = "config.json"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+BIN_INDEX = "pytorch_model.bin.index.json"
+# Any one of these lets AutoTokenizer build a tokenizer (fast, sentencepiece, or BPE/WordPiece vocabularies).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt",
+                   "tokenizer_config.json")
+_JSON_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+_REMEDY = "save or download the model again"
+
+
+def read_config_json(folder: str | Path) -> dict[str, Any] | None:
+    """The folder's config.json as a mapping (None when it has none); a damaged one is a ModelError naming it."""
+    path = Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        return None
+    data, problem = _read_json_object(path)
+    if problem:
+        raise ModelError(f"model_name_or_path: {problem}")
+    return data
+
+
+def model_folder_problems(folder: str | Path, key: str = "model_name_or_path") -> list[str]:
+    """Everything wrong with a local model folder, one line each; empty when it looks loadable."""
+    folder = Path(folder)
+    if not (folder / CONFIG_FILE).is_file():
+        if (folder / ADAPTER_CONFIG_FILE).is_file():
+            return []  # an adapter folder: its base model is checked when it is loaded
+        return [f"{key}: {folder} has no config.json (is it a Hugging Face model folder?)"]
+    problems = _config_problems(folder / CONFIG_FILE)
+    problems += _tokenizer_problems(folder)
+    problems += weights_problems(folder)
+    return [f"{key}: {p}" for p in problems]
+
+
+def _config_problems(path: Path) -> list[str]:
+    data, problem = _read_json_object(path)
+    if problem:
+        return [problem]
+    if not data.get("model_type"):
+        return [f"{path} has no model_type, so transformers cannot tell the architecture; {_REMEDY}"]
+    return []
+
+
+def _tokenizer_problems(folder: Path) -> list[str]:
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return [f"{folder} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...); copy the tokenizer "
+                "into the model folder (tokenizer.save_pretrained)"]
+    return [problem for name in _JSON_TOKENIZER_FILES if (folder / name).is_file()
+            and (problem := _read_json_object(folder / name)[1])]
+
+
+def weights_problems(folder: Path) -> list[str]:
+    """Missing, truncated or unreadable weight files (headers only)."""
+    if (folder / SAFETENSORS_INDEX).is_file():
+        return _index_problems(folder / SAFETENSORS_INDEX, safetensors_file_problem)
+    if (folder / "model.safetensors").is_file():
+        return _listed([safetensors_file_problem(folder / "model.safetensors")])
+    if (folder / BIN_INDEX).is_file():
+        return _index_problems(folder / BIN_INDEX, _torch_file_problem)
+    if (folder / "pytorch_model.bin").is_file():
+        return _listed([_torch_file_problem(folder / "pytorch_model.bin")])
+    return [f"{folder} has no weights (model.safetensors, model.safetensors.index.json or pytorch_model.bin); "
+            f"{_REMEDY}"]
+
+
+def _index_problems(index: Path, file_problem) -> list[str]:
+    data, problem = _read_json_object(index)
+    if problem:
+        return [problem]
+    weight_map = data.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        return [f"{index} has no weight_map; {_REMEDY}"]
+    problems = []
+    for name in sorted(set(map(str, weight_map.values()))):
+        path = index.parent / name
+        problems.append(file_problem(path) if path.is_file() else
+                        f"{path} is listed in {index.name} but missing; {_REMEDY}")
+    return _listed(problems)
+
+
+def _listed(problems: list[str | None]) -> list[str]:
+    return [p for p in problems if p]
+
+
+def safetensors_file_problem(path: Path, remedy: str = _REMEDY) -> str | None:
+    """Why ``path`` cannot be read (None when it can).
+
+    A safetensors file is an 8-byte header length, a JSON header, then exactly the bytes the header lists.
+    """
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as handle:
+            (header_len,) = struct.unpack("<Q", handle.read(8)) if size >= 8 else (-1,)
+            if header_len < 0 or 8 + header_len > size:
+                return f"{path} is truncated ({size} bytes, shorter than its own header); {remedy}"
+            header = json.loads(handle.read(header_len))
+    except (OSError, ValueError, struct.error) as err:
+        return f"{path} cannot be read as safetensors ({err}); {remedy}"
+    if not isinstance(header, dict):
+        return f"{path} cannot be read as safetensors (its header is not a mapping); {remedy}"
+    ends = [info["data_offsets"][1] for name, info in header.items()
+            if name != "__metadata__" and isinstance(info, dict) and len(info.get("data_offsets", ())) == 2]
+    expected, present = max(ends, default=0), size - 8 - header_len
+    if present != expected:  # safetensors refuses any difference ("file not fully covered")
+        state = "truncated" if present < expected else "damaged"
+        return (f"{path} is {state}: its header lists {expected} bytes of tensors, the file holds {present}; "
+                f"{remedy}")
+    return None
+
+
+def _torch_file_problem(path: Path) -> str | None:
+    # torch.save writes zip archives; a cut-off one has lost its central directory at the end of the file.
+    with path.open("rb") as handle:
+        is_zip_start = handle.read(2) == b"PK"
+    if is_zip_start and not zipfile.is_zipfile(path):
+        return f"{path} is truncated or damaged (an incomplete zip archive); {_REMEDY}"
+    return None
+
+
+def _read_json_object(path: Path) -> tuple[dict[str, Any], str | None]:
+    """(mapping, None), or ({}, one line naming the file, line and column of what is wrong)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        return {}, f"{path} line {err.lineno}, column {err.colno}: not valid JSON ({err.msg}); {_REMEDY}"
+    except (OSError, UnicodeDecodeError) as err:
+        return {}, f"{path} cannot be read ({err}); {_REMEDY}"
+    if not isinstance(data, dict):
+        return {}, f"{path} must hold a JSON object, not {type(data).__name__}; {_REMEDY}"
+    return data, None
