@@ -18,3 +18,30 @@ def test_a_mapped_key_that_contradicts_the_shardtune_key_is_refused():
     with pytest.raises(ConfigError, match="'evaluation_strategy' .* contradicts 'eval_strategy'"):
         build_config({**BASE, "evaluation_strategy": "steps", "eval_strategy": "epoch"})
     assert build_config({**BASE, "evaluation_strategy": "epoch", "eval_strategy": "epoch"}).eval_strategy == "epoch"
+
+
+def test_refused_mapped_and_honoured_keys_are_apart():
+    from shardtune.config.compat import MAPPED
+    from shardtune.config.refused import REFUSED_REASONS
+    from shardtune.config.schema import UNSUPPORTED_KEYS, key_names
+
+    honoured, refused, mapped = set(key_names()), set(REFUSED_REASONS), set(MAPPED)
+    assert not honoured & refused and not honoured & mapped and not mapped & refused
+    assert not refused & UNSUPPORTED_KEYS and not honoured & UNSUPPORTED_KEYS
+
+
+def test_a_refused_llamafactory_key_names_its_reason():
+    with pytest.raises(ConfigError, match="key 'pref_beta' is not supported by shardtune: preference and "
+                                          "reinforcement stages"):
+        build_config({**BASE, "pref_beta": 0.1})
+
+
+def test_the_llamafactory_key_table_is_current():
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    done = subprocess.run([sys.executable, "scripts/llamafactory_keys.py", "table", "--check"], cwd=REPO,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

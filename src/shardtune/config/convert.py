@@ -15,6 +15,7 @@ import yaml
 
 from shardtune.config.compat import MAPPED, translate_keys
 from shardtune.config.load import build_config, load_yaml_file, unknown_key_message
+from shardtune.config.refused import REFUSED_REASONS
 from shardtune.config.schema import UNSUPPORTED_KEYS, key_names
 from shardtune.errors import ConfigError
 
@@ -41,7 +42,7 @@ def key_reports(values: dict[str, Any]) -> list[KeyReport]:
         elif key in known:
             reports.append(KeyReport(key, HONOURED))
         else:
-            status = REFUSED if key in UNSUPPORTED_KEYS else UNKNOWN
+            status = REFUSED if key in UNSUPPORTED_KEYS or key in REFUSED_REASONS else UNKNOWN
             reports.append(KeyReport(key, status, unknown_key_message(str(key), known)))
     return reports
 

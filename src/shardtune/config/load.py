@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from shardtune.config.compat import translate_keys
+from shardtune.config.refused import REFUSED_REASONS
 from shardtune.config.schema import UNSUPPORTED_KEYS, TrainConfig, config_fields
 from shardtune.errors import ConfigError
 
@@ -109,6 +110,8 @@ def build_config(values: dict[str, Any], source: str = "config") -> TrainConfig:
 
 def unknown_key_message(key: str, known: list[str]) -> str:
     key = key if key.isprintable() else repr(key)[1:-1]  # keep the message on one line
+    if key in REFUSED_REASONS:
+        return f"key '{key}' is not supported by shardtune: {REFUSED_REASONS[key]}"
     if key in UNSUPPORTED_KEYS:
         return f"key '{key}' is not supported by shardtune (remove it; it would have no effect)"
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)

@@ -1,0 +1,71 @@
+"""LLaMA-Factory keys shardtune does not honour, each with the reason and what to do instead.
+
+A file copied from LLaMA-Factory may carry keys for what shardtune does not do (multimodal models, inference and
+export back-ends, preference stages, other trainers and trackers). Each is refused by name with its reason, so a
+user never believes a setting took effect. Keys shardtune honours live in ``schema`` (or ``compat`` for another
+spelling); a unit test keeps the three sets apart. ``docs/llamafactory.md`` lists every LLaMA-Factory key's status.
+"""
+
+from __future__ import annotations
+
+
+def _group(reason: str, keys: str) -> dict[str, str]:
+    return dict.fromkeys(keys.split(), reason)
+
+
+REFUSED_REASONS: dict[str, str] = {
+    **_group("shardtune trains text-only models; remove it (multimodal data and towers are not supported)",
+             """audio_sampling_rate crop_to_patches freeze_language_model freeze_multi_modal_projector
+             freeze_vision_tower image_do_pan_and_scan image_max_pixels image_min_pixels media_dir
+             use_audio_in_video video_fps video_max_pixels video_maxlen video_min_pixels"""),
+    **_group("an inference or chat setting of LLaMA-Factory; shardtune only trains: remove it (serve the exported "
+             "model with your inference engine)",
+             """do_sample infer_backend infer_dtype length_penalty max_length max_new_tokens num_beams
+             repetition_penalty sglang_config sglang_lora_backend sglang_maxlen sglang_mem_fraction sglang_tp_size
+             skip_special_tokens temperature top_k top_p use_kv_cache vllm_config vllm_enforce_eager vllm_gpu_util
+             vllm_max_lora_rank vllm_maxlen eval_num_beams"""),
+    **_group("a setting of `llamafactory-cli export`; use `shardtune export SOURCE --out DIR [--merge-lora]` and "
+             "remove it",
+             """export_device export_dir export_hub_model_id export_legacy_format export_quantization_bit
+             export_quantization_dataset export_quantization_maxlen export_quantization_nsamples export_size"""),
+    **_group("a setting of `llamafactory-cli eval` (MMLU-style benchmarks); shardtune does not run benchmarks: "
+             "remove it",
+             "batch_size download_mode lang n_shot save_dir task task_dir eval_on_each_dataset"),
+    **_group("preference and reinforcement stages (dpo, kto, rm, ppo) are not in shardtune yet; train with "
+             "stage: sft or pt and remove it",
+             """dpo_label_smoothing kto_chosen_weight kto_rejected_weight ld_alpha pref_bco_weight pref_beta
+             pref_ftx pref_loss ppo_buffer_size ppo_epochs ppo_score_norm ppo_target ppo_whiten_rewards ref_model
+             ref_model_adapters ref_model_quantization_bit reward_model reward_model_adapters
+             reward_model_quantization_bit reward_model_type simpo_gamma"""),
+    **_group("this machine reads models from local folders only; download the model once, point "
+             "model_name_or_path at the folder and remove it",
+             "cache_dir hf_hub_token model_revision ms_hub_token om_hub_token data_shared_file_system"),
+    **_group("KTransformers, Megatron and HyperParallel back-ends are not used by shardtune; its engines are DDP, "
+             "FSDP and DeepSpeed (`fsdp:` or `deepspeed:`): remove it",
+             """_kt_adapter_artifact_path _kt_config_handle _kt_inference_config kt_cpu_activation
+             kt_expert_checkpoint_path kt_lora_expert_intermediate_size kt_lora_expert_num kt_non_expert_weight_path
+             kt_use_lora_experts kt_weight_path use_kt use_mca use_megatron_bridge megatron_bridge_args
+             use_hyper_parallel hyper_parallel_args hyper_parallel_cp_size"""),
+    **_group("SwanLab tracking is not supported; use report_to: tensorboard and remove it",
+             """swanlab_api_key swanlab_lark_secret swanlab_lark_webhook_url swanlab_logdir swanlab_mode
+             swanlab_project swanlab_run_name swanlab_workspace use_swanlab"""),
+    **_group("the torch profiler is not wired into shardtune's loop; profile with `python -m torch.profiler` "
+             "tooling around `shardtune.train` and remove it",
+             """enable_torch_profiler profile_modules profiler_active_steps profiler_output_dir
+             profiler_profile_memory profiler_record_shapes profiler_repeat profiler_wait_steps
+             profiler_warmup_steps profiler_with_stack"""),
+    **_group("fp8 training is not supported (bf16 is the lowest training precision); remove it",
+             "fp8 fp8_backend fp8_enable_fsdp_float8_all_gather"),
+    **_group("Ray launching is not supported yet; launch with torchrun, accelerate or deepspeed and remove it",
+             "ray_init_kwargs ray_num_workers"),
+    **_group("set the launch address with the MASTER_ADDR / MASTER_PORT environment variables and remove it",
+             "master_addr master_port"),
+    **_group("Unsloth kernels are not used by shardtune; remove it", "use_unsloth_gc use_v1_kernels"),
+    **_group("a training variant shardtune does not implement (LLaMA-Pro block expansion, mixture of depths, "
+             "OFT, alternative SFT losses, accuracy metrics, early stopping); remove it",
+             """use_llama_pro mixture_of_depths oft_block_size oft_rank oft_target module_dropout use_asft_loss
+             asft_alpha use_dft_loss use_eaft_loss eaft_alpha compute_accuracy early_stopping_steps
+             freeze_extra_modules"""),
+    **_group("models load with shardtune's own device placement (sharded by the engine); remove it",
+             "device_map low_cpu_mem_usage offload_folder quantization_device_map"),
+}
