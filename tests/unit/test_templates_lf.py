@@ -16,7 +16,7 @@ from transformers.utils import chat_template_utils
 
 from shardtune.data.processing import SftOptions, encode_sft_batch
 from shardtune.data.settings import IGNORE_INDEX
-from shardtune.data.templates import TEMPLATES, get_template
+from shardtune.data.templates import TEMPLATES, get_template, missing_special_tokens
 from shardtune.errors import DataError
 from tests.unit.conftest_data import build_test_tokenizer, encode
 
@@ -253,3 +253,8 @@ def test_enable_thinking_false_masks_the_empty_block_in_ids(tokenizer: Any) -> N
     trained = tokenizer.decode([t for t, label in zip(ids, labels, strict=True) if label != IGNORE_INDEX])
     assert trained == f"{A1}<|im_end|>\n"
     assert "<think>" in tokenizer.decode(ids)
+
+
+def test_fullwidth_special_tokens_are_reported_when_the_tokenizer_lacks_them(tokenizer: Any) -> None:
+    assert missing_special_tokens(get_template("deepseek3"), tokenizer) == [
+        "<｜Assistant｜>", "<｜User｜>", "<｜end▁of▁sentence｜>"]
