@@ -29,7 +29,7 @@ Turn = tuple[str, str]  # (prompt text, response text)
 ASK_ROLES = {"user": "user", "observation": "observation", "tool": "observation"}
 ANSWER_ROLES = {"assistant": "assistant", "function": "function", "function_call": "function"}
 SYSTEM_PLACEMENTS = ("block", "first_user", "last_user")
-_SPECIAL_LITERAL = re.compile(r"<\|[A-Za-z_]+\|>")
+_SPECIAL_LITERAL = re.compile(r"<\|[A-Za-z_]+\|>|<｜[^｜<>]+｜>")
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,9 @@ class Template:
 
     ``system_placement``: ``block`` renders ``system_format`` once before the first turn; ``first_user``
     / ``last_user`` prepend it to that user message (families whose official template has no system
-    role of its own). ``final_suffix`` follows only the last answer (e.g. Phi-3 closes with eos).
+    role of its own). ``final_suffix`` follows only the last answer (e.g. Phi-3 closes with eos);
+    ``last_assistant_format``, when set, replaces ``assistant_format`` for the last answer (gpt-oss ends
+    it with ``<|return|>`` instead of ``<|end|>``).
     ``thinking`` applies Qwen3's reasoning rules: ``<think>`` blocks are kept only after the last user
     query, and the final answer always carries one (empty when the data has none).
     """
@@ -53,6 +55,7 @@ class Template:
     stop_word: str = "{eos}"
     strip_content: bool = False
     final_suffix: str = ""
+    last_assistant_format: str = ""
     tool_style: ToolStyle | None = None
     thinking: bool = False
     enable_thinking: bool = True
@@ -71,8 +74,11 @@ class Template:
             head = self.render_head(system, tool_list, specials) if k == 0 else ""
             prompt = head + self.render_ask(ask, system, k, pairs, specials)
             think, content = self.split_thinking(answer, k >= last_query, k == len(pairs) - 1)
-            response = fill(self.assistant_format, content, specials)
-            if k == len(pairs) - 1:
+            is_last = k == len(pairs) - 1
+            answer_format = self.last_assistant_format if is_last and self.last_assistant_format else \
+                self.assistant_format
+            response = fill(answer_format, content, specials)
+            if is_last:
                 response += fill(self.final_suffix, "", specials)
             if think and not self.enable_thinking:
                 prompt += think  # the no-think generation prompt already holds the empty block
@@ -154,7 +160,7 @@ class Template:
     def literal_special_tokens(self) -> set[str]:
         """Special tokens such as ``<|im_end|>`` written literally in the formats."""
         text = (self.prefix + self.system_format + self.user_format + self.assistant_format + self.stop_word
-                + self.final_suffix)
+                + self.final_suffix + self.last_assistant_format)
         return set(_SPECIAL_LITERAL.findall(text))
 
 

@@ -16,6 +16,7 @@ _CHATML: dict[str, str] = {
     "assistant_format": "{content}<|im_end|>\n",
     "stop_word": "<|im_end|>",
 }
+GPT_OSS_DATE = "2025-08-05"  # gpt-oss's release date, pinned into its system block (see "gpt_oss")
 _LLAMA3_HEADER = "<|start_header_id|>{role}<|end_header_id|>\n\n"
 _LLAMA4_HEADER = "<|header_start|>{role}<|header_end|>\n\n"
 _GEMMA: dict[str, str] = {
@@ -128,12 +129,14 @@ TEMPLATES: dict[str, Template] = {
         user_format="User: {content}\n\nAssistant:",
         assistant_format=" {content}{eos}",
     ),
-    # DeepSeek-V3: the system text follows BOS directly.
+    # DeepSeek-V3: the system text follows BOS directly; answers end with the literal
+    # "<｜end▁of▁sentence｜>" written in the official template (not the tokenizer's eos).
     "deepseek3": Template(
         name="deepseek3",
         prefix="{bos}",
         user_format="<｜User｜>{content}<｜Assistant｜>",
-        assistant_format="{content}{eos}",
+        assistant_format="{content}<｜end▁of▁sentence｜>",
+        stop_word="<｜end▁of▁sentence｜>",
     ),
     # GLM-4-chat: no end-of-turn token after answers (the next "<|user|>" stops generation); the final
     # answer gets eos so that training teaches stopping, as LLaMA-Factory's efficient_eos does.
@@ -146,7 +149,8 @@ TEMPLATES: dict[str, Template] = {
         final_suffix="{eos}",
         stop_word="<|user|>",
     ),
-    "yi": Template(name="yi", **_CHATML),
+    # Yi-1.5-chat: the system text is written as is, before the first turn (no chatml block).
+    "yi": Template(name="yi", **{**_CHATML, "system_format": "{content}"}),
     # Command-R: contents stripped (LLaMA-Factory does not strip).
     "cohere": Template(
         name="cohere",
@@ -158,18 +162,24 @@ TEMPLATES: dict[str, Template] = {
         stop_word="<|END_OF_TURN_TOKEN|>",
         strip_content=True,
     ),
-    # InternLM2/2.5-chat jinja: BOS + chatml, no default system (LLaMA-Factory adds InternLM's
-    # meta-instruction, which only the model's remote-code chat() uses).
-    "intern2": Template(name="intern2", prefix="{bos}", **_CHATML),
-    # gpt-oss (harmony): final-channel answers; the official template's system block also carries a
-    # knowledge cutoff, the current date and "Reasoning: medium", which this template leaves out.
+    # InternLM2-chat jinja: BOS + chatml, eos after the last answer, no default system (LLaMA-Factory
+    # adds InternLM's meta-instruction, which only the model's remote-code chat() uses).
+    "intern2": Template(name="intern2", prefix="{bos}", final_suffix="{eos}", **_CHATML),
+    # gpt-oss (harmony), as openai/gpt-oss-20b's chat_template.jinja: a fixed system block, the
+    # system prompt as the developer's "# Instructions", final-channel answers, "<|return|>" after the
+    # last one. The official block carries strftime_now()'s date; a training template cannot follow
+    # the clock, so the date is pinned to GPT_OSS_DATE (the tests render the official one with it).
+    # Reasoning effort is the official default, medium.
     "gpt_oss": Template(
         name="gpt_oss",
-        system_format="<|start|>system<|message|>{content}<|end|>",
-        default_system="You are ChatGPT, a large language model trained by OpenAI.",
+        prefix="<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+        f"Knowledge cutoff: 2024-06\nCurrent date: {GPT_OSS_DATE}\n\nReasoning: medium\n\n"
+        "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>",
+        system_format="<|start|>developer<|message|># Instructions\n\n{content}\n\n<|end|>",
         user_format="<|start|>user<|message|>{content}<|end|><|start|>assistant",
         assistant_format="<|channel|>final<|message|>{content}<|end|>",
-        stop_word="<|end|>",
+        last_assistant_format="<|channel|>final<|message|>{content}<|return|>",
+        stop_word="<|return|>",
     ),
     "auto": TokenizerChatTemplate(),
 }
