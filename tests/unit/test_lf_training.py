@@ -89,7 +89,8 @@ def test_neftune_noise_only_while_training_and_within_its_bound():
 
 
 def test_neftune_reaches_the_embedding_a_lora_model_calls():
-    model = apply_finetuning(tiny_llama(), FinetuningSettings(neftune_noise_alpha=5.0, additional_target=("embed_tokens",)))
+    settings = FinetuningSettings(neftune_noise_alpha=5.0, additional_target=("embed_tokens",))
+    model = apply_finetuning(tiny_llama(), settings)
     ids = torch.randint(0, 101, (1, 7))
     model.train()
     first, second = model(input_ids=ids).logits, model(input_ids=ids).logits
