@@ -201,3 +201,28 @@ def test_loraplus_embedding_rate_applies_to_lora_embedding_b():
     groups = loraplus_groups([a, b], names, OptimizerSettings(learning_rate=1e-3, loraplus_lr_ratio=4,
                                                               loraplus_lr_embedding=5e-6))
     assert {id(p): g["lr"] for g in groups for p in g["params"]} == {id(a): 1e-3, id(b): 5e-6}
+
+
+@pytest.mark.e2e
+def test_pissa_convert_through_the_cli_writes_a_lora_of_the_original_model(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import run_cli
+
+    result = run_cli("train", "examples/tiny/sft_full.yaml", f"model_name_or_path={tiny_model_dir}",
+                     f"output_dir={tmp_path}", "finetuning_type=lora", "lora_target=q_proj,v_proj", "max_steps=3",
+                     "save_strategy=no", "do_eval=false", "eval_strategy=no", "val_size=0", "plot_loss=false",
+                     "max_samples=40", "pissa_init=true", "pissa_iter=-1", "pissa_convert=true")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "pissa_init" / "adapter_model.safetensors").is_file()
+    batch = _batch()
+    # The PiSSA adapter needs its residual base: peft rebuilds it from the original weights on load (exact SVD).
+    pissa = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path)
+    converted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                                          tmp_path / "pissa_converted")
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        expected = pissa(**batch).logits
+        torch.testing.assert_close(converted(**batch).logits, expected, atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(plain(**batch).logits, expected, atol=1e-4)  # training moved the adapter
