@@ -38,7 +38,8 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     ``{"interrupted": True, ...}`` without a final model, so the same command resumes.
     """
     set_seed(config.seed)
-    apply_tf32(config.tf32)
+    if not apply_tf32(config.tf32) and config.tf32 and engine.is_main:
+        print("[shardtune] tf32: no CUDA device here; CPU matmuls never use TF32, nothing changes", flush=True)
     output_dir = Path(config.output_dir or "output")
     prepare_model_dir(config, engine)
     from shardtune.model.load import load_tokenizer
@@ -126,13 +127,14 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def apply_tf32(tf32: bool | None) -> None:
+def apply_tf32(tf32: bool | None) -> bool:
     """``tf32`` as the HF Trainer sets it: TF32 matmuls and cuDNN convolutions on CUDA; null keeps torch's default.
-    CPU kernels never use TF32, so on a machine without CUDA nothing is changed."""
+    CPU kernels never use TF32, so on a machine without CUDA nothing is changed. True when the flags were set."""
     if tf32 is None or not torch.cuda.is_available():
-        return
+        return False
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
+    return True
 
 
 def loop_settings(c: TrainConfig, micro_batches: int, has_eval: bool) -> LoopSettings:
