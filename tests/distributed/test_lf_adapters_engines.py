@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 DORA = ("use_dora=true", "additional_target=embed_tokens", "lora_target=q_proj,v_proj")
 TARGET_ONLY = ("additional_target=embed_tokens", "lora_target=q_proj,v_proj")
 LORAPLUS = ("loraplus_lr_ratio=16", "lora_target=q_proj,v_proj")  # parameter groups found after sharding
+PISSA = ("pissa_init=true", "pissa_convert=true", "lora_target=q_proj,v_proj")  # replicating engines only
 RUNS = {
     "ddp-dora": ((), DORA),
     "fsdp2-dora": (("fsdp=full_shard auto_wrap",), DORA),
@@ -25,13 +26,15 @@ RUNS = {
     "zero3-additional_target": (("deepspeed=z3",), TARGET_ONLY),
     "fsdp2-loraplus": (("fsdp=full_shard auto_wrap",), LORAPLUS),
     "zero3-loraplus": (("deepspeed=z3",), LORAPLUS),
+    "ddp-pissa": ((), PISSA),
+    "zero2-pissa": (("deepspeed=z2",), PISSA),
 }
 
 
 @pytest.fixture(scope="module")
 def references(tiny_model_dir, tmp_path_factory):
     found = {}
-    for name, adapter in (("dora", DORA), ("target", TARGET_ONLY), ("loraplus", LORAPLUS)):
+    for name, adapter in (("dora", DORA), ("target", TARGET_ONLY), ("loraplus", LORAPLUS), ("pissa", PISSA)):
         out = tmp_path_factory.mktemp(f"ref-{name}")
         train(tiny_model_dir, out, "lora", 1, 4, *adapter)
         found[adapter] = out
@@ -59,6 +62,11 @@ def test_adapter_variant_matches_one_process(run, references, tiny_model_dir, tm
         assert any(k.endswith("lora_magnitude_vector") for k in saved)
     for key, value in expected.items():
         torch.testing.assert_close(saved[key], value, rtol=2e-3, atol=2e-4, msg=key)
+    if "pissa_convert=true" in adapter:
+        converted, expected = _adapter(tmp_path / "pissa_converted"), _adapter(reference / "pissa_converted")
+        assert sorted(converted) == sorted(expected)
+        for key, value in expected.items():
+            torch.testing.assert_close(converted[key], value, rtol=2e-3, atol=2e-4, msg=key)
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
