@@ -48,7 +48,7 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     train_set, eval_set = prepare_datasets(tokenizer, config, engine)
     train_loader = build_loader(train_set, tokenizer, config.per_device_train_batch_size, engine, config, True)
     eval_loader = build_loader(eval_set, tokenizer, config.per_device_eval_batch_size, engine, config, False)
-    if len(train_loader) == 0:
+    if config.dataloader_drop_last and len(train_loader) == 0:
         raise ConfigError(f"dataloader_drop_last (true): each rank has fewer than per_device_train_batch_size "
                           f"({config.per_device_train_batch_size}) samples, so no batch is left; turn it off or "
                           "use more data")
