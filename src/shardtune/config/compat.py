@@ -113,6 +113,59 @@ MAPPED: dict[str, Mapped] = {
 }
 
 
+# --- adapters and training extras (adapters) ---
+def _tokens_seen(value: Any, _values: Mapping[str, Any]) -> dict[str, Any]:
+    """The Trainer's booleans: true counts every input token (padding included), false none."""
+    if isinstance(value, bool):
+        return {"include_num_input_tokens_seen": "all" if value else "no"}
+    text = str(value).strip().lower()
+    return {"include_num_input_tokens_seen": {"true": "all", "false": "no"}.get(text, text)}
+
+
+# LLaMA-Factory's optimizer replacements and why each is refused (what to do instead).
+REFUSED_OPTIMIZERS = {
+    "use_galore": "GaLore's projected updates need galore-torch (not installed with shardtune) and see only a "
+                  "shard of each weight under FSDP/ZeRO-3 (LLaMA-Factory refuses it with DeepSpeed too); use "
+                  "finetuning_type: lora, or LLaMA-Factory for single-process GaLore",
+    "use_apollo": "APOLLO needs apollo-torch (not installed with shardtune) and whole weights for its projection, "
+                  "which FSDP/ZeRO-3 shard; use finetuning_type: lora, or LLaMA-Factory for single-process APOLLO",
+    "use_badam": "BAdam switches the trainable block during training, which DDP/FSDP fix at set-up (LLaMA-Factory "
+                 "allows it only on one process or ZeRO-3); use finetuning_type: freeze or lora",
+    "use_adam_mini": "Adam-mini needs the adam-mini package and each block's whole weight (not a ZeRO/FSDP shard); "
+                     "use optim: adamw_torch",
+    "use_muon": "Muon orthogonalises each whole 2-D update, which FSDP and ZeRO shard or flatten, and torch.optim.Muon "
+                "takes 2-D parameters only (shardtune would need a second optimizer for the rest); use optim: "
+                "adamw_torch",
+}
+OPTIMIZER_SETTING_PREFIXES = {"galore_": "use_galore", "apollo_": "use_apollo", "badam_": "use_badam"}
+
+
+def _refuse_when_on(key: str) -> Translate:
+    def translate(value: Any, _values: Mapping[str, Any]) -> dict[str, Any]:
+        if value in (False, None) or str(value).strip().lower() in ("false", "no", "0", "none", "null"):
+            return {}  # off, as LLaMA-Factory's default: nothing to do
+        raise ValueError(f"key '{key}' ({value!r}) is not supported: {REFUSED_OPTIMIZERS[key]}")
+    return translate
+
+
+def _inert_setting(_value: Any, _values: Mapping[str, Any]) -> dict[str, Any]:
+    """A setting of a refused optimizer: inert while its switch is off (as in LLaMA-Factory), refused with it."""
+    return {}
+
+
+MAPPED.update({
+    "include_num_input_tokens_seen": Mapped("include_num_input_tokens_seen (true: all, false: no)", _tokens_seen),
+    **{key: Mapped(f"nothing while off; refused when on ({key})", _refuse_when_on(key)) for key in REFUSED_OPTIMIZERS},
+    **{f"{prefix}{name}": Mapped(f"nothing: only read by {switch}, which is refused when on", _inert_setting)
+       for prefix, switch in OPTIMIZER_SETTING_PREFIXES.items()
+       for name in {"galore_": ("target", "rank", "update_interval", "scale", "proj_type", "layerwise"),
+                    "apollo_": ("target", "rank", "update_interval", "scale", "proj", "proj_type", "scale_type",
+                                "layerwise", "scale_front"),
+                    "badam_": ("mode", "start_block", "switch_mode", "switch_interval", "update_ratio", "mask_mode",
+                               "verbose")}[prefix]},
+})
+
+
 def translate_keys(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """``values`` with every mapped key rewritten; (result, problems). A key given in both spellings is a problem
     unless both say the same."""

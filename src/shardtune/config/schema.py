@@ -98,6 +98,21 @@ class TrainConfig:
         ["all"], "freeze: module names inside the trainable layers, or 'all'", FINETUNE)
     quantization_bit: int | None = _key(None, "load the base model in 4 or 8 bits (bitsandbytes, CUDA only)",
                                         FINETUNE, choices=(4, 8, None))
+    use_dora: bool = _key(False, "LoRA: weight-decomposed LoRA (DoRA; a trained magnitude per output row)", FINETUNE)
+    use_rslora: bool = _key(False, "LoRA: rank-stabilised scaling lora_alpha / sqrt(lora_rank)", FINETUNE)
+    pissa_init: bool = _key(False, "LoRA: initialise from the principal singular vectors of each weight (PiSSA)",
+                            FINETUNE)
+    pissa_iter: int = _key(16, "PiSSA: fast-SVD iterations (-1: exact SVD)", FINETUNE, minimum=-1)
+    pissa_convert: bool = _key(
+        False, "PiSSA: also save the adapter converted to a plain LoRA of the original model (pissa_converted/)",
+        FINETUNE)
+    loraplus_lr_ratio: float | None = _key(
+        None, "LoRA+: lora_B matrices (and 1-D adapter weights) learn at learning_rate x this ratio", FINETUNE,
+        minimum=0, exclusive_minimum=True)
+    loraplus_lr_embedding: float = _key(1e-6, "LoRA+: learning rate of lora_embedding_B matrices", FINETUNE, minimum=0)
+    additional_target: list[str] | None = _key(
+        None, "LoRA: modules (e.g. embed_tokens,lm_head) trained in full beside the adapter and saved with it",
+        FINETUNE)
 
     # --- data ---
     dataset: list[str] = _key([], "dataset names from dataset_info.json, comma separated", DATA)
@@ -181,6 +196,20 @@ class TrainConfig:
     loss_chunk_size: int = _key(1024, "tokens per chunk of the loss's logits, recomputed in backward (0: full logits)",
                                 TRAIN, minimum=0)
     dataloader_num_workers: int = _key(0, "data loader worker processes", TRAIN, minimum=0)
+    dataloader_pin_memory: bool = _key(True, "pin the loader's batches in page-locked memory (only with CUDA)", TRAIN)
+    dataloader_drop_last: bool = _key(False, "drop each rank's last incomplete micro batch", TRAIN)
+    dataloader_persistent_workers: bool = _key(
+        False, "keep loader workers alive between epochs (needs dataloader_num_workers > 0)", TRAIN)
+    neftune_noise_alpha: float | None = _key(
+        None, "NEFTune: uniform noise of alpha / sqrt(seq_len x hidden) on input embeddings while training", TRAIN,
+        minimum=0, exclusive_minimum=True)
+    label_smoothing_factor: float = _key(0.0, "label smoothing of the cross entropy (0: none)", TRAIN,
+                                         minimum=0, maximum=1)
+    tf32: bool | None = _key(None, "allow TF32 matmuls and convolutions on CUDA (no effect on CPU; null: torch's "
+                             "default)", TRAIN)
+    include_num_input_tokens_seen: str = _key(
+        "no", "record num_input_tokens_seen in the logs: all (padding included), non_padding, no (true: all)", TRAIN,
+        choices=("all", "non_padding", "no"))
     do_eval: bool = _key(False, "evaluate on the val_size split", TRAIN)
     eval_strategy: str = _key("no", "when to evaluate", TRAIN, choices=("no", "steps", "epoch"))
     eval_steps: int | None = _key(None, "evaluate every N steps (default: logging_steps)", TRAIN, minimum=1)
@@ -210,24 +239,21 @@ def key_names() -> list[str]:
 UNSUPPORTED_KEYS = frozenset(
     """
     accelerator_config adafactor auto_find_batch_size average_tokens_across_devices batch_eval_metrics
-    bf16_full_eval data_seed dataloader_drop_last dataloader_persistent_workers dataloader_pin_memory
+    bf16_full_eval data_seed
     dataloader_prefetch_factor ddp_backend ddp_broadcast_buffers ddp_bucket_cap_mb debug disable_tqdm
     dispatch_batches do_predict eval_accumulation_steps eval_delay eval_do_concat_batches eval_on_start
     eval_use_gather_object fp16_backend fp16_full_eval fp16_opt_level
     full_determinism generation_max_length generation_num_beams
     greater_is_better half_precision_backend hub_always_push
     hub_model_id hub_private_repo hub_strategy hub_token ignore_data_skip include_for_metrics
-    include_inputs_for_metrics include_num_input_tokens_seen include_tokens_per_second jit_mode_eval
-    label_names label_smoothing_factor length_column_name load_best_model_at_end log_level log_level_replica
-    log_on_each_node logging_nan_inf_filter logging_strategy lr_scheduler_kwargs
-    metric_for_best_model mp_parameters neftune_noise_alpha no_cuda optim_args optim_target_modules
-    past_index per_gpu_eval_batch_size per_gpu_train_batch_size predict_with_generate prediction_loss_only
-    push_to_hub push_to_hub_model_id push_to_hub_organization push_to_hub_token ray_scope remove_unused_columns
-    restore_callback_states_from_checkpoint save_on_each_node
-    skip_memory_metrics split_batches tf32 torch_compile torch_compile_backend torch_compile_mode
-    torch_empty_cache_steps torchdynamo tpu_metrics_debug tpu_num_cores use_cpu use_ipex use_legacy_prediction_loop
-    use_liger_kernel use_mps_device do_predict enable_liger_kernel use_unsloth
-    streaming buffer_size use_dora pissa_init loraplus_lr_ratio
-    additional_target shift_attn upcast_layernorm use_galore use_badam
+    include_inputs_for_metrics include_tokens_per_second jit_mode_eval label_names length_column_name
+    load_best_model_at_end log_level log_level_replica log_on_each_node logging_nan_inf_filter logging_strategy
+    lr_scheduler_kwargs metric_for_best_model mp_parameters no_cuda optim_args optim_target_modules past_index
+    per_gpu_eval_batch_size per_gpu_train_batch_size predict_with_generate prediction_loss_only push_to_hub
+    push_to_hub_model_id push_to_hub_organization push_to_hub_token ray_scope remove_unused_columns
+    restore_callback_states_from_checkpoint save_on_each_node skip_memory_metrics split_batches torch_compile
+    torch_compile_backend torch_compile_mode torch_empty_cache_steps torchdynamo tpu_metrics_debug tpu_num_cores
+    use_cpu use_ipex use_legacy_prediction_loop use_liger_kernel use_mps_device do_predict enable_liger_kernel
+    use_unsloth streaming buffer_size shift_attn upcast_layernorm
     """.split()
 )

@@ -55,6 +55,7 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
         problems.append("engine (auto) with deepspeed/fsdp set: let the estimate choose, or remove engine: auto")
     problems += _lora_target_problems(c)
     problems += model_key_problems(c)
+    problems += _adapter_problems(c)
     return problems
 
 
@@ -83,6 +84,24 @@ def model_key_problems(c: TrainConfig) -> list[str]:
     if c.gradient_checkpointing_kwargs and not c.gradient_checkpointing:
         problems.append("gradient_checkpointing_kwargs (or use_reentrant_gc) is set but gradient_checkpointing is "
                         "false, so it would have no effect; remove it or enable gradient_checkpointing")
+    return problems
+
+
+def _adapter_problems(c: TrainConfig) -> list[str]:
+    """LoRA-only keys, PiSSA's needs and the loader's worker rules (as LLaMA-Factory and torch refuse them)."""
+    problems = []
+    lora_only = {"use_dora": c.use_dora, "use_rslora": c.use_rslora, "pissa_init": c.pissa_init,
+                 "loraplus_lr_ratio": c.loraplus_lr_ratio, "additional_target": c.additional_target}
+    if c.finetuning_type != "lora":
+        problems += [f"{key} ({value}) is only valid with finetuning_type: lora (got '{c.finetuning_type}')"
+                     for key, value in lora_only.items() if value not in (False, None)]
+    if c.pissa_convert and not c.pissa_init:
+        problems.append("pissa_convert (true) needs pissa_init: true (there is no PiSSA adapter to convert)")
+    if c.pissa_init and c.quantization_bit is not None:
+        problems.append(f"pissa_init (true) with quantization_bit ({c.quantization_bit}): PiSSA's SVD needs the "
+                        "unquantized weights; remove one of them")
+    if c.dataloader_persistent_workers and c.dataloader_num_workers == 0:
+        problems.append("dataloader_persistent_workers (true) needs dataloader_num_workers > 0 (got 0)")
     return problems
 
 

@@ -26,7 +26,27 @@ class EnginePlan:
 def plan_engine(c: TrainConfig, world_size: int, has_cuda: bool) -> tuple[EnginePlan, list[str]]:
     """Pick DeepSpeed / FSDP when configured, DDP for several processes, else local; list every problem."""
     plan, problems = _choose_engine(c, world_size, has_cuda)
-    return plan, problems + quantization_problems(c, plan, has_cuda)
+    return plan, problems + quantization_problems(c, plan, has_cuda) + adapter_problems(c, plan)
+
+
+def adapter_problems(c: TrainConfig, plan: EnginePlan) -> list[str]:
+    """Adapter settings a sharding engine cannot build: it creates the model without its weights."""
+    zero3 = plan.kind == "deepspeed" and _zero_stage(plan) == 3
+    problems = []
+    if c.pissa_init and (plan.kind == "fsdp" or zero3):
+        problems.append(f"pissa_init (true) with {_engine_label(plan)}: PiSSA takes the SVD of each whole base weight "
+                        "and rewrites it while the model is built, which a sharding engine never holds; use DDP or "
+                        "ZeRO-0/1/2 (LLaMA-Factory refuses it under ZeRO-3 too)")
+    if c.use_dora and zero3:
+        # peft reads each base weight outside its layer's forward (the norm of W + BA), where ZeRO-3 has released it.
+        problems.append("use_dora (true) with DeepSpeed ZeRO-3: DoRA needs each layer's whole base weight outside "
+                        "that layer's forward, where ZeRO-3 holds only a partition; use fsdp (full_shard auto_wrap, "
+                        "fsdp_version 2) to shard a DoRA run, or ZeRO-2")
+    return problems
+
+
+def _engine_label(plan: EnginePlan) -> str:
+    return "fsdp" if plan.kind == "fsdp" else f"DeepSpeed ZeRO-{_zero_stage(plan)}"
 
 
 def _choose_engine(c: TrainConfig, world_size: int, has_cuda: bool) -> tuple[EnginePlan, list[str]]:

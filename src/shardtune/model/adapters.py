@@ -25,6 +25,19 @@ class FinetuningSettings:
     checkpointing_kwargs: dict[str, Any] = field(default_factory=dict)  # torch.utils.checkpoint arguments
     is_quantized: bool = False
     resume_adapter: str | None = None  # a saved LoRA adapter that trains on (its own rank, alpha and targets)
+    use_dora: bool = False
+    use_rslora: bool = False
+    pissa_init: bool = False
+    pissa_iter: int = 16
+    additional_target: tuple[str, ...] | None = None
+    neftune_noise_alpha: float | None = None
+
+    @property
+    def init_lora_weights(self) -> bool | str:
+        """peft's spelling of the initialisation: PiSSA with fast SVD (``pissa_niter_N``) or exact, else LoRA's."""
+        if not self.pissa_init:
+            return True
+        return "pissa" if self.pissa_iter == -1 else f"pissa_niter_{self.pissa_iter}"
 
 
 def apply_finetuning(model: Any, settings: FinetuningSettings) -> Any:
@@ -35,14 +48,34 @@ def apply_finetuning(model: Any, settings: FinetuningSettings) -> Any:
         model.config.use_cache = False
     if settings.finetuning_type == "full":
         model.requires_grad_(True)
-        return model
-    if settings.finetuning_type == "freeze":
+    elif settings.finetuning_type == "freeze":
         apply_freeze(model, settings.freeze_trainable_layers, settings.freeze_trainable_modules)
         if settings.gradient_checkpointing:
             # Reentrant checkpointing drops the gradients of a block whose inputs need none (frozen layers before).
             model.enable_input_require_grads()
-        return model
-    return apply_lora(model, settings)
+    else:
+        model = apply_lora(model, settings)
+    if settings.neftune_noise_alpha is not None:
+        apply_neftune(model, settings.neftune_noise_alpha)  # after peft: on the embedding the model really calls
+    return model
+
+
+def apply_neftune(model: Any, alpha: float) -> Any:
+    """NEFTune (as the Hugging Face Trainer adds it): while the model trains, add uniform noise of magnitude
+    ``alpha / sqrt(seq_len * hidden)`` to the input embeddings; eval and inference see them unchanged.
+
+    A forward hook on the embedding module itself, so it survives every engine's wrapping (FSDP and ZeRO keep the
+    module and run its hooks) and keys on the module's own ``training`` flag. Returns the hook's handle.
+    """
+    import torch
+
+    def add_noise(module: Any, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        if not module.training:
+            return output
+        magnitude = alpha / (output.size(1) * output.size(2)) ** 0.5
+        return output + torch.zeros_like(output).uniform_(-magnitude, magnitude)
+
+    return model.get_input_embeddings().register_forward_hook(add_noise)
 
 
 def decoder_layer_prefixes(model: Any) -> list[str]:
@@ -105,17 +138,34 @@ def apply_lora(model: Any, settings: FinetuningSettings) -> Any:
         lora_alpha=settings.lora_alpha or 2 * settings.lora_rank,
         lora_dropout=settings.lora_dropout,
         target_modules=targets,
+        use_dora=settings.use_dora,
+        use_rslora=settings.use_rslora,
+        modules_to_save=list(settings.additional_target) if settings.additional_target else None,
+        init_lora_weights=settings.init_lora_weights,
     )
     if settings.resume_adapter:
         config = resumed_lora_config(settings.resume_adapter)
+    _check_additional_target(model, settings.additional_target)
     model = get_peft_model(model, config)
-    initialize_adapter_weights(model)
+    if not settings.pissa_init:  # PiSSA's matrices come from the base weights' SVD: keep them
+        initialize_adapter_weights(model)
     if settings.resume_adapter:
         load_adapter_weights(model, settings.resume_adapter)
     if settings.gradient_checkpointing:
         # Frozen embeddings give inputs without grad; checkpointed blocks then see no grad path.
         model.enable_input_require_grads()
     return model
+
+
+def _check_additional_target(model: Any, names: tuple[str, ...] | None) -> None:
+    """peft matches ``modules_to_save`` by the last part of a module's name; an unknown name would train nothing."""
+    if not names:
+        return
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [n for n in names if n not in present]
+    if missing:
+        raise ConfigError(f"additional_target: {','.join(missing)} not found in the model; use module names such "
+                          "as embed_tokens, lm_head, norm")
 
 
 def initialize_adapter_weights(model: Any) -> None:
@@ -152,6 +202,24 @@ def count_parameters(model: Any) -> tuple[int, int]:
     return trainable, total
 
 
+def is_adapter_tensor(name: str) -> bool:
+    """A tensor an adapter save holds: LoRA matrices, DoRA magnitudes, and the full copies of ``additional_target``
+    modules (peft's ``modules_to_save``)."""
+    return ".lora_" in name or ".modules_to_save." in name
+
+
+def adapter_saved_name(name: str, adapter: str = "default") -> str | None:
+    """The name peft's ``save_pretrained`` gives ``name`` in adapter_model.safetensors, or None when not saved."""
+    if ".modules_to_save." in name:
+        marker = f".modules_to_save.{adapter}."
+        return name.replace(marker, ".") if marker in name else None
+    magnitude = f".lora_magnitude_vector.{adapter}.weight"  # DoRA: peft saves the vector under its module's name
+    if name.endswith(magnitude):
+        return name[: -len(magnitude)] + ".lora_magnitude_vector"
+    marker = f".{adapter}"
+    return name.replace(marker, "") if ".lora_" in name and f"{marker}." in name else None
+
+
 def save_lora_adapter(model: Any, state_dict: dict[str, Any], out_dir: Any, adapter: str = "default") -> int:
     """Write a LoRA adapter from a full state dict, in peft's layout; returns the number of tensors.
 
@@ -162,9 +230,11 @@ def save_lora_adapter(model: Any, state_dict: dict[str, Any], out_dir: Any, adap
 
     from safetensors.torch import save_file
 
-    marker = f".{adapter}"
-    weights = {k.replace(marker, ""): v.detach().cpu().contiguous() for k, v in state_dict.items()
-               if ".lora_" in k and f"{marker}." in k}
+    weights = {}
+    for key, value in state_dict.items():
+        saved = adapter_saved_name(key, adapter)
+        if saved is not None:
+            weights[saved] = value.detach().cpu().contiguous()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.errors import ModelError
+from shardtune.model.adapters import is_adapter_tensor
 
 
 def count_saved_parameters(folder: Path) -> int:
@@ -24,13 +25,13 @@ def count_saved_parameters(folder: Path) -> int:
 
 
 def expected_saved_parameters(model: Any, state_dict: dict[str, Any] | None = None) -> int:
-    """What save_pretrained should write: the LoRA tensors for a peft model, else every (untied) parameter."""
+    """What save_pretrained should write: the adapter tensors for a peft model, else every (untied) parameter."""
     if state_dict is not None:
         named = state_dict.items()
     else:
         named = ((n, p) for n, p in model.named_parameters())  # shared tensors appear once
     if hasattr(model, "peft_config"):
-        return sum(t.numel() for n, t in named if ".lora_" in n)
+        return sum(t.numel() for n, t in named if is_adapter_tensor(n))
     if state_dict is not None:
         seen: set[int] = set()
         total = 0

@@ -12,6 +12,7 @@ a given seed.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -74,7 +75,9 @@ class ModelSource:
             model = self._empty_model(construction)
         checkpoint_names = checkpoint_names_by_parameter(model, weights)
         model = self._finish(model)
-        return Skeleton(model, weights, _names_after_finetuning(model, checkpoint_names))
+        names = _names_after_finetuning(model, checkpoint_names)
+        fill_dora_magnitudes(model, weights, names)
+        return Skeleton(model, weights, names)
 
     def _empty_model(self, construction: contextlib.AbstractContextManager | None) -> torch.nn.Module:
         from accelerate import init_empty_weights
@@ -161,10 +164,37 @@ def checkpoint_names_by_parameter(model: torch.nn.Module, weights: WeightsReader
 
 
 def _names_after_finetuning(model: torch.nn.Module, by_id: dict[int, str]) -> dict[str, str]:
-    """Names in the fine-tuning wrapper (peft renames and nests the base layers) -> names in the files."""
+    """Names in the fine-tuning wrapper (peft renames and nests the base layers) -> names in the files.
+
+    A module trained in full beside LoRA (``additional_target``: peft's ``modules_to_save``) is a copy of the
+    original module made while its tensors were empty: the copy starts from the same tensors in the files.
+    """
     mapped = {}
     for name, tensor in named_checkpoint_states(model):
         stored = by_id.get(id(tensor))
         if stored is not None:
             mapped[name] = stored
+    copies = re.compile(r"\.modules_to_save\.[^.]+\.")
+    for name, _ in named_checkpoint_states(model):
+        original = copies.sub(".original_module.", name, count=1)
+        if original != name and original in mapped:
+            mapped[name] = mapped[original]
     return mapped
+
+
+def fill_dora_magnitudes(model: torch.nn.Module, weights: WeightsReader, names: dict[str, str]) -> None:
+    """DoRA's magnitude starts as the norm of each output row of the base weight (the adapter's lora_B is zero).
+
+    peft computes it from the weight in the model, which a skeleton does not hold yet: compute it from the files,
+    one base weight at a time, so that it becomes a starting value like the LoRA matrices.
+    """
+    for module_name, module in model.named_modules():
+        magnitudes = getattr(module, "lora_magnitude_vector", None)
+        if not magnitudes:
+            continue
+        stored = names.get(f"{module_name}.base_layer.weight")
+        if stored is None:
+            raise ModelError(f"use_dora: the base weight of {module_name} is not in the model's files")
+        norm = torch.linalg.norm(weights.read(stored).float(), dim=1)
+        for magnitude in magnitudes.values():
+            magnitude.weight = torch.nn.Parameter(norm.to(torch.float32).clone(), requires_grad=True)

@@ -36,6 +36,7 @@ class LoopSettings:
     eval_steps: int | None = None
     eval_each_epoch: bool = False
     loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
+    label_smoothing: float = 0.0
 
 
 @dataclass
@@ -44,12 +45,17 @@ class TrainState:
 
     global_step: int = 0
     epoch: float = 0.0
-    tokens_seen: int = 0
+    tokens_seen: int = 0  # non-padding input tokens, summed over ranks
+    slots_seen: int = 0  # input token positions, padding included
     loss_history: list[dict[str, float]] = field(default_factory=list)
     interrupted: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def input_tokens_seen(self, which: str) -> int | None:
+        """``include_num_input_tokens_seen``'s count: all positions, non-padding tokens, or None for no."""
+        return {"all": self.slots_seen, "non_padding": self.tokens_seen}.get(which)
 
 
 class LoopHooks(Protocol):
@@ -62,14 +68,14 @@ class LoopHooks(Protocol):
     def should_stop(self) -> bool: ...
 
 
-def token_loss_sum(model: torch.nn.Module, batch: Batch,
-                   chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+def token_loss_sum(model: torch.nn.Module, batch: Batch, chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
+                   label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross entropy over trainable positions, and how many there were.
 
     ``chunk_size`` > 0 never builds the full logits (shardtune.train.loss); 0 computes them whole.
     """
     inputs = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
-    loss = causal_lm_loss_sum(model, inputs, batch["labels"], chunk_size)
+    loss = causal_lm_loss_sum(model, inputs, batch["labels"], chunk_size, label_smoothing)
     return loss, (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
 
 
@@ -104,7 +110,7 @@ def accumulation_windows(batches: Iterable[Batch], size: int) -> Iterator[list[B
 
 
 def train_step(engine: Engine, window: list[Batch], max_grad_norm: float,
-               loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE) -> dict[str, float]:
+               loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE, label_smoothing: float = 0.0) -> dict[str, float]:
     """Forward/backward every micro-batch of one window, then one optimizer step."""
     local_tokens = sum(count_trainable_tokens(b) for b in window)
     global_tokens = engine.all_reduce_sum(torch.tensor(float(local_tokens), device=engine.device))
@@ -114,7 +120,7 @@ def train_step(engine: Engine, window: list[Batch], max_grad_norm: float,
     for i, batch in enumerate(window):
         batch = to_device(batch, engine.device)
         with engine.accumulation_context(is_last_micro_batch=i == len(window) - 1), engine.autocast():
-            loss_sum, _ = token_loss_sum(engine.model, batch, loss_chunk_size)
+            loss_sum, _ = token_loss_sum(engine.model, batch, loss_chunk_size, label_smoothing)
         engine.backward(loss_sum * engine.loss_scale_for_mean_reduction / denominator)
         loss_total += loss_sum.detach()
     grad_norm = engine.step(max_grad_norm)
@@ -128,15 +134,16 @@ def train_step(engine: Engine, window: list[Batch], max_grad_norm: float,
 
 
 @torch.no_grad()
-def evaluate(engine: Engine, batches: Iterable[Batch], loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE) -> float:
-    """Mean token loss over the eval data, summed over ranks."""
+def evaluate(engine: Engine, batches: Iterable[Batch], loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
+             label_smoothing: float = 0.0) -> float:
+    """Mean token loss over the eval data, summed over ranks (smoothed as in training, as the HF Trainer does)."""
     engine.model.eval()
     total = torch.zeros((), device=engine.device)
     tokens = torch.zeros((), device=engine.device)
     for batch in batches:
         batch = to_device(batch, engine.device)
         with engine.autocast():
-            loss_sum, n = token_loss_sum(engine.model, batch, loss_chunk_size)
+            loss_sum, n = token_loss_sum(engine.model, batch, loss_chunk_size, label_smoothing)
         total += loss_sum.float()
         tokens += n
     engine.model.train()
@@ -156,10 +163,11 @@ def run_loop(engine: Engine, epoch_batches: Callable[[int], Iterable[Batch]], s:
         for index, window in enumerate(windows):
             if index < done_in_epoch:
                 continue
-            metrics = train_step(engine, window, s.max_grad_norm, s.loss_chunk_size)
+            metrics = train_step(engine, window, s.max_grad_norm, s.loss_chunk_size, s.label_smoothing)
             state.global_step += 1
             state.epoch = epoch + (index + 1) / s.steps_per_epoch
             state.tokens_seen += int(metrics["tokens"])
+            state.slots_seen += int(metrics["slots"])
             interval.append(metrics)
             hooks.on_step(state, metrics)
             end_of_epoch = index + 1 == s.steps_per_epoch

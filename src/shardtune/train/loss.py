@@ -62,29 +62,30 @@ def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
     return targets
 
 
-def plain_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def plain_loss_sum(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
     """Summed fp32 cross entropy over the full logits (the reference the chunked path must match)."""
     shift_logits = logits[:, :-1, :].float()
     shift_labels = labels[:, 1:]
     return F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+                           ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=label_smoothing)
 
 
 def causal_lm_loss_sum(model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor,
-                       chunk_size: int) -> torch.Tensor:
+                       chunk_size: int, label_smoothing: float = 0.0) -> torch.Tensor:
     """Summed next-token cross entropy of one forward of ``model`` on ``inputs``.
 
     ``chunk_size`` > 0 computes it chunk by chunk inside the output layer (see the module docstring);
-    0, or a head that cannot be chunked exactly, takes the full logits.
+    0, or a head that cannot be chunked exactly, takes the full logits. ``label_smoothing`` is torch's
+    ``cross_entropy(label_smoothing=...)``: each target keeps ``1 - eps`` and ``eps`` spreads over the vocabulary.
     """
     head = chunkable_output_layer(model) if chunk_size > 0 else None
     if head is None:
-        return plain_loss_sum(model(**inputs, use_cache=False).logits, labels)
-    with _head_computes_loss(head, next_token_targets(labels), chunk_size) as call:
+        return plain_loss_sum(model(**inputs, use_cache=False).logits, labels, label_smoothing)
+    with _head_computes_loss(head, next_token_targets(labels), chunk_size, label_smoothing) as call:
         output = model(**inputs, use_cache=False).logits
     if not call.ran:
         # The model never called its output layer: it produced the logits some other way.
-        return plain_loss_sum(output, labels)
+        return plain_loss_sum(output, labels, label_smoothing)
     assert call.loss is not None
     if output.shape != (1, 1, 1) or not torch.equal(output.detach().reshape(()), call.loss.detach()):
         raise ModelError(f"loss_chunk_size ({chunk_size}): the model changed what its output layer returned (a "
@@ -146,7 +147,8 @@ class _HeadCall:
 
 
 @contextlib.contextmanager
-def _head_computes_loss(head: torch.nn.Linear, targets: torch.Tensor, chunk_size: int) -> Iterator[_HeadCall]:
+def _head_computes_loss(head: torch.nn.Linear, targets: torch.Tensor, chunk_size: int,
+                        label_smoothing: float = 0.0) -> Iterator[_HeadCall]:
     call = _HeadCall()
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
@@ -157,7 +159,7 @@ def _head_computes_loss(head: torch.nn.Linear, targets: torch.Tensor, chunk_size
             raise ModelError(f"loss_chunk_size ({chunk_size}): the output layer's input {tuple(hidden.shape)} does "
                              f"not match the labels {tuple(targets.shape)}; set loss_chunk_size: 0")
         call.ran = True
-        call.loss = linear_cross_entropy_sum(hidden, head.weight, head.bias, targets, chunk_size)
+        call.loss = linear_cross_entropy_sum(hidden, head.weight, head.bias, targets, chunk_size, label_smoothing)
         return call.loss.reshape(1, 1, 1)
 
     head.forward = forward  # an instance attribute: nn.Module.__call__ still runs every hook around it
@@ -168,16 +170,16 @@ def _head_computes_loss(head: torch.nn.Linear, targets: torch.Tensor, chunk_size
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                             targets: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """``cross_entropy(hidden @ weight.T + bias, targets, reduction="sum")`` over rows whose target is not
-    IGNORE_INDEX, ``chunk_size`` rows at a time, in the dtype autocast would give the head."""
+                             targets: torch.Tensor, chunk_size: int, label_smoothing: float = 0.0) -> torch.Tensor:
+    """``cross_entropy(hidden @ weight.T + bias, targets, reduction="sum", label_smoothing=...)`` over rows whose
+    target is not IGNORE_INDEX, ``chunk_size`` rows at a time, in the dtype autocast would give the head."""
     rows = hidden.reshape(-1, hidden.size(-1))
     flat = targets.reshape(-1)
     kept = (flat != IGNORE_INDEX).nonzero().squeeze(1)
     # Even with no trainable token the call stays in the graph, so every rank runs the same hooks and
     # collectives and every parameter gets a (zero) gradient.
     return _ChunkedLinearCrossEntropy.apply(rows.index_select(0, kept), weight, bias, flat.index_select(0, kept),
-                                            chunk_size, _compute_dtype(hidden, weight))
+                                            chunk_size, _compute_dtype(hidden, weight), label_smoothing)
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -192,16 +194,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
+                targets: torch.Tensor, chunk_size: int, dtype: torch.dtype, smoothing: float) -> torch.Tensor:
         lse = torch.empty(rows.size(0), dtype=_loss_dtype(dtype), device=rows.device)
         total = torch.zeros((), dtype=_loss_dtype(dtype), device=rows.device)
         with torch.autocast(rows.device.type, enabled=False):
             w, b = weight.to(dtype), bias.to(dtype) if bias is not None else None
             for start in range(0, rows.size(0), chunk_size):
                 end = min(start + chunk_size, rows.size(0))
-                total += _chunk_loss_sum(rows[start:end], w, b, targets[start:end], lse[start:end], dtype)
+                total += _chunk_loss_sum(rows[start:end], w, b, targets[start:end], lse[start:end], dtype, smoothing)
         ctx.save_for_backward(rows, weight, bias, targets, lse)
-        ctx.chunk_size, ctx.dtype = chunk_size, dtype
+        ctx.chunk_size, ctx.dtype, ctx.smoothing = chunk_size, dtype, smoothing
         return total
 
     @staticmethod
@@ -217,8 +219,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             for start in range(0, rows.size(0), ctx.chunk_size):
                 end = min(start + ctx.chunk_size, rows.size(0))
                 _chunk_backward(rows[start:end].to(dtype), w, b, targets[start:end], lse[start:end], grad_total,
-                                grad_rows[start:end] if grad_rows is not None else None, grad_weight, grad_bias)
-        return grad_rows, grad_weight, _as(grad_bias, bias), None, None, None
+                                grad_rows[start:end] if grad_rows is not None else None, grad_weight, grad_bias,
+                                ctx.smoothing)
+        return grad_rows, grad_weight, _as(grad_bias, bias), None, None, None, None
 
 
 def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -232,24 +235,29 @@ def _chunk_logits(chunk: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, 
 
 
 def _chunk_loss_sum(chunk: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, targets: torch.Tensor,
-                    lse_out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+                    lse_out: torch.Tensor, dtype: torch.dtype, smoothing: float = 0.0) -> torch.Tensor:
     """Summed cross entropy of one chunk; writes each row's log-sum-exp into ``lse_out``.
 
-    The log-sum-exp is taken in place so that one fp32 ``[chunk, vocab]`` tensor is alive, not two.
+    The log-sum-exp is taken in place so that one fp32 ``[chunk, vocab]`` tensor is alive, not two. With label
+    smoothing a row's loss is ``lse - (1 - eps) * z_target - eps * mean(z)`` (the mean over the vocabulary of
+    ``-log p`` is ``lse - mean(z)``).
     """
     logits = _chunk_logits(chunk, w, b, dtype)
     picked = logits.gather(1, targets[:, None]).squeeze(1)
+    spread = logits.mean(dim=1) if smoothing else None
     peak = logits.amax(dim=1, keepdim=True)
     lse_out.copy_(logits.sub_(peak).exp_().sum(dim=1).log_().add_(peak.squeeze(1)))
-    return (lse_out - picked).sum()
+    if spread is None:
+        return (lse_out - picked).sum()
+    return (lse_out - (1.0 - smoothing) * picked - smoothing * spread).sum()
 
 
 def _chunk_backward(chunk: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, targets: torch.Tensor,
                     lse: torch.Tensor, grad_total: torch.Tensor, grad_rows: torch.Tensor | None,
-                    grad_weight: torch.Tensor | None, grad_bias: torch.Tensor | None) -> None:
+                    grad_weight: torch.Tensor | None, grad_bias: torch.Tensor | None, smoothing: float = 0.0) -> None:
     """Add one chunk's share to the gradients. A function of its own so that the chunk's ``[chunk, vocab]``
     gradient is freed before the next chunk's is built (a loop variable would keep two alive)."""
-    grad_logits = _chunk_logit_grad(chunk, w, b, targets, lse, grad_total, w.dtype)
+    grad_logits = _chunk_logit_grad(chunk, w, b, targets, lse, grad_total, w.dtype, smoothing)
     if grad_rows is not None:
         grad_rows.copy_(grad_logits @ w)
     if grad_weight is not None:
@@ -259,11 +267,15 @@ def _chunk_backward(chunk: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
 
 
 def _chunk_logit_grad(chunk: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, targets: torch.Tensor,
-                      lse: torch.Tensor, grad_total: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """d(loss)/d(logits) of one chunk: softmax minus one-hot, times the incoming gradient, in ``dtype``."""
+                      lse: torch.Tensor, grad_total: torch.Tensor, dtype: torch.dtype,
+                      smoothing: float = 0.0) -> torch.Tensor:
+    """d(loss)/d(logits) of one chunk: softmax minus the smoothed one-hot (``1 - eps`` on the target, ``eps / V``
+    everywhere), times the incoming gradient, in ``dtype``."""
     probs = _chunk_logits(chunk, w, b, dtype)
     probs.sub_(lse[:, None]).exp_()
-    probs[torch.arange(probs.size(0), device=probs.device), targets] -= 1.0
+    if smoothing:
+        probs.sub_(smoothing / probs.size(1))
+    probs[torch.arange(probs.size(0), device=probs.device), targets] -= 1.0 - smoothing
     return probs.mul_(grad_total).to(dtype)
 
 

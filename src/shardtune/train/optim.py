@@ -9,7 +9,8 @@ import torch
 from shardtune.errors import ConfigError
 from shardtune.train.settings import OptimizerSettings
 
-__all__ = ["OptimizerSettings", "build_optimizer", "build_scheduler", "split_decay_groups"]
+__all__ = ["OptimizerSettings", "build_optimizer", "build_scheduler", "loraplus_groups", "parameter_names",
+           "split_decay_groups"]
 
 
 def split_decay_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict]:
@@ -20,10 +21,37 @@ def split_decay_groups(params: list[torch.nn.Parameter], weight_decay: float) ->
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(params: list[torch.nn.Parameter], s: OptimizerSettings) -> torch.optim.Optimizer:
+def loraplus_groups(params: list[torch.nn.Parameter], names: dict[int, str], s: OptimizerSettings) -> list[dict]:
+    """LoRA+ (as LLaMA-Factory builds it): lora_B matrices and 1-D adapter weights (DoRA magnitudes, biases) learn
+    at ``learning_rate x loraplus_lr_ratio``, lora_embedding_B at ``loraplus_lr_embedding``, the rest (lora_A,
+    additional_target modules) at ``learning_rate``. Weight decay follows ``split_decay_groups`` (none on 1-D)."""
+    assert s.loraplus_lr_ratio is not None
+    by_rate: dict[float, list[torch.nn.Parameter]] = {}
+    for param in params:
+        name = names.get(id(param))
+        if name is None:
+            raise ConfigError("loraplus_lr_ratio: the engine renamed the trainable parameters (FSDP1 flat parameters);"
+                              " use fsdp_version: 2 or use_orig_params: true")
+        if "lora_embedding_B" in name:
+            rate = s.loraplus_lr_embedding
+        elif "lora_B" in name or param.ndim == 1:
+            rate = s.learning_rate * s.loraplus_lr_ratio
+        else:
+            rate = s.learning_rate
+        by_rate.setdefault(rate, []).append(param)
+    return [{**group, "lr": rate} for rate, members in by_rate.items()
+            for group in split_decay_groups(members, s.weight_decay)]
+
+
+def build_optimizer(params: list[torch.nn.Parameter], s: OptimizerSettings,
+                    names: dict[int, str] | None = None) -> torch.optim.Optimizer:
+    """The optimizer over ``params``; ``names`` (id -> parameter name) is needed by LoRA+ to find lora_B."""
     if not params:
         raise ConfigError("no trainable parameters: check finetuning_type and lora_target/freeze settings")
-    groups = split_decay_groups(params, s.weight_decay)
+    if s.loraplus_lr_ratio is not None:
+        groups = loraplus_groups(params, names or {}, s)
+    else:
+        groups = split_decay_groups(params, s.weight_decay)
     betas = (s.adam_beta1, s.adam_beta2)
     if s.optim in ("adamw_torch", "adamw_torch_fused"):
         return torch.optim.AdamW(groups, lr=s.learning_rate, betas=betas, eps=s.adam_epsilon,
@@ -41,6 +69,11 @@ def build_optimizer(params: list[torch.nn.Parameter], s: OptimizerSettings) -> t
             raise ConfigError("optim (adamw_8bit) needs bitsandbytes: pip install bitsandbytes") from None
         return bnb.optim.AdamW8bit(groups, lr=s.learning_rate, betas=betas, eps=s.adam_epsilon)
     raise ConfigError(f"optim: unknown optimizer '{s.optim}'")
+
+
+def parameter_names(model: torch.nn.Module) -> dict[int, str]:
+    """id -> name of every parameter of ``model`` as it is now (after an engine sharded it in place)."""
+    return {id(p): name for name, p in model.named_parameters()}
 
 
 def warmup_steps_for(total_steps: int, warmup_steps: int, warmup_ratio: float) -> int:

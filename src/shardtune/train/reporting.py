@@ -41,7 +41,8 @@ class Reporter:
             self.progress.update(1)
             self.progress.set_postfix(loss=f"{metrics['loss']:.4f}")
 
-    def log(self, step: int, epoch: float, lr: float, metrics: dict[str, float]) -> dict[str, Any]:
+    def log(self, step: int, epoch: float, lr: float, metrics: dict[str, float],
+            extra: dict[str, Any] | None = None) -> dict[str, Any]:
         elapsed = time.perf_counter() - self.start_time
         done = max(step - self.start_step, 1)
         record = {
@@ -55,6 +56,7 @@ class Reporter:
             "elapsed_time": format_seconds(elapsed),
             "remaining_time": format_seconds(elapsed / done * (self.total_steps - step)),
             "tokens_per_second": round(metrics.get("tokens", 0.0) / max(metrics.get("seconds", elapsed), 1e-9), 2),
+            **(extra or {}),
         }
         self.write_record(record)
         if self.tensorboard is not None:

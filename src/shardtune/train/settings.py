@@ -64,6 +64,12 @@ def finetuning_settings(c: TrainConfig) -> FinetuningSettings:
         checkpointing_kwargs=dict(c.gradient_checkpointing_kwargs or {}),
         is_quantized=c.quantization_bit is not None,
         resume_adapter=adapter_plan(c).to_resume,
+        use_dora=c.use_dora,
+        use_rslora=c.use_rslora,
+        pissa_init=c.pissa_init,
+        pissa_iter=c.pissa_iter,
+        additional_target=tuple(c.additional_target) if c.additional_target else None,
+        neftune_noise_alpha=c.neftune_noise_alpha,
     )
 
 
@@ -79,8 +85,11 @@ class OptimizerSettings:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
+    loraplus_lr_ratio: float | None = None
+    loraplus_lr_embedding: float = 1e-6
 
 
 def optimizer_settings(c: TrainConfig) -> OptimizerSettings:
     return OptimizerSettings(optim=c.optim, learning_rate=c.learning_rate, weight_decay=c.weight_decay,
-                             adam_beta1=c.adam_beta1, adam_beta2=c.adam_beta2, adam_epsilon=c.adam_epsilon)
+                             adam_beta1=c.adam_beta1, adam_beta2=c.adam_beta2, adam_epsilon=c.adam_epsilon,
+                             loraplus_lr_ratio=c.loraplus_lr_ratio, loraplus_lr_embedding=c.loraplus_lr_embedding)

@@ -94,7 +94,16 @@ def build_loader(dataset: Any, tokenizer: Any, batch_size: int, engine: Engine, 
     sampler = make_sampler(dataset, batch_size, engine, c, shuffle)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                       collate_fn=DataCollator(tokenizer.pad_token_id, attn_implementation=c.attn_implementation),
-                      num_workers=c.dataloader_num_workers)
+                      **loader_options(c, torch.cuda.is_available()))
+
+
+def loader_options(c: TrainConfig, has_cuda: bool) -> dict[str, Any]:
+    """The Trainer's dataloader_* keys as DataLoader arguments, for training and eval loaders alike (as the Trainer
+    does). Pinned memory only helps copies to a GPU (torch warns and skips it without one)."""
+    return {"num_workers": c.dataloader_num_workers,
+            "pin_memory": c.dataloader_pin_memory and has_cuda,
+            "drop_last": c.dataloader_drop_last,
+            "persistent_workers": c.dataloader_persistent_workers}
 
 
 def make_sampler(dataset: Any, batch_size: int, engine: Engine, c: TrainConfig, shuffle: bool) -> DistributedSampler:

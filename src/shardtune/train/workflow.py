@@ -15,10 +15,12 @@ import torch
 from shardtune.config.load import config_to_dict
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.base import Engine
+from shardtune.errors import ConfigError
 from shardtune.train import checkpoint
 from shardtune.train.checkpoint import resume_source
 from shardtune.train.loop import LoopSettings, TrainState, evaluate, run_loop, steps_per_epoch, total_training_steps
-from shardtune.train.optim import build_optimizer, build_scheduler, warmup_steps_for
+from shardtune.train.optim import build_optimizer, build_scheduler, parameter_names, warmup_steps_for
+from shardtune.train.pissa import PissaConversion
 from shardtune.train.reporting import LOG_FILE, Reporter, plot_loss
 from shardtune.train.settings import finetuning_settings, optimizer_settings
 from shardtune.train.setup import build_loader, model_source, prepare_datasets, prepare_model_dir
@@ -36,6 +38,8 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     ``{"interrupted": True, ...}`` without a final model, so the same command resumes.
     """
     set_seed(config.seed)
+    if not apply_tf32(config.tf32) and config.tf32 and engine.is_main:
+        print("[shardtune] tf32: no CUDA device here; CPU matmuls never use TF32, nothing changes", flush=True)
     output_dir = Path(config.output_dir or "output")
     prepare_model_dir(config, engine)
     from shardtune.model.load import load_tokenizer
@@ -44,11 +48,17 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     train_set, eval_set = prepare_datasets(tokenizer, config, engine)
     train_loader = build_loader(train_set, tokenizer, config.per_device_train_batch_size, engine, config, True)
     eval_loader = build_loader(eval_set, tokenizer, config.per_device_eval_batch_size, engine, config, False)
+    if config.dataloader_drop_last and len(train_loader) == 0:
+        raise ConfigError(f"dataloader_drop_last (true): each rank has fewer than per_device_train_batch_size "
+                          f"({config.per_device_train_batch_size}) samples, so no batch is left; turn it off or "
+                          "use more data")
     loop = loop_settings(config, len(train_loader), eval_loader is not None)
     model = engine.build_model(model_source(*model_config(config)))
+    # Before the engine touches the weights (ZeRO casts them to bf16): the adapter exactly as initialised.
+    pissa = PissaConversion.start(model, output_dir, engine.is_main) if config.pissa_convert else None
     engine.prepare(
         model,
-        lambda params: build_optimizer(params, optimizer_settings(config)),
+        lambda params: build_optimizer(params, optimizer_settings(config), parameter_names(model)),
         lambda opt: build_scheduler(opt, config.lr_scheduler_type, loop.total_steps,
                                     warmup_steps_for(loop.total_steps, config.warmup_steps, config.warmup_ratio)),
     )
@@ -69,6 +79,8 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
         hooks.reporter.close()
         engine.close()
         return {"interrupted": True, "global_step": state.global_step}
+    if pissa is not None:
+        pissa.save_converted(engine.unwrapped_model(), engine.is_main)
     return finish_run(engine, tokenizer, config, output_dir, state, hooks, memory)
 
 
@@ -124,6 +136,16 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def apply_tf32(tf32: bool | None) -> bool:
+    """``tf32`` as the HF Trainer sets it: TF32 matmuls and cuDNN convolutions on CUDA; null keeps torch's default.
+    CPU kernels never use TF32, so on a machine without CUDA nothing is changed. True when the flags were set."""
+    if tf32 is None or not torch.cuda.is_available():
+        return False
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    return True
+
+
 def loop_settings(c: TrainConfig, micro_batches: int, has_eval: bool) -> LoopSettings:
     per_epoch = steps_per_epoch(micro_batches, c.gradient_accumulation_steps)
     eval_on = has_eval and (c.do_eval or c.eval_strategy != "no")
@@ -139,6 +161,7 @@ def loop_settings(c: TrainConfig, micro_batches: int, has_eval: bool) -> LoopSet
         eval_steps=(c.eval_steps or c.logging_steps) if eval_on and c.eval_strategy == "steps" else None,
         eval_each_epoch=eval_on and c.eval_strategy == "epoch",
         loss_chunk_size=c.loss_chunk_size,
+        label_smoothing=c.label_smoothing_factor,
     )
 
 
@@ -210,7 +233,9 @@ class RunHooks:
         current = time.perf_counter()
         metrics = {**metrics, "seconds": current - self.last_log_time}
         self.last_log_time = current
-        record = self.reporter.log(state.global_step, state.epoch, self.engine.current_lr(), metrics)
+        seen = state.input_tokens_seen(self.config.include_num_input_tokens_seen)
+        record = self.reporter.log(state.global_step, state.epoch, self.engine.current_lr(), metrics,
+                                   None if seen is None else {"num_input_tokens_seen": seen})
         state.loss_history.append({"step": state.global_step, "loss": record["loss"]})
 
     def should_stop(self) -> bool:
@@ -225,8 +250,8 @@ class RunHooks:
 
     def on_evaluate(self, state: TrainState) -> None:
         if self.eval_loader is not None:
-            self.reporter.log_eval(state.global_step, state.epoch, evaluate(self.engine, self.eval_loader,
-                                                                             self.config.loss_chunk_size))
+            self.reporter.log_eval(state.global_step, state.epoch, evaluate(
+                self.engine, self.eval_loader, self.config.loss_chunk_size, self.config.label_smoothing_factor))
         self.meter.start()
 
 
@@ -255,7 +280,9 @@ def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path,
         "throughput": hooks.meter.summary(),
     }
     if hooks.eval_loader is not None:
-        results["eval_loss"] = evaluate(engine, hooks.eval_loader, c.loss_chunk_size)
+        results["eval_loss"] = evaluate(engine, hooks.eval_loader, c.loss_chunk_size, c.label_smoothing_factor)
+    if state.input_tokens_seen(c.include_num_input_tokens_seen) is not None:
+        results["num_input_tokens_seen"] = state.input_tokens_seen(c.include_num_input_tokens_seen)
     if memory is not None:
         results.update(memory_results(memory.per_rank(engine), memory.estimate, engine.is_main))
     if engine.is_main:

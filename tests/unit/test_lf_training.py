@@ -1,0 +1,182 @@
+"""Training keys users copy from LLaMA-Factory / the HF Trainer, each shown by its effect: label_smoothing_factor
+(chunked and plain loss equal torch's), neftune_noise_alpha (training forward only), tf32, dataloader_*,
+include_num_input_tokens_seen."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardtune.config.load import build_config
+from shardtune.config.validate import cross_key_problems
+from shardtune.model.adapters import FinetuningSettings, apply_finetuning, apply_neftune
+from shardtune.train.loop import TrainState
+from shardtune.train.loss import causal_lm_loss_sum, linear_cross_entropy_sum
+from shardtune.train.setup import build_loader, loader_options
+from shardtune.train.workflow import apply_tf32
+from tests.conftest import run_cli
+from tests.unit.test_chunked_loss import M, tiny_llama
+
+SMOOTHING = 0.1
+
+
+# --- label_smoothing_factor ---
+
+def _rows(seed: int = 0, n: int = 23, hidden: int = 16, vocab: int = 37, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(n, hidden, generator=g, dtype=dtype, requires_grad=True)
+    weight = torch.randn(vocab, hidden, generator=g, dtype=dtype, requires_grad=True)
+    bias = torch.randn(vocab, generator=g, dtype=dtype, requires_grad=True)
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    targets[::4] = M  # ignored rows
+    return rows, weight, bias, targets
+
+
+def test_chunked_label_smoothing_equals_torch_cross_entropy_value_and_gradients():
+    rows, weight, bias, targets = _rows()
+    ours = linear_cross_entropy_sum(rows, weight, bias, targets, 5, SMOOTHING)
+    ours_grads = torch.autograd.grad(ours, (rows, weight, bias))
+    reference = F.cross_entropy(F.linear(rows, weight, bias), targets, ignore_index=M, reduction="sum",
+                                label_smoothing=SMOOTHING)
+    reference_grads = torch.autograd.grad(reference, (rows, weight, bias))
+    torch.testing.assert_close(ours, reference)
+    for mine, theirs in zip(ours_grads, reference_grads, strict=True):
+        torch.testing.assert_close(mine, theirs)
+    unsmoothed = torch.autograd.grad(linear_cross_entropy_sum(rows, weight, bias, targets, 5), weight)[0]
+    assert not torch.allclose(ours_grads[1], unsmoothed, atol=1e-3)  # the factor changes the update
+
+
+def test_chunked_label_smoothing_passes_gradcheck():
+    rows, weight, bias, targets = _rows(n=7, hidden=4, vocab=6, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda h, w, b: linear_cross_entropy_sum(h, w, b, targets, 3, SMOOTHING),
+                                    (rows, weight, bias))
+
+
+@pytest.mark.parametrize("chunk_size", [0, 8])
+def test_model_loss_with_label_smoothing_equals_torch_on_the_full_logits(chunk_size):
+    model = tiny_llama()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 101, (2, 15), generator=g)
+    labels = ids.clone()
+    labels[:, :4] = M
+    loss = causal_lm_loss_sum(model, {"input_ids": ids}, labels, chunk_size, SMOOTHING)
+    logits = model(input_ids=ids).logits[:, :-1]
+    expected = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=M,
+                               reduction="sum", label_smoothing=SMOOTHING)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-4)
+
+
+# --- neftune_noise_alpha ---
+
+def test_neftune_noise_only_while_training_and_within_its_bound():
+    alpha = 5.0
+    clean, noisy = tiny_llama(), tiny_llama()
+    apply_neftune(noisy, alpha)
+    ids = torch.randint(0, 101, (2, 9))
+    embeddings = noisy.get_input_embeddings()
+    noisy.train()
+    trained = embeddings(ids)
+    plain = clean.get_input_embeddings()(ids)
+    bound = alpha / (9 * 32) ** 0.5
+    assert not torch.equal(trained, plain)
+    assert float((trained - plain).abs().max()) <= bound + 1e-6
+    assert float((trained - plain).abs().max()) > bound / 2  # uniform over the whole range, not a tiny jitter
+    noisy.eval()
+    torch.testing.assert_close(noisy(input_ids=ids).logits, clean.eval()(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_neftune_reaches_the_embedding_a_lora_model_calls():
+    settings = FinetuningSettings(neftune_noise_alpha=5.0, additional_target=("embed_tokens",))
+    model = apply_finetuning(tiny_llama(), settings)
+    ids = torch.randint(0, 101, (1, 7))
+    model.train()
+    first, second = model(input_ids=ids).logits, model(input_ids=ids).logits
+    assert not torch.equal(first, second)  # fresh noise each training forward
+    model.eval()
+    assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+# --- tf32 ---
+
+def test_tf32_changes_nothing_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU behaviour")
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    apply_tf32(not before[0])
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tf32_sets_the_cuda_flags():
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    try:
+        apply_tf32(True)
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        apply_tf32(False)
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+# --- dataloader_* ---
+
+class _Engine:
+    world_size, rank = 1, 0
+
+
+class _Tokenizer:
+    pad_token_id = 0
+
+
+def test_dataloader_keys_reach_the_loader():
+    from datasets import Dataset
+
+    data = Dataset.from_dict({"input_ids": [[1, 2, 3]] * 10, "attention_mask": [[1, 1, 1]] * 10,
+                              "labels": [[1, 2, 3]] * 10})
+    kept = build_loader(data, _Tokenizer(), 4, _Engine(), build_config({}), True)
+    dropped = build_loader(data, _Tokenizer(), 4, _Engine(), build_config({"dataloader_drop_last": True}), True)
+    assert (len(kept), len(dropped)) == (3, 2)
+    assert sum(len(b["input_ids"]) for b in dropped) == 8
+    config = build_config({"dataloader_num_workers": 2, "dataloader_persistent_workers": True})
+    assert loader_options(config, has_cuda=True) == {"num_workers": 2, "pin_memory": True, "drop_last": False,
+                                                     "persistent_workers": True}
+    assert loader_options(config, has_cuda=False)["pin_memory"] is False  # pinning needs a GPU to copy to
+    assert not kept.pin_memory or torch.cuda.is_available()
+    problems = cross_key_problems(build_config({"dataloader_persistent_workers": True}))
+    assert any(p.startswith("dataloader_persistent_workers (true) needs dataloader_num_workers") for p in problems)
+
+
+# --- include_num_input_tokens_seen ---
+
+def test_tokens_seen_counts():
+    state = TrainState(tokens_seen=10, slots_seen=16)
+    assert [state.input_tokens_seen(w) for w in ("all", "non_padding", "no")] == [16, 10, None]
+    assert build_config({"include_num_input_tokens_seen": True}).include_num_input_tokens_seen == "all"
+    assert build_config({"include_num_input_tokens_seen": False}).include_num_input_tokens_seen == "no"
+
+
+def _cli_run(model_dir, out, *extra: str) -> dict:
+    result = run_cli("train", "examples/tiny/sft_full.yaml", f"model_name_or_path={model_dir}", f"output_dir={out}",
+                     "finetuning_type=lora", "max_steps=3", "logging_steps=1", "save_strategy=no", "do_eval=false",
+                     "eval_strategy=no", "val_size=0", "plot_loss=false", "max_samples=40", *extra)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return json.loads((out / "train_results.json").read_text())
+
+
+@pytest.mark.e2e
+def test_tokens_seen_and_training_extras_through_the_cli(tiny_model_dir, tmp_path):
+    padded = _cli_run(tiny_model_dir, tmp_path / "all", "include_num_input_tokens_seen=true")
+    real = _cli_run(tiny_model_dir, tmp_path / "np", "include_num_input_tokens_seen=non_padding",
+                    "neftune_noise_alpha=5", "label_smoothing_factor=0.1", "dataloader_drop_last=true",
+                    "loraplus_lr_ratio=16", "tf32=true")
+    assert real["num_input_tokens_seen"] == real["train_tokens"]
+    assert padded["num_input_tokens_seen"] > padded["train_tokens"]  # padding counted
+    records = [json.loads(x) for x in (tmp_path / "np" / "trainer_log.jsonl").read_text().splitlines()]
+    seen = [r["num_input_tokens_seen"] for r in records if "loss" in r]
+    assert seen == sorted(seen) and seen[-1] == real["num_input_tokens_seen"]
+    # Same data and seed: smoothing and noise make the first loss differ from the plain run.
+    assert real["final_loss"] != pytest.approx(padded["final_loss"], rel=1e-4)
