@@ -31,6 +31,15 @@ def _rename(target: str) -> Translate:
     return lambda value, _values: {target: value}
 
 
+class Refused(ValueError):
+    """A known key whose value shardtune cannot honour (not a mistyped value): ``convert-config`` lists it as
+    refused, with ``reason``."""
+
+    def __init__(self, key: str, value: Any, reason: str) -> None:
+        super().__init__(f"key '{key}' ({value!r}): {reason}")
+        self.reason = reason
+
+
 def _refuse_unless(accepted: Any, reason: str) -> Callable[[str], Translate]:
     """A key whose ``accepted`` value is what shardtune does anyway; any other value is refused with ``reason``."""
 
@@ -38,7 +47,7 @@ def _refuse_unless(accepted: Any, reason: str) -> Callable[[str], Translate]:
         def translate(value: Any, _values: Mapping[str, Any]) -> dict[str, Any]:
             if value == accepted or value is None:
                 return {}
-            raise ValueError(f"key '{key}' ({value!r}): {reason}")
+            raise Refused(key, value, reason)
 
         return translate
 

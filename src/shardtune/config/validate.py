@@ -11,6 +11,7 @@ from shardtune.data.tokenized import is_saved
 from shardtune.errors import ConfigError
 from shardtune.model.folder import model_folder_problems
 from shardtune.train.checkpoint_folders import checkpoint_problems, resume_source
+from shardtune.train.reporting import tracker_problems
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -51,6 +52,7 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
     bad_trackers = [r for r in c.report_to if r not in REPORT_TO and r != "all"]
     if bad_trackers:
         problems.append(f"report_to: unknown tracker(s) {bad_trackers}; choose from {', '.join(REPORT_TO)}")
+    problems += tracker_problems(c.report_to)
     if c.engine == "auto" and (c.deepspeed or c.fsdp or c.fsdp_config):
         problems.append("engine (auto) with deepspeed/fsdp set: let the estimate choose, or remove engine: auto")
     problems += _lora_target_problems(c)
