@@ -110,12 +110,11 @@ MAPPED: dict[str, Mapped] = {
     "fsdp_min_num_params": Mapped("fsdp_config.min_num_params", _into_fsdp_config("fsdp_min_num_params")),
     "save_safetensors": Mapped("nothing: safetensors is the only format written", _refuse_unless(
         True, "shardtune writes models only as safetensors; remove the key or set it to true")("save_safetensors")),
-    "resize_vocab": Mapped("refused when true", _refuse_unless(
-        False, "growing the vocabulary is not implemented yet; add the tokens to the tokenizer and resize the "
-               "model's embeddings before training, then remove the key")("resize_vocab")),
-    "new_special_tokens": Mapped("refused", _refuse_unless(
-        None, "adding tokens is not implemented yet; add them to the tokenizer and resize the model's embeddings "
-              "before training, then remove the key")("new_special_tokens")),
+    # --- vocabulary, precision and trackers (lfkeys2) ---
+    "new_special_tokens": Mapped("add_special_tokens (its newer name)", _rename("add_special_tokens")),
+    "init_special_tokens": Mapped("nothing: new rows always start as noise_init does", _refuse_unless(
+        "noise_init", "shardtune starts new token rows as noise_init does (mean of the old rows plus noise); "
+                      "desc_init needs token descriptions it does not read. Remove the key")("init_special_tokens")),
     "pure_bf16": Mapped("refused when true", _refuse_unless(
         False, "no shardtune engine keeps bf16 weights without an fp32 master copy yet; use bf16: true (mixed "
                "precision) instead")("pure_bf16")),

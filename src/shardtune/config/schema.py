@@ -82,6 +82,14 @@ class TrainConfig:
     quantization_type: str = _key("nf4", "4-bit data type of bitsandbytes", MODEL, choices=("nf4", "fp4"))
     double_quantization: bool = _key(True, "4-bit: quantize the quantization constants too (bitsandbytes)",
                                      MODEL)
+    add_tokens: list[str] = _key([], "ordinary tokens added to the tokenizer, comma separated (implies resize_vocab)",
+                                 MODEL)
+    add_special_tokens: list[str] = _key(
+        [], "special tokens added to the tokenizer, comma separated (implies resize_vocab; new_special_tokens is "
+            "LLaMA-Factory's older name)", MODEL)
+    resize_vocab: bool = _key(
+        False, "grow the embedding and output layer to the tokenizer (rows padded to a multiple of 64, new rows the "
+               "mean of the old plus noise); LoRA then trains and saves both layers in full", MODEL)
 
     # --- fine-tuning method ---
     stage: str = _key("sft", "training stage: supervised fine-tuning or pre-training", FINETUNE, choices=("sft", "pt"))
@@ -228,7 +236,7 @@ UNSUPPORTED_KEYS = frozenset(
     skip_memory_metrics split_batches tf32 torch_compile torch_compile_backend torch_compile_mode
     torch_empty_cache_steps torchdynamo tpu_metrics_debug tpu_num_cores use_cpu use_ipex use_legacy_prediction_loop
     use_liger_kernel use_mps_device do_predict enable_liger_kernel use_unsloth
-    streaming buffer_size use_dora pissa_init loraplus_lr_ratio
+    new_special_tokens_config streaming buffer_size use_dora pissa_init loraplus_lr_ratio
     additional_target shift_attn upcast_layernorm use_galore use_badam
     """.split()
 )

@@ -74,6 +74,9 @@ def model_key_problems(c: TrainConfig) -> list[str]:
         problems.append(f"adapter_name_or_path ({len(adapters)} adapter(s), create_new_adapter: "
                         f"{str(c.create_new_adapter).lower()}) with quantization_bit ({c.quantization_bit}): adapters "
                         "cannot be merged into quantized weights; merge them into the unquantized model first")
+    if c.quantization_bit is not None and (c.resize_vocab or c.add_tokens or c.add_special_tokens):
+        problems.append(f"resize_vocab/add_tokens/add_special_tokens with quantization_bit ({c.quantization_bit}): "
+                        "the embedding of a quantized model cannot grow; add the tokens without quantization")
     if c.quantization_method != "bnb":
         problems.append(f"quantization_method ({c.quantization_method}): shardtune quantizes on load with bitsandbytes "
                         "only (bnb); a GPTQ/AWQ/... checkpoint that is already quantized is recognised from its "

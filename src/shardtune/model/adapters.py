@@ -8,6 +8,7 @@ from typing import Any
 
 from shardtune.errors import ConfigError
 from shardtune.model.pretrained_adapters import load_adapter_weights, resumed_lora_config
+from shardtune.model.vocab import embedding_module_names
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class FinetuningSettings:
     checkpointing_kwargs: dict[str, Any] = field(default_factory=dict)  # torch.utils.checkpoint arguments
     is_quantized: bool = False
     resume_adapter: str | None = None  # a saved LoRA adapter that trains on (its own rank, alpha and targets)
+    train_embeddings: bool = False  # resize_vocab: LoRA trains and saves the embedding and output layer in full
 
 
 def apply_finetuning(model: Any, settings: FinetuningSettings) -> Any:
@@ -105,6 +107,7 @@ def apply_lora(model: Any, settings: FinetuningSettings) -> Any:
         lora_alpha=settings.lora_alpha or 2 * settings.lora_rank,
         lora_dropout=settings.lora_dropout,
         target_modules=targets,
+        modules_to_save=embedding_module_names(model) if settings.train_embeddings else None,
     )
     if settings.resume_adapter:
         config = resumed_lora_config(settings.resume_adapter)
@@ -165,6 +168,10 @@ def save_lora_adapter(model: Any, state_dict: dict[str, Any], out_dir: Any, adap
     marker = f".{adapter}"
     weights = {k.replace(marker, ""): v.detach().cpu().contiguous() for k, v in state_dict.items()
                if ".lora_" in k and f"{marker}." in k}
+    # Whole layers trained beside the adapter (modules_to_save) are stored under the layer's own name, as peft does.
+    copies = f".modules_to_save{marker}."
+    weights.update({k.replace(copies, "."): v.detach().cpu().contiguous() for k, v in state_dict.items()
+                    if copies in k})
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})

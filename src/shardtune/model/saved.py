@@ -30,7 +30,7 @@ def expected_saved_parameters(model: Any, state_dict: dict[str, Any] | None = No
     else:
         named = ((n, p) for n, p in model.named_parameters())  # shared tensors appear once
     if hasattr(model, "peft_config"):
-        return sum(t.numel() for n, t in named if ".lora_" in n)
+        return sum(t.numel() for n, t in named if ".lora_" in n or ".modules_to_save." in n)
     if state_dict is not None:
         seen: set[int] = set()
         total = 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,7 @@ from shardtune.errors import ModelError
 from shardtune.model.adapters import FinetuningSettings, apply_finetuning, count_parameters
 from shardtune.model.load import Quantization, load_model_config
 from shardtune.model.pretrained_adapters import AdapterPlan, merge_adapters
+from shardtune.model.vocab import VocabGrowth, apply_vocab_growth, grown_tensor, vocab_tensors
 from shardtune.model.weights import WeightsReader, open_weights
 
 
@@ -39,6 +40,7 @@ class ModelSource:
     adapters: AdapterPlan = AdapterPlan()  # earlier LoRA adapters to merge; the one to resume is in ``finetuning``
     rope_scaling: str | None = None
     max_length: int | None = None  # the longest sequence trained on (cutoff_len), for rope_scaling
+    vocab: VocabGrowth | None = None  # new tokens outgrew the embedding: rows to add (resize_vocab)
 
     def load_full(self) -> torch.nn.Module:
         """The whole model in float32 on the host (quantised loads through bitsandbytes), fine-tuning applied."""
@@ -50,6 +52,8 @@ class ModelSource:
         model = load_causal_lm(self.name_or_path, trust_remote_code=self.trust_remote_code,
                                attn_implementation=self.attn_implementation, quantization=quantization,
                                compute_dtype=self.compute_dtype, config=self._config())
+        if self.vocab is not None:
+            apply_vocab_growth(model, self.vocab)
         return self._finish(merge_adapters(model, self.adapters.to_merge))
 
     def _config(self) -> object:
@@ -73,8 +77,15 @@ class ModelSource:
         with torch.random.fork_rng(devices=[]):
             model = self._empty_model(construction)
         checkpoint_names = checkpoint_names_by_parameter(model, weights)
+        grown = self._grown_names(model, checkpoint_names)
         model = self._finish(model)
-        return Skeleton(model, weights, _names_after_finetuning(model, checkpoint_names))
+        return Skeleton(model, weights, _names_after_finetuning(model, checkpoint_names), self.vocab, grown)
+
+    def _grown_names(self, model: torch.nn.Module, by_id: dict[int, str]) -> dict[str, int]:
+        """Names in the files of the tensors that have more rows than the files hold -> which (0: embedding)."""
+        if self.vocab is None or not self.vocab.is_growing:
+            return {}
+        return {by_id[id(tensor)]: which for which, tensor in enumerate(vocab_tensors(model))}
 
     def _empty_model(self, construction: contextlib.AbstractContextManager | None) -> torch.nn.Module:
         from accelerate import init_empty_weights
@@ -85,6 +96,8 @@ class ModelSource:
 
         check_attention(self.attn_implementation)
         config = self._config()
+        if self.vocab is not None and self.vocab.is_growing:
+            config.vocab_size = self.vocab.new_rows  # the files' rows are copied in, the new ones drawn
         # Buffers (rotary frequencies) are computed at construction and are not in the checkpoint: keep them real.
         context = construction or init_empty_weights(include_buffers=False)
         with no_init_weights(), context:
@@ -110,6 +123,24 @@ class Skeleton:
     model: torch.nn.Module
     weights: WeightsReader
     checkpoint_names: dict[str, str]  # parameter or persistent-buffer name in ``model`` -> name in the files
+    vocab: VocabGrowth | None = None
+    grown: dict[str, int] = field(default_factory=dict)  # names in the files with rows to add -> grown_tensor's which
+
+    def read(self, stored: str) -> torch.Tensor:
+        """The whole tensor ``stored`` as the model holds it: from the files, grown when the vocabulary grows."""
+        tensor = self.weights.read(stored)
+        if stored in self.grown and self.vocab is not None:
+            return grown_tensor(tensor, self.vocab, self.grown[stored])
+        return tensor
+
+    def read_slice(self, stored: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """A block of ``stored``; a grown tensor is built whole first (its new rows need the mean of all rows)."""
+        if stored not in self.grown:
+            return self.weights.read_slice(stored, offsets, shape)
+        block = self.read(stored)
+        for dim, (start, size) in enumerate(zip(offsets, shape, strict=True)):
+            block = block.narrow(dim, start, size)
+        return block
 
     def initial_values(self) -> dict[str, torch.Tensor]:
         """Tensors that already hold their starting values (new adapter weights), by name in ``model``."""
@@ -167,4 +198,12 @@ def _names_after_finetuning(model: torch.nn.Module, by_id: dict[int, str]) -> di
         stored = by_id.get(id(tensor))
         if stored is not None:
             mapped[name] = stored
+    # peft's modules_to_save copies a layer (embeddings when the vocabulary grows): the copy starts from the
+    # original's values in the files.
+    for name, _ in named_checkpoint_states(model):
+        if ".modules_to_save." in name and name not in mapped:
+            head, _, tail = name.partition(".modules_to_save.")
+            original = f"{head}.original_module.{tail.partition('.')[2]}"
+            if original in mapped:
+                mapped[name] = mapped[original]
     return mapped

@@ -64,6 +64,7 @@ def finetuning_settings(c: TrainConfig) -> FinetuningSettings:
         checkpointing_kwargs=dict(c.gradient_checkpointing_kwargs or {}),
         is_quantized=c.quantization_bit is not None,
         resume_adapter=adapter_plan(c).to_resume,
+        train_embeddings=c.resize_vocab,
     )
 
 

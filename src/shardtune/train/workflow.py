@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -41,11 +42,12 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     from shardtune.model.load import load_tokenizer
 
     tokenizer = load_tokenizer(config.model_name_or_path or "", trust_remote_code=config.trust_remote_code)
+    config = with_new_tokens(tokenizer, config)
     train_set, eval_set = prepare_datasets(tokenizer, config, engine)
     train_loader = build_loader(train_set, tokenizer, config.per_device_train_batch_size, engine, config, True)
     eval_loader = build_loader(eval_set, tokenizer, config.per_device_eval_batch_size, engine, config, False)
     loop = loop_settings(config, len(train_loader), eval_loader is not None)
-    model = engine.build_model(model_source(*model_config(config)))
+    model = engine.build_model(model_source(*model_config(config), tokenizer_size=len(tokenizer)))
     engine.prepare(
         model,
         lambda params: build_optimizer(params, optimizer_settings(config)),
@@ -70,6 +72,17 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
         engine.close()
         return {"interrupted": True, "global_step": state.global_step}
     return finish_run(engine, tokenizer, config, output_dir, state, hooks, memory)
+
+
+def with_new_tokens(tokenizer: Any, c: TrainConfig) -> TrainConfig:
+    """Add add_tokens/add_special_tokens to ``tokenizer`` before the data is tokenised; as in LLaMA-Factory,
+    tokens it did not have turn resize_vocab on."""
+    from shardtune.model.vocab import add_new_tokens
+
+    if add_new_tokens(tokenizer, c.add_tokens, c.add_special_tokens) and not c.resize_vocab:
+        print("[shardtune] new tokens were added: resize_vocab turned on", flush=True)
+        return dataclasses.replace(c, resize_vocab=True)
+    return c
 
 
 def model_config(c: TrainConfig) -> tuple[TrainConfig, Any]:
