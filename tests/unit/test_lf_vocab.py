@@ -18,8 +18,8 @@ from shardtune.model.load import load_tokenizer
 from shardtune.model.source import ModelSource
 from shardtune.model.vocab import (
     VocabGrowth,
-    add_new_tokens,
     adapter_embedding_rows,
+    add_new_tokens,
     grown_tensor,
     plan_vocab_growth,
 )

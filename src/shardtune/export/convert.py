@@ -162,7 +162,6 @@ def _load_adapter(base: str, source: Path) -> torch.nn.Module:
     from peft import PeftModel
 
     from shardtune.model.load import load_causal_lm
-
     from shardtune.model.vocab import adapter_embedding_rows
 
     model = load_causal_lm(base)
