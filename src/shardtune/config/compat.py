@@ -115,9 +115,6 @@ MAPPED: dict[str, Mapped] = {
     "init_special_tokens": Mapped("nothing: new rows always start as noise_init does", _refuse_unless(
         "noise_init", "shardtune starts new token rows as noise_init does (mean of the old rows plus noise); "
                       "desc_init needs token descriptions it does not read. Remove the key")("init_special_tokens")),
-    "pure_bf16": Mapped("refused when true", _refuse_unless(
-        False, "no shardtune engine keeps bf16 weights without an fp32 master copy yet; use bf16: true (mixed "
-               "precision) instead")("pure_bf16")),
 }
 
 

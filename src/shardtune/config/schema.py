@@ -183,6 +183,8 @@ class TrainConfig:
     warmup_steps: int = _key(0, "warm-up steps (overrides warmup_ratio when > 0)", TRAIN, minimum=0)
     bf16: bool = _key(False, "bfloat16 autocast (CPU and GPU)", TRAIN)
     fp16: bool = _key(False, "float16 autocast with loss scaling", TRAIN)
+    pure_bf16: bool = _key(False, "weights, gradients and optimizer state in bfloat16, no fp32 master copy and no "
+                                  "autocast (one process and DDP)", TRAIN)
     seed: int = _key(42, "random seed for weights of new modules, data order and dropout", TRAIN)
     gradient_checkpointing: bool = _key(False, "recompute activations in backward to save memory", TRAIN)
     gradient_checkpointing_kwargs: dict | None = _key(

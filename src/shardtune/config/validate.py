@@ -39,6 +39,9 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
         problems.append("do_train (false): shardtune only trains; set do_train: true")
     if c.bf16 and c.fp16:
         problems.append("bf16 (true) and fp16 (true) are both set; choose one")
+    if c.pure_bf16 and (c.fp16 or c.quantization_bit is not None):
+        problems.append(f"pure_bf16 (true) with fp16 ({str(c.fp16).lower()}) / quantization_bit "
+                        f"({c.quantization_bit}): pure_bf16 trains every weight in bfloat16; remove the others")
     if c.max_steps <= 0 and c.num_train_epochs <= 0:
         problems.append(f"max_steps ({c.max_steps}) and num_train_epochs ({c.num_train_epochs}): one must be > 0")
     if c.quantization_bit is not None and c.finetuning_type != "lora":

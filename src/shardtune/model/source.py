@@ -41,6 +41,7 @@ class ModelSource:
     rope_scaling: str | None = None
     max_length: int | None = None  # the longest sequence trained on (cutoff_len), for rope_scaling
     vocab: VocabGrowth | None = None  # new tokens outgrew the embedding: rows to add (resize_vocab)
+    pure_bf16: bool = False  # every weight, adapters included, in bfloat16 (LLaMA-Factory's pure_bf16)
 
     def load_full(self) -> torch.nn.Module:
         """The whole model in float32 on the host (quantised loads through bitsandbytes), fine-tuning applied."""
@@ -54,7 +55,10 @@ class ModelSource:
                                compute_dtype=self.compute_dtype, config=self._config())
         if self.vocab is not None:
             apply_vocab_growth(model, self.vocab)
-        return self._finish(merge_adapters(model, self.adapters.to_merge))
+        model = self._finish(merge_adapters(model, self.adapters.to_merge))
+        # As LLaMA-Factory's pure_bf16: no fp32 copy of anything, trainable weights included; the optimizer then
+        # keeps its state in bf16 too.
+        return model.to(torch.bfloat16) if self.pure_bf16 else model
 
     def _config(self) -> object:
         return load_model_config(self.name_or_path, trust_remote_code=self.trust_remote_code,

@@ -85,7 +85,7 @@ def model_source(c: TrainConfig, settings: FinetuningSettings, tokenizer_size: i
                        attn_implementation=c.attn_implementation, quantization_bit=c.quantization_bit,
                        quantization_type=c.quantization_type, double_quantization=c.double_quantization,
                        compute_dtype=compute_dtype, adapters=adapter_plan(c), rope_scaling=c.rope_scaling,
-                       max_length=c.cutoff_len, vocab=vocab_growth(c, tokenizer_size))
+                       max_length=c.cutoff_len, vocab=vocab_growth(c, tokenizer_size), pure_bf16=c.pure_bf16)
 
 
 def vocab_growth(c: TrainConfig, tokenizer_size: int | None) -> VocabGrowth | None:

@@ -266,6 +266,7 @@ def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path,
         "engine": engine.name,
         "world_size": engine.world_size,
         "throughput": hooks.meter.summary(),
+        "trainable_parameter_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in engine.iter_trainable()}),
     }
     if hooks.eval_loader is not None:
         results["eval_loss"] = evaluate(engine, hooks.eval_loader, c.loss_chunk_size)
