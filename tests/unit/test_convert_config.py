@@ -42,3 +42,17 @@ def test_values_that_would_be_refused_are_listed(tmp_path, capsys):
     path.write_text(yaml.safe_dump({**values, "cutoff_len": -3}))
     assert main(["convert-config", str(path)]) == 2
     assert any(line.startswith("problem: ") and "cutoff_len" in line for line in capsys.readouterr().out.splitlines())
+
+
+def test_a_mapped_key_is_refused_only_for_the_value_shardtune_refuses(tmp_path, capsys):
+    values = {k: v for k, v in LF_FILE.items() if k not in ("lora_rnak", "save_on_each_node")}
+    path = tmp_path / "lf.yaml"
+    path.write_text(yaml.safe_dump({**values, "save_safetensors": False}))
+    assert main(["convert-config", str(path)]) == 2
+    lines = capsys.readouterr().out.splitlines()
+    refused = [line for line in lines if line.startswith("refused   save_safetensors:")]
+    assert refused and "writes models only as safetensors" in refused[0]
+    assert "5 honoured, 1 mapped, 1 refused, 0 unknown" in lines
+    path.write_text(yaml.safe_dump({**values, "save_safetensors": True}))
+    assert main(["convert-config", str(path)]) == 0
+    assert any(line.startswith("mapped    save_safetensors:") for line in capsys.readouterr().out.splitlines())

@@ -65,9 +65,6 @@ def test_top_level_fsdp_keys_go_into_fsdp_config():
 
 @pytest.mark.parametrize(("key", "accepted", "refused", "reason"), [
     ("save_safetensors", True, False, "only as safetensors"),
-    ("pure_bf16", False, True, "bf16: true"),
-    ("resize_vocab", False, True, "not implemented"),
-    ("new_special_tokens", None, "<tok>", "not implemented"),
 ])
 def test_keys_accepted_only_at_what_shardtune_does(key, accepted, refused, reason):
     build_config({**BASE, key: accepted})

@@ -31,6 +31,15 @@ def _rename(target: str) -> Translate:
     return lambda value, _values: {target: value}
 
 
+class Refused(ValueError):
+    """A known key whose value shardtune cannot honour (not a mistyped value): ``convert-config`` lists it as
+    refused, with ``reason``."""
+
+    def __init__(self, key: str, value: Any, reason: str) -> None:
+        super().__init__(f"key '{key}' ({value!r}): {reason}")
+        self.reason = reason
+
+
 def _refuse_unless(accepted: Any, reason: str) -> Callable[[str], Translate]:
     """A key whose ``accepted`` value is what shardtune does anyway; any other value is refused with ``reason``."""
 
@@ -38,7 +47,7 @@ def _refuse_unless(accepted: Any, reason: str) -> Callable[[str], Translate]:
         def translate(value: Any, _values: Mapping[str, Any]) -> dict[str, Any]:
             if value == accepted or value is None:
                 return {}
-            raise ValueError(f"key '{key}' ({value!r}): {reason}")
+            raise Refused(key, value, reason)
 
         return translate
 
@@ -101,15 +110,11 @@ MAPPED: dict[str, Mapped] = {
     "fsdp_min_num_params": Mapped("fsdp_config.min_num_params", _into_fsdp_config("fsdp_min_num_params")),
     "save_safetensors": Mapped("nothing: safetensors is the only format written", _refuse_unless(
         True, "shardtune writes models only as safetensors; remove the key or set it to true")("save_safetensors")),
-    "resize_vocab": Mapped("refused when true", _refuse_unless(
-        False, "growing the vocabulary is not implemented yet; add the tokens to the tokenizer and resize the "
-               "model's embeddings before training, then remove the key")("resize_vocab")),
-    "new_special_tokens": Mapped("refused", _refuse_unless(
-        None, "adding tokens is not implemented yet; add them to the tokenizer and resize the model's embeddings "
-              "before training, then remove the key")("new_special_tokens")),
-    "pure_bf16": Mapped("refused when true", _refuse_unless(
-        False, "no shardtune engine keeps bf16 weights without an fp32 master copy yet; use bf16: true (mixed "
-               "precision) instead")("pure_bf16")),
+    # --- vocabulary, precision and trackers (lfkeys2) ---
+    "new_special_tokens": Mapped("add_special_tokens (its newer name)", _rename("add_special_tokens")),
+    "init_special_tokens": Mapped("nothing: new rows always start as noise_init does", _refuse_unless(
+        "noise_init", "shardtune starts new token rows as noise_init does (mean of the old rows plus noise); "
+                      "desc_init needs token descriptions it does not read. Remove the key")("init_special_tokens")),
 }
 
 

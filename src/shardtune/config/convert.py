@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from shardtune.config.compat import MAPPED, translate_keys
+from shardtune.config.compat import MAPPED, Refused, translate_keys
 from shardtune.config.load import build_config, load_yaml_file, unknown_key_message
 from shardtune.config.refused import REFUSED_REASONS
 from shardtune.config.schema import UNSUPPORTED_KEYS, key_names
@@ -38,13 +38,25 @@ def key_reports(values: dict[str, Any]) -> list[KeyReport]:
     reports = []
     for key in values:
         if key in MAPPED:
-            reports.append(KeyReport(key, MAPPED_STATUS, f"-> {MAPPED[key].becomes}"))
+            reports.append(mapped_report(key, values))
         elif key in known:
             reports.append(KeyReport(key, HONOURED))
         else:
             status = REFUSED if key in UNSUPPORTED_KEYS or key in REFUSED_REASONS else UNKNOWN
             reports.append(KeyReport(key, status, unknown_key_message(str(key), known)))
     return reports
+
+
+def mapped_report(key: str, values: dict[str, Any]) -> KeyReport:
+    """Mapped, or refused when this file's value is one shardtune refuses for that key (``save_safetensors:
+    false``); a value that is merely malformed stays mapped and shows up among the problems."""
+    try:
+        MAPPED[key].translate(values[key], values)
+    except Refused as refused:
+        return KeyReport(key, REFUSED, f"{values[key]!r}: {refused.reason}")
+    except ValueError:
+        pass
+    return KeyReport(key, MAPPED_STATUS, f"-> {MAPPED[key].becomes}")
 
 
 def validation_problems(values: dict[str, Any], source: str) -> list[str]:

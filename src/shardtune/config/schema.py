@@ -82,6 +82,14 @@ class TrainConfig:
     quantization_type: str = _key("nf4", "4-bit data type of bitsandbytes", MODEL, choices=("nf4", "fp4"))
     double_quantization: bool = _key(True, "4-bit: quantize the quantization constants too (bitsandbytes)",
                                      MODEL)
+    add_tokens: list[str] = _key([], "ordinary tokens added to the tokenizer, comma separated (implies resize_vocab)",
+                                 MODEL)
+    add_special_tokens: list[str] = _key(
+        [], "special tokens added to the tokenizer, comma separated (implies resize_vocab; new_special_tokens is "
+            "LLaMA-Factory's older name)", MODEL)
+    resize_vocab: bool = _key(
+        False, "grow the embedding and output layer to the tokenizer (rows padded to a multiple of 64, new rows the "
+               "mean of the old plus noise); LoRA then trains and saves both layers in full", MODEL)
 
     # --- fine-tuning method ---
     stage: str = _key("sft", "training stage: supervised fine-tuning or pre-training", FINETUNE, choices=("sft", "pt"))
@@ -165,7 +173,8 @@ class TrainConfig:
         False, "checkpoints hold the model only (no optimizer/scheduler state; a resume restarts the optimizer)",
         OUTPUT)
     plot_loss: bool = _key(False, "write training_loss.png at the end", OUTPUT)
-    report_to: list[str] = _key(["none"], "experiment trackers: none, tensorboard, wandb, mlflow", OUTPUT)
+    report_to: list[str] = _key(["none"], "experiment trackers: none or tensorboard (wandb and mlflow are refused "
+                                          "with the reason)", OUTPUT)
     resume_from_checkpoint: str | None = _key(None, "checkpoint folder to resume from", OUTPUT)
     throughput_warmup_steps: int = _key(
         1, "first optimizer steps left out of the throughput figures in train_results.json", OUTPUT, minimum=0)
@@ -189,6 +198,8 @@ class TrainConfig:
     warmup_steps: int = _key(0, "warm-up steps (overrides warmup_ratio when > 0)", TRAIN, minimum=0)
     bf16: bool = _key(False, "bfloat16 autocast (CPU and GPU)", TRAIN)
     fp16: bool = _key(False, "float16 autocast with loss scaling", TRAIN)
+    pure_bf16: bool = _key(False, "weights, gradients and optimizer state in bfloat16, no fp32 master copy and no "
+                                  "autocast (one process and DDP)", TRAIN)
     seed: int = _key(42, "random seed for weights of new modules, data order and dropout", TRAIN)
     gradient_checkpointing: bool = _key(False, "recompute activations in backward to save memory", TRAIN)
     gradient_checkpointing_kwargs: dict | None = _key(

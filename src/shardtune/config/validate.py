@@ -11,6 +11,7 @@ from shardtune.data.tokenized import is_saved
 from shardtune.errors import ConfigError
 from shardtune.model.folder import model_folder_problems
 from shardtune.train.checkpoint_folders import checkpoint_problems, resume_source
+from shardtune.train.reporting import tracker_problems
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -38,6 +39,9 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
         problems.append("do_train (false): shardtune only trains; set do_train: true")
     if c.bf16 and c.fp16:
         problems.append("bf16 (true) and fp16 (true) are both set; choose one")
+    if c.pure_bf16 and (c.fp16 or c.quantization_bit is not None):
+        problems.append(f"pure_bf16 (true) with fp16 ({str(c.fp16).lower()}) / quantization_bit "
+                        f"({c.quantization_bit}): pure_bf16 trains every weight in bfloat16; remove the others")
     if c.max_steps <= 0 and c.num_train_epochs <= 0:
         problems.append(f"max_steps ({c.max_steps}) and num_train_epochs ({c.num_train_epochs}): one must be > 0")
     if c.quantization_bit is not None and c.finetuning_type != "lora":
@@ -51,6 +55,7 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
     bad_trackers = [r for r in c.report_to if r not in REPORT_TO and r != "all"]
     if bad_trackers:
         problems.append(f"report_to: unknown tracker(s) {bad_trackers}; choose from {', '.join(REPORT_TO)}")
+    problems += tracker_problems(c.report_to)
     if c.engine == "auto" and (c.deepspeed or c.fsdp or c.fsdp_config):
         problems.append("engine (auto) with deepspeed/fsdp set: let the estimate choose, or remove engine: auto")
     problems += _lora_target_problems(c)
@@ -73,6 +78,9 @@ def model_key_problems(c: TrainConfig) -> list[str]:
         problems.append(f"adapter_name_or_path ({len(adapters)} adapter(s), create_new_adapter: "
                         f"{str(c.create_new_adapter).lower()}) with quantization_bit ({c.quantization_bit}): adapters "
                         "cannot be merged into quantized weights; merge them into the unquantized model first")
+    if c.quantization_bit is not None and (c.resize_vocab or c.add_tokens or c.add_special_tokens):
+        problems.append(f"resize_vocab/add_tokens/add_special_tokens with quantization_bit ({c.quantization_bit}): "
+                        "the embedding of a quantized model cannot grow; add the tokens without quantization")
     if c.quantization_method != "bnb":
         problems.append(f"quantization_method ({c.quantization_method}): shardtune quantizes on load with bitsandbytes "
                         "only (bnb); a GPTQ/AWQ/... checkpoint that is already quantized is recognised from its "

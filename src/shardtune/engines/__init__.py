@@ -17,7 +17,8 @@ def build_engine(config: TrainConfig, plan: EnginePlan, rank_env: RankEnv | None
 
     from shardtune.engines.base import PrecisionSettings
 
-    precision = PrecisionSettings(bf16=config.bf16, fp16=config.fp16)
+    # pure_bf16: the weights are bf16 themselves, so no autocast on top (LLaMA-Factory's meaning).
+    precision = PrecisionSettings(bf16=config.bf16 and not config.pure_bf16, fp16=config.fp16)
     if rank_env is None:
         from shardtune.engines.local import LocalEngine
 

@@ -201,7 +201,9 @@ class DeepSpeedEngine(DistributedMixin, Engine):
             state_dict = self._full_state_dict(adapter_only=self.is_peft)
             if self.is_main:
                 out_dir.mkdir(parents=True, exist_ok=True)
-                model.save_pretrained(str(out_dir), state_dict=state_dict)
+                # peft would add whole embedding layers once the vocabulary grew; modules_to_save already holds them.
+                extra = {"save_embedding_layers": False} if self.is_peft else {}
+                model.save_pretrained(str(out_dir), state_dict=state_dict, **extra)
         error = check_saved_numel(out_dir, expected) if self.is_main else None
         error = self._broadcast_from_main(error)
         if error:

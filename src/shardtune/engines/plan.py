@@ -56,6 +56,9 @@ def _choose_engine(c: TrainConfig, world_size: int, has_cuda: bool) -> tuple[Eng
                                      " are both set; choose one engine"]
     if c.deepspeed:
         plan, problems = _plan_deepspeed(c)
+        if c.pure_bf16:
+            problems.append("pure_bf16 (true) with deepspeed: shardtune does not yet drive DeepSpeed's bf16 master "
+                            "weights (bf16_master_weights_and_grads); use bf16: true, or pure_bf16 with DDP")
         if c.fp16 and not has_cuda:
             problems.append("fp16 (true) with deepspeed needs a GPU: DeepSpeed's CPU accelerator has no fp16; "
                             "use bf16: true")
@@ -83,6 +86,9 @@ def _plan_fsdp(c: TrainConfig, has_cuda: bool, world_size: int) -> tuple[EngineP
         fsdp_config, problems = _load_fsdp_config_file(fsdp_config, world_size)
     settings, more = resolve_fsdp_settings(c.fsdp, fsdp_config)
     problems += more
+    if c.pure_bf16:
+        problems.append("pure_bf16 (true) with fsdp: shardtune's FSDP keeps fp32 sharded master weights; use bf16: "
+                        "true (bf16 compute, fp32 master), or pure_bf16 with DDP")
     if c.fp16:
         problems.append("fp16 (true) with fsdp: sharded gradients cannot be unscaled by torch's GradScaler; "
                         "use bf16: true")

@@ -43,9 +43,9 @@ class ShardedLoad:
             return self.initial[name].to(self.device, like.dtype)
         stored = self.skeleton.checkpoint_names[name]
         if not self.rank0_reads:
-            return self.skeleton.weights.read(stored).to(self.device, like.dtype)
+            return self.skeleton.read(stored).to(self.device, like.dtype)
         if self.rank == 0:
-            full = self.skeleton.weights.read(stored).to(self.device, like.dtype).contiguous()
+            full = self.skeleton.read(stored).to(self.device, like.dtype).contiguous()
         else:
             full = torch.empty(tuple(like.shape), dtype=like.dtype, device=self.device)
         dist.broadcast(full, src=0)
@@ -56,7 +56,7 @@ class ShardedLoad:
         if name in self.initial or self.rank0_reads:
             return _narrow(self.full_tensor(name, like), offsets, shape)
         stored = self.skeleton.checkpoint_names[name]
-        return self.skeleton.weights.read_slice(stored, offsets, shape).to(self.device, like.dtype)
+        return self.skeleton.read_slice(stored, offsets, shape).to(self.device, like.dtype)
 
     def restore_buffers(self, model: torch.nn.Module, prefix: str = "", recurse: bool = True) -> None:
         """Put back the non-persistent buffers an engine's ``to_empty`` wiped (``prefix``: the module's name)."""
@@ -133,4 +133,4 @@ def fill_zero3(model: torch.nn.Module, load: ShardedLoad) -> None:
                 continue
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
                 if load.rank == 0:
-                    param.data.copy_(load.skeleton.weights.read(stored))
+                    param.data.copy_(load.skeleton.read(stored))

@@ -61,7 +61,9 @@ class TorchEngine(Engine):
             from shardtune.model.saved import expected_saved_parameters, verify_saved
 
             model = self.unwrapped_model()
-            model.save_pretrained(out_dir, safe_serialization=True)
+            # peft would add whole embedding layers once the vocabulary grew; modules_to_save already holds them.
+            extra = {"save_embedding_layers": False} if hasattr(model, "peft_config") else {}
+            model.save_pretrained(out_dir, safe_serialization=True, **extra)
             verify_saved(out_dir, expected_saved_parameters(model))
 
     # Resume state: trainable weights as safetensors, optimizer/scheduler as tensor-only pickles

@@ -162,8 +162,13 @@ def _load_adapter(base: str, source: Path) -> torch.nn.Module:
     from peft import PeftModel
 
     from shardtune.model.load import load_causal_lm
+    from shardtune.model.vocab import adapter_embedding_rows
 
-    return PeftModel.from_pretrained(load_causal_lm(base), str(source))
+    model = load_causal_lm(base)
+    rows = adapter_embedding_rows(str(source), model)  # trained with resize_vocab: the base grows first
+    if rows is not None and rows != model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(rows, mean_resizing=False)
+    return PeftModel.from_pretrained(model, str(source))
 
 
 def _tokenizer_source(source: Path, base: str) -> str:

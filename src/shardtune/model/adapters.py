@@ -8,6 +8,7 @@ from typing import Any
 
 from shardtune.errors import ConfigError
 from shardtune.model.pretrained_adapters import load_adapter_weights, resumed_lora_config
+from shardtune.model.vocab import embedding_module_names
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class FinetuningSettings:
     pissa_iter: int = 16
     additional_target: tuple[str, ...] | None = None
     neftune_noise_alpha: float | None = None
+    train_embeddings: bool = False  # resize_vocab: LoRA trains and saves the embedding and output layer in full
 
     @property
     def init_lora_weights(self) -> bool | str:
@@ -58,6 +60,14 @@ def apply_finetuning(model: Any, settings: FinetuningSettings) -> Any:
     if settings.neftune_noise_alpha is not None:
         apply_neftune(model, settings.neftune_noise_alpha)  # after peft: on the embedding the model really calls
     return model
+
+
+def modules_to_save(model: Any, settings: FinetuningSettings) -> list[str] | None:
+    """Layers LoRA trains in full and saves with the adapter: ``additional_target``, else the embedding and output
+    layer when the vocabulary grows (LLaMA-Factory's precedence), else none."""
+    if settings.additional_target:
+        return list(settings.additional_target)
+    return embedding_module_names(model) if settings.train_embeddings else None
 
 
 def apply_neftune(model: Any, alpha: float) -> Any:
@@ -140,7 +150,7 @@ def apply_lora(model: Any, settings: FinetuningSettings) -> Any:
         target_modules=targets,
         use_dora=settings.use_dora,
         use_rslora=settings.use_rslora,
-        modules_to_save=list(settings.additional_target) if settings.additional_target else None,
+        modules_to_save=modules_to_save(model, settings),
         init_lora_weights=settings.init_lora_weights,
     )
     if settings.resume_adapter:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,7 @@ from shardtune.errors import ModelError
 from shardtune.model.adapters import FinetuningSettings, apply_finetuning, count_parameters
 from shardtune.model.load import Quantization, load_model_config
 from shardtune.model.pretrained_adapters import AdapterPlan, merge_adapters
+from shardtune.model.vocab import VocabGrowth, apply_vocab_growth, grown_tensor, vocab_tensors
 from shardtune.model.weights import WeightsReader, open_weights
 
 
@@ -40,6 +41,8 @@ class ModelSource:
     adapters: AdapterPlan = AdapterPlan()  # earlier LoRA adapters to merge; the one to resume is in ``finetuning``
     rope_scaling: str | None = None
     max_length: int | None = None  # the longest sequence trained on (cutoff_len), for rope_scaling
+    vocab: VocabGrowth | None = None  # new tokens outgrew the embedding: rows to add (resize_vocab)
+    pure_bf16: bool = False  # every weight, adapters included, in bfloat16 (LLaMA-Factory's pure_bf16)
 
     def load_full(self) -> torch.nn.Module:
         """The whole model in float32 on the host (quantised loads through bitsandbytes), fine-tuning applied."""
@@ -51,7 +54,12 @@ class ModelSource:
         model = load_causal_lm(self.name_or_path, trust_remote_code=self.trust_remote_code,
                                attn_implementation=self.attn_implementation, quantization=quantization,
                                compute_dtype=self.compute_dtype, config=self._config())
-        return self._finish(merge_adapters(model, self.adapters.to_merge))
+        if self.vocab is not None:
+            apply_vocab_growth(model, self.vocab)
+        model = self._finish(merge_adapters(model, self.adapters.to_merge))
+        # As LLaMA-Factory's pure_bf16: no fp32 copy of anything, trainable weights included; the optimizer then
+        # keeps its state in bf16 too.
+        return model.to(torch.bfloat16) if self.pure_bf16 else model
 
     def _config(self) -> object:
         return load_model_config(self.name_or_path, trust_remote_code=self.trust_remote_code,
@@ -74,10 +82,17 @@ class ModelSource:
         with torch.random.fork_rng(devices=[]):
             model = self._empty_model(construction)
         checkpoint_names = checkpoint_names_by_parameter(model, weights)
+        grown = self._grown_names(model, checkpoint_names)
         model = self._finish(model)
         names = _names_after_finetuning(model, checkpoint_names)
         fill_dora_magnitudes(model, weights, names)
-        return Skeleton(model, weights, names)
+        return Skeleton(model, weights, names, self.vocab, grown)
+
+    def _grown_names(self, model: torch.nn.Module, by_id: dict[int, str]) -> dict[str, int]:
+        """Names in the files of the tensors that have more rows than the files hold -> which (0: embedding)."""
+        if self.vocab is None or not self.vocab.is_growing:
+            return {}
+        return {by_id[id(tensor)]: which for which, tensor in enumerate(vocab_tensors(model))}
 
     def _empty_model(self, construction: contextlib.AbstractContextManager | None) -> torch.nn.Module:
         from accelerate import init_empty_weights
@@ -88,6 +103,8 @@ class ModelSource:
 
         check_attention(self.attn_implementation)
         config = self._config()
+        if self.vocab is not None and self.vocab.is_growing:
+            config.vocab_size = self.vocab.new_rows  # the files' rows are copied in, the new ones drawn
         # Buffers (rotary frequencies) are computed at construction and are not in the checkpoint: keep them real.
         context = construction or init_empty_weights(include_buffers=False)
         with no_init_weights(), context:
@@ -113,6 +130,24 @@ class Skeleton:
     model: torch.nn.Module
     weights: WeightsReader
     checkpoint_names: dict[str, str]  # parameter or persistent-buffer name in ``model`` -> name in the files
+    vocab: VocabGrowth | None = None
+    grown: dict[str, int] = field(default_factory=dict)  # names in the files with rows to add -> grown_tensor's which
+
+    def read(self, stored: str) -> torch.Tensor:
+        """The whole tensor ``stored`` as the model holds it: from the files, grown when the vocabulary grows."""
+        tensor = self.weights.read(stored)
+        if stored in self.grown and self.vocab is not None:
+            return grown_tensor(tensor, self.vocab, self.grown[stored])
+        return tensor
+
+    def read_slice(self, stored: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """A block of ``stored``; a grown tensor is built whole first (its new rows need the mean of all rows)."""
+        if stored not in self.grown:
+            return self.weights.read_slice(stored, offsets, shape)
+        block = self.read(stored)
+        for dim, (start, size) in enumerate(zip(offsets, shape, strict=True)):
+            block = block.narrow(dim, start, size)
+        return block
 
     def initial_values(self) -> dict[str, torch.Tensor]:
         """Tensors that already hold their starting values (new adapter weights), by name in ``model``."""

@@ -32,9 +32,6 @@ class Reporter:
             if "tensorboard" in trackers or "all" in trackers:
                 self.tensorboard = open_tensorboard(logging_dir or str(output_dir / "runs"))
                 self.tensorboard.add_text("run_name", run_name or output_dir.name)
-            for name in trackers:
-                if name in ("wandb", "mlflow"):
-                    raise_if_missing(name)
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
         if self.progress is not None:
@@ -91,11 +88,21 @@ def open_tensorboard(log_dir: str) -> Any:
     return SummaryWriter(log_dir=log_dir)
 
 
-def raise_if_missing(module: str) -> None:
-    import importlib.util
+# Trackers LLaMA-Factory users name that shardtune does not write to. Accepting them would leave the user with no
+# run in their tracker and no word why, so they are refused before launch. Neither package is installed in the
+# environment shardtune is built and tested in, so an integration could not be tested.
+REFUSED_TRACKERS = {
+    "wandb": "shardtune does not send metrics to Weights & Biases (wandb is not installed here, so no integration "
+             "is built or tested); use report_to: tensorboard and upload its folder with "
+             "`wandb sync --sync-tensorboard <logging_dir>`, or report_to: none",
+    "mlflow": "shardtune does not send metrics to MLflow (mlflow is not installed here, so no integration is built "
+              "or tested); use report_to: tensorboard, or report_to: none",
+}
 
-    if importlib.util.find_spec(module) is None:
-        raise ConfigError(f"report_to ({module}) needs the {module} package: pip install {module}")
+
+def tracker_problems(report_to: list[str]) -> list[str]:
+    """One problem per tracker of ``report_to`` that shardtune would not write to."""
+    return [f"report_to ({name}): {REFUSED_TRACKERS[name]}" for name in report_to if name in REFUSED_TRACKERS]
 
 
 def format_seconds(seconds: float) -> str:

@@ -70,6 +70,7 @@ def finetuning_settings(c: TrainConfig) -> FinetuningSettings:
         pissa_iter=c.pissa_iter,
         additional_target=tuple(c.additional_target) if c.additional_target else None,
         neftune_noise_alpha=c.neftune_noise_alpha,
+        train_embeddings=c.resize_vocab,
     )
 
 

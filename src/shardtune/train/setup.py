@@ -12,6 +12,7 @@ from shardtune.config.schema import TrainConfig
 from shardtune.engines.base import Engine
 from shardtune.model.adapters import FinetuningSettings
 from shardtune.model.source import ModelSource
+from shardtune.model.vocab import VocabGrowth, plan_vocab_growth
 
 
 def prepare_model_dir(c: TrainConfig, engine: Engine) -> None:
@@ -72,8 +73,11 @@ def build_tokenized(tokenizer: Any, settings: Any, path: str, key: dict[str, Any
     save_tokenized(path, train, evaluation, key)
 
 
-def model_source(c: TrainConfig, settings: FinetuningSettings) -> ModelSource:
-    """Where the model comes from and how it is set up for training; each engine decides how to load it."""
+def model_source(c: TrainConfig, settings: FinetuningSettings, tokenizer_size: int | None = None) -> ModelSource:
+    """Where the model comes from and how it is set up for training; each engine decides how to load it.
+
+    With resize_vocab, ``tokenizer_size`` (the tokenizer with its added tokens) says how far the vocabulary grows.
+    """
     compute_dtype = torch.bfloat16 if c.bf16 else (torch.float16 if c.fp16 else torch.float32)
     from shardtune.train.settings import adapter_plan
 
@@ -81,7 +85,16 @@ def model_source(c: TrainConfig, settings: FinetuningSettings) -> ModelSource:
                        attn_implementation=c.attn_implementation, quantization_bit=c.quantization_bit,
                        quantization_type=c.quantization_type, double_quantization=c.double_quantization,
                        compute_dtype=compute_dtype, adapters=adapter_plan(c), rope_scaling=c.rope_scaling,
-                       max_length=c.cutoff_len)
+                       max_length=c.cutoff_len, vocab=vocab_growth(c, tokenizer_size), pure_bf16=c.pure_bf16)
+
+
+def vocab_growth(c: TrainConfig, tokenizer_size: int | None) -> VocabGrowth | None:
+    if not c.resize_vocab or tokenizer_size is None:
+        return None
+    from shardtune.model.load import load_model_config
+
+    rows = load_model_config(c.model_name_or_path or "", trust_remote_code=c.trust_remote_code).vocab_size
+    return plan_vocab_growth(tokenizer_size, rows, c.seed)
 
 
 def build_loader(dataset: Any, tokenizer: Any, batch_size: int, engine: Engine, c: TrainConfig,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -45,6 +46,7 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     from shardtune.model.load import load_tokenizer
 
     tokenizer = load_tokenizer(config.model_name_or_path or "", trust_remote_code=config.trust_remote_code)
+    config = with_new_tokens(tokenizer, config)
     train_set, eval_set = prepare_datasets(tokenizer, config, engine)
     train_loader = build_loader(train_set, tokenizer, config.per_device_train_batch_size, engine, config, True)
     eval_loader = build_loader(eval_set, tokenizer, config.per_device_eval_batch_size, engine, config, False)
@@ -53,7 +55,7 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
                           f"({config.per_device_train_batch_size}) samples, so no batch is left; turn it off or "
                           "use more data")
     loop = loop_settings(config, len(train_loader), eval_loader is not None)
-    model = engine.build_model(model_source(*model_config(config)))
+    model = engine.build_model(model_source(*model_config(config), tokenizer_size=len(tokenizer)))
     # Before the engine touches the weights (ZeRO casts them to bf16): the adapter exactly as initialised.
     pissa = PissaConversion.start(model, output_dir, engine.is_main) if config.pissa_convert else None
     engine.prepare(
@@ -82,6 +84,17 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     if pissa is not None:
         pissa.save_converted(engine.unwrapped_model(), engine.is_main)
     return finish_run(engine, tokenizer, config, output_dir, state, hooks, memory)
+
+
+def with_new_tokens(tokenizer: Any, c: TrainConfig) -> TrainConfig:
+    """Add add_tokens/add_special_tokens to ``tokenizer`` before the data is tokenised; as in LLaMA-Factory,
+    tokens it did not have turn resize_vocab on."""
+    from shardtune.model.vocab import add_new_tokens
+
+    if add_new_tokens(tokenizer, c.add_tokens, c.add_special_tokens) and not c.resize_vocab:
+        print("[shardtune] new tokens were added: resize_vocab turned on", flush=True)
+        return dataclasses.replace(c, resize_vocab=True)
+    return c
 
 
 def model_config(c: TrainConfig) -> tuple[TrainConfig, Any]:
@@ -278,6 +291,7 @@ def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path,
         "engine": engine.name,
         "world_size": engine.world_size,
         "throughput": hooks.meter.summary(),
+        "trainable_parameter_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in engine.iter_trainable()}),
     }
     if hooks.eval_loader is not None:
         results["eval_loss"] = evaluate(engine, hooks.eval_loader, c.loss_chunk_size, c.label_smoothing_factor)

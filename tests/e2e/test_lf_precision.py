@@ -1,0 +1,28 @@
+"""pure_bf16: weights, gradients and optimizer state in bfloat16 without autocast (LLaMA-Factory's meaning) on one
+process; refused before launch where an engine keeps fp32 master weights."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardtune.config.load import build_config
+from shardtune.engines.plan import plan_engine
+from tests.distributed.helpers import losses, train
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+
+def test_pure_bf16_trains_bf16_weights_with_less_memory(tiny_model_dir, tmp_path):
+    mixed = train(tiny_model_dir, tmp_path / "mixed", "full", 1, 4, "bf16=true")
+    pure = train(tiny_model_dir, tmp_path / "pure", "full", 1, 4, "pure_bf16=true")
+    assert mixed["trainable_parameter_dtypes"] == ["float32"]
+    assert pure["trainable_parameter_dtypes"] == ["bfloat16"]
+    assert pure["peak_memory_bytes_per_rank"][0] < mixed["peak_memory_bytes_per_rank"][0]
+    assert losses(tmp_path / "pure") == pytest.approx(losses(tmp_path / "mixed"), rel=5e-2)
+
+
+@pytest.mark.parametrize("engine", [{"deepspeed": "z2"}, {"fsdp": "full_shard auto_wrap"}], ids=["zero2", "fsdp"])
+def test_pure_bf16_is_refused_where_fp32_master_weights_stay(engine):
+    config = build_config({"model_name_or_path": "m", "output_dir": "o", "dataset": "d", "pure_bf16": True, **engine})
+    _, problems = plan_engine(config, 2, has_cuda=False)
+    assert any(p.startswith("pure_bf16 (true) with") for p in problems)
