@@ -21,7 +21,14 @@ from shardtune.train.loop import LoopSettings, TrainState, evaluate, run_loop, s
 from shardtune.train.optim import build_optimizer, build_scheduler, warmup_steps_for
 from shardtune.train.reporting import LOG_FILE, Reporter, plot_loss
 from shardtune.train.settings import finetuning_settings, optimizer_settings
-from shardtune.train.setup import build_loader, model_source, prepare_datasets, prepare_model_dir
+from shardtune.train.setup import (
+    build_loader,
+    epoch_batches_for,
+    model_source,
+    prepare_datasets,
+    prepare_model_dir,
+    train_micro_batches,
+)
 from shardtune.train.throughput import ThroughputMeter
 
 RESULTS_FILE = "train_results.json"
@@ -44,7 +51,7 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     train_set, eval_set = prepare_datasets(tokenizer, config, engine)
     train_loader = build_loader(train_set, tokenizer, config.per_device_train_batch_size, engine, config, True)
     eval_loader = build_loader(eval_set, tokenizer, config.per_device_eval_batch_size, engine, config, False)
-    loop = loop_settings(config, len(train_loader), eval_loader is not None)
+    loop = loop_settings(config, train_micro_batches(train_loader, config), eval_loader is not None)
     model = engine.build_model(model_source(*model_config(config)))
     engine.prepare(
         model,
@@ -58,13 +65,8 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     state = start_state(engine, config, output_dir)
     hooks = RunHooks(engine, config, output_dir, loop.total_steps, eval_loader, state.global_step,
                      stop or StopRequest())
-
-    def epoch_batches(epoch: int):
-        train_loader.sampler.set_epoch(epoch)
-        return train_loader
-
     hooks.meter.start()
-    state = run_loop(engine, epoch_batches, loop, state, hooks)
+    state = run_loop(engine, epoch_batches_for(train_loader), loop, state, hooks)
     if state.interrupted:
         hooks.reporter.close()
         engine.close()
