@@ -205,3 +205,18 @@ def test_streaming_without_max_steps_is_refused_before_work(folder, tmp_path) ->
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1 and "streaming (true) needs max_steps" in lines[0], lines
     assert not (tmp_path / "model").exists() and not (tmp_path / "out").exists()
+
+
+def test_the_loop_reads_the_stream_again_and_fails_on_an_empty_share(folder, tokenizer) -> None:
+    from torch.utils.data import DataLoader
+
+    from shardtune.data import DataCollator
+    from shardtune.train.setup import stream_passes
+
+    stream, _ = build_streams(tokenizer, settings(folder, "qa", max_samples=3))
+    batches = stream_passes(DataLoader(stream, batch_size=2, collate_fn=DataCollator(tokenizer.pad_token_id)))
+    sizes = [len(next(batches)["input_ids"]) for _ in range(6)]
+    assert sizes == [2, 1] * 3  # 3 samples per pass, passes follow each other
+    empty, _ = build_streams(tokenizer, settings(folder, "qa", cutoff_len=3))  # no prompt fits
+    with pytest.raises(DataError, match="share of the data holds no trainable sample"):
+        next(stream_passes(DataLoader(empty, batch_size=2, collate_fn=DataCollator(tokenizer.pad_token_id))))
