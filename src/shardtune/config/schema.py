@@ -155,6 +155,10 @@ class TrainConfig:
     neat_packing: bool = _key(False, "pack sft samples without attention between them (turns packing on; shardtune's "
                               "sft packing is always neat)", DATA)
     preprocessing_batch_size: int = _key(1000, "records per batch of the preprocessing map calls", DATA, minimum=1)
+    streaming: bool = _key(False, "read, shuffle and tokenise the data on the fly instead of up front (needs "
+                           "max_steps; val_size must be a count)", DATA)
+    buffer_size: int = _key(16384, "streaming: records in the shuffle buffer (1 keeps the file order)", DATA,
+                            minimum=1)
     tokenized_path: str | None = _key(
         None, "folder for the tokenised datasets: built by one rank once, then loaded by later runs and ranks", DATA)
 
@@ -265,6 +269,6 @@ UNSUPPORTED_KEYS = frozenset(
     restore_callback_states_from_checkpoint save_on_each_node skip_memory_metrics split_batches torch_compile
     torch_compile_backend torch_compile_mode torch_empty_cache_steps torchdynamo tpu_metrics_debug tpu_num_cores
     use_cpu use_ipex use_legacy_prediction_loop use_liger_kernel use_mps_device do_predict enable_liger_kernel
-    use_unsloth streaming buffer_size shift_attn upcast_layernorm
+    use_unsloth shift_attn upcast_layernorm
     """.split()
 )

@@ -61,6 +61,28 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
     problems += _lora_target_problems(c)
     problems += model_key_problems(c)
     problems += _adapter_problems(c)
+    problems += streaming_key_problems(c)
+    return problems
+
+
+def streaming_key_problems(c: TrainConfig) -> list[str]:
+    """Training keys that need the data's length, which a stream does not know (val_size: data.checks)."""
+    if not c.streaming:
+        return []
+    problems = []
+    if c.max_steps <= 0:
+        problems.append(f"streaming (true) needs max_steps > 0 (got {c.max_steps}): a stream has no length, so "
+                        f"num_train_epochs ({c.num_train_epochs}) cannot be turned into steps; set max_steps")
+    if c.group_by_length:
+        problems.append("group_by_length (true) with streaming (true): grouping needs every sample's length up "
+                        "front; unset group_by_length (or streaming)")
+    if c.tokenized_path:
+        problems.append(f"tokenized_path ({c.tokenized_path}) with streaming (true): a stream is tokenised on the "
+                        "fly and never saved; unset one")
+    for key, value in (("save_strategy", c.save_strategy), ("eval_strategy", c.eval_strategy)):
+        if value == "epoch":
+            problems.append(f"{key} (epoch) with streaming (true): a stream's epoch has no known number of steps; "
+                            f"use {key}: steps")
     return problems
 
 

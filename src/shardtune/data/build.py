@@ -22,7 +22,7 @@ from shardtune.data.packing import pack_dataset
 from shardtune.data.processing import SftOptions, tokenize_pt, tokenize_sft
 from shardtune.data.registry import resolve_entries
 from shardtune.data.settings import MIX_STRATEGIES, DataSettings, dataset_names
-from shardtune.data.templates import get_template, missing_special_tokens
+from shardtune.data.templates import Template, get_template, missing_special_tokens
 from shardtune.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -98,6 +98,12 @@ def tokenize(records: Dataset, tokenizer: Any, settings: DataSettings) -> Datase
     workers, batch_size = settings.preprocessing_num_workers, settings.preprocessing_batch_size
     if settings.stage == "pt":
         return tokenize_pt(records, tokenizer, settings.cutoff_len, settings.packing, workers, batch_size)
+    return tokenize_sft(records, tokenizer, prepared_template(tokenizer, settings), sft_options(settings), workers,
+                        batch_size)
+
+
+def prepared_template(tokenizer: Any, settings: DataSettings) -> Template:
+    """The sft template, checked against the tokenizer (a warning for special tokens it would split)."""
     template = get_template(settings.template, settings.default_system, settings.enable_thinking,
                             settings.tool_format)
     template.validate(tokenizer)
@@ -105,8 +111,11 @@ def tokenize(records: Dataset, tokenizer: Any, settings: DataSettings) -> Datase
     if missing:
         logger.warning("template '%s' uses %s, which the tokenizer does not know; they will be split into "
                        "several ordinary tokens", template.name, ", ".join(missing))
-    options = SftOptions(settings.cutoff_len, settings.train_on_prompt, settings.mask_history)
-    return tokenize_sft(records, tokenizer, template, options, workers, batch_size)
+    return template
+
+
+def sft_options(settings: DataSettings) -> SftOptions:
+    return SftOptions(settings.cutoff_len, settings.train_on_prompt, settings.mask_history)
 
 
 def split_eval(dataset: Dataset, val_size: float, seed: int) -> tuple[Dataset, Dataset | None]:

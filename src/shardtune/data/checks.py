@@ -30,6 +30,10 @@ def check_data_settings(settings: DataSettings) -> list[str]:
     problems += entry_problems
     for entry in entries:
         problems += entry_stage_problems(entry, settings.stage)
+        if settings.streaming and entry.num_samples is not None:
+            problems.append(f"dataset '{entry.name}' sets num_samples ({entry.num_samples}) in dataset_info.json, "
+                            "which streaming (true) cannot draw (it needs the dataset's length up front); remove "
+                            "num_samples from the entry or set streaming: false")
     return problems
 
 
@@ -63,7 +67,21 @@ def setting_problems(settings: DataSettings) -> list[str]:
     if settings.neat_packing and settings.stage == "pt":
         problems.append("neat_packing (true) with stage pt: pt packing cuts one stream of texts into blocks, so "
                         "texts are not kept apart; unset neat_packing (or use stage sft)")
-    return problems + mix_problems(settings)
+    return problems + mix_problems(settings) + streaming_problems(settings)
+
+
+def streaming_problems(settings: DataSettings) -> list[str]:
+    """What a stream cannot do: it has no length until it has been read to the end."""
+    if not settings.streaming:
+        return []
+    problems = []
+    if 0 < settings.val_size < 1:
+        problems.append(f"val_size ({settings.val_size}) is a fraction, but with streaming (true) the number of "
+                        "samples is unknown; give a whole number of samples to hold out (e.g. val_size: 100), or "
+                        "eval_dataset")
+    if settings.buffer_size < 1:
+        problems.append(f"buffer_size ({settings.buffer_size}) must be at least 1 (1 keeps the files' order)")
+    return problems
 
 
 def mix_problems(settings: DataSettings) -> list[str]:

@@ -24,6 +24,8 @@ class DataSettings:
     ``packing`` puts several whole samples into one row of at most ``cutoff_len`` tokens (sft), each seeing
     only itself (what LLaMA-Factory calls ``neat_packing``), or concatenates texts into ``cutoff_len``
     blocks (pt). ``mask_history``: only the last turn's answer is trained; earlier turns are context.
+    ``streaming`` reads the files lazily, shuffles through a buffer of ``buffer_size`` records and tokenises on
+    the fly (``data.streaming``); ``val_size`` must then be a count.
     """
 
     dataset: tuple[str, ...]
@@ -47,6 +49,8 @@ class DataSettings:
     mask_history: bool = False
     neat_packing: bool = False
     preprocessing_batch_size: int = 1000
+    streaming: bool = False
+    buffer_size: int = 16384
 
 
 def dataset_names(settings: DataSettings) -> list[str]:

@@ -33,6 +33,8 @@ def data_settings(c: TrainConfig) -> DataSettings:
         mask_history=c.mask_history,
         neat_packing=c.neat_packing,
         preprocessing_batch_size=c.preprocessing_batch_size,
+        streaming=c.streaming,
+        buffer_size=c.buffer_size,
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,11 @@ def prepare_datasets(tokenizer: Any, c: TrainConfig, engine: Engine) -> tuple[An
 
     if c.tokenized_path:
         return prepare_tokenized(tokenizer, c, engine)
+    if c.streaming:
+        from shardtune.data.streaming import build_streams
+
+        # Nothing is cached on disk, so every rank opens its own share at once.
+        return build_streams(tokenizer, data_settings(c), engine.rank, engine.world_size)
     # Rank 0 tokenises first and fills the datasets cache; the other ranks then read it.
     if not engine.is_main:
         engine.barrier()
@@ -104,9 +111,12 @@ def build_loader(dataset: Any, tokenizer: Any, batch_size: int, engine: Engine, 
         return None
     from shardtune.data import DataCollator
 
+    collator = DataCollator(tokenizer.pad_token_id, attn_implementation=c.attn_implementation)
+    if is_stream(dataset):  # already this rank's share, shuffled by its buffer
+        return DataLoader(dataset, batch_size=batch_size, collate_fn=collator,
+                          **loader_options(c, torch.cuda.is_available()))
     sampler = make_sampler(dataset, batch_size, engine, c, shuffle)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler,
-                      collate_fn=DataCollator(tokenizer.pad_token_id, attn_implementation=c.attn_implementation),
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collator,
                       **loader_options(c, torch.cuda.is_available()))
 
 
@@ -117,6 +127,49 @@ def loader_options(c: TrainConfig, has_cuda: bool) -> dict[str, Any]:
             "pin_memory": c.dataloader_pin_memory and has_cuda,
             "drop_last": c.dataloader_drop_last,
             "persistent_workers": c.dataloader_persistent_workers}
+
+
+def is_stream(dataset: Any) -> bool:
+    return isinstance(dataset, torch.utils.data.IterableDataset)
+
+
+def train_micro_batches(loader: DataLoader, c: TrainConfig) -> int:
+    """Micro-batches per epoch; a stream has no length, so its run of max_steps counts as one epoch."""
+    if is_stream(loader.dataset):
+        return c.max_steps * c.gradient_accumulation_steps
+    return len(loader)
+
+
+def epoch_batches_for(loader: DataLoader) -> Callable[[int], Iterable[Any]]:
+    """The loop's batches of epoch ``n``: the sampler reshuffled for that epoch, or for a stream, the stream read
+    again and again (each pass reshuffled by ``set_epoch``) until the loop has its steps.
+
+    Resuming skips the windows already trained by reading them again: the buffer shuffle and the tokenisation
+    depend only on the seed and the pass number, so the same samples come back in the same order.
+    """
+    if is_stream(loader.dataset):
+        return lambda _epoch: stream_passes(loader)
+
+    def for_epoch(epoch: int) -> DataLoader:
+        loader.sampler.set_epoch(epoch)
+        return loader
+
+    return for_epoch
+
+
+def stream_passes(loader: DataLoader) -> Iterator[Any]:
+    from shardtune.errors import DataError
+
+    for number in itertools.count():
+        loader.dataset.set_epoch(number)
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            raise DataError("streaming: this rank's share of the data holds no trainable sample (too few records "
+                            "for the number of processes, empty texts, or prompts longer than cutoff_len); add "
+                            "records, use fewer processes or raise cutoff_len")
 
 
 def make_sampler(dataset: Any, batch_size: int, engine: Engine, c: TrainConfig, shuffle: bool) -> DistributedSampler:

@@ -24,7 +24,15 @@ from shardtune.train.optim import build_optimizer, build_scheduler, parameter_na
 from shardtune.train.pissa import PissaConversion
 from shardtune.train.reporting import LOG_FILE, Reporter, plot_loss
 from shardtune.train.settings import finetuning_settings, optimizer_settings
-from shardtune.train.setup import build_loader, model_source, prepare_datasets, prepare_model_dir
+from shardtune.train.setup import (
+    build_loader,
+    epoch_batches_for,
+    is_stream,
+    model_source,
+    prepare_datasets,
+    prepare_model_dir,
+    train_micro_batches,
+)
 from shardtune.train.throughput import ThroughputMeter
 
 RESULTS_FILE = "train_results.json"
@@ -50,11 +58,11 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     train_set, eval_set = prepare_datasets(tokenizer, config, engine)
     train_loader = build_loader(train_set, tokenizer, config.per_device_train_batch_size, engine, config, True)
     eval_loader = build_loader(eval_set, tokenizer, config.per_device_eval_batch_size, engine, config, False)
-    if config.dataloader_drop_last and len(train_loader) == 0:
+    if config.dataloader_drop_last and not is_stream(train_set) and len(train_loader) == 0:
         raise ConfigError(f"dataloader_drop_last (true): each rank has fewer than per_device_train_batch_size "
                           f"({config.per_device_train_batch_size}) samples, so no batch is left; turn it off or "
                           "use more data")
-    loop = loop_settings(config, len(train_loader), eval_loader is not None)
+    loop = loop_settings(config, train_micro_batches(train_loader, config), eval_loader is not None)
     model = engine.build_model(model_source(*model_config(config), tokenizer_size=len(tokenizer)))
     # Before the engine touches the weights (ZeRO casts them to bf16): the adapter exactly as initialised.
     pissa = PissaConversion.start(model, output_dir, engine.is_main) if config.pissa_convert else None
@@ -70,13 +78,8 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     state = start_state(engine, config, output_dir)
     hooks = RunHooks(engine, config, output_dir, loop.total_steps, eval_loader, state.global_step,
                      stop or StopRequest())
-
-    def epoch_batches(epoch: int):
-        train_loader.sampler.set_epoch(epoch)
-        return train_loader
-
     hooks.meter.start()
-    state = run_loop(engine, epoch_batches, loop, state, hooks)
+    state = run_loop(engine, epoch_batches_for(train_loader), loop, state, hooks)
     if state.interrupted:
         hooks.reporter.close()
         engine.close()
