@@ -41,8 +41,9 @@ class Template:
     role of its own). ``final_suffix`` follows only the last answer (e.g. Phi-3 closes with eos);
     ``last_assistant_format``, when set, replaces ``assistant_format`` for the last answer (gpt-oss ends
     it with ``<|return|>`` instead of ``<|end|>``).
-    ``thinking`` applies Qwen3's reasoning rules: ``<think>`` blocks are kept only after the last user
-    query, and the final answer always carries one (empty when the data has none).
+    ``tool_style`` writes tool definitions, calls and results (see ``tools``); ``no_tools_reason`` says
+    why a template has none. ``thinking`` applies Qwen3's reasoning rules: ``<think>`` blocks are kept
+    only after the last user query, and the final answer always carries one (empty when the data has none).
     """
 
     name: str
@@ -57,6 +58,7 @@ class Template:
     final_suffix: str = ""
     last_assistant_format: str = ""
     tool_style: ToolStyle | None = None
+    no_tools_reason: str = ""  # why there is no tool_style, shown when data with tools is refused
     thinking: bool = False
     enable_thinking: bool = True
 
@@ -72,13 +74,10 @@ class Template:
         turns = []
         for k, (ask, answer) in enumerate(pairs):
             head = self.render_head(system, tool_list, specials) if k == 0 else ""
-            prompt = head + self.render_ask(ask, system, k, pairs, specials)
-            think, content = self.split_thinking(answer, k >= last_query, k == len(pairs) - 1)
-            is_last = k == len(pairs) - 1
-            answer_format = self.last_assistant_format if is_last and self.last_assistant_format else \
-                self.assistant_format
-            response = fill(answer_format, content, specials)
-            if is_last:
+            prompt = head + self.render_ask(ask, system, k, pairs, tool_list, specials)
+            think, content = self.split_thinking(answer, k, k >= last_query, k == len(pairs) - 1)
+            response = fill(self.answer_format(answer, k == len(pairs) - 1), content, specials)
+            if k == len(pairs) - 1:
                 response += fill(self.final_suffix, "", specials)
             if think and not self.enable_thinking:
                 prompt += think  # the no-think generation prompt already holds the empty block
@@ -87,28 +86,41 @@ class Template:
             turns.append((prompt, response))
         return turns
 
+    def answer_format(self, answer: Message, is_last: bool) -> str:
+        if answer["role"] == "function" and self.tool_style is not None and self.tool_style.call_format is not None:
+            return self.tool_style.call_format
+        return self.last_assistant_format if is_last and self.last_assistant_format else self.assistant_format
+
     def render_head(self, system: str, tools: list[dict[str, Any]], specials: dict[str, str]) -> str:
         head = fill(self.prefix, "", specials)
-        if tools:
-            assert self.tool_style is not None, "require_tool_support runs first"
-            return head + self.tool_style.system_block(system, tools)
+        block = self.tool_style.system_block(system, tools) if tools and self.tool_style is not None else None
+        if block is not None:
+            return head + block
         if system and self.system_placement == "block":
             head += fill(self.system_format, system, specials)
         return head
 
     def render_ask(self, ask: Message, system: str, index: int, pairs: list[tuple[Message, Message]],
-                   specials: dict[str, str]) -> str:
+                   tools: list[dict[str, Any]], specials: dict[str, str]) -> str:
         if ask["role"] == "observation":
             assert self.tool_style is not None, "require_tool_support runs first"
-            return fill(self.tool_style.observation_format, ask["content"], specials)
+            previous = pairs[index - 1][1] if index > 0 else None
+            call_count = len(parse_tool_calls(previous["content"])) if previous and previous["role"] == "function" \
+                else 0
+            return fill(self.tool_style.result(ask["content"], index, call_count), "", specials)
         content = ask["content"].strip() if self.strip_content else ask["content"]
         user_indices = [k for k, (message, _) in enumerate(pairs) if message["role"] == "user"]
         target = user_indices[0] if self.system_placement == "first_user" else user_indices[-1]
         if system and self.system_placement != "block" and index == target:
             content = fill(self.system_format, system, specials) + content
-        return fill(self.user_format, content, specials)
+        before = ""
+        if tools and self.tool_style is not None:
+            is_first, is_last = index == user_indices[0], index == user_indices[-1]
+            content = self.tool_style.user_content(content, tools, is_first, is_last)
+            before = self.tool_style.before_user(tools, is_first, is_last)
+        return before + fill(self.user_format, content, specials)
 
-    def split_thinking(self, answer: Message, after_query: bool, is_last: bool) -> tuple[str, str]:
+    def split_thinking(self, answer: Message, turn: int, after_query: bool, is_last: bool) -> tuple[str, str]:
         """(think block, answer text) for one answer; the think block is empty unless ``thinking``.
 
         As Qwen3's template: reasoning before the last user query is dropped; after it, an answer shows
@@ -116,7 +128,7 @@ class Template:
         """
         if answer["role"] == "function":
             assert self.tool_style is not None, "require_tool_support runs first"
-            content = self.tool_style.calls(parse_tool_calls(answer["content"]))
+            content = self.tool_style.calls(parse_tool_calls(answer["content"]), turn)
         else:
             content = answer["content"].strip() if self.strip_content else answer["content"]
         if not self.thinking:
@@ -135,9 +147,10 @@ class Template:
         uses_tools = bool(tools) or any(ask["role"] == "observation" or answer["role"] == "function"
                                         for ask, answer in pairs)
         if uses_tools and self.tool_style is None:
-            raise DataError(f"template '{self.name}' has no tool-call format in shardtune, but the data has "
-                            "tools, tool calls or tool results; use a template with tools (qwen, qwen3, "
-                            "qwen3_nothink) or drop the tool columns")
+            reason = self.no_tools_reason or "its official chat template defines no tool calling"
+            raise DataError(f"template '{self.name}' has no tool-call format ({reason}), but the data has tools, "
+                            "tool calls or tool results; use a template with tools (qwen, qwen3, qwen3_nothink, "
+                            "llama3, mistral, glm4), set tool_format, or drop the tool columns")
 
     def with_options(self, default_system: str | None = None, enable_thinking: bool = True,
                      tool_style: ToolStyle | None = None) -> Template:

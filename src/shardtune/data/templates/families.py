@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from shardtune.data.templates.auto import TokenizerChatTemplate
 from shardtune.data.templates.base import Template
-from shardtune.data.templates.tools import QWEN_TOOLS
+from shardtune.data.templates.tools import GLM4_TOOLS, LLAMA3_TOOLS, MISTRAL_TOOLS, QWEN_TOOLS
 
 _CHATML: dict[str, str] = {
     "system_format": "<|im_start|>system\n{content}<|im_end|>\n",
@@ -80,10 +80,12 @@ TEMPLATES: dict[str, Template] = {
         strip_content=True,
     ),
     # Meta-Llama-3-Instruct: every content is trimmed (LLaMA-Factory does not trim). Llama 3.1+ official
-    # templates also add a "Cutting Knowledge Date" system block; LLaMA-Factory and this one do not.
-    "llama3": Template(name="llama3", prefix="{bos}", strip_content=True,
+    # templates also add a "Cutting Knowledge Date" system block; LLaMA-Factory and this one do not, except
+    # in a conversation with tool definitions, which is written in the Llama 3.1 tool layout (tools.py).
+    "llama3": Template(name="llama3", prefix="{bos}", strip_content=True, tool_style=LLAMA3_TOOLS,
                        **_llama3_turns(_LLAMA3_HEADER, "<|eot_id|>")),
-    "llama4": Template(name="llama4", prefix="{bos}", **_llama3_turns(_LLAMA4_HEADER, "<|eot|>")),
+    "llama4": Template(name="llama4", prefix="{bos}", **_llama3_turns(_LLAMA4_HEADER, "<|eot|>"),
+                       no_tools_reason="Llama 4's tool layout is not implemented in shardtune"),
     # Mistral-7B-Instruct-v0.3: the system prompt goes into the LAST user message (LLaMA-Factory: first).
     "mistral": Template(
         name="mistral",
@@ -92,6 +94,7 @@ TEMPLATES: dict[str, Template] = {
         system_placement="last_user",
         user_format="[INST] {content}[/INST]",
         assistant_format=" {content}{eos}",
+        tool_style=MISTRAL_TOOLS,
     ),
     # Qwen2.5-Instruct.
     "qwen": Template(name="qwen", default_system="You are Qwen, created by Alibaba Cloud. You are a helpful "
@@ -137,6 +140,8 @@ TEMPLATES: dict[str, Template] = {
         user_format="<｜User｜>{content}<｜Assistant｜>",
         assistant_format="{content}<｜end▁of▁sentence｜>",
         stop_word="<｜end▁of▁sentence｜>",
+        no_tools_reason="DeepSeek-V3's official template writes no tool definitions and leaves a single call "
+        "without its closing <｜tool▁calls▁end｜>",
     ),
     # GLM-4-chat: no end-of-turn token after answers (the next "<|user|>" stops generation); the final
     # answer gets eos so that training teaches stopping, as LLaMA-Factory's efficient_eos does.
@@ -148,6 +153,7 @@ TEMPLATES: dict[str, Template] = {
         assistant_format="\n{content}",
         final_suffix="{eos}",
         stop_word="<|user|>",
+        tool_style=GLM4_TOOLS,
     ),
     # Yi-1.5-chat: the system text is written as is, before the first turn (no chatml block).
     "yi": Template(name="yi", **{**_CHATML, "system_format": "{content}"}),
@@ -180,6 +186,8 @@ TEMPLATES: dict[str, Template] = {
         assistant_format="<|channel|>final<|message|>{content}<|end|>",
         last_assistant_format="<|channel|>final<|message|>{content}<|return|>",
         stop_word="<|return|>",
+        no_tools_reason="gpt-oss's tool layout (a TypeScript namespace in the developer message, commentary-"
+        "channel calls) is not implemented in shardtune",
     ),
     "auto": TokenizerChatTemplate(),
 }

@@ -1,9 +1,13 @@
-"""Tool definitions and tool calls as the official chat templates write them.
+"""Tool definitions, tool calls and tool results as the families' official chat templates write them.
 
 The dataset's ``tools`` column is a JSON string: a list of function definitions
 (``{"name", "description", "parameters"}``, or OpenAI's ``{"type": "function", "function": ...}``).
 A tool-call answer is the JSON ``{"name", "arguments"}`` or a list of them (LLaMA-Factory's shape).
 JSON is written as jinja's ``tojson`` in transformers writes it: ``json.dumps`` with non-ASCII kept.
+
+Each ``ToolStyle`` names LLaMA-Factory's ``tool_format`` and writes its family's own turn markers, so
+it belongs with a template of the same layout (``qwen`` with chatml templates, ``llama3`` with llama3,
+``mistral`` with mistral, ``glm4`` with glm4).
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from typing import Any
 
 from shardtune.errors import DataError
 
+ToolList = list[dict[str, Any]]
+Call = dict[str, Any]
+
 QWEN_TOOLS_INTRO = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
@@ -23,14 +30,22 @@ QWEN_TOOLS_OUTRO = (
     '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
     "<args-json-object>}\n</tool_call>"
 )
+# The official Llama 3.1 template's default date_string: a training text cannot follow the clock.
+LLAMA3_DATE = "26 Jul 2024"
+LLAMA3_HEADER = "<|start_header_id|>{role}<|end_header_id|>\n\n"
+LLAMA3_CALL_RULE = ('Respond in the format {"name": function name, "parameters": dictionary of argument name and its '
+                    'value}.Do not use variables.\n\n')
+GLM4_TOOLS_INTRO = ("<|system|>\n你是一个名为 ChatGLM 的人工智能助手。你是基于智谱AI训练的语言模型 GLM-4 模型开发的，"
+                    "你的任务是针对用户的问题和要求提供适当的答复和支持。\n\n# 可用工具")
+GLM4_CALL_RULE = "\n在调用上述函数时，请使用 Json 格式表示调用的参数。"
 
 
-def to_json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
+def to_json(value: Any, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
-def parse_tools(text: str) -> list[dict[str, Any]]:
-    """The function definitions in a ``tools`` string ("" or "[]" means none)."""
+def parse_tools(text: str) -> ToolList:
+    """The function definitions in a ``tools`` string ("" or "[]" means none), in OpenAI's wrapped shape."""
     if not text or not text.strip():
         return []
     try:
@@ -43,7 +58,7 @@ def parse_tools(text: str) -> list[dict[str, Any]]:
     return [tool if tool.get("type") == "function" else {"type": "function", "function": tool} for tool in tools]
 
 
-def parse_tool_calls(text: str) -> list[dict[str, Any]]:
+def parse_tool_calls(text: str) -> list[Call]:
     """The calls in a tool-call message: ``{"name", "arguments"}`` objects (arguments may be a JSON string)."""
     try:
         calls = json.loads(text)
@@ -57,23 +72,66 @@ def parse_tool_calls(text: str) -> list[dict[str, Any]]:
     return calls
 
 
+def arguments_object(call: Call) -> Any:
+    """A call's arguments as an object: the official templates serialise them with ``tojson`` themselves."""
+    arguments = call["arguments"]
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        raise DataError(f"tool call '{call['name']}': arguments must be a JSON object, got {arguments!r}") from None
+
+
+def single_call(calls: list[Call], family: str) -> Call:
+    if len(calls) != 1:
+        raise DataError(f"the official {family} chat template writes one tool call per assistant turn, but a turn "
+                        f"has {len(calls)}; split parallel calls into separate call/result turns")
+    return calls[0]
+
+
 @dataclass(frozen=True)
 class ToolStyle:
-    """How one family writes the tool list (inside the system turn) and the assistant's tool calls."""
+    """How one family writes tool definitions, the assistant's tool calls and the tool results.
+
+    ``call_format``, when set, replaces the template's answer format for a tool-call turn (Mistral's
+    calls have no leading space, GLM-4's have no newline before the function name).
+    """
 
     name: str
-    system_open: str
-    system_close: str
-    observation_format: str  # a tool result, ending with the assistant header
+    call_format: str | None = None
 
-    def system_block(self, system: str, tools: list[dict[str, Any]]) -> str:
-        """The system turn that carries ``system`` (already defaulted by the template) and the tool list."""
+    def system_block(self, system: str, tools: ToolList) -> str | None:
+        """The system turn carrying the tool list, or None where the tools go into a user turn."""
+        return None
+
+    def user_content(self, content: str, tools: ToolList, is_first: bool, is_last: bool) -> str:
+        """A user message's text, with the tool list where the family writes it inside the message."""
+        return content
+
+    def before_user(self, tools: ToolList, is_first: bool, is_last: bool) -> str:
+        """Text before a user turn (Mistral writes the tool list just before the last one)."""
+        return ""
+
+    def calls(self, calls: list[Call], turn: int) -> str:
+        """Tool calls as answer text (``turn``: the index of the ask/answer pair)."""
+        raise NotImplementedError
+
+    def result(self, content: str, turn: int, call_count: int) -> str:
+        """A tool result as prompt text, ending with the assistant header (``call_count``: calls it answers)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class QwenTools(ToolStyle):
+    """Qwen2.5 and Qwen3 (Hermes-style): tools in the system turn, results as a user turn in <tool_response>."""
+
+    def system_block(self, system: str, tools: ToolList) -> str:
         listed = "".join("\n" + to_json(tool) for tool in tools)
         lead = system + "\n\n" if system else ""
-        return f"{self.system_open}{lead}{QWEN_TOOLS_INTRO}{listed}{QWEN_TOOLS_OUTRO}{self.system_close}"
+        return f"<|im_start|>system\n{lead}{QWEN_TOOLS_INTRO}{listed}{QWEN_TOOLS_OUTRO}<|im_end|>\n"
 
-    def calls(self, calls: list[dict[str, Any]]) -> str:
-        """Tool calls as answer text, one ``<tool_call>`` block per call, newline separated."""
+    def calls(self, calls: list[Call], turn: int) -> str:
         blocks = []
         for call in calls:
             arguments = call["arguments"]
@@ -81,10 +139,108 @@ class ToolStyle:
             blocks.append(f'<tool_call>\n{{"name": "{call["name"]}", "arguments": {written}}}\n</tool_call>')
         return "\n".join(blocks)
 
+    def result(self, content: str, turn: int, call_count: int) -> str:
+        return f"<|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 
-# Qwen2.5 and Qwen3 (Hermes-style calls): results go back as a user turn wrapped in <tool_response>.
-QWEN_TOOLS = ToolStyle(
-    "qwen", "<|im_start|>system\n", "<|im_end|>\n",
-    "<|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
-)
-TOOL_FORMATS = {"qwen": QWEN_TOOLS}
+
+@dataclass(frozen=True)
+class Llama3Tools(ToolStyle):
+    """Llama 3.1+ (meta-llama/Llama-3.1-8B-Instruct): an "Environment: ipython" system block with the
+    knowledge/today dates, the tool list in the first user message, calls as JSON with "parameters",
+    results as the ipython role. The official template serialises a string result with ``tojson`` (a
+    jinja string is iterable), so results are written as JSON strings.
+    """
+
+    def system_block(self, system: str, tools: ToolList) -> str:
+        return (LLAMA3_HEADER.format(role="system") + "Environment: ipython\nCutting Knowledge Date: December 2023\n"
+                f"Today Date: {LLAMA3_DATE}\n\n{system.strip()}<|eot_id|>")
+
+    def user_content(self, content: str, tools: ToolList, is_first: bool, is_last: bool) -> str:
+        if not is_first:
+            return content
+        listed = "".join(to_json(tool, indent=4) + "\n\n" for tool in tools)
+        return ("Given the following functions, please respond with a JSON for a function call with its proper "
+                f"arguments that best answers the given prompt.\n\n{LLAMA3_CALL_RULE}{listed}{content}")
+
+    def calls(self, calls: list[Call], turn: int) -> str:
+        call = single_call(calls, "Llama 3.1")
+        return f'{{"name": "{call["name"]}", "parameters": {to_json(arguments_object(call))}}}'
+
+    def result(self, content: str, turn: int, call_count: int) -> str:
+        return (LLAMA3_HEADER.format(role="ipython") + to_json(content) + "<|eot_id|>"
+                + LLAMA3_HEADER.format(role="assistant"))
+
+
+def mistral_call_id(turn: int, index: int) -> str:
+    """The official v0.3 template requires 9-character alphanumeric call ids; LLaMA-Factory data has none,
+    so they are derived from the turn (ask/answer pair index) and the call's place in it: deterministic,
+    and each result names the call it answers.
+    """
+    return f"{turn:06d}{index:03d}"
+
+
+@dataclass(frozen=True)
+class MistralTools(ToolStyle):
+    """Mistral-7B-Instruct-v0.3: [AVAILABLE_TOOLS] before the last user message, [TOOL_CALLS] with call
+    ids and eos, [TOOL_RESULTS] echoing the id. A turn with several calls takes its results as a JSON list,
+    one per call, written as one [TOOL_RESULTS] block each.
+    """
+
+    def before_user(self, tools: ToolList, is_first: bool, is_last: bool) -> str:
+        if not is_last:
+            return ""
+        return "[AVAILABLE_TOOLS] [" + ", ".join(self.tool_text(tool["function"]) for tool in tools) + \
+            "][/AVAILABLE_TOOLS]"
+
+    @staticmethod
+    def tool_text(function: dict[str, Any]) -> str:
+        # The official template writes string values unescaped and everything else with tojson.
+        fields = [f'"{key}": "{value}"' if isinstance(value, str) else f'"{key}": {to_json(value)}'
+                  for key, value in function.items() if key != "return"]
+        return '{"type": "function", "function": {' + ", ".join(fields) + "}}"
+
+    def calls(self, calls: list[Call], turn: int) -> str:
+        written = [to_json({"name": call["name"], "arguments": arguments_object(call)})[:-1]
+                   + f', "id": "{mistral_call_id(turn, index)}"}}' for index, call in enumerate(calls)]
+        return "[TOOL_CALLS] [" + ", ".join(written) + "]"
+
+    def result(self, content: str, turn: int, call_count: int) -> str:
+        contents = [content]
+        if call_count > 1:
+            contents = json.loads(content) if content.lstrip().startswith("[") else []
+            if len(contents) != call_count:
+                raise DataError(f"a Mistral tool-call turn with {call_count} calls needs its results as a JSON list "
+                                f"of {call_count} items (one per call), got {content!r}")
+        blocks = [f'[TOOL_RESULTS] {{"content": {text if isinstance(text, str) else to_json(text)}, '
+                  f'"call_id": "{mistral_call_id(turn - 1, index)}"}}[/TOOL_RESULTS]'
+                  for index, text in enumerate(contents)]
+        return "".join(blocks)
+
+
+@dataclass(frozen=True)
+class Glm4Tools(ToolStyle):
+    """GLM-4-9B-chat: a Chinese system block listing each function (its definition indented by 4), the
+    system prompt as a second system turn, a call as "<|assistant|>name\\n{arguments}", a result as
+    the observation role. The text is the official jinja as transformers renders it (trim_blocks eats
+    one of the two newlines before each "## name"; GLM's remote-code tokenizer and LLaMA-Factory keep both).
+    """
+
+    def system_block(self, system: str, tools: ToolList) -> str:
+        listed = "".join(f"\n## {tool['function']['name']}\n\n{to_json(tool['function'], indent=4)}{GLM4_CALL_RULE}"
+                         for tool in tools)
+        return GLM4_TOOLS_INTRO + listed + (f"<|system|>\n{system}" if system else "")
+
+    def calls(self, calls: list[Call], turn: int) -> str:
+        call = single_call(calls, "GLM-4")
+        return f"{call['name']}\n{to_json(arguments_object(call))}"
+
+    def result(self, content: str, turn: int, call_count: int) -> str:
+        return f"<|observation|>\n{content}<|assistant|>"
+
+
+QWEN_TOOLS = QwenTools("qwen")
+LLAMA3_TOOLS = Llama3Tools("llama3")
+MISTRAL_TOOLS = MistralTools("mistral", call_format="{content}{eos}")
+GLM4_TOOLS = Glm4Tools("glm4", call_format="{content}")
+TOOL_FORMATS: dict[str, ToolStyle] = {style.name: style for style in
+                                      (QWEN_TOOLS, LLAMA3_TOOLS, MISTRAL_TOOLS, GLM4_TOOLS)}
