@@ -30,6 +30,7 @@ TOOLS = [{"name": "add", "description": "Add two numbers", "parameters": {
 CALL = {"name": "add", "arguments": {"a": 3, "b": 3}}
 TOOL_CHAT = [{"role": "user", "content": Q2}, {"role": "function", "content": json.dumps(CALL)},
              {"role": "observation", "content": "6"}, {"role": "assistant", "content": A2}]
+TOOL_MULTI = MULTI[:2] + TOOL_CHAT  # a plain turn, then a tool call, its result and the answer
 GPT_OSS_DATE = "2025-08-05"
 # (template, fixture, how the official template takes a system prompt: "text", "parts" (a list of text parts),
 # or None when it rejects one). Sources of the fixtures: fixtures/chat_templates/README.md.
@@ -111,15 +112,29 @@ def test_every_prompt_piece_is_the_official_generation_prompt(tokenizer: Any, na
         assert prompt_text == official(fixture, MULTI[: 2 * k + 1], tokenizer, add_generation_prompt=True)
 
 
-def openai_messages(chat: list[dict[str, str]]) -> list[dict[str, Any]]:
-    """LLaMA-Factory's function/observation roles as the official templates take them."""
+def openai_messages(chat: list[dict[str, str]], call_ids: list[str] | None = None) -> list[dict[str, Any]]:
+    """LLaMA-Factory's function/observation roles as the official templates take them.
+
+    ``call_ids`` are given to the calls in order (Mistral requires them); a result that follows several
+    calls is a JSON list, one tool message per call.
+    """
+    ids = iter(call_ids or [])
     converted: list[dict[str, Any]] = []
+    pending: list[str] = []
     for message in chat:
         if message["role"] == "function":
-            calls = [{"type": "function", "function": call} for call in [json.loads(message["content"])]]
+            listed = json.loads(message["content"])
+            calls = [{"type": "function", "function": call} for call in (listed if isinstance(listed, list)
+                                                                         else [listed])]
+            if call_ids is not None:
+                for call in calls:
+                    call["id"] = next(ids)
+            pending = [call.get("id", "") for call in calls]
             converted.append({"role": "assistant", "content": "", "tool_calls": calls})
         elif message["role"] == "observation":
-            converted.append({"role": "tool", "content": message["content"]})
+            results = json.loads(message["content"]) if len(pending) > 1 else [message["content"]]
+            converted += [{"role": "tool", "content": result, "tool_call_id": call_id}
+                          for result, call_id in zip(results, pending, strict=True)]
         else:
             converted.append(message)
     return converted
@@ -142,6 +157,110 @@ def test_qwen_tool_call_text_by_hand(tokenizer: Any) -> None:
                         '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 3}}\n</tool_call><|im_end|>\n')
     assert turns[1] == ("<|im_start|>user\n<tool_response>\n6\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
                         f"<think>\n\n</think>\n\n{A2}<|im_end|>\n")
+
+
+# Tool formats beyond Qwen: (template, fixture). Sources of the fixtures: fixtures/chat_templates/README.md.
+TOOL_FAMILIES = [("llama3", "llama3_1"), ("mistral", "mistral"), ("glm4", "glm4")]
+WRAPPED_TOOLS = [{"type": "function", "function": tool} for tool in TOOLS]
+# Mistral's call ids are shardtune's documented scheme (tools.mistral_call_id): pair index, then call index.
+MISTRAL_IDS = {"single": ["000000000"], "multi": ["000001000"]}
+
+
+def glm4_messages(chat: list[dict[str, str]], system: str) -> list[dict[str, Any]]:
+    """GLM-4's own message shape: tools on the system message, a call as metadata (name) + arguments JSON."""
+    converted: list[dict[str, Any]] = [{"role": "system", "content": system, "tools": WRAPPED_TOOLS}]
+    for message in chat:
+        if message["role"] == "function":
+            call = json.loads(message["content"])
+            converted.append({"role": "assistant", "metadata": call["name"],
+                              "content": json.dumps(call["arguments"], ensure_ascii=False)})
+        else:
+            converted.append(message)
+    return converted
+
+
+def official_tool_chat(name: str, chat: list[dict[str, str]], tokenizer: Any, system: str, ids: list[str],
+                       **kwargs: Any) -> str:
+    fixture = dict(TOOL_FAMILIES)[name]
+    if name == "glm4":
+        return official(fixture, glm4_messages(chat, system), tokenizer, **kwargs)
+    return official(fixture, openai_messages(chat, ids if name == "mistral" else None), tokenizer, system,
+                    tools=WRAPPED_TOOLS, **kwargs)
+
+
+@pytest.mark.parametrize(("name", "fixture"), TOOL_FAMILIES)
+@pytest.mark.parametrize("chat", ["single", "multi"])
+@pytest.mark.parametrize("system", ["", SYSTEM])
+def test_tool_formats_equal_the_official_template(tokenizer: Any, name: str, fixture: str, chat: str,
+                                                  system: str) -> None:
+    """Tool definitions, a call, its result and the final answer, as the official template writes them."""
+    if name == "mistral" and system:
+        pytest.skip("the official v0.3 template drops the system prompt unless the last message is the user's "
+                    "(see test_mistral_tool_prompt_with_system_equals_the_official_generation_prompt)")
+    messages = TOOL_CHAT if chat == "single" else TOOL_MULTI
+    expected = official_tool_chat(name, messages, tokenizer, system, MISTRAL_IDS[chat])
+    assert joined(ours(name, messages, tokenizer, system, json.dumps(TOOLS))) == deliberate(name, expected)
+
+
+@pytest.mark.parametrize("name", ["llama3", "glm4"])
+def test_tool_prompt_pieces_are_the_official_generation_prompts(tokenizer: Any, name: str) -> None:
+    """The masked/trained boundaries of a tool chat sit where the official generation prompts end."""
+    turns = ours(name, TOOL_MULTI, tokenizer, SYSTEM, json.dumps(TOOLS))
+    for k in range(len(turns)):
+        prompt_text = joined(turns[:k]) + turns[k][0]
+        assert prompt_text == official_tool_chat(name, TOOL_MULTI[: 2 * k + 1], tokenizer, SYSTEM,
+                                                 MISTRAL_IDS["multi"], add_generation_prompt=True)
+
+
+def test_mistral_tool_prompt_with_system_equals_the_official_generation_prompt(tokenizer: Any) -> None:
+    """Tools and the system prompt both go with the last user message, as the official template renders the
+    prompt whose last message is that user message (it has no generation prompt of its own)."""
+    turns = ours("mistral", TOOL_MULTI, tokenizer, SYSTEM, json.dumps(TOOLS))
+    assert joined(turns[:1]) + turns[1][0] == official_tool_chat("mistral", TOOL_MULTI[:3], tokenizer, SYSTEM, [])
+    assert turns[1][0] == ('[AVAILABLE_TOOLS] [{"type": "function", "function": {"name": "add", "description": '
+                           '"Add two numbers", "parameters": {"type": "object", "properties": {"a": {"type": '
+                           '"number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}][/AVAILABLE_TOOLS]'
+                           f"[INST] {SYSTEM}\n\n{Q2}[/INST]")
+
+
+def test_mistral_parallel_calls_take_one_result_per_call(tokenizer: Any) -> None:
+    calls = [CALL, {"name": "add", "arguments": {"a": 1, "b": 2}}]
+    chat = [{"role": "user", "content": Q2}, {"role": "function", "content": json.dumps(calls)},
+            {"role": "observation", "content": json.dumps(["6", "3"])}, {"role": "assistant", "content": A2}]
+    expected = official("mistral", openai_messages(chat, ["000000000", "000000001"]), tokenizer,
+                        tools=WRAPPED_TOOLS)
+    assert joined(ours("mistral", chat, tokenizer, tools=json.dumps(TOOLS))) == expected
+    with pytest.raises(DataError, match="needs its results as a JSON list of 2 items"):
+        ours("mistral", chat[:2] + [{"role": "observation", "content": "6"}] + chat[3:], tokenizer)
+
+
+@pytest.mark.parametrize("name", ["qwen", "llama3", "mistral", "glm4"])
+def test_placeholders_in_tool_data_stay_literal(tokenizer: Any, name: str) -> None:
+    chat = TOOL_CHAT[:2] + [{"role": "observation", "content": "{eos} {content}"}] + TOOL_CHAT[3:]
+    assert "{eos} {content}" in ours(name, chat, tokenizer, tools=json.dumps(TOOLS))[1][0]
+
+
+@pytest.mark.parametrize("messages", [SINGLE, MULTI])
+def test_mistral_plain_chat_equals_the_official_template(tokenizer: Any, messages: list[dict[str, str]]) -> None:
+    assert joined(ours("mistral", messages, tokenizer)) == official("mistral", messages, tokenizer)
+
+
+@pytest.mark.parametrize(("name", "family"), [("llama3", "Llama 3.1"), ("glm4", "GLM-4")])
+def test_parallel_calls_are_refused_where_the_official_template_has_one_call_per_turn(
+        tokenizer: Any, name: str, family: str) -> None:
+    chat = [TOOL_CHAT[0], {"role": "function", "content": json.dumps([CALL, CALL])}] + TOOL_CHAT[2:]
+    with pytest.raises(DataError, match=f"official {family} chat template writes one tool call per assistant"):
+        ours(name, chat, tokenizer, tools=json.dumps(TOOLS))
+
+
+@pytest.mark.parametrize(("name", "reason"), [
+    ("llama2", "its official chat template defines no tool calling"),
+    ("deepseek3", "writes no tool definitions"), ("gpt_oss", "TypeScript namespace"),
+    ("llama4", "Llama 4's tool layout is not implemented")])
+def test_templates_without_a_tool_format_refuse_tool_data_with_the_reason(tokenizer: Any, name: str,
+                                                                          reason: str) -> None:
+    with pytest.raises(DataError, match=f"template '{name}' has no tool-call format \\(.*{reason}"):
+        ours(name, TOOL_CHAT, tokenizer, tools=json.dumps(TOOLS))
 
 
 REASONED = [{"role": "user", "content": Q1}, {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
@@ -212,8 +331,8 @@ def test_tools_on_a_template_without_a_tool_format_is_refused(tokenizer: Any) ->
 def test_unknown_template_suggests_the_closest_and_auto() -> None:
     with pytest.raises(DataError, match=r"unknown template 'qwen2_5' \(did you mean 'qwen'\?\); or use 'auto'"):
         get_template("qwen2_5")
-    with pytest.raises(DataError, match="tool_format 'llama3' is not supported"):
-        get_template("qwen", tool_format="llama3")
+    with pytest.raises(DataError, match="tool_format 'gemma4' is not supported"):
+        get_template("gemma3", tool_format="gemma4")
 
 
 def encode_one(tokenizer: Any, name: str, messages: list[dict[str, str]], tools: str = "",
@@ -246,6 +365,17 @@ def test_tool_chat_ids_mask_tool_results_and_train_calls(tokenizer: Any) -> None
                        f"<think>\n\n</think>\n\n{A2}<|im_end|>\n")
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert labels.count(im_end) == 2  # both answers' end-of-turn tokens are trained
+
+
+def test_llama3_tool_chat_ids_mask_prompts_and_results_and_train_calls_and_answers(tokenizer: Any) -> None:
+    ids, labels = encode_one(tokenizer, "llama3", TOOL_MULTI, json.dumps(TOOLS))
+    pieces = [piece for turn in ours("llama3", TOOL_MULTI, tokenizer, tools=json.dumps(TOOLS)) for piece in turn]
+    assert (ids, labels) == expected_ids_and_labels(tokenizer, pieces)
+    trained = tokenizer.decode([t for t, label in zip(ids, labels, strict=True) if label != IGNORE_INDEX])
+    assert trained == (f'{A1}<|eot_id|>{{"name": "add", "parameters": {{"a": 3, "b": 3}}}}<|eot_id|>'
+                       f"{A2}<|eot_id|>")
+    masked = tokenizer.decode([t for t, label in zip(ids, labels, strict=True) if label == IGNORE_INDEX])
+    assert "Environment: ipython" in masked and '"6"<|eot_id|>' in masked and "Given the following functions" in masked
 
 
 def test_enable_thinking_false_masks_the_empty_block_in_ids(tokenizer: Any) -> None:

@@ -133,8 +133,9 @@ class TrainConfig:
                                       DATA)
     enable_thinking: bool = _key(True, "reasoning templates (qwen3): train the think block; false masks an empty one",
                                  DATA)
-    tool_format: str | None = _key(None, "tool-call format overriding the template's (qwen)", DATA,
-                                   choices=("qwen", None))
+    tool_format: str | None = _key(None, "tool-call format overriding the template's own (qwen, llama3, mistral, "
+                                   "glm4: each writes its family's turn markers, so pair it with that layout)", DATA,
+                                   choices=("qwen", "llama3", "mistral", "glm4", None))
     cutoff_len: int = _key(1024, "maximum tokens per training sequence", DATA, minimum=2)
     max_samples: int | None = _key(None, "use at most this many samples per dataset", DATA, minimum=1)
     val_size: float = _key(0.0, "held-out eval split: a fraction (< 1) or a sample count", DATA, minimum=0)

@@ -107,7 +107,7 @@ class Template:
             previous = pairs[index - 1][1] if index > 0 else None
             call_count = len(parse_tool_calls(previous["content"])) if previous and previous["role"] == "function" \
                 else 0
-            return fill(self.tool_style.result(ask["content"], index, call_count), "", specials)
+            return self.tool_style.result(ask["content"], index, call_count)  # data text: never filled
         content = ask["content"].strip() if self.strip_content else ask["content"]
         user_indices = [k for k, (message, _) in enumerate(pairs) if message["role"] == "user"]
         target = user_indices[0] if self.system_placement == "first_user" else user_indices[-1]
