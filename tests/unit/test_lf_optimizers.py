@@ -146,6 +146,33 @@ def test_a_scheduler_drives_both_halves_of_muon(full_model):
         optimizer.param_groups)
 
 
+def test_muon_steps_through_a_grad_scaler_as_without_it(full_model):
+    """fp16 runs unscale and step through torch's GradScaler, which reads param_groups: both children unscale."""
+    plain, scaled = copy.deepcopy(full_model), copy.deepcopy(full_model)
+    _backward(plain)
+    _ours(plain, "muon").step()
+    optimizer, scaler = _ours(scaled, "muon"), torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaled.zero_grad(set_to_none=True)
+    scaler.scale(scaled(**_batch()).loss).backward()
+    scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    for (name, a), b in zip(plain.named_parameters(), scaled.parameters(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_muon_and_galore_on_lora_take_the_adapter_matrices(tiny_model_dir):
+    torch.manual_seed(0)
+    lora = ModelSource(str(tiny_model_dir), FinetuningSettings(lora_target=("q_proj", "v_proj"))).load_full()
+    names = {id(p): n for n, p in lora.named_parameters()}
+    muon, *rest = _ours(lora, "muon").optimizers
+    muon_names = [names[id(p)] for g in muon.param_groups for p in g["params"]]
+    assert not rest and len(muon_names) == 4 * lora.config.num_hidden_layers
+    assert all("lora_A" in n or "lora_B" in n for n in muon_names)
+    galore = _ours(lora, "galore", target=("q_proj",), rank=2)
+    projected = [names[id(p)] for g in galore.param_groups if "rank" in g for p in g["params"]]
+    assert len(projected) == 2 * lora.config.num_hidden_layers and all("q_proj.lora_" in n for n in projected)
+
+
 def _resumes_exactly(model: torch.nn.Module, build) -> None:
     """Two steps, save the optimizer (loaded as a checkpoint is, weights_only), one more step on a fresh
     optimizer loaded from it: the same weights as three uninterrupted steps."""

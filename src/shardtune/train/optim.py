@@ -88,7 +88,7 @@ def build_extra_optimizer(params: list[torch.nn.Parameter], s: OptimizerSettings
     if extra.kind == "adam_mini":
         return optimizers.build_adam_mini(named, getattr(model, "config", None), s.learning_rate, s.weight_decay,
                                           betas, s.adam_epsilon)
-    projected = optimizers.projected_names(named, linear_module_names(model), extra.target)
+    projected = optimizers.projected_names(named, model, extra.target, linear_module_names(model))
     if not projected:
         raise ConfigError(f"{extra.kind}_target ({','.join(extra.target)}): no trainable Linear weight matches; "
                           f"use 'all' or names such as {', '.join(linear_module_names(model)[:4])}")

@@ -71,13 +71,14 @@ def build_muon(named: list[tuple[str, torch.nn.Parameter]], lr: float, weight_de
     return ChainedOptimizer(optimizers)
 
 
-def projected_names(named: list[tuple[str, torch.nn.Parameter]], model_linear_names: Iterable[str],
-                    target: tuple[str, ...]) -> set[str]:
-    """Parameters GaLore/APOLLO project: 2-D weights of Linear modules whose name contains a target ('all': every
-    Linear but the output head, as LLaMA-Factory's find_all_linear_modules)."""
-    targets = tuple(model_linear_names) if target == ("all",) else target
-    return {name for name, p in named
-            if p.ndim == 2 and name.endswith(".weight") and any(t in name.rsplit(".", 1)[0] for t in targets)}
+def projected_names(named: list[tuple[str, torch.nn.Parameter]], model: torch.nn.Module,
+                    target: tuple[str, ...], all_linear: Iterable[str]) -> set[str]:
+    """Parameters GaLore/APOLLO project, as LLaMA-Factory picks them: the 2-D weights of Linear modules whose name
+    contains a target; 'all' is every Linear layer's short name but the output head's (``all_linear``)."""
+    targets = tuple(all_linear) if target == ("all",) else target
+    linear = {f"{name}.weight" for name, module in model.named_modules()
+              if isinstance(module, torch.nn.Linear) and any(t in name for t in targets)}
+    return {name for name, p in named if p.ndim == 2 and name in linear}
 
 
 def projection_groups(named: list[tuple[str, torch.nn.Parameter]], projected: set[str], weight_decay: float,
