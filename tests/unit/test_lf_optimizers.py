@@ -137,12 +137,16 @@ def test_muon_steps_as_torch_muon_and_adamw_do(full_model):
     _assert_same_and_moved(full_model, mine, theirs)
 
 
-def test_a_scheduler_drives_both_halves_of_muon(full_model):
+def test_a_scheduler_drives_both_halves_of_muon_also_after_loading(full_model):
     optimizer = _ours(copy.deepcopy(full_model), "muon")
     scheduler = build_scheduler(optimizer, "linear", total_steps=10, warmup_steps=0)
     optimizer.step()
     scheduler.step()
     assert [g["lr"] for o in optimizer.optimizers for g in o.param_groups] == [pytest.approx(LR * 0.9)] * len(
+        optimizer.param_groups)
+    optimizer.load_state_dict(optimizer.state_dict())  # as resume does: the children get new group dicts
+    scheduler.step()
+    assert [g["lr"] for o in optimizer.optimizers for g in o.param_groups] == [pytest.approx(LR * 0.8)] * len(
         optimizer.param_groups)
 
 

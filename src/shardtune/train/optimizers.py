@@ -49,6 +49,8 @@ class ChainedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"optimizer state holds {len(saved)} optimizers, this run builds {len(self.optimizers)}")
         for optimizer, state in zip(self.optimizers, saved, strict=True):
             optimizer.load_state_dict(state)
+        # Loading replaces each child's group dicts: share the new ones, or a scheduler would stop reaching them.
+        self.param_groups = [group for o in self.optimizers for group in o.param_groups]
 
 
 def is_muon_matrix(name: str, param: torch.nn.Parameter) -> bool:
