@@ -127,27 +127,36 @@ def _tokens_seen(value: Any, _values: Mapping[str, Any]) -> dict[str, Any]:
     return {"include_num_input_tokens_seen": {"true": "all", "false": "no"}.get(text, text)}
 
 
-# LLaMA-Factory's optimizer replacements and why each is refused (what to do instead).
+# LLaMA-Factory's optimizer replacements (optextras): Muon, GaLore, APOLLO and Adam-mini are schema keys under their
+# own names (engines.plan refuses them where they cannot work); BAdam stays refused, with the reason.
 REFUSED_OPTIMIZERS = {
-    "use_galore": "GaLore's projected updates need galore-torch (not installed with shardtune) and see only a "
-                  "shard of each weight under FSDP/ZeRO-3 (LLaMA-Factory refuses it with DeepSpeed too); use "
-                  "finetuning_type: lora, or LLaMA-Factory for single-process GaLore",
-    "use_apollo": "APOLLO needs apollo-torch (not installed with shardtune) and whole weights for its projection, "
-                  "which FSDP/ZeRO-3 shard; use finetuning_type: lora, or LLaMA-Factory for single-process APOLLO",
-    "use_badam": "BAdam switches the trainable block during training, which DDP/FSDP fix at set-up (LLaMA-Factory "
-                 "allows it only on one process or ZeRO-3); use finetuning_type: freeze or lora",
-    "use_adam_mini": "Adam-mini needs the adam-mini package and each block's whole weight (not a ZeRO/FSDP shard); "
-                     "use optim: adamw_torch",
-    "use_muon": "Muon orthogonalises each whole 2-D update, which FSDP and ZeRO shard or flatten, and torch.optim.Muon "
-                "takes 2-D parameters only (shardtune would need a second optimizer for the rest); use optim: "
-                "adamw_torch",
+    "use_badam": "BAdam makes a different block of layers trainable every badam_switch_interval steps: DDP and FSDP "
+                 "fix the trainable set at set-up (LLaMA-Factory allows it only on one process or ZeRO-3) and "
+                 "shardtune's resume checkpoint keeps only the currently trainable weights, so a resumed run would "
+                 "lose the other blocks' updates; use finetuning_type: freeze or lora, or use_galore/use_apollo",
 }
-OPTIMIZER_SETTING_PREFIXES = {"galore_": "use_galore", "apollo_": "use_apollo", "badam_": "use_badam"}
+OPTIMIZER_SETTING_PREFIXES = {"badam_": "use_badam"}
+LAYERWISE_REASON = ("layer-wise updates step each weight inside its gradient hook, outside shardtune's gradient "
+                    "clipping, loss scaling and resume checkpoints (LLaMA-Factory refuses them with DDP and gradient "
+                    "accumulation too); set it to false")
+
+
+def _refuse_layerwise(key: str, switch: str) -> Translate:
+    """galore_layerwise/apollo_layerwise: inert while their optimizer is off (as in LLaMA-Factory), refused with it."""
+    def translate(value: Any, values: Mapping[str, Any]) -> dict[str, Any]:
+        if _is_on(value) and _is_on(values.get(switch)):
+            raise Refused(key, value, f"{LAYERWISE_REASON} (or turn {switch} off)")
+        return {}
+    return translate
+
+
+def _is_on(value: Any) -> bool:
+    return value not in (False, None) and str(value).strip().lower() not in ("false", "no", "0", "none", "null")
 
 
 def _refuse_when_on(key: str) -> Translate:
     def translate(value: Any, _values: Mapping[str, Any]) -> dict[str, Any]:
-        if value in (False, None) or str(value).strip().lower() in ("false", "no", "0", "none", "null"):
+        if not _is_on(value):
             return {}  # off, as LLaMA-Factory's default: nothing to do
         raise ValueError(f"key '{key}' ({value!r}) is not supported: {REFUSED_OPTIMIZERS[key]}")
     return translate
@@ -163,11 +172,11 @@ MAPPED.update({
     **{key: Mapped(f"nothing while off; refused when on ({key})", _refuse_when_on(key)) for key in REFUSED_OPTIMIZERS},
     **{f"{prefix}{name}": Mapped(f"nothing: only read by {switch}, which is refused when on", _inert_setting)
        for prefix, switch in OPTIMIZER_SETTING_PREFIXES.items()
-       for name in {"galore_": ("target", "rank", "update_interval", "scale", "proj_type", "layerwise"),
-                    "apollo_": ("target", "rank", "update_interval", "scale", "proj", "proj_type", "scale_type",
-                                "layerwise", "scale_front"),
-                    "badam_": ("mode", "start_block", "switch_mode", "switch_interval", "update_ratio", "mask_mode",
-                               "verbose")}[prefix]},
+       for name in {"badam_": ("mode", "start_block", "switch_mode", "switch_interval", "update_ratio",
+                               "mask_mode", "verbose")}[prefix]},
+    **{f"{method}_layerwise": Mapped(f"nothing: refused when on with use_{method} (layer-wise updates)",
+                                     _refuse_layerwise(f"{method}_layerwise", f"use_{method}"))
+       for method in ("galore", "apollo")},
 })
 
 

@@ -195,6 +195,29 @@ class TrainConfig:
     adam_epsilon: float = _key(1e-8, "Adam epsilon", TRAIN, minimum=0, exclusive_minimum=True)
     max_grad_norm: float = _key(1.0, "clip the global gradient norm (0 disables)", TRAIN, minimum=0)
     optim: str = _key("adamw_torch", "optimizer", TRAIN, choices=OPTIMIZERS)
+    # LLaMA-Factory's optimizer replacements (one process and DDP; at most one on).
+    use_muon: bool = _key(False, "Muon (torch.optim.Muon) for hidden 2-D weights, AdamW for embeddings, output head, "
+                                 "norms and biases", TRAIN)
+    use_adam_mini: bool = _key(False, "Adam-mini (adam-mini package): one second moment per block", TRAIN)
+    use_galore: bool = _key(False, "GaLore (galore-torch): low-rank projected gradients for galore_target", TRAIN)
+    galore_target: list[str] = _key(["all"], "GaLore: Linear module names, comma separated, or 'all' (not lm_head)",
+                                    TRAIN)
+    galore_rank: int = _key(16, "GaLore: rank of the projected gradient", TRAIN, minimum=1)
+    galore_update_interval: int = _key(200, "GaLore: steps between projection updates", TRAIN, minimum=1)
+    galore_scale: float = _key(2.0, "GaLore: scale of the projected update", TRAIN)
+    galore_proj_type: str = _key("std", "GaLore: projection side", TRAIN,
+                                 choices=("std", "reverse_std", "right", "left", "full"))
+    use_apollo: bool = _key(False, "APOLLO (apollo-torch): AdamW with low-rank scaled updates for apollo_target",
+                            TRAIN)
+    apollo_target: list[str] = _key(["all"], "APOLLO: Linear module names, comma separated, or 'all' (not lm_head)",
+                                    TRAIN)
+    apollo_rank: int = _key(16, "APOLLO: rank of the projection", TRAIN, minimum=1)
+    apollo_update_interval: int = _key(200, "APOLLO: steps between projection updates", TRAIN, minimum=1)
+    apollo_scale: float = _key(32.0, "APOLLO: scale of the update", TRAIN)
+    apollo_proj: str = _key("random", "APOLLO: projection algorithm", TRAIN, choices=("svd", "random"))
+    apollo_proj_type: str = _key("std", "APOLLO: projection side", TRAIN, choices=("std", "right", "left"))
+    apollo_scale_type: str = _key("channel", "APOLLO: scaling granularity", TRAIN, choices=("channel", "tensor"))
+    apollo_scale_front: bool = _key(False, "APOLLO: norm-growth limiter before the gradient scaling", TRAIN)
     num_train_epochs: float = _key(3.0, "passes over the data (ignored when max_steps > 0)", TRAIN, minimum=0)
     max_steps: int = _key(-1, "total optimizer steps; overrides num_train_epochs when > 0", TRAIN)
     lr_scheduler_type: str = _key("linear", "learning-rate schedule (transformers.get_scheduler)", TRAIN,

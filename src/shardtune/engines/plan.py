@@ -26,7 +26,32 @@ class EnginePlan:
 def plan_engine(c: TrainConfig, world_size: int, has_cuda: bool) -> tuple[EnginePlan, list[str]]:
     """Pick DeepSpeed / FSDP when configured, DDP for several processes, else local; list every problem."""
     plan, problems = _choose_engine(c, world_size, has_cuda)
-    return plan, problems + quantization_problems(c, plan, has_cuda) + adapter_problems(c, plan)
+    return plan, (problems + quantization_problems(c, plan, has_cuda) + adapter_problems(c, plan)
+                  + optimizer_problems(c, plan))
+
+
+# Why each LLaMA-Factory optimizer replacement needs whole (replicated) weights: one process or DDP.
+_WHOLE_WEIGHTS = {
+    "use_muon": "Muon orthogonalises each weight's whole 2-D update (Newton-Schulz on the full matrix), and FSDP/ZeRO "
+                "give each rank a shard or a flattened slice",
+    "use_galore": "GaLore projects each whole weight's gradient onto its top singular vectors, and FSDP/ZeRO give each "
+                  "rank a shard (LLaMA-Factory refuses GaLore with DeepSpeed too)",
+    "use_apollo": "APOLLO projects each whole weight's gradient, and FSDP/ZeRO give each rank a shard (LLaMA-Factory "
+                  "refuses APOLLO with DeepSpeed too)",
+    "use_adam_mini": "Adam-mini splits each whole attention weight into heads to share one second moment per head, "
+                     "and FSDP/ZeRO give each rank a flattened shard",
+}
+
+
+def optimizer_problems(c: TrainConfig, plan: EnginePlan) -> list[str]:
+    """LLaMA-Factory's optimizer replacements work on whole weights: one process and DDP, not FSDP or ZeRO."""
+    if plan.kind in ("local", "ddp"):
+        return []
+    on = {"use_muon": c.use_muon, "use_galore": c.use_galore, "use_apollo": c.use_apollo,
+          "use_adam_mini": c.use_adam_mini}
+    label = "fsdp" if plan.kind == "fsdp" else "deepspeed"
+    return [f"{key} (true) with {label}: {_WHOLE_WEIGHTS[key]}; train on one process or with DDP (no deepspeed/fsdp)"
+            for key, value in on.items() if value]
 
 
 def adapter_problems(c: TrainConfig, plan: EnginePlan) -> list[str]:

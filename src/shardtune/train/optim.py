@@ -7,6 +7,8 @@ import math
 import torch
 
 from shardtune.errors import ConfigError
+from shardtune.model.adapters import linear_module_names
+from shardtune.train import optimizers
 from shardtune.train.settings import OptimizerSettings
 
 __all__ = ["OptimizerSettings", "build_optimizer", "build_scheduler", "loraplus_groups", "parameter_names",
@@ -44,10 +46,14 @@ def loraplus_groups(params: list[torch.nn.Parameter], names: dict[int, str], s: 
 
 
 def build_optimizer(params: list[torch.nn.Parameter], s: OptimizerSettings,
-                    names: dict[int, str] | None = None) -> torch.optim.Optimizer:
-    """The optimizer over ``params``; ``names`` (id -> parameter name) is needed by LoRA+ to find lora_B."""
+                    names: dict[int, str] | None = None, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+    """The optimizer over ``params``; ``names`` (id -> parameter name) is needed by LoRA+ to find lora_B, ``model``
+    (unwrapped) by the LLaMA-Factory replacements (Muon, GaLore, APOLLO, Adam-mini)."""
     if not params:
         raise ConfigError("no trainable parameters: check finetuning_type and lora_target/freeze settings")
+    if s.extra.kind is not None:
+        assert model is not None, "the optimizer replacements select parameters by module"
+        return build_extra_optimizer(params, s, model)
     if s.loraplus_lr_ratio is not None:
         groups = loraplus_groups(params, names or {}, s)
     else:
@@ -69,6 +75,29 @@ def build_optimizer(params: list[torch.nn.Parameter], s: OptimizerSettings,
             raise ConfigError("optim (adamw_8bit) needs bitsandbytes: pip install bitsandbytes") from None
         return bnb.optim.AdamW8bit(groups, lr=s.learning_rate, betas=betas, eps=s.adam_epsilon)
     raise ConfigError(f"optim: unknown optimizer '{s.optim}'")
+
+
+def build_extra_optimizer(params: list[torch.nn.Parameter], s: OptimizerSettings,
+                          model: torch.nn.Module) -> torch.optim.Optimizer:
+    """Muon, GaLore, APOLLO or Adam-mini over ``params``, their parameter groups chosen as LLaMA-Factory does."""
+    wanted = {id(p) for p in params}
+    named = [(name, p) for name, p in model.named_parameters() if id(p) in wanted]
+    betas, extra = (s.adam_beta1, s.adam_beta2), s.extra
+    if extra.kind == "muon":
+        return optimizers.build_muon(named, s.learning_rate, s.weight_decay, betas, s.adam_epsilon)
+    if extra.kind == "adam_mini":
+        return optimizers.build_adam_mini(named, getattr(model, "config", None), s.learning_rate, s.weight_decay,
+                                          betas, s.adam_epsilon)
+    projected = optimizers.projected_names(named, model, extra.target, linear_module_names(model))
+    if not projected:
+        raise ConfigError(f"{extra.kind}_target ({','.join(extra.target)}): no trainable Linear weight matches; "
+                          f"use 'all' or names such as {', '.join(linear_module_names(model)[:4])}")
+    optimizers.register_safe_state_types()
+    if extra.kind == "galore":
+        groups = optimizers.projection_groups(named, projected, s.weight_decay, optimizers.galore_settings(extra))
+        return optimizers.build_galore(groups, s.optim, s.learning_rate, betas, s.adam_epsilon)
+    groups = optimizers.projection_groups(named, projected, s.weight_decay, optimizers.apollo_settings(extra))
+    return optimizers.build_apollo(groups, s.learning_rate, betas, s.adam_epsilon)
 
 
 def parameter_names(model: torch.nn.Module) -> dict[int, str]:

@@ -68,7 +68,7 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     pissa = PissaConversion.start(model, output_dir, engine.is_main) if config.pissa_convert else None
     engine.prepare(
         model,
-        lambda params: build_optimizer(params, optimizer_settings(config), parameter_names(model)),
+        lambda params: build_optimizer(params, optimizer_settings(config), parameter_names(model), model),
         lambda opt: build_scheduler(opt, config.lr_scheduler_type, loop.total_steps,
                                     warmup_steps_for(loop.total_steps, config.warmup_steps, config.warmup_ratio)),
     )

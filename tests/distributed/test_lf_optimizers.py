@@ -1,0 +1,62 @@
+"""LLaMA-Factory's optimizer replacements through the real CLI: one process and 2-process DDP on CPU.
+
+Each replacement changes the loss curve against plain AdamW, and DDP (2 x 2 samples) follows the one-process run
+(4 samples) because every rank steps the same whole weights with the averaged gradient. Resume from a checkpoint
+restores each child of Muon's ChainedOptimizer (and GaLore's projectors) exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.distributed.helpers import losses, train
+from tests.distributed.test_checkpoints import crash_after_first_checkpoint, losses_by_step
+from tests.distributed.test_checkpoints import train as train_with_checkpoints
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+REPLACEMENTS = {
+    "muon": ("use_muon=true",),
+    "galore": ("use_galore=true", "galore_rank=8"),
+    "apollo": ("use_apollo=true", "apollo_rank=8"),
+    "adam_mini": ("use_adam_mini=true",),
+}
+
+
+@pytest.fixture(scope="module")
+def adamw_losses(tiny_model_dir, tmp_path_factory) -> list[float]:
+    out = tmp_path_factory.mktemp("adamw")
+    train(tiny_model_dir, out, "full", 1, 4)
+    return losses(out)
+
+
+@pytest.mark.parametrize("name", list(REPLACEMENTS))
+def test_replacement_trains_and_ddp_matches_one_process(name, adamw_losses, tiny_model_dir, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "ddp"
+    train(tiny_model_dir, one, "full", 1, 4, *REPLACEMENTS[name])
+    single = losses(one)
+    assert all(math.isfinite(x) for x in single)
+    assert single[1:] != pytest.approx(adamw_losses[1:], rel=1e-3)  # the first loss precedes any step
+    train(tiny_model_dir, two, "full", 2, 2, *REPLACEMENTS[name])
+    assert losses(two) == pytest.approx(single, rel=2e-3)
+
+
+@pytest.mark.parametrize("name", ["muon", "galore"])
+def test_resume_matches_uninterrupted_run(name, tiny_model_dir, tmp_path):
+    finished, crashed = tmp_path / "finished", tmp_path / "crashed"
+    train_with_checkpoints(tiny_model_dir, finished, 2, 2, *REPLACEMENTS[name])
+    crash_after_first_checkpoint(finished, crashed)
+    result = train_with_checkpoints(tiny_model_dir, crashed, 2, 2, *REPLACEMENTS[name], overwrite=False)
+    assert "resuming from" in result.stdout
+    expected, resumed = losses_by_step(finished), losses_by_step(crashed)
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-4), (step, resumed, expected)
+
+
+def test_lora_with_muon_trains_under_ddp(tiny_model_dir, tmp_path):
+    train(tiny_model_dir, tmp_path, "lora", 2, 2, "use_muon=true", "max_steps=6")
+    found = losses(tmp_path)
+    assert all(math.isfinite(x) for x in found) and found[-1] < found[0]
