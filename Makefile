@@ -7,7 +7,7 @@ STAMP := $(VENV)/.shardtune-installed
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup demo test test-fast test-big lint docs clean
+.PHONY: setup demo test test-fast test-matrix test-big lint docs clean
 
 setup: $(STAMP)
 
@@ -30,9 +30,12 @@ demo: setup
 	@echo "  training_loss.png          loss curve"
 
 test: setup
-	$(PY) -m pytest -q -m "not bigmodel"
+	$(PY) -m pytest -q -m "not bigmodel and not matrix"
 
 # Memory checks on a ~200M-parameter model (about 10 minutes on 2 cores); must pass before a release.
+test-matrix: setup
+	$(PY) -m pytest -q -m matrix
+
 test-big: setup
 	$(PY) -m pytest -q -m bigmodel
 

@@ -23,6 +23,8 @@ FILES = {
     "qwen3_lora_sft.yaml": ("ddp", "lora"),
     "llama3_full_sft_ds3.yaml": ("deepspeed", "full"),
     "qwen3_lora_sft_fsdp.yaml": ("fsdp", "lora"),
+    "qwen3_lora_sft_extras.yaml": ("ddp", "lora"),  # adapter variants, vocabulary, trainer extras, tools
+    "llama3_lora_stream_pissa.yaml": ("ddp", "lora"),  # streaming, PiSSA, model-only checkpoints
 }
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
@@ -54,3 +56,9 @@ def test_llamafactory_file_trains_unchanged_on_two_processes(name, tiny_model_di
         assert "eval_loss" in results  # eval_dataset: messages_demo
         logged = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines() if line]
         assert [r["current_steps"] for r in logged if "loss" in r][:2] == [1, 2]  # logging_first_step, logging_steps: 2
+    if name == "qwen3_lora_sft_extras.yaml":
+        assert results["num_input_tokens_seen"] > 0 and "eval_loss" in results  # tokens seen, val_size
+    if name == "llama3_lora_stream_pissa.yaml":
+        assert (out / "pissa_converted" / "adapter_model.safetensors").is_file()  # pissa_convert
+        assert (out / "checkpoint-3" / "MODEL_ONLY").is_file()  # save_only_model: no optimizer state
+        assert not any((out / "checkpoint-3").glob("*optim*"))
