@@ -184,14 +184,19 @@ def role_map(tags: Mapping[str, str]) -> dict[str, str]:
             tags["function_tag"]: "function_call", tags["system_tag"]: "system"}
 
 
-def sharegpt_to_chat(record: Mapping[str, Any], columns: Mapping[str, str], tags: Mapping[str, str]
-                     ) -> tuple[str, list[Message]]:
-    """Map role tags to roles; a leading system turn becomes the system prompt; turns must alternate."""
+def conversation_parts(record: Mapping[str, Any], columns: Mapping[str, str], tags: Mapping[str, str]
+                       ) -> tuple[list[Any], Mapping[str, str], str]:
+    """A conversation record's turns (a non-empty list), its role map and its system column's text."""
     turns = record.get(columns["messages"])
     if not isinstance(turns, list) or not turns:
         raise RecordError(f"'{columns['messages']}' must be a non-empty list of turns")
-    roles = role_map(tags)
-    system = as_text(record.get(columns["system"]), columns["system"])
+    return turns, role_map(tags), as_text(record.get(columns["system"]), columns["system"])
+
+
+def sharegpt_to_chat(record: Mapping[str, Any], columns: Mapping[str, str], tags: Mapping[str, str]
+                     ) -> tuple[str, list[Message]]:
+    """Map role tags to roles; a leading system turn becomes the system prompt; turns must alternate."""
+    turns, roles, system = conversation_parts(record, columns, tags)
     messages: list[Message] = []
     for number, turn in enumerate(turns):
         role, content = turn_role_and_content(turn, number, roles, tags)
@@ -207,11 +212,7 @@ def openai_to_chat(record: Mapping[str, Any], columns: Mapping[str, str], tags: 
                    ) -> tuple[str, list[Message]]:
     """OpenAI messages: an assistant turn with ``tool_calls`` becomes a function_call turn holding the calls
     as JSON, and consecutive tool results become one observation turn (as LLaMA-Factory joins them)."""
-    turns = record.get(columns["messages"])
-    if not isinstance(turns, list) or not turns:
-        raise RecordError(f"'{columns['messages']}' must be a non-empty list of messages")
-    roles = role_map(tags)
-    system = as_text(record.get(columns["system"]), columns["system"])
+    turns, roles, system = conversation_parts(record, columns, tags)
     messages: list[Message] = []
     results: list[str] = []
     for number, turn in enumerate(turns):
