@@ -115,6 +115,20 @@ MAPPED: dict[str, Mapped] = {
     "init_special_tokens": Mapped("nothing: new rows always start as noise_init does", _refuse_unless(
         "noise_init", "shardtune starts new token rows as noise_init does (mean of the old rows plus noise); "
                       "desc_init needs token descriptions it does not read. Remove the key")("init_special_tokens")),
+    # --- what shardtune always does, spelled as LLaMA-Factory's switches (lead) ---
+    "ignore_pad_token_for_loss": Mapped("nothing: padding never counts in the loss", _refuse_unless(
+        True, "shardtune always leaves padding out of the loss; remove the key or set it to true")(
+        "ignore_pad_token_for_loss")),
+    "include_effective_tokens_per_second": Mapped(
+        "nothing: train_results.json always records throughput.effective_tokens_per_second", _refuse_unless(
+            True, "shardtune always records effective tokens per second; remove the key")(
+            "include_effective_tokens_per_second")),
+    "use_fast_tokenizer": Mapped("nothing: the fast (Rust) tokenizer is always used", _refuse_unless(
+        True, "shardtune loads the fast tokenizer only (tokenizer.json); remove the key or set it to true")(
+        "use_fast_tokenizer")),
+    "disable_shuffling": Mapped("nothing: the training order is shuffled with the run's seed", _refuse_unless(
+        False, "shardtune always shuffles the training data with `seed` (group_by_length keeps lengths together); "
+               "remove the key")("disable_shuffling")),
 }
 
 

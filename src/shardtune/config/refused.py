@@ -68,4 +68,16 @@ REFUSED_REASONS: dict[str, str] = {
              freeze_extra_modules"""),
     **_group("models load with shardtune's own device placement (sharded by the engine); remove it",
              "device_map low_cpu_mem_usage offload_folder quantization_device_map"),
+    **_group("an internal or tokenizer detail of LLaMA-Factory that shardtune sets itself (the tokenizer's "
+             "length from cutoff_len, the compute dtype from bf16/fp16, the attention mask from packing); remove it",
+             "block_diag_attn compute_dtype model_max_length split_special_tokens upcast_lmhead_output "
+             "print_param_status"),
+    **_group("adapters are given by adapter_name_or_path (one or several folders); remove it", "adapter_folder"),
+    **_group("tokens are added with add_tokens / add_special_tokens (new rows start as noise_init); a per-token "
+             "config file is not read: remove it", "new_special_tokens_config"),
+    **_group("mixture-of-experts router losses are not supported yet; remove it", "moe_aux_loss_coef"),
+    **_group("shardtune fine-tunes the weights in model_name_or_path; random initialisation is not offered: "
+             "remove it (make-tiny-model builds random test models)", "train_from_scratch"),
+    **_group("the official Qwen3 template keeps only the last turn's reasoning and shardtune follows it; "
+             "remove it", "preserve_thinking"),
 }
