@@ -75,4 +75,7 @@ def test_gradient_checkpointing_lowers_peak_memory_with_equal_losses(wider_model
     for step, loss in plain_losses.items():
         assert ckpt_losses[step] == pytest.approx(loss, rel=1e-5)
     print(f"peak memory: plain {plain_peak / 2**20:.0f} MiB, checkpointed {ckpt_peak / 2**20:.0f} MiB")
-    assert ckpt_peak < 0.7 * plain_peak, (plain_peak, ckpt_peak)
+    # Checkpointing keeps one decoder layer's activations instead of six: several hundred MiB in this regime (seen
+    # 434 and 313 MiB saved). The rest of the peak (weights, optimizer, loss chunk, allocator) varies by machine, so
+    # the saving is checked, not a ratio of the peaks.
+    assert plain_peak - ckpt_peak > 200 * 2**20, (plain_peak, ckpt_peak)
