@@ -17,6 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from shardtune.data import DataSettings
+from shardtune.data.settings import IGNORE_INDEX
 
 REPO = Path(__file__).resolve().parents[2]
 DATA_DIR = REPO / "data"
@@ -59,6 +60,17 @@ def build_test_tokenizer() -> PreTrainedTokenizerFast:
 
 def encode(tokenizer: Any, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def expected_ids_and_labels(tokenizer: Any, pieces: list[str]) -> tuple[list[int], list[int]]:
+    """Alternating (prompt, response) pieces encoded one by one: prompts masked, responses trained."""
+    ids: list[int] = []
+    labels: list[int] = []
+    for index, piece in enumerate(pieces):
+        encoded = encode(tokenizer, piece)
+        ids += encoded
+        labels += encoded if index % 2 else [IGNORE_INDEX] * len(encoded)
+    return ids, labels
 
 
 def write_registry(directory: Path, entries: dict[str, Any]) -> Path:

@@ -10,7 +10,14 @@ import pytest
 
 from shardtune.data import TEMPLATES, build_datasets, get_template
 from shardtune.errors import DataError
-from tests.unit.conftest_data import build_test_tokenizer, encode, settings_for, write_jsonl, write_registry
+from tests.unit.conftest_data import (
+    build_test_tokenizer,
+    encode,
+    expected_ids_and_labels,
+    settings_for,
+    write_jsonl,
+    write_registry,
+)
 
 SYSTEM, Q1, A1, Q2, A2 = "Be brief.", "What is 2+2?", "4", "And 3+3?", "It is 6."
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
@@ -58,14 +65,6 @@ def build_single(tokenizer: Any, directory: Path, **overrides: Any) -> tuple[lis
     return list(train[0]["input_ids"]), list(train[0]["labels"])
 
 
-def expected_ids_and_labels(tokenizer: Any, pieces: list[str]) -> tuple[list[int], list[int]]:
-    ids: list[int] = []
-    labels: list[int] = []
-    for index, piece in enumerate(pieces):
-        encoded = encode(tokenizer, piece)
-        ids += encoded
-        labels += encoded if index % 2 else [-100] * len(encoded)
-    return ids, labels
 
 
 def test_every_expected_name_is_a_template() -> None:

@@ -18,7 +18,7 @@ from shardtune.data.processing import SftOptions, encode_sft_batch
 from shardtune.data.settings import IGNORE_INDEX
 from shardtune.data.templates import TEMPLATES, get_template, missing_special_tokens
 from shardtune.errors import DataError
-from tests.unit.conftest_data import build_test_tokenizer, encode
+from tests.unit.conftest_data import build_test_tokenizer, expected_ids_and_labels
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
 SYSTEM, Q1, A1, Q2, A2 = "Be brief.", "What is 2+2?", "4", "And 3+3?", "It is 6."
@@ -342,14 +342,6 @@ def encode_one(tokenizer: Any, name: str, messages: list[dict[str, str]], tools:
     return out["input_ids"][0], out["labels"][0]
 
 
-def expected_ids_and_labels(tokenizer: Any, pieces: list[str]) -> tuple[list[int], list[int]]:
-    ids: list[int] = []
-    labels: list[int] = []
-    for index, piece in enumerate(pieces):
-        encoded = encode(tokenizer, piece)
-        ids += encoded
-        labels += encoded if index % 2 else [IGNORE_INDEX] * len(encoded)
-    return ids, labels
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama3", "vicuna", "phi"])
