@@ -11,6 +11,8 @@
 #   bench-local    benchmarks/gpu.py --engines local,ddp                                       (~4 min)
 #   bench-fsdp     benchmarks/gpu.py --engines fsdp2                                           (~3 min)
 #   bench-zero     benchmarks/gpu.py --engines zero2,zero3                                     (~5 min)
+#   lf-qlora       benchmarks/gpu_llamafactory.py: a LLaMA-Factory LoRA file, bf16, 4-bit, sdpa/fa2,
+#                  activation checkpointing on and off                                         (~4 min)
 #   tests | bench | all                                                   several of the above, one after another
 #                  (for a machine without a per-command limit; a device call brings back at most 8 files from $OUT,
 #                  and each step leaves two or four there)
@@ -107,6 +109,13 @@ bench() {  # bench ENGINES: benchmarks/gpu.py for those engines, full and LoRA; 
   return "$code"
 }
 
+lf_qlora() {
+  $PY benchmarks/gpu_llamafactory.py --date "$DATE"
+  local code=$?
+  copy_out "$RESULTS/gpu-$DATE-llamafactory.md" "$RESULTS/gpu-$DATE-llamafactory.json"
+  return "$code"
+}
+
 install_wheels
 status=0
 case "$STEP" in
@@ -116,13 +125,15 @@ case "$STEP" in
   bench-local)   run_step bench-local bench local,ddp || status=$? ;;
   bench-fsdp)    run_step bench-fsdp bench fsdp2 || status=$? ;;
   bench-zero)    run_step bench-zero bench zero2,zero3 || status=$? ;;
+  lf-qlora)      run_step lf-qlora lf_qlora || status=$? ;;
   tests|bench|all)
     steps=()
     [ "$STEP" = all ] && steps+=(env)
     [ "$STEP" != bench ] && steps+=(tests-engines tests-qlora)
+    [ "$STEP" != bench ] && steps+=(lf-qlora)
     [ "$STEP" != tests ] && steps+=(bench-local bench-fsdp bench-zero)
     for s in "${steps[@]}"; do "$0" "$s" || status=$?; done ;;
-  *) echo "usage: scripts/gpu_check.sh env|tests-engines|tests-qlora|bench-local|bench-fsdp|bench-zero|tests|bench|all" >&2
+  *) echo "usage: scripts/gpu_check.sh env|tests-engines|tests-qlora|bench-local|bench-fsdp|bench-zero|lf-qlora|tests|bench|all" >&2
      exit 2 ;;
 esac
 exit "$status"

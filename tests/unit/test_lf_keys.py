@@ -45,6 +45,9 @@ def test_checkpointing_kwargs_are_checked():
     assert any("unknown argument(s) ['reentrant']" in p for p in cross_key_problems(c))
     c = build_config({**BASE, "use_reentrant_gc": False})
     assert any("would have no effect" in p for p in cross_key_problems(c))
+    # LLaMA-Factory ignores use_reentrant_gc once checkpointing is disabled; its example files keep both.
+    c = build_config({**BASE, "disable_gradient_checkpointing": True, "use_reentrant_gc": True})
+    assert not c.gradient_checkpointing and not c.gradient_checkpointing_kwargs and not cross_key_problems(c)
 
 
 def test_top_level_fsdp_keys_go_into_fsdp_config():

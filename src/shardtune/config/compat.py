@@ -75,6 +75,9 @@ def _gradient_checkpointing_off(value: Any, _values: Mapping[str, Any]) -> dict[
 def _use_reentrant(value: Any, values: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(value, bool):
         raise ValueError(f"use_reentrant_gc: expected true/false, got {value!r}")
+    if values.get("disable_gradient_checkpointing") is True:
+        # LLaMA-Factory's examples keep `use_reentrant_gc: true` beside it; there it is ignored, so here too.
+        return {}
     given = values.get("gradient_checkpointing_kwargs")
     return {"gradient_checkpointing_kwargs": {**(given if isinstance(given, dict) else {}), "use_reentrant": value}}
 
