@@ -9,8 +9,8 @@ folder (alpaca, identity, glaive tool calls; an eval set in OpenAI messages), co
 with ``shardtune train qwen3_lora_sft.yaml KEY=VALUE ...``. Only the model, data folder and output folder come
 from here, plus the keys under test: ``quantization_bit: 4``, ``quantization_method: bnb``, ``flash_attn``
 (``fa2`` where the flash-attn package is installed, else ``sdpa``), ``bf16: true`` and
-activation checkpointing on, then off (LLaMA-Factory's ``disable_gradient_checkpointing``). The model has random weights in the shape of Qwen2.5-0.5B
-(benchmarks/gpu.py builds it; nothing is downloaded).
+activation checkpointing on, then off (LLaMA-Factory's ``disable_gradient_checkpointing``). The model has random
+weights in the shape of Qwen2.5-0.5B (benchmarks/gpu.py builds it; nothing is downloaded).
 
 The script checks what a user would: both runs finish, losses are finite and fall, activation checkpointing
 changes the losses by no more than bf16 rounding and lowers the measured peak memory, the frozen weights were
@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from common import machine, machine_line
+
 from gpu import build_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,7 +123,7 @@ def checks(rows: list[dict], info: dict, base: Path, check_script: bool) -> list
          and all(r["losses"][-1] < r["losses"][0] for r in rows)),
         (f"activation checkpointing keeps the losses (rel {BF16_RTOL})",
          len(on["losses"]) == len(off["losses"])
-         and all(abs(a - b) <= BF16_RTOL * abs(b) for a, b in zip(on["losses"], off["losses"]))),
+         and all(abs(a - b) <= BF16_RTOL * abs(b) for a, b in zip(on["losses"], off["losses"], strict=True))),
         ("activation checkpointing lowers the peak memory", on["peak_memory_bytes"] < off["peak_memory_bytes"]),
         (f"attention kernel recorded as {attention_kernel()}",
          all(r["attn_implementation"] in (attention_kernel(), "flash_attention_2" if attention_kernel() == "fa2"

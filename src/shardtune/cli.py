@@ -12,7 +12,7 @@ commands:
   estimate CONFIG.yaml [--gpus-per-node N --nodes M --gpu-memory 80GiB --cpu-memory 512GiB] [--json]
                                                          memory per engine option and the recommended engine
   export SOURCE --out DIR [--merge-lora] [--model BASE] turn a checkpoint or output into a Hugging Face folder
-  make-tiny-model --out DIR [--layers N --hidden N ...]  write a random tiny LLaMA + local tokenizer
+  make-tiny-model --out DIR [--arch NAME --layers N ...]  write a random tiny model + local tokenizer
   keys [--markdown]                                      list every config key
   convert-config FILE.yaml [--out NEW.yaml]              what happens to each key of a LLaMA-Factory file
 
@@ -112,8 +112,11 @@ def _export(args: list[str]) -> int:
 def _make_tiny_model(args: list[str]) -> int:
     import argparse
 
+    from shardtune.model.architectures import FAMILIES
+
     parser = argparse.ArgumentParser(prog="shardtune make-tiny-model")
     parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--arch", default="llama", choices=list(FAMILIES), help="model family (default: llama)")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
@@ -124,9 +127,9 @@ def _make_tiny_model(args: list[str]) -> int:
     ns = parser.parse_args(args)
     from shardtune.model.tiny import build_tiny_model
 
-    out = build_tiny_model(ns.out, layers=ns.layers, hidden=ns.hidden, heads=ns.heads, kv_heads=ns.kv_heads,
-                           intermediate=ns.intermediate, vocab_size=ns.vocab_size, seed=ns.seed)
-    print(f"tiny model written to {out}")
+    out = build_tiny_model(ns.out, arch=ns.arch, layers=ns.layers, hidden=ns.hidden, heads=ns.heads,
+                           kv_heads=ns.kv_heads, intermediate=ns.intermediate, vocab_size=ns.vocab_size, seed=ns.seed)
+    print(f"tiny {ns.arch} model written to {out}")
     return 0
 
 

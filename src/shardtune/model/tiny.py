@@ -1,4 +1,5 @@
-"""Build a tiny random LLaMA and a locally trained tokenizer: demos and tests need no model hub."""
+"""Build a tiny random model (LLaMA by default, any family in model/architectures.py) and a locally trained
+tokenizer: demos and tests need no model hub."""
 
 from __future__ import annotations
 
@@ -29,17 +30,18 @@ def bundled_corpus() -> Iterator[str]:
     yield from (line for line in text.splitlines() if line.strip())
 
 
-def build_tiny_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
-    """A byte-level BPE trained on ``texts``, with LLaMA-3 and chatml special tokens."""
+def build_tiny_tokenizer(texts: Iterable[str], vocab_size: int = 2048, extra_special: Iterable[str] = ()):
+    """A byte-level BPE trained on ``texts``, with LLaMA-3 and chatml special tokens (and ``extra_special``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    specials = list(dict.fromkeys([*SPECIAL_TOKENS, *extra_special]))
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -49,7 +51,7 @@ def build_tiny_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
         bos_token="<|begin_of_text|>",
         eos_token="<|end_of_text|>",
         pad_token="<|pad|>",
-        additional_special_tokens=list(SPECIAL_TOKENS[3:]),
+        additional_special_tokens=specials[3:],
     )
     tokenizer.chat_template = CHATML_TEMPLATE
     return tokenizer
@@ -58,6 +60,7 @@ def build_tiny_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
 def build_tiny_model(
     out_dir: str | Path,
     *,
+    arch: str = "llama",
     layers: int = 2,
     hidden: int = 64,
     heads: int = 4,
@@ -67,31 +70,66 @@ def build_tiny_model(
     max_positions: int = 2048,
     seed: int = 0,
 ) -> Path:
-    """Write a random-weight ``LlamaForCausalLM`` and its tokenizer to ``out_dir`` (safetensors)."""
+    """Write a random-weight model of family ``arch`` (see model/architectures.py) and its tokenizer, with the
+    family's chat template and special tokens, to ``out_dir`` (safetensors)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
+    from shardtune.data.templates import get_template
+    from shardtune.model.architectures import family, tiny_config
+
+    spec = family(arch)
+    template = get_template(spec.template)
     out = Path(out_dir)
-    tokenizer = build_tiny_tokenizer(bundled_corpus(), vocab_size=vocab_size)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_positions,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-        # Larger than the usual 0.02 so the output head can express a peaked distribution: with a
-        # 64-wide model and 0.02, logits stay near uniform and LoRA (head frozen) cannot lower the loss.
-        initializer_range=0.1,
-    )
+    tokenizer = build_tiny_tokenizer(bundled_corpus(), vocab_size=vocab_size,
+                                     extra_special=sorted(template.literal_special_tokens()))
+    if arch != "llama":  # the llama default keeps chatml, which `make demo` and most tests render
+        tokenizer.chat_template = chat_template_jinja(template, tokenizer)
+    config = tiny_config(arch, tokenizer=tokenizer, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                         intermediate=intermediate, max_positions=max_positions)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def chat_template_jinja(template, tokenizer) -> str:
+    """A Jinja chat template rendering what shardtune's ``template`` renders for plain conversations (no tools;
+    Qwen3's reasoning blocks are not reproduced)."""
+    from shardtune.data.templates.base import special_token_strings
+
+    specials = special_token_strings(tokenizer)
+
+    def expression(fmt: str, content: str) -> str:  # ``fmt`` with {content} := the Jinja expression ``content``
+        for placeholder, token in specials.items():
+            fmt = fmt.replace(placeholder, token)
+        before, _, after = fmt.partition("{content}")
+        return f"{before!r} + {content} + {after!r}"
+
+    def emit(expr: str) -> str:
+        return "{{ " + expr + " }}"
+
+    in_block = template.system_placement == "block"
+    gets_system = {"first_user": "ns.users == 0", "last_user": "loop.index0 == ns.last_user"}
+    user_content = "message['content']" if in_block else (
+        f"(system_text if {gets_system[template.system_placement]} else '') + message['content']")
+    return "".join([
+        "{%- set ns = namespace(system=" + repr(template.default_system) + ", users=0, last_user=-1) -%}",
+        "{%- if messages and messages[0]['role'] == 'system' -%}{%- set ns.system = messages[0]['content'] -%}"
+        "{%- endif -%}",
+        "{%- for message in messages -%}{%- if message['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}"
+        "{%- endif -%}{%- endfor -%}",
+        "{%- set system_text = (" + expression(template.system_format, "ns.system") + ") if ns.system else '' -%}",
+        emit(expression(template.prefix + "{content}", "''")),
+        emit("system_text") if in_block else "",
+        "{%- for message in messages -%}{%- if message['role'] == 'user' -%}",
+        emit(expression(template.user_format, user_content)),
+        "{%- set ns.users = ns.users + 1 -%}{%- elif message['role'] == 'assistant' -%}",
+        "{%- if loop.last -%}",
+        emit(expression((template.last_assistant_format or template.assistant_format) + template.final_suffix,
+                        "message['content']")),
+        "{%- else -%}", emit(expression(template.assistant_format, "message['content']")), "{%- endif -%}",
+        "{%- endif -%}{%- endfor -%}",
+    ])
