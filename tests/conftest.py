@@ -26,6 +26,21 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
 
 
+@pytest.fixture(scope="session")
+def arch_model_dir(tmp_path_factory):
+    """``arch_model_dir(name)``: the tiny model of family ``name`` (model/architectures.py), built once per session."""
+    from shardtune.model.tiny import build_tiny_model
+
+    built: dict[str, Path] = {}
+
+    def build(name: str) -> Path:
+        if name not in built:
+            built[name] = build_tiny_model(tmp_path_factory.mktemp("models") / f"tiny-{name}", arch=name)
+        return built[name]
+
+    return build
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
