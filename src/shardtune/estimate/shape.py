@@ -58,6 +58,7 @@ class MoeShape:
     router_bias: bool = False  # GPT-OSS
     expert_bias: bool = False  # GPT-OSS: gate_up_proj_bias [E, 2i], down_proj_bias [E, h]
     dense_layers: tuple[int, ...] = ()  # layers with a plain MLP (DeepSeek's first_k_dense_replace, mlp_only_layers)
+    aux_loss: bool = False  # a load-balancing loss over the router logits (router_aux_loss_coef; not DeepSeek-V3's)
 
     def expert_params(self, h: int) -> int:
         """One expert: gate and up (h -> i each) and down (i -> h), with GPT-OSS's biases."""
@@ -393,7 +394,8 @@ def moe_from_config(config: dict, model_type: str, layers: int) -> MoeShape | No
         dense = tuple(i for i in range(layers) if i in only or (i + 1) % step != 0)
     return MoeShape(experts=experts, top_k=top_k, expert_intermediate=expert_i, shared_intermediate=shared,
                     shared_gate=model_type == "qwen2_moe" and shared > 0, router_bias=model_type == "gpt_oss",
-                    expert_bias=model_type == "gpt_oss", dense_layers=dense)
+                    expert_bias=model_type == "gpt_oss", dense_layers=dense,
+                    aux_loss="router_aux_loss_coef" in config)
 
 
 def mla_from_config(config: dict) -> MlaShape | None:
