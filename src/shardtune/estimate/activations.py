@@ -23,10 +23,17 @@ AUTOCAST_CAST_INPUTS = 5
 LOGITS_COPIES = 3
 
 
-def norm_bytes(h: int, stream_bytes: int, trainable_weight: bool) -> int:
-    """RMSNorm: its fp32 input (a copy when the stream is bf16), 1/rms, x/rms when the weight trains, output."""
+def norm_bytes(h: int, stream_bytes: int, trainable_weight: bool, output_kept: bool = True) -> int:
+    """RMSNorm: its fp32 input (a copy when the stream is bf16), 1/rms, x/rms when the weight trains, and its
+    output when a linear layer reads it (not for Gemma's and GLM-4's post-norms, which feed the residual add)."""
     normalized = h * stream_bytes if trainable_weight else 0
-    return h * FP32 + FP32 + normalized + h * stream_bytes
+    return h * FP32 + FP32 + normalized + (h * stream_bytes if output_kept else 0)
+
+
+def head_norm_bytes(width: int, heads: int, compute_bytes: int, trainable_weight: bool) -> int:
+    """Per-head q or k RMSNorm (Qwen3, Gemma 3): the fp32 input, one 1/rms per head, the normalized values
+    (compute dtype) when the weight trains; the output goes to the rotary embedding, which keeps nothing of it."""
+    return width * FP32 + heads * FP32 + (width * compute_bytes if trainable_weight else 0)
 
 
 def attention_bytes(shape: ModelShape, w: Workload, seq_len: int) -> int:
@@ -49,7 +56,8 @@ def attention_bytes(shape: ModelShape, w: Workload, seq_len: int) -> int:
         size = cb * (q + kv + q) + FP32 * shape.num_heads
     if w.attn_implementation == "eager":
         columns = seq_len + (1 if shape.attention_sinks else 0)
-        return size + shape.num_heads * columns * (FP32 + (cb if cb != FP32 else 0))
+        softcap = cb if shape.attn_softcapping else 0  # tanh(scores / cap) is kept for its backward
+        return size + shape.num_heads * columns * (FP32 + (cb if cb != FP32 else 0) + softcap)
     if flash:
         return size
     return size + seq_len * cb
@@ -69,10 +77,12 @@ def norms_bytes(shape: ModelShape, w: Workload, stream_bytes: int) -> int:
     MLA's norms of the q and kv latents (which read a compute-dtype input)."""
     trainable = w.finetuning_type in ("full", "freeze")
     h = shape.hidden_size
-    total = shape.norms_per_layer * norm_bytes(h, stream_bytes, trainable)
+    total = 2 * norm_bytes(h, stream_bytes, trainable)
+    total += (shape.norms_per_layer - 2) * norm_bytes(h, stream_bytes, trainable, output_kept=False)
     if shape.qk_norm:
-        total += norm_bytes(shape.q_width, w.compute_bytes, trainable) + norm_bytes(shape.kv_width, w.compute_bytes,
-                                                                                    trainable)
+        cb = w.compute_bytes
+        total += (head_norm_bytes(shape.q_width, shape.num_heads, cb, trainable)
+                  + head_norm_bytes(shape.kv_width, shape.num_kv_heads, cb, trainable))
     if shape.mla:
         for width in (shape.mla.q_lora_rank, shape.mla.kv_lora_rank):
             total += norm_bytes(width, w.compute_bytes, trainable) if width else 0
@@ -98,7 +108,8 @@ def mlp_bytes(shape: ModelShape, w: Workload, index: int) -> int:
         return 4 * shape.intermediate_size * cb
     moe = shape.moe
     assert moe is not None
-    experts = moe.top_k * cb * (2 * shape.hidden_size + 4 * moe.expert_intermediate)
+    kept_widths = 7 if moe.clamped_swiglu else 4  # gate_up (2i) + act and product, or GPT-OSS's five
+    experts = moe.top_k * cb * (2 * shape.hidden_size + kept_widths * moe.expert_intermediate)
     router = moe.experts * (cb + FP32) + moe.top_k * (FP32 + 8) + (moe.experts * FP32 if moe.aux_loss else 0)
     shared = 4 * moe.shared_intermediate * cb + (2 * shape.hidden_size * cb if moe.shared_gate else 0)
     return experts + router + shared

@@ -59,6 +59,7 @@ class MoeShape:
     expert_bias: bool = False  # GPT-OSS: gate_up_proj_bias [E, 2i], down_proj_bias [E, h]
     dense_layers: tuple[int, ...] = ()  # layers with a plain MLP (DeepSeek's first_k_dense_replace, mlp_only_layers)
     aux_loss: bool = False  # a load-balancing loss over the router logits (router_aux_loss_coef; not DeepSeek-V3's)
+    clamped_swiglu: bool = False  # GPT-OSS: clamp, sigmoid-gated GLU and (up + 1) keep five i-wide tensors, not two
 
     def expert_params(self, h: int) -> int:
         """One expert: gate and up (h -> i each) and down (i -> h), with GPT-OSS's biases."""
@@ -107,6 +108,7 @@ class ModelShape:
     fused_qkv: bool = False
     fused_gate_up: bool = False
     attention_sinks: bool = False
+    attn_softcapping: bool = False  # Gemma 2: tanh soft-capping of the attention scores (eager attention)
     moe: MoeShape | None = None
     mla: MlaShape | None = None
     sliding_window: int | None = None
@@ -370,6 +372,7 @@ def shape_from_config(data: dict, source: str = "") -> ModelShape:
         fused_qkv=model_type in FUSED_QKV_MODEL_TYPES,
         fused_gate_up=model_type in FUSED_GATE_UP_MODEL_TYPES,
         attention_sinks=model_type in SINK_MODEL_TYPES,
+        attn_softcapping=bool(config.get("attn_logit_softcapping")),
         moe=moe_from_config(config, model_type, layers),
         mla=mla_from_config(config),
         sliding_window=window,
@@ -395,7 +398,7 @@ def moe_from_config(config: dict, model_type: str, layers: int) -> MoeShape | No
     return MoeShape(experts=experts, top_k=top_k, expert_intermediate=expert_i, shared_intermediate=shared,
                     shared_gate=model_type == "qwen2_moe" and shared > 0, router_bias=model_type == "gpt_oss",
                     expert_bias=model_type == "gpt_oss", dense_layers=dense,
-                    aux_loss="router_aux_loss_coef" in config)
+                    aux_loss="router_aux_loss_coef" in config, clamped_swiglu=model_type == "gpt_oss")
 
 
 def mla_from_config(config: dict) -> MlaShape | None:
