@@ -64,12 +64,14 @@ def attention_bytes(shape: ModelShape, w: Workload, seq_len: int) -> int:
 
 
 def mla_projection_width(shape: ModelShape) -> int:
-    """Elements per token latent attention keeps: q_b's output, the kv latent with its rope part, kv_b's output,
-    q and k after rotary embedding (heads x qk_head_dim each), v and the output (heads x v_head_dim each)."""
+    """Elements per token latent attention keeps besides its latent norms: q and k after the rotary embedding
+    (heads x qk_head_dim each), v and the output (heads x v_head_dim each), and the shared rope key (the kv latent
+    norm reads a view of kv_a's output, so its input holds the rope part too). q_b's and kv_b's outputs are split
+    and concatenated into q, k and v, and nothing keeps them. (torch's SDPA needs equal q/k and v head dims for
+    its flash kernel: on the CPU MLA falls back to the math path, which keeps the probabilities like eager.)"""
     m, a = shape.mla, shape.num_heads
     assert m is not None
-    return (shape.q_width + m.kv_lora_rank + m.qk_rope_head_dim + a * (m.qk_nope_head_dim + m.v_head_dim)
-            + 2 * shape.q_width + 2 * a * m.v_head_dim)
+    return 2 * shape.q_width + 2 * a * m.v_head_dim + m.qk_rope_head_dim
 
 
 def norms_bytes(shape: ModelShape, w: Workload, stream_bytes: int) -> int:
