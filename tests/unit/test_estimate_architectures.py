@@ -205,6 +205,17 @@ def test_checkpointing_recomputes_the_largest_layer():
     assert full > 10 * checkpointed
 
 
+def test_gpt_oss_attention_is_eager_whatever_sdpa_says():
+    """transformers has no SDPA path for attention sinks: the probabilities (over S + 1 columns) are kept."""
+    oss = shape_of("gpt-oss-20b")
+    w = bf16(gradient_checkpointing=False, seq_len=1024)
+    assert layer_activation_bytes(oss, w, 2, 1024) == layer_activation_bytes(
+        oss, dataclasses.replace(w, attn_implementation="eager"), 2, 1024)
+    without_sinks = dataclasses.replace(oss, attention_sinks=False)
+    assert layer_activation_bytes(oss, w, 2, 1024) - layer_activation_bytes(without_sinks, w, 2, 1024) > \
+        oss.num_heads * 1024 * 4
+
+
 def test_sliding_windows_change_no_memory_term_but_hybrid_models_carry_two_masks():
     gemma = shape_of("gemma-3-27b-text")
     global_only = dataclasses.replace(gemma, sliding_window=None, sliding_layers=0)
@@ -232,8 +243,10 @@ def test_zero3_gathers_a_whole_moe_block_as_one_leaf():
 
 def test_deepseek_v3_full_fine_tuning_does_not_fit_one_node_of_eight_80gib_gpus():
     ds = shape_of("DeepSeek-V3")
-    result = recommend(build_options(ds, bf16(), EIGHT_H100), EIGHT_H100)
+    result = recommend(build_options(ds, bf16(), EIGHT_H100), EIGHT_H100, bf16())
     assert result.option is None and "no option fits" in result.reason
+    assert "enable gradient_checkpointing" not in result.reason and "use LoRA" in result.reason
+    assert "gradient_checkpointing is on already" in result.reason
     # 671B x (2 + 2 + 12) bytes of ZeRO-3 model states need about 10.7 TB across the ranks: 32 nodes suffice
     many = Hardware(nodes=32, gpus_per_node=8, gpu_memory=80 * GiB, cpu_memory=2048 * GiB)
     best = recommend(build_options(ds, bf16(), many), many).option

@@ -47,20 +47,28 @@ def attention_bytes(shape: ModelShape, w: Workload, seq_len: int) -> int:
     the window, stores nothing that grows with S anyway.
     """
     cb = w.compute_bytes
-    flash = w.attn_implementation.startswith("flash")
+    kernel = attention_kernel(shape, w)
+    flash = kernel.startswith("flash")
     if shape.mla:
         size = cb * mla_projection_width(shape) + FP32 * shape.num_heads
     else:
         q = shape.q_width
         kv = 2 * (shape.kv_width if flash or shape.num_kv_heads == shape.num_heads else q)
         size = cb * (q + kv + q) + FP32 * shape.num_heads
-    if w.attn_implementation == "eager":
+    if kernel == "eager":
         columns = seq_len + (1 if shape.attention_sinks else 0)
         softcap = cb if shape.attn_softcapping else 0  # tanh(scores / cap) is kept for its backward
         return size + shape.num_heads * columns * (FP32 + (cb if cb != FP32 else 0) + softcap)
     if flash:
         return size
     return size + seq_len * cb
+
+
+def attention_kernel(shape: ModelShape, w: Workload) -> str:
+    """The kernel that runs: GPT-OSS's attention sinks have no SDPA path in transformers, so sdpa means eager."""
+    if shape.attention_sinks and w.attn_implementation == "sdpa":
+        return "eager"
+    return w.attn_implementation
 
 
 def mla_projection_width(shape: ModelShape) -> int:
