@@ -153,6 +153,41 @@ def test_lora_all_adapts_linear_layers_never_the_router_or_fused_experts():
     assert lora_params(ds, 8, ["q_a_proj"]) == ds.num_layers * 8 * (7168 + 1536)
 
 
+@pytest.mark.parametrize(("model_type", "extra"), [
+    ("qwen2_moe", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 96}),
+    ("deepseek_v2", {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                     "n_shared_experts": 2, "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": None,
+                     "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "num_key_value_heads": 4,
+                     "n_group": 1, "topk_group": 1}),
+    ("glm4_moe", {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "n_shared_experts": 1, "first_k_dense_replace": 1, "head_dim": 16, "n_group": 1, "topk_group": 1}),
+])
+def test_more_moe_families_at_tiny_size(model_type, extra):
+    """Qwen2-MoE's gated shared expert, DeepSeek-V2's MLA without a q latent, GLM-4-MoE: counted exactly too."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(model_type, **{
+        "vocab_size": 1000, "pad_token_id": 0, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, **extra})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    shape = shape_from_config(config.to_dict())
+    assert shape.counts_checked and shape.moe is not None
+    assert sum(p.numel() for p in model.parameters()) == shape.total_params
+
+
+def test_unchecked_families_are_reported_as_approximate(capsys, tmp_path):
+    olmoe = {"model_type": "olmoe", "hidden_size": 2048, "intermediate_size": 1024, "num_hidden_layers": 16,
+             "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 50304, "num_experts": 64,
+             "num_experts_per_tok": 8}
+    (tmp_path / "config.json").write_text(json.dumps(olmoe))
+    assert estimate_command([LLAMA3_FULL, f"model_name_or_path={tmp_path}", "--gpus-per-node", "8",
+                             "--gpu-memory", "80GiB", "--cpu-memory", "2TiB"]) == 0
+    assert "model_type olmoe: read as a LLaMA-style decoder" in capsys.readouterr().out
+    assert all(shape_of(name).counts_checked for name in PUBLISHED)
+
+
 # --- memory ---
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

@@ -101,6 +101,9 @@ def architecture_lines(s: ModelShape) -> list[str]:
     """What the estimate took from the architecture beyond a dense LLaMA: experts, latent attention, tied
     embeddings, sliding windows, attention sinks."""
     lines = []
+    if not s.counts_checked:
+        lines.append(f"model_type {s.model_type}: read as a LLaMA-style decoder; this family's layers are not checked "
+                     "against transformers, so its counts are approximate")
     if s.moe:
         m = s.moe
         shared = f" + shared width {m.shared_intermediate}" if m.shared_intermediate else ""

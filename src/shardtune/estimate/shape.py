@@ -37,6 +37,12 @@ FUSED_GATE_UP_MODEL_TYPES = frozenset({"phi3", "glm4"})
 SINK_MODEL_TYPES = frozenset({"gpt_oss"})
 # Families whose transformers config ties the embedding and the head when config.json does not say.
 TIED_BY_DEFAULT_MODEL_TYPES = frozenset({"gemma", "gemma2", "gemma3_text"})
+# Families whose counts were checked equal to the model transformers builds (tests/unit/test_estimate_architectures.py
+# at real sizes; qwen2_moe, deepseek_v2 and glm4_moe at tiny sizes). Others are read as LLaMA-style decoders with
+# the keys above, and the report says their counts are approximate (OLMoE's full-width q/k norms, Llama 4's
+# interleaved MoE, Qwen3-Next's linear attention are not modelled).
+CHECKED_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma2",
+                                 "gemma3_text", "phi3", "deepseek_v2", "deepseek_v3", "gpt_oss", "glm4", "glm4_moe"})
 # Checkpoint dtypes by their config.json name; anything else counts as 4 bytes (an upper bound).
 CHECKPOINT_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -259,6 +265,11 @@ class ModelShape:
         shared experts. The embedding counts (as Mixtral's 12.9B and DeepSeek-V3's 37B do)."""
         return (self.embedding_params + self.layers_params(range(self.num_layers), active=True) + self.hidden_size
                 + self.head_params)
+
+    @property
+    def counts_checked(self) -> bool:
+        """Whether this family's parameter counts were checked against transformers (see CHECKED_MODEL_TYPES)."""
+        return self.model_type in CHECKED_MODEL_TYPES
 
     @property
     def checkpoint_copy_bytes(self) -> int:
