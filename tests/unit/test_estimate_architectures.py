@@ -396,3 +396,50 @@ def _saved_bytes_of_last_layer(torch, model, batch: int, seq: int) -> int:
     model(input_ids=ids, attention_mask=mask)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     return sum(n for ptr, n in saved.items() if ptr not in params and ptr not in shared)
+
+
+def test_checkpointing_keys_reach_the_estimate(tmp_path):
+    """gradient_checkpointing (and LLaMA-Factory's disable_gradient_checkpointing) switch the activation term."""
+    from shardtune.config.args import load_config
+    from shardtune.estimate.config import workload_from_config
+
+    model = f"model_name_or_path={CONFIGS / 'Qwen3-30B-A3B'}"
+    qwen = shape_of("Qwen3-30B-A3B")
+    on, _ = load_config([LLAMA3_FULL, model])
+    off, _ = load_config([LLAMA3_FULL, model, "gradient_checkpointing=false"])
+    lf_yaml = tmp_path / "lf.yaml"
+    lines = Path(LLAMA3_FULL).read_text().splitlines()
+    lf_yaml.write_text("\n".join([line for line in lines if not line.startswith("gradient_checkpointing:")]
+                                  + ["disable_gradient_checkpointing: true"]) + "\n")
+    lf_off, _ = load_config([str(lf_yaml), model])
+    w_on, w_off = workload_from_config(on), workload_from_config(off)
+    assert w_on.gradient_checkpointing and not w_off.gradient_checkpointing
+    assert workload_from_config(lf_off) == w_off
+    saved = activation_bytes(qwen, w_off, 2) - activation_bytes(qwen, w_on, 2)
+    per_token_layers = sum(layer_activation_bytes(qwen, w_off, 2, w_off.seq_len, i) for i in range(qwen.num_layers))
+    last = layer_activation_bytes(qwen, w_off, 2, w_off.seq_len)
+    assert saved == w_on.tokens * (per_token_layers - qwen.num_layers * qwen.hidden_size * 2 - last)
+
+
+class _Tokenizer:
+    bos_token_id, eos_token_id, pad_token_id = 1, 2, 0
+
+    def __len__(self) -> int:
+        return 300
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3",
+                                  "phi3", "deepseek_v3", "gpt_oss", "glm4"])
+def test_every_tiny_family_config_reads_exactly(arch):
+    """The configs `make-tiny-model --arch` writes: the estimate reads each family's config.json exactly."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from shardtune.model.architectures import tiny_config
+
+    config = tiny_config(arch, tokenizer=_Tokenizer(), layers=4, hidden=64, heads=4, kv_heads=2, intermediate=96,
+                         max_positions=256)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    shape = shape_from_config(json.loads(config.to_json_string()))
+    assert sum(p.numel() for p in model.parameters()) == shape.total_params
+    assert shape.counts_checked
