@@ -443,3 +443,18 @@ def test_every_tiny_family_config_reads_exactly(arch):
     shape = shape_from_config(json.loads(config.to_json_string()))
     assert sum(p.numel() for p in model.parameters()) == shape.total_params
     assert shape.counts_checked
+
+
+def test_fused_experts_keep_activations_in_the_weight_dtype():
+    """grouped_mm is outside autocast and casts its input to the weights' dtype: fp32 under DDP/FSDP (fp32 weights,
+    autocast), bf16 under DeepSpeed (the module cast); dense MLPs keep bf16 either way."""
+    from shardtune.estimate.activations import mlp_bytes
+
+    qwen = shape_of("Qwen3-30B-A3B")
+    w = bf16(gradient_checkpointing=False)
+    moe = qwen.moe
+    assert moe is not None
+    routed = moe.top_k * (2 * qwen.hidden_size + 4 * moe.expert_intermediate)
+    assert mlp_bytes(qwen, w, 0, 4) - mlp_bytes(qwen, w, 0, 2) == 2 * routed
+    ds = shape_of("DeepSeek-V3")
+    assert mlp_bytes(ds, w, 0, 4) == mlp_bytes(ds, w, 0, 2) == 4 * ds.intermediate_size * 2  # a dense layer

@@ -108,18 +108,23 @@ def cast_width(shape: ModelShape, index: int) -> int:
     return width + (shape.hidden_size if shape.is_moe_layer(index) else 0)
 
 
-def mlp_bytes(shape: ModelShape, w: Workload, index: int) -> int:
+def mlp_bytes(shape: ModelShape, w: Workload, index: int, stream_bytes: int | None = None) -> int:
     """A gated MLP keeps gate, up, act(gate) and act(gate)*up (4i). An MoE layer keeps that for each of the
     top-k experts a token goes to, plus the token's gathered input and the expert output it weights (2h each),
     the router's logits and fp32 probabilities (and the routing weights and indices), the shared experts as a
-    plain MLP, and with the load-balancing loss (output_router_logits) one more fp32 softmax of the logits."""
+    plain MLP, and with the load-balancing loss (output_router_logits) one more fp32 softmax of the logits.
+
+    The fused experts run through transformers' grouped_mm, which autocast does not cover: it casts its input to
+    the weights' dtype, so under DDP/FSDP (fp32 weights, autocast) the experts compute and keep fp32 tensors;
+    under DeepSpeed (the module cast to bf16) bf16 ones. ``stream_bytes`` is that weight dtype."""
     cb = w.compute_bytes
     if not shape.is_moe_layer(index):
         return 4 * shape.intermediate_size * cb
     moe = shape.moe
     assert moe is not None
+    eb = stream_bytes or cb
     kept_widths = 7 if moe.clamped_swiglu else 4  # gate_up (2i) + act and product, or GPT-OSS's five
-    experts = moe.top_k * cb * (2 * shape.hidden_size + kept_widths * moe.expert_intermediate)
+    experts = moe.top_k * eb * (2 * shape.hidden_size + kept_widths * moe.expert_intermediate)
     router = moe.experts * (cb + FP32) + moe.top_k * (FP32 + 8) + (moe.experts * FP32 if moe.aux_loss else 0)
     shared = 4 * moe.shared_intermediate * cb + (2 * shape.hidden_size * cb if moe.shared_gate else 0)
     return experts + router + shared
@@ -134,7 +139,7 @@ def layer_activation_bytes(shape: ModelShape, w: Workload, stream_bytes: int, se
     casts = cast_width(shape, index) * cb if autocast else 0
     lora = lora_module_count(w, shape, index) * w.lora_rank * cb  # the output of each lora_A, kept by lora_B
     return (norms_bytes(shape, w, stream_bytes) + casts + attention_bytes(shape, w, seq_len)
-            + mlp_bytes(shape, w, index) + lora)
+            + mlp_bytes(shape, w, index, stream_bytes) + lora)
 
 
 def final_bytes(shape: ModelShape, w: Workload, stream_bytes: int) -> int:
