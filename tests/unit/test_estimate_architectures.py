@@ -458,3 +458,18 @@ def test_fused_experts_keep_activations_in_the_weight_dtype():
     assert mlp_bytes(qwen, w, 0, 4) - mlp_bytes(qwen, w, 0, 2) == 2 * routed
     ds = shape_of("DeepSeek-V3")
     assert mlp_bytes(ds, w, 0, 4) == mlp_bytes(ds, w, 0, 2) == 4 * ds.intermediate_size * 2  # a dense layer
+
+
+def test_qlora_quantizes_linear_layers_only():
+    """bitsandbytes replaces nn.Linear: on Qwen3-30B-A3B that is attention alone, and the fused experts stay in
+    fp32 after prepare_model_for_kbit_training, so QLoRA saves little there."""
+    from shardtune.estimate.workload import quantized_linear_params, weight_bytes
+
+    qwen = shape_of("Qwen3-30B-A3B")
+    qlora = bf16(finetuning_type="qlora", quantization_bit=4)
+    assert quantized_linear_params(qwen, qlora) == qwen.decoder_linear_params
+    assert qwen.decoder_linear_params < qwen.total_params / 10
+    assert weight_bytes(qwen, qlora, 4) > 4 * qwen.expert_params
+    assert weight_bytes(qwen, qlora, 4) / qwen.total_params > 3.5  # bytes per parameter
+    dense = shape_of("Qwen3-8B")  # NF4 layers, fp32 embedding and head
+    assert weight_bytes(dense, qlora, 4) / dense.total_params < 1.1
