@@ -1,4 +1,4 @@
-"""Activation memory of a LLaMA-style decoder: what autograd keeps from the forward for the backward.
+"""Activation memory of a decoder (LLaMA-style, MoE, latent attention): what autograd keeps for the backward.
 
 Counted tensor by tensor from transformers' LlamaDecoderLayer as shardtune runs it (checked with
 ``torch.autograd.graph.saved_tensors_hooks``; see README.md in this folder). All sizes are per token;
@@ -9,7 +9,7 @@ weights: 4 when shardtune keeps fp32 weights and autocasts, 2 when DeepSpeed cas
 from __future__ import annotations
 
 from shardtune.estimate.shape import ModelShape
-from shardtune.estimate.workload import Workload, grad_path_layers, lora_module_count
+from shardtune.estimate.workload import Workload, grad_path_indices, grad_path_layers, lora_module_count
 
 FP32 = 4
 # Autocast casts the fp32 input of each of q/k/v/gate/up_proj to bf16 separately (it caches casts of weights
@@ -23,10 +23,17 @@ AUTOCAST_CAST_INPUTS = 5
 LOGITS_COPIES = 3
 
 
-def norm_bytes(h: int, stream_bytes: int, trainable_weight: bool) -> int:
-    """RMSNorm: its fp32 input (a copy when the stream is bf16), 1/rms, x/rms when the weight trains, output."""
+def norm_bytes(h: int, stream_bytes: int, trainable_weight: bool, output_kept: bool = True) -> int:
+    """RMSNorm: its fp32 input (a copy when the stream is bf16), 1/rms, x/rms when the weight trains, and its
+    output when a linear layer reads it (not for Gemma's and GLM-4's post-norms, which feed the residual add)."""
     normalized = h * stream_bytes if trainable_weight else 0
-    return h * FP32 + FP32 + normalized + h * stream_bytes
+    return h * FP32 + FP32 + normalized + (h * stream_bytes if output_kept else 0)
+
+
+def head_norm_bytes(width: int, heads: int, compute_bytes: int, trainable_weight: bool) -> int:
+    """Per-head q or k RMSNorm (Qwen3, Gemma 3): the fp32 input, one 1/rms per head, the normalized values
+    (compute dtype) when the weight trains; the output goes to the rotary embedding, which keeps nothing of it."""
+    return width * FP32 + heads * FP32 + (width * compute_bytes if trainable_weight else 0)
 
 
 def attention_bytes(shape: ModelShape, w: Workload, seq_len: int) -> int:
@@ -34,29 +41,105 @@ def attention_bytes(shape: ModelShape, w: Workload, seq_len: int) -> int:
 
     With a dense mask (padding, packing) transformers cannot use SDPA's native GQA and repeats k and v to all
     heads; SDPA keeps a floating copy of the mask per layer. Eager attention keeps the softmax probabilities
-    (fp32, plus their cast under mixed precision) instead. flash_attention_2 keeps neither.
+    (fp32, plus their cast under mixed precision) instead; with attention sinks (GPT-OSS) over one more column.
+    flash_attention_2 keeps neither. A sliding window changes none of these: eager and SDPA compute and mask the
+    full [S, S] scores (the window only shapes the mask), and flash-attention-2, which skips the blocks outside
+    the window, stores nothing that grows with S anyway.
     """
     cb = w.compute_bytes
-    q = shape.q_width
-    flash = w.attn_implementation.startswith("flash")
-    kv = 2 * (shape.kv_width if flash or shape.num_kv_heads == shape.num_heads else q)
-    size = cb * (q + kv + q) + FP32 * shape.num_heads
-    if w.attn_implementation == "eager":
-        return size + shape.num_heads * seq_len * (FP32 + (cb if cb != FP32 else 0))
+    kernel = attention_kernel(shape, w)
+    flash = kernel.startswith("flash")
+    if shape.mla:
+        size = cb * mla_projection_width(shape) + FP32 * shape.num_heads
+    else:
+        q = shape.q_width
+        kv = 2 * (shape.kv_width if flash or shape.num_kv_heads == shape.num_heads else q)
+        size = cb * (q + kv + q) + FP32 * shape.num_heads
+    if kernel == "eager":
+        columns = seq_len + (1 if shape.attention_sinks else 0)
+        softcap = cb if shape.attn_softcapping else 0  # tanh(scores / cap) is kept for its backward
+        return size + shape.num_heads * columns * (FP32 + (cb if cb != FP32 else 0) + softcap)
     if flash:
         return size
     return size + seq_len * cb
 
 
-def layer_activation_bytes(shape: ModelShape, w: Workload, stream_bytes: int, seq_len: int) -> int:
-    """Bytes per token that one decoder layer keeps for its backward."""
-    h, cb = shape.hidden_size, w.compute_bytes
-    trainable_norms = w.finetuning_type in ("full", "freeze")
+def attention_kernel(shape: ModelShape, w: Workload) -> str:
+    """The kernel that runs: GPT-OSS's attention sinks have no SDPA path in transformers, so sdpa means eager."""
+    if shape.attention_sinks and w.attn_implementation == "sdpa":
+        return "eager"
+    return w.attn_implementation
+
+
+def mla_projection_width(shape: ModelShape) -> int:
+    """Elements per token latent attention keeps besides its latent norms: q and k after the rotary embedding
+    (heads x qk_head_dim each), v and the output (heads x v_head_dim each), and the shared rope key (the kv latent
+    norm reads a view of kv_a's output, so its input holds the rope part too). q_b's and kv_b's outputs are split
+    and concatenated into q, k and v, and nothing keeps them. (torch's SDPA needs equal q/k and v head dims for
+    its flash kernel: on the CPU MLA falls back to the math path, which keeps the probabilities like eager.)"""
+    m, a = shape.mla, shape.num_heads
+    assert m is not None
+    return 2 * shape.q_width + 2 * a * m.v_head_dim + m.qk_rope_head_dim
+
+
+def norms_bytes(shape: ModelShape, w: Workload, stream_bytes: int) -> int:
+    """The layer's RMSNorms: two (or Gemma's and GLM-4's four) over h, the per-head q/k norms (Qwen3, Gemma 3),
+    MLA's norms of the q and kv latents (which read a compute-dtype input)."""
+    trainable = w.finetuning_type in ("full", "freeze")
+    h = shape.hidden_size
+    total = 2 * norm_bytes(h, stream_bytes, trainable)
+    total += (shape.norms_per_layer - 2) * norm_bytes(h, stream_bytes, trainable, output_kept=False)
+    if shape.qk_norm:
+        cb = w.compute_bytes
+        total += (head_norm_bytes(shape.q_width, shape.num_heads, cb, trainable)
+                  + head_norm_bytes(shape.kv_width, shape.num_kv_heads, cb, trainable))
+    if shape.mla:
+        for width in (shape.mla.q_lora_rank, shape.mla.kv_lora_rank):
+            total += norm_bytes(width, w.compute_bytes, trainable) if width else 0
+    return total
+
+
+def cast_width(shape: ModelShape, index: int) -> int:
+    """Elements per token that autocast casts to bf16/fp16 for the layer's linear calls: every linear reading
+    the fp32 stream or a norm's output (q/k/v, gate/up, fused projections, MLA's latents; not o_proj or down_proj,
+    whose inputs are already compute-dtype) and an MoE router. Each call casts its own copy."""
+    skip = {"o_proj", "down_proj", "shared_expert_gate"}
+    width = sum(fan_in for name, (fan_in, _, _) in shape.layer_linear_shapes(index).items() if name not in skip)
+    return width + (shape.hidden_size if shape.is_moe_layer(index) else 0)
+
+
+def mlp_bytes(shape: ModelShape, w: Workload, index: int, stream_bytes: int | None = None) -> int:
+    """A gated MLP keeps gate, up, act(gate) and act(gate)*up (4i). An MoE layer keeps that for each of the
+    top-k experts a token goes to, plus the token's gathered input and the expert output it weights (2h each),
+    the router's logits and fp32 probabilities (and the routing weights and indices), the shared experts as a
+    plain MLP, and with the load-balancing loss (output_router_logits) one more fp32 softmax of the logits.
+
+    The fused experts run through transformers' grouped_mm, which autocast does not cover: it casts its input to
+    the weights' dtype, so under DDP/FSDP (fp32 weights, autocast) the experts compute and keep fp32 tensors;
+    under DeepSpeed (the module cast to bf16) bf16 ones. ``stream_bytes`` is that weight dtype."""
+    cb = w.compute_bytes
+    if not shape.is_moe_layer(index):
+        return 4 * shape.intermediate_size * cb
+    moe = shape.moe
+    assert moe is not None
+    eb = stream_bytes or cb
+    kept_widths = 7 if moe.clamped_swiglu else 4  # gate_up (2i) + act and product, or GPT-OSS's five
+    experts = moe.top_k * eb * (2 * shape.hidden_size + kept_widths * moe.expert_intermediate)
+    router = moe.experts * (cb + FP32) + moe.top_k * (FP32 + 8) + (moe.experts * FP32 if moe.aux_loss else 0)
+    shared = 4 * moe.shared_intermediate * cb + (2 * shape.hidden_size * cb if moe.shared_gate else 0)
+    return experts + router + shared
+
+
+def layer_activation_bytes(shape: ModelShape, w: Workload, stream_bytes: int, seq_len: int,
+                           index: int | None = None) -> int:
+    """Bytes per token that decoder layer ``index`` (the last by default) keeps for its backward."""
+    index = shape.num_layers - 1 if index is None else index
+    cb = w.compute_bytes
     autocast = stream_bytes == FP32 and cb != FP32
-    casts = AUTOCAST_CAST_INPUTS * h * cb if autocast else 0
-    mlp = 4 * shape.intermediate_size * cb  # gate, up, silu(gate), silu(gate) * up
-    lora = lora_module_count(w) * w.lora_rank * cb  # the output of each lora_A, kept by lora_B
-    return 2 * norm_bytes(h, stream_bytes, trainable_norms) + casts + attention_bytes(shape, w, seq_len) + mlp + lora
+    casts = cast_width(shape, index) * cb if autocast else 0
+    lora = lora_module_count(w, shape, index) * w.lora_rank * cb  # the output of each lora_A, kept by lora_B
+    return (norms_bytes(shape, w, stream_bytes) + casts + attention_bytes(shape, w, seq_len)
+            + mlp_bytes(shape, w, index, stream_bytes) + lora)
 
 
 def final_bytes(shape: ModelShape, w: Workload, stream_bytes: int) -> int:
@@ -75,12 +158,12 @@ def final_bytes(shape: ModelShape, w: Workload, stream_bytes: int) -> int:
 
 def decoder_activation_bytes(shape: ModelShape, w: Workload, stream_bytes: int) -> int:
     """All layers: full activations, or with gradient checkpointing each layer's input plus one recomputed layer."""
-    layers = grad_path_layers(shape, w)
-    per_layer = layer_activation_bytes(shape, w, stream_bytes, w.seq_len)
-    if w.gradient_checkpointing:
-        per_token = layers * shape.hidden_size * stream_bytes + per_layer
+    path = grad_path_indices(shape, w)
+    per_layer = [layer_activation_bytes(shape, w, stream_bytes, w.seq_len, i) for i in path]
+    if w.gradient_checkpointing:  # each layer keeps its input; the largest layer is recomputed at some point
+        per_token = len(path) * shape.hidden_size * stream_bytes + max(per_layer, default=0)
     else:
-        per_token = layers * per_layer
+        per_token = sum(per_layer)
     return w.tokens * (per_token + final_bytes(shape, w, stream_bytes))
 
 
@@ -98,15 +181,18 @@ def logits_bytes(shape: ModelShape, w: Workload, weight_bytes: int = FP32) -> in
     return min(w.loss_chunk_size, w.tokens) * shape.vocab_size * (FP32 + cast) + head_gradient
 
 
-def input_bytes(w: Workload) -> int:
+def input_bytes(w: Workload, shape: ModelShape | None = None) -> int:
     """The batch: input_ids, labels and position_ids (int64), and the dense [B, 1, S, S] boolean attention
-    mask that packed rows carry (transformers builds the same from a padding mask)."""
-    mask = 0 if w.attn_implementation.startswith("flash") else w.seq_len
+    mask that packed rows carry (transformers builds the same from a padding mask). A model with both local and
+    global layers (Gemma 2/3, GPT-OSS) gets two masks, a full one and a sliding one."""
+    masks = 2 if shape is not None and 0 < shape.sliding_layers < shape.num_layers else 1
+    mask = 0 if w.attn_implementation.startswith("flash") else masks * w.seq_len
     return w.tokens * (3 * 8 + mask)
 
 
 def activation_bytes(shape: ModelShape, w: Workload, stream_bytes: int) -> int:
-    return decoder_activation_bytes(shape, w, stream_bytes) + logits_bytes(shape, w, stream_bytes) + input_bytes(w)
+    return (decoder_activation_bytes(shape, w, stream_bytes) + logits_bytes(shape, w, stream_bytes)
+            + input_bytes(w, shape))
 
 
 def autocast_weight_copy_bytes(shape: ModelShape, w: Workload) -> int:
@@ -128,6 +214,12 @@ def autocast_weight_copy_bytes(shape: ModelShape, w: Workload) -> int:
     frozen_on_path = grad_path_layers(shape, w) - trainable_layers
     if w.gradient_checkpointing or w.quantization_bit:
         frozen_on_path = 0
-    layers = trainable_layers + frozen_on_path
+    layers = range(shape.num_layers - trainable_layers - frozen_on_path, shape.num_layers)
     head = shape.vocab_size * shape.hidden_size
-    return w.compute_bytes * (layers * shape.layer_linear_params + head)
+    return w.compute_bytes * (sum(cast_weight_params(shape, i) for i in layers) + head)
+
+
+def cast_weight_params(shape: ModelShape, index: int) -> int:
+    """Weights of layer ``index`` that autocast copies: its nn.Linear weights. The fused experts are sliced per
+    expert (``gate_up_proj[e]``, not a leaf), so autocast does not cache their casts: each is freed after use."""
+    return shape.layer_linear_param_count(index)

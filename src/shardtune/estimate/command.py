@@ -135,6 +135,6 @@ def estimate_command(argv: list[str]) -> int:
     hardware = resolve_hardware(args.values)
     workload = workload_from_config(config)
     options = build_options(shape, workload, hardware)
-    estimate = Estimate(shape, workload, hardware, options, recommend(options, hardware))
+    estimate = Estimate(shape, workload, hardware, options, recommend(options, hardware, workload))
     print(json.dumps(estimate_dict(estimate), indent=2) if args.as_json else render_table(estimate))
     return 0

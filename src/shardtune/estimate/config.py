@@ -65,7 +65,7 @@ def recommend_for_config(config: TrainConfig, world_size: int, nproc_per_node: i
     process). ``gpu_memory_bytes`` None means the ranks run on the CPU. Raises ConfigError when nothing fits.
     """
     hardware = hardware_for(world_size, nproc_per_node, gpu_memory_bytes, cpu_memory_bytes)
-    result = recommend(options_for_config(config, hardware), hardware)
+    result = recommend(options_for_config(config, hardware), hardware, workload_from_config(config))
     if result.option is None:
         raise ConfigError(f"engine (auto): {result.reason}")
     return dict(result.option.engine_values), result.reason
@@ -126,8 +126,9 @@ def fit_warning(config: TrainConfig, world_size: int, nproc_per_node: int, gpu_m
         return None  # an unreadable model shape is reported by the other checks
     if option.fits or not option.available:
         return None
-    best = recommend(build_options(load_model_shape(config.model_name_or_path), workload_from_config(config),
-                                   hardware), hardware)
+    workload = workload_from_config(config)
+    best = recommend(build_options(load_model_shape(config.model_name_or_path), workload, hardware), hardware,
+                     workload)
     hint = f"; {best.option.name} would fit ({_values(best.option)})" if best.option else f"; {best.reason}"
     need = (f"{format_size(option.device_peak)} per GPU of {format_size(gpu_memory_bytes)}" if hardware.on_gpu
             else f"{format_size(option.cpu_per_node)} of {format_size(cpu_memory_bytes)} CPU memory")

@@ -208,7 +208,9 @@ def fsdp_units(c: Context) -> tuple[float, float]:
     """fp32 bytes of the root unit (embeddings, final norm, lm_head) and of one decoder-layer unit."""
     s = c.shape
     root = FP32 * (s.embedding_params + s.head_params + s.hidden_size)
-    layer = (weight_bytes(s, c.workload, FP32) - root) / s.num_layers
+    decoder = s.total_params - s.embedding_params - s.head_params - s.hidden_size
+    # The largest unit (an MoE layer with every expert, where layers differ): its share of the decoder's bytes.
+    layer = (weight_bytes(s, c.workload, FP32) - root) * s.layer_params / decoder
     return root, layer
 
 
@@ -279,7 +281,7 @@ def zero_states(c: Context, z: ZeroSettings) -> tuple[Components, float, Setup]:
     params, gathered = weights, 0.0
     if z.stage == 3:
         params = 0.0 if z.offload_params else weights / p_div
-        gathered = weights * min(c.params, z.live_parameters) / c.params
+        gathered = weights * max(min(c.params, z.live_parameters), moe_leaf_params(c.shape)) / c.params
     device = Components(
         parameters=params,
         gradients=0.0 if z.offload_optimizer else b * t / g_div,
@@ -293,6 +295,18 @@ def zero_states(c: Context, z: ZeroSettings) -> tuple[Components, float, Setup]:
     if z.offload_params:
         offloaded += weights / n
     return device, offloaded, zero_setup(c, z, weights)
+
+
+def moe_leaf_params(shape: ModelShape) -> int:
+    """Parameters of the largest sparse MoE block (every expert, the router, the shared experts): shardtune marks
+    it a ZeRO-3 leaf module so that ranks routing to different experts gather the same parameters, and a leaf is
+    gathered whole whatever stage3_max_live_parameters says. 0 for a dense model."""
+    if shape.moe is None or shape.moe_layers == 0:
+        return 0
+    index = next(i for i in range(shape.num_layers) if shape.is_moe_layer(i))
+    shared = sum(shape.linear_params(name, index) for name in shape.layer_linear_shapes(index)
+                 if name not in shape.attention_linear_shapes())
+    return shape.layer_expert_params(index) + shared
 
 
 def staging_bucket_bytes(z: ZeroSettings, b: int, trainable: int, activations: float, on_gpu: bool) -> float:

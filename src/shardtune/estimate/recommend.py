@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from shardtune.estimate.hardware import Hardware, format_size
 from shardtune.estimate.options import Option
+from shardtune.estimate.workload import Workload
 
 
 @dataclass(frozen=True)
@@ -14,11 +15,12 @@ class Recommendation:
     reason: str
 
 
-def recommend(options: list[Option], hardware: Hardware) -> Recommendation:
-    """The fastest available option that fits; ties (ZeRO-3 vs FULL_SHARD) go to the smaller device peak."""
+def recommend(options: list[Option], hardware: Hardware, workload: Workload | None = None) -> Recommendation:
+    """The fastest available option that fits; ties (ZeRO-3 vs FULL_SHARD) go to the smaller device peak.
+    With the workload, the remedies when nothing fits leave out what it already does."""
     fitting = [o for o in options if o.fits]
     if not fitting:
-        return Recommendation(None, nothing_fits_reason(options, hardware))
+        return Recommendation(None, nothing_fits_reason(options, hardware, workload))
     best = min(fitting, key=lambda o: (o.speed_rank, o.device_peak))
     return Recommendation(best, fit_reason(best, options, hardware))
 
@@ -42,12 +44,25 @@ def _shortfall(option: Option, hardware: Hardware) -> str:
     return f"needs {format_size(option.cpu_per_node)} CPU memory per node"
 
 
-def nothing_fits_reason(options: list[Option], hardware: Hardware) -> str:
+def nothing_fits_reason(options: list[Option], hardware: Hardware, workload: Workload | None = None) -> str:
     available = [o for o in options if o.available]
     if not available:
         return "no engine option can run this job here"
     smallest = min(available, key=lambda o: o.device_peak if hardware.on_gpu else o.cpu_per_node)
     return (f"no option fits {hardware.describe()}; the smallest, {smallest.name}, needs "
             f"{format_size(smallest.device_peak)} per device and {format_size(smallest.cpu_per_node)} CPU memory "
-            "per node: enable gradient_checkpointing, lower per_device_train_batch_size or cutoff_len, use LoRA, "
-            "or add GPUs")
+            f"per node: {', '.join(remedies(workload))}")
+
+
+def remedies(workload: Workload | None) -> list[str]:
+    """What would lower the memory, without what the job already does."""
+    items = []
+    if workload is None or not workload.gradient_checkpointing:
+        items.append("enable gradient_checkpointing")
+    items.append("lower per_device_train_batch_size or cutoff_len")
+    if workload is None or not workload.is_lora:
+        items.append("use LoRA")
+    items.append("or add GPUs")
+    if workload is not None and workload.gradient_checkpointing:
+        items[-1] += " (gradient_checkpointing is on already)"
+    return items

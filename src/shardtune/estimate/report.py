@@ -45,7 +45,7 @@ def estimate_dict(e: Estimate) -> dict[str, Any]:
     """JSON-ready: one object per option with its bytes per component."""
     best = e.recommendation.option
     return {
-        "model": {**asdict(e.shape), "total_params": e.shape.total_params,
+        "model": {**asdict(e.shape), "total_params": e.shape.total_params, "active_params": e.shape.active_params,
                   "trainable_params": trainable_params(e.shape, e.workload)},
         "workload": asdict(e.workload),
         "hardware": {**asdict(e.hardware), "world_size": e.hardware.world_size},
@@ -87,6 +87,7 @@ def _header(e: Estimate) -> str:
     return "\n".join([
         f"model: {s.source or s.model_type} ({s.total_params / 1e9:.3g}B params; {method}, "
         f"{trainable / 1e9:.3g}B trainable)",
+        *architecture_lines(s),
         f"run: {w.precision}, micro batch {w.micro_batch} x {w.seq_len} tokens, gradient checkpointing "
         f"{checkpointing}, {w.attn_implementation} attention, {w.optim}",
         f"hardware: {e.hardware.describe()} (world size {e.hardware.world_size})",
@@ -94,6 +95,35 @@ def _header(e: Estimate) -> str:
         "gradients, buckets); 'setup' is the peak while the model loads and the engine shards it; 'CPU/node' adds "
         "every rank of a node (the copies loaded, offloaded states, 1 GiB runtime each)",
     ])
+
+
+def architecture_lines(s: ModelShape) -> list[str]:
+    """What the estimate took from the architecture beyond a dense LLaMA: experts, latent attention, tied
+    embeddings, sliding windows, attention sinks."""
+    lines = []
+    if not s.counts_checked:
+        lines.append(f"model_type {s.model_type}: read as a LLaMA-style decoder; this family's layers are not checked "
+                     "against transformers, so its counts are approximate")
+    if s.moe:
+        m = s.moe
+        shared = f" + shared width {m.shared_intermediate}" if m.shared_intermediate else ""
+        dense = f", {len(m.dense_layers)} dense layers" if m.dense_layers else ""
+        lines.append(f"mixture of experts: {m.experts} experts, top-{m.top_k}{shared}{dense}; "
+                     f"{s.total_params / 1e9:.3g}B total, {s.active_params / 1e9:.3g}B active per token "
+                     f"(every expert is resident, and trains under full fine-tuning; activations follow the "
+                     f"top-{m.top_k})")
+    if s.mla:
+        a = s.mla
+        lines.append(f"latent attention: q_lora_rank {a.q_lora_rank}, kv_lora_rank {a.kv_lora_rank}, "
+                     f"qk head {a.qk_nope_head_dim}+{a.qk_rope_head_dim} (nope+rope), v head {a.v_head_dim}")
+    if s.tie_word_embeddings:
+        lines.append("tied embeddings: the embedding and the output head are one matrix (counted once)")
+    if s.sliding_window:
+        lines.append(f"sliding window {s.sliding_window} on {s.sliding_layers} of {s.num_layers} layers: no memory "
+                     "term shrinks (eager and sdpa mask the full scores; flash-attention stores nothing per S)")
+    if s.attention_sinks:
+        lines.append("attention sinks: one learned logit per head (GPT-OSS; eager attention)")
+    return lines
 
 
 def _row(o: Option, hw: Hardware) -> tuple[str, ...]:

@@ -89,11 +89,17 @@ def grad_path_layers(shape: ModelShape, w: Workload) -> int:
     return shape.num_layers
 
 
+def grad_path_indices(shape: ModelShape, w: Workload) -> range:
+    """The decoder layers the backward runs through: the last ``grad_path_layers``."""
+    return range(shape.num_layers - grad_path_layers(shape, w), shape.num_layers)
+
+
 def quantized_linear_params(shape: ModelShape, w: Workload) -> int:
-    """Base linear weights stored by bitsandbytes (QLoRA); 0 without quantization."""
+    """Base linear weights stored by bitsandbytes (QLoRA); 0 without quantization. bitsandbytes replaces
+    nn.Linear layers only: fused MoE experts stay in the module dtype."""
     if w.quantization_bit is None:
         return 0
-    return shape.num_layers * shape.layer_linear_params
+    return shape.decoder_linear_params
 
 
 def weight_bytes(shape: ModelShape, w: Workload, module_bytes: int) -> float:
@@ -109,5 +115,12 @@ def weight_bytes(shape: ModelShape, w: Workload, module_bytes: int) -> float:
     return plain * module_bytes + quantized * per_quantized
 
 
-def lora_module_count(w: Workload) -> int:
-    return len(lora_target_modules(w.lora_targets)) if w.is_lora else 0
+def lora_module_count(w: Workload, shape: ModelShape | None = None, index: int | None = None) -> int:
+    """Adapted linear layers in decoder layer ``index`` of ``shape`` (LLaMA's seven names without a shape)."""
+    if not w.is_lora:
+        return 0
+    modules = lora_target_modules(w.lora_targets, shape)
+    if shape is None:
+        return len(modules)
+    present = shape.layer_linear_shapes(index)
+    return sum(1 for m in modules if m in present)
