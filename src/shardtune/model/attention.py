@@ -17,13 +17,16 @@ import inspect
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from shardtune.errors import ModelError
+from shardtune.model.folder import read_config_json
 
 AUTO = "auto"
 KERNELS = ("flash_attention_2", "sdpa", "eager")
 FULL, SLIDING = "full_attention", "sliding_attention"
+FLASH_ATTN_SPELLING = {"flash_attention_2": "fa2", "sdpa": "sdpa", "eager": "disabled"}  # LLaMA-Factory's key
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,24 @@ def _module_source(cls: type) -> str:
         return ""
 
 
+def known_model_config(name: str, *, builds_tiny_model: bool = False) -> dict[str, Any] | None:
+    """config.json of a local folder, or of a hub id already in the local cache; None when not known here.
+
+    Nothing is downloaded: an uncached hub id is decided on each rank once it has loaded the config.
+    ``builds_tiny_model``: the folder does not exist yet and will hold shardtune's tiny LLaMA.
+    """
+    if builds_tiny_model and not Path(name).exists():
+        return {"model_type": "llama"}
+    if Path(name).exists():
+        return read_config_json(name)
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(name, local_files_only=True).to_dict()
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def flash_available(has_cuda: bool) -> bool:
     return has_cuda and importlib.util.find_spec("flash_attn") is not None
 
@@ -94,7 +115,7 @@ def choose_attention(requested: str, support: KernelSupport | None, *, flash_usa
     if support.flash and flash_usable and not support.sinks:
         return AttentionChoice("flash_attention_2", f"auto: {support.model_class} supports it, flash-attn is "
                                                     "installed and a CUDA GPU is used")
-    why_not_flash = ("its attention sinks need a kernel that takes them" if support.sinks
+    why_not_flash = ("flash-attn 2 would drop its attention sinks" if support.sinks
                      else "flash-attn is not usable here (needs the package and a CUDA GPU)")
     if support.sdpa:
         return AttentionChoice("sdpa", f"auto: {support.model_class} supports sdpa; {why_not_flash}")
@@ -105,7 +126,7 @@ def kernel_problem(kernel: str, support: KernelSupport | None, model: str) -> st
     """Why ``model`` cannot train with ``kernel`` (None when it can, or when its class is unknown)."""
     if support is None or kernel == "eager":
         return None
-    key = f"attn_implementation ({kernel})"
+    key = f"attn_implementation ({kernel}; flash_attn: {FLASH_ATTN_SPELLING[kernel]})"
     fix = "use flash_attn: auto (or attn_implementation: auto) to pick a kernel it supports"
     if kernel == "sdpa" and not support.sdpa:
         return f"{key}: {support.model_class} ({model}) does not support sdpa; {fix}, or flash_attn: disabled (eager)"
