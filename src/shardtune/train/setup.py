@@ -144,11 +144,15 @@ def build_loader(dataset: Any, tokenizer: Any, batch_size: int, engine: Engine, 
                       **loader_options(c, torch.cuda.is_available()))
 
 
-def model_layer_windows(c: TrainConfig) -> dict[str, int | None]:
-    """The model's kinds of attention layers and their sliding windows, for packed rows' masks."""
+def model_layer_windows(c: TrainConfig) -> dict[str, int | None] | None:
+    """The model's kinds of attention layers and their sliding windows, for packed rows' masks (None: unpacked
+    rows, whose plain padding mask lets the model build its own)."""
     from shardtune.model.attention import layer_windows
     from shardtune.model.load import load_model_config
+    from shardtune.train.settings import resolved_packing
 
+    if not resolved_packing(c):
+        return None
     return layer_windows(load_model_config(c.model_name_or_path or "", trust_remote_code=c.trust_remote_code))
 
 
