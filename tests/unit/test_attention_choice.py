@@ -120,6 +120,9 @@ def test_launching_host_resolves_auto_from_the_folder_and_says_why(tiny_model_di
                      "here (needs the package and a CUDA GPU))"]
     explicit = build_config({"model_name_or_path": str(tiny_model_dir), "flash_attn": "disabled"})
     assert apply_attention_auto(explicit, has_cuda=False).attn_implementation == "eager"
+    assert "[shardtune] attention: eager (asked for" in capsys.readouterr().out
+    apply_attention_auto(explicit, has_cuda=False, announce_choice=False)  # a rank: the launching host said it
+    assert "attention" not in capsys.readouterr().out
 
 
 def test_an_uncached_hub_id_is_decided_on_the_rank(capsys) -> None:

@@ -53,7 +53,8 @@ def preflight(argv: list[str], world_size: int, local_world_size: int | None = N
     config, cmd = load_config(argv, defaults=extra_values)
     validate_config(config)
     attention_was_auto = config.attn_implementation == "auto"
-    config = apply_attention_auto(config, has_cuda=visible_gpu_count() > 0)
+    config = apply_attention_auto(config, has_cuda=visible_gpu_count() > 0,
+                                  announce_choice=not launch_env.inside_launcher())
     if config.engine == "auto":
         config = apply_engine_auto(config, world_size, local_world_size or world_size)
     engine, problems = plan_engine(config, world_size, has_cuda=visible_gpu_count() > 0)
@@ -77,13 +78,20 @@ def apply_engine_auto(config: TrainConfig, world_size: int, nproc_per_node: int)
     return replace(config, engine="manual", **values)
 
 
-def apply_attention_auto(config: TrainConfig, has_cuda: bool) -> TrainConfig:
+def apply_attention_auto(config: TrainConfig, has_cuda: bool, announce_choice: bool = True) -> TrainConfig:
     """`attn_implementation: auto` (LLaMA-Factory's flash_attn: auto; the default): a kernel the model's class
-    supports, decided here once from its config.json, before any weights load, and said with the reason."""
+    supports, decided here once from its config.json, before any weights load, and said with the reason.
+    ``announce_choice``: also say a kernel the config chose (the launching host does; its ranks do not repeat it).
+    """
     from shardtune.model.attention import AUTO, choose_attention, flash_available, kernel_support, known_model_config
 
     name = config.model_name_or_path
-    if config.attn_implementation != AUTO or name is None:
+    if name is None:
+        return config
+    if config.attn_implementation != AUTO:
+        if announce_choice:
+            print(f"[shardtune] attention: {config.attn_implementation} (asked for: attn_implementation / "
+                  "flash_attn)", flush=True)
         return config
     known = known_model_config(name, builds_tiny_model=config.build_tiny_model_if_missing)
     if known is None:

@@ -88,7 +88,7 @@ def count_input_tokens(batch: Batch) -> int:
     if "num_tokens" in batch:
         return int(batch["num_tokens"])
     mask = batch.get("attention_mask")
-    if mask is not None and mask.dim() == 2:
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         return int(mask.sum())
     return batch["input_ids"].numel()
 
