@@ -113,8 +113,8 @@ def choose_attention(requested: str, support: KernelSupport | None, *, flash_usa
         return AttentionChoice("eager", "auto: the model class is unknown before loading (remote code), and eager "
                                         "is the kernel every model runs")
     if support.flash and flash_usable and not support.sinks:
-        return AttentionChoice("flash_attention_2", f"auto: {support.model_class} supports it, flash-attn is "
-                                                    "installed and a CUDA GPU is used")
+        return AttentionChoice("flash_attention_2", f"auto: {support.model_class} supports flash attention, "
+                                                    "flash-attn is installed and a CUDA GPU is used")
     why_not_flash = ("flash-attn 2 would drop its attention sinks" if support.sinks
                      else "flash-attn is not usable here (needs the package and a CUDA GPU)")
     if support.sdpa:
