@@ -118,6 +118,17 @@ def export_source(tmp: Path, weights: bytes | None = None, run_config: bool = Tr
     return source
 
 
+def arch_model(tmp: Path, arch: str, layer_types: list[str] | None = None) -> dict:
+    """A tiny model of family ``arch`` (optionally with other layer kinds in its config.json) as the run's model."""
+    from shardtune.model.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp / f"tiny-{arch}", arch=arch)
+    if layer_types is not None:
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, "layer_types": layer_types}))
+    return {"model_name_or_path": str(model)}
+
+
 RECORD = '{"instruction": "Say hi.", "input": "", "output": "Hi!"}'
 
 CATALOGUE = [
@@ -159,6 +170,12 @@ CATALOGUE = [
     Case("accelerate-config-mismatch", "num_processes: 2 but this launch has 4",
          {"fsdp_config": str(REPO / "examples/accelerate/fsdp_config.yaml")}, env={"NPROC_PER_NODE": "4"}),
     Case("quantization-without-gpu", "needs a CUDA GPU", {"quantization_bit": 4}),
+    Case("attention-not-supported", "GptOssForCausalLM", {"flash_attn": "sdpa"}, command="train",
+         prepare=lambda t: arch_model(t, "gpt_oss")),
+    Case("attention-drops-sinks", "has attention sinks, which the flash-attn 2 kernel does not take",
+         {"flash_attn": "fa2"}, command="train", prepare=lambda t: arch_model(t, "gpt_oss")),
+    Case("packing-unmaskable-layers", "has chunked_attention layers", {"flash_attn": "sdpa", "packing": True},
+         command="train", prepare=lambda t: arch_model(t, "gemma3", ["chunked_attention", "full_attention"])),
     Case("output-dir-finished", "already holds a finished run", prepare=finished_output),
     Case("output-dir-not-creatable", "is a file", prepare=lambda t: (t / "f").write_text("x") and
          {"output_dir": str(t / "f" / "out")}),

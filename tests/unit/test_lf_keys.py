@@ -14,7 +14,7 @@ BASE = {"model_name_or_path": "org/model", "dataset": "demo", "output_dir": "out
 
 # --- spellings -> shardtune keys ---
 
-@pytest.mark.parametrize(("flash_attn", "expected"), [("auto", "sdpa"), ("sdpa", "sdpa"), ("disabled", "eager"),
+@pytest.mark.parametrize(("flash_attn", "expected"), [("auto", "auto"), ("sdpa", "sdpa"), ("disabled", "eager"),
                                                       ("fa2", "flash_attention_2")])
 def test_flash_attn_maps_onto_attn_implementation(flash_attn, expected):
     assert build_config({**BASE, "flash_attn": flash_attn}).attn_implementation == expected

@@ -54,9 +54,10 @@ def _refuse_unless(accepted: Any, reason: str) -> Callable[[str], Translate]:
     return for_key
 
 
-# LLaMA-Factory's `flash_attn` -> transformers' attn_implementation. `auto` lets LLaMA-Factory pick FA2 when it is
-# installed, else SDPA; shardtune never switches kernels behind the user's back, so auto is SDPA here.
-FLASH_ATTN = {"auto": "sdpa", "sdpa": "sdpa", "disabled": "eager", "eager": "eager", "fa2": "flash_attention_2"}
+# --- attention kernel (attention) ---
+# LLaMA-Factory's `flash_attn` -> transformers' attn_implementation. `auto` stays auto: the launching host picks a
+# kernel the model supports (model/attention.py) and says which, with the reason, in the run log.
+FLASH_ATTN = {"auto": "auto", "sdpa": "sdpa", "disabled": "eager", "eager": "eager", "fa2": "flash_attention_2"}
 
 
 def _flash_attn(value: Any, _values: Mapping[str, Any]) -> dict[str, Any]:
@@ -103,9 +104,10 @@ def _into_fsdp_config(name: str) -> Translate:
 MAPPED: dict[str, Mapped] = {
     # --- training arguments of the Hugging Face Trainer ---
     "evaluation_strategy": Mapped("eval_strategy (its newer name)", _rename("eval_strategy")),
-    # --- model, outputs and memory (lfkeys) ---
-    "flash_attn": Mapped("attn_implementation (auto/sdpa: sdpa, disabled: eager, fa2: flash_attention_2)",
+    # --- attention kernel (attention): auto resolved per model on the launching host ---
+    "flash_attn": Mapped("attn_implementation (auto: auto, sdpa: sdpa, disabled: eager, fa2: flash_attention_2)",
                          _flash_attn),
+    # --- model, outputs and memory (lfkeys) ---
     "disable_gradient_checkpointing": Mapped("gradient_checkpointing (negated)", _gradient_checkpointing_off),
     "use_reentrant_gc": Mapped("gradient_checkpointing_kwargs.use_reentrant", _use_reentrant),
     "fsdp_transformer_layer_cls_to_wrap": Mapped(

@@ -66,8 +66,10 @@ class TrainConfig:
     # --- model ---
     model_name_or_path: str | None = _key(None, "local model directory or hub id (config.json required)", MODEL)
     trust_remote_code: bool = _key(False, "allow code from the model directory to run (off by default)", MODEL)
-    attn_implementation: str = _key("sdpa", "attention kernel passed to transformers", MODEL,
-                                    choices=("sdpa", "eager", "flash_attention_2"))
+    attn_implementation: str = _key(
+        "auto", "attention kernel passed to transformers; auto: flash_attention_2 where flash-attn and a CUDA GPU are "
+                "present and the model supports it, else sdpa if it supports that, else eager", MODEL,
+        choices=("auto", "sdpa", "eager", "flash_attention_2"))
     build_tiny_model_if_missing: bool = _key(
         False, "build a random tiny LLaMA + local tokenizer at model_name_or_path if it does not exist", MODEL)
     adapter_name_or_path: list[str] = _key(

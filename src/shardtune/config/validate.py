@@ -9,10 +9,11 @@ from pathlib import Path
 
 from shardtune.config.schema import REPORT_TO, TrainConfig
 from shardtune.data.tokenized import is_saved
-from shardtune.errors import ConfigError
-from shardtune.model.folder import model_folder_problems
+from shardtune.errors import ConfigError, ModelError
+from shardtune.model.folder import model_folder_problems, read_config_json
 from shardtune.train.checkpoint_folders import checkpoint_problems, resume_source
 from shardtune.train.reporting import tracker_problems
+from shardtune.train.settings import resolved_packing
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -179,7 +180,8 @@ def file_problems(c: TrainConfig) -> list[str]:
     problems: list[str] = []
     model = c.model_name_or_path
     if model is not None and not (c.build_tiny_model_if_missing and not Path(model).exists()):
-        problems += model_path_problems(model)
+        model_problems = model_path_problems(model)
+        problems += model_problems or attention_problems(c)
     if c.output_dir is not None:
         problems += output_dir_problems(c)
     for adapter in c.adapter_name_or_path:
@@ -190,6 +192,25 @@ def file_problems(c: TrainConfig) -> list[str]:
         key = "resume_from_checkpoint" if c.resume_from_checkpoint else f"output_dir (resuming from {resume})"
         problems += checkpoint_problems(resume, key)
     return problems
+
+
+def attention_problems(c: TrainConfig) -> list[str]:
+    """A kernel the model cannot run, or packed rows it cannot keep apart under that kernel (a local model folder
+    with a chosen kernel; ``auto`` is resolved to a supported one before this runs)."""
+    from shardtune.model.attention import AUTO, kernel_problem, kernel_support, packing_problem
+
+    try:
+        config = read_config_json(c.model_name_or_path or "")
+    except ModelError:
+        return []  # reported by the folder checks
+    if config is None or c.attn_implementation == AUTO:
+        return []
+    support = kernel_support(config)
+    model = str(c.model_name_or_path)
+    problem = kernel_problem(c.attn_implementation, support, model)
+    if problem is None and resolved_packing(c):
+        problem = packing_problem(config, support, c.attn_implementation, model)
+    return [problem] if problem else []
 
 
 def model_path_problems(model: str) -> list[str]:

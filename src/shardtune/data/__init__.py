@@ -3,7 +3,8 @@
 Typical use on every rank::
 
     train, evaluation = build_datasets(tokenizer, settings)
-    collator = DataCollator(tokenizer.pad_token_id, attn_implementation=model.config._attn_implementation)
+    collator = DataCollator(tokenizer.pad_token_id, attn_implementation=model.config._attn_implementation,
+                            window_by_layer_type=layer_windows(model.config))  # shardtune.model.attention
 
 and on the launching host, before spawning anything: ``check_data_settings(settings)``.
 This package never imports ``torch.distributed``; callers decide which rank preprocesses first.

@@ -20,6 +20,11 @@ How packed rows stay independent (checked against transformers 5.23: ``masking_u
   (Python ints, as transformers' ``DataCollatorWithFlattening`` does), and no ``attention_mask``.
   (Relying on ``position_ids`` alone is not enough for sdpa/eager either: that detection is skipped
   whenever a KV cache exists, and the model creates one unless ``use_cache=False``.)
+* Sliding-window layers: a 4-D mask is used as is, so the window must be in it. ``window_by_layer_type``
+  (from the model's config: ``model.attention.layer_windows``) names each kind of layer and its window; with one
+  kind the mask is a tensor (windowed for Mistral-style models, whose mask function returns a 4-D mask
+  unchanged), with several (Gemma 2/3, GPT-OSS: local and global layers) it is ``{layer type: mask}``, which
+  those models take in place of building their own. Flash gets each layer's window from the layer itself.
 * Rows that are not packed get the usual 2-D padding mask ``[B, L]`` (1 = token, 0 = padding).
 
 Padding forms its own causal segment so that no query row is fully masked (an all-blocked row
@@ -28,7 +33,7 @@ makes SDPA return NaN, which would then leak into real tokens through 0 * NaN).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -43,14 +48,17 @@ class DataCollator:
     Returns tensors ``input_ids``, ``labels`` (IGNORE_INDEX on padding), ``position_ids`` and
     ``attention_mask`` (see the module docstring for its shape per attention implementation);
     packed rows under flash attention get the varlen kwargs instead of ``attention_mask``, two of
-    which are Python ints, so move only tensor values to the device.
+    which are Python ints, so move only tensor values to the device. ``window_by_layer_type``: the model's kinds
+    of attention layers and their sliding windows (None: no window); full attention everywhere when not given.
     """
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None,
-                 attn_implementation: str | None = None) -> None:
+                 attn_implementation: str | None = None,
+                 window_by_layer_type: Mapping[str, int | None] | None = None) -> None:
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
         self.attn_implementation = attn_implementation
+        self.window_by_layer_type = dict(window_by_layer_type or {"full_attention": None})
 
     def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, Any]:
         length = self.padded_length(max(len(f["input_ids"]) for f in features))
@@ -69,8 +77,14 @@ class DataCollator:
         elif "flash" in (self.attn_implementation or ""):
             batch.update(flash_varlen_kwargs(segments))
         else:
-            batch["attention_mask"] = block_causal_mask(segments, as_bool=self.attn_implementation == "sdpa")
+            batch["attention_mask"] = self.packed_masks(segments)
         return batch
+
+    def packed_masks(self, segments: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        as_bool = self.attn_implementation == "sdpa"
+        masks = {kind: block_causal_mask(segments, as_bool, window)
+                 for kind, window in self.window_by_layer_type.items()}
+        return next(iter(masks.values())) if len(masks) == 1 else masks
 
     def padded_length(self, longest: int) -> int:
         multiple = self.pad_to_multiple_of
@@ -99,13 +113,16 @@ def padded_segments(feature: dict[str, Any], length: int) -> torch.Tensor:
     return torch.cat([segments, torch.zeros(length - size, dtype=torch.long)])
 
 
-def block_causal_mask(segments: torch.Tensor, as_bool: bool) -> torch.Tensor:
+def block_causal_mask(segments: torch.Tensor, as_bool: bool, window: int | None = None) -> torch.Tensor:
     """``[B, 1, L, L]`` mask letting each token see earlier tokens of its own segment only.
 
-    ``as_bool``: True = attend (for SDPA); otherwise additive float32, 0 or the float32 minimum.
+    ``as_bool``: True = attend (for SDPA); otherwise additive float32, 0 or the float32 minimum. ``window``: also
+    only the last ``window`` tokens, the query's own included (transformers' ``sliding_window_overlay``).
     """
     length = segments.shape[-1]
     causal = torch.ones(length, length, dtype=torch.bool).tril()
+    if window is not None:
+        causal &= torch.ones(length, length, dtype=torch.bool).triu(-(window - 1))
     allowed = (segments[:, :, None] == segments[:, None, :]) & causal
     allowed = allowed[:, None, :, :]
     if as_bool:

@@ -23,7 +23,7 @@ from typing import NoReturn
 from shardtune.config.args import load_config
 from shardtune.config.load import config_to_dict
 from shardtune.config.schema import TrainConfig
-from shardtune.config.validate import validate_config
+from shardtune.config.validate import attention_problems, validate_config
 from shardtune.engines.plan import EnginePlan, plan_engine
 from shardtune.errors import ConfigError, ShardtuneError, debug_requested, report_error
 from shardtune.launch import env as launch_env
@@ -52,10 +52,15 @@ def preflight(argv: list[str], world_size: int, local_world_size: int | None = N
     """Load and validate everything that can be checked without weights; raise all problems at once."""
     config, cmd = load_config(argv, defaults=extra_values)
     validate_config(config)
+    attention_was_auto = config.attn_implementation == "auto"
+    config = apply_attention_auto(config, has_cuda=visible_gpu_count() > 0,
+                                  announce_choice=not launch_env.inside_launcher())
     if config.engine == "auto":
         config = apply_engine_auto(config, world_size, local_world_size or world_size)
     engine, problems = plan_engine(config, world_size, has_cuda=visible_gpu_count() > 0)
     problems += _data_problems(config) + _engine_problems(config, engine, world_size, local_world_size or world_size)
+    if attention_was_auto:  # a chosen kernel was checked with the other keys; one picked here is checked now
+        problems += attention_problems(config)
     if problems:
         raise ConfigError(*problems)
     return Preflight(config, frozenset(cmd.switches), engine, world_size)
@@ -71,6 +76,30 @@ def apply_engine_auto(config: TrainConfig, world_size: int, nproc_per_node: int)
     chosen = ", ".join(f"{k}: {v}" for k, v in values.items()) or "DDP (no deepspeed/fsdp)"
     print(f"[shardtune] engine auto -> {chosen}: {reason}", flush=True)
     return replace(config, engine="manual", **values)
+
+
+def apply_attention_auto(config: TrainConfig, has_cuda: bool, announce_choice: bool = True) -> TrainConfig:
+    """`attn_implementation: auto` (LLaMA-Factory's flash_attn: auto; the default): a kernel the model's class
+    supports, decided here once from its config.json, before any weights load, and said with the reason.
+    ``announce_choice``: also say a kernel the config chose (the launching host does; its ranks do not repeat it).
+    """
+    from shardtune.model.attention import AUTO, choose_attention, flash_available, kernel_support, known_model_config
+
+    name = config.model_name_or_path
+    if name is None:
+        return config
+    if config.attn_implementation != AUTO:
+        if announce_choice:
+            print(f"[shardtune] attention: {config.attn_implementation} (asked for: attn_implementation / "
+                  "flash_attn)", flush=True)
+        return config
+    known = known_model_config(name, builds_tiny_model=config.build_tiny_model_if_missing)
+    if known is None:
+        print(f"[shardtune] attention: auto, decided on each rank once it has loaded {name}'s config", flush=True)
+        return config
+    choice = choose_attention(AUTO, kernel_support(known), flash_usable=flash_available(has_cuda), model=name)
+    print(f"[shardtune] attention: {choice.kernel} ({choice.reason})", flush=True)
+    return replace(config, attn_implementation=choice.kernel)
 
 
 def _data_problems(config: TrainConfig) -> list[str]:

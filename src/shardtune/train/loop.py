@@ -88,14 +88,20 @@ def count_input_tokens(batch: Batch) -> int:
     if "num_tokens" in batch:
         return int(batch["num_tokens"])
     mask = batch.get("attention_mask")
-    if mask is not None and mask.dim() == 2:
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         return int(mask.sum())
     return batch["input_ids"].numel()
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
     """Tensors to the device; plain values (flash-attention lengths) stay as they are."""
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return {k: _to_device(v, device) for k, v in batch.items()}
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, dict):  # packed rows of models with local and global layers: one mask per layer type
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
 def accumulation_windows(batches: Iterable[Batch], size: int) -> Iterator[list[Batch]]:

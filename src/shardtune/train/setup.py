@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.base import Engine
+from shardtune.errors import ConfigError
 from shardtune.model.adapters import FinetuningSettings
 from shardtune.model.source import ModelSource
 from shardtune.model.vocab import VocabGrowth, plan_vocab_growth
@@ -26,6 +28,27 @@ def prepare_model_dir(c: TrainConfig, engine: Engine) -> None:
         print(f"[shardtune] building the tiny demo model in {path}", flush=True)
         build_tiny_model(path)
     engine.barrier()
+
+
+def with_attention_resolved(c: TrainConfig, is_main: bool) -> TrainConfig:
+    """``auto`` still open here (a hub id the launching host had not cached, or a caller that skipped the launch
+    checks): decide it from the loaded config, as the launching host does, and check packing under it."""
+    from shardtune.model.attention import AUTO, choose_attention, flash_available, kernel_support, packing_problem
+    from shardtune.model.load import load_model_config
+    from shardtune.train.settings import resolved_packing
+
+    if c.attn_implementation != AUTO:
+        return c
+    name = c.model_name_or_path or ""
+    config = load_model_config(name, trust_remote_code=c.trust_remote_code).to_dict()
+    support = kernel_support(config)
+    choice = choose_attention(AUTO, support, flash_usable=flash_available(torch.cuda.is_available()), model=name)
+    problem = packing_problem(config, support, choice.kernel, name) if resolved_packing(c) else None
+    if problem:
+        raise ConfigError(problem)
+    if is_main:
+        print(f"[shardtune] attention: {choice.kernel} ({choice.reason})", flush=True)
+    return replace(c, attn_implementation=choice.kernel)
 
 
 def prepare_datasets(tokenizer: Any, c: TrainConfig, engine: Engine) -> tuple[Any, Any]:
@@ -111,13 +134,26 @@ def build_loader(dataset: Any, tokenizer: Any, batch_size: int, engine: Engine, 
         return None
     from shardtune.data import DataCollator
 
-    collator = DataCollator(tokenizer.pad_token_id, attn_implementation=c.attn_implementation)
+    collator = DataCollator(tokenizer.pad_token_id, attn_implementation=c.attn_implementation,
+                            window_by_layer_type=model_layer_windows(c))
     if is_stream(dataset):  # already this rank's share, shuffled by its buffer
         return DataLoader(dataset, batch_size=batch_size, collate_fn=collator,
                           **loader_options(c, torch.cuda.is_available()))
     sampler = make_sampler(dataset, batch_size, engine, c, shuffle)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collator,
                       **loader_options(c, torch.cuda.is_available()))
+
+
+def model_layer_windows(c: TrainConfig) -> dict[str, int | None] | None:
+    """The model's kinds of attention layers and their sliding windows, for packed rows' masks (None: unpacked
+    rows, whose plain padding mask lets the model build its own)."""
+    from shardtune.model.attention import layer_windows
+    from shardtune.model.load import load_model_config
+    from shardtune.train.settings import resolved_packing
+
+    if not resolved_packing(c):
+        return None
+    return layer_windows(load_model_config(c.model_name_or_path or "", trust_remote_code=c.trust_remote_code))
 
 
 def loader_options(c: TrainConfig, has_cuda: bool) -> dict[str, Any]:

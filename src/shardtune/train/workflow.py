@@ -32,6 +32,7 @@ from shardtune.train.setup import (
     prepare_datasets,
     prepare_model_dir,
     train_micro_batches,
+    with_attention_resolved,
 )
 from shardtune.train.throughput import ThroughputMeter
 
@@ -51,6 +52,7 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
         print("[shardtune] tf32: no CUDA device here; CPU matmuls never use TF32, nothing changes", flush=True)
     output_dir = Path(config.output_dir or "output")
     prepare_model_dir(config, engine)
+    config = with_attention_resolved(config, engine.is_main)
     from shardtune.model.load import load_tokenizer
 
     tokenizer = load_tokenizer(config.model_name_or_path or "", trust_remote_code=config.trust_remote_code)
@@ -292,6 +294,7 @@ def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path,
         "train_tokens_per_second": round(state.tokens_seen / max(runtime, 1e-9), 2),
         "train_steps_per_second": round(len(hooks.train_losses) / max(runtime, 1e-9), 4),
         "engine": engine.name,
+        "attn_implementation": c.attn_implementation,
         "world_size": engine.world_size,
         "throughput": hooks.meter.summary(),
         "trainable_parameter_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in engine.iter_trainable()}),

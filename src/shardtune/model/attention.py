@@ -1,0 +1,173 @@
+"""Which attention kernel a model trains with, and which masks its layers need for packed rows.
+
+Decided on the launching host from the model's config.json (its ``model_type``, else ``architectures``), before
+any weights load: the model class says which kernels it supports (``_supports_flash_attn``, ``_supports_sdpa``;
+every class runs ``eager``). ``auto`` takes the fastest supported one: flash_attention_2 when the flash-attn
+package and a CUDA GPU are present, else sdpa, else eager. An explicit kernel the class does not support is
+refused with the key, the model and the fix, instead of failing inside every rank.
+
+Packed rows (see data/collator.py) need one block-diagonal mask per kind of attention layer: sliding-window
+layers get the window on top of the sample boundaries. ``layer_windows`` reads those kinds from the config.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardtune.errors import ModelError
+from shardtune.model.folder import read_config_json
+
+AUTO = "auto"
+KERNELS = ("flash_attention_2", "sdpa", "eager")
+FULL, SLIDING = "full_attention", "sliding_attention"
+FLASH_ATTN_SPELLING = {"flash_attention_2": "fa2", "sdpa": "sdpa", "eager": "disabled"}  # LLaMA-Factory's key
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    kernel: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class KernelSupport:
+    """What a model class can run, found from the class itself."""
+
+    model_class: str
+    flash: bool
+    sdpa: bool
+    sinks: bool  # learnable attention sinks, which transformers passes only to kernels that take them
+    mask_per_layer_type: bool  # forward accepts {layer type: mask} (models mixing local and global layers)
+
+
+def kernel_support(config: Mapping[str, Any]) -> KernelSupport | None:
+    """The support of the class ``AutoModelForCausalLM`` builds for this config.json (None: not known before
+    loading, e.g. a model with remote code)."""
+    cls = _causal_lm_class(config)
+    if cls is None:
+        return None
+    source = _module_source(cls)
+    return KernelSupport(cls.__name__, flash=bool(getattr(cls, "_supports_flash_attn", False)),
+                         sdpa=bool(getattr(cls, "_supports_sdpa", False)),
+                         # transformers' attention modules hand sinks to the kernel as `s_aux=` (gpt_oss).
+                         sinks="s_aux=" in source,
+                         mask_per_layer_type="isinstance(causal_mask_mapping := attention_mask, dict)" in source)
+
+
+def _causal_lm_class(config: Mapping[str, Any]) -> type | None:
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(config.get("model_type")))]
+    names += list(config.get("architectures") or [])
+    for name in names:
+        if name and hasattr(transformers, name):
+            return getattr(transformers, name)
+    return None
+
+
+def _module_source(cls: type) -> str:
+    try:
+        return inspect.getsource(sys.modules[cls.__module__])
+    except (OSError, TypeError, KeyError):
+        return ""
+
+
+def known_model_config(name: str, *, builds_tiny_model: bool = False) -> dict[str, Any] | None:
+    """config.json of a local folder, or of a hub id already in the local cache; None when not known here.
+
+    Nothing is downloaded: an uncached hub id is decided on each rank once it has loaded the config.
+    ``builds_tiny_model``: the folder does not exist yet and will hold shardtune's tiny LLaMA.
+    """
+    if builds_tiny_model and not Path(name).exists():
+        return {"model_type": "llama"}
+    if Path(name).exists():
+        return read_config_json(name)
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(name, local_files_only=True).to_dict()
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def flash_available(has_cuda: bool) -> bool:
+    return has_cuda and importlib.util.find_spec("flash_attn") is not None
+
+
+def choose_attention(requested: str, support: KernelSupport | None, *, flash_usable: bool,
+                     model: str) -> AttentionChoice:
+    """The kernel for ``requested`` (``auto`` or an explicit one); a ModelError when the model cannot run it."""
+    if requested != AUTO:
+        problem = kernel_problem(requested, support, model)
+        if problem:
+            raise ModelError(problem)
+        return AttentionChoice(requested, "asked for (attn_implementation / flash_attn)")
+    if support is None:
+        return AttentionChoice("eager", "auto: the model class is unknown before loading (remote code), and eager "
+                                        "is the kernel every model runs")
+    if support.flash and flash_usable and not support.sinks:
+        return AttentionChoice("flash_attention_2", f"auto: {support.model_class} supports flash attention, "
+                                                    "flash-attn is installed and a CUDA GPU is used")
+    why_not_flash = ("flash-attn 2 would drop its attention sinks" if support.sinks
+                     else "flash-attn is not usable here (needs the package and a CUDA GPU)")
+    if support.sdpa:
+        return AttentionChoice("sdpa", f"auto: {support.model_class} supports sdpa; {why_not_flash}")
+    return AttentionChoice("eager", f"auto: {support.model_class} does not support sdpa; {why_not_flash}")
+
+
+def kernel_problem(kernel: str, support: KernelSupport | None, model: str) -> str | None:
+    """Why ``model`` cannot train with ``kernel`` (None when it can, or when its class is unknown)."""
+    if support is None or kernel == "eager":
+        return None
+    key = f"attn_implementation ({kernel}; flash_attn: {FLASH_ATTN_SPELLING[kernel]})"
+    fix = "use flash_attn: auto (or attn_implementation: auto) to pick a kernel it supports"
+    if kernel == "sdpa" and not support.sdpa:
+        return f"{key}: {support.model_class} ({model}) does not support sdpa; {fix}, or flash_attn: disabled (eager)"
+    if kernel == "flash_attention_2" and not support.flash:
+        return f"{key}: {support.model_class} ({model}) does not support flash attention; {fix}"
+    if kernel == "flash_attention_2" and support.sinks:
+        return (f"{key}: {support.model_class} ({model}) has attention sinks, which the flash-attn 2 kernel does "
+                f"not take (transformers would drop them and train a different model); {fix}, or flash_attn: "
+                "disabled (eager)")
+    return None
+
+
+def layer_windows(config: Any) -> dict[str, int | None]:
+    """Each kind of attention layer in the model -> its sliding window (None: attends to the whole sample).
+
+    Reads ``layer_types`` where the config has it (models mixing local and global layers), else one kind for
+    every layer: sliding when ``sliding_window`` is set (Mistral), full otherwise.
+    """
+    config = _get(config, "text_config") or config  # multimodal configs (Gemma 3) nest the language model's
+    window = _get(config, "sliding_window")
+    layer_types = _get(config, "layer_types")
+    if layer_types:
+        return {kind: (window if kind == SLIDING else None) for kind in dict.fromkeys(layer_types)}
+    return {SLIDING: window} if window else {FULL: None}
+
+
+def packing_problem(config: Mapping[str, Any], support: KernelSupport | None, kernel: str, model: str) -> str | None:
+    """Why packed rows of ``model`` cannot stay isolated under ``kernel`` (None when they can)."""
+    if kernel.startswith("flash"):
+        return None  # varlen offsets bound every layer, and flash applies each layer's own window
+    kinds = layer_windows(config)
+    unknown = sorted(set(kinds) - {FULL, SLIDING})
+    if unknown:
+        return (f"packing with attn_implementation ({kernel}): {model} has {', '.join(unknown)} layers, for which "
+                "shardtune cannot build a mask that keeps packed samples apart; set packing: false")
+    if len(kinds) > 1 and support is not None and not support.mask_per_layer_type:
+        return (f"packing with attn_implementation ({kernel}): {support.model_class} ({model}) mixes local and "
+                "global layers but takes one mask for all of them, so its local layers would see across samples; "
+                "set packing: false")
+    return None
+
+
+def _get(config: Any, name: str) -> Any:
+    return config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)

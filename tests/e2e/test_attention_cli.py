@@ -1,0 +1,27 @@
+"""The real CLI picks an attention kernel per model: GPT-OSS (no sdpa, attention sinks) trains with the defaults
+on 2 processes with packed rows, the run log says which kernel and why once, and the outputs record it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import REPO, run_cli
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+
+def test_gpt_oss_trains_with_the_kernel_auto_picks(arch_model_dir, tmp_path):
+    out = tmp_path / "run"
+    result = run_cli("train", "model_name_or_path=" + str(arch_model_dir("gpt_oss")), "dataset=demo",
+                     f"dataset_dir={REPO / 'data'}", "template=gpt_oss", f"output_dir={out}", "max_steps=2",
+                     "cutoff_len=512", "packing=true", "finetuning_type=lora", "per_device_train_batch_size=1",
+                     NPROC_PER_NODE="2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("[shardtune] attention:")]
+    assert lines == ["[shardtune] attention: eager (auto: GptOssForCausalLM does not support sdpa; flash-attn 2 "
+                     "would drop its attention sinks)"]
+    results = json.loads((out / "train_results.json").read_text())
+    assert results["attn_implementation"] == "eager" and results["world_size"] == 2
+    assert json.loads((out / "shardtune_config.json").read_text())["attn_implementation"] == "eager"
