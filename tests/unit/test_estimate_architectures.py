@@ -251,6 +251,15 @@ def test_gpt_oss_attention_is_eager_whatever_sdpa_says():
         oss.num_heads * 1024 * 4
 
 
+@pytest.mark.parametrize(("name", "picked"), [("Qwen3-8B", "sdpa"), ("gpt-oss-20b", "eager"), ("gemma-2-9b", "eager")])
+def test_auto_attention_is_estimated_as_the_kernel_auto_picks_without_flash(name, picked):
+    """`attn_implementation: auto` (the default) estimates what model/attention.py picks without flash-attn."""
+    shape = shape_of(name)
+    w = bf16(gradient_checkpointing=False, seq_len=1024, attn_implementation="auto")
+    assert layer_activation_bytes(shape, w, 2, 1024) == layer_activation_bytes(
+        shape, dataclasses.replace(w, attn_implementation=picked), 2, 1024)
+
+
 def test_sliding_windows_change_no_memory_term_but_hybrid_models_carry_two_masks():
     gemma = shape_of("gemma-3-27b-text")
     global_only = dataclasses.replace(gemma, sliding_window=None, sliding_layers=0)

@@ -65,7 +65,11 @@ def attention_bytes(shape: ModelShape, w: Workload, seq_len: int) -> int:
 
 
 def attention_kernel(shape: ModelShape, w: Workload) -> str:
-    """The kernel that runs: GPT-OSS's attention sinks have no SDPA path in transformers, so sdpa means eager."""
+    """The kernel that runs: GPT-OSS's attention sinks have no SDPA path in transformers, so sdpa means eager.
+    ``auto`` is estimated as what it picks without flash-attn (flash keeps less, so this is the safe side): sdpa,
+    or eager for models with sinks or Gemma 2's soft-capping, which have no SDPA path (model/attention.py)."""
+    if w.attn_implementation == "auto":
+        return "eager" if shape.attention_sinks or shape.attn_softcapping else "sdpa"
     if shape.attention_sinks and w.attn_implementation == "sdpa":
         return "eager"
     return w.attn_implementation
