@@ -156,3 +156,24 @@ def test_router_by_name_is_refused_with_the_reason(name, target, reason, arch_mo
 def test_fused_expert_weight_by_name_is_adapted_as_a_parameter(arch_model_dir):
     assert lora_targets(load(arch_model_dir, "mixtral"), ("q_proj", "gate_up_proj")) == LoraTargets(
         ["q_proj"], ["experts.gate_up_proj"])
+
+
+# --- per-expert checkpoints read into fused expert weights (the sharding engines' loading path) ---
+
+@pytest.mark.parametrize("name", MOE_FAMILIES)
+def test_fused_expert_tensors_read_from_the_files_equal_from_pretrained(name, arch_model_dir):
+    from shardtune.model.expert_layout import with_fused_experts
+    from shardtune.model.weights import open_weights
+
+    folder = arch_model_dir(name)
+    model = load(arch_model_dir, name)
+    reader = with_fused_experts(open_weights(folder), model.config.model_type)
+    for key, value in model.state_dict().items():
+        assert key in reader, key
+        torch.testing.assert_close(reader.read(key), value, rtol=0, atol=0, msg=key)
+    for key in moe.fused_expert_parameters(model):  # a rank's shard: experts 2..3, a block of the other dims
+        full = model.get_parameter(key)
+        offsets, shape = (2, 1, 3), (2, full.shape[1] - 1, full.shape[2] - 3)
+        block = full[2:4, 1:, 3:]
+        assert tuple(block.shape) == shape
+        torch.testing.assert_close(reader.read_slice(key, offsets, shape), block, rtol=0, atol=0, msg=key)
