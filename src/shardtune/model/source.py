@@ -20,10 +20,10 @@ import torch
 
 from shardtune.errors import ModelError
 from shardtune.model.adapters import FinetuningSettings, apply_finetuning, count_parameters
+from shardtune.model.expert_layout import with_fused_experts
 from shardtune.model.load import Quantization, load_model_config
 from shardtune.model.pretrained_adapters import AdapterPlan, merge_adapters
 from shardtune.model.vocab import VocabGrowth, apply_vocab_growth, grown_tensor, vocab_tensors
-from shardtune.model.expert_layout import with_fused_experts
 from shardtune.model.weights import WeightsReader, open_weights
 
 
