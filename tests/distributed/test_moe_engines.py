@@ -94,26 +94,42 @@ def test_moe_engine_matches_one_process_with_ranks_routing_differently(case, cas
             assert local[0] * 2 == full[0] and local[1:] == full[1:]  # the experts split between the ranks
 
 
-def test_cli_logs_the_router_aux_loss_and_matches_one_process(moe_model, tmp_path_factory):
+CLI_RUNS = [("z3", "full"), pytest.param("fsdp2", "lora", marks=pytest.mark.matrix)]
+ENGINE_KEYS = {"z3": ("deepspeed=z3",), "fsdp2": ("fsdp=full_shard auto_wrap",)}
+
+
+@pytest.mark.parametrize(("engine", "finetuning"), CLI_RUNS)
+def test_cli_logs_the_router_aux_loss_and_matches_one_process(engine, finetuning, moe_model, tmp_path_factory):
     """Through the real CLI under ZeRO-3: aux_loss is logged beside loss, and the 2-process losses equal the
     1-process run of the same global batch. The aux term is a mean over micro-batches, and the sampler groups the
     rows differently on one and two processes, so only the LM part is exactly batch-invariant: the aux loss is
     compared loosely, the total at the parity tests' tolerance (coef 0.001, the model's own)."""
     one, two = tmp_path_factory.mktemp("moe-cli-1"), tmp_path_factory.mktemp("moe-cli-2")
-    train(moe_model, one, "full", 1, 4)
-    train(moe_model, two, "full", 2, 2, "deepspeed=z3")
+    train(moe_model, one, finetuning, 1, 4)
+    train(moe_model, two, finetuning, 2, 2, *ENGINE_KEYS[engine])
     assert len(logged(two, "aux_loss")) == len(losses(two)) == 4
     assert losses(two) == pytest.approx(losses(one), rel=2e-3)
     assert logged(two, "aux_loss") == pytest.approx(logged(one, "aux_loss"), rel=5e-2)
     # the model was filled from per-expert files into fused weights, sharded, trained, gathered and saved
+    check_saved_model(two, moe_model, finetuning)  # every weight (or adapter matrix) trained and saved
+    ids = torch.randint(5, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+    # the 2-process model predicts as the 1-process one (Adam amplifies tiny gradient noise on rarely-seen
+    # embedding rows, so single weights are not compared)
+    assert saved_model_loss(two, moe_model, finetuning, ids) == pytest.approx(
+        saved_model_loss(one, moe_model, finetuning, ids), rel=2e-3)
+
+
+def saved_model_loss(out: Path, base: Path, finetuning: str, ids: torch.Tensor) -> float:
+    """The loss on ``ids`` of the saved output, reloaded by plain transformers (and peft)."""
     from transformers import AutoModelForCausalLM
 
-    saved, info = AutoModelForCausalLM.from_pretrained(two, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    check_saved_model(two, moe_model, "full")  # every weight trained and saved, none left at its start
-    reference = AutoModelForCausalLM.from_pretrained(one)
-    ids = torch.randint(5, 200, (2, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():  # the 2-process model predicts as the 1-process one (Adam amplifies tiny gradient noise
-        # on rarely-seen embedding rows, so single weights are not compared)
-        ours, theirs = saved(input_ids=ids, labels=ids).loss, reference(input_ids=ids, labels=ids).loss
-    assert float(ours) == pytest.approx(float(theirs), rel=2e-3)
+    if finetuning == "lora":
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out)
+        assert any(".experts." in n and ".lora_B." in n for n, _ in model.named_parameters())
+    else:
+        model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    with torch.no_grad():
+        return float(model(input_ids=ids, labels=ids).loss)
