@@ -20,7 +20,7 @@ import torch
 
 from shardtune.engines.base import Engine, PrecisionSettings
 from shardtune.model.adapters import FinetuningSettings, apply_finetuning
-from shardtune.model.moe import ROUTER_NAMES, router_module_names
+from shardtune.model.moe import ROUTER_NAMES, router_aux_loss_coef, router_module_names
 from shardtune.train.loop import IGNORE_INDEX, Batch, train_step
 from shardtune.train.optim import OptimizerSettings, build_optimizer, build_scheduler
 
@@ -83,9 +83,16 @@ def prepare(engine: Engine, model: torch.nn.Module) -> None:
     engine.verify()
 
 
-def train(engine: Engine, windows: list[list[Batch]]) -> list[dict[str, float]]:
+def train(engine: Engine, windows: list[list[Batch]], config: object) -> list[dict[str, float]]:
+    """Train with the router aux loss at COEF (DeepSeek-V3 has none: its routing bias balances the experts)."""
     engine.model.train()
-    return [train_step(engine, window, 1.0, router_aux_loss_coef=COEF) for window in windows]
+    coef = router_aux_loss_coef(config, COEF)
+    return [train_step(engine, window, 1.0, router_aux_loss_coef=coef) for window in windows]
+
+
+def expert_count(config: object) -> int:
+    return next(getattr(config, key) for key in ("num_experts", "num_local_experts", "n_routed_experts")
+                if hasattr(config, key))
 
 
 def run_reference(model_dir: str, out: Path) -> None:
@@ -100,7 +107,7 @@ def run_reference(model_dir: str, out: Path) -> None:
                    for s in range(STEPS)]
         engine = LocalEngine(PrecisionSettings(), torch.device("cpu"))
         prepare(engine, model)
-        results[finetuning] = train(engine, windows)
+        results[finetuning] = train(engine, windows, model.config)
     (out / "reference.json").write_text(json.dumps(results, indent=2))
 
 
@@ -127,12 +134,12 @@ def run_case(ctx: object, model_dir: str, name: str) -> dict:
     rank = torch.distributed.get_rank()
     model = build_model(model_dir, finetuning)
     config = model.config
-    counts = count_expert_choices(model, config.num_experts_per_tok, config.num_experts)
+    counts = count_expert_choices(model, config.num_experts_per_tok, expert_count(config))
     batches = rank_batches(config.vocab_size)[rank]
     windows = [batches[s * ACCUMULATION:(s + 1) * ACCUMULATION] for s in range(STEPS)]
     engine = make_engine(kind, ctx)
     prepare(engine, model)
-    result: dict = {"metrics": train(engine, windows), "expert_shards": expert_shards(engine.model),
+    result: dict = {"metrics": train(engine, windows, config), "expert_shards": expert_shards(engine.model),
                     "z3_leaves": z3_leaves(engine.model)}
     everyone = [torch.zeros_like(counts) for _ in range(WORLD)]
     torch.distributed.all_gather(everyone, counts)
