@@ -38,7 +38,9 @@ def build_model(model_dir: str, finetuning: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    # GPT-OSS refuses sdpa (its attention sinks): eager, as a user must ask for it until attention is chosen per model
+    eager = json.loads((Path(model_dir) / "config.json").read_text())["model_type"] == "gpt_oss"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **({"attn_implementation": "eager"} if eager else {}))
     if finetuning == "lora":
         model = apply_finetuning(model, FinetuningSettings(finetuning_type="lora", lora_rank=4))
     return model

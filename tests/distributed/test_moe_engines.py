@@ -4,10 +4,10 @@ The tiny Qwen3-MoE (4 experts, top-2, fused 3-D expert weights) trains with each
 of the vocabulary, so the ranks' routers choose different experts (counted by a hook in the worker). Checked: the
 per-step loss (LM loss + coef x router aux loss) and the aux loss itself equal the one-process run of the same
 micro-batches; ZeRO-3 registers the sparse block as a leaf and does not hang; FSDP2 shards the fused expert
-weights along the expert dimension. Mixtral and DeepSeek-V3 (a dense first layer, shared experts, no aux loss:
-its routing bias balances the experts) run the same checks in the matrix. CLI runs check the product path: the
-per-expert checkpoint filled into fused weights by the sharding engines, aux_loss logged next to loss, the saved
-output reloaded by plain transformers/peft.
+weights along the expert dimension. Mixtral, DeepSeek-V3 (a dense first layer, shared experts, no aux loss:
+its routing bias balances the experts) and GPT-OSS run the same checks in the matrix. CLI runs check the product
+path: the per-expert checkpoint filled into fused weights by the sharding engines, aux_loss logged next to loss,
+the saved output reloaded by plain transformers/peft.
 """
 
 from __future__ import annotations
@@ -69,12 +69,15 @@ def worker_results(arch_model_dir, tmp_path_factory):
     return result
 
 
-OTHER_FAMILIES = ("z3_full", "fsdp2_lora")  # Mixtral, and DeepSeek-V3 (a dense first layer, no aux loss)
-GROUPS = {"qwen3_moe": (REPRESENTATIVE, MATRIX), "mixtral": (OTHER_FAMILIES,), "deepseek_v3": (OTHER_FAMILIES,)}
-LEAF = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock", "deepseek_v3": "DeepseekV3MoE"}
+OTHER_FAMILIES = ("z3_full", "fsdp2_lora")
+# Mixtral; DeepSeek-V3 (a dense first layer, shared experts, no aux loss); GPT-OSS (expert biases, eager attention)
+OTHERS = ("mixtral", "deepseek_v3", "gpt_oss")
+GROUPS = {"qwen3_moe": (REPRESENTATIVE, MATRIX), **{arch: (OTHER_FAMILIES,) for arch in OTHERS}}
+LEAF = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock", "deepseek_v3": "DeepseekV3MoE",
+        "gpt_oss": "GptOssMLP"}
 CASES = [*(("qwen3_moe", c) for c in REPRESENTATIVE),
          *(pytest.param("qwen3_moe", c, marks=pytest.mark.matrix) for c in MATRIX),
-         *(pytest.param(a, c, marks=pytest.mark.matrix) for a in ("mixtral", "deepseek_v3") for c in OTHER_FAMILIES)]
+         *(pytest.param(a, c, marks=pytest.mark.matrix) for a in OTHERS for c in OTHER_FAMILIES)]
 
 
 @pytest.mark.parametrize(("arch", "case"), CASES)
