@@ -69,6 +69,7 @@ def fused_expert_parameters(model: torch.nn.Module) -> list[str]:
     names = []
     for name, block in sparse_moe_blocks(model):
         experts = dict(block.named_children())[EXPERTS_NAME]
+        # ZeRO-3 builds the model partitioned: a parameter's own shape is then empty, its full one is ds_shape.
         names.extend(f"{name}.{EXPERTS_NAME}.{p}" for p, value in experts.named_parameters(recurse=False)
-                     if value.dim() == 3)
+                     if len(getattr(value, "ds_shape", value.shape)) == 3)
     return names
