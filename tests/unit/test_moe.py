@@ -177,3 +177,21 @@ def test_fused_expert_tensors_read_from_the_files_equal_from_pretrained(name, ar
         block = full[2:4, 1:, 3:]
         assert tuple(block.shape) == shape
         torch.testing.assert_close(reader.read_slice(key, offsets, shape), block, rtol=0, atol=0, msg=key)
+
+
+# --- ZeRO-3 leaf modules, found from the model ---
+
+@pytest.mark.parametrize(("name", "leaf"), [
+    ("qwen3_moe", "Qwen3MoeSparseMoeBlock"), ("mixtral", "MixtralSparseMoeBlock"), ("deepseek_v3", "DeepseekV3MoE"),
+    ("gpt_oss", "GptOssMLP"), ("llama", None)])
+def test_zero3_leaf_modules_are_the_sparse_blocks(name, leaf, arch_model_dir):
+    from deepspeed.utils import z3_leaf_module
+
+    from shardtune.engines.deepspeed import apply_zero3_moe_leaves
+
+    model = load(arch_model_dir, name)
+    assert apply_zero3_moe_leaves(model) == ([leaf] if leaf else [])
+    leaves = [m for m in model.modules() if z3_leaf_module(m)]
+    assert len(leaves) == len(list(moe.sparse_moe_blocks(model)))
+    # DeepSeek-V3's first layer is dense: its MLP has no router and is no leaf
+    assert all(type(m).__name__ == leaf for m in leaves)
