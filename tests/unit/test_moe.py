@@ -195,3 +195,17 @@ def test_zero3_leaf_modules_are_the_sparse_blocks(name, leaf, arch_model_dir):
     assert len(leaves) == len(list(moe.sparse_moe_blocks(model)))
     # DeepSeek-V3's first layer is dense: its MLP has no router and is no leaf
     assert all(type(m).__name__ == leaf for m in leaves)
+
+
+def test_router_aux_loss_with_a_4d_packing_mask_is_refused_with_the_remedy(arch_model_dir):
+    from shardtune.data.collator import block_causal_mask
+    from shardtune.errors import ModelError
+    from shardtune.train.loss import causal_lm_loss_terms
+
+    model = load(arch_model_dir, "qwen3_moe")
+    ids = torch.randint(5, 200, (1, 12))
+    mask = block_causal_mask(torch.tensor([[1] * 5 + [2] * 7]), as_bool=True)
+    with pytest.raises(ModelError, match="set neat_packing: false, or moe_aux_loss_coef: 0"):
+        causal_lm_loss_terms(model, {"input_ids": ids, "attention_mask": mask}, ids, 0, router_aux=True)
+    loss, aux = causal_lm_loss_terms(model, {"input_ids": ids, "attention_mask": mask}, ids, 0)  # no aux: trains
+    assert aux is None and float(loss) > 0
