@@ -75,7 +75,6 @@ REFUSED_REASONS: dict[str, str] = {
     **_group("adapters are given by adapter_name_or_path (one or several folders); remove it", "adapter_folder"),
     **_group("tokens are added with add_tokens / add_special_tokens (new rows start as noise_init); a per-token "
              "config file is not read: remove it", "new_special_tokens_config"),
-    **_group("mixture-of-experts router losses are not supported yet; remove it", "moe_aux_loss_coef"),
     **_group("shardtune fine-tunes the weights in model_name_or_path; random initialisation is not offered: "
              "remove it (make-tiny-model builds random test models)", "train_from_scratch"),
     **_group("the official Qwen3 template keeps only the last turn's reasoning and shardtune follows it; "

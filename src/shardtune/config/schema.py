@@ -246,6 +246,9 @@ class TrainConfig:
         minimum=0, exclusive_minimum=True)
     label_smoothing_factor: float = _key(0.0, "label smoothing of the cross entropy (0: none)", TRAIN,
                                          minimum=0, maximum=1)
+    moe_aux_loss_coef: float | None = _key(
+        None, "mixture-of-experts: coefficient of the router's load-balancing loss added to the loss (null: the "
+              "model's router_aux_loss_coef; 0: none)", TRAIN, minimum=0)
     tf32: bool | None = _key(None, "allow TF32 matmuls and convolutions on CUDA (no effect on CPU; null: torch's "
                              "default)", TRAIN)
     include_num_input_tokens_seen: str = _key(

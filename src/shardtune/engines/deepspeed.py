@@ -83,8 +83,12 @@ class DeepSpeedEngine(DistributedMixin, Engine):
 
     def _partitioned_construction(self) -> contextlib.AbstractContextManager:
         import deepspeed
+        import transformers.modeling_utils  # noqa: F401
         from transformers.integrations.deepspeed import prevent_arange_dtype_change
 
+        # transformers.modeling_utils imports torch._dynamo, whose import fails while zero.Init has replaced
+        # torch.Tensor.__new__ (a signature check): it must be imported before entering zero.Init below. Some
+        # families (Qwen3-MoE) reach it first inside the construction.
         # zero.Init sizes partitions by DeepSpeed's view of the world: join the existing process group first.
         deepspeed.init_distributed(dist_backend=self.ctx.backend, dist_init_required=False)
         stack = contextlib.ExitStack()
@@ -106,6 +110,11 @@ class DeepSpeedEngine(DistributedMixin, Engine):
             optimizer, params = self._client_optimizer(trainable, build_optimizer), trainable
         # A callable: DeepSpeed calls it with the optimizer it steps (ours, or the one its JSON describes).
         scheduler = None if has_own_scheduler(self.ds_config) else build_scheduler
+        if self.zero_stage == 3:
+            leaves = apply_zero3_moe_leaves(model)
+            if leaves and self.is_main:
+                print(f"[shardtune] ZeRO-3: sparse MoE blocks gathered whole ({', '.join(leaves)}), so ranks that "
+                      "route tokens to different experts run the same collectives", flush=True)
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, model_parameters=params, lr_scheduler=scheduler,
             config=self.ds_config, dist_init_required=False)
@@ -305,6 +314,24 @@ class DeepSpeedEngine(DistributedMixin, Engine):
     def close(self) -> None:
         self.destroy()
         super().close()
+
+
+def apply_zero3_moe_leaves(model: torch.nn.Module) -> list[str]:
+    """Register the model's sparse MoE blocks as ZeRO-3 leaf modules; returns their class names.
+
+    ZeRO-3 gathers a module's parameters in hooks as each submodule runs and prefetches by the recorded order;
+    inside an MoE block the experts that run depend on the routing, so two ranks with different tokens would issue
+    different all-gathers and wait on each other forever. A leaf block is gathered whole on entry instead. The
+    block classes are found from the model (a module owning experts and a router), not from a table.
+    """
+    from deepspeed.utils import set_z3_leaf_modules
+
+    from shardtune.model.moe import sparse_moe_block_classes
+
+    classes = sparse_moe_block_classes(model)
+    if classes:
+        set_z3_leaf_modules(model, classes)
+    return [c.__name__ for c in classes]
 
 
 def to_cpu_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

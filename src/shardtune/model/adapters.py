@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardtune.errors import ConfigError
+from shardtune.model.moe import fused_expert_parameters, router_module_names
 from shardtune.model.pretrained_adapters import load_adapter_weights, resumed_lora_config
 from shardtune.model.vocab import embedding_module_names
 
@@ -128,14 +129,78 @@ def linear_module_names(model: Any) -> list[str]:
     return sorted(names)
 
 
+@dataclass(frozen=True)
+class LoraTargets:
+    """peft's ``target_modules`` (Linear layers) and ``target_parameters`` (fused expert weights, 3-D)."""
+
+    modules: Any  # "all-linear" or a list of short module names
+    parameters: list[str] | None = None  # like "experts.gate_up_proj"
+
+
+def lora_targets(model: Any, requested: tuple[str, ...]) -> LoraTargets:
+    """What ``lora_target`` adapts. A dense model's ``all`` is peft's "all-linear". On a mixture-of-experts model
+    ``all`` is every Linear but the routers (attention, dense and shared-expert MLPs) plus the fused expert weights
+    (3-D parameters, adapted with peft's ``target_parameters``), said in the run log; a router named explicitly is
+    refused, a fused expert weight named explicitly (``gate_up_proj``, ``down_proj``) is adapted as a parameter.
+    """
+    routers = router_module_names(model)
+    fused = sorted({name.rsplit(".", 1)[-1] for name in fused_expert_parameters(model)})
+    linear = linear_module_names(model)
+    if "all" not in requested:
+        _refuse_router_targets(model, requested, routers, linear)
+        chosen = [t for t in requested if t in linear or t not in fused]
+        experts = [f"experts.{t}" for t in requested if t in fused and t not in linear]
+        return LoraTargets(chosen, experts or None)
+    if not routers:
+        return LoraTargets("all-linear")
+    router_names = {name.rsplit(".", 1)[-1] for name in routers}
+    chosen = [name for name in linear if name not in router_names]
+    print(f"[shardtune] lora_target (all) on a mixture-of-experts model: Linear layers {','.join(chosen)}"
+          + (f", fused expert weights {','.join(fused)}" if fused else "")
+          + f"; routers ({','.join(sorted(router_names))}) are not adapted", flush=True)
+    return LoraTargets(chosen, [f"experts.{name}" for name in fused] or None)
+
+
+def _refuse_router_targets(model: Any, requested: tuple[str, ...], routers: set[str], linear: list[str]) -> None:
+    """A router named in ``lora_target`` that is not a Linear layer cannot be adapted: say so, by name."""
+    router_names = {name.rsplit(".", 1)[-1] for name in routers}
+    for target in requested:
+        if target in router_names and target not in linear:
+            raise ConfigError(f"lora_target ({target}): it is the mixture-of-experts router, a "
+                              f"{_module_class(model, routers, target)} rather than a Linear layer, which LoRA "
+                              "cannot adapt; remove it (routers train with finetuning_type: full)")
+
+
+def report_unadapted_linears(model: Any, requested: LoraTargets) -> None:
+    """peft 0.21 rewrites the names of transformers v4's per-expert layers (``gate_proj``, ``up_proj``,
+    ``down_proj``, ``w1``...) into the fused experts of MoE families it knows, so Linear layers of those names
+    outside the experts (DeepSeek-V3's dense first layer and shared experts) lose their adapter: say which."""
+    if requested.modules == "all-linear" or not requested.parameters:
+        return
+    import torch
+
+    wanted = set(requested.modules)
+    missed = sorted({name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
+                     and name.rsplit(".", 1)[-1] in wanted})  # an adapted layer is a peft module, not a Linear
+    if missed:
+        print(f"[shardtune] lora_target: peft maps {','.join(sorted({n.rsplit('.', 1)[-1] for n in missed}))} to "
+              f"the fused experts of this model type; {len(missed)} Linear layers of those names are not adapted "
+              f"(e.g. {missed[0]})", flush=True)
+
+
+def _module_class(model: Any, names: set[str], short: str) -> str:
+    modules = dict(model.named_modules())
+    return next(type(modules[n]).__name__ for n in sorted(names) if n.rsplit(".", 1)[-1] == short)
+
+
 def apply_lora(model: Any, settings: FinetuningSettings) -> Any:
     """Wrap with peft LoRA; an unknown ``lora_target`` is an error listing the real module names."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     available = linear_module_names(model)
-    targets: Any = "all-linear" if "all" in settings.lora_target else list(settings.lora_target)
-    if targets != "all-linear":
-        missing = [t for t in targets if t not in available]
+    targets = lora_targets(model, settings.lora_target)
+    if targets.modules != "all-linear":
+        missing = [t for t in targets.modules if t not in available]
         if missing:
             raise ConfigError(f"lora_target: {','.join(missing)} not found in the model; "
                               f"linear modules are: {','.join(available)}")
@@ -147,7 +212,8 @@ def apply_lora(model: Any, settings: FinetuningSettings) -> Any:
         r=settings.lora_rank,
         lora_alpha=settings.lora_alpha or 2 * settings.lora_rank,
         lora_dropout=settings.lora_dropout,
-        target_modules=targets,
+        target_modules=targets.modules,
+        target_parameters=targets.parameters,
         use_dora=settings.use_dora,
         use_rslora=settings.use_rslora,
         modules_to_save=modules_to_save(model, settings),
@@ -157,6 +223,7 @@ def apply_lora(model: Any, settings: FinetuningSettings) -> Any:
         config = resumed_lora_config(settings.resume_adapter)
     _check_additional_target(model, settings.additional_target)
     model = get_peft_model(model, config)
+    report_unadapted_linears(model, targets)
     if not settings.pissa_init:  # PiSSA's matrices come from the base weights' SVD: keep them
         initialize_adapter_weights(model)
     if settings.resume_adapter:

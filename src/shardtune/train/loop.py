@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from shardtune.engines.base import Engine
-from shardtune.train.loss import DEFAULT_LOSS_CHUNK_SIZE, causal_lm_loss_sum
+from shardtune.train.loss import DEFAULT_LOSS_CHUNK_SIZE, causal_lm_loss_sum, causal_lm_loss_terms
 
 IGNORE_INDEX = -100
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
@@ -37,6 +37,7 @@ class LoopSettings:
     eval_each_epoch: bool = False
     loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
     label_smoothing: float = 0.0
+    router_aux_loss_coef: float | None = None  # MoE: add coef x the router's auxiliary loss (model/moe.py)
 
 
 @dataclass
@@ -116,18 +117,28 @@ def accumulation_windows(batches: Iterable[Batch], size: int) -> Iterator[list[B
 
 
 def train_step(engine: Engine, window: list[Batch], max_grad_norm: float,
-               loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE, label_smoothing: float = 0.0) -> dict[str, float]:
+               loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE, label_smoothing: float = 0.0,
+               router_aux_loss_coef: float | None = None) -> dict[str, float]:
     """Forward/backward every micro-batch of one window, then one optimizer step."""
     local_tokens = sum(count_trainable_tokens(b) for b in window)
     global_tokens = engine.all_reduce_sum(torch.tensor(float(local_tokens), device=engine.device))
     # max(…, 1): a window whose samples are all masked must not divide by zero.
     denominator = torch.clamp(global_tokens, min=1.0)
+    # The router's auxiliary loss is a mean over one micro-batch's tokens (transformers adds coef x it to each
+    # micro-batch's mean loss): the step's term is its mean over every micro-batch of every rank.
+    aux_share = 1.0 / (len(window) * engine.world_size)
     loss_total = torch.zeros((), device=engine.device)
+    aux_total = torch.zeros((), device=engine.device)
     for i, batch in enumerate(window):
         batch = to_device(batch, engine.device)
         with engine.accumulation_context(is_last_micro_batch=i == len(window) - 1), engine.autocast():
-            loss_sum, _ = token_loss_sum(engine.model, batch, loss_chunk_size, label_smoothing)
-        engine.backward(loss_sum * engine.loss_scale_for_mean_reduction / denominator)
+            loss_sum, aux = micro_batch_losses(engine.model, batch, loss_chunk_size, label_smoothing,
+                                               router_aux_loss_coef is not None)
+        loss = loss_sum * engine.loss_scale_for_mean_reduction / denominator
+        if aux is not None and router_aux_loss_coef is not None:
+            loss = loss + aux * (router_aux_loss_coef * aux_share * engine.loss_scale_for_mean_reduction)
+            aux_total += aux.detach() * aux_share
+        engine.backward(loss)
         loss_total += loss_sum.detach()
     grad_norm = engine.step(max_grad_norm)
     step_loss = engine.all_reduce_sum(loss_total) / denominator
@@ -135,8 +146,19 @@ def train_step(engine: Engine, window: list[Batch], max_grad_norm: float,
     counts = engine.all_reduce_sum(torch.tensor(
         [float(sum(count_input_tokens(b) for b in window)), float(sum(b["input_ids"].numel() for b in window))],
         device=engine.device))
-    return {"loss": float(step_loss), "grad_norm": grad_norm, "tokens": float(counts[0]), "slots": float(counts[1]),
-            "trainable_tokens": float(global_tokens)}
+    metrics = {"loss": float(step_loss), "grad_norm": grad_norm, "tokens": float(counts[0]),
+               "slots": float(counts[1]), "trainable_tokens": float(global_tokens)}
+    if router_aux_loss_coef is not None:
+        aux_loss = float(engine.all_reduce_sum(aux_total))
+        metrics.update(loss=metrics["loss"] + router_aux_loss_coef * aux_loss, aux_loss=aux_loss)
+    return metrics
+
+
+def micro_batch_losses(model: torch.nn.Module, batch: Batch, chunk_size: int, label_smoothing: float,
+                       router_aux: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The summed token loss of one micro-batch and, for an MoE model, its router auxiliary loss."""
+    inputs = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
+    return causal_lm_loss_terms(model, inputs, batch["labels"], chunk_size, label_smoothing, router_aux)
 
 
 @torch.no_grad()
@@ -169,7 +191,8 @@ def run_loop(engine: Engine, epoch_batches: Callable[[int], Iterable[Batch]], s:
         for index, window in enumerate(windows):
             if index < done_in_epoch:
                 continue
-            metrics = train_step(engine, window, s.max_grad_norm, s.loss_chunk_size, s.label_smoothing)
+            metrics = train_step(engine, window, s.max_grad_norm, s.loss_chunk_size, s.label_smoothing,
+                                 s.router_aux_loss_coef)
             state.global_step += 1
             state.epoch = epoch + (index + 1) / s.steps_per_epoch
             state.tokens_seen += int(metrics["tokens"])
@@ -203,8 +226,10 @@ def _after_step(state: TrainState, s: LoopSettings, hooks: LoopHooks, interval: 
 def _interval_metrics(interval: list[dict[str, float]]) -> dict[str, float]:
     trainable = sum(m["trainable_tokens"] for m in interval)
     loss = sum(m["loss"] * m["trainable_tokens"] for m in interval) / max(trainable, 1.0)
-    return {"loss": loss, "grad_norm": interval[-1]["grad_norm"],
-            "tokens": sum(m["tokens"] for m in interval)}
+    found = {"loss": loss, "grad_norm": interval[-1]["grad_norm"], "tokens": sum(m["tokens"] for m in interval)}
+    if "aux_loss" in interval[-1]:
+        found["aux_loss"] = sum(m["aux_loss"] for m in interval) / len(interval)
+    return found
 
 
 def steps_per_epoch(num_micro_batches: int, gradient_accumulation_steps: int) -> int:

@@ -78,19 +78,44 @@ def causal_lm_loss_sum(model: torch.nn.Module, inputs: dict[str, Any], labels: t
     0, or a head that cannot be chunked exactly, takes the full logits. ``label_smoothing`` is torch's
     ``cross_entropy(label_smoothing=...)``: each target keeps ``1 - eps`` and ``eps`` spreads over the vocabulary.
     """
+    return causal_lm_loss_terms(model, inputs, labels, chunk_size, label_smoothing)[0]
+
+
+def causal_lm_loss_terms(model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor, chunk_size: int,
+                         label_smoothing: float = 0.0, router_aux: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``causal_lm_loss_sum`` and, with ``router_aux``, the router's auxiliary loss of the same forward (the
+    model's ``aux_loss`` with ``output_router_logits=True``; unscaled, a mean over this batch's tokens)."""
+    if router_aux and getattr(inputs.get("attention_mask"), "ndim", 2) != 2:
+        raise ModelError("moe_aux_loss_coef: transformers computes the router aux loss with a 2-D padding mask, and "
+                         "neat_packing gives the model a 4-D block mask (sdpa/eager attention); set neat_packing: "
+                         "false, or moe_aux_loss_coef: 0 to train without the aux loss")
+    call_inputs = {**inputs, "use_cache": False, **({"output_router_logits": True} if router_aux else {})}
     head = chunkable_output_layer(model) if chunk_size > 0 else None
     if head is None:
-        return plain_loss_sum(model(**inputs, use_cache=False).logits, labels, label_smoothing)
+        output = model(**call_inputs)
+        return plain_loss_sum(output.logits, labels, label_smoothing), _aux_loss(output, router_aux)
     with _head_computes_loss(head, next_token_targets(labels), chunk_size, label_smoothing) as call:
-        output = model(**inputs, use_cache=False).logits
+        output = model(**call_inputs)
+    logits, aux = output.logits, _aux_loss(output, router_aux)
     if not call.ran:
         # The model never called its output layer: it produced the logits some other way.
-        return plain_loss_sum(output, labels, label_smoothing)
+        return plain_loss_sum(logits, labels, label_smoothing), aux
     assert call.loss is not None
-    if output.shape != (1, 1, 1) or not torch.equal(output.detach().reshape(()), call.loss.detach()):
+    if logits.shape != (1, 1, 1) or not torch.equal(logits.detach().reshape(()), call.loss.detach()):
         raise ModelError(f"loss_chunk_size ({chunk_size}): the model changed what its output layer returned (a "
                          "logit cap or scale shardtune does not know); set loss_chunk_size: 0 to use the full logits")
-    return output.reshape(())
+    return logits.reshape(()), aux
+
+
+def _aux_loss(output: Any, wanted: bool) -> torch.Tensor | None:
+    if not wanted:
+        return None
+    aux = getattr(output, "aux_loss", None)
+    if aux is None:
+        raise ModelError("the model returned no router aux_loss with output_router_logits=True; set "
+                         "moe_aux_loss_coef: 0 to train without it")
+    return aux.reshape(()).float()
 
 
 # --- which heads can be chunked ---

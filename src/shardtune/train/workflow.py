@@ -66,6 +66,7 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
                           "use more data")
     loop = loop_settings(config, train_micro_batches(train_loader, config), eval_loader is not None)
     model = engine.build_model(model_source(*model_config(config), tokenizer_size=len(tokenizer)))
+    loop = dataclasses.replace(loop, router_aux_loss_coef=router_aux_setting(model, config, engine.is_main))
     # Before the engine touches the weights (ZeRO casts them to bf16): the adapter exactly as initialised.
     pissa = PissaConversion.start(model, output_dir, engine.is_main) if config.pissa_convert else None
     engine.prepare(
@@ -183,6 +184,21 @@ def loop_settings(c: TrainConfig, micro_batches: int, has_eval: bool) -> LoopSet
     )
 
 
+def router_aux_setting(model: torch.nn.Module, c: TrainConfig, is_main: bool) -> float | None:
+    """The router auxiliary loss coefficient training adds (MoE models), said in the run log."""
+    from shardtune.model.moe import has_router_aux_loss, router_aux_loss_coef
+
+    model_config = getattr(model, "config", None)
+    coef = router_aux_loss_coef(model_config, c.moe_aux_loss_coef)
+    if is_main and coef is not None:
+        print(f"[shardtune] mixture of experts: loss = LM loss + {coef:g} x router aux_loss (logged as aux_loss)",
+              flush=True)
+    elif is_main and c.moe_aux_loss_coef and not has_router_aux_loss(model_config):
+        print(f"[shardtune] moe_aux_loss_coef ({c.moe_aux_loss_coef:g}): this model has no router auxiliary loss "
+              "(no router_aux_loss_coef in its config); nothing is added", flush=True)
+    return coef
+
+
 def start_state(engine: Engine, c: TrainConfig, output_dir: Path) -> TrainState:
     """Fresh state, or the state of the checkpoint to resume (explicit, else the latest complete one)."""
     if engine.is_main:
@@ -252,8 +268,10 @@ class RunHooks:
         metrics = {**metrics, "seconds": current - self.last_log_time}
         self.last_log_time = current
         seen = state.input_tokens_seen(self.config.include_num_input_tokens_seen)
-        record = self.reporter.log(state.global_step, state.epoch, self.engine.current_lr(), metrics,
-                                   None if seen is None else {"num_input_tokens_seen": seen})
+        extra: dict[str, Any] = {} if seen is None else {"num_input_tokens_seen": seen}
+        if "aux_loss" in metrics:
+            extra["aux_loss"] = round(metrics["aux_loss"], 6)
+        record = self.reporter.log(state.global_step, state.epoch, self.engine.current_lr(), metrics, extra or None)
         state.loss_history.append({"step": state.global_step, "loss": record["loss"]})
 
     def should_stop(self) -> bool:

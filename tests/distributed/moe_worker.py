@@ -1,0 +1,202 @@
+"""Worker for the MoE engine tests: trains the tiny Qwen3-MoE with each rank on its own tokens, records which
+experts each rank's router chose, and writes per-step metrics as JSON.
+
+    torchrun --standalone --nproc-per-node 2 moe_worker.py --model DIR --out DIR --cases z3_full,fsdp2_lora,...
+    python moe_worker.py --model DIR --out DIR --reference
+
+The two ranks draw token ids from disjoint halves of the vocabulary, so their routers see different inputs and
+choose different experts (counted from the router logits by a forward hook, not assumed). The one-process
+reference trains the same micro-batches in the same windows (rank 0's and rank 1's micro-batches side by side,
+accumulated), so the LM loss and the router auxiliary loss (a mean over micro-batches) both match exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from shardtune.engines.base import Engine, PrecisionSettings
+from shardtune.model.adapters import FinetuningSettings, apply_finetuning
+from shardtune.model.moe import ROUTER_NAMES, router_aux_loss_coef, router_module_names
+from shardtune.train.loop import IGNORE_INDEX, Batch, train_step
+from shardtune.train.optim import OptimizerSettings, build_optimizer, build_scheduler
+
+WORLD = 2
+MICRO_BATCH = 2
+ACCUMULATION = 2
+STEPS = 3
+SEQ_LEN = 16
+COEF = 0.1  # the router aux loss coefficient (the tiny model's own is 0.001: too small to see in the loss)
+OPTIMIZER = OptimizerSettings(learning_rate=1e-3, weight_decay=0.0)
+ENGINES = ("ddp", "z3", "fsdp2")
+
+
+def build_model(model_dir: str, finetuning: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    # GPT-OSS refuses sdpa (its attention sinks): eager, as a user must ask for it until attention is chosen per model
+    eager = json.loads((Path(model_dir) / "config.json").read_text())["model_type"] == "gpt_oss"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **({"attn_implementation": "eager"} if eager else {}))
+    if finetuning == "lora":
+        model = apply_finetuning(model, FinetuningSettings(finetuning_type="lora", lora_rank=4))
+    return model
+
+
+def rank_batches(vocab: int) -> list[list[Batch]]:
+    """batches[rank][i]; rank r's token ids come from its own half of the vocabulary."""
+    gen = torch.Generator().manual_seed(1234)
+    out = []
+    half = vocab // 2
+    for rank in range(WORLD):
+        batches = []
+        for _ in range(STEPS * ACCUMULATION):
+            ids = torch.randint(rank * half, (rank + 1) * half, (MICRO_BATCH, SEQ_LEN), generator=gen)
+            labels = ids.clone()
+            labels[:, : int(torch.randint(1, 6, (1,), generator=gen))] = IGNORE_INDEX
+            batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+        out.append(batches)
+    return out
+
+
+def count_expert_choices(model: torch.nn.Module, top_k: int, experts: int) -> torch.Tensor:
+    """A tensor that forward hooks on every router fill with how often each expert is among the top-k."""
+    counts = torch.zeros(experts, dtype=torch.long)
+    routers = router_module_names(model)
+    modules = dict(model.named_modules())
+
+    def hook(_module: torch.nn.Module, _inputs: object, output: object) -> None:
+        logits = output[0] if isinstance(output, tuple) else output  # (tokens, experts) router logits
+        chosen = logits.detach().float().topk(top_k, dim=-1).indices.flatten()
+        counts.add_(torch.bincount(chosen, minlength=experts))
+
+    for name in routers:
+        modules[name].register_forward_hook(hook)
+    assert routers and all(n.rsplit(".", 1)[-1] in ROUTER_NAMES for n in routers)
+    return counts
+
+
+def prepare(engine: Engine, model: torch.nn.Module) -> None:
+    engine.prepare(model, lambda params: build_optimizer(params, OPTIMIZER),
+                   lambda opt: build_scheduler(opt, "constant", STEPS, 0))
+    engine.verify()
+
+
+def train(engine: Engine, windows: list[list[Batch]], config: object) -> list[dict[str, float]]:
+    """Train with the router aux loss at COEF (DeepSeek-V3 has none: its routing bias balances the experts)."""
+    engine.model.train()
+    coef = router_aux_loss_coef(config, COEF)
+    return [train_step(engine, window, 1.0, router_aux_loss_coef=coef) for window in windows]
+
+
+def expert_count(config: object) -> int:
+    return next(getattr(config, key) for key in ("num_experts", "num_local_experts", "n_routed_experts")
+                if hasattr(config, key))
+
+
+def run_reference(model_dir: str, out: Path) -> None:
+    from shardtune.engines.local import LocalEngine
+
+    results = {}
+    for finetuning in ("full", "lora"):
+        model = build_model(model_dir, finetuning)
+        per_rank = rank_batches(model.config.vocab_size)
+        # one window per step: every micro-batch of every rank, each its own forward (as on two ranks)
+        windows = [[per_rank[r][s * ACCUMULATION + i] for i in range(ACCUMULATION) for r in range(WORLD)]
+                   for s in range(STEPS)]
+        engine = LocalEngine(PrecisionSettings(), torch.device("cpu"))
+        prepare(engine, model)
+        results[finetuning] = train(engine, windows, model.config)
+    (out / "reference.json").write_text(json.dumps(results, indent=2))
+
+
+def make_engine(kind: str, ctx: object) -> Engine:
+    if kind == "ddp":
+        from shardtune.engines.ddp import DDPEngine
+
+        return DDPEngine(PrecisionSettings(), ctx)
+    if kind == "fsdp2":
+        from shardtune.engines.fsdp import FSDPEngine
+        from shardtune.engines.fsdp_config import FsdpSettings
+
+        return FSDPEngine(FsdpSettings(version=2), PrecisionSettings(), ctx)
+    from shardtune.engines.deepspeed import DeepSpeedEngine
+    from shardtune.engines.deepspeed_config import DeepSpeedInputs, build_deepspeed_config
+
+    inputs = DeepSpeedInputs(micro_batch_size=MICRO_BATCH, gradient_accumulation_steps=ACCUMULATION,
+                             dp_world_size=WORLD, max_grad_norm=1.0, bf16=False, fp16=False, hidden_size=64)
+    return DeepSpeedEngine(build_deepspeed_config(kind, inputs), PrecisionSettings(), ctx)
+
+
+def run_case(ctx: object, model_dir: str, name: str) -> dict:
+    kind, finetuning = name.split("_")
+    rank = torch.distributed.get_rank()
+    model = build_model(model_dir, finetuning)
+    config = model.config
+    counts = count_expert_choices(model, config.num_experts_per_tok, expert_count(config))
+    batches = rank_batches(config.vocab_size)[rank]
+    windows = [batches[s * ACCUMULATION:(s + 1) * ACCUMULATION] for s in range(STEPS)]
+    engine = make_engine(kind, ctx)
+    prepare(engine, model)
+    result: dict = {"metrics": train(engine, windows, config), "expert_shards": expert_shards(engine.model),
+                    "z3_leaves": z3_leaves(engine.model)}
+    everyone = [torch.zeros_like(counts) for _ in range(WORLD)]
+    torch.distributed.all_gather(everyone, counts)
+    result["expert_counts"] = [c.tolist() for c in everyone]
+    if hasattr(engine, "destroy"):
+        engine.destroy()
+    torch.distributed.barrier()
+    return result
+
+
+def expert_shards(model: torch.nn.Module) -> dict[str, list[list[int]]]:
+    """Each fused expert weight's (global shape, this rank's local shape) under FSDP2 (DTensor), else empty."""
+    found = {}
+    for name, param in model.named_parameters():
+        if ".experts." in name and name.endswith(("gate_up_proj", "down_proj")) and hasattr(param, "to_local"):
+            found[name] = [list(param.shape), list(param.to_local().shape)]
+    return found
+
+
+def z3_leaves(model: torch.nn.Module) -> list[str]:
+    """Class names of the modules DeepSpeed ZeRO-3 treats as leaves (gathered whole on entry)."""
+    from deepspeed.utils import z3_leaf_module
+
+    return sorted({type(m).__name__ for m in model.modules() if z3_leaf_module(m)})
+
+
+def run_distributed(model_dir: str, out: Path, names: list[str]) -> None:
+    from shardtune.engines.distributed import init_distributed
+    from shardtune.launch.env import read_rank_env
+
+    ctx = init_distributed(read_rank_env(), 300)
+    try:
+        for name in names:
+            result = run_case(ctx, model_dir, name)
+            if torch.distributed.get_rank() == 0:
+                (out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    finally:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", default="")
+    parser.add_argument("--reference", action="store_true")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.reference:
+        run_reference(args.model, out)
+    else:
+        run_distributed(args.model, out, [c for c in args.cases.split(",") if c])
+
+
+if __name__ == "__main__":
+    main()
