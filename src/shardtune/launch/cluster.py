@@ -51,3 +51,20 @@ def merge_problems(cluster: ClusterLaunch, env: Mapping[str, str], ints: Mapping
             problems.append(f"{name}={given} contradicts {cluster.scheduler}'s {source} ({name} would be {ours}): "
                             f"unset {name}, shardtune takes it from {cluster.scheduler}")
     return problems
+
+
+def node_shape_problems(nodes: int, gpus_per_node: int, nproc_per_node: int | None) -> list[str]:
+    """The --nodes / --gpus-per-node / --nproc-per-node of `shardtune slurm` and `shardtune k8s`."""
+    problems = [f"--{flag} must be >= {low} (got {value})"
+                for flag, value, low in (("nodes", nodes, 1), ("gpus-per-node", gpus_per_node, 0),
+                                         ("nproc-per-node", nproc_per_node, 1))
+                if value is not None and value < low]
+    if nproc_per_node and gpus_per_node and nproc_per_node != gpus_per_node:
+        problems.append(f"--nproc-per-node ({nproc_per_node}) differs from --gpus-per-node ({gpus_per_node}); "
+                        "shardtune runs one process per GPU: drop --nproc-per-node")
+    return problems
+
+
+def processes_per_node(gpus_per_node: int, nproc_per_node: int | None) -> int:
+    """One process per GPU; on CPU nodes --nproc-per-node, else 1."""
+    return nproc_per_node or gpus_per_node or 1
