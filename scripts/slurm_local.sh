@@ -36,7 +36,7 @@ write_config() {
     cat >"$CONF" <<EOF
 # Written by scripts/slurm_local.sh: one host, $CPUS CPUs, daemons run as root.
 ClusterName=shardtune-local
-SlurmctldHost=$HOST
+SlurmctldHost=$HOST(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
