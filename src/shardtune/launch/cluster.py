@@ -26,6 +26,7 @@ class ClusterLaunch:
     c10d_rendezvous: bool = False
     min_nnodes: int | None = None
     max_nnodes: int | None = None
+    max_restarts: int | None = None
     sources: Mapping[str, str] = field(default_factory=dict)
 
     def value_of(self, name: str) -> int | str | None:

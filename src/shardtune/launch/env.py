@@ -148,8 +148,9 @@ def _with_cluster_values(ints: Mapping[str, int], cluster: ClusterLaunch) -> dic
                         ("MAX_NNODES", cluster.max_nnodes)):
         if value is not None:
             merged[name] = value
-    if cluster.master_port is not None and "MASTER_PORT" not in ints:
-        merged["MASTER_PORT"] = cluster.master_port
+    for name, value in (("MASTER_PORT", cluster.master_port), ("MAX_RESTARTS", cluster.max_restarts)):
+        if value is not None and name not in ints:
+            merged[name] = value
     return merged
 
 

@@ -2,8 +2,8 @@
 
 Two kinds, both with the config file in a ConfigMap mounted at /etc/shardtune:
 - PyTorchJob (kubeflow.org/v1, training-operator): a Master replica and N-1 Workers, container "pytorch".
-- TrainJob (trainer.kubeflow.org/v1alpha1, Kubeflow Trainer v2): the `torch-distributed` runtime, numNodes pods,
-  the config mounted through podSpecOverrides on the runtime's "node" job and container.
+- TrainJob (trainer.kubeflow.org/v1alpha1, Kubeflow Trainer v2.3): the `torch-distributed` runtime, numNodes
+  pods, the config mounted through runtimePatches on the runtime's "node" job and container.
 Each pod runs `shardtune train /etc/shardtune/<config>`; launch/kubernetes.py reads what the operator sets.
 """
 
@@ -90,12 +90,21 @@ def build_trainjob(req: ManifestRequest) -> dict[str, Any]:
                                "numProcPerNode": req.nproc_per_node}
     if req.gpus_per_node:
         trainer["resourcesPerNode"] = {"limits": {GPU_RESOURCE: req.gpus_per_node}}
-    overrides = {"targetJobs": [{"name": TRAINJOB_NODE}], "volumes": [_volume(req)],
-                 "containers": [{"name": TRAINJOB_NODE, "volumeMounts": [_volume_mount()]}]}
     return {
         "apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "metadata": _metadata(req, req.name),
-        "spec": {"runtimeRef": {"name": TRAINJOB_RUNTIME}, "trainer": trainer, "podSpecOverrides": [overrides]},
+        "spec": {"runtimeRef": {"name": TRAINJOB_RUNTIME}, "trainer": trainer,
+                 "runtimePatches": [_config_mount_patch(req)]},
     }
+
+
+def _config_mount_patch(req: ManifestRequest) -> dict[str, Any]:
+    """Trainer v2.3's runtimePatches: the ConfigMap volume and its mount on the runtime's "node" job/container.
+
+    (Trainer v2.0 called this podSpecOverrides and v2.1 podTemplateOverrides, with other shapes.)
+    """
+    pod = {"volumes": [_volume(req)], "containers": [{"name": TRAINJOB_NODE, "volumeMounts": [_volume_mount()]}]}
+    job = {"name": TRAINJOB_NODE, "template": {"spec": {"template": {"spec": pod}}}}
+    return {"manager": "shardtune", "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [job]}}}}
 
 
 def _metadata(req: ManifestRequest, name: str) -> dict[str, Any]:

@@ -109,12 +109,14 @@ def _elastic(env: Mapping[str, str], problems: list[str]) -> ClusterLaunch:
         problems.append(f"PET_RDZV_ENDPOINT={endpoint!r} is not host:port")
     low, high = _node_range(env.get("PET_NNODES", "1"), problems)
     return ClusterLaunch(
-        scheduler=PYTORCHJOB_ELASTIC, nnodes=high, node_rank=0, master_addr=host or endpoint,
+        scheduler=PYTORCHJOB_ELASTIC, nnodes=high, node_rank=_number(env, "PET_NODE_RANK", 0, problems) or 0,
+        master_addr=host or endpoint,
         master_port=int(port) if port.isdigit() else None, nproc_per_node=_nproc(env, problems),
         rdzv_id=env.get("PET_RDZV_ID") or None, c10d_rendezvous=True,
         min_nnodes=low if low != high else None, max_nnodes=high if low != high else None,
-        sources=_sources(env, NNODES="PET_NNODES", NPROC_PER_NODE="PET_NPROC_PER_NODE",
-                         MASTER_ADDR="PET_RDZV_ENDPOINT", MASTER_PORT="PET_RDZV_ENDPOINT"))
+        max_restarts=_number(env, "PET_MAX_RESTARTS", 0, problems),
+        # A Master replica's MASTER_ADDR may name another pod than the rendezvous endpoint: it is not used here.
+        sources=_sources(env, NNODES="PET_NNODES", NPROC_PER_NODE="PET_NPROC_PER_NODE"))
 
 
 def _node_range(text: str, problems: list[str]) -> tuple[int, int]:
