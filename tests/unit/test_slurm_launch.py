@@ -13,6 +13,7 @@ from shardtune.launch.env import inside_launcher, read_launch_env
 from shardtune.launch.sbatch import SbatchRequest, build_sbatch_script, parse_job_id
 from shardtune.launch.slurm import expand_counts, expand_hostlist, port_for_job
 from shardtune.launch.torchrun import build_torchrun_argv, plan_launch, worker_argv
+from tests.conftest import run_cli
 
 PY = "/usr/bin/python3"
 HOSTLISTS = {
@@ -177,3 +178,24 @@ def test_sbatch_job_id():
     assert parse_job_id("123;cluster\n") == "123"
     with pytest.raises(ConfigError):
         parse_job_id("sbatch: error: Batch job submission failed")
+
+
+def test_slurm_command_writes_the_script(tmp_path, tiny_model_dir):
+    script = tmp_path / "job.sbatch"
+    done = run_cli("slurm", "examples/tiny/sft_full.yaml", "--nodes", "2", "--gpus-per-node", "4", "--partition",
+                   "gpu", "--script", str(script), f"model_name_or_path={tiny_model_dir}", "max_steps=3")
+    assert done.returncode == 0, done.stderr
+    text = script.read_text()
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=4" in text and "#SBATCH --partition=gpu" in text
+    assert text.rstrip().endswith(f"examples/tiny/sft_full.yaml model_name_or_path={tiny_model_dir} max_steps=3")
+
+
+def test_slurm_command_validates_the_config_and_the_shape_first(tmp_path):
+    script = tmp_path / "job.sbatch"
+    done = run_cli("slurm", "examples/tiny/sft_full.yaml", "--nodes", "2", "--gpus-per-node", "0",
+                   "--script", str(script), "learning_rate=-1")
+    assert done.returncode == 2 and "learning_rate" in done.stderr and not script.exists()
+    done = run_cli("slurm", "examples/tiny/sft_full.yaml", "--nodes", "0", "--gpus-per-node", "4",
+                   "--nproc-per-node", "2", "--script", str(script))
+    assert done.returncode == 2 and not script.exists()
+    assert "--nodes must be >= 1 (got 0)" in done.stderr and "--nproc-per-node (2) differs" in done.stderr
