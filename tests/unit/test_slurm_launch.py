@@ -58,7 +58,7 @@ def slurm_env(nodes: int, node_id: int, job: str = "4242", **extra: str) -> dict
     return {"SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": hosts, "SLURM_NNODES": str(nodes),
             "SLURM_NODEID": str(node_id), "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": hosts,
             "SLURM_STEP_NUM_NODES": str(nodes), "SLURM_STEP_TASKS_PER_NODE": f"1(x{nodes})",
-            "SLURM_PROCID": str(node_id), "SLURM_LOCALID": "0", **extra}
+            "SLURM_PROCID": str(node_id), "SLURM_LOCALID": "0", "SLURMD_NODENAME": f"gpu{node_id + 1}", **extra}
 
 
 def node_argv(env: dict[str, str]) -> list[str]:
@@ -118,6 +118,14 @@ def test_batch_script_without_srun_on_several_nodes_is_refused():
         read_launch_env(env)
     one_node = {k: v for k, v in slurm_env(1, 0).items() if not k.startswith("SLURM_STEP")}
     assert read_launch_env(one_node).nnodes == 1  # a one-node batch script may run shardtune directly
+
+
+def test_salloc_shell_on_the_login_host_is_refused():
+    # What `salloc -N2` gives the shell on the login host: the job's variables, but no SLURMD_NODENAME.
+    env = {k: v for k, v in slurm_env(2, 0).items() if not k.startswith(("SLURM_STEP", "SLURMD"))}
+    with pytest.raises(ConfigError, match="outside the nodes of Slurm job 4242") as err:
+        read_launch_env(env)
+    assert len(err.value.problems) == 1
 
 
 def test_several_tasks_per_node_are_refused():
