@@ -207,3 +207,12 @@ def test_slurm_command_validates_the_config_and_the_shape_first(tmp_path):
                    "--nproc-per-node", "2", "--script", str(script))
     assert done.returncode == 2 and not script.exists()
     assert "--nodes must be >= 1 (got 0)" in done.stderr and "--nproc-per-node (2) differs" in done.stderr
+
+
+def test_dry_run_inside_an_allocation_shows_the_c10d_launch(tiny_model_dir):
+    env = slurm_env(2, 1, NPROC_PER_NODE="2")
+    done = run_cli("train", "examples/tiny/sft_full.yaml", f"model_name_or_path={tiny_model_dir}", "--dry-run", **env)
+    assert done.returncode == 0, done.stderr
+    port = port_for_job("4242")
+    assert f"rendezvous: c10d at gpu1:{port}, id slurm-4242" in done.stdout
+    assert "node 1 (this node): " in done.stdout and "nodes: 2, processes per node: 2, world size: 4" in done.stdout
