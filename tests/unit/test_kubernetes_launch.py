@@ -58,6 +58,9 @@ def test_flavours_are_recognised():
     assert operator_flavour(trainjob_pod(2, 1)) == TRAINJOB
     assert operator_flavour(elastic_pod(0)) == PYTORCHJOB_ELASTIC
     assert operator_flavour(POD) is None  # a plain pod: nothing to map
+    # RANK and WORLD_SIZE typed by hand in some pod (a CI runner, say) keep their usual meaning.
+    assert operator_flavour({**POD, "HOSTNAME": "runner-x7", "RANK": "0", "WORLD_SIZE": "1"}) is None
+    assert operator_flavour({**pytorchjob_pod(2, 1), "HOSTNAME": "runner-x7"}) is None
     # The same variables outside Kubernetes are a hand-made setup, read as always.
     assert operator_flavour({k: v for k, v in pytorchjob_pod(2, 1).items() if not k.startswith("KUBERNETES")}) is None
 

@@ -7,7 +7,8 @@ Pure functions over the variables launch/env.py hands over. A pod is recognised 
   PET_MASTER_PORT -- torchrun's own spelling; no RANK or WORLD_SIZE.
 - PyTorchJob (kubeflow.org/v1) with an elasticPolicy: PET_RDZV_ENDPOINT (c10d), PET_NNODES as "min:max",
   PET_RDZV_ID, PET_MAX_RESTARTS.
-- PyTorchJob (kubeflow.org/v1): MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK, set on every pod. RANK is the
+- PyTorchJob (kubeflow.org/v1): MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK, set on every pod, with PET_NNODES
+  (operator >= 1.7) or a pod named <job>-master-0 / <job>-worker-<i> (HOSTNAME). RANK is the
   *pod's* index (master 0, worker i -> i+1) and WORLD_SIZE the number of pods (operator >= 1.7 with nprocPerNode:
   pods x nprocPerNode, with PET_NPROC_PER_NODE and PET_NODE_RANK next to it). Read as a process rank -- which is
   what torch does with RANK -- every pod would think it is the only process of its rank, and the run hangs at the
@@ -16,6 +17,7 @@ Pure functions over the variables launch/env.py hands over. A pod is recognised 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from shardtune.launch.cluster import ClusterLaunch
@@ -29,11 +31,22 @@ def operator_flavour(env: Mapping[str, str]) -> str | None:
         return None
     if env.get("PET_RDZV_ENDPOINT"):
         return PYTORCHJOB_ELASTIC
-    if env.get("RANK") is not None and env.get("WORLD_SIZE") is not None:
+    if _pytorchjob_variables(env):
         return PYTORCHJOB
     if env.get("PET_NNODES") and env.get("PET_MASTER_ADDR"):
         return TRAINJOB
     return None
+
+
+def _pytorchjob_variables(env: Mapping[str, str]) -> bool:
+    """RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT as the operator sets them, not a hand-made set in some pod.
+
+    Its sign: PET_NNODES (operator >= 1.7), or the pod name it gives, ``<job>-master-0`` / ``<job>-worker-<i>``
+    (Kubernetes puts the pod name in HOSTNAME).
+    """
+    if any(env.get(name) is None for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return False
+    return bool(env.get("PET_NNODES")) or re.search(r"-(master|worker)-\d+$", env.get("HOSTNAME", "")) is not None
 
 
 def is_operator_pod(env: Mapping[str, str]) -> bool:
