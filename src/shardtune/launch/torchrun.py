@@ -22,7 +22,7 @@ class LaunchPlan:
     max_nnodes: int | None = None
     max_restarts: int = 0
     rdzv_timeout: int | None = None
-    # Set under SLURM and Kubeflow: every node runs the same command and torchrun numbers the nodes.
+    # Set under SLURM and an elastic PyTorchJob: every node runs the same command, torchrun numbers the nodes.
     c10d_rendezvous: bool = False
 
     @property
