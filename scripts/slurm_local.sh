@@ -4,7 +4,7 @@
 #
 #   scripts/slurm_local.sh start    install if needed, write the config, start the daemons, wait for the node
 #   scripts/slurm_local.sh status   exit 0 when the node takes jobs
-#   scripts/slurm_local.sh stop     stop the daemons this script started
+#   scripts/slurm_local.sh stop     stop the daemons this script started (munged too, when it started it)
 #
 # Clients need SLURM_CONF (printed by `start`): the config lives in $SHARDTUNE_SLURM_DIR, never in /etc/slurm,
 # so a host's own Slurm setup is left alone. No systemd and no cgroups: the daemons are started directly,
@@ -74,6 +74,7 @@ start_munge() {
     else
         munged --force
     fi
+    touch "$DIR/run/munged.ours"  # stop ends munged only when this script started it
     for _ in $(seq 50); do munge -n >/dev/null 2>&1 </dev/null && return 0; sleep 0.1; done
     echo "slurm_local.sh: munged did not start" >&2
     return 1
@@ -110,6 +111,10 @@ stop() {
             rm -f "$DIR/run/$name.pid"
         fi
     done
+    if [ -f "$DIR/run/munged.ours" ] && [ -f /run/munge/munged.pid ]; then
+        kill "$(cat /run/munge/munged.pid)" 2>/dev/null || true
+        rm -f "$DIR/run/munged.ours"
+    fi
 }
 
 case "${1:-}" in
