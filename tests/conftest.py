@@ -45,6 +45,9 @@ def cli_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.pop("SHARDTUNE_DEBUG", None)
+    # Tests that run inside a Slurm job must not have their launches taken over by the job's variables.
+    for name in [n for n in env if n.startswith(("SLURM_", "SLURMD_")) and n != "SLURM_CONF"]:
+        del env[name]
     env.update(extra)
     return env
 

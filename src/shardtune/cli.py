@@ -13,6 +13,10 @@ commands:
                                                          memory per engine option and the recommended engine
   export SOURCE --out DIR [--merge-lora] [--model BASE] turn a checkpoint or output into a Hugging Face folder
   make-tiny-model --out DIR [--arch NAME --layers N ...]  write a random tiny model + local tokenizer
+  slurm CONFIG.yaml --nodes N --gpus-per-node G [--partition P --time T --account A --submit]
+                                                         write (and submit) an sbatch script for the config
+  k8s CONFIG.yaml --nodes N --gpus-per-node G --image IMG [--kind pytorchjob|trainjob --namespace NS]
+                                                         write a Kubeflow manifest with the config in a ConfigMap
   keys [--markdown]                                      list every config key
   convert-config FILE.yaml [--out NEW.yaml]              what happens to each key of a LLaMA-Factory file
 
@@ -29,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     handlers = {"train": _train, "check": _check, "estimate": _estimate, "export": _export,
-                "make-tiny-model": _make_tiny_model, "keys": _keys, "convert-config": _convert_config}
+                "make-tiny-model": _make_tiny_model, "keys": _keys, "convert-config": _convert_config,
+                "slurm": _slurm, "k8s": _k8s}
     if command not in handlers:
         print(f"shardtune: unknown command '{command}'\n\n{USAGE}", file=sys.stderr)
         return 2
@@ -81,6 +86,18 @@ def _estimate(args: list[str]) -> int:
     from shardtune.estimate.command import estimate_command
 
     return estimate_command(args)
+
+
+def _slurm(args: list[str]) -> int:
+    from shardtune.launch.sbatch import slurm_command
+
+    return slurm_command(args)
+
+
+def _k8s(args: list[str]) -> int:
+    from shardtune.launch.k8s_manifest import k8s_command
+
+    return k8s_command(args)
 
 
 def _export(args: list[str]) -> int:

@@ -1,4 +1,8 @@
-"""The only module that reads launcher environment variables (ours, torchrun's and accelerate's)."""
+"""The only module that reads launcher environment variables (ours, torchrun's, accelerate's, SLURM's, Kubeflow's).
+
+The schedulers' variables are interpreted by pure functions in launch/slurm.py and launch/kubernetes.py, which
+get the environment from here.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from shardtune.errors import ConfigError
+from shardtune.launch import kubernetes, slurm
+from shardtune.launch.cluster import ClusterLaunch, merge_problems
 
 
 @dataclass(frozen=True)
@@ -49,9 +55,12 @@ def elastic_restart_count(env: Mapping[str, str] | None = None) -> int:
 
 
 def inside_launcher(env: Mapping[str, str] | None = None) -> bool:
-    """True when a launcher (torchrun, deepspeed, accelerate) already started this process as a rank."""
+    """True when a launcher (torchrun, deepspeed, accelerate) already started this process as a rank.
+
+    A Kubeflow PyTorchJob pod has RANK and WORLD_SIZE too, but for the pod: there shardtune still launches.
+    """
     env = os.environ if env is None else env
-    return "RANK" in env and "WORLD_SIZE" in env
+    return "RANK" in env and "WORLD_SIZE" in env and not kubernetes.is_operator_pod(env)
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,8 @@ class LaunchEnv:
     max_restarts: int = 0
     cuda_visible_devices: str | None = None
     rdzv_timeout: int | None = None
+    scheduler: str | None = None  # SLURM, PyTorchJob, TrainJob: whose variables decided the nodes
+    c10d_rendezvous: bool = False
 
 
 # Integer launch variables and the values they may take (inclusive; None: no bound).
@@ -90,6 +101,11 @@ def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
     if force not in _FLAGS:
         problems.append(f"environment variable FORCE_TORCHRUN={env['FORCE_TORCHRUN']!r} is not 1/0 (or true/false); "
                         "set FORCE_TORCHRUN=1 to always launch through torchrun")
+    cluster, cluster_problems = read_cluster_launch(env)
+    problems += cluster_problems
+    if cluster is not None:
+        problems += merge_problems(cluster, env, ints)
+        ints = _with_cluster_values(ints, cluster)
     problems += _node_problems(ints)
     if problems:
         raise ConfigError(*problems)
@@ -98,15 +114,44 @@ def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
         nnodes=ints.get("NNODES", 1),
         node_rank=ints.get("NODE_RANK", 0),
         nproc_per_node=ints.get("NPROC_PER_NODE"),
-        master_addr=env.get("MASTER_ADDR") or "127.0.0.1",
+        master_addr=(cluster.master_addr if cluster else env.get("MASTER_ADDR")) or "127.0.0.1",
         master_port=ints.get("MASTER_PORT"),
-        rdzv_id=env.get("RDZV_ID") or None,
+        rdzv_id=env.get("RDZV_ID") or (cluster.rdzv_id if cluster else None),
         min_nnodes=ints.get("MIN_NNODES"),
         max_nnodes=ints.get("MAX_NNODES"),
+        scheduler=cluster.scheduler if cluster else None,
+        c10d_rendezvous=cluster.c10d_rendezvous if cluster else False,
         max_restarts=ints.get("MAX_RESTARTS", 0),
         cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
         rdzv_timeout=ints.get("RDZV_TIMEOUT"),
     )
+
+
+def read_cluster_launch(env: Mapping[str, str]) -> tuple[ClusterLaunch | None, list[str]]:
+    """What SLURM or the Kubeflow operator decided about the nodes (None when neither started this process).
+
+    Inside a rank (RANK set by torchrun) the scheduler's variables are still there but no longer apply.
+    """
+    if "LOCAL_RANK" in env and "RANK" in env:
+        return None, []
+    launch, problems = slurm.read_slurm_launch(env)
+    if launch is not None or problems:
+        return launch, problems
+    return kubernetes.read_kubeflow_launch(env)
+
+
+def _with_cluster_values(ints: Mapping[str, int], cluster: ClusterLaunch) -> dict[str, int]:
+    """The scheduler's numbers; where it leaves one open (CPU processes per node, a port) the user's stays."""
+    merged = dict(ints)
+    for name, value in (("NNODES", cluster.nnodes), ("NODE_RANK", cluster.node_rank),
+                        ("NPROC_PER_NODE", cluster.nproc_per_node), ("MIN_NNODES", cluster.min_nnodes),
+                        ("MAX_NNODES", cluster.max_nnodes)):
+        if value is not None:
+            merged[name] = value
+    for name, value in (("MASTER_PORT", cluster.master_port), ("MAX_RESTARTS", cluster.max_restarts)):
+        if value is not None and name not in ints:
+            merged[name] = value
+    return merged
 
 
 def _int_variable(env: Mapping[str, str], name: str, low: int | None, high: int | None,

@@ -22,6 +22,9 @@ def dry_run_report(pre: Preflight, plan: LaunchPlan, commands: list[list[str]]) 
             lines.append(f"node {node}{here}: {shlex.join(argv)}")
     else:
         lines.append("command: runs in this process (one process, no launcher)")
+    if commands and plan.c10d_rendezvous:
+        lines.append(f"rendezvous: c10d at {plan.master_addr}:{plan.master_port}, id {plan.rdzv_id} (set by the "
+                     "scheduler; every node runs the same command and torchrun numbers the nodes)")
     lines += [
         f"nodes: {plan.nnodes}, processes per node: {plan.nproc_per_node}, world size: {plan.world_size}",
         f"global batch: {c.per_device_train_batch_size} (per_device_train_batch_size) x "

@@ -226,9 +226,11 @@ def train_command(argv: list[str]) -> int:
     write_launch_config(pre.config, config_path)
     code = run_torchrun(commands[plan.node_rank], plan, Path(pre.config.output_dir or "."), debug)
     if code not in (0, 130) and plan.nnodes > 1:
+        remedy = (f"check that {env.scheduler} started one shardtune on each of the {plan.nnodes} nodes"
+                  if env.scheduler else f"start every node with NNODES={plan.nnodes}, "
+                  f"MASTER_ADDR={plan.master_addr} and MASTER_PORT={plan.master_port}")
         print(f"shardtune: error: the job failed (exit code {code}); if the log shows a rendezvous timeout, a node "
-              f"never joined: start every node with NNODES={plan.nnodes}, MASTER_ADDR={plan.master_addr} and "
-              f"MASTER_PORT={plan.master_port}", file=sys.stderr)
+              f"never joined: {remedy}", file=sys.stderr)
     return code
 
 

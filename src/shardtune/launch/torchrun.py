@@ -22,6 +22,8 @@ class LaunchPlan:
     max_nnodes: int | None = None
     max_restarts: int = 0
     rdzv_timeout: int | None = None
+    # Set under SLURM and an elastic PyTorchJob: every node runs the same command, torchrun numbers the nodes.
+    c10d_rendezvous: bool = False
 
     @property
     def world_size(self) -> int:
@@ -41,7 +43,7 @@ def plan_launch(env: LaunchEnv, visible_gpus: int, free_port: int | None = None)
         nnodes=env.nnodes, node_rank=env.node_rank, nproc_per_node=nproc, master_addr=env.master_addr,
         master_port=port if port is not None else (free_port or find_free_port()),
         rdzv_id=env.rdzv_id, min_nnodes=env.min_nnodes, max_nnodes=env.max_nnodes, max_restarts=env.max_restarts,
-        rdzv_timeout=env.rdzv_timeout,
+        rdzv_timeout=env.rdzv_timeout, c10d_rendezvous=env.c10d_rendezvous,
     )
 
 
@@ -54,16 +56,17 @@ def find_free_port() -> int:
 def build_torchrun_argv(plan: LaunchPlan, node_rank: int, worker: list[str], python: str) -> list[str]:
     """`python -m torch.distributed.run ...` for one node, followed by the worker command."""
     argv = [python, "-m", "torch.distributed.run", f"--nproc-per-node={plan.nproc_per_node}"]
-    if plan.is_elastic:
+    if plan.is_elastic or plan.c10d_rendezvous:
         low = plan.min_nnodes or plan.nnodes
         high = plan.max_nnodes or plan.nnodes
         argv += [
-            f"--nnodes={low}:{high}",
+            f"--nnodes={low}:{high}" if plan.is_elastic else f"--nnodes={plan.nnodes}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={plan.master_addr}:{plan.master_port}",
             f"--rdzv-id={plan.rdzv_id or 'shardtune'}",
-            f"--max-restarts={plan.max_restarts}",
         ]
+        if plan.is_elastic:
+            argv.append(f"--max-restarts={plan.max_restarts}")
     else:
         argv += [
             f"--nnodes={plan.nnodes}",

@@ -1,0 +1,193 @@
+"""`shardtune k8s`: validate a config, then write a Kubeflow manifest that trains it on N pods.
+
+Two kinds, both with the config file in a ConfigMap mounted at /etc/shardtune:
+- PyTorchJob (kubeflow.org/v1, training-operator): a Master replica and N-1 Workers, container "pytorch".
+- TrainJob (trainer.kubeflow.org/v1alpha1, Kubeflow Trainer v2.3): the `torch-distributed` runtime, numNodes
+  pods, the config mounted through runtimePatches on the runtime's "node" job and container.
+Each pod runs `shardtune train /etc/shardtune/<config>`; launch/kubernetes.py reads what the operator sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardtune.errors import ConfigError
+from shardtune.launch.cluster import node_shape_problems, processes_per_node
+
+KINDS = ("pytorchjob", "trainjob")
+MOUNT_DIR = "/etc/shardtune"
+VOLUME = "shardtune-config"
+GPU_RESOURCE = "nvidia.com/gpu"
+TRAINJOB_RUNTIME = "torch-distributed"
+# Kubeflow's names: PyTorchJob's container must be "pytorch"; the torch runtime's job and container are "node".
+PYTORCH_CONTAINER, TRAINJOB_NODE = "pytorch", "node"
+
+
+@dataclass(frozen=True)
+class ManifestRequest:
+    name: str
+    config_name: str
+    config_text: str
+    overrides: tuple[str, ...]
+    nodes: int
+    gpus_per_node: int
+    nproc_per_node: int
+    image: str
+    kind: str = "pytorchjob"
+    namespace: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+    @property
+    def train_command(self) -> list[str]:
+        return ["shardtune", "train", f"{MOUNT_DIR}/{self.config_name}", *self.overrides]
+
+
+def build_manifest(req: ManifestRequest) -> list[dict[str, Any]]:
+    """The ConfigMap and the job (pure); ``yaml.safe_dump_all`` writes them as one file."""
+    job = build_pytorchjob(req) if req.kind == "pytorchjob" else build_trainjob(req)
+    return [build_configmap(req), job]
+
+
+def build_configmap(req: ManifestRequest) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(req, f"{req.name}-config"),
+            "data": {req.config_name: req.config_text}}
+
+
+def build_pytorchjob(req: ManifestRequest) -> dict[str, Any]:
+    replicas = {"Master": _pytorch_replica(req, 1)}
+    if req.nodes > 1:
+        replicas["Worker"] = _pytorch_replica(req, req.nodes - 1)
+    return {
+        "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": _metadata(req, req.name),
+        # Operator >= 1.7 then sets WORLD_SIZE = pods x nprocPerNode and PET_NPROC_PER_NODE; older ones count pods.
+        # shardtune reads either (launch/kubernetes.py).
+        "spec": {"nprocPerNode": str(req.nproc_per_node), "pytorchReplicaSpecs": replicas},
+    }
+
+
+def _pytorch_replica(req: ManifestRequest, replicas: int) -> dict[str, Any]:
+    container = {
+        "name": PYTORCH_CONTAINER, "image": req.image, "command": req.train_command,
+        # Also tells operators older than 1.7, which set no PET_NPROC_PER_NODE, how many ranks each pod starts.
+        "env": [{"name": "NPROC_PER_NODE", "value": str(req.nproc_per_node)}],
+        "volumeMounts": [_volume_mount()],
+    }
+    if req.gpus_per_node:
+        container["resources"] = {"limits": {GPU_RESOURCE: req.gpus_per_node}}
+    return {"replicas": replicas, "restartPolicy": "OnFailure",
+            "template": {"spec": {"containers": [container], "volumes": [_volume(req)]}}}
+
+
+def build_trainjob(req: ManifestRequest) -> dict[str, Any]:
+    trainer: dict[str, Any] = {"image": req.image, "command": req.train_command, "numNodes": req.nodes,
+                               "numProcPerNode": req.nproc_per_node}
+    if req.gpus_per_node:
+        trainer["resourcesPerNode"] = {"limits": {GPU_RESOURCE: req.gpus_per_node}}
+    return {
+        "apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "metadata": _metadata(req, req.name),
+        "spec": {"runtimeRef": {"name": TRAINJOB_RUNTIME}, "trainer": trainer,
+                 "runtimePatches": [_config_mount_patch(req)]},
+    }
+
+
+def _config_mount_patch(req: ManifestRequest) -> dict[str, Any]:
+    """Trainer v2.3's runtimePatches: the ConfigMap volume and its mount on the runtime's "node" job/container.
+
+    (Trainer v2.0 called this podSpecOverrides and v2.1 podTemplateOverrides, with other shapes.)
+    """
+    pod = {"volumes": [_volume(req)], "containers": [{"name": TRAINJOB_NODE, "volumeMounts": [_volume_mount()]}]}
+    job = {"name": TRAINJOB_NODE, "template": {"spec": {"template": {"spec": pod}}}}
+    return {"manager": "shardtune", "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [job]}}}}
+
+
+def _metadata(req: ManifestRequest, name: str) -> dict[str, Any]:
+    return {"name": name, **({"namespace": req.namespace} if req.namespace else {})}
+
+
+def _volume(req: ManifestRequest) -> dict[str, Any]:
+    return {"name": VOLUME, "configMap": {"name": f"{req.name}-config"}}
+
+
+def _volume_mount() -> dict[str, Any]:
+    return {"name": VOLUME, "mountPath": MOUNT_DIR, "readOnly": True}
+
+
+def manifest_text(req: ManifestRequest) -> str:
+    import yaml
+
+    header = (f"# Written by `shardtune k8s`: {req.kind} {req.name}, {req.nodes} pod(s) x {req.nproc_per_node} "
+              f"process(es) = {req.world_size} rank(s).\n# Apply with `kubectl apply -f THIS_FILE`. The image must "
+              "contain shardtune, the model and the data the config names.\n")
+    return header + yaml.dump_all(build_manifest(req), Dumper=_block_dumper(), sort_keys=False)
+
+
+def _block_dumper():
+    """A safe YAML dumper that writes multi-line strings (the config file) as readable `|` blocks."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    def text(dumper, value: str):
+        style = "|" if "\n" in value else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+    Dumper.add_representer(str, text)
+    return Dumper
+
+
+def job_name(config: Path) -> str:
+    """An RFC 1035 label (what both CRDs require) from the config's file name."""
+    label = re.sub(r"[^a-z0-9-]+", "-", config.stem.lower()).strip("-")
+    label = re.sub(r"^[^a-z]+", "", label)
+    return (label or "shardtune")[:50].rstrip("-")
+
+
+def k8s_command(args: list[str]) -> int:
+    """`shardtune k8s CONFIG --nodes N --gpus-per-node G --image IMG [...] [key=value ...]`."""
+    from shardtune.launch.run import preflight
+
+    parser = argparse.ArgumentParser(prog="shardtune k8s", description="Validate CONFIG and write a Kubeflow "
+                                     "manifest (ConfigMap + PyTorchJob or TrainJob) that trains it on N pods.")
+    parser.add_argument("config")
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--gpus-per-node", type=int, required=True, help="0 for CPU pods")
+    parser.add_argument("--nproc-per-node", type=int, help="processes per pod on CPU (default 1)")
+    parser.add_argument("--image", required=True, help="container image with shardtune installed")
+    parser.add_argument("--kind", choices=KINDS, default="pytorchjob")
+    parser.add_argument("--namespace")
+    parser.add_argument("--name", help="job name (default: from the config file name)")
+    parser.add_argument("--out", help="file to write (default: <config name>.<kind>.yaml here)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    ns, overrides = parser.parse_known_args(args)
+    req = manifest_request(ns, overrides)
+    preflight([ns.config, *overrides], req.world_size, req.nproc_per_node)
+    out = Path(ns.out or f"{Path(ns.config).stem}.{req.kind}.yaml").resolve()
+    out.write_text(manifest_text(req))
+    print(f"wrote {out} ({req.kind}, {req.nodes} pod(s) x {req.nproc_per_node} process(es))")
+    return 0
+
+
+def manifest_request(ns: argparse.Namespace, overrides: list[str]) -> ManifestRequest:
+    problems = node_shape_problems(ns.nodes, ns.gpus_per_node, ns.nproc_per_node)
+    name = ns.name or job_name(Path(ns.config))
+    if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) or len(name) > 50:
+        problems.append(f"--name {name!r} must be a DNS label: lower-case letters, digits and '-', starting "
+                        "with a letter, at most 50 characters")
+    config = Path(ns.config)
+    if not config.is_file():
+        problems.append(f"config file {config} does not exist")
+    if problems:
+        raise ConfigError(*problems)
+    return ManifestRequest(
+        name=name, config_name=config.name, config_text=config.read_text(), overrides=tuple(overrides),
+        nodes=ns.nodes, gpus_per_node=ns.gpus_per_node,
+        nproc_per_node=processes_per_node(ns.gpus_per_node, ns.nproc_per_node),
+        image=ns.image, kind=ns.kind, namespace=ns.namespace)

@@ -1,0 +1,143 @@
+"""`shardtune slurm`: validate a config, then write (and optionally submit) a complete, commented sbatch script.
+
+The script runs `srun --ntasks-per-node=1 python -m shardtune train CONFIG` on every node of the allocation;
+launch/slurm.py then turns the job's variables into a c10d torchrun launch on each node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardtune.errors import ConfigError
+from shardtune.launch.cluster import node_shape_problems, processes_per_node
+
+
+@dataclass(frozen=True)
+class SbatchRequest:
+    """Everything the script says; paths absolute, so it runs from any directory."""
+
+    config: Path
+    overrides: tuple[str, ...]
+    nodes: int
+    gpus_per_node: int
+    nproc_per_node: int
+    workdir: Path
+    python: str
+    job_name: str = "shardtune"
+    partition: str | None = None
+    time: str | None = None
+    account: str | None = None
+    output: str | None = None
+    cpus_per_task: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+
+def build_sbatch_script(req: SbatchRequest) -> str:
+    """The sbatch script text (pure)."""
+    shape = f"{req.nodes} node(s) x {req.nproc_per_node} process(es) = {req.world_size} rank(s)"
+    lines = [
+        "#!/bin/bash",
+        f"# Written by `shardtune slurm` for {req.config}: {shape}.",
+        "# Submit with `sbatch THIS_FILE`; the config was validated when this file was written.",
+        f"#SBATCH --job-name={req.job_name}",
+        f"#SBATCH --nodes={req.nodes}",
+        "# One task per node: shardtune starts the node's ranks itself (torchrun, c10d rendezvous).",
+        "#SBATCH --ntasks-per-node=1",
+    ]
+    if req.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={req.gpus_per_node}")
+    optional = {"cpus-per-task": req.cpus_per_task, "partition": req.partition, "time": req.time,
+                "account": req.account}
+    lines += [f"#SBATCH --{name}={value}" for name, value in optional.items() if value is not None]
+    lines += [
+        f"#SBATCH --output={req.output or str(req.workdir / 'shardtune-%x-%j.out')}",
+        "set -euo pipefail",
+        "# Relative paths in the config (dataset_dir, output_dir, the model) are read from here.",
+        f"cd {shlex.quote(str(req.workdir))}",
+        "# Processes per node (one per GPU); shardtune checks it against the GPUs Slurm gives each node.",
+        f"export NPROC_PER_NODE={req.nproc_per_node}",
+        "# Every node runs the same command. The first host of SLURM_JOB_NODELIST hosts the rendezvous, on a",
+        "# port derived from the job id (export MASTER_PORT=... to choose one); torchrun numbers the nodes.",
+        "# The Python below is the one that validated this script: every node must see it (shared filesystem).",
+        "srun --ntasks-per-node=1 " + shlex.join([req.python, "-m", "shardtune", "train", str(req.config),
+                                                   *req.overrides]),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def build_submit_argv(script: Path) -> list[str]:
+    return ["sbatch", "--parsable", str(script)]
+
+
+def parse_job_id(sbatch_output: str) -> str:
+    """`sbatch --parsable` prints ``JOBID`` or ``JOBID;CLUSTER``."""
+    match = re.search(r"^(\d+)", sbatch_output.strip())
+    if match is None:
+        raise ConfigError(f"sbatch printed no job id: {sbatch_output.strip()!r}")
+    return match.group(1)
+
+
+def submit(script: Path) -> str:
+    """Submit with sbatch; the job id, or one line with sbatch's own complaint."""
+    try:
+        done = subprocess.run(build_submit_argv(script), capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise ConfigError("--submit: sbatch is not on PATH; run this on a Slurm login node, or submit the "
+                          f"script there with `sbatch {script}`") from None
+    if done.returncode != 0:
+        raise ConfigError(f"sbatch refused {script}: {done.stderr.strip() or done.stdout.strip()}")
+    return parse_job_id(done.stdout)
+
+
+def slurm_command(args: list[str]) -> int:
+    """`shardtune slurm CONFIG --nodes N --gpus-per-node G [...] [key=value ...] [--submit]`."""
+    from shardtune.launch.run import preflight
+
+    parser = argparse.ArgumentParser(prog="shardtune slurm", description="Validate CONFIG and write an sbatch "
+                                     "script that trains it on N nodes; extra key=value pairs go to the config.")
+    parser.add_argument("config")
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--gpus-per-node", type=int, required=True, help="0 for CPU nodes")
+    parser.add_argument("--nproc-per-node", type=int, help="processes per node (default: the GPU count, 1 on CPU)")
+    parser.add_argument("--cpus-per-task", type=int)
+    parser.add_argument("--partition")
+    parser.add_argument("--time", help="time limit, e.g. 04:00:00")
+    parser.add_argument("--account")
+    parser.add_argument("--job-name", default="shardtune")
+    parser.add_argument("--output", help="Slurm's log file pattern (default: shardtune-%%x-%%j.out)")
+    parser.add_argument("--script", help="file to write (default: <config name>.sbatch here)")
+    parser.add_argument("--submit", action="store_true", help="submit it with sbatch and print the job id")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    ns, overrides = parser.parse_known_args(args)
+    req = sbatch_request(ns, overrides)
+    preflight([str(req.config), *overrides], req.world_size, req.nproc_per_node)
+    script = Path(ns.script or f"{req.config.stem}.sbatch").resolve()
+    script.write_text(build_sbatch_script(req))
+    print(f"wrote {script} ({req.nodes} node(s) x {req.nproc_per_node} process(es))")
+    if ns.submit:
+        print(f"submitted batch job {submit(script)}")
+    return 0
+
+
+def sbatch_request(ns: argparse.Namespace, overrides: list[str]) -> SbatchRequest:
+    problems = node_shape_problems(ns.nodes, ns.gpus_per_node, ns.nproc_per_node)
+    if ns.cpus_per_task is not None and ns.cpus_per_task < 1:
+        problems.append(f"--cpus-per-task must be >= 1 (got {ns.cpus_per_task})")
+    if problems:
+        raise ConfigError(*problems)
+    config = Path(ns.config).resolve()
+    return SbatchRequest(
+        config=config, overrides=tuple(overrides), nodes=ns.nodes, gpus_per_node=ns.gpus_per_node,
+        nproc_per_node=processes_per_node(ns.gpus_per_node, ns.nproc_per_node), workdir=Path.cwd(),
+        python=sys.executable,
+        job_name=ns.job_name, partition=ns.partition, time=ns.time, account=ns.account, output=ns.output,
+        cpus_per_task=ns.cpus_per_task)
