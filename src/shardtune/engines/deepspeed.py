@@ -81,21 +81,20 @@ class DeepSpeedEngine(DistributedMixin, Engine):
         fill_zero3(skeleton.model, self.loading)
         return skeleton.model
 
-    def _partitioned_construction(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def _partitioned_construction(self) -> Iterator[None]:
+        """Entered only where the model is constructed: zero.Init replaces torch.Tensor.__new__, and a module first
+        imported under it (transformers.modeling_utils -> torch._dynamo, reached first inside the construction of
+        Qwen3 and Qwen3-MoE models) fails its signature check; so it is imported before."""
         import deepspeed
         import transformers.modeling_utils  # noqa: F401
         from transformers.integrations.deepspeed import prevent_arange_dtype_change
 
-        # transformers.modeling_utils imports torch._dynamo, whose import fails while zero.Init has replaced
-        # torch.Tensor.__new__ (a signature check): it must be imported before entering zero.Init below. Some
-        # families (Qwen3-MoE) reach it first inside the construction.
         # zero.Init sizes partitions by DeepSpeed's view of the world: join the existing process group first.
         deepspeed.init_distributed(dist_backend=self.ctx.backend, dist_init_required=False)
-        stack = contextlib.ExitStack()
         # Must come first: zero.Init would otherwise cast the rotary frequencies' arange to the training dtype.
-        stack.enter_context(prevent_arange_dtype_change())
-        stack.enter_context(deepspeed.zero.Init(config_dict_or_path=self.ds_config))
-        return stack
+        with prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=self.ds_config):
+            yield
 
     def prepare(self, model: torch.nn.Module, build_optimizer: OptimizerFactory,
                 build_scheduler: SchedulerFactory) -> None:

@@ -45,7 +45,7 @@ from shardtune.engines.sharded_loading import ShardedLoad, fill_fully_sharded, f
 from shardtune.engines.torch_native import SCHEDULER_FILE, TorchEngine
 from shardtune.errors import ModelError
 from shardtune.model.adapters import save_lora_adapter
-from shardtune.model.saved import expected_saved_parameters, verify_saved
+from shardtune.model.saved import expected_saved_parameters, share_tied_tensors, verify_saved
 
 if TYPE_CHECKING:
     from shardtune.model.source import ModelSource
@@ -184,7 +184,7 @@ class FSDPEngine(DistributedMixin, TorchEngine):
     def save_model(self, out_dir: Path) -> None:
         state = self.full_state_dict()
         if self.is_main:
-            state = {k: v.detach().cpu() for k, v in state.items()}
+            state = share_tied_tensors(self.inner, {k: v.detach().cpu() for k, v in state.items()})
             expected = expected_saved_parameters(self.inner, state)  # save_pretrained empties the dict it is given
             if hasattr(self.inner, "peft_config"):
                 save_lora_adapter(self.inner, state, out_dir)

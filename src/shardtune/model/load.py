@@ -122,18 +122,20 @@ def load_causal_lm(
     name_or_path: str,
     *,
     trust_remote_code: bool = False,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "auto",
     quantization: Quantization | None = None,
     compute_dtype: Any = None,
     config: Any = None,
 ) -> Any:
-    """Load weights in float32 (mixed precision autocasts); quantized loads go through bitsandbytes."""
+    """Load weights in float32 (mixed precision autocasts); quantized loads go through bitsandbytes.
+    ``auto`` (export, reload; training resolves it before) leaves the kernel to transformers' default: sdpa where
+    the model supports it, else eager (Gemma 2, GPT-OSS)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     check_attention(attn_implementation)
-    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "attn_implementation": attn_implementation,
-                              "dtype": torch.float32}
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "dtype": torch.float32,
+                              "attn_implementation": None if attn_implementation == "auto" else attn_implementation}
     if config is not None:
         kwargs["config"] = config
     if quantization is not None:

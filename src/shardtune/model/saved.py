@@ -43,6 +43,23 @@ def expected_saved_parameters(model: Any, state_dict: dict[str, Any] | None = No
     return sum(t.numel() for _, t in named)
 
 
+def share_tied_tensors(model: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """Point every tied name of a gathered state dict at one tensor.
+
+    A sharding engine gathers each name on its own, so a tied matrix (``lm_head`` = ``embed_tokens``) arrives as
+    two equal copies; ``save_pretrained`` then writes both, and the files hold the matrix twice. Shared again, it is
+    written once and the reload ties it. Copies that differ mean training broke the tie: an error, not a choice.
+    """
+    for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        if target not in state or source not in state or state[target] is state[source]:
+            continue
+        if not state[target].equal(state[source]):
+            raise ModelError(f"{target} is tied to {source} in the model but they differ after training; "
+                             "the tie was broken by the engine (please report it)")
+        state[target] = state[source]
+    return state
+
+
 def verify_saved(folder: Path, expected: int) -> None:
     saved = count_saved_parameters(folder)
     if saved != expected or saved == 0:

@@ -12,6 +12,7 @@ a given seed.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -207,7 +208,9 @@ def _names_after_finetuning(model: torch.nn.Module, by_id: dict[int, str]) -> di
     original module made while its tensors were empty: the copy starts from the same tensors in the files.
     """
     mapped = {}
-    for name, tensor in named_checkpoint_states(model):
+    # Every name of a tied tensor: FSDP1 may materialize the output layer before the embedding it shares.
+    aliases = model.named_parameters(remove_duplicate=False)
+    for name, tensor in itertools.chain(aliases, named_checkpoint_states(model)):
         stored = by_id.get(id(tensor))
         if stored is not None:
             mapped[name] = stored

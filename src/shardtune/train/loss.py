@@ -145,14 +145,15 @@ def unchunkable_reason(model: torch.nn.Module | None, head: torch.nn.Module | No
 
 
 def _causal_lm(model: torch.nn.Module) -> Any:
-    """The model that has ``get_output_embeddings``, below engine wrappers that expose it as ``.module``."""
-    current: Any = model
-    while not hasattr(current, "get_output_embeddings"):
-        inner = getattr(current, "module", None)
-        if not isinstance(inner, torch.nn.Module):
-            return None
-        current = inner
-    return current
+    """The innermost model that has ``get_output_embeddings``, below engine wrappers that expose it as ``.module``.
+    Innermost: DeepSpeed's engine forwards unknown attributes to its module, so it seems to have that method too,
+    but its ``config`` is DeepSpeed's, which would hide the model's logit cap (Gemma 2) from the check below."""
+    found, current = None, model
+    while isinstance(current, torch.nn.Module):
+        if hasattr(current, "get_output_embeddings"):
+            found = current
+        current = getattr(current, "module", None)
+    return found
 
 
 def _innermost(head: torch.nn.Module | None) -> torch.nn.Module | None:

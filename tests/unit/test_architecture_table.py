@@ -1,0 +1,26 @@
+"""The README's architecture table is generated from the tests' parametrization and must be current."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+
+def test_the_readme_architecture_table_is_current():
+    done = subprocess.run([sys.executable, "scripts/architecture_table.py", "--check"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]
+
+
+def test_the_table_marks_each_tested_cell_with_its_tier():
+    sys.path.insert(0, str(REPO / "scripts"))
+    from architecture_table import table
+
+    rows = {line.split(" | ")[0]: line for line in table({("qwen3", "zero3", "full"): "test",
+                                                          ("qwen3", "zero3", "lora"): "matrix"}).splitlines()
+            if line.startswith("| `")}
+    assert rows["| `qwen3`"].split(" | ")[3] == "test / matrix"
+    assert rows["| `qwen3`"].endswith("| tied embeddings (as Qwen3-0.6B to 4B) |")
+    assert rows["| `gpt_oss`"].split(" | ")[1:6] == ["- / -"] * 5
