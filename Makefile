@@ -30,7 +30,7 @@ demo: setup
 	@echo "  training_loss.png          loss curve"
 
 test: setup
-	$(PY) -m pytest -q -m "not bigmodel and not matrix"
+	$(PY) -m pytest -q -m "not bigmodel and not matrix" --durations=40
 
 # Memory checks on a ~200M-parameter model (about 10 minutes on 2 cores); must pass before a release.
 test-matrix: setup
