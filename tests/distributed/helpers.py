@@ -15,6 +15,16 @@ COMMON = ("examples/tiny/sft_full.yaml", f"max_steps={STEPS}", "logging_steps=1"
           "gradient_accumulation_steps=2", "learning_rate=1e-3", "lr_scheduler_type=constant", "warmup_ratio=0")
 
 
+# The sharding engines by short name, as `shardtune train` keys (DDP: FORCE_TORCHRUN alone).
+ENGINE_KEYS: dict[str, tuple[str, ...]] = {
+    "ddp": (),
+    "zero2": ("deepspeed=z2",),
+    "zero3": ("deepspeed=z3",),
+    "fsdp2": ("fsdp=full_shard auto_wrap",),
+    "fsdp1": ("fsdp=full_shard auto_wrap", "fsdp_config={'fsdp_version': 1}"),
+}
+
+
 def losses(out: Path) -> list[float]:
     return logged(out, "loss")
 

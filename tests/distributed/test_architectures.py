@@ -18,19 +18,13 @@ import pytest
 import torch
 
 from tests.conftest import run_cli
-from tests.distributed.helpers import losses, train
+from tests.distributed.helpers import ENGINE_KEYS, losses, train
 from tests.distributed.test_checkpoints import assert_resumed_like_finished, crash_after_first_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 FAMILIES = ("qwen3", "gemma3", "gemma2", "mistral", "phi3", "glm4", "qwen2")  # llama: test_engines_cli.py
-ENGINES = {
-    "ddp": (),
-    "zero2": ("deepspeed=z2",),
-    "zero3": ("deepspeed=z3",),
-    "fsdp2": ("fsdp=full_shard auto_wrap",),
-    "fsdp1": ("fsdp=full_shard auto_wrap", "fsdp_config={'fsdp_version': 1}"),
-}
+ENGINES = ENGINE_KEYS
 FINETUNING = ("full", "lora")
 # Steps 1-6 with a checkpoint after step 3 (what crash_after_first_checkpoint cuts at).
 RUN = ("max_steps=6", "save_strategy=steps", "save_steps=3")

@@ -13,17 +13,11 @@ import json
 import pytest
 
 from tests.conftest import run_cli
-from tests.distributed.helpers import losses
+from tests.distributed.helpers import ENGINE_KEYS, losses
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
-ENGINES = {
-    "ddp": (),
-    "zero2": ("deepspeed=z2",),
-    "zero3": ("deepspeed=z3",),
-    "fsdp2": ("fsdp=full_shard auto_wrap",),
-    "fsdp1": ("fsdp=full_shard auto_wrap", "fsdp_config={'fsdp_version': 1}"),
-}
+ENGINES = ENGINE_KEYS
 IN_MAKE_TEST = {("zero3", "lora"), ("fsdp2", "full")}  # the rest run in `make test-matrix`
 CASES = [pytest.param(engine, finetuning, id=f"{engine}-{finetuning}",
                       marks=() if (engine, finetuning) in IN_MAKE_TEST else pytest.mark.matrix)

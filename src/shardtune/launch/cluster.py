@@ -7,6 +7,7 @@ nodes that disagree on the node count or the master wait for each other until th
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -52,6 +53,16 @@ def merge_problems(cluster: ClusterLaunch, env: Mapping[str, str], ints: Mapping
             problems.append(f"{name}={given} contradicts {cluster.scheduler}'s {source} ({name} would be {ours}): "
                             f"unset {name}, shardtune takes it from {cluster.scheduler}")
     return problems
+
+
+def add_node_shape_arguments(parser: argparse.ArgumentParser, node: str) -> None:
+    """The config and the nodes x processes shape, common to `shardtune slurm` and `shardtune k8s` (``node``:
+    what one machine is called there, "node" or "pod")."""
+    parser.add_argument("config")
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--gpus-per-node", type=int, required=True, help=f"0 for CPU {node}s")
+    parser.add_argument("--nproc-per-node", type=int,
+                        help=f"processes per {node} (default: the GPU count, 1 on CPU)")
 
 
 def node_shape_problems(nodes: int, gpus_per_node: int, nproc_per_node: int | None) -> list[str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.errors import ConfigError
-from shardtune.launch.cluster import node_shape_problems, processes_per_node
+from shardtune.launch.cluster import add_node_shape_arguments, node_shape_problems, processes_per_node
 
 KINDS = ("pytorchjob", "trainjob")
 MOUNT_DIR = "/etc/shardtune"
@@ -156,10 +156,7 @@ def k8s_command(args: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="shardtune k8s", description="Validate CONFIG and write a Kubeflow "
                                      "manifest (ConfigMap + PyTorchJob or TrainJob) that trains it on N pods.")
-    parser.add_argument("config")
-    parser.add_argument("--nodes", type=int, required=True)
-    parser.add_argument("--gpus-per-node", type=int, required=True, help="0 for CPU pods")
-    parser.add_argument("--nproc-per-node", type=int, help="processes per pod on CPU (default 1)")
+    add_node_shape_arguments(parser, "pod")
     parser.add_argument("--image", required=True, help="container image with shardtune installed")
     parser.add_argument("--kind", choices=KINDS, default="pytorchjob")
     parser.add_argument("--namespace")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardtune.errors import ConfigError
-from shardtune.launch.cluster import node_shape_problems, processes_per_node
+from shardtune.launch.cluster import add_node_shape_arguments, node_shape_problems, processes_per_node
 
 
 @dataclass(frozen=True)
@@ -104,10 +104,7 @@ def slurm_command(args: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="shardtune slurm", description="Validate CONFIG and write an sbatch "
                                      "script that trains it on N nodes; extra key=value pairs go to the config.")
-    parser.add_argument("config")
-    parser.add_argument("--nodes", type=int, required=True)
-    parser.add_argument("--gpus-per-node", type=int, required=True, help="0 for CPU nodes")
-    parser.add_argument("--nproc-per-node", type=int, help="processes per node (default: the GPU count, 1 on CPU)")
+    add_node_shape_arguments(parser, "node")
     parser.add_argument("--cpus-per-task", type=int)
     parser.add_argument("--partition")
     parser.add_argument("--time", help="time limit, e.g. 04:00:00")
