@@ -86,10 +86,12 @@ def causal_lm_loss_terms(model: torch.nn.Module, inputs: dict[str, Any], labels:
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``causal_lm_loss_sum`` and, with ``router_aux``, the router's auxiliary loss of the same forward (the
     model's ``aux_loss`` with ``output_router_logits=True``; unscaled, a mean over this batch's tokens)."""
-    if router_aux and getattr(inputs.get("attention_mask"), "ndim", 2) != 2:
+    mask = inputs.get("attention_mask")
+    if router_aux and mask is not None and (not isinstance(mask, torch.Tensor) or mask.ndim != 2):
         raise ModelError("moe_aux_loss_coef: transformers computes the router aux loss with a 2-D padding mask, and "
-                         "neat_packing gives the model a 4-D block mask (sdpa/eager attention); set neat_packing: "
-                         "false, or moe_aux_loss_coef: 0 to train without the aux loss")
+                         "packed rows give the model a block mask (neat_packing, or one mask per layer type for "
+                         "local/global layers under sdpa/eager); set neat_packing/packing: false, or "
+                         "moe_aux_loss_coef: 0 to train without the aux loss")
     call_inputs = {**inputs, "use_cache": False, **({"output_router_logits": True} if router_aux else {})}
     head = chunkable_output_layer(model) if chunk_size > 0 else None
     if head is None:
