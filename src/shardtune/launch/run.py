@@ -83,7 +83,7 @@ def apply_attention_auto(config: TrainConfig, has_cuda: bool, announce_choice: b
     supports, decided here once from its config.json, before any weights load, and said with the reason.
     ``announce_choice``: also say a kernel the config chose (the launching host does; its ranks do not repeat it).
     """
-    from shardtune.model.attention import AUTO, choose_attention, flash_available, kernel_support, known_model_config
+    from shardtune.model.attention import AUTO, auto_choice, known_model_config
 
     name = config.model_name_or_path
     if name is None:
@@ -97,7 +97,7 @@ def apply_attention_auto(config: TrainConfig, has_cuda: bool, announce_choice: b
     if known is None:
         print(f"[shardtune] attention: auto, decided on each rank once it has loaded {name}'s config", flush=True)
         return config
-    choice = choose_attention(AUTO, kernel_support(known), flash_usable=flash_available(has_cuda), model=name)
+    choice = auto_choice(known, has_cuda=has_cuda, model=name)
     print(f"[shardtune] attention: {choice.kernel} ({choice.reason})", flush=True)
     return replace(config, attn_implementation=choice.kernel)
 

@@ -122,6 +122,11 @@ def choose_attention(requested: str, support: KernelSupport | None, *, flash_usa
     return AttentionChoice("eager", f"auto: {support.model_class} does not support sdpa; {why_not_flash}")
 
 
+def auto_choice(config: Mapping[str, Any], *, has_cuda: bool, model: str) -> AttentionChoice:
+    """What ``auto`` picks for the model whose config.json is ``config`` (the launching host and a rank alike)."""
+    return choose_attention(AUTO, kernel_support(config), flash_usable=flash_available(has_cuda), model=model)
+
+
 def kernel_problem(kernel: str, support: KernelSupport | None, model: str) -> str | None:
     """Why ``model`` cannot train with ``kernel`` (None when it can, or when its class is unknown)."""
     if support is None or kernel == "eager":

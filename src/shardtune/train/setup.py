@@ -33,7 +33,7 @@ def prepare_model_dir(c: TrainConfig, engine: Engine) -> None:
 def with_attention_resolved(c: TrainConfig, is_main: bool) -> TrainConfig:
     """``auto`` still open here (a hub id the launching host had not cached, or a caller that skipped the launch
     checks): decide it from the loaded config, as the launching host does, and check packing under it."""
-    from shardtune.model.attention import AUTO, choose_attention, flash_available, kernel_support, packing_problem
+    from shardtune.model.attention import AUTO, auto_choice, kernel_support, packing_problem
     from shardtune.model.load import load_model_config
     from shardtune.train.settings import resolved_packing
 
@@ -41,9 +41,8 @@ def with_attention_resolved(c: TrainConfig, is_main: bool) -> TrainConfig:
         return c
     name = c.model_name_or_path or ""
     config = load_model_config(name, trust_remote_code=c.trust_remote_code).to_dict()
-    support = kernel_support(config)
-    choice = choose_attention(AUTO, support, flash_usable=flash_available(torch.cuda.is_available()), model=name)
-    problem = packing_problem(config, support, choice.kernel, name) if resolved_packing(c) else None
+    choice = auto_choice(config, has_cuda=torch.cuda.is_available(), model=name)
+    problem = packing_problem(config, kernel_support(config), choice.kernel, name) if resolved_packing(c) else None
     if problem:
         raise ConfigError(problem)
     if is_main:
