@@ -5,7 +5,7 @@
 
 For each model (random LLaMA built by `shardtune make-tiny-model`) and engine (DDP, ZeRO-2, ZeRO-3, FSDP
 FULL_SHARD) it runs 2 ranks under torchrun, one run at a time, training ``examples/tiny/sft_full.yaml`` for 3
-steps of 2 micro-batches through shardtune's own worker entry (`shardtune.launch.run.worker_command`, what
+steps of 2 micro-batches through shardtune's own worker entry (`shardtune.launch.worker.worker_command`, what
 `shardtune train` runs on every rank). The estimate is ``shardtune.estimate.config.estimate_for_run`` for the
 same config and engine: model states + activations, no overhead.
 
@@ -165,7 +165,7 @@ def probe_main(argv: list[str]) -> int:
     argv = [a for i, a in enumerate(argv) if a not in ("--result", "--preload")
             and argv[i - 1] not in ("--result", "--preload")]
     preload_libraries(argv, Path(preload) if preload else None)
-    from shardtune.launch.run import worker_command
+    from shardtune.launch.worker import worker_command
     from shardtune.train import loop, workflow
 
     probe, shapes = RssProbe(), []

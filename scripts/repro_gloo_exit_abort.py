@@ -12,7 +12,7 @@ CPython ends a thread that asks for the GIL after finalization began (pthread_ex
 through the noexcept ~AsyncWork destructor calls std::terminate: "terminate called without an active
 exception", SIGABRT. It needs the worker to be late, so it is rare (2 runs in 30 on a loaded 2-core machine);
 ``--end late_release`` holds one release until exit begins (about 4 runs in 5 abort). ``--exit leave_rank``
-ends the rank with shardtune.launch.run.leave_rank (exit handlers, flush, os._exit), which never starts
+ends the rank with shardtune.launch.worker.leave_rank (exit handlers, flush, os._exit), which never starts
 interpreter shutdown; apart from that call the worker uses no shardtune code.
 """
 
@@ -73,7 +73,7 @@ elif os.environ["REPRO_END"] == "barrier":
     dist.destroy_process_group()
 print(f"rank {rank} done", flush=True)
 if os.environ["REPRO_EXIT"] == "leave_rank":
-    from shardtune.launch.run import leave_rank
+    from shardtune.launch.worker import leave_rank
 
     leave_rank(0)
 """

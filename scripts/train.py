@@ -8,8 +8,8 @@ Same as `python -m shardtune.train`.
 
 import sys
 
-from shardtune.cli import run_reporting_errors
-from shardtune.launch.run import worker_command
+from shardtune.errors import run_reporting_errors
+from shardtune.launch.worker import worker_command
 
 if __name__ == "__main__":
     sys.exit(run_reporting_errors(worker_command, sys.argv[1:]))

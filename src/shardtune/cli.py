@@ -38,22 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     if command not in handlers:
         print(f"shardtune: unknown command '{command}'\n\n{USAGE}", file=sys.stderr)
         return 2
+    from shardtune.errors import run_reporting_errors
+
     return run_reporting_errors(handlers[command], rest)
-
-
-def run_reporting_errors(handler, args: list[str]) -> int:
-    """User mistakes become one line per problem and exit code 2; tracebacks only with --debug."""
-    from shardtune.errors import ShardtuneError, debug_requested, report_error
-
-    try:
-        return handler(args)
-    except ShardtuneError as err:
-        if debug_requested(args):
-            raise
-        return report_error(err)
-    except KeyboardInterrupt:
-        print("shardtune: interrupted", file=sys.stderr)
-        return 130
 
 
 def _keys_help() -> str:
@@ -67,7 +54,7 @@ def _train(args: list[str]) -> int:
         print("usage: shardtune train CONFIG.yaml [key=value ...] [--key value ...] [--dry-run]\n")
         print(_keys_help())
         return 0
-    from shardtune.launch.run import train_command
+    from shardtune.launch.supervise import train_command
 
     return train_command(args)
 
@@ -77,15 +64,17 @@ def _check(args: list[str]) -> int:
         print("usage: shardtune check CONFIG.yaml [key=value ...]\n\nValidates everything `train` would, "
               "without loading weights; exit 0 when fine, 2 with every problem listed.")
         return 0
-    from shardtune.launch.run import check_command
+    from shardtune.launch.preflight import check_command
 
     return check_command(args)
 
 
 def _estimate(args: list[str]) -> int:
     from shardtune.estimate.command import estimate_command
+    from shardtune.launch.env import read_launch_env
 
-    return estimate_command(args)
+    launch = read_launch_env()  # NNODES / NPROC_PER_NODE are the defaults of --nodes / --gpus-per-node
+    return estimate_command(args, launch.nnodes, launch.nproc_per_node)
 
 
 def _slurm(args: list[str]) -> int:

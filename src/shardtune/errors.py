@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class ShardtuneError(Exception):
     """A mistake in the user's input (config, data, model path, launch settings).
@@ -42,3 +44,18 @@ def debug_requested(args: list[str]) -> bool:
     import os
 
     return "--debug" in args or os.environ.get("SHARDTUNE_DEBUG") == "1"
+
+
+def run_reporting_errors(handler: Callable[[list[str]], int], args: list[str]) -> int:
+    """Run a command: user mistakes become one line per problem and exit code 2; tracebacks only with --debug."""
+    import sys
+
+    try:
+        return handler(args)
+    except ShardtuneError as err:
+        if debug_requested(args):
+            raise
+        return report_error(err)
+    except KeyboardInterrupt:
+        print("shardtune: interrupted", file=sys.stderr)
+        return 130

@@ -23,8 +23,8 @@ from shardtune.engines.base import Engine, PrecisionSettings
 from shardtune.engines.deepspeed import DeepSpeedEngine
 from shardtune.engines.distributed import DistContext
 from shardtune.model.adapters import FinetuningSettings, apply_finetuning
+from shardtune.optim.build import OptimizerSettings, build_optimizer, build_scheduler
 from shardtune.train.loop import IGNORE_INDEX, Batch, accumulation_windows, token_loss_sum, train_step
-from shardtune.train.optim import OptimizerSettings, build_optimizer, build_scheduler
 
 WORLD = 2
 MICRO_BATCH = 2
@@ -150,9 +150,10 @@ def run_deepspeed(out: Path, names: list[str]) -> None:
 
 def deepspeed_engine(ctx: DistContext, case: Case) -> DeepSpeedEngine:
     from shardtune.engines.deepspeed_config import DeepSpeedInputs, build_deepspeed_config
+    from shardtune.world import WorldLayout
 
-    inputs = DeepSpeedInputs(micro_batch_size=MICRO_BATCH, gradient_accumulation_steps=ACCUMULATION,
-                             dp_world_size=ctx.world_size, max_grad_norm=MAX_GRAD_NORM, bf16=False, fp16=False,
+    inputs = DeepSpeedInputs(layout=WorldLayout(1, ctx.world_size, MICRO_BATCH, ACCUMULATION),
+                             max_grad_norm=MAX_GRAD_NORM, bf16=False, fp16=False,
                              hidden_size=HIDDEN)
     config = build_deepspeed_config(case.preset, inputs)
     if not case.gather_on_save:

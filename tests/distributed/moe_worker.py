@@ -21,8 +21,8 @@ import torch
 from shardtune.engines.base import Engine, PrecisionSettings
 from shardtune.model.adapters import FinetuningSettings, apply_finetuning
 from shardtune.model.moe import ROUTER_NAMES, router_aux_loss_coef, router_module_names
+from shardtune.optim.build import OptimizerSettings, build_optimizer, build_scheduler
 from shardtune.train.loop import IGNORE_INDEX, Batch, train_step
-from shardtune.train.optim import OptimizerSettings, build_optimizer, build_scheduler
 
 WORLD = 2
 MICRO_BATCH = 2
@@ -125,9 +125,10 @@ def make_engine(kind: str, ctx: object) -> Engine:
         return FSDPEngine(FsdpSettings(version=2), PrecisionSettings(), ctx)
     from shardtune.engines.deepspeed import DeepSpeedEngine
     from shardtune.engines.deepspeed_config import DeepSpeedInputs, build_deepspeed_config
+    from shardtune.world import WorldLayout
 
-    inputs = DeepSpeedInputs(micro_batch_size=MICRO_BATCH, gradient_accumulation_steps=ACCUMULATION,
-                             dp_world_size=WORLD, max_grad_norm=1.0, bf16=False, fp16=False, hidden_size=64)
+    inputs = DeepSpeedInputs(layout=WorldLayout(1, WORLD, MICRO_BATCH, ACCUMULATION), max_grad_norm=1.0,
+                             bf16=False, fp16=False, hidden_size=64)
     return DeepSpeedEngine(build_deepspeed_config(kind, inputs), PrecisionSettings(), ctx)
 
 

@@ -1,4 +1,4 @@
-"""A rank ends through launch.run.leave_rank: gloo's threads cannot abort it at exit, and nothing is lost.
+"""A rank ends through launch.worker.leave_rank: gloo's threads cannot abort it at exit, and nothing is lost.
 
 The abort (scripts/repro_gloo_exit_abort.py, leave_rank's docstring): a gloo worker thread that still runs when
 interpreter shutdown begins and then releases a tensor made in Python is ended by CPython inside a noexcept
@@ -53,7 +53,7 @@ def test_leave_rank_never_aborts():
 
 LEAVE = r"""
 import atexit, logging, logging.handlers, sys
-from shardtune.launch.run import leave_rank
+from shardtune.launch.worker import leave_rank
 
 # Buffered until logging's own exit handler closes it: the record reaches the file only if exit handlers run.
 buffered = logging.handlers.MemoryHandler(1000, target=logging.FileHandler(sys.argv[1]))

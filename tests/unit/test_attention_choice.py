@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from shardtune.config.load import build_config
-from shardtune.config.validate import attention_problems
 from shardtune.errors import ModelError
-from shardtune.launch.run import apply_attention_auto
+from shardtune.launch.preflight import apply_attention_auto
+from shardtune.launch.validate import attention_problems
 from shardtune.model.attention import (
     AUTO,
     KernelSupport,

@@ -9,8 +9,8 @@ import pytest
 from shardtune.config.args import load_config, parse_command_line
 from shardtune.config.load import build_config, load_yaml_file
 from shardtune.config.schema import TrainConfig, key_names
-from shardtune.config.validate import cross_key_problems, validate_config
 from shardtune.errors import ConfigError
+from shardtune.launch.validate import cross_key_problems, validate_config
 
 BASE = {"model_name_or_path": "org/model", "dataset": "demo", "output_dir": "out"}
 

@@ -24,10 +24,11 @@ from shardtune.engines.deepspeed_config import (
     zero_stage,
 )
 from shardtune.errors import ConfigError
-from shardtune.train.settings import OptimizerSettings
+from shardtune.optim.settings import OptimizerSettings
+from shardtune.world import WorldLayout
 
 REPO = Path(__file__).resolve().parents[2]
-INPUTS = DeepSpeedInputs(micro_batch_size=2, gradient_accumulation_steps=4, dp_world_size=2, max_grad_norm=1.0,
+INPUTS = DeepSpeedInputs(layout=WorldLayout(1, 2, micro_batch=2, grad_accum=4), max_grad_norm=1.0,
                          bf16=True, fp16=False, hidden_size=64, total_steps=100, warmup_steps=10)
 SOURCE = "ds.json"
 

@@ -33,6 +33,8 @@ class Case:
     raw_yaml: str | None = None
     damage: Callable[[Path], object] | None = None  # spoils a copy of the tiny model, used as model_name_or_path
     argv: Callable[[Path, Path], list[str]] | None = None  # (tmp, config path) -> arguments after the command
+    # Other problems the same input also has on this machine, reported in the same round (all problems at once).
+    also: tuple[str, ...] = ()
 
 
 def jsonl_dataset(tmp: Path, lines: list[str], formatting: str = "alpaca", columns: dict | None = None) -> dict:
@@ -197,7 +199,7 @@ CATALOGUE = [
     Case("no-steps-or-epochs", "max_steps (0) and num_train_epochs (0.0): one must be > 0",
          {"max_steps": 0, "num_train_epochs": 0}),
     Case("quantization-needs-lora", "quantization_bit (4) needs finetuning_type: lora",
-         {"quantization_bit": 4, "finetuning_type": "full"}),
+         {"quantization_bit": 4, "finetuning_type": "full"}, also=("quantization_bit (4) needs a CUDA GPU",)),
     Case("unknown-tracker", "report_to: unknown tracker(s) ['wandbb']", {"report_to": "wandbb"}),
     Case("lora-target-all-combined", "'all' cannot be combined", {"lora_target": "all,q_proj"}),
     Case("engine-auto-with-engine", "engine (auto) with deepspeed/fsdp set", {"engine": "auto", "deepspeed": "z2"}),
@@ -260,7 +262,7 @@ CATALOGUE = [
                                                 "--model", str(t), "--finetuning-type", "lora"]),
     Case("estimate-bad-gpu-count", "--gpus-per-node (two)", command="estimate",
          argv=lambda t, cfg: [str(cfg), "--gpus-per-node", "two"]),
-    Case("estimate-model-config-invalid", "config.json: cannot read it as JSON", command="estimate",
+    Case("estimate-model-config-invalid", "config.json line 1, column 2: not valid JSON", command="estimate",
          damage=lambda m: (m / "config.json").write_text("{")),
     Case("estimate-model-config-missing", "--model-config (/no/such/config.json)", command="estimate",
          argv=lambda t, cfg: [str(cfg), "--model-config", "/no/such/config.json"]),
@@ -304,8 +306,17 @@ def test_bad_input_gives_one_clear_line_and_exit_2(case, tiny_model_dir, tmp_pat
     assert "[shardtune] launching" not in out, "the mistake must be found before any rank starts"
     assert "Traceback" not in err
     lines = [line for line in err.splitlines() if line.startswith("shardtune: error:")]
-    assert len(lines) == 1, err
+    also_here = [f for f in case.also if not (f.endswith("needs a CUDA GPU") and torch_sees_cuda())]
+    assert len(lines) == 1 + len(also_here), err
     assert case.fragment in lines[0], lines[0]
+    for fragment in also_here:
+        assert any(fragment in line for line in lines[1:]), err
+
+
+def torch_sees_cuda() -> bool:
+    from shardtune.host import visible_gpu_count
+
+    return visible_gpu_count() > 0
 
 
 def test_catalogue_is_large_enough_and_documented():

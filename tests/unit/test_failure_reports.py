@@ -159,7 +159,7 @@ def test_worker_gets_debug_switch():
 
 
 def test_host_names_a_killed_rank_when_no_rank_could_report(tmp_path, capsys):
-    from shardtune.launch.run import report_launch_failure
+    from shardtune.launch.supervise import report_launch_failure
 
     _, output = filtered(TORCHRUN_TAIL)
     assert report_launch_failure(1, output, tmp_path, time.time()) == 1
@@ -167,7 +167,7 @@ def test_host_names_a_killed_rank_when_no_rank_could_report(tmp_path, capsys):
 
 
 def test_host_shows_the_saved_report_of_a_rank_that_could_not_print_it(tmp_path, capsys):
-    from shardtune.launch.run import report_launch_failure
+    from shardtune.launch.supervise import report_launch_failure
 
     started = time.time() - 1
     report_rank_failure(raised(RuntimeError(GLOO_CLOSED)), 1, tmp_path, 1800)  # silent: it only lost its peer
@@ -178,7 +178,7 @@ def test_host_shows_the_saved_report_of_a_rank_that_could_not_print_it(tmp_path,
 
 
 def test_host_is_quiet_after_a_report_and_says_2_for_bad_input(tmp_path, capsys):
-    from shardtune.launch.run import report_launch_failure
+    from shardtune.launch.supervise import report_launch_failure
 
     _, output = filtered("shardtune: error: lora_target: q_prj not found\n",
                          TORCHRUN_TAIL.replace("exitcode  : -9", "exitcode  : 2"))

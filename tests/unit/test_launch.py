@@ -8,7 +8,6 @@ from shardtune.engines.fsdp_config import (
     STRATEGIES,
     FsdpSettings,
     fsdp1_strategy_member,
-    hybrid_mesh_shape,
     reshards_after_forward,
     resolve_fsdp_settings,
 )
@@ -16,6 +15,7 @@ from shardtune.errors import ConfigError
 from shardtune.launch.accelerate import config_values_from_accelerate
 from shardtune.launch.env import read_launch_env
 from shardtune.launch.torchrun import build_torchrun_argv, plan_launch, worker_argv
+from shardtune.world import WorldLayout
 
 PY = "/usr/bin/python3"
 
@@ -107,12 +107,12 @@ def test_fsdp_unknown_option_and_key():
 
 def test_hybrid_mesh_never_silently_degrades():
     hybrid = FsdpSettings(sharding_strategy="HYBRID_SHARD")
-    assert hybrid_mesh_shape(hybrid, world_size=4, local_world_size=2) == (2, 2)
+    assert WorldLayout(2, 2).hybrid_groups("HYBRID_SHARD", hybrid.hsdp_shard_size) == (2, 2)
     with pytest.raises(ValueError, match="one replica"):
-        hybrid_mesh_shape(hybrid, world_size=2, local_world_size=2)
+        WorldLayout(1, 2).hybrid_groups("HYBRID_SHARD", hybrid.hsdp_shard_size)
     with pytest.raises(ValueError, match="at least 2 processes per shard group"):
-        hybrid_mesh_shape(hybrid, world_size=2, local_world_size=1)
-    assert hybrid_mesh_shape(FsdpSettings(sharding_strategy="HYBRID_SHARD", hsdp_shard_size=2), 4, 4) == (2, 2)
+        WorldLayout(2, 1).hybrid_groups("HYBRID_SHARD", hybrid.hsdp_shard_size)
+    assert WorldLayout(1, 4).hybrid_groups("HYBRID_SHARD", 2) == (2, 2)
 
 
 def test_rendezvous_timeout_bounds_the_wait():

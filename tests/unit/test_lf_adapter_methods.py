@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from shardtune.config.load import build_config
-from shardtune.config.validate import cross_key_problems
 from shardtune.engines.plan import plan_engine
 from shardtune.errors import ConfigError
+from shardtune.launch.validate import cross_key_problems
 from shardtune.model.adapters import FinetuningSettings, save_lora_adapter
 from shardtune.model.source import ModelSource
-from shardtune.train.optim import build_optimizer, parameter_names
-from shardtune.train.settings import OptimizerSettings, finetuning_settings
+from shardtune.optim.build import build_optimizer, parameter_names
+from shardtune.optim.settings import OptimizerSettings
+from shardtune.train.settings import finetuning_settings
 
 TARGETS = ("q_proj", "v_proj")
 
@@ -194,7 +195,7 @@ def test_loraplus_gives_lora_b_the_ratio_in_the_param_groups_and_in_one_step(tin
 
 
 def test_loraplus_embedding_rate_applies_to_lora_embedding_b():
-    from shardtune.train.optim import loraplus_groups
+    from shardtune.optim.build import loraplus_groups
 
     a, b = torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(3, 2))
     names = {id(a): "x.lora_embedding_A.default", id(b): "x.lora_embedding_B.default"}

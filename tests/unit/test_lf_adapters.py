@@ -102,7 +102,7 @@ def test_sharding_engines_resume_an_adapter_but_cannot_merge(tiny_model_dir, ada
 
 def test_a_folder_without_adapter_config_is_refused_before_work(tiny_model_dir, tmp_path):
     from shardtune.config.load import build_config
-    from shardtune.config.validate import file_problems
+    from shardtune.launch.validate import file_problems
 
     c = build_config({"model_name_or_path": str(tiny_model_dir), "dataset": "demo", "output_dir": str(tmp_path),
                       "adapter_name_or_path": f"{tiny_model_dir}"})

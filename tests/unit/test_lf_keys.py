@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from shardtune.config.load import build_config
-from shardtune.config.validate import cross_key_problems
 from shardtune.errors import ConfigError, ModelError
+from shardtune.launch.validate import cross_key_problems
 
 BASE = {"model_name_or_path": "org/model", "dataset": "demo", "output_dir": "out"}
 

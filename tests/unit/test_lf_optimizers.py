@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from shardtune.config.load import build_config
-from shardtune.config.validate import cross_key_problems
 from shardtune.engines.plan import plan_engine
 from shardtune.errors import ConfigError
+from shardtune.launch.validate import cross_key_problems
 from shardtune.model.adapters import FinetuningSettings
 from shardtune.model.source import ModelSource
-from shardtune.train.optim import build_optimizer, build_scheduler
-from shardtune.train.optimizers import ChainedOptimizer, is_muon_matrix
-from shardtune.train.settings import ExtraOptimizer, OptimizerSettings, optimizer_settings
+from shardtune.optim.build import build_optimizer, build_scheduler
+from shardtune.optim.replacements import ChainedOptimizer, is_muon_matrix
+from shardtune.optim.settings import ExtraOptimizer, OptimizerSettings, optimizer_settings
 
 LR, WD = 1e-2, 0.01
 

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from shardtune.config.load import build_config
-from shardtune.config.validate import cross_key_problems
 from shardtune.data import DataSettings, build_datasets, check_data_settings
 from shardtune.data.streaming import build_streams
 from shardtune.errors import DataError
+from shardtune.launch.validate import cross_key_problems
 from shardtune.train.settings import data_settings
 from tests.conftest import run_cli
 from tests.unit.conftest_data import build_test_tokenizer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shardtune.config.load import build_config
-from shardtune.config.validate import cross_key_problems
+from shardtune.launch.validate import cross_key_problems
 from shardtune.train.reporting import Reporter
 
 BASE = {"model_name_or_path": "m", "output_dir": "o", "dataset": "identity"}

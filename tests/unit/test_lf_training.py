@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from shardtune.config.load import build_config
-from shardtune.config.validate import cross_key_problems
+from shardtune.launch.validate import cross_key_problems
 from shardtune.model.adapters import FinetuningSettings, apply_finetuning, apply_neftune
 from shardtune.train.loop import TrainState
 from shardtune.train.loss import causal_lm_loss_sum, linear_cross_entropy_sum

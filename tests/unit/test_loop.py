@@ -10,8 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from shardtune.engines.base import PrecisionSettings
 from shardtune.engines.local import LocalEngine
+from shardtune.optim.build import OptimizerSettings, build_optimizer, build_scheduler
 from shardtune.train.loop import accumulation_windows, train_step
-from shardtune.train.optim import OptimizerSettings, build_optimizer, build_scheduler
 
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:

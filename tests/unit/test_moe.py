@@ -15,8 +15,8 @@ from shardtune.engines.local import LocalEngine
 from shardtune.errors import ConfigError
 from shardtune.model import moe
 from shardtune.model.adapters import FinetuningSettings, LoraTargets, apply_lora, lora_targets
+from shardtune.optim.build import OptimizerSettings, build_optimizer, build_scheduler
 from shardtune.train.loop import train_step
-from shardtune.train.optim import OptimizerSettings, build_optimizer, build_scheduler
 
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 COEF = 0.5  # large, so a missing or mis-scaled aux term shows far beyond rounding

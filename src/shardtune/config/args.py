@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardtune.config.load import build_config, load_yaml_file, parse_override
+from shardtune.config.load import KeyProblem, build_config_collecting, load_yaml_file, parse_override
 from shardtune.config.schema import TrainConfig, config_fields
 from shardtune.errors import ConfigError
 
@@ -73,6 +73,16 @@ _BOOL_WORDS = {"true", "false", "yes", "no", "on", "off", "1", "0"}
 
 def load_config(argv: list[str], defaults: dict[str, Any] | None = None) -> tuple[TrainConfig, CommandLine]:
     """Read the YAML named on the command line over ``defaults``, apply overrides, type-check everything."""
+    config, cmd, problems = read_config(argv, defaults)
+    if problems:
+        raise ConfigError(*(problem.text for problem in problems))
+    return config, cmd
+
+
+def read_config(argv: list[str], defaults: dict[str, Any] | None = None
+                ) -> tuple[TrainConfig, CommandLine, list[KeyProblem]]:
+    """Like ``load_config``, with the keys whose values cannot be used returned instead of raised (their defaults
+    stand in). A command line or file that cannot be read at all still raises."""
     cmd = parse_command_line(argv)
     values: dict[str, Any] = dict(defaults or {})
     source = "command line"
@@ -82,4 +92,5 @@ def load_config(argv: list[str], defaults: dict[str, Any] | None = None) -> tupl
         values.update(load_yaml_file(cmd.config_path))
         source = cmd.config_path
     values.update(cmd.values)
-    return build_config(values, source=source), cmd
+    config, problems = build_config_collecting(values, source=source)
+    return config, cmd, problems

@@ -10,6 +10,7 @@ import difflib
 import json
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,21 +92,40 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 def build_config(values: dict[str, Any], source: str = "config") -> TrainConfig:
     """Check and convert raw values into a ``TrainConfig``; raise one ConfigError listing every problem."""
+    config, problems = build_config_collecting(values, source)
+    if problems:
+        raise ConfigError(*(problem.text for problem in problems))
+    return config
+
+
+@dataclass(frozen=True)
+class KeyProblem:
+    """A key whose value could not be used (``key`` None: a problem of the file's keys as a whole)."""
+
+    key: str | None
+    text: str
+
+
+def build_config_collecting(values: dict[str, Any], source: str = "config") -> tuple[TrainConfig, list[KeyProblem]]:
+    """The config from every key that converts (the default for each one that does not), and the problems.
+
+    The launching host goes on to check the other rules on this config so that a user sees everything in one
+    round; a rule about a key listed here judges the default, not the user's value, and is left out then.
+    """
     fields = {f.name: f for f in config_fields()}
     hints = typing.get_type_hints(TrainConfig)
-    values, problems = translate_keys(values)  # LLaMA-Factory and Trainer spellings -> shardtune keys
+    values, translation = translate_keys(values)  # LLaMA-Factory and Trainer spellings -> shardtune keys
+    problems = [KeyProblem(None, f"{source}: {p}") for p in translation]
     converted: dict[str, Any] = {}
     for key, raw in values.items():
         if key not in fields:
-            problems.append(unknown_key_message(str(key), list(fields)))
+            problems.append(KeyProblem(str(key), f"{source}: {unknown_key_message(str(key), list(fields))}"))
             continue
         try:
             converted[key] = coerce_value(key, raw, hints[key], fields[key].metadata)
         except ValueError as err:
-            problems.append(str(err))
-    if problems:
-        raise ConfigError(*(f"{source}: {p}" for p in problems))
-    return TrainConfig(**converted)
+            problems.append(KeyProblem(key, f"{source}: {err}"))
+    return TrainConfig(**converted), problems
 
 
 def unknown_key_message(key: str, known: list[str]) -> str:

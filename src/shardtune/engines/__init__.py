@@ -8,7 +8,7 @@ if TYPE_CHECKING:
     from shardtune.config.schema import TrainConfig
     from shardtune.engines.base import Engine
     from shardtune.engines.plan import EnginePlan
-    from shardtune.launch.env import RankEnv
+    from shardtune.world import RankEnv
 
 
 def build_engine(config: TrainConfig, plan: EnginePlan, rank_env: RankEnv | None) -> Engine:
@@ -29,10 +29,12 @@ def build_engine(config: TrainConfig, plan: EnginePlan, rank_env: RankEnv | None
     ctx = init_distributed(rank_env, config.ddp_timeout)
     if plan.kind == "deepspeed":
         from shardtune.engines.deepspeed import DeepSpeedEngine
-        from shardtune.engines.deepspeed_config import resolve_deepspeed_config
-        from shardtune.launch.run import deepspeed_inputs
+        from shardtune.engines.deepspeed_config import deepspeed_inputs, resolve_deepspeed_config
+        from shardtune.world import WorldLayout
 
-        resolved = resolve_deepspeed_config(plan.deepspeed_raw or {}, deepspeed_inputs(config, ctx.world_size))
+        layout = WorldLayout.of_ranks(ctx.world_size, ctx.local_world_size, config.per_device_train_batch_size,
+                                      config.gradient_accumulation_steps)
+        resolved = resolve_deepspeed_config(plan.deepspeed_raw or {}, deepspeed_inputs(config, layout))
         return DeepSpeedEngine(resolved, precision, ctx)
     if plan.kind == "fsdp" and plan.fsdp is not None:
         from shardtune.engines.fsdp import FSDPEngine

@@ -31,7 +31,7 @@ from shardtune.engines.distributed import DistContext, DistributedMixin
 from shardtune.engines.safe_load import weights_only_loads
 from shardtune.engines.sharded_loading import ShardedLoad, fill_zero3
 from shardtune.errors import ConfigError
-from shardtune.train.optim import split_decay_groups
+from shardtune.optim.build import split_decay_groups
 
 if TYPE_CHECKING:
     from shardtune.model.source import ModelSource

@@ -15,8 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardtune.config.schema import TrainConfig
 from shardtune.errors import ConfigError
-from shardtune.train.settings import OptimizerSettings
+from shardtune.model.folder import model_config_json
+from shardtune.optim.settings import OptimizerSettings, optimizer_settings
+from shardtune.world import WorldLayout
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 PRESETS: dict[str, str] = {
@@ -68,9 +71,7 @@ GATHER_ON_SAVE_KEYS = ("stage3_gather_16bit_weights_on_model_save", "gather_16bi
 class DeepSpeedInputs:
     """The training settings a DeepSpeed config must agree with (HF Trainer names in the comments)."""
 
-    micro_batch_size: int  # per_device_train_batch_size
-    gradient_accumulation_steps: int
-    dp_world_size: int  # data-parallel ranks (all ranks: shardtune has no model parallelism)
+    layout: WorldLayout  # micro batch, accumulation and data-parallel ranks: train_batch_size
     max_grad_norm: float
     bf16: bool
     fp16: bool
@@ -81,7 +82,21 @@ class DeepSpeedInputs:
 
     @property
     def train_batch_size(self) -> int:
-        return self.micro_batch_size * self.gradient_accumulation_steps * self.dp_world_size
+        return self.layout.global_batch
+
+
+def deepspeed_inputs(config: TrainConfig, layout: WorldLayout) -> DeepSpeedInputs:
+    """What the config and the world layout say about the settings a DeepSpeed config must agree with."""
+    hidden = (model_config_json(config.model_name_or_path) or {}).get("hidden_size")
+    return DeepSpeedInputs(
+        layout=layout,
+        max_grad_norm=config.max_grad_norm,
+        bf16=config.bf16,
+        fp16=config.fp16,
+        hidden_size=int(hidden) if hidden else None,
+        optimizer=optimizer_settings(config),
+        warmup_steps=config.warmup_steps,
+    )
 
 
 # --- loading ---
@@ -191,8 +206,8 @@ def _auto_values(inputs: DeepSpeedInputs) -> dict[tuple[str, ...], Callable[[], 
     hidden = inputs.hidden_size
     return {
         ("train_batch_size",): lambda: inputs.train_batch_size,
-        ("train_micro_batch_size_per_gpu",): lambda: inputs.micro_batch_size,
-        ("gradient_accumulation_steps",): lambda: inputs.gradient_accumulation_steps,
+        ("train_micro_batch_size_per_gpu",): lambda: inputs.layout.micro_batch,
+        ("gradient_accumulation_steps",): lambda: inputs.layout.grad_accum,
         ("gradient_clipping",): lambda: inputs.max_grad_norm,
         ("fp16", "enabled"): lambda: inputs.fp16,
         ("bf16", "enabled"): lambda: inputs.bf16,
@@ -334,13 +349,13 @@ def _is_number(value: Any) -> bool:
 
 def _batch_problems(raw: dict, inputs: DeepSpeedInputs, source: str) -> list[str]:
     pairs = (
-        ("train_micro_batch_size_per_gpu", inputs.micro_batch_size,
-         f"per_device_train_batch_size ({inputs.micro_batch_size})"),
-        ("gradient_accumulation_steps", inputs.gradient_accumulation_steps,
-         f"gradient_accumulation_steps ({inputs.gradient_accumulation_steps})"),
+        ("train_micro_batch_size_per_gpu", inputs.layout.micro_batch,
+         f"per_device_train_batch_size ({inputs.layout.micro_batch})"),
+        ("gradient_accumulation_steps", inputs.layout.grad_accum,
+         f"gradient_accumulation_steps ({inputs.layout.grad_accum})"),
         ("train_batch_size", inputs.train_batch_size,
-         f"per_device_train_batch_size ({inputs.micro_batch_size}) x gradient_accumulation_steps "
-         f"({inputs.gradient_accumulation_steps}) x world size ({inputs.dp_world_size}) = {inputs.train_batch_size}"),
+         f"per_device_train_batch_size ({inputs.layout.micro_batch}) x gradient_accumulation_steps "
+         f"({inputs.layout.grad_accum}) x world size ({inputs.layout.data_parallel_size}) = {inputs.train_batch_size}"),
         ("gradient_clipping", inputs.max_grad_norm, f"max_grad_norm ({_show(inputs.max_grad_norm)})"),
     )
     problems = []

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from shardtune.launch.env import RankEnv
+from shardtune.world import RankEnv
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class DistributedMixin:
     def close(self) -> None:
         # The barrier keeps a rank from closing its sockets while a peer still waits on it. Destroying the
         # group does not stop gloo's worker threads while the engine still holds the group object; a rank
-        # therefore leaves through launch.run.leave_rank, which never starts interpreter shutdown.
+        # therefore leaves through launch.worker.leave_rank, which never starts interpreter shutdown.
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

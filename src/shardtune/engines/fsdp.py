@@ -27,7 +27,6 @@ from shardtune.engines.distributed import DistContext, DistributedMixin
 from shardtune.engines.fsdp_config import (
     FsdpSettings,
     fsdp1_strategy_member,
-    hybrid_mesh_shape,
     reshards_after_forward,
 )
 from shardtune.engines.fsdp_qlora import (
@@ -46,6 +45,7 @@ from shardtune.engines.torch_native import SCHEDULER_FILE, TorchEngine
 from shardtune.errors import ModelError
 from shardtune.model.adapters import save_lora_adapter
 from shardtune.model.saved import expected_saved_parameters, share_tied_tensors, verify_saved
+from shardtune.world import WorldLayout
 
 if TYPE_CHECKING:
     from shardtune.model.source import ModelSource
@@ -242,7 +242,8 @@ def build_mesh(s: FsdpSettings, ctx: DistContext) -> DeviceMesh:
     """1-D shard mesh, or (replicate, shard) for hybrid strategies and for NO_SHARD under FSDP2."""
     device_type = "cpu" if ctx.backend == "gloo" else ctx.device.type  # gloo meshes are host meshes
     if s.is_hybrid:
-        shape = hybrid_mesh_shape(s, ctx.world_size, ctx.local_world_size)
+        layout = WorldLayout.of_ranks(ctx.world_size, ctx.local_world_size)
+        shape = layout.hybrid_groups(s.sharding_strategy, s.hsdp_shard_size)
         return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
     if s.sharding_strategy == "NO_SHARD" and s.version == 2:
         return init_device_mesh(device_type, (ctx.world_size, 1), mesh_dim_names=("replicate", "shard"))

@@ -175,23 +175,3 @@ def reshards_after_forward(strategy: str) -> bool:
     """FSDP2's ``reshard_after_forward``: the ZeRO-3-like strategies free the gathered parameters after forward,
     the ZeRO-2-like ones (SHARD_GRAD_OP, HYBRID_SHARD_ZERO2) keep them for backward (NO_SHARD has none to free)."""
     return strategy in ("FULL_SHARD", "HYBRID_SHARD")
-
-
-def hybrid_mesh_shape(s: FsdpSettings, world_size: int, local_world_size: int) -> tuple[int, int]:
-    """(replicate, shard) for HYBRID strategies; an impossible layout raises ValueError naming the numbers.
-
-    FSDP1's default groups on a single node make the shard group the whole node and the replica group size 1,
-    or with 1 process per node a shard size of 1 that silently becomes NO_SHARD; we never let that happen.
-    """
-    shard = s.hsdp_shard_size or local_world_size
-    if shard < 2:
-        raise ValueError(f"{s.sharding_strategy} needs at least 2 processes per shard group, got {shard} "
-                         f"(world size {world_size}); use more processes per node or set fsdp_config.hsdp_shard_size")
-    if world_size % shard:
-        raise ValueError(f"{s.sharding_strategy}: shard group size {shard} does not divide world size {world_size}")
-    replicate = world_size // shard
-    if replicate < 2:
-        raise ValueError(f"{s.sharding_strategy} with shard group size {shard} and world size {world_size} has one "
-                         "replica, which is FULL_SHARD; use FULL_SHARD, or set fsdp_config.hsdp_shard_size to a "
-                         "divisor of the world size")
-    return replicate, shard

@@ -22,6 +22,18 @@ class EnginePlan:
     def needs_process_group(self) -> bool:
         return self.kind != "local"
 
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, for the plan the launching host writes for its ranks."""
+        return {"kind": self.kind, "fsdp": self.fsdp.to_dict() if self.fsdp else None,
+                "deepspeed_raw": self.deepspeed_raw, "deepspeed_source": self.deepspeed_source}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EnginePlan:
+        fsdp = data.get("fsdp")
+        settings = None if fsdp is None else FsdpSettings(
+            **{**fsdp, "transformer_layer_cls_to_wrap": tuple(fsdp["transformer_layer_cls_to_wrap"])})
+        return cls(data["kind"], settings, data.get("deepspeed_raw"), data.get("deepspeed_source"))
+
 
 def plan_engine(c: TrainConfig, world_size: int, has_cuda: bool) -> tuple[EnginePlan, list[str]]:
     """Pick DeepSpeed / FSDP when configured, DDP for several processes, else local; list every problem."""

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from dataclasses import dataclass
-from pathlib import Path
 
 from shardtune.errors import ConfigError
 from shardtune.estimate.hardware import Hardware, parse_size
+from shardtune.host import local_cpu_memory, local_gpu_memory, visible_gpu_count
 
 USAGE = """usage: shardtune estimate CONFIG.yaml [key=value ...] [--gpus-per-node N] [--nodes M]
                           [--gpu-memory SIZE] [--cpu-memory SIZE] [--model-config PATH] [--json]
@@ -75,20 +73,17 @@ def parse_count(text: str, flag: str) -> int:
     return value
 
 
-def resolve_hardware(values: dict[str, str]) -> Hardware:
-    """Flags first, then the launch variables and this machine; no GPU here and no --gpu-memory is an error."""
-    from shardtune.launch.env import read_launch_env
-    from shardtune.launch.run import visible_gpu_count
-
-    env = read_launch_env()
+def resolve_hardware(values: dict[str, str], launch_nodes: int = 1, launch_procs: int | None = None) -> Hardware:
+    """Flags first, then the launch variables (NNODES, NPROC_PER_NODE: ``launch_*``) and this machine; no GPU here
+    and no --gpu-memory is an error."""
     gpus_here = visible_gpu_count()
-    nodes = parse_count(values["--nodes"], "--nodes") if "--nodes" in values else env.nnodes
+    nodes = parse_count(values["--nodes"], "--nodes") if "--nodes" in values else launch_nodes
     per_node = parse_count(values["--gpus-per-node"], "--gpus-per-node") if "--gpus-per-node" in values \
-        else (env.nproc_per_node or max(gpus_here, 1))
+        else (launch_procs or max(gpus_here, 1))
     if "--gpu-memory" in values:
         gpu_memory = parse_size(values["--gpu-memory"], "--gpu-memory")
     else:
-        gpu_memory = local_gpu_memory() if gpus_here else None
+        gpu_memory = local_gpu_memory()
         if gpu_memory is None:
             raise ConfigError("--gpu-memory: no GPU is visible here; give the memory of one GPU of the machine "
                               "to estimate for, e.g. --gpu-memory 80GiB")
@@ -97,27 +92,7 @@ def resolve_hardware(values: dict[str, str]) -> Hardware:
     return Hardware(nodes=nodes, gpus_per_node=per_node, gpu_memory=gpu_memory, cpu_memory=cpu_memory)
 
 
-def local_gpu_memory() -> int | None:
-    """Memory of the first visible GPU from nvidia-smi (no torch import; None when it cannot be asked)."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
-        return int(out.split()[0]) * 1024**2
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return None
-
-
-def local_cpu_memory() -> int:
-    """MemTotal of this machine (Linux), else the physical pages sysconf reports."""
-    meminfo = Path("/proc/meminfo")
-    if meminfo.is_file():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def estimate_command(argv: list[str]) -> int:
+def estimate_command(argv: list[str], launch_nodes: int = 1, launch_procs: int | None = None) -> int:
     """Print the estimate table (or JSON) for a training config; exit code 0 even when nothing fits."""
     from shardtune.config.args import load_config
     from shardtune.estimate.config import workload_from_config
@@ -132,7 +107,7 @@ def estimate_command(argv: list[str]) -> int:
     args = split_estimate_args(argv)
     config, _ = load_config(args.config_argv)
     shape = load_model_shape(config.model_name_or_path, args.values.get("--model-config"))
-    hardware = resolve_hardware(args.values)
+    hardware = resolve_hardware(args.values, launch_nodes, launch_procs)
     workload = workload_from_config(config)
     options = build_options(shape, workload, hardware)
     estimate = Estimate(shape, workload, hardware, options, recommend(options, hardware, workload))

@@ -6,6 +6,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from shardtune.config.schema import TrainConfig
+from shardtune.engines.plan import EnginePlan, plan_engine
 from shardtune.errors import ConfigError, ShardtuneError
 from shardtune.estimate.compare import RunMemoryEstimate, run_memory_estimate
 from shardtune.estimate.hardware import Hardware, format_size
@@ -25,6 +26,7 @@ from shardtune.estimate.options import (
 from shardtune.estimate.recommend import recommend
 from shardtune.estimate.shape import ModelShape, load_model_shape
 from shardtune.estimate.workload import Workload
+from shardtune.world import WorldLayout
 
 if TYPE_CHECKING:
     from shardtune.engines.fsdp_config import FsdpSettings
@@ -74,34 +76,33 @@ def recommend_for_config(config: TrainConfig, world_size: int, nproc_per_node: i
 def hardware_for(world_size: int, nproc_per_node: int, gpu_memory_bytes: int | None,
                  cpu_memory_bytes: int) -> Hardware:
     """The launch as the estimate sees it: nodes x ranks per node, memory per GPU (None: CPU ranks) and node."""
-    nproc = max(1, nproc_per_node)
-    return Hardware(nodes=max(1, world_size // nproc), gpus_per_node=nproc, gpu_memory=gpu_memory_bytes,
+    layout = WorldLayout.of_ranks(world_size, nproc_per_node)
+    return Hardware(nodes=layout.nodes, gpus_per_node=layout.procs_per_node, gpu_memory=gpu_memory_bytes,
                     cpu_memory=cpu_memory_bytes)
 
 
-def configured_option(config: TrainConfig, hardware: Hardware, shape: ModelShape | None = None) -> Option:
-    """The option the config's own engine settings select (deepspeed JSON, fsdp words, or DDP)."""
+def configured_option(config: TrainConfig, hardware: Hardware, shape: ModelShape | None = None,
+                      engine: EnginePlan | None = None) -> Option:
+    """The option the run's engine selects, as the engines plan it (a DeepSpeed preset or JSON; fsdp words, an
+    fsdp_config mapping, file or accelerate config file; else DDP). ``engine``: the plan preflight made."""
     shape = shape or load_model_shape(config.model_name_or_path)
+    if engine is None:
+        engine, _ = plan_engine(config, hardware.world_size, has_cuda=hardware.on_gpu)  # problems: preflight's job
     c = Context(shape, workload_from_config(config), hardware)
-    name, states = _configured_states(config, c)
+    name, states = _engine_states(engine, c)
     spec = next(s for s in OPTION_SPECS if s.name == name)
     return build_option(dataclasses.replace(spec, states=states), c)
 
 
-def _configured_states(config: TrainConfig, c: Context) -> tuple[str, StateFn]:
-    from shardtune.engines.fsdp_config import is_fsdp_requested, resolve_fsdp_settings
-
-    if config.deepspeed:
-        from shardtune.engines.deepspeed_config import load_deepspeed_setting
-
-        z = zero_settings(load_deepspeed_setting(config.deepspeed)[0], c.shape.hidden_size)
+def _engine_states(engine: EnginePlan, c: Context) -> tuple[str, StateFn]:
+    """The estimate's option name and memory model for an engine plan."""
+    if engine.kind == "deepspeed":
+        z = zero_settings(engine.deepspeed_raw or {}, c.shape.hidden_size)
         names = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
         name = names[z.stage] + ("+offload" if z.stage >= 2 and (z.offload_optimizer or z.offload_params) else "")
         return name, lambda ctx: zero_states(ctx, z)
-    if is_fsdp_requested(config.fsdp, config.fsdp_config):
-        fsdp_config = config.fsdp_config if isinstance(config.fsdp_config, dict) else None
-        settings, _ = resolve_fsdp_settings(config.fsdp, fsdp_config)
-        return _fsdp_choice(settings, c)
+    if engine.kind == "fsdp" and engine.fsdp is not None:
+        return _fsdp_choice(engine.fsdp, c)
     return "DDP", OPTION_SPECS[0].states
 
 
@@ -117,11 +118,11 @@ def _fsdp_choice(settings: FsdpSettings, c: Context) -> tuple[str, StateFn]:
 
 
 def fit_warning(config: TrainConfig, world_size: int, nproc_per_node: int, gpu_memory_bytes: int | None,
-                cpu_memory_bytes: int) -> str | None:
+                cpu_memory_bytes: int, engine: EnginePlan | None = None) -> str | None:
     """One line when the configured engine is estimated not to fit (for `shardtune check`), else None."""
     hardware = hardware_for(world_size, nproc_per_node, gpu_memory_bytes, cpu_memory_bytes)
     try:
-        option = configured_option(config, hardware)
+        option = configured_option(config, hardware, engine=engine)
     except ShardtuneError:
         return None  # an unreadable model shape is reported by the other checks
     if option.fits or not option.available:
@@ -168,10 +169,5 @@ def _run_states(config: TrainConfig, world_size: int, engine_kind: str, fsdp_set
     shape = load_model_shape(config.model_name_or_path)
     hardware = hardware_for(world_size, nproc, 1 if on_gpu else None, 0)
     c = Context(shape, workload_from_config(config), hardware)
-    if engine_kind == "deepspeed":
-        device, _, setup = zero_states(c, zero_settings(deepspeed_raw or {}, shape.hidden_size))
-    elif engine_kind == "fsdp" and fsdp_settings is not None:
-        device, _, setup = _fsdp_choice(fsdp_settings, c)[1](c)
-    else:
-        device, _, setup = OPTION_SPECS[0].states(c)
+    device, _, setup = _engine_states(EnginePlan(engine_kind, fsdp_settings, deepspeed_raw), c)[1](c)
     return device, setup

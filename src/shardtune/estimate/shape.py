@@ -7,11 +7,11 @@ must work for models whose weights are not on this machine.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardtune.errors import ConfigError
+from shardtune.errors import ConfigError, ModelError
+from shardtune.model.folder import model_config_json
 
 # Linear layers of one LLaMA decoder layer, by the names LoRA's lora_target uses.
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -455,12 +455,12 @@ def load_model_shape(model: str | None, model_config: str | None = None) -> Mode
         return shape_from_config(_read_json(_config_json_path(Path(model_config))), model_config)
     if not model:
         raise ConfigError("model_name_or_path is not set: the estimate needs the model's config.json")
-    local = Path(model).expanduser() / "config.json"
-    if local.is_file():
-        return shape_from_config(_read_json(local), str(local))
-    cached = hub_cache_config(model)
-    if cached is not None:
-        return shape_from_config(_read_json(cached), str(cached))
+    try:
+        found = model_config_json(model)
+    except ModelError as err:
+        raise ConfigError(f"{err.problems[0]}; pass --model-config PATH") from None
+    if found is not None:
+        return shape_from_config(found, f"{model} (config.json)")
     known = KNOWN_CONFIGS.get(model.lower())
     if known is not None:
         return shape_from_config(known, f"{model} (built-in shape)")
@@ -483,19 +483,6 @@ def _read_json(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"model config {path}: expected a JSON object")
     return data
-
-
-def hub_cache_config(model_id: str) -> Path | None:
-    """config.json of a hub id already in the Hugging Face cache (newest snapshot), without huggingface_hub."""
-    if "/" not in model_id or model_id.startswith((".", "/", "~")):
-        return None
-    cache = os.environ.get("HF_HUB_CACHE") or os.path.join(
-        os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"), "hub")
-    snapshots = Path(cache) / f"models--{model_id.replace('/', '--')}" / "snapshots"
-    if not snapshots.is_dir():
-        return None
-    found = sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime, reverse=True)
-    return found[0] if found else None
 
 
 # Shapes of a few hub models the shipped examples name, copied from their config.json, so that the examples

@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
+from shardtune import run_files
 from shardtune.errors import ModelError
 
-RUN_CONFIG = "shardtune_config.json"
+RUN_CONFIG = run_files.RESOLVED_CONFIG
 
 
 def find_run_config(source: Path) -> dict[str, Any]:

@@ -13,23 +13,7 @@ from dataclasses import dataclass
 from shardtune.errors import ConfigError
 from shardtune.launch import kubernetes, slurm
 from shardtune.launch.cluster import ClusterLaunch, merge_problems
-
-
-@dataclass(frozen=True)
-class RankEnv:
-    """Where this process sits, as set by torchrun / the deepspeed launcher / accelerate launch."""
-
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    local_world_size: int = 1
-    master_addr: str | None = None
-    master_port: int | None = None
-    restart_count: int = 0
-
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1 or "RANK" in os.environ
+from shardtune.world import RankEnv
 
 
 def read_rank_env(env: Mapping[str, str] | None = None) -> RankEnv:
@@ -77,7 +61,6 @@ class LaunchEnv:
     min_nnodes: int | None = None
     max_nnodes: int | None = None
     max_restarts: int = 0
-    cuda_visible_devices: str | None = None
     rdzv_timeout: int | None = None
     scheduler: str | None = None  # SLURM, PyTorchJob, TrainJob: whose variables decided the nodes
     c10d_rendezvous: bool = False
@@ -122,7 +105,6 @@ def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
         scheduler=cluster.scheduler if cluster else None,
         c10d_rendezvous=cluster.c10d_rendezvous if cluster else False,
         max_restarts=ints.get("MAX_RESTARTS", 0),
-        cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
         rdzv_timeout=ints.get("RDZV_TIMEOUT"),
     )
 

@@ -13,7 +13,9 @@ import traceback
 from enum import Enum
 from pathlib import Path
 
-ERROR_FILE = ".shardtune/rank-{rank}-error.txt"
+from shardtune import run_files
+
+ERROR_FILE = run_files.RANK_ERROR
 # The launching host recognises (and de-duplicates) reports by this prefix.
 REPORT_PREFIX = "[shardtune] rank "
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from shardtune.errors import ConfigError
 from shardtune.launch.cluster import add_node_shape_arguments, node_shape_problems, processes_per_node
+from shardtune.world import WorldLayout
 
 KINDS = ("pytorchjob", "trainjob")
 MOUNT_DIR = "/etc/shardtune"
@@ -42,7 +43,7 @@ class ManifestRequest:
 
     @property
     def world_size(self) -> int:
-        return self.nodes * self.nproc_per_node
+        return WorldLayout(self.nodes, self.nproc_per_node).world_size
 
     @property
     def train_command(self) -> list[str]:
@@ -152,7 +153,7 @@ def job_name(config: Path) -> str:
 
 def k8s_command(args: list[str]) -> int:
     """`shardtune k8s CONFIG --nodes N --gpus-per-node G --image IMG [...] [key=value ...]`."""
-    from shardtune.launch.run import preflight
+    from shardtune.launch.preflight import preflight
 
     parser = argparse.ArgumentParser(prog="shardtune k8s", description="Validate CONFIG and write a Kubeflow "
                                      "manifest (ConfigMap + PyTorchJob or TrainJob) that trains it on N pods.")
@@ -165,7 +166,7 @@ def k8s_command(args: list[str]) -> int:
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     ns, overrides = parser.parse_known_args(args)
     req = manifest_request(ns, overrides)
-    preflight([ns.config, *overrides], req.world_size, req.nproc_per_node)
+    preflight([ns.config, *overrides], req.nodes, req.nproc_per_node)
     out = Path(ns.out or f"{Path(ns.config).stem}.{req.kind}.yaml").resolve()
     out.write_text(manifest_text(req))
     print(f"wrote {out} ({req.kind}, {req.nodes} pod(s) x {req.nproc_per_node} process(es))")

@@ -7,14 +7,12 @@ import shlex
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from shardtune.launch.run import Preflight
-    from shardtune.launch.torchrun import LaunchPlan
+    from shardtune.launch.preflight import RunPlan
 
 
-def dry_run_report(pre: Preflight, plan: LaunchPlan, commands: list[list[str]]) -> str:
-    from shardtune.launch.run import global_batch
-
-    c = pre.config
+def dry_run_report(run: RunPlan, commands: list[list[str]]) -> str:
+    plan, layout = run.launch, run.layout
+    assert plan is not None
     lines = ["shardtune dry run (nothing was started)"]
     if commands:
         for node, argv in enumerate(commands):
@@ -26,36 +24,33 @@ def dry_run_report(pre: Preflight, plan: LaunchPlan, commands: list[list[str]]) 
         lines.append(f"rendezvous: c10d at {plan.master_addr}:{plan.master_port}, id {plan.rdzv_id} (set by the "
                      "scheduler; every node runs the same command and torchrun numbers the nodes)")
     lines += [
-        f"nodes: {plan.nnodes}, processes per node: {plan.nproc_per_node}, world size: {plan.world_size}",
-        f"global batch: {c.per_device_train_batch_size} (per_device_train_batch_size) x "
-        f"{c.gradient_accumulation_steps} (gradient_accumulation_steps) x {plan.world_size} (data-parallel size) "
-        f"= {global_batch(c, plan.world_size)}",
-        f"engine: {engine_description(pre, plan)}",
+        f"nodes: {layout.nodes}, processes per node: {layout.procs_per_node}, world size: {layout.world_size}",
+        f"global batch: {layout.describe_global_batch()}",
+        f"engine: {engine_description(run)}",
     ]
-    settings = resolved_engine_settings(pre, plan)
+    settings = resolved_engine_settings(run)
     if settings is not None:
         lines.append("engine settings:")
         lines.append(json.dumps(settings, indent=2, sort_keys=True))
     return "\n".join(lines)
 
 
-def engine_description(pre: Preflight, plan: LaunchPlan) -> str:
-    kind = pre.engine.kind
+def engine_description(run: RunPlan) -> str:
+    kind = run.engine.kind
     if kind == "local":
         return "local (single process)"
-    if kind == "fsdp" and pre.engine.fsdp is not None:
-        return f"fsdp{pre.engine.fsdp.version} {pre.engine.fsdp.sharding_strategy}"
+    if kind == "fsdp" and run.engine.fsdp is not None:
+        return f"fsdp{run.engine.fsdp.version} {run.engine.fsdp.sharding_strategy}"
     if kind == "deepspeed":
-        return f"deepspeed ({pre.engine.deepspeed_source})"
+        return f"deepspeed ({run.engine.deepspeed_source})"
     return kind
 
 
-def resolved_engine_settings(pre: Preflight, plan: LaunchPlan) -> dict | None:
-    if pre.engine.kind == "fsdp" and pre.engine.fsdp is not None:
-        return pre.engine.fsdp.to_dict()
-    if pre.engine.kind == "deepspeed" and pre.engine.deepspeed_raw is not None:
-        from shardtune.engines.deepspeed_config import resolve_deepspeed_config
-        from shardtune.launch.run import deepspeed_inputs
+def resolved_engine_settings(run: RunPlan) -> dict | None:
+    if run.engine.kind == "fsdp" and run.engine.fsdp is not None:
+        return run.engine.fsdp.to_dict()
+    if run.engine.kind == "deepspeed" and run.engine.deepspeed_raw is not None:
+        from shardtune.engines.deepspeed_config import deepspeed_inputs, resolve_deepspeed_config
 
-        return resolve_deepspeed_config(pre.engine.deepspeed_raw, deepspeed_inputs(pre.config, plan.world_size))
+        return resolve_deepspeed_config(run.engine.deepspeed_raw, deepspeed_inputs(run.config, run.layout))
     return None

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from shardtune.errors import ConfigError
 from shardtune.launch.cluster import add_node_shape_arguments, node_shape_problems, processes_per_node
+from shardtune.world import WorldLayout
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class SbatchRequest:
 
     @property
     def world_size(self) -> int:
-        return self.nodes * self.nproc_per_node
+        return WorldLayout(self.nodes, self.nproc_per_node).world_size
 
 
 def build_sbatch_script(req: SbatchRequest) -> str:
@@ -100,7 +101,7 @@ def submit(script: Path) -> str:
 
 def slurm_command(args: list[str]) -> int:
     """`shardtune slurm CONFIG --nodes N --gpus-per-node G [...] [key=value ...] [--submit]`."""
-    from shardtune.launch.run import preflight
+    from shardtune.launch.preflight import preflight
 
     parser = argparse.ArgumentParser(prog="shardtune slurm", description="Validate CONFIG and write an sbatch "
                                      "script that trains it on N nodes; extra key=value pairs go to the config.")
@@ -116,7 +117,7 @@ def slurm_command(args: list[str]) -> int:
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     ns, overrides = parser.parse_known_args(args)
     req = sbatch_request(ns, overrides)
-    preflight([str(req.config), *overrides], req.world_size, req.nproc_per_node)
+    preflight([str(req.config), *overrides], req.nodes, req.nproc_per_node)
     script = Path(ns.script or f"{req.config.stem}.sbatch").resolve()
     script.write_text(build_sbatch_script(req))
     print(f"wrote {script} ({req.nodes} node(s) x {req.nproc_per_node} process(es))")

@@ -6,6 +6,7 @@ import socket
 from dataclasses import dataclass
 
 from shardtune.launch.env import LaunchEnv
+from shardtune.world import WorldLayout
 
 
 @dataclass(frozen=True)
@@ -24,10 +25,12 @@ class LaunchPlan:
     rdzv_timeout: int | None = None
     # Set under SLURM and an elastic PyTorchJob: every node runs the same command, torchrun numbers the nodes.
     c10d_rendezvous: bool = False
+    force_torchrun: bool = False  # FORCE_TORCHRUN: torchrun even for one process
+    master_port_given: bool = False  # MASTER_PORT was set (node 0 checks it is free), not picked here
 
     @property
     def world_size(self) -> int:
-        return self.nnodes * self.nproc_per_node
+        return WorldLayout(self.nnodes, self.nproc_per_node).world_size
 
     @property
     def is_elastic(self) -> bool:
@@ -43,7 +46,8 @@ def plan_launch(env: LaunchEnv, visible_gpus: int, free_port: int | None = None)
         nnodes=env.nnodes, node_rank=env.node_rank, nproc_per_node=nproc, master_addr=env.master_addr,
         master_port=port if port is not None else (free_port or find_free_port()),
         rdzv_id=env.rdzv_id, min_nnodes=env.min_nnodes, max_nnodes=env.max_nnodes, max_restarts=env.max_restarts,
-        rdzv_timeout=env.rdzv_timeout, c10d_rendezvous=env.c10d_rendezvous,
+        rdzv_timeout=env.rdzv_timeout, c10d_rendezvous=env.c10d_rendezvous, force_torchrun=env.force_torchrun,
+        master_port_given=port is not None,
     )
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.errors import ModelError
-from shardtune.model.folder import read_config_json
+from shardtune.model.folder import model_config_json
 
 AUTO = "auto"
 KERNELS = ("flash_attention_2", "sdpa", "eager")
@@ -87,14 +87,7 @@ def known_model_config(name: str, *, builds_tiny_model: bool = False) -> dict[st
     """
     if builds_tiny_model and not Path(name).exists():
         return {"model_type": "llama"}
-    if Path(name).exists():
-        return read_config_json(name)
-    try:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(name, local_files_only=True).to_dict()
-    except (OSError, ValueError, KeyError):
-        return None
+    return model_config_json(name)
 
 
 def flash_available(has_cuda: bool) -> bool:

@@ -8,6 +8,7 @@ JSON files are read, never the weights themselves. No torch import: ``check`` st
 from __future__ import annotations
 
 import json
+import os
 import struct
 import zipfile
 from pathlib import Path
@@ -35,6 +36,37 @@ def read_config_json(folder: str | Path) -> dict[str, Any] | None:
     if problem:
         raise ModelError(f"model_name_or_path: {problem}")
     return data
+
+
+def model_config_json(name: str | None) -> dict[str, Any] | None:
+    """The model's config.json: a local folder's, or a hub id's already in the Hugging Face cache; None when this
+    machine has neither. The one reader of a model's config before weights load (attention, DeepSpeed's "auto"
+    sizes and the estimate all ask it). Never downloads."""
+    if not name:
+        return None
+    local = read_config_json(Path(name).expanduser())
+    if local is not None or Path(name).expanduser().exists():
+        return local
+    cached = hub_cache_config(name)
+    if cached is None:
+        return None
+    data, problem = _read_json_object(cached)
+    if problem:
+        raise ModelError(f"model_name_or_path: {problem}")
+    return data
+
+
+def hub_cache_config(model_id: str) -> Path | None:
+    """config.json of a hub id already in the Hugging Face cache (newest snapshot), without huggingface_hub."""
+    if "/" not in model_id or model_id.startswith((".", "/", "~")):
+        return None
+    cache = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"), "hub")
+    snapshots = Path(cache) / f"models--{model_id.replace('/', '--')}" / "snapshots"
+    if not snapshots.is_dir():
+        return None
+    found = sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    return found[0] if found else None
 
 
 def model_folder_problems(folder: str | Path, key: str = "model_name_or_path") -> list[str]:

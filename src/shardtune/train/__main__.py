@@ -1,8 +1,8 @@
-"""Module entry for launchers: `python -m shardtune.train CONFIG.yaml [key=value ...]`."""
+"""Module entry for launchers: `python -m shardtune.train CONFIG.yaml [key=value ...]` (or the plan file)."""
 
 import sys
 
-from shardtune.cli import run_reporting_errors
-from shardtune.launch.run import worker_command
+from shardtune.errors import run_reporting_errors
+from shardtune.launch.worker import worker_command
 
 sys.exit(run_reporting_errors(worker_command, sys.argv[1:]))

@@ -10,8 +10,10 @@ import json
 import re
 from pathlib import Path
 
+from shardtune import run_files
+
 COMPLETE_MARKER = "COMPLETE"
-STATE_FILE = "trainer_state.json"
+STATE_FILE = run_files.TRAINER_STATE
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 

@@ -7,10 +7,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shardtune import run_files
 from shardtune.errors import ConfigError
 
-LOG_FILE = "trainer_log.jsonl"
-PLOT_FILE = "training_loss.png"
+LOG_FILE = run_files.LOG
+PLOT_FILE = run_files.LOSS_PLOT
 
 
 class Reporter:

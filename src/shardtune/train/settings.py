@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from shardtune.config.schema import TrainConfig
 from shardtune.data.settings import DataSettings
 from shardtune.model.adapters import FinetuningSettings
@@ -78,54 +76,3 @@ def finetuning_settings(c: TrainConfig) -> FinetuningSettings:
 
 def adapter_plan(c: TrainConfig) -> AdapterPlan:
     return plan_adapters(tuple(c.adapter_name_or_path), c.create_new_adapter)
-
-
-@dataclass(frozen=True)
-class ExtraOptimizer:
-    """Which LLaMA-Factory optimizer replacement is on, with its GaLore/APOLLO projection settings."""
-
-    kind: str | None = None  # "muon", "galore", "apollo", "adam_mini" or None (plain optim)
-    target: tuple[str, ...] = ("all",)
-    rank: int = 16
-    update_interval: int = 200
-    scale: float = 2.0
-    proj_type: str = "std"
-    apollo_proj: str = "random"
-    apollo_scale_type: str = "channel"
-    apollo_scale_front: bool = False
-
-
-@dataclass(frozen=True)
-class OptimizerSettings:
-    optim: str = "adamw_torch"
-    learning_rate: float = 5e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    loraplus_lr_ratio: float | None = None
-    loraplus_lr_embedding: float = 1e-6
-    extra: ExtraOptimizer = ExtraOptimizer()
-
-
-def optimizer_settings(c: TrainConfig) -> OptimizerSettings:
-    return OptimizerSettings(optim=c.optim, learning_rate=c.learning_rate, weight_decay=c.weight_decay,
-                             adam_beta1=c.adam_beta1, adam_beta2=c.adam_beta2, adam_epsilon=c.adam_epsilon,
-                             loraplus_lr_ratio=c.loraplus_lr_ratio, loraplus_lr_embedding=c.loraplus_lr_embedding,
-                             extra=extra_optimizer(c))
-
-
-def extra_optimizer(c: TrainConfig) -> ExtraOptimizer:
-    """LLaMA-Factory's replacement switches; validation allows at most one of them on."""
-    if c.use_galore:
-        return ExtraOptimizer("galore", tuple(c.galore_target), c.galore_rank, c.galore_update_interval,
-                              c.galore_scale, c.galore_proj_type)
-    if c.use_apollo:
-        return ExtraOptimizer("apollo", tuple(c.apollo_target), c.apollo_rank, c.apollo_update_interval,
-                              c.apollo_scale, c.apollo_proj_type, c.apollo_proj, c.apollo_scale_type,
-                              c.apollo_scale_front)
-    if c.use_adam_mini:
-        return ExtraOptimizer("adam_mini")
-    if c.use_muon:
-        return ExtraOptimizer("muon")
-    return ExtraOptimizer()

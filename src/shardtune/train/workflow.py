@@ -13,17 +13,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from shardtune import run_files
 from shardtune.config.load import config_to_dict
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.base import Engine
 from shardtune.errors import ConfigError
+from shardtune.optim.build import build_optimizer, build_scheduler, parameter_names, warmup_steps_for
+from shardtune.optim.settings import optimizer_settings
 from shardtune.train import checkpoint
 from shardtune.train.checkpoint import resume_source
 from shardtune.train.loop import LoopSettings, TrainState, evaluate, run_loop, steps_per_epoch, total_training_steps
-from shardtune.train.optim import build_optimizer, build_scheduler, parameter_names, warmup_steps_for
 from shardtune.train.pissa import PissaConversion
 from shardtune.train.reporting import LOG_FILE, Reporter, plot_loss
-from shardtune.train.settings import finetuning_settings, optimizer_settings
+from shardtune.train.settings import finetuning_settings
 from shardtune.train.setup import (
     build_loader,
     epoch_batches_for,
@@ -36,8 +38,8 @@ from shardtune.train.setup import (
 )
 from shardtune.train.throughput import ThroughputMeter
 
-RESULTS_FILE = "train_results.json"
-RESOLVED_CONFIG_FILE = "shardtune_config.json"
+RESULTS_FILE = run_files.RESULTS
+RESOLVED_CONFIG_FILE = run_files.RESOLVED_CONFIG
 
 
 def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None = None,

@@ -8,8 +8,8 @@ import torch
 
 from shardtune.errors import ConfigError
 from shardtune.model.adapters import linear_module_names
-from shardtune.train import optimizers
-from shardtune.train.settings import OptimizerSettings
+from shardtune.optim import replacements as optimizers
+from shardtune.optim.settings import OptimizerSettings
 
 __all__ = ["OptimizerSettings", "build_optimizer", "build_scheduler", "loraplus_groups", "parameter_names",
            "split_decay_groups"]

@@ -7,6 +7,7 @@ import os
 import re
 from pathlib import Path
 
+from shardtune import run_files
 from shardtune.config.schema import REPORT_TO, TrainConfig
 from shardtune.data.tokenized import is_saved
 from shardtune.errors import ConfigError, ModelError
@@ -234,7 +235,7 @@ def output_dir_problems(c: TrainConfig) -> list[str]:
         return [f"output_dir: cannot create {out}: {existing} is a file"]
     if not os.access(existing, os.W_OK):
         return [f"output_dir: {existing} is not writable; choose another output_dir"]
-    finished = out / "train_results.json"
+    finished = out / run_files.RESULTS
     if finished.is_file() and not c.overwrite_output_dir and not c.resume_from_checkpoint:
         return [f"output_dir: {out} already holds a finished run (train_results.json); "
                 "set overwrite_output_dir: true to replace it, or choose another output_dir"]

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from shardtune.errors import ConfigError
-from shardtune.train.settings import ExtraOptimizer
+from shardtune.optim.settings import ExtraOptimizer
 
 
 class ChainedOptimizer(torch.optim.Optimizer):

@@ -1,0 +1,42 @@
+"""Facts about this machine that the launching host needs: visible GPUs and their memory, host memory.
+
+A leaf module (standard library only, no torch import, keeps `check` and `estimate` fast): launch and estimate
+both ask it, neither asks the other.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+
+def visible_gpu_count() -> int:
+    """CUDA devices this process may use, found without importing torch."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return len(list(gpus.iterdir())) if gpus.is_dir() else 0
+
+
+def local_gpu_memory() -> int | None:
+    """Memory of the first visible GPU from nvidia-smi (None when there is none or it cannot be asked)."""
+    if visible_gpu_count() == 0:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+        return int(out.split()[0]) * 1024**2
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def local_cpu_memory() -> int:
+    """MemTotal of this machine (Linux), else the physical pages sysconf reports."""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

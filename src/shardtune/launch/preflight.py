@@ -1,0 +1,205 @@
+"""What `shardtune train` and `shardtune check` decide on the launching host before any process starts.
+
+One round: the launch variables, every key's type, the rules between keys, the files, the engine and the data are
+checked together, and every problem is raised at once. The result is a ``RunPlan`` (the resolved config, the engine
+plan, the world layout), written into the run folder for the ranks, which trust it (launch/worker.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from shardtune import run_files
+from shardtune.config.args import read_config
+from shardtune.config.load import build_config, config_to_dict
+from shardtune.config.schema import TrainConfig
+from shardtune.engines.plan import EnginePlan, plan_engine
+from shardtune.errors import ConfigError, ShardtuneError
+from shardtune.host import local_cpu_memory, local_gpu_memory, visible_gpu_count
+from shardtune.launch import env as launch_env
+from shardtune.launch.torchrun import LaunchPlan, plan_launch
+from shardtune.launch.validate import attention_problems, cross_key_problems, file_problems
+from shardtune.world import WorldLayout
+
+PLAN_MARK = "shardtune_run_plan"  # the top-level key that tells a rank the file is a resolved plan
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything a run was decided to be: the rank entry reads it, the dry run prints it."""
+
+    config: TrainConfig
+    engine: EnginePlan
+    layout: WorldLayout
+    switches: frozenset[str] = frozenset()
+    launch: LaunchPlan | None = None  # how torchrun starts the ranks (the launching host only)
+    scheduler: str | None = None  # SLURM, PyTorchJob, TrainJob: whose variables decided the nodes
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.config.output_dir or ".")
+
+
+def plan_run(argv: list[str]) -> RunPlan:
+    """The launching host's plan: launch variables and config checked together (one round of problems).
+
+    With a bad launch variable the world size is unknown: only the checks that do not depend on it run.
+    """
+    try:
+        env = launch_env.read_launch_env()
+    except ConfigError as launch_error:
+        config, _, key_problems = read_config(argv)
+        later = cross_key_problems(config) + file_problems(config)
+        raise ConfigError(*launch_error.problems, *[p.text for p in key_problems],
+                          *without_keys(later, {p.key for p in key_problems if p.key})) from None
+    launch = plan_launch(env, visible_gpu_count())
+    return preflight(argv, launch.nnodes, launch.nproc_per_node, launch=launch, scheduler=env.scheduler)
+
+
+def preflight(argv: list[str], nodes: int, procs_per_node: int, *, defaults: dict[str, Any] | None = None,
+              announce: bool = True, launch: LaunchPlan | None = None, scheduler: str | None = None) -> RunPlan:
+    """Load and check everything that can be checked without weights for ``nodes`` x ``procs_per_node`` ranks;
+    raise every problem at once. ``announce``: say the attention kernel a config chose (ranks do not repeat it)."""
+    config, cmd, key_problems = read_config(argv, defaults)
+    bad_keys = {p.key for p in key_problems if p.key}
+    layout = WorldLayout(nodes, procs_per_node, config.per_device_train_batch_size,
+                         config.gradient_accumulation_steps)
+    has_cuda = visible_gpu_count() > 0
+    later = cross_key_problems(config) + file_problems(config)
+    attention_was_auto = config.attn_implementation == "auto"
+    try:  # the steps below read the model's config.json: a damaged one is already among the file problems
+        config = apply_attention_auto(config, has_cuda=has_cuda, announce_choice=announce)
+        if config.engine == "auto" and not key_problems and not later:  # the estimate needs a sound config
+            config, auto_problems = apply_engine_auto(config, layout)
+            later += auto_problems
+        engine, engine_problems = plan_engine(config, layout.world_size, has_cuda=has_cuda)
+        later += engine_problems + data_problems(config) + layout_problems(config, engine, layout)
+        if attention_was_auto:  # a chosen kernel was checked with the other keys; one picked here is checked now
+            later += attention_problems(config)
+    except ShardtuneError as err:
+        later += [p for p in err.problems if p not in later]
+        engine = EnginePlan("local")
+    problems = [p.text for p in key_problems] + without_keys(later, bad_keys)
+    if problems:
+        raise ConfigError(*problems)
+    return RunPlan(config, engine, layout, frozenset(cmd.switches), launch, scheduler)
+
+
+def without_keys(problems: list[str], keys: set[str]) -> list[str]:
+    """Problems that judge none of ``keys``: a key whose value was unusable has its default standing in, and a rule
+    about that default would be noise."""
+    if not keys:
+        return problems
+    pattern = re.compile(r"\b(" + "|".join(re.escape(k) for k in sorted(keys)) + r")\b")
+    return [p for p in problems if not pattern.search(p)]
+
+
+def apply_engine_auto(config: TrainConfig, layout: WorldLayout) -> tuple[TrainConfig, list[str]]:
+    """`engine: auto`: the fastest engine option the memory estimate says fits, decided here, once."""
+    from shardtune.estimate.config import recommend_for_config
+
+    try:
+        values, reason = recommend_for_config(config, layout.world_size, layout.procs_per_node, local_gpu_memory(),
+                                              local_cpu_memory())
+    except ConfigError as err:
+        return config, err.problems
+    chosen = ", ".join(f"{k}: {v}" for k, v in values.items()) or "DDP (no deepspeed/fsdp)"
+    print(f"[shardtune] engine auto -> {chosen}: {reason}", flush=True)
+    return replace(config, engine="manual", **values), []
+
+
+def apply_attention_auto(config: TrainConfig, has_cuda: bool, announce_choice: bool = True) -> TrainConfig:
+    """`attn_implementation: auto` (LLaMA-Factory's flash_attn: auto; the default): a kernel the model's class
+    supports, decided here once from its config.json, before any weights load, and said with the reason.
+    ``announce_choice``: also say a kernel the config chose (the launching host does; its ranks do not repeat it).
+    """
+    from shardtune.model.attention import AUTO, auto_choice, known_model_config
+
+    name = config.model_name_or_path
+    if name is None:
+        return config
+    if config.attn_implementation != AUTO:
+        if announce_choice:
+            print(f"[shardtune] attention: {config.attn_implementation} (asked for: attn_implementation / "
+                  "flash_attn)", flush=True)
+        return config
+    known = known_model_config(name, builds_tiny_model=config.build_tiny_model_if_missing)
+    if known is None:
+        print(f"[shardtune] attention: auto, decided on each rank once it has loaded {name}'s config", flush=True)
+        return config
+    choice = auto_choice(known, has_cuda=has_cuda, model=name)
+    print(f"[shardtune] attention: {choice.kernel} ({choice.reason})", flush=True)
+    return replace(config, attn_implementation=choice.kernel)
+
+
+def data_problems(config: TrainConfig) -> list[str]:
+    from shardtune.data.checks import check_data_settings
+    from shardtune.train.settings import data_settings
+
+    return check_data_settings(data_settings(config)) if config.dataset else []
+
+
+def layout_problems(config: TrainConfig, engine: EnginePlan, layout: WorldLayout) -> list[str]:
+    """What the engine's settings must agree with in this world: hybrid groups, DeepSpeed's batch, a resume."""
+    if engine.fsdp is not None and engine.fsdp.is_hybrid:
+        try:
+            layout.hybrid_groups(engine.fsdp.sharding_strategy, engine.fsdp.hsdp_shard_size)
+        except ValueError as err:
+            return [f"fsdp: {err}"]
+    if engine.kind != "deepspeed" or engine.deepspeed_raw is None:
+        return []
+    from shardtune.engines.deepspeed_config import deepspeed_inputs, deepspeed_problems, resume_problems
+    from shardtune.train.checkpoint import resume_source
+
+    return deepspeed_problems(engine.deepspeed_raw, deepspeed_inputs(config, layout),
+                              engine.deepspeed_source or "deepspeed") + \
+        resume_problems(engine.deepspeed_raw, resume_source(config), layout.world_size)
+
+
+def check_command(argv: list[str]) -> int:
+    """`shardtune check`: the whole preflight, the memory verdict, and one line saying what would run."""
+    import sys
+
+    plan = plan_run(argv)
+    c = plan.config
+    warning = memory_warning(plan)
+    if warning:
+        print(f"shardtune: warning: {warning}", file=sys.stderr)
+    print(f"ok: {c.stage} / {c.finetuning_type} of {c.model_name_or_path} on {','.join(c.dataset)}; "
+          f"engine {plan.engine.kind}, world size {plan.layout.world_size}, global batch "
+          f"{plan.layout.global_batch} -> {c.output_dir}")
+    return 0
+
+
+def memory_warning(plan: RunPlan) -> str | None:
+    """The memory estimate's verdict on the engine this plan runs (None when it fits or cannot be estimated)."""
+    from shardtune.estimate.config import fit_warning
+
+    return fit_warning(plan.config, plan.layout.world_size, plan.layout.procs_per_node, local_gpu_memory(),
+                       local_cpu_memory(), engine=plan.engine)
+
+
+def write_run_plan(plan: RunPlan) -> Path:
+    """The resolved config and engine plan for the ranks; written atomically since every node may write it."""
+    path = plan.run_dir / run_files.LAUNCH_PLAN
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({PLAN_MARK: 1, "config": config_to_dict(plan.config),
+                               "engine": plan.engine.to_dict()}, indent=2))
+    tmp.replace(path)
+    return path
+
+
+def read_run_plan(path: str) -> tuple[TrainConfig, EnginePlan] | None:
+    """The plan the launching host wrote at ``path``; None when ``path`` is a user's config file instead."""
+    if not path.endswith(".json") or not Path(path).is_file():
+        return None
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or PLAN_MARK not in data:
+        return None
+    return build_config(data["config"], source=path), EnginePlan.from_dict(data["engine"])

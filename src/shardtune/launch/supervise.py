@@ -1,0 +1,154 @@
+"""Start a planned run and see it through: in this process, or torchrun on this node with its signals and failures.
+
+`shardtune train`: ``plan_run`` (launch/preflight.py) -> ``start_run`` here -> the dry-run report, the run in this
+process (launch/worker.py), or torchrun's argv (launch/torchrun.py, pure) started and supervised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from shardtune import run_files
+from shardtune.errors import ConfigError, debug_requested
+from shardtune.host import visible_gpu_count
+from shardtune.launch.failures import saved_failure_report
+from shardtune.launch.launcher_output import LauncherOutput, pump
+from shardtune.launch.preflight import RunPlan, plan_run, write_run_plan
+from shardtune.launch.torchrun import LaunchPlan, build_torchrun_argv, worker_argv
+
+
+def train_command(argv: list[str]) -> int:
+    """`shardtune train`: plan on this host, then start; under a launcher this process is already a rank."""
+    from shardtune.launch import env as launch_env
+
+    if launch_env.inside_launcher():
+        from shardtune.launch.worker import worker_command
+
+        return worker_command(argv)
+    return start_run(plan_run(argv), debug_requested(argv))
+
+
+def start_run(plan: RunPlan, debug: bool = False) -> int:
+    launch = plan.launch
+    assert launch is not None, "start_run needs the launching host's plan"
+    use_torchrun = launch.force_torchrun or plan.layout.world_size > 1 or plan.engine.needs_process_group
+    plan_path = plan.run_dir / run_files.LAUNCH_PLAN
+    commands = [build_torchrun_argv(launch, node, worker_argv(str(plan_path), debug), sys.executable)
+                for node in range(launch.nnodes)] if use_torchrun else []
+    if "dry_run" in plan.switches:
+        from shardtune.launch.report import dry_run_report
+
+        print(dry_run_report(plan, commands))
+        return 0
+    if not use_torchrun:
+        from shardtune.launch.worker import run_worker
+
+        return run_worker(plan)
+    if launch.master_port_given and launch.node_rank == 0:
+        check_port_free(launch.master_addr, launch.master_port)
+    write_run_plan(plan)
+    code = run_torchrun(commands[launch.node_rank], launch, plan.run_dir, debug)
+    if code not in (0, 130) and launch.nnodes > 1:
+        remedy = (f"check that {plan.scheduler} started one shardtune on each of the {launch.nnodes} nodes"
+                  if plan.scheduler else f"start every node with NNODES={launch.nnodes}, "
+                  f"MASTER_ADDR={launch.master_addr} and MASTER_PORT={launch.master_port}")
+        print(f"shardtune: error: the job failed (exit code {code}); if the log shows a rendezvous timeout, a node "
+              f"never joined: {remedy}", file=sys.stderr)
+    return code
+
+
+def check_port_free(addr: str, port: int) -> None:
+    """Node 0 hosts the rendezvous: a taken MASTER_PORT would otherwise surface as a hang or a trace."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("" if addr not in ("127.0.0.1", "localhost") else addr, port))
+        except OSError:
+            raise ConfigError(f"MASTER_PORT={port} is already in use on this machine; choose another port "
+                              "or unset MASTER_PORT to pick a free one") from None
+
+
+def run_torchrun(argv: list[str], launch: LaunchPlan, run_dir: Path, debug: bool = False) -> int:
+    """Run torchrun for this node; unless ``debug``, a failed rank ends up as one line, not three tracebacks."""
+    env = dict(os.environ)
+    # Two ranks sharing a few cores slow each other down badly when each uses every core.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // launch.nproc_per_node)))
+    if launch.master_addr in ("127.0.0.1", "localhost") and visible_gpu_count() == 0:
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if visible_gpu_count() == 0:
+        # CPU ranks keep their weights in host memory. glibc's adaptive mmap threshold keeps freed multi-MB blocks
+        # (FSDP and ZeRO-3 gather and free one layer at a time) in its heap, so a sharded run's resident memory
+        # grew as large as a replicated one's (measured: FSDP2 LoRA of a 217M model, 1.87 GB -> 0.78 GB per rank).
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
+    print(f"[shardtune] launching: {shlex.join(argv)}", flush=True)
+    if debug:
+        return wait_for_launcher(subprocess.Popen(argv, env=env, start_new_session=True))
+    started = time.time()
+    output = LauncherOutput()
+    # Only stderr is filtered (torchrun's account of a failure goes there); stdout stays the terminal's.
+    proc = subprocess.Popen(argv, env=env, start_new_session=True, stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    reader = threading.Thread(target=pump, args=(proc.stderr.fileno(), output, sys.stderr), daemon=True)
+    reader.start()
+    code = wait_for_launcher(proc)
+    # A rank's own child processes can hold the pipe open after torchrun ended: do not wait on them for long.
+    reader.join(timeout=5)
+    if not reader.is_alive():
+        proc.stderr.close()
+    return report_launch_failure(code, output, run_dir, started)
+
+
+def report_launch_failure(code: int, output: LauncherOutput, run_dir: Path, started: float) -> int:
+    """One line when no rank could say why it failed (killed, for instance); exit code 2 for bad input."""
+    failed = output.failed_ranks()
+    if code in (0, 130) or not failed:
+        return code
+    if not output.any_rank_reported:
+        # torchrun stops the other ranks with SIGTERM: the cause is the first failure that is not one of those.
+        cause = next((f for f in failed if not f.stopped_by_torchrun), failed[0])
+        print(saved_failure_report(run_dir, cause.rank, started) or f"shardtune: error: {cause.describe()}",
+              file=sys.stderr, flush=True)
+    return 2 if any(f.exit_code == 2 for f in failed) else code
+
+
+def wait_for_launcher(proc: subprocess.Popen) -> int:
+    """Wait for torchrun; Ctrl-C / SIGTERM reach the ranks directly so they finish the step and save.
+
+    torchrun runs in its own session so the terminal's Ctrl-C does not hit it: torchrun treats a signal as a
+    failure (a traceback, ranks killed). Ranks that stop on request exit 0; this process then exits 130.
+    """
+    import signal
+
+    interrupted = []
+
+    def stop_ranks(signum, frame) -> None:
+        interrupted.append(signum)
+        print("[shardtune] interrupted: the ranks finish this step, save a checkpoint and exit",
+              file=sys.stderr, flush=True)
+        for pid in child_pids(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGINT, stop_ranks)
+    signal.signal(signal.SIGTERM, stop_ranks)
+    code = proc.wait()
+    if interrupted:
+        return 130
+    return code if code >= 0 else 128 - code
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (torchrun's ranks), from /proc."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            children += [int(c) for c in (task / "children").read_text().split()]
+    return children

@@ -1,0 +1,1 @@
+"""Optimizers and schedulers: the settings, the parameter groups, LLaMA-Factory's replacement optimizers."""

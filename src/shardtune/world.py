@@ -1,0 +1,87 @@
+"""Where the ranks are and how the global batch is made: the one owner of world-size arithmetic.
+
+``WorldLayout`` is decided once on the launching host (nodes x processes per node, batch sizes) and asked by
+everyone else: the launcher (world size), the engines (DeepSpeed's train_batch_size, FSDP's hybrid groups), the
+estimate (nodes x ranks per node) and the dry-run report. ``RankEnv`` is one rank's place in a running job.
+shardtune has no tensor or pipeline parallelism, so every rank is a data-parallel rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """Where this process sits, as set by torchrun / the deepspeed launcher / accelerate launch."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+    restart_count: int = 0
+
+
+@dataclass(frozen=True)
+class WorldLayout:
+    """Nodes x processes per node, and the batch each optimizer step consumes."""
+
+    nodes: int = 1
+    procs_per_node: int = 1
+    micro_batch: int = 1  # per_device_train_batch_size
+    grad_accum: int = 1  # gradient_accumulation_steps
+
+    def __post_init__(self) -> None:
+        named = {"nodes": self.nodes, "processes per node": self.procs_per_node,
+                 "per_device_train_batch_size": self.micro_batch, "gradient_accumulation_steps": self.grad_accum}
+        bad = [f"{name} ({value})" for name, value in named.items() if value < 1]
+        if bad:
+            raise ValueError(f"world layout: {', '.join(bad)} must be at least 1")
+
+    @classmethod
+    def of_ranks(cls, world_size: int, local_world_size: int, micro_batch: int = 1,
+                 grad_accum: int = 1) -> WorldLayout:
+        """The layout of a running job, from its rank variables (``local_world_size`` ranks on each node)."""
+        per_node = max(1, min(local_world_size, world_size))
+        if world_size % per_node:
+            raise ValueError(f"world layout: world size {world_size} is not a whole number of nodes of "
+                             f"{per_node} processes")
+        return cls(world_size // per_node, per_node, micro_batch, grad_accum)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.grad_accum * self.data_parallel_size
+
+    def describe_global_batch(self) -> str:
+        return (f"{self.micro_batch} (per_device_train_batch_size) x {self.grad_accum} "
+                f"(gradient_accumulation_steps) x {self.data_parallel_size} (data-parallel size) = "
+                f"{self.global_batch}")
+
+    def hybrid_groups(self, strategy: str, shard_size: int | None) -> tuple[int, int]:
+        """(replicate, shard) group sizes of a hybrid-sharded run; an impossible layout raises ValueError naming
+        the numbers. The shard group is a node unless ``shard_size`` says otherwise.
+
+        FSDP1's default groups on a single node make the shard group the whole node and the replica group size 1,
+        or with 1 process per node a shard size of 1 that silently becomes NO_SHARD; we never let that happen.
+        """
+        shard, world = shard_size or self.procs_per_node, self.world_size
+        if shard < 2:
+            raise ValueError(f"{strategy} needs at least 2 processes per shard group, got {shard} (world size "
+                             f"{world}); use more processes per node or set fsdp_config.hsdp_shard_size")
+        if world % shard:
+            raise ValueError(f"{strategy}: shard group size {shard} does not divide world size {world}")
+        if world // shard < 2:
+            raise ValueError(f"{strategy} with shard group size {shard} and world size {world} has one replica, "
+                             "which is FULL_SHARD; use FULL_SHARD, or set fsdp_config.hsdp_shard_size to a divisor "
+                             "of the world size")
+        return world // shard, shard

@@ -1,0 +1,120 @@
+"""The launching host's preflight: every problem in one round, a plan the ranks trust, the engine `check` estimates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardtune.cli import main
+from shardtune.launch import preflight as preflight_module
+from shardtune.launch import worker
+from shardtune.launch.preflight import RunPlan, plan_run, read_run_plan, write_run_plan
+from shardtune.world import RankEnv
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCH_VARIABLES = ("NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_PORT", "FORCE_TORCHRUN", "RANK", "WORLD_SIZE",
+                    "LOCAL_WORLD_SIZE")
+
+
+@pytest.fixture(autouse=True)
+def no_launch_variables(monkeypatch):
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def write_config(tmp_path: Path, model: Path, **values) -> Path:
+    config = {"model_name_or_path": str(model), "dataset": "demo", "dataset_dir": str(REPO / "data"),
+              "template": "chatml", "output_dir": str(tmp_path / "run"), "max_steps": 2, "cutoff_len": 64,
+              **values}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_type_cross_key_and_engine_errors_arrive_in_one_round(tiny_model_dir, tmp_path, capsys):
+    path = write_config(tmp_path, tiny_model_dir,
+                        learning_rate="fast",  # a type error
+                        bf16=True, fp16=True,  # a cross-key error
+                        deepspeed="z3", fsdp="full_shard auto_wrap")  # an engine error
+    assert main(["check", str(path)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("shardtune: error:")]
+    joined = "\n".join(errors)
+    assert "learning_rate" in joined and "'fast'" in joined
+    assert "bf16 (true) and fp16 (true) are both set" in joined
+    assert "are both set; choose one engine" in joined
+
+
+def test_a_rule_about_a_key_with_an_unusable_value_is_left_out(tiny_model_dir, tmp_path, capsys):
+    """max_steps: soon cannot be read; the default standing in must not be judged (with epochs 0 it would be)."""
+    path = write_config(tmp_path, tiny_model_dir, max_steps="soon", num_train_epochs=0)
+    assert main(["check", str(path)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("shardtune: error:")]
+    assert len(errors) == 1 and "max_steps" in errors[0] and "soon" in errors[0]
+
+
+def test_ranks_trust_the_plan_and_do_not_validate_again(tiny_model_dir, tmp_path, monkeypatch):
+    plan = plan_run([str(write_config(tmp_path, tiny_model_dir, deepspeed="z2"))])
+    path = write_run_plan(plan)
+    data = json.loads(path.read_text())
+    data["config"]["dataset"] = ["no_such_dataset"]  # would fail any validation
+    path.write_text(json.dumps(data))
+
+    def validating(*args, **kwargs):
+        raise AssertionError("a rank started by shardtune ran the preflight again")
+
+    monkeypatch.setattr(worker, "preflight", validating)
+    ranked = worker.rank_plan([str(path)], RankEnv(rank=1, world_size=2, local_world_size=2))
+    assert ranked.config.dataset == ["no_such_dataset"]
+    assert ranked.engine == plan.engine and ranked.engine.kind == "deepspeed"
+    assert (ranked.layout.world_size, ranked.layout.global_batch) == (2, 2 * plan.layout.global_batch)
+
+
+def test_a_users_own_launcher_gets_the_whole_preflight_on_each_rank(tiny_model_dir, tmp_path, monkeypatch):
+    config = write_config(tmp_path, tiny_model_dir)
+    assert read_run_plan(str(config)) is None  # a YAML is never mistaken for a plan
+    seen = []
+    real = preflight_module.preflight
+
+    def counting(*args, **kwargs) -> RunPlan:
+        seen.append(args[1:3])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(worker, "preflight", counting)
+    ranked = worker.rank_plan([str(config)], RankEnv(rank=0, world_size=4, local_world_size=2))
+    assert seen == [(2, 2)] and ranked.layout.world_size == 4
+
+
+def test_plan_file_keeps_the_engine_plan(tiny_model_dir, tmp_path):
+    plan = plan_run([str(write_config(tmp_path, tiny_model_dir, fsdp="shard_grad_op offload auto_wrap",
+                                      fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap":
+                                                   ["LlamaDecoderLayer"]}))])
+    config, engine = read_run_plan(str(write_run_plan(plan)))
+    assert engine == plan.engine and engine.fsdp.transformer_layer_cls_to_wrap == ("LlamaDecoderLayer",)
+    assert config == plan.config
+
+
+@pytest.mark.parametrize(("strategy", "offload", "option"), [("SHARD_GRAD_OP", False, "FSDP SHARD_GRAD_OP"),
+                                                             ("FULL_SHARD", True, "FSDP offload")])
+def test_check_estimates_the_engine_an_accelerate_fsdp_file_asks_for(strategy, offload, option, tmp_path):
+    """`fsdp_config: accelerate.yaml` (an accelerate config file): the estimate follows its sharding strategy and
+    offload, not FULL_SHARD."""
+    from shardtune.estimate.config import configured_option, fit_warning, hardware_for
+    from shardtune.estimate.hardware import parse_size
+
+    accelerate = tmp_path / "accelerate.yaml"
+    accelerate.write_text(yaml.safe_dump({
+        "distributed_type": "FSDP", "num_processes": 8, "mixed_precision": "bf16",
+        "fsdp_config": {"fsdp_version": 1, "fsdp_sharding_strategy": strategy, "fsdp_offload_params": offload,
+                        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}}))
+    from shardtune.config.args import load_config
+
+    config, _ = load_config([str(REPO / "examples" / "train_full" / "llama3_full_sft.yaml"),
+                             f"fsdp_config={accelerate}"])
+    hardware = hardware_for(8, 8, parse_size("80GiB", "gpu"), parse_size("1024GiB", "cpu"))
+    assert configured_option(config, hardware).name == option
+    # what `check` says: 24 GiB is too little for the file's engine; the warning names that engine
+    warning = fit_warning(config, 8, 8, parse_size("24GiB", "gpu"), parse_size("1024GiB", "cpu"))
+    assert warning is None or warning.startswith(f"memory: {option} is estimated")
