@@ -362,23 +362,25 @@ def test_known_keys_cover_what_deepspeed_reads():
     assert read - DEEPSPEED_TOP_LEVEL_KEYS - REMOVED_TOP_LEVEL_KEYS == set()
 
 
-# --- the save check used by DeepSpeedEngine.save_model ---
+# --- the save check every engine and export use (model/saved.py) ---
 
 def test_save_check_catches_empty_and_missing_weights(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from shardtune.engines.deepspeed import check_saved_numel, expected_saved_numel
+    from shardtune.model.saved import expected_saved_parameters, saved_weights_problem
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
-    expected = expected_saved_numel(model, adapter_only=False)
-    assert expected == 4 * 3 + 3 + 3 + 3
+    model.register_buffer("persistent", torch.zeros(2))
+    model.register_buffer("recomputed", torch.zeros(5), persistent=False)
+    expected = expected_saved_parameters(model)
+    assert expected == 4 * 3 + 3 + 3 + 3 + 2
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "model.safetensors"))
-    assert check_saved_numel(tmp_path, expected) is None
+    assert saved_weights_problem(tmp_path, expected) is None
     save_file({"0.weight": torch.empty(0)}, str(tmp_path / "model.safetensors"))
-    message = check_saved_numel(tmp_path, expected)
+    message = saved_weights_problem(tmp_path, expected)
     assert message is not None and "empty tensors: ['0.weight']" in message
-    assert "no .safetensors file" in check_saved_numel(tmp_path / "nothing", expected)
+    assert "no .safetensors file" in saved_weights_problem(tmp_path / "nothing", expected)
 
 
 @pytest.mark.parametrize(("op", "factor"), [("mean", 2.0), ("sum", 1.0)])

@@ -31,6 +31,7 @@ from shardtune.engines.distributed import DistContext, DistributedMixin
 from shardtune.engines.safe_load import weights_only_loads
 from shardtune.engines.sharded_loading import ShardedLoad, fill_zero3
 from shardtune.errors import ConfigError
+from shardtune.model.saved import expected_saved_parameters, saved_weights_problem
 from shardtune.optim.build import split_decay_groups
 
 if TYPE_CHECKING:
@@ -202,7 +203,7 @@ class DeepSpeedEngine(DistributedMixin, Engine):
     def save_model(self, out_dir: Path) -> None:
         """Hugging Face format with safetensors on rank 0; under ZeRO-3 every rank takes part in the gather."""
         model = self.unwrapped_model()
-        expected = expected_saved_numel(model, adapter_only=self.is_peft)
+        expected = expected_saved_parameters(model)
         if self.zero_stage == 3 and not self.is_peft and not gathers_weights_on_save(self.ds_config):
             self._save_zero3_streamed(model, out_dir)
         else:
@@ -212,7 +213,7 @@ class DeepSpeedEngine(DistributedMixin, Engine):
                 # peft would add whole embedding layers once the vocabulary grew; modules_to_save already holds them.
                 extra = {"save_embedding_layers": False} if self.is_peft else {}
                 model.save_pretrained(str(out_dir), state_dict=state_dict, **extra)
-        error = check_saved_numel(out_dir, expected) if self.is_main else None
+        error = saved_weights_problem(out_dir, expected) if self.is_main else None
         error = self._broadcast_from_main(error)
         if error:
             raise RuntimeError(error)
@@ -360,43 +361,6 @@ def copies_keeping_ties(state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return {name: copies.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), t.shape),
                                     t.detach().clone()) if t.numel() else t.detach().clone()
             for name, t in state.items()}
-
-
-def expected_saved_numel(model: torch.nn.Module, adapter_only: bool) -> int:
-    """Elements a complete save holds: trainable (adapter) parameters, or all parameters and persistent buffers."""
-    def numel(p: torch.Tensor) -> int:
-        return int(getattr(p, "ds_numel", p.numel()))  # ZeRO-3 keeps the full size in ds_numel
-
-    if adapter_only:
-        return sum(numel(p) for p in model.parameters() if p.requires_grad)
-    total = sum(numel(p) for p in model.parameters())
-    for module in model.modules():
-        total += sum(b.numel() for name, b in module.named_buffers(recurse=False)
-                     if name not in module._non_persistent_buffers_set)
-    return total
-
-
-def check_saved_numel(out_dir: Path, expected: int) -> str | None:
-    """None when the safetensors files in ``out_dir`` hold ``expected`` elements and no empty tensor."""
-    from safetensors import safe_open
-
-    files = sorted(out_dir.glob("*.safetensors"))
-    if not files:
-        return f"save_model wrote no .safetensors file to {out_dir}"
-    saved, empty = 0, []
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():
-                count = 1
-                for dim in handle.get_slice(key).get_shape():
-                    count *= dim
-                saved += count
-                if count == 0:
-                    empty.append(key)
-    if empty or saved != expected:
-        return (f"save_model wrote {saved} elements to {out_dir} but the model has {expected}"
-                + (f"; empty tensors: {empty[:3]}" if empty else ""))
-    return None
 
 
 def convert_to_universal(source: Path, target: Path) -> None:

@@ -11,28 +11,29 @@ from shardtune.model.adapters import is_adapter_tensor
 
 def count_saved_parameters(folder: Path) -> int:
     """Elements in every safetensors file of ``folder``, read from the headers only."""
+    return sum(_saved_tensor_sizes(folder).values())
+
+
+def _saved_tensor_sizes(folder: Path) -> dict[str, int]:
     from safetensors import safe_open
 
-    total = 0
+    sizes: dict[str, int] = {}
     for path in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(path), "pt") as f:
             for key in f.keys():
                 count = 1
                 for dim in f.get_slice(key).get_shape():
                     count *= dim
-                total += count
-    return total
+                sizes[key] = count
+    return sizes
 
 
 def expected_saved_parameters(model: Any, state_dict: dict[str, Any] | None = None) -> int:
-    """What save_pretrained should write: the adapter tensors for a peft model, else every (untied) parameter."""
+    """What save_pretrained should write: the adapter tensors of a peft model, else every parameter (a tied one
+    once) and persistent buffer. Under ZeRO-3 a parameter's full size is its ``ds_numel``."""
     if state_dict is not None:
-        named = state_dict.items()
-    else:
-        named = ((n, p) for n, p in model.named_parameters())  # shared tensors appear once
-    if hasattr(model, "peft_config"):
-        return sum(t.numel() for n, t in named if is_adapter_tensor(n))
-    if state_dict is not None:
+        if hasattr(model, "peft_config"):
+            return sum(t.numel() for n, t in state_dict.items() if is_adapter_tensor(n))
         seen: set[int] = set()
         total = 0
         for tensor in state_dict.values():
@@ -40,7 +41,16 @@ def expected_saved_parameters(model: Any, state_dict: dict[str, Any] | None = No
                 seen.add(tensor.data_ptr())
                 total += tensor.numel()
         return total
-    return sum(t.numel() for _, t in named)
+    named = list(model.named_parameters())  # shared tensors appear once
+    if hasattr(model, "peft_config"):
+        return sum(_full_numel(t) for n, t in named if is_adapter_tensor(n))
+    buffers = sum(b.numel() for module in model.modules() for name, b in module.named_buffers(recurse=False)
+                  if name not in module._non_persistent_buffers_set)
+    return sum(_full_numel(t) for _, t in named) + buffers
+
+
+def _full_numel(tensor: Any) -> int:
+    return int(getattr(tensor, "ds_numel", tensor.numel()))  # ZeRO-3 keeps the full size in ds_numel
 
 
 def share_tied_tensors(model: Any, state: dict[str, Any]) -> dict[str, Any]:
@@ -60,8 +70,20 @@ def share_tied_tensors(model: Any, state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
+def saved_weights_problem(folder: Path, expected: int) -> str | None:
+    """None when the safetensors files in ``folder`` hold ``expected`` elements and no empty tensor; else why not.
+    The one check of a complete save, for every engine and for export."""
+    sizes = _saved_tensor_sizes(folder)
+    if not sizes:
+        return f"save_model wrote no .safetensors file to {folder}"
+    saved, empty = sum(sizes.values()), [key for key, count in sizes.items() if count == 0]
+    if saved == expected and not empty:
+        return None
+    return (f"saved model in {folder} has {saved:,} parameters but the model has {expected:,} (an empty or partial "
+            "save)" + (f"; empty tensors: {empty[:3]}" if empty else ""))
+
+
 def verify_saved(folder: Path, expected: int) -> None:
-    saved = count_saved_parameters(folder)
-    if saved != expected or saved == 0:
-        raise ModelError(f"saved model in {folder} has {saved:,} parameters but the model has {expected:,} "
-                         "(an empty or partial save); the training state is still in the latest checkpoint")
+    problem = saved_weights_problem(folder, expected)
+    if problem:
+        raise ModelError(f"{problem}; the training state is still in the latest checkpoint")
