@@ -21,8 +21,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 SRC = Path(__file__).resolve().parents[2] / "src" / "shardtune"
 LAYERS = [
     {"errors", "host", "world", "run_files"},
