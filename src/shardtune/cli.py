@@ -54,9 +54,17 @@ def _train(args: list[str]) -> int:
         print("usage: shardtune train CONFIG.yaml [key=value ...] [--key value ...] [--dry-run]\n")
         print(_keys_help())
         return 0
-    from shardtune.launch.supervise import train_command
+    from shardtune.errors import debug_requested
+    from shardtune.launch.env import inside_launcher
 
-    return train_command(args)
+    if inside_launcher():  # started as a rank by the user's own torchrun / accelerate / deepspeed
+        from shardtune.launch.worker import worker_command
+
+        return worker_command(args)
+    from shardtune.launch.preflight import plan_run
+    from shardtune.launch.supervise import start_run
+
+    return start_run(plan_run(args), debug_requested(args))
 
 
 def _check(args: list[str]) -> int:

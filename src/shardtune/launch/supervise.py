@@ -1,7 +1,7 @@
 """Start a planned run and see it through: in this process, or torchrun on this node with its signals and failures.
 
-`shardtune train`: ``plan_run`` (launch/preflight.py) -> ``start_run`` here -> the dry-run report, the run in this
-process (launch/worker.py), or torchrun's argv (launch/torchrun.py, pure) started and supervised.
+`shardtune train`: cli -> ``plan_run`` (launch/preflight.py) -> ``start_run`` here -> the dry-run report, the run in
+this process (launch/worker.py), or torchrun's argv (launch/torchrun.py, pure) started and supervised.
 """
 
 from __future__ import annotations
@@ -16,26 +16,16 @@ import time
 from pathlib import Path
 
 from shardtune import run_files
-from shardtune.errors import ConfigError, debug_requested
+from shardtune.errors import ConfigError
 from shardtune.host import visible_gpu_count
 from shardtune.launch.failures import saved_failure_report
 from shardtune.launch.launcher_output import LauncherOutput, pump
-from shardtune.launch.preflight import RunPlan, plan_run, write_run_plan
+from shardtune.launch.preflight import RunPlan, write_run_plan
 from shardtune.launch.torchrun import LaunchPlan, build_torchrun_argv, worker_argv
 
 
-def train_command(argv: list[str]) -> int:
-    """`shardtune train`: plan on this host, then start; under a launcher this process is already a rank."""
-    from shardtune.launch import env as launch_env
-
-    if launch_env.inside_launcher():
-        from shardtune.launch.worker import worker_command
-
-        return worker_command(argv)
-    return start_run(plan_run(argv), debug_requested(argv))
-
-
 def start_run(plan: RunPlan, debug: bool = False) -> int:
+    """Run the launching host's plan; the exit code of the run (130 when interrupted, 2 for bad input)."""
     launch = plan.launch
     assert launch is not None, "start_run needs the launching host's plan"
     use_torchrun = launch.force_torchrun or plan.layout.world_size > 1 or plan.engine.needs_process_group
