@@ -35,7 +35,9 @@ def report_error(err: ShardtuneError) -> int:
     import sys
 
     for problem in err.problems:
-        print(f"shardtune: error: {problem}", file=sys.stderr)
+        # One line each, whatever a value in the message holds (a path ending in "\r" from a Windows file).
+        line = problem.replace("\r", "\\r").replace("\n", "\\n")
+        print(f"shardtune: error: {line}", file=sys.stderr)
     return err.exit_code
 
 

@@ -1,6 +1,7 @@
 """The import graph of src/shardtune follows the intended layering: no cycles, no arrow from a lower layer up.
 
-Every import counts, also one inside a function (a hidden cycle is still a cycle). Layers, lowest first; a package
+Every import counts, also one inside a function (a hidden cycle is still a cycle); for the layering also one under
+``if TYPE_CHECKING:``. Layers, lowest first; a package
 may import its own layer's leaf modules and anything below, never above:
 
     errors, host, world, run_files   leaves: the standard library only
@@ -42,10 +43,16 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(path: Path, modules: set[str]) -> set[str]:
-    """shardtune modules ``path`` imports anywhere (``from shardtune.x import y`` names module x.y if it is one)."""
+def imports_of(path: Path, modules: set[str], *, typing_only: bool = True) -> set[str]:
+    """shardtune modules ``path`` imports anywhere (``from shardtune.x import y`` names module x.y if it is one).
+    ``typing_only``: also the imports under ``if TYPE_CHECKING:`` (annotations only, never run)."""
+    tree = ast.parse(path.read_text())
+    skipped = set() if typing_only else {id(node) for block in ast.walk(tree) if _is_type_checking_block(block)
+                                         for node in ast.walk(block)}
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("shardtune")}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("shardtune"):
@@ -55,10 +62,14 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
+def _is_type_checking_block(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+
+
+def import_graph(*, typing_only: bool = True) -> dict[str, set[str]]:
     paths = sorted(SRC.rglob("*.py"))
     modules = {module_name(p) for p in paths}
-    return {module_name(p): imports_of(p, modules) - {module_name(p)} for p in paths}
+    return {module_name(p): imports_of(p, modules, typing_only=typing_only) - {module_name(p)} for p in paths}
 
 
 def unit_of(module: str) -> str:
@@ -94,7 +105,8 @@ def test_leaves_import_no_shardtune_module():
 
 
 def test_no_import_cycle():
-    graph = import_graph()
+    """Counting every import that runs (a function-level one too); annotation-only imports cannot loop."""
+    graph = import_graph(typing_only=False)
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from shardtune.engines.base import Engine, OptimizerFactory, PrecisionSettings, SchedulerFactory
 from shardtune.engines.deepspeed_config import (
+    CHECKPOINT_TAG,
     gathers_weights_on_save,
     has_own_optimizer,
     has_own_scheduler,
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
     from shardtune.model.source import ModelSource
 
 UNIVERSAL_TAG = "deepspeed_universal"
-CHECKPOINT_TAG = "deepspeed"  # fixed tag: one DeepSpeed state per shardtune checkpoint-<step> folder
 
 
 class DeepSpeedEngine(DistributedMixin, Engine):

@@ -13,13 +13,23 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardtune.config.schema import TrainConfig
+from shardtune.engines.spec import (
+    CheckpointLayout,
+    EngineSpec,
+    MemoryLayout,
+    pre_quantized_problems,
+    whole_weight_optimizer_problems,
+)
 from shardtune.errors import ConfigError
 from shardtune.model.folder import model_config_json
 from shardtune.optim.settings import OptimizerSettings, optimizer_settings
 from shardtune.world import WorldLayout
+
+if TYPE_CHECKING:
+    from shardtune.engines.plan import EnginePlan
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 PRESETS: dict[str, str] = {
@@ -467,3 +477,68 @@ def resume_problems(raw: dict, checkpoint_dir: Path | None, world_size: int) -> 
                 f"on NVMe, and this run has {world_size}: resume with {writers} processes, or run `shardtune "
                 f"export {checkpoint_dir} --out DIR` and start a new run from DIR"]
     return []
+
+
+# --- the engine's record (engines/spec.py) ---
+
+CHECKPOINT_TAG = "deepspeed"  # fixed tag: one DeepSpeed state per shardtune checkpoint-<step> folder
+
+
+def read_zero_checkpoint(model: Any, folder: Path) -> dict[str, Any]:
+    """The fp32 weights of a ZeRO checkpoint gathered in this one process, whatever number of ranks wrote it."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from shardtune.engines.safe_load import weights_only_loads
+
+    with weights_only_loads():
+        return dict(get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=CHECKPOINT_TAG))
+
+
+def deepspeed_refusals(c: TrainConfig, plan: EnginePlan, has_cuda: bool) -> list[str]:
+    """What shardtune does not run under DeepSpeed, each with the reason and what to use instead."""
+    stage = zero_stage(plan.deepspeed_raw or {})
+    problems = []
+    if c.pure_bf16:
+        problems.append("pure_bf16 (true) with deepspeed: shardtune does not yet drive DeepSpeed's bf16 master "
+                        "weights (bf16_master_weights_and_grads); use bf16: true, or pure_bf16 with DDP")
+    if c.fp16 and not has_cuda:
+        problems.append("fp16 (true) with deepspeed needs a GPU: DeepSpeed's CPU accelerator has no fp16; "
+                        "use bf16: true")
+    problems += pre_quantized_problems(c, "deepspeed")
+    if stage == 3 and c.quantization_bit is not None:
+        problems.append(f"quantization_bit ({c.quantization_bit}) with DeepSpeed ZeRO-3: bitsandbytes weights "
+                        "cannot be partitioned; use FSDP (fsdp: full_shard auto_wrap) for sharded QLoRA, or ZeRO-2")
+    if stage == 3 and c.pissa_init:
+        problems.append("pissa_init (true) with DeepSpeed ZeRO-3: PiSSA takes the SVD of each whole base weight and "
+                        "rewrites it while the model is built, which a sharding engine never holds; use DDP or "
+                        "ZeRO-0/1/2 (LLaMA-Factory refuses it under ZeRO-3 too)")
+    if stage == 3 and c.use_dora:
+        # peft reads each base weight outside its layer's forward (the norm of W + BA), where ZeRO-3 has released it.
+        problems.append("use_dora (true) with DeepSpeed ZeRO-3: DoRA needs each layer's whole base weight outside "
+                        "that layer's forward, where ZeRO-3 holds only a partition; use fsdp (full_shard auto_wrap, "
+                        "fsdp_version 2) to shard a DoRA run, or ZeRO-2")
+    return problems + whole_weight_optimizer_problems(c, "deepspeed")
+
+
+def deepspeed_memory_layout(plan: EnginePlan) -> MemoryLayout:
+    raw = plan.deepspeed_raw or {}
+    stage = max(zero_stage(raw), 0)
+    offload = stage >= 2 and (offloads_optimizer(raw) or offloads_params(raw))
+    name = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[stage] + ("+offload" if offload else "")
+    return MemoryLayout(name, "deepspeed")
+
+
+def _resolved_settings(plan: EnginePlan, config: TrainConfig, layout: WorldLayout) -> dict | None:
+    if plan.deepspeed_raw is None:
+        return None
+    return resolve_deepspeed_config(plan.deepspeed_raw, deepspeed_inputs(config, layout))
+
+
+DEEPSPEED = EngineSpec(
+    kind="deepspeed",
+    describe=lambda plan: f"deepspeed ({plan.deepspeed_source})",
+    resolved_settings=_resolved_settings,
+    refusals=deepspeed_refusals,
+    memory_layout=deepspeed_memory_layout,
+    checkpoints=(CheckpointLayout("deepspeed", CHECKPOINT_TAG, read_zero_checkpoint),),
+)

@@ -25,6 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from shardtune.engines.base import OptimizerFactory, PrecisionSettings, SchedulerFactory
 from shardtune.engines.distributed import DistContext, DistributedMixin
 from shardtune.engines.fsdp_config import (
+    DCP_DIR,
+    FULL_STATE_FILE,
     FsdpSettings,
     fsdp1_strategy_member,
     reshards_after_forward,
@@ -50,8 +52,6 @@ from shardtune.world import WorldLayout
 if TYPE_CHECKING:
     from shardtune.model.source import ModelSource
 
-DCP_DIR = "fsdp_state"
-FULL_STATE_FILE = "fsdp_full_state.pt"
 
 
 class FSDPEngine(DistributedMixin, TorchEngine):

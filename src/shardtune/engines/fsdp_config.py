@@ -4,7 +4,20 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shardtune.engines.spec import (
+    CheckpointLayout,
+    EngineSpec,
+    MemoryLayout,
+    pre_quantized_problems,
+    whole_weight_optimizer_problems,
+)
+
+if TYPE_CHECKING:
+    from shardtune.config.schema import TrainConfig
+    from shardtune.engines.plan import EnginePlan
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
@@ -175,3 +188,74 @@ def reshards_after_forward(strategy: str) -> bool:
     """FSDP2's ``reshard_after_forward``: the ZeRO-3-like strategies free the gathered parameters after forward,
     the ZeRO-2-like ones (SHARD_GRAD_OP, HYBRID_SHARD_ZERO2) keep them for backward (NO_SHARD has none to free)."""
     return strategy in ("FULL_SHARD", "HYBRID_SHARD")
+
+
+# --- the engine's record (engines/spec.py) ---
+
+DCP_DIR = "fsdp_state"  # SHARDED_STATE_DICT checkpoints: a torch distributed checkpoint, one file per rank
+FULL_STATE_FILE = "fsdp_full_state.pt"  # FULL_STATE_DICT checkpoints: rank 0 writes the gathered states
+
+
+def read_sharded_checkpoint(model: Any, folder: Path) -> dict[str, Any]:
+    """Gather a torch distributed checkpoint in this one process (DCP reshards to the reader's layout)."""
+    from shardtune.engines.safe_load import load_dcp_weights_only
+
+    state = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    load_dcp_weights_only(state, folder / DCP_DIR)
+    return state["model"]
+
+
+def read_full_checkpoint(model: Any, folder: Path) -> dict[str, Any]:
+    import torch
+
+    # Memory-mapped: the optimizer state beside the weights is never read.
+    return torch.load(folder / FULL_STATE_FILE, map_location="cpu", weights_only=True, mmap=True)["model"]
+
+
+def fsdp_refusals(c: TrainConfig, plan: EnginePlan, has_cuda: bool) -> list[str]:
+    """What shardtune does not run under FSDP, each with the reason and what to use instead."""
+    settings = plan.fsdp or FsdpSettings()
+    problems = []
+    if c.pure_bf16:
+        problems.append("pure_bf16 (true) with fsdp: shardtune's FSDP keeps fp32 sharded master weights; use bf16: "
+                        "true (bf16 compute, fp32 master), or pure_bf16 with DDP")
+    if c.fp16:
+        problems.append("fp16 (true) with fsdp: sharded gradients cannot be unscaled by torch's GradScaler; "
+                        "use bf16: true")
+    if settings.offload_params and settings.version == 1 and not has_cuda:
+        problems.append("fsdp offload_params (true) with fsdp_version 1 pins memory and fails without a GPU; "
+                        "use fsdp_version: 2 (offload without pinned memory)")
+    problems += pre_quantized_problems(c, "fsdp")
+    if c.quantization_bit == 8:
+        problems.append("quantization_bit (8) with fsdp: 8-bit bitsandbytes weights cannot be sharded; use 4")
+    if c.quantization_bit == 4 and not c.bf16:
+        # See engines/fsdp_qlora.py: 4-bit weights stored as fp32 would be all-gathered as floats.
+        problems.append("quantization_bit (4) with fsdp needs bf16: true (the 4-bit weights are stored in the compute "
+                        "dtype so that FSDP can shard them; shardtune shards them in bf16 only)")
+    if c.pissa_init:
+        problems.append("pissa_init (true) with fsdp: PiSSA takes the SVD of each whole base weight and rewrites it "
+                        "while the model is built, which a sharding engine never holds; use DDP or ZeRO-0/1/2 "
+                        "(LLaMA-Factory refuses it under ZeRO-3 too)")
+    return problems + whole_weight_optimizer_problems(c, "fsdp")
+
+
+def fsdp_memory_layout(plan: EnginePlan) -> MemoryLayout:
+    s = plan.fsdp or FsdpSettings()
+    if s.sharding_strategy == "NO_SHARD":
+        return MemoryLayout("DDP", "replicated")
+    name = "FSDP offload" if s.offload_params else {"FULL_SHARD": "FSDP FULL_SHARD",
+                                                   "SHARD_GRAD_OP": "FSDP SHARD_GRAD_OP"}.get(s.sharding_strategy,
+                                                                                              "FSDP HYBRID_SHARD")
+    return MemoryLayout(name, "fsdp", reshard_after_forward=reshards_after_forward(s.sharding_strategy),
+                        offload=s.offload_params, hybrid=s.is_hybrid, shard_group=s.hsdp_shard_size)
+
+
+FSDP = EngineSpec(
+    kind="fsdp",
+    describe=lambda plan: f"fsdp{plan.fsdp.version} {plan.fsdp.sharding_strategy}" if plan.fsdp else "fsdp",
+    resolved_settings=lambda plan, config, layout: plan.fsdp.to_dict() if plan.fsdp else None,
+    refusals=fsdp_refusals,
+    memory_layout=fsdp_memory_layout,
+    checkpoints=(CheckpointLayout("fsdp_sharded", DCP_DIR, read_sharded_checkpoint),
+                 CheckpointLayout("fsdp_full", FULL_STATE_FILE, read_full_checkpoint)),
+)

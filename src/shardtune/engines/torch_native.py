@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shardtune.engines.base import Engine, OptimizerFactory, PrecisionSettings, SchedulerFactory
+from shardtune.engines.replicated import WEIGHTS_FILE
 
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
-WEIGHTS_FILE = "trainable.safetensors"
 
 
 class TorchEngine(Engine):

@@ -6,7 +6,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from shardtune.config.schema import TrainConfig
-from shardtune.engines.plan import EnginePlan, plan_engine
+from shardtune.engines.plan import EnginePlan, plan_engine, spec_for
 from shardtune.errors import ConfigError, ShardtuneError
 from shardtune.estimate.compare import RunMemoryEstimate, run_memory_estimate
 from shardtune.estimate.hardware import Hardware, format_size
@@ -95,26 +95,16 @@ def configured_option(config: TrainConfig, hardware: Hardware, shape: ModelShape
 
 
 def _engine_states(engine: EnginePlan, c: Context) -> tuple[str, StateFn]:
-    """The estimate's option name and memory model for an engine plan."""
-    if engine.kind == "deepspeed":
+    """The estimate's option name and memory model for an engine plan, from the engine's own record."""
+    layout = spec_for(engine.kind).memory_layout(engine)
+    if layout.family == "deepspeed":
         z = zero_settings(engine.deepspeed_raw or {}, c.shape.hidden_size)
-        names = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
-        name = names[z.stage] + ("+offload" if z.stage >= 2 and (z.offload_optimizer or z.offload_params) else "")
-        return name, lambda ctx: zero_states(ctx, z)
-    if engine.kind == "fsdp" and engine.fsdp is not None:
-        return _fsdp_choice(engine.fsdp, c)
-    return "DDP", OPTION_SPECS[0].states
-
-
-def _fsdp_choice(settings: FsdpSettings, c: Context) -> tuple[str, StateFn]:
-    strategy, offload = settings.sharding_strategy, settings.offload_params
-    if strategy == "NO_SHARD":
-        return "DDP", OPTION_SPECS[0].states
-    group = (settings.hsdp_shard_size or c.hardware.gpus_per_node) if settings.is_hybrid else c.ranks
-    reshard = strategy in ("FULL_SHARD", "HYBRID_SHARD")
-    name = "FSDP offload" if offload else {"FULL_SHARD": "FSDP FULL_SHARD", "SHARD_GRAD_OP": "FSDP SHARD_GRAD_OP"}.get(
-        strategy, "FSDP HYBRID_SHARD")
-    return name, lambda ctx: fsdp_states(ctx, group, reshard=reshard, offload=offload)
+        return layout.option, lambda ctx: zero_states(ctx, z)
+    if layout.family == "fsdp":
+        group = (layout.shard_group or c.hardware.gpus_per_node) if layout.hybrid else c.ranks
+        return layout.option, lambda ctx: fsdp_states(ctx, group, reshard=layout.reshard_after_forward,
+                                                      offload=layout.offload)
+    return layout.option, OPTION_SPECS[0].states
 
 
 def fit_warning(config: TrainConfig, world_size: int, nproc_per_node: int, gpu_memory_bytes: int | None,

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 from shardtune import run_files
+from shardtune.engines.replicated import WEIGHTS_FILE
+from shardtune.engines.spec import CheckpointLayout
 from shardtune.errors import ModelError
 
 RUN_CONFIG = run_files.RESOLVED_CONFIG
@@ -31,21 +33,23 @@ def find_run_config(source: Path) -> dict[str, Any]:
 
 
 def checkpoint_kind(source: Path) -> str:
-    """Which engine layout ``source`` holds."""
-    if (source / "deepspeed").is_dir():
-        return "deepspeed"
-    if (source / "fsdp_state").is_dir():
-        return "fsdp_sharded"
-    if (source / "fsdp_full_state.pt").is_file():
-        return "fsdp_full"
-    if (source / "trainable.safetensors").is_file():
-        return "torch"
+    """Which layout ``source`` holds: an engine's checkpoint (from the engines' records), or a final output."""
+    for layout in checkpoint_layouts():
+        if layout.holds(source):
+            return layout.name
     if (source / "adapter_model.safetensors").is_file():
         return "adapter"
     if (source / "model.safetensors").is_file() or (source / "model.safetensors.index.json").is_file():
         return "model"
-    raise ModelError(f"export: {source} holds no checkpoint shardtune knows (no deepspeed/, fsdp_state/, "
-                     "trainable.safetensors, adapter_model.safetensors or model.safetensors)")
+    markers = ", ".join(layout.marker for layout in checkpoint_layouts())
+    raise ModelError(f"export: {source} holds no checkpoint shardtune knows (no {markers}, "
+                     "adapter_model.safetensors or model.safetensors)")
+
+
+def checkpoint_layouts() -> list[CheckpointLayout]:
+    from shardtune.engines.plan import ENGINE_SPECS
+
+    return list({layout.name: layout for spec in ENGINE_SPECS.values() for layout in spec.checkpoints}.values())
 
 
 def build_trained_model(base: str, finetuning: dict[str, Any]) -> torch.nn.Module:
@@ -78,32 +82,10 @@ def load_checkpoint_weights(model: torch.nn.Module, source: Path, kind: str) -> 
 
 
 def read_checkpoint_state(model: torch.nn.Module, source: Path, kind: str) -> dict[str, torch.Tensor]:
-    if kind == "torch":
-        from safetensors.torch import load_file
-
-        return load_file(str(source / "trainable.safetensors"))
-    if kind == "fsdp_full":
-        # Memory-mapped: the optimizer state beside the weights is never read.
-        return torch.load(source / "fsdp_full_state.pt", map_location="cpu", weights_only=True, mmap=True)["model"]
-    if kind == "fsdp_sharded":
-        return read_dcp_model_state(model, source / "fsdp_state")
-    if kind == "deepspeed":
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        from shardtune.engines.safe_load import weights_only_loads
-
-        with weights_only_loads():
-            return dict(get_fp32_state_dict_from_zero_checkpoint(str(source), tag="deepspeed"))
+    for layout in checkpoint_layouts():
+        if layout.name == kind:
+            return layout.read(model, source)
     raise ModelError(f"export: cannot read weights of kind {kind}")
-
-
-def read_dcp_model_state(model: torch.nn.Module, path: Path) -> dict[str, torch.Tensor]:
-    """Gather a torch distributed checkpoint in this one process (DCP reshards to the reader's layout)."""
-    from shardtune.engines.safe_load import load_dcp_weights_only
-
-    state = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()}}
-    load_dcp_weights_only(state, path)
-    return state["model"]
 
 
 def _lora_run_config(source: Path) -> dict[str, Any]:
@@ -120,7 +102,7 @@ def check_export_inputs(source: Path, base: str) -> None:
     from shardtune.model.folder import model_folder_problems, safetensors_file_problem
 
     problems = model_folder_problems(base, "export: base model") if Path(base).is_dir() else []
-    for name in ("trainable.safetensors", "adapter_model.safetensors", "model.safetensors"):
+    for name in (WEIGHTS_FILE, "adapter_model.safetensors", "model.safetensors"):
         problem = safetensors_file_problem(source / name, "export an earlier checkpoint, or train again") \
             if (source / name).is_file() else None
         problems += [f"export: {problem}"] if problem else []

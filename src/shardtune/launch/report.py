@@ -6,6 +6,8 @@ import json
 import shlex
 from typing import TYPE_CHECKING
 
+from shardtune.engines.plan import spec_for
+
 if TYPE_CHECKING:
     from shardtune.launch.preflight import RunPlan
 
@@ -36,21 +38,8 @@ def dry_run_report(run: RunPlan, commands: list[list[str]]) -> str:
 
 
 def engine_description(run: RunPlan) -> str:
-    kind = run.engine.kind
-    if kind == "local":
-        return "local (single process)"
-    if kind == "fsdp" and run.engine.fsdp is not None:
-        return f"fsdp{run.engine.fsdp.version} {run.engine.fsdp.sharding_strategy}"
-    if kind == "deepspeed":
-        return f"deepspeed ({run.engine.deepspeed_source})"
-    return kind
+    return spec_for(run.engine.kind).describe(run.engine)
 
 
 def resolved_engine_settings(run: RunPlan) -> dict | None:
-    if run.engine.kind == "fsdp" and run.engine.fsdp is not None:
-        return run.engine.fsdp.to_dict()
-    if run.engine.kind == "deepspeed" and run.engine.deepspeed_raw is not None:
-        from shardtune.engines.deepspeed_config import deepspeed_inputs, resolve_deepspeed_config
-
-        return resolve_deepspeed_config(run.engine.deepspeed_raw, deepspeed_inputs(run.config, run.layout))
-    return None
+    return spec_for(run.engine.kind).resolved_settings(run.engine, run.config, run.layout)

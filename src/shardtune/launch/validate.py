@@ -76,7 +76,7 @@ OPTIMIZER_PACKAGES = {"use_galore": ("galore_torch", "galore-torch"), "use_apoll
 
 def optimizer_key_problems(c: TrainConfig) -> list[str]:
     """LLaMA-Factory's optimizer replacements: one at a time, their packages present, their optim known;
-    engine rules are in engines.plan.optimizer_problems."""
+    engine rules are in engines.spec.whole_weight_optimizer_problems."""
     switches = {"use_muon": c.use_muon, "use_adam_mini": c.use_adam_mini, "use_galore": c.use_galore,
                 "use_apollo": c.use_apollo, "loraplus_lr_ratio": c.loraplus_lr_ratio is not None}
     on = [key for key, value in switches.items() if value]

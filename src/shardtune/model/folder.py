@@ -56,6 +56,16 @@ def model_config_json(name: str | None) -> dict[str, Any] | None:
     return data
 
 
+PRE_QUANTIZED = ("gptq", "awq", "aqlm", "eetq", "hqq", "exl2", "fp8", "compressed-tensors", "bitnet")
+
+
+def pre_quantized_method(name: str | None) -> str | None:
+    """The quantization method of a pre-quantized checkpoint (its config.json says so), else None."""
+    quant = (model_config_json(name) or {}).get("quantization_config") or {}
+    method = str(quant.get("quant_method", "")).lower()
+    return method if method in PRE_QUANTIZED else None
+
+
 def hub_cache_config(model_id: str) -> Path | None:
     """config.json of a hub id already in the Hugging Face cache (newest snapshot), without huggingface_hub."""
     if "/" not in model_id or model_id.startswith((".", "/", "~")):

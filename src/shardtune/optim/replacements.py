@@ -1,7 +1,7 @@
 """LLaMA-Factory's optimizer replacements (Muon, GaLore, APOLLO, Adam-mini), each through its own implementation.
 
-Which engines may use them is decided on the launching host (``engines.plan.optimizer_problems``); everything
-here sees whole, unsharded parameters (one process or DDP).
+Which engines may use them is decided on the launching host (``engines.spec.whole_weight_optimizer_problems``);
+everything here sees whole, unsharded parameters (one process or DDP).
 """
 
 from __future__ import annotations

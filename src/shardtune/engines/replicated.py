@@ -1,0 +1,48 @@
+"""The replicated engines' record: one process (``local``) and DDP, which keep whole weights on every rank.
+
+Import-light: the engines themselves are engines/local.py and engines/ddp.py (on engines/torch_native.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shardtune.engines.spec import CheckpointLayout, EngineSpec, MemoryLayout
+
+if TYPE_CHECKING:
+    import torch
+
+    from shardtune.config.schema import TrainConfig
+    from shardtune.engines.plan import EnginePlan
+
+WEIGHTS_FILE = "trainable.safetensors"  # a checkpoint's trained weights (all of them, or the adapter's)
+
+
+def read_trainable(model: torch.nn.Module, folder: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / WEIGHTS_FILE))
+
+
+def _no_refusals(c: TrainConfig, plan: EnginePlan, has_cuda: bool) -> list[str]:
+    return []  # whole weights on every rank: every finetuning method and optimizer works
+
+
+CHECKPOINTS = (CheckpointLayout("torch", WEIGHTS_FILE, read_trainable),)
+LOCAL = EngineSpec(
+    kind="local",
+    describe=lambda plan: "local (single process)",
+    resolved_settings=lambda plan, config, layout: None,
+    refusals=_no_refusals,
+    memory_layout=lambda plan: MemoryLayout("DDP", "replicated"),
+    checkpoints=CHECKPOINTS,
+)
+DDP = EngineSpec(
+    kind="ddp",
+    describe=lambda plan: "ddp",
+    resolved_settings=lambda plan, config, layout: None,
+    refusals=_no_refusals,
+    memory_layout=lambda plan: MemoryLayout("DDP", "replicated"),
+    checkpoints=CHECKPOINTS,
+)

@@ -1,0 +1,86 @@
+"""What each engine knows about itself, as one small record the rest of shardtune asks.
+
+The planner (engines/plan.py) asks an engine for its refusal rules, the estimate for how it places model states,
+the dry run for its description and resolved settings, export for its checkpoint layouts and their readers. Each
+engine's record lives in its own import-light module (engines/replicated.py, deepspeed_config.py,
+fsdp_config.py; no torch import at module level) and is registered in engines/plan.py: adding an engine is one
+module and one line there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from shardtune.config.schema import TrainConfig
+    from shardtune.engines.plan import EnginePlan
+    from shardtune.world import WorldLayout
+
+
+@dataclass(frozen=True)
+class MemoryLayout:
+    """How an engine places model states across the ranks, in the memory estimate's terms."""
+
+    option: str  # the estimate's option name, e.g. "DDP", "ZeRO-3+offload", "FSDP SHARD_GRAD_OP"
+    family: str  # "replicated", "deepspeed" (ZeRO settings from the DeepSpeed config) or "fsdp"
+    reshard_after_forward: bool = False  # fsdp: gathered parameters freed after forward (ZeRO-3-like)
+    offload: bool = False  # fsdp: parameters and optimizer states in CPU memory
+    hybrid: bool = False  # fsdp: sharded within a group, replicated across groups
+    shard_group: int | None = None  # fsdp hybrid: ranks per shard group (None: the ranks of a node)
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """How an engine writes a checkpoint-<step> folder's weights, and how one process reads them back."""
+
+    name: str  # the layout's name in messages and in export
+    marker: str  # the file or folder whose presence identifies the layout
+    read: Callable[[torch.nn.Module, Path], dict[str, Any]]  # (the trained model's structure, folder) -> state
+
+    def holds(self, folder: Path) -> bool:
+        return (folder / self.marker).exists()
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    kind: str  # EnginePlan.kind
+    describe: Callable[[EnginePlan], str]  # the dry run's engine line
+    resolved_settings: Callable[[EnginePlan, TrainConfig, WorldLayout], dict | None]  # what the dry run prints
+    refusals: Callable[[TrainConfig, EnginePlan, bool], list[str]]  # (config, plan, has_cuda) -> problems
+    memory_layout: Callable[[EnginePlan], MemoryLayout]
+    checkpoints: tuple[CheckpointLayout, ...] = ()
+
+
+# Why each LLaMA-Factory optimizer replacement needs whole (replicated) weights: one process or DDP.
+_WHOLE_WEIGHTS = {
+    "use_muon": "Muon orthogonalises each weight's whole 2-D update (Newton-Schulz on the full matrix), and FSDP/ZeRO "
+                "give each rank a shard or a flattened slice",
+    "use_galore": "GaLore projects each whole weight's gradient onto its top singular vectors, and FSDP/ZeRO give each "
+                  "rank a shard (LLaMA-Factory refuses GaLore with DeepSpeed too)",
+    "use_apollo": "APOLLO projects each whole weight's gradient, and FSDP/ZeRO give each rank a shard (LLaMA-Factory "
+                  "refuses APOLLO with DeepSpeed too)",
+    "use_adam_mini": "Adam-mini splits each whole attention weight into heads to share one second moment per head, "
+                     "and FSDP/ZeRO give each rank a flattened shard",
+}
+
+
+def whole_weight_optimizer_problems(c: TrainConfig, label: str) -> list[str]:
+    """A sharding engine (``label``) refuses LLaMA-Factory's optimizer replacements: they work on whole weights."""
+    on = {"use_muon": c.use_muon, "use_galore": c.use_galore, "use_apollo": c.use_apollo,
+          "use_adam_mini": c.use_adam_mini}
+    return [f"{key} (true) with {label}: {_WHOLE_WEIGHTS[key]}; train on one process or with DDP (no deepspeed/fsdp)"
+            for key, value in on.items() if value]
+
+
+def pre_quantized_problems(c: TrainConfig, kind: str) -> list[str]:
+    """A sharding engine cannot shard a pre-quantized checkpoint's packed weights."""
+    from shardtune.model.folder import pre_quantized_method
+
+    method = pre_quantized_method(c.model_name_or_path)
+    return [f"model_name_or_path is a pre-quantized ({method}) checkpoint: {kind} cannot shard its packed weights; "
+            "use an unquantized model with quantization_bit: 4"] if method else []
