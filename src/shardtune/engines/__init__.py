@@ -24,22 +24,11 @@ def build_engine(config: TrainConfig, plan: EnginePlan, rank_env: RankEnv | None
 
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         return LocalEngine(precision, device)
+    import importlib
+
     from shardtune.engines.distributed import init_distributed
+    from shardtune.engines.plan import spec_for
 
-    ctx = init_distributed(rank_env, config.ddp_timeout)
-    if plan.kind == "deepspeed":
-        from shardtune.engines.deepspeed import DeepSpeedEngine
-        from shardtune.engines.deepspeed_config import deepspeed_inputs, resolve_deepspeed_config
-        from shardtune.world import WorldLayout
-
-        layout = WorldLayout.of_ranks(ctx.world_size, ctx.local_world_size, config.per_device_train_batch_size,
-                                      config.gradient_accumulation_steps)
-        resolved = resolve_deepspeed_config(plan.deepspeed_raw or {}, deepspeed_inputs(config, layout))
-        return DeepSpeedEngine(resolved, precision, ctx)
-    if plan.kind == "fsdp" and plan.fsdp is not None:
-        from shardtune.engines.fsdp import FSDPEngine
-
-        return FSDPEngine(plan.fsdp, precision, ctx)
-    from shardtune.engines.ddp import DDPEngine
-
-    return DDPEngine(precision, ctx, find_unused_parameters=bool(config.ddp_find_unused_parameters))
+    module, name = spec_for(plan.kind).engine.split(":")
+    engine_class = getattr(importlib.import_module(module), name)
+    return engine_class.from_plan(config, plan, init_distributed(rank_env, config.ddp_timeout), precision)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -11,9 +12,18 @@ from shardtune.engines.base import PrecisionSettings
 from shardtune.engines.distributed import DistContext, DistributedMixin
 from shardtune.engines.torch_native import TorchEngine
 
+if TYPE_CHECKING:
+    from shardtune.config.schema import TrainConfig
+    from shardtune.engines.plan import EnginePlan
+
 
 class DDPEngine(DistributedMixin, TorchEngine):
     name = "ddp"
+
+    @classmethod
+    def from_plan(cls, config: TrainConfig, plan: EnginePlan, ctx: DistContext,
+                  precision: PrecisionSettings) -> DDPEngine:
+        return cls(precision, ctx, find_unused_parameters=bool(config.ddp_find_unused_parameters))
 
     def __init__(self, precision: PrecisionSettings, ctx: DistContext, find_unused_parameters: bool = False) -> None:
         super().__init__(precision, ctx.device)

@@ -20,11 +20,13 @@ import torch.distributed as dist
 from shardtune.engines.base import Engine, OptimizerFactory, PrecisionSettings, SchedulerFactory
 from shardtune.engines.deepspeed_config import (
     CHECKPOINT_TAG,
+    deepspeed_inputs,
     gathers_weights_on_save,
     has_own_optimizer,
     has_own_scheduler,
     offloads_optimizer,
     offloads_params,
+    resolve_deepspeed_config,
     zero_shard_writers,
     zero_stage,
 )
@@ -34,8 +36,11 @@ from shardtune.engines.sharded_loading import ShardedLoad, fill_zero3
 from shardtune.errors import ConfigError
 from shardtune.model.saved import expected_saved_parameters, saved_weights_problem
 from shardtune.optim.build import split_decay_groups
+from shardtune.world import WorldLayout
 
 if TYPE_CHECKING:
+    from shardtune.config.schema import TrainConfig
+    from shardtune.engines.plan import EnginePlan
     from shardtune.model.source import ModelSource
 
 UNIVERSAL_TAG = "deepspeed_universal"
@@ -45,6 +50,15 @@ class DeepSpeedEngine(DistributedMixin, Engine):
     """One DeepSpeedEngine per process; the loop only sees the Engine interface."""
 
     name = "deepspeed"
+
+    @classmethod
+    def from_plan(cls, config: TrainConfig, plan: EnginePlan, ctx: DistContext,
+                  precision: PrecisionSettings) -> DeepSpeedEngine:
+        """The config resolved against this job's world (DeepSpeed's "auto" values, the batch arithmetic)."""
+        layout = WorldLayout.of_ranks(ctx.world_size, ctx.local_world_size, config.per_device_train_batch_size,
+                                      config.gradient_accumulation_steps)
+        return cls(resolve_deepspeed_config(plan.deepspeed_raw or {}, deepspeed_inputs(config, layout)), precision,
+                   ctx)
 
     def __init__(self, ds_config: dict, precision: PrecisionSettings, ctx: DistContext) -> None:
         super().__init__(precision, ctx.device)

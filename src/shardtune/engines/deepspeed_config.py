@@ -540,5 +540,6 @@ DEEPSPEED = EngineSpec(
     resolved_settings=_resolved_settings,
     refusals=deepspeed_refusals,
     memory_layout=deepspeed_memory_layout,
+    engine="shardtune.engines.deepspeed:DeepSpeedEngine",
     checkpoints=(CheckpointLayout("deepspeed", CHECKPOINT_TAG, read_zero_checkpoint),),
 )

@@ -50,12 +50,19 @@ from shardtune.model.saved import expected_saved_parameters, share_tied_tensors,
 from shardtune.world import WorldLayout
 
 if TYPE_CHECKING:
+    from shardtune.config.schema import TrainConfig
+    from shardtune.engines.plan import EnginePlan
     from shardtune.model.source import ModelSource
 
 
 
 class FSDPEngine(DistributedMixin, TorchEngine):
     name = "fsdp"
+
+    @classmethod
+    def from_plan(cls, config: TrainConfig, plan: EnginePlan, ctx: DistContext,
+                  precision: PrecisionSettings) -> FSDPEngine:
+        return cls(plan.fsdp or FsdpSettings(), precision, ctx)
 
     def __init__(self, settings: FsdpSettings, precision: PrecisionSettings, ctx: DistContext) -> None:
         super().__init__(precision, ctx.device)

@@ -256,6 +256,7 @@ FSDP = EngineSpec(
     resolved_settings=lambda plan, config, layout: plan.fsdp.to_dict() if plan.fsdp else None,
     refusals=fsdp_refusals,
     memory_layout=fsdp_memory_layout,
+    engine="shardtune.engines.fsdp:FSDPEngine",
     checkpoints=(CheckpointLayout("fsdp_sharded", DCP_DIR, read_sharded_checkpoint),
                  CheckpointLayout("fsdp_full", FULL_STATE_FILE, read_full_checkpoint)),
 )

@@ -36,6 +36,7 @@ LOCAL = EngineSpec(
     resolved_settings=lambda plan, config, layout: None,
     refusals=_no_refusals,
     memory_layout=lambda plan: MemoryLayout("DDP", "replicated"),
+    engine="shardtune.engines.ddp:DDPEngine",  # one process under a launcher (FORCE_TORCHRUN): DDP of one rank
     checkpoints=CHECKPOINTS,
 )
 DDP = EngineSpec(
@@ -44,5 +45,6 @@ DDP = EngineSpec(
     resolved_settings=lambda plan, config, layout: None,
     refusals=_no_refusals,
     memory_layout=lambda plan: MemoryLayout("DDP", "replicated"),
+    engine="shardtune.engines.ddp:DDPEngine",
     checkpoints=CHECKPOINTS,
 )

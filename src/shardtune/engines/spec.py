@@ -1,7 +1,8 @@
 """What each engine knows about itself, as one small record the rest of shardtune asks.
 
 The planner (engines/plan.py) asks an engine for its refusal rules, the estimate for how it places model states,
-the dry run for its description and resolved settings, export for its checkpoint layouts and their readers. Each
+the dry run for its description and resolved settings, export for its checkpoint layouts and their readers, and
+``build_engine`` for the engine class (named, so this light record never imports torch or the engine). Each
 engine's record lives in its own import-light module (engines/replicated.py, deepspeed_config.py,
 fsdp_config.py; no torch import at module level) and is registered in engines/plan.py: adding an engine is one
 module and one line there.
@@ -53,6 +54,8 @@ class EngineSpec:
     resolved_settings: Callable[[EnginePlan, TrainConfig, WorldLayout], dict | None]  # what the dry run prints
     refusals: Callable[[TrainConfig, EnginePlan, bool], list[str]]  # (config, plan, has_cuda) -> problems
     memory_layout: Callable[[EnginePlan], MemoryLayout]
+    # "module:Class" of the Engine, imported only when a rank builds it; Class.from_plan(config, plan, ctx, precision)
+    engine: str
     checkpoints: tuple[CheckpointLayout, ...] = ()
 
 

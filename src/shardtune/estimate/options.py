@@ -390,19 +390,28 @@ def unavailable_reason(spec: OptionSpec, c: Context) -> str:
     w, hw = c.workload, c.hardware
     if spec.offload and not hw.on_gpu:
         return "the ranks already run on the CPU"
-    if spec.family == "fsdp" and w.precision == "fp16":
-        return "FSDP cannot unscale fp16 gradients; use bf16"
-    if spec.family == "deepspeed" and w.precision == "fp16" and not hw.on_gpu:
-        return "DeepSpeed has no fp16 on the CPU; use bf16"
-    if w.quantization_bit is not None and spec.name.startswith("ZeRO-3"):
-        return "ZeRO-3 cannot partition bitsandbytes weights"
-    if w.quantization_bit == 8 and spec.family == "fsdp":
-        return "FSDP cannot shard 8-bit bitsandbytes weights"
+    refusal = engine_refusal(spec, c)
+    if refusal:
+        return refusal
     if spec.family == "deepspeed" and spec.offload and w.optim not in ("adamw_torch", "adamw_torch_fused"):
         return f"optimizer offload runs DeepSpeedCPUAdam, not {w.optim}"
     if spec.name == "FSDP HYBRID_SHARD" and (hw.nodes < 2 or hw.gpus_per_node < 2):
         return "needs 2+ nodes with 2+ ranks each (on one node it is FULL_SHARD)"
     return ""
+
+
+def engine_refusal(spec: OptionSpec, c: Context) -> str:
+    """The engine's own first refusal of this workload, from its record (engines/spec.py), as `train` says it."""
+    from shardtune.config.schema import TrainConfig
+    from shardtune.engines.plan import plan_engine, spec_for
+
+    w = c.workload
+    config = TrainConfig(bf16=w.precision == "bf16", fp16=w.precision == "fp16", quantization_bit=w.quantization_bit,
+                         finetuning_type="lora" if w.finetuning_type == "qlora" else w.finetuning_type, optim=w.optim,
+                         **spec.engine_values)
+    plan, _ = plan_engine(config, c.ranks, has_cuda=c.hardware.on_gpu)
+    problems = spec_for(plan.kind).refusals(config, plan, c.hardware.on_gpu)
+    return problems[0] if problems else ""
 
 
 def with_overhead(device: Components, on_gpu: bool) -> Components:
