@@ -92,7 +92,7 @@ def _choose_engine(c: TrainConfig, world_size: int, has_cuda: bool) -> tuple[Eng
         return EnginePlan("local"), [f"deepspeed ({_short(c.deepspeed)}) and fsdp ({_short(c.fsdp or c.fsdp_config)})"
                                      " are both set; choose one engine"]
     if c.deepspeed:
-        plan, problems = _plan_deepspeed(c)
+        plan, problems = _plan_deepspeed(c.deepspeed)
         if c.pure_bf16:
             problems.append("pure_bf16 (true) with deepspeed: shardtune does not yet drive DeepSpeed's bf16 master "
                             "weights (bf16_master_weights_and_grads); use bf16: true, or pure_bf16 with DDP")
@@ -105,12 +105,12 @@ def _choose_engine(c: TrainConfig, world_size: int, has_cuda: bool) -> tuple[Eng
     return EnginePlan("ddp" if world_size > 1 else "local"), []
 
 
-def _plan_deepspeed(c: TrainConfig) -> tuple[EnginePlan, list[str]]:
+def _plan_deepspeed(setting: str | dict[str, Any]) -> tuple[EnginePlan, list[str]]:
     from shardtune.engines.deepspeed_config import load_deepspeed_setting
     from shardtune.errors import ConfigError
 
     try:
-        raw, source = load_deepspeed_setting(c.deepspeed)
+        raw, source = load_deepspeed_setting(setting)
     except ConfigError as err:
         return EnginePlan("deepspeed"), err.problems
     return EnginePlan("deepspeed", deepspeed_raw=raw, deepspeed_source=source), []

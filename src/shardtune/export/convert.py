@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -46,6 +46,13 @@ def checkpoint_kind(source: Path) -> str:
         return "model"
     raise ModelError(f"export: {source} holds no checkpoint shardtune knows (no deepspeed/, fsdp_state/, "
                      "trainable.safetensors, adapter_model.safetensors or model.safetensors)")
+
+
+@runtime_checkable
+class MergesAdapter(Protocol):
+    """A peft model with LoRA layers (peft forwards ``merge_and_unload`` to its LoRA model)."""
+
+    def merge_and_unload(self) -> torch.nn.Module: ...
 
 
 def build_trained_model(base: str, finetuning: dict[str, Any]) -> torch.nn.Module:
@@ -147,7 +154,7 @@ def export_model(source: Path, out: Path, *, base: str | None = None, merge_lora
     else:
         model = build_trained_model(base, finetuning)
         load_checkpoint_weights(model, source, kind)
-    if merge_lora and hasattr(model, "merge_and_unload"):
+    if merge_lora and isinstance(model, MergesAdapter):
         model = model.merge_and_unload()
     save_exported(model, out, tokenizer_from=_tokenizer_source(source, base))
     return out
@@ -183,9 +190,11 @@ def save_exported(model: torch.nn.Module, out: Path, tokenizer_from: str) -> Non
     """Save weights + tokenizer, then check the written parameter count against the model's."""
     from shardtune.model.load import load_tokenizer
 
+    from shardtune.model.saved import as_saves_pretrained
+
     if out.exists():
         shutil.rmtree(out)
-    model.save_pretrained(out, safe_serialization=True)
+    as_saves_pretrained(model).save_pretrained(out, safe_serialization=True)
     load_tokenizer(tokenizer_from).save_pretrained(out)
     check_saved_count(model, out)
 

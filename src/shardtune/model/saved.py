@@ -2,11 +2,40 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from shardtune.errors import ModelError
 from shardtune.model.adapters import is_adapter_tensor
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+@runtime_checkable
+class SavesPretrained(Protocol):
+    """A Hugging Face model or a peft model: it writes itself in Hugging Face format."""
+
+    def save_pretrained(self, save_directory: Any, **kwargs: Any) -> Any: ...
+
+
+def as_saves_pretrained(model: object) -> SavesPretrained:
+    """``model`` typed as something with ``save_pretrained``; a module without it cannot be saved in HF format."""
+    if not isinstance(model, SavesPretrained):
+        raise ModelError(f"{type(model).__name__} has no save_pretrained: only Hugging Face (transformers or peft) "
+                         "models can be saved")
+    return model
+
+
+def as_pretrained_model(model: object) -> PreTrainedModel:
+    """``model`` typed as the transformers model that writers of Hugging Face folders (config, shards) need."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise ModelError(f"{type(model).__name__} is not a transformers PreTrainedModel; it cannot be written as a "
+                         "Hugging Face model folder")
+    return model
 
 
 def count_saved_parameters(folder: Path) -> int:
@@ -26,6 +55,7 @@ def count_saved_parameters(folder: Path) -> int:
 
 def expected_saved_parameters(model: Any, state_dict: dict[str, Any] | None = None) -> int:
     """What save_pretrained should write: the adapter tensors for a peft model, else every (untied) parameter."""
+    named: Iterable[tuple[str, Any]]
     if state_dict is not None:
         named = state_dict.items()
     else:
