@@ -33,7 +33,6 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from shardtune.errors import ModelError
 
-
 # An entry of torch.serialization.safe_globals: a class or function, optionally with the name it was pickled under.
 SafeGlobal = Callable[..., Any] | tuple[Callable[..., Any], str]
 

@@ -189,7 +189,6 @@ def _tokenizer_source(source: Path, base: str) -> str:
 def save_exported(model: torch.nn.Module, out: Path, tokenizer_from: str) -> None:
     """Save weights + tokenizer, then check the written parameter count against the model's."""
     from shardtune.model.load import load_tokenizer
-
     from shardtune.model.saved import as_saves_pretrained
 
     if out.exists():
