@@ -236,6 +236,7 @@ def fsdp_states(c: Context, group: int, reshard: bool, offload: bool) -> tuple[C
     root, layer = fsdp_units(c)
     gathered = root + (2 * layer if reshard else weights - root)
     kept = 0.0 if offload else 1.0  # offload keeps the shards in host memory
+    grads: float
     if w.gradient_accumulation_steps > 1:
         grads, unreduced = FP32 * t, 0.0
     else:
