@@ -42,6 +42,6 @@ class DDPEngine(DistributedMixin, TorchEngine):
     def verify(self) -> None:
         import torch.distributed as dist
 
-        self.wrapped()
+        self.wrapped()  # raises unless the model is DistributedDataParallel
         if dist.get_world_size() != self.ctx.world_size:
             raise RuntimeError(f"engine ddp: world size {dist.get_world_size()} != expected {self.ctx.world_size}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard
 
 import torch
 
@@ -48,11 +48,15 @@ def checkpoint_kind(source: Path) -> str:
                      "trainable.safetensors, adapter_model.safetensors or model.safetensors)")
 
 
-@runtime_checkable
 class MergesAdapter(Protocol):
     """A peft model with LoRA layers (peft forwards ``merge_and_unload`` to its LoRA model)."""
 
     def merge_and_unload(self) -> torch.nn.Module: ...
+
+
+def merges_adapter(model: object) -> TypeGuard[MergesAdapter]:
+    # hasattr, not a runtime_checkable isinstance: from Python 3.12 that skips peft's forwarding __getattr__.
+    return hasattr(model, "merge_and_unload")
 
 
 def build_trained_model(base: str, finetuning: dict[str, Any]) -> torch.nn.Module:
@@ -154,7 +158,7 @@ def export_model(source: Path, out: Path, *, base: str | None = None, merge_lora
     else:
         model = build_trained_model(base, finetuning)
         load_checkpoint_weights(model, source, kind)
-    if merge_lora and isinstance(model, MergesAdapter):
+    if merge_lora and merges_adapter(model):
         model = model.merge_and_unload()
     save_exported(model, out, tokenizer_from=_tokenizer_source(source, base))
     return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 from shardtune.errors import ModelError
 from shardtune.model.adapters import is_adapter_tensor
@@ -13,16 +13,21 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-@runtime_checkable
 class SavesPretrained(Protocol):
     """A Hugging Face model or a peft model: it writes itself in Hugging Face format."""
 
     def save_pretrained(self, save_directory: Any, **kwargs: Any) -> Any: ...
 
 
+def has_save_pretrained(model: object) -> TypeGuard[SavesPretrained]:
+    # hasattr, not a runtime_checkable isinstance: from Python 3.12 that skips __getattr__, through which
+    # wrappers (peft, DeepSpeed) forward methods.
+    return hasattr(model, "save_pretrained")
+
+
 def as_saves_pretrained(model: object) -> SavesPretrained:
     """``model`` typed as something with ``save_pretrained``; a module without it cannot be saved in HF format."""
-    if not isinstance(model, SavesPretrained):
+    if not has_save_pretrained(model):
         raise ModelError(f"{type(model).__name__} has no save_pretrained: only Hugging Face (transformers or peft) "
                          "models can be saved")
     return model
