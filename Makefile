@@ -44,6 +44,7 @@ test-fast: setup
 
 lint: setup
 	$(PY) -m ruff check src tests scripts
+	$(PY) -m mypy
 
 docs: setup
 	$(PY) -m shardtune keys --markdown > docs/config.md

@@ -62,7 +62,7 @@ class DataCollator:
 
     def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, Any]:
         length = self.padded_length(max(len(f["input_ids"]) for f in features))
-        batch = {
+        batch: dict[str, Any] = {
             "input_ids": pad_rows([f["input_ids"] for f in features], length, self.pad_token_id),
             "labels": pad_rows([f["labels"] for f in features], length, IGNORE_INDEX),
             # Padding restarts its positions at 0 so it reads as one more sequence, never as a

@@ -82,7 +82,7 @@ def encode_sft_batch(batch: Mapping[str, list[Any]], tokenizer: Any, template: T
         out["input_ids"].append(input_ids)
         out["labels"].append(labels)
         out["_length"].append(len(input_ids))
-        trained = pairs[-1] if options.mask_history else pairs[0] if pairs else ([], [])
+        trained: tuple[TokenIds, TokenIds] = pairs[-1] if options.mask_history else pairs[0] if pairs else ([], [])
         out["_needed"].append(len(trained[0]) + 1 if pairs else 0)
     return out
 

@@ -44,8 +44,9 @@ class LengthGroupedSampler(DistributedSampler):
     """``DistributedSampler`` (same length, padding and ``set_epoch``) with a length-grouped order."""
 
     def __init__(self, lengths: Sequence[int], batch_size: int, num_replicas: int, rank: int, seed: int) -> None:
-        super().__init__(range(len(lengths)), num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed,
-                         drop_last=False)
+        # DistributedSampler only takes len() of its dataset; torch annotates it as Dataset.
+        super().__init__(range(len(lengths)), num_replicas=num_replicas, rank=rank,  # type: ignore[arg-type]
+                         shuffle=True, seed=seed, drop_last=False)
         self.lengths = list(lengths)
         self.batch_size = batch_size
 

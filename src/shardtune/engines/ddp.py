@@ -38,15 +38,20 @@ class DDPEngine(DistributedMixin, TorchEngine):
                                        find_unused_parameters=self.find_unused_parameters)
 
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext() if is_last_micro_batch else self.model.no_sync()
+        return contextlib.nullcontext() if is_last_micro_batch else self.wrapped().no_sync()
 
     def unwrapped_model(self) -> torch.nn.Module:
-        return self.model.module
+        return self.wrapped().module
+
+    def wrapped(self) -> DistributedDataParallel:
+        """The prepared model as the DistributedDataParallel it must be."""
+        if not isinstance(self.model, DistributedDataParallel):
+            raise RuntimeError(f"engine ddp: model is {type(self.model).__name__}, not DistributedDataParallel")
+        return self.model
 
     def verify(self) -> None:
         import torch.distributed as dist
 
-        if not isinstance(self.model, DistributedDataParallel):
-            raise RuntimeError(f"engine ddp: model is {type(self.model).__name__}, not DistributedDataParallel")
+        self.wrapped()  # raises unless the model is DistributedDataParallel
         if dist.get_world_size() != self.ctx.world_size:
             raise RuntimeError(f"engine ddp: world size {dist.get_world_size()} != expected {self.ctx.world_size}")

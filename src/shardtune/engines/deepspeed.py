@@ -34,7 +34,12 @@ from shardtune.engines.distributed import DistContext, DistributedMixin
 from shardtune.engines.safe_load import weights_only_loads
 from shardtune.engines.sharded_loading import ShardedLoad, fill_zero3
 from shardtune.errors import ConfigError
-from shardtune.model.saved import expected_saved_parameters, saved_weights_problem
+from shardtune.model.saved import (
+    as_pretrained_model,
+    as_saves_pretrained,
+    expected_saved_parameters,
+    saved_weights_problem,
+)
 from shardtune.optim.build import split_decay_groups
 from shardtune.world import WorldLayout
 
@@ -116,6 +121,7 @@ class DeepSpeedEngine(DistributedMixin, Engine):
         import deepspeed
 
         trainable = [p for p in model.parameters() if p.requires_grad]
+        params: list[torch.nn.Parameter] | list[dict[str, Any]]
         if has_own_optimizer(self.ds_config):
             # DeepSpeed builds the JSON's optimizer; the groups keep our rule of no decay on biases and norms.
             decay = self.ds_config["optimizer"].get("params", {}).get("weight_decay", 0.0)
@@ -226,7 +232,7 @@ class DeepSpeedEngine(DistributedMixin, Engine):
                 out_dir.mkdir(parents=True, exist_ok=True)
                 # peft would add whole embedding layers once the vocabulary grew; modules_to_save already holds them.
                 extra = {"save_embedding_layers": False} if self.is_peft else {}
-                model.save_pretrained(str(out_dir), state_dict=state_dict, **extra)
+                as_saves_pretrained(model).save_pretrained(str(out_dir), state_dict=state_dict, **extra)
         error = saved_weights_problem(out_dir, expected) if self.is_main else None
         error = self._broadcast_from_main(error)
         if error:
@@ -245,7 +251,7 @@ class DeepSpeedEngine(DistributedMixin, Engine):
             return
         print("[shardtune] ZeRO-3 without stage3_gather_16bit_weights_on_model_save: writing the model one "
               "gathered module at a time", flush=True)
-        write_model_streamed(model, states, out_dir)
+        write_model_streamed(as_pretrained_model(model), states, out_dir)
 
     def _full_state_dict(self, adapter_only: bool) -> dict[str, torch.Tensor] | None:
         """Complete tensors on rank 0 (None elsewhere under ZeRO-3); trainable ones only for an adapter."""
@@ -371,7 +377,7 @@ def copies_keeping_ties(state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     ``save_pretrained`` drops the output layer of a tied model only when it is the embedding's very tensor;
     copied apart, both would be written (a 0.5B Qwen2 saved 630M elements for its 494M).
     """
-    copies: dict[tuple[int, int, torch.Size], torch.Tensor] = {}
+    copies: dict[tuple[int, int | torch.SymInt, torch.Size], torch.Tensor] = {}
     return {name: copies.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), t.shape),
                                     t.detach().clone()) if t.numel() else t.detach().clone()
             for name, t in state.items()}

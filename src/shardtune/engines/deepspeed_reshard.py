@@ -47,7 +47,15 @@ def load_mapped(path: Path) -> dict[str, Any]:
 
 def shard_files(stage_dir: Path) -> list[Path]:
     files = list(stage_dir.glob("zero_pp_rank_*_mp_rank_00_optim_states.pt"))
-    return sorted(files, key=lambda f: int(re.search(r"zero_pp_rank_(\d+)_", f.name).group(1)))
+    return sorted(files, key=_shard_rank)
+
+
+def _shard_rank(file: Path) -> int:
+    """The rank in a name the glob in ``shard_files`` matched."""
+    match = re.search(r"zero_pp_rank_(\d+)_", file.name)
+    if match is None:
+        raise ValueError(f"{file.name} is not a DeepSpeed ZeRO shard file name")
+    return int(match.group(1))
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,13 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 STREAMED_SHARD_BYTES = 5 * 2**30  # Hugging Face's former default shard size
 INDEX_FILE = "model.safetensors.index.json"
@@ -62,7 +66,7 @@ class SafetensorsShardWriter:
         return final
 
 
-def saved_parameter_names(model: torch.nn.Module) -> set[str]:
+def saved_parameter_names(model: PreTrainedModel) -> set[str]:
     """Parameter names a Hugging Face save keeps: of tied parameters, the one the model expects on reload."""
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
@@ -98,7 +102,7 @@ def zero3_module_states(model: torch.nn.Module, is_main: bool) -> Iterator[dict[
         yield state  # after the gathered copies are released
 
 
-def write_model_streamed(model: torch.nn.Module, states: Iterable[dict[str, torch.Tensor]], out_dir: Path,
+def write_model_streamed(model: PreTrainedModel, states: Iterable[dict[str, torch.Tensor]], out_dir: Path,
                          max_shard_bytes: int = STREAMED_SHARD_BYTES) -> list[Path]:
     """Config, generation config and safetensors shards, as ``save_pretrained`` lays them out (rank 0 only)."""
     from transformers.core_model_loading import revert_weight_conversion
@@ -119,7 +123,7 @@ def write_model_streamed(model: torch.nn.Module, states: Iterable[dict[str, torc
     return files
 
 
-def save_model_config(model: torch.nn.Module, out_dir: Path) -> None:
+def save_model_config(model: PreTrainedModel, out_dir: Path) -> None:
     """What ``save_pretrained`` writes beside the weights."""
     model.config.dtype = str(model.dtype).split(".")[1]
     model.config.architectures = [type(model).__name__]

@@ -7,7 +7,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 from shardtune.engines.base import OptimizerFactory, PrecisionSettings, SchedulerFactory
 from shardtune.engines.distributed import DistContext, DistributedMixin
@@ -46,7 +47,7 @@ from shardtune.engines.sharded_loading import ShardedLoad, fill_fully_sharded, f
 from shardtune.engines.torch_native import SCHEDULER_FILE, TorchEngine
 from shardtune.errors import ModelError
 from shardtune.model.adapters import save_lora_adapter
-from shardtune.model.saved import expected_saved_parameters, share_tied_tensors, verify_saved
+from shardtune.model.saved import as_saves_pretrained, expected_saved_parameters, share_tied_tensors, verify_saved
 from shardtune.world import WorldLayout
 
 if TYPE_CHECKING:
@@ -138,26 +139,36 @@ class FSDPEngine(DistributedMixin, TorchEngine):
 
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         if self.settings.version == 2:
-            self.model.set_requires_gradient_sync(is_last_micro_batch)
+            self.fsdp2_root().set_requires_gradient_sync(is_last_micro_batch)
             return contextlib.nullcontext()
-        return contextlib.nullcontext() if is_last_micro_batch else self.model.no_sync()
+        return contextlib.nullcontext() if is_last_micro_batch else self.fsdp1_root().no_sync()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         if self.settings.version == 1:
-            return self.model.clip_grad_norm_(max_norm)
+            return self.fsdp1_root().clip_grad_norm_(max_norm)
         norm = torch.nn.utils.clip_grad_norm_(list(self.iter_trainable()), max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def unwrapped_model(self) -> torch.nn.Module:
         return self.inner
 
+    def fsdp2_root(self) -> FSDPModule:
+        """The prepared model as the ``fully_shard`` root it is under FSDP2."""
+        if not isinstance(self.model, FSDPModule):
+            raise RuntimeError(f"engine fsdp2: model is {type(self.model).__name__}, not FSDPModule")
+        return self.model
+
+    def fsdp1_root(self) -> FullyShardedDataParallel:
+        """The prepared model as the FullyShardedDataParallel wrapper it is under FSDP1."""
+        if not isinstance(self.model, FullyShardedDataParallel):
+            raise RuntimeError(f"engine fsdp1: model is {type(self.model).__name__}, not FullyShardedDataParallel")
+        return self.model
+
     @property
     def wrapper_name(self) -> str:
         return "fully_shard" if self.settings.version == 2 else "FullyShardedDataParallel"
 
     def verify(self) -> None:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
         expected = FSDPModule if self.settings.version == 2 else FullyShardedDataParallel
         lost = layers_missing_quant_state(self.inner)
         if lost:
@@ -186,7 +197,8 @@ class FSDPEngine(DistributedMixin, TorchEngine):
         # An adapter run saves the adapter: gathering the frozen base too would rebuild the whole model.
         adapter_only = hasattr(self.inner, "peft_config")
         options = dataclasses.replace(self.full_state_options(), ignore_frozen_params=adapter_only)
-        return get_model_state_dict(self.model, options=options)
+        # full_state_dict=True gives plain tensors; torch's return type covers every option (DTensor, nested).
+        return cast(dict[str, torch.Tensor], get_model_state_dict(self.model, options=options))
 
     def save_model(self, out_dir: Path) -> None:
         state = self.full_state_dict()
@@ -196,7 +208,7 @@ class FSDPEngine(DistributedMixin, TorchEngine):
             if hasattr(self.inner, "peft_config"):
                 save_lora_adapter(self.inner, state, out_dir)
             else:
-                self.inner.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+                as_saves_pretrained(self.inner).save_pretrained(out_dir, state_dict=state, safe_serialization=True)
             verify_saved(out_dir, expected)
         self.barrier()
 
@@ -269,7 +281,8 @@ def wrap_targets(model: torch.nn.Module, s: FsdpSettings) -> list[torch.nn.Modul
 
 def layer_class_names(model: torch.nn.Module) -> list[str]:
     """The decoder-layer class from the model's ``_no_split_modules`` (as HF and accelerate do)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    get_base_model = getattr(model, "get_base_model", None)  # peft's wrapper: the class list is on its base
+    base = get_base_model() if get_base_model is not None else model
     names = list(getattr(base, "_no_split_modules", None) or [])
     if not names:
         raise ValueError("fsdp_config: cannot find the model's layer class; set fsdp_transformer_layer_cls_to_wrap")
@@ -304,16 +317,16 @@ def shard_fsdp2(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, devic
     if unsafe:
         raise ModelError(f"fsdp: units {', '.join(unsafe)} hold only 4-bit weights, which FSDP2 would gather as "
                          "floating-point values; wrap LoRA layers with them or use fsdp_version: 1")
-    for module in units:
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, offload_policy=offload, mp_policy=precision)
+    sharded = [fully_shard(module, mesh=mesh, reshard_after_forward=reshard, offload_policy=offload,
+                           mp_policy=precision) for module in units]
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, offload_policy=offload, mp_policy=precision)
     if s.backward_prefetch == "NO_PREFETCH":
         # One unit gathered at a time in backward: less memory, no overlap of gathering and compute.
-        for unit in units:
+        for unit in sharded:
             unit.set_modules_to_backward_prefetch([])
     if s.forward_prefetch:
         # FSDP2 prefetches one unit ahead in backward by itself; forward prefetch is explicit.
-        for current, following in zip(units, units[1:], strict=False):
+        for current, following in zip(sharded, sharded[1:], strict=False):
             current.set_modules_to_forward_prefetch([following])
     return model
 
@@ -335,7 +348,6 @@ def wrap_fsdp1(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, device
     from torch.distributed.fsdp import (
         BackwardPrefetch,
         CPUOffload,
-        FullyShardedDataParallel,
         MixedPrecision,
         ShardingStrategy,
     )

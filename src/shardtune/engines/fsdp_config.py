@@ -111,11 +111,12 @@ def resolve_fsdp_settings(fsdp: Any, fsdp_config: dict[str, Any] | None) -> tupl
             hint = f" (did you mean 'fsdp_{close[0]}'?)" if close else ""
             problems.append(f"fsdp_config: unknown key '{raw_key}'{hint}")
             continue
-        if _KEYS[key] is None:
+        setting_name = _KEYS[key]
+        if setting_name is None:
             problems.append(f"fsdp_config: '{raw_key}' is not supported; set gradient_checkpointing: true instead")
             continue
         try:
-            values[_KEYS[key]] = _convert(key, raw_value)
+            values[setting_name] = _convert(key, raw_value)
         except ValueError as err:
             problems.append(f"fsdp_config: {raw_key}: {err}")
     settings = FsdpSettings(**values)

@@ -161,7 +161,8 @@ def tensors_to_broadcast(model: torch.nn.Module) -> list[torch.Tensor]:
     for tensor in [*model.parameters(), *model.buffers()]:
         tensors.setdefault(id(tensor), tensor)
     for _, module in quantized_layers(model):
-        for tensor in quant_state_tensors(module.weight.quant_state):
+        weight: Any = module.weight  # a bitsandbytes Params4bit (untyped), which carries quant_state
+        for tensor in quant_state_tensors(weight.quant_state):
             tensors.setdefault(id(tensor), tensor)
     return list(tensors.values())
 

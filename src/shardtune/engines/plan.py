@@ -58,18 +58,18 @@ def _choose_engine(c: TrainConfig, world_size: int) -> tuple[EnginePlan, list[st
         return EnginePlan("local"), [f"deepspeed ({_short(c.deepspeed)}) and fsdp ({_short(c.fsdp or c.fsdp_config)})"
                                      " are both set; choose one engine"]
     if c.deepspeed:
-        return _plan_deepspeed(c)
+        return _plan_deepspeed(c.deepspeed)
     if wants_fsdp:
         return _plan_fsdp(c, world_size)
     return EnginePlan("ddp" if world_size > 1 else "local"), []
 
 
-def _plan_deepspeed(c: TrainConfig) -> tuple[EnginePlan, list[str]]:
+def _plan_deepspeed(setting: str | dict[str, Any]) -> tuple[EnginePlan, list[str]]:
     from shardtune.engines.deepspeed_config import load_deepspeed_setting
     from shardtune.errors import ConfigError
 
     try:
-        raw, source = load_deepspeed_setting(c.deepspeed)
+        raw, source = load_deepspeed_setting(setting)
     except ConfigError as err:
         return EnginePlan("deepspeed"), err.problems
     return EnginePlan("deepspeed", deepspeed_raw=raw, deepspeed_source=source), []

@@ -22,7 +22,7 @@ import io
 import pickle
 import runpy
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +33,11 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from shardtune.errors import ModelError
 
+# An entry of torch.serialization.safe_globals: a class or function, optionally with the name it was pickled under.
+SafeGlobal = Callable[..., Any] | tuple[Callable[..., Any], str]
 
-def deepspeed_record_classes() -> list[type]:
+
+def deepspeed_record_classes() -> list[SafeGlobal]:
     """The non-tensor classes DeepSpeed pickles into its checkpoint files (DeepSpeed 0.19)."""
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -100,9 +103,10 @@ class WeightsOnlyDcpReader(FileSystemReader):
             metadata = DcpMetadataUnpickler(stream, str(path)).load()
         if not isinstance(metadata, Metadata):
             raise ModelError(f"checkpoint {path} holds a {type(metadata).__name__}, not torch checkpoint metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id  # as the parent does
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id  # as the parent does
         return metadata
 
 

@@ -80,6 +80,7 @@ def resolve_hardware(values: dict[str, str], launch_nodes: int = 1, launch_procs
     nodes = parse_count(values["--nodes"], "--nodes") if "--nodes" in values else launch_nodes
     per_node = parse_count(values["--gpus-per-node"], "--gpus-per-node") if "--gpus-per-node" in values \
         else (launch_procs or max(gpus_here, 1))
+    gpu_memory: int | None
     if "--gpu-memory" in values:
         gpu_memory = parse_size(values["--gpu-memory"], "--gpu-memory")
     else:

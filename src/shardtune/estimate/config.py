@@ -121,7 +121,8 @@ def fit_warning(config: TrainConfig, world_size: int, nproc_per_node: int, gpu_m
     best = recommend(build_options(load_model_shape(config.model_name_or_path), workload, hardware), hardware,
                      workload)
     hint = f"; {best.option.name} would fit ({_values(best.option)})" if best.option else f"; {best.reason}"
-    need = (f"{format_size(option.device_peak)} per GPU of {format_size(gpu_memory_bytes)}" if hardware.on_gpu
+    need = (f"{format_size(option.device_peak)} per GPU of {format_size(gpu_memory_bytes)}"
+            if gpu_memory_bytes is not None  # hardware.on_gpu, spelled so that the type checker narrows
             else f"{format_size(option.cpu_per_node)} of {format_size(cpu_memory_bytes)} CPU memory")
     return f"memory: {option.name} is estimated to need {need}{hint}"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from shardtune.estimate.activations import activation_bytes, autocast_weight_copy_bytes
 from shardtune.estimate.hardware import GiB, Hardware
@@ -236,6 +237,7 @@ def fsdp_states(c: Context, group: int, reshard: bool, offload: bool) -> tuple[C
     root, layer = fsdp_units(c)
     gathered = root + (2 * layer if reshard else weights - root)
     kept = 0.0 if offload else 1.0  # offload keeps the shards in host memory
+    grads: float
     if w.gradient_accumulation_steps > 1:
         grads, unreduced = FP32 * t, 0.0
     else:
@@ -402,13 +404,15 @@ def unavailable_reason(spec: OptionSpec, c: Context) -> str:
 
 def engine_refusal(spec: OptionSpec, c: Context) -> str:
     """The engine's own first refusal of this workload, from its record (engines/spec.py), as `train` says it."""
-    from shardtune.config.schema import TrainConfig
+    from shardtune.config.load import build_config
     from shardtune.engines.plan import plan_engine, spec_for
 
     w = c.workload
-    config = TrainConfig(bf16=w.precision == "bf16", fp16=w.precision == "fp16", quantization_bit=w.quantization_bit,
-                         finetuning_type="lora" if w.finetuning_type == "qlora" else w.finetuning_type, optim=w.optim,
-                         **spec.engine_values)
+    values: dict[str, Any] = {"bf16": w.precision == "bf16", "fp16": w.precision == "fp16", "optim": w.optim,
+                              "finetuning_type": "lora" if w.finetuning_type == "qlora" else w.finetuning_type,
+                              **({"quantization_bit": w.quantization_bit} if w.quantization_bit else {}),
+                              **spec.engine_values}
+    config = build_config(values, source="estimate")
     plan, _ = plan_engine(config, c.ranks, has_cuda=c.hardware.on_gpu)
     problems = spec_for(plan.kind).refusals(config, plan, c.hardware.on_gpu)
     return problems[0] if problems else ""

@@ -27,7 +27,8 @@ def recommend(options: list[Option], hardware: Hardware, workload: Workload | No
 
 def fit_reason(best: Option, options: list[Option], hardware: Hardware) -> str:
     """'ZeRO-2: fits in 38.1 GiB of 80 GiB per GPU; faster options need more: DDP 96 GiB, ZeRO-1 52 GiB.'"""
-    where = f"{format_size(best.device_peak)} of {format_size(hardware.gpu_memory)} per GPU" if hardware.on_gpu \
+    where = f"{format_size(best.device_peak)} of {format_size(hardware.gpu_memory)} per GPU" \
+        if hardware.gpu_memory is not None \
         else f"{format_size(best.cpu_per_node)} of {format_size(hardware.cpu_memory)} CPU memory"
     faster = [o for o in options if o.speed_rank < best.speed_rank and o.available and not o.fits]
     text = f"{best.name} is the fastest option that fits ({where})"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeGuard
 
 import torch
 
@@ -50,6 +50,17 @@ def checkpoint_layouts() -> list[CheckpointLayout]:
     from shardtune.engines.plan import ENGINE_SPECS
 
     return list({layout.name: layout for spec in ENGINE_SPECS.values() for layout in spec.checkpoints}.values())
+
+
+class MergesAdapter(Protocol):
+    """A peft model with LoRA layers (peft forwards ``merge_and_unload`` to its LoRA model)."""
+
+    def merge_and_unload(self) -> torch.nn.Module: ...
+
+
+def merges_adapter(model: object) -> TypeGuard[MergesAdapter]:
+    # hasattr, not a runtime_checkable isinstance: from Python 3.12 that skips peft's forwarding __getattr__.
+    return hasattr(model, "merge_and_unload")
 
 
 def build_trained_model(base: str, finetuning: dict[str, Any]) -> torch.nn.Module:
@@ -129,7 +140,7 @@ def export_model(source: Path, out: Path, *, base: str | None = None, merge_lora
     else:
         model = build_trained_model(base, finetuning)
         load_checkpoint_weights(model, source, kind)
-    if merge_lora and hasattr(model, "merge_and_unload"):
+    if merge_lora and merges_adapter(model):
         model = model.merge_and_unload()
     save_exported(model, out, tokenizer_from=_tokenizer_source(source, base))
     return out
@@ -164,10 +175,11 @@ def _tokenizer_source(source: Path, base: str) -> str:
 def save_exported(model: torch.nn.Module, out: Path, tokenizer_from: str) -> None:
     """Save weights + tokenizer, then check the written parameter count against the model's."""
     from shardtune.model.load import load_tokenizer
+    from shardtune.model.saved import as_saves_pretrained
 
     if out.exists():
         shutil.rmtree(out)
-    model.save_pretrained(out, safe_serialization=True)
+    as_saves_pretrained(model).save_pretrained(out, safe_serialization=True)
     load_tokenizer(tokenizer_from).save_pretrained(out)
     check_saved_count(model, out)
 

@@ -74,7 +74,7 @@ def build_pytorchjob(req: ManifestRequest) -> dict[str, Any]:
 
 
 def _pytorch_replica(req: ManifestRequest, replicas: int) -> dict[str, Any]:
-    container = {
+    container: dict[str, Any] = {
         "name": PYTORCH_CONTAINER, "image": req.image, "command": req.train_command,
         # Also tells operators older than 1.7, which set no PET_NPROC_PER_NODE, how many ranks each pod starts.
         "env": [{"name": "NPROC_PER_NODE", "value": str(req.nproc_per_node)}],

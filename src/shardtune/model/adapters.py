@@ -217,7 +217,8 @@ def apply_lora(model: Any, settings: FinetuningSettings) -> Any:
         use_dora=settings.use_dora,
         use_rslora=settings.use_rslora,
         modules_to_save=modules_to_save(model, settings),
-        init_lora_weights=settings.init_lora_weights,
+        # peft's Literal cannot spell "pissa_niter_<N>", which it accepts (built by the init_lora_weights property).
+        init_lora_weights=settings.init_lora_weights,  # type: ignore[arg-type]
     )
     if settings.resume_adapter:
         config = resumed_lora_config(settings.resume_adapter)
@@ -263,7 +264,8 @@ def initialize_adapter_weights(model: Any) -> None:
                 part = container[adapter] if adapter in container else None
                 if isinstance(part, torch.nn.Module) and any(p.is_meta for p in part.parameters()):
                     part.to_empty(device="cpu")
-                elif isinstance(part, torch.nn.Parameter) and part.is_meta:
+                elif isinstance(part, torch.nn.Parameter) and part.is_meta \
+                        and isinstance(container, torch.nn.ParameterDict):  # where Parameters live
                     container[adapter] = torch.nn.Parameter(torch.empty_like(part, device="cpu"))
             module.reset_lora_parameters(adapter, init_lora_weights=True)
 

@@ -57,7 +57,7 @@ def sparse_moe_block_classes(model: torch.nn.Module) -> list[type[torch.nn.Modul
 
 def router_module_names(model: torch.nn.Module) -> set[str]:
     """Full names of the router modules of every sparse block."""
-    names = set()
+    names: set[str] = set()
     for name, block in sparse_moe_blocks(model):
         children = dict(block.named_children())
         names.update(f"{name}.{r}" for r in ROUTER_NAMES if r in children)
@@ -66,7 +66,7 @@ def router_module_names(model: torch.nn.Module) -> set[str]:
 
 def fused_expert_parameters(model: torch.nn.Module) -> list[str]:
     """Full names of expert weights stored as 3-D ``[experts, out, in]``-style parameters (not ``nn.Linear``)."""
-    names = []
+    names: list[str] = []
     for name, block in sparse_moe_blocks(model):
         experts = dict(block.named_children())[EXPERTS_NAME]
         # ZeRO-3 builds the model partitioned: a parameter's own shape is then empty, its full one is ds_shape.

@@ -61,7 +61,8 @@ def load_adapter_weights(model: Any, path: str) -> None:
     weights_file = Path(path) / ADAPTER_WEIGHTS
     if not weights_file.is_file():
         raise ModelError(f"adapter_name_or_path: {path} has no {ADAPTER_WEIGHTS}")
-    result = set_peft_model_state_dict(model, load_file(str(weights_file)))
+    # peft annotates the result as a bare "namedtuple"; it is load_state_dict's (missing_keys, unexpected_keys).
+    result: Any = set_peft_model_state_dict(model, load_file(str(weights_file)))
     missing = [name for name in result.missing_keys if ".lora_" in name]
     if missing or result.unexpected_keys:
         raise ModelError(f"adapter_name_or_path: {path} does not fit the model (missing {missing[:2]}, "

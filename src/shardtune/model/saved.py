@@ -3,10 +3,43 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 from shardtune.errors import ModelError
 from shardtune.model.adapters import is_adapter_tensor
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+class SavesPretrained(Protocol):
+    """A Hugging Face model or a peft model: it writes itself in Hugging Face format."""
+
+    def save_pretrained(self, save_directory: Any, **kwargs: Any) -> Any: ...
+
+
+def has_save_pretrained(model: object) -> TypeGuard[SavesPretrained]:
+    # hasattr, not a runtime_checkable isinstance: from Python 3.12 that skips __getattr__, through which
+    # wrappers (peft, DeepSpeed) forward methods.
+    return hasattr(model, "save_pretrained")
+
+
+def as_saves_pretrained(model: object) -> SavesPretrained:
+    """``model`` typed as something with ``save_pretrained``; a module without it cannot be saved in HF format."""
+    if not has_save_pretrained(model):
+        raise ModelError(f"{type(model).__name__} has no save_pretrained: only Hugging Face (transformers or peft) "
+                         "models can be saved")
+    return model
+
+
+def as_pretrained_model(model: object) -> PreTrainedModel:
+    """``model`` typed as the transformers model that writers of Hugging Face folders (config, shards) need."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise ModelError(f"{type(model).__name__} is not a transformers PreTrainedModel; it cannot be written as a "
+                         "Hugging Face model folder")
+    return model
 
 
 def count_saved_parameters(folder: Path) -> int:

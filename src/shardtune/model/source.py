@@ -16,6 +16,7 @@ import itertools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from shardtune.model.load import Quantization, load_model_config
 from shardtune.model.pretrained_adapters import AdapterPlan, merge_adapters
 from shardtune.model.vocab import VocabGrowth, apply_vocab_growth, grown_tensor, vocab_tensors
 from shardtune.model.weights import WeightsReader, open_weights
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ class ModelSource:
         # keeps its state in bf16 too.
         return model.to(torch.bfloat16) if self.pure_bf16 else model
 
-    def _config(self) -> object:
+    def _config(self) -> PretrainedConfig:
         return load_model_config(self.name_or_path, trust_remote_code=self.trust_remote_code,
                                  rope_scaling=self.rope_scaling, max_length=self.max_length)
 

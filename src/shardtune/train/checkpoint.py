@@ -116,16 +116,25 @@ def load_rng_file(path: Path) -> None:
 
 def rng_state() -> dict:
     """Python, numpy and torch CPU generators, plus the current CUDA device's once CUDA is in use."""
+    _, numpy_keys, numpy_pos, _, _ = numpy_legacy_state()
     state = {
         "python": list(random.getstate()[1]),
         "python_pos": random.getstate()[2],
-        "numpy": torch.from_numpy(np.random.get_state()[1].astype(np.int64)),
-        "numpy_pos": int(np.random.get_state()[2]),
+        "numpy": torch.from_numpy(numpy_keys.astype(np.int64)),
+        "numpy_pos": int(numpy_pos),
         "torch": torch.get_rng_state(),
     }
     # Asking before CUDA is initialised would initialise it (a CPU-only run that merely has a GPU stays off it).
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()  # the current device: each rank sets its own at start-up
+    return state
+
+
+def numpy_legacy_state() -> tuple[str, np.ndarray, int, int, float]:
+    """numpy's global MT19937 state as its legacy tuple (numpy's stubs type a plain ``get_state()`` as a dict)."""
+    state = np.random.get_state(legacy=True)
+    if not isinstance(state, tuple):
+        raise RuntimeError(f"numpy's global generator is {state.get('bit_generator')}, not MT19937")
     return state
 
 

@@ -130,6 +130,8 @@ def chunkable_output_layer(model: torch.nn.Module) -> torch.nn.Linear | None:
     if reason is not None:
         warnings.warn(f"loss_chunk_size: computing the loss from the full logits: {reason}", stacklevel=3)
         return None
+    if not isinstance(head, torch.nn.Linear):  # unchunkable_reason passes only a plain Linear
+        raise RuntimeError(f"loss_chunk_size: output layer {type(head).__name__} passed as a plain Linear")
     return head
 
 
@@ -150,7 +152,8 @@ def _causal_lm(model: torch.nn.Module) -> Any:
     """The innermost model that has ``get_output_embeddings``, below engine wrappers that expose it as ``.module``.
     Innermost: DeepSpeed's engine forwards unknown attributes to its module, so it seems to have that method too,
     but its ``config`` is DeepSpeed's, which would hide the model's logit cap (Gemma 2) from the check below."""
-    found, current = None, model
+    found: torch.nn.Module | None = None
+    current: object = model
     while isinstance(current, torch.nn.Module):
         if hasattr(current, "get_output_embeddings"):
             found = current
@@ -160,9 +163,11 @@ def _causal_lm(model: torch.nn.Module) -> Any:
 
 def _innermost(head: torch.nn.Module | None) -> torch.nn.Module | None:
     """An FSDP1 unit wrapping the head itself unshards around its inner module's call: patch that one."""
-    while head is not None and not isinstance(head, torch.nn.Linear) and isinstance(getattr(head, "module", None),
-                                                                                   torch.nn.Module):
-        head = head.module
+    while head is not None and not isinstance(head, torch.nn.Linear):
+        inner = getattr(head, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            break
+        head = inner
     return head
 
 
@@ -190,7 +195,8 @@ def _head_computes_loss(head: torch.nn.Linear, targets: torch.Tensor, chunk_size
         call.loss = linear_cross_entropy_sum(hidden, head.weight, head.bias, targets, chunk_size, label_smoothing)
         return call.loss.reshape(1, 1, 1)
 
-    head.forward = forward  # an instance attribute: nn.Module.__call__ still runs every hook around it
+    # An instance attribute: nn.Module.__call__ still runs every hook around it (mypy models only methods here).
+    head.forward = forward  # type: ignore[method-assign, assignment]
     try:
         yield call
     finally:

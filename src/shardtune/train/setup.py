@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeGuard
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
@@ -186,17 +186,34 @@ def epoch_batches_for(loader: DataLoader) -> Callable[[int], Iterable[Any]]:
         return lambda _epoch: stream_passes(loader)
 
     def for_epoch(epoch: int) -> DataLoader:
-        loader.sampler.set_epoch(epoch)
+        set_epoch_of(loader.sampler, epoch)
         return loader
 
     return for_epoch
+
+class Reshuffles(Protocol):
+    """A sampler or a streamed dataset whose order depends on the pass number."""
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+
+def reshuffles(source: object) -> TypeGuard[Reshuffles]:
+    return hasattr(source, "set_epoch")
+
+
+def set_epoch_of(source: object, epoch: int) -> None:
+    """Reorder ``source`` (this loader's sampler or stream) for pass ``epoch``."""
+    if not reshuffles(source):
+        raise RuntimeError(f"{type(source).__name__} has no set_epoch; the loader was not built by build_loader")
+    source.set_epoch(epoch)
+
 
 
 def stream_passes(loader: DataLoader) -> Iterator[Any]:
     from shardtune.errors import DataError
 
     for number in itertools.count():
-        loader.dataset.set_epoch(number)
+        set_epoch_of(loader.dataset, number)
         empty = True
         for batch in loader:
             empty = False

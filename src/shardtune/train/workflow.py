@@ -62,6 +62,8 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     train_set, eval_set = prepare_datasets(tokenizer, config, engine)
     train_loader = build_loader(train_set, tokenizer, config.per_device_train_batch_size, engine, config, True)
     eval_loader = build_loader(eval_set, tokenizer, config.per_device_eval_batch_size, engine, config, False)
+    if train_loader is None:
+        raise RuntimeError("no training data loader: prepare_datasets returned no training set")
     if config.dataloader_drop_last and not is_stream(train_set) and len(train_loader) == 0:
         raise ConfigError(f"dataloader_drop_last (true): each rank has fewer than per_device_train_batch_size "
                           f"({config.per_device_train_batch_size}) samples, so no batch is left; turn it off or "

@@ -6,20 +6,40 @@ difference is noted on the entry (docs: docs/templates.md lists them all).
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from shardtune.data.templates.auto import TokenizerChatTemplate
 from shardtune.data.templates.base import Template
 from shardtune.data.templates.tools import GLM4_TOOLS, LLAMA3_TOOLS, MISTRAL_TOOLS, QWEN_TOOLS
 
-_CHATML: dict[str, str] = {
+
+class _TurnFormats(TypedDict):
+    """The turn layout several templates share, spread into ``Template(...)``."""
+
+    system_format: str
+    user_format: str
+    assistant_format: str
+    stop_word: str
+
+
+class _GemmaFormats(_TurnFormats):
+    """Gemma's turns plus its bos prefix and system prompt inside the first user turn."""
+
+    prefix: str
+    system_placement: str
+
+
+_CHATML: _TurnFormats = {
     "system_format": "<|im_start|>system\n{content}<|im_end|>\n",
     "user_format": "<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n",
     "assistant_format": "{content}<|im_end|>\n",
     "stop_word": "<|im_end|>",
 }
+_YI_TURNS: _TurnFormats = {**_CHATML, "system_format": "{content}"}  # chatml turns, bare system text
 GPT_OSS_DATE = "2025-08-05"  # gpt-oss's release date, pinned into its system block (see "gpt_oss")
 _LLAMA3_HEADER = "<|start_header_id|>{role}<|end_header_id|>\n\n"
 _LLAMA4_HEADER = "<|header_start|>{role}<|header_end|>\n\n"
-_GEMMA: dict[str, str] = {
+_GEMMA: _GemmaFormats = {
     "prefix": "{bos}",
     "system_format": "{content}\n\n",
     "system_placement": "first_user",
@@ -29,7 +49,7 @@ _GEMMA: dict[str, str] = {
 }
 
 
-def _llama3_turns(header: str, end: str) -> dict[str, str]:
+def _llama3_turns(header: str, end: str) -> _TurnFormats:
     return {
         "system_format": header.format(role="system") + "{content}" + end,
         "user_format": header.format(role="user") + "{content}" + end + header.format(role="assistant"),
@@ -156,7 +176,7 @@ TEMPLATES: dict[str, Template] = {
         tool_style=GLM4_TOOLS,
     ),
     # Yi-1.5-chat: the system text is written as is, before the first turn (no chatml block).
-    "yi": Template(name="yi", **{**_CHATML, "system_format": "{content}"}),
+    "yi": Template(name="yi", **_YI_TURNS),
     # Command-R: contents stripped (LLaMA-Factory does not strip).
     "cohere": Template(
         name="cohere",
