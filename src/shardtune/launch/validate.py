@@ -11,7 +11,7 @@ from shardtune import run_files
 from shardtune.config.schema import REPORT_TO, TrainConfig
 from shardtune.data.tokenized import is_saved
 from shardtune.errors import ConfigError, ModelError
-from shardtune.model.folder import model_folder_problems, read_config_json
+from shardtune.model.folder import model_config_json, model_folder_problems
 from shardtune.train.checkpoint_folders import checkpoint_problems, resume_source
 from shardtune.train.reporting import tracker_problems
 from shardtune.train.settings import resolved_packing
@@ -196,12 +196,12 @@ def file_problems(c: TrainConfig) -> list[str]:
 
 
 def attention_problems(c: TrainConfig) -> list[str]:
-    """A kernel the model cannot run, or packed rows it cannot keep apart under that kernel (a local model folder
-    with a chosen kernel; ``auto`` is resolved to a supported one before this runs)."""
+    """A kernel the model cannot run, or packed rows it cannot keep apart under that kernel (a model whose config
+    is here, a local folder or the hub cache, with a chosen kernel; ``auto`` is resolved before this runs)."""
     from shardtune.model.attention import AUTO, kernel_problem, kernel_support, packing_problem
 
     try:
-        config = read_config_json(c.model_name_or_path or "")
+        config = model_config_json(c.model_name_or_path)
     except ModelError:
         return []  # reported by the folder checks
     if config is None or c.attn_implementation == AUTO:
