@@ -5,6 +5,7 @@ Import-light: the engines themselves are engines/local.py and engines/ddp.py (on
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,12 +40,4 @@ LOCAL = EngineSpec(
     engine="shardtune.engines.ddp:DDPEngine",  # one process under a launcher (FORCE_TORCHRUN): DDP of one rank
     checkpoints=CHECKPOINTS,
 )
-DDP = EngineSpec(
-    kind="ddp",
-    describe=lambda plan: "ddp",
-    resolved_settings=lambda plan, config, layout: None,
-    refusals=_no_refusals,
-    memory_layout=lambda plan: MemoryLayout("DDP", "replicated"),
-    engine="shardtune.engines.ddp:DDPEngine",
-    checkpoints=CHECKPOINTS,
-)
+DDP = replace(LOCAL, kind="ddp", describe=lambda plan: "ddp")  # the same record: whole weights on every rank
