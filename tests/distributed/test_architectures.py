@@ -1,10 +1,13 @@
-"""Dense and tied-embedding families under every engine, 2 gloo processes on CPU against one process.
+"""Dense, tied-embedding and mixture-of-experts families under every engine, 2 gloo processes on CPU against one
+process.
 
 Per family x engine x (full, LoRA), one run of 6 steps with a checkpoint at step 3 proves three things: its per-step
 losses equal a 1-process run with the same global batch; the saved output reloads in plain transformers/peft with
 the logits of the 1-process trained model (a tied model still tied: one matrix in the files, ``lm_head`` the
 embedding after reload, also after ``shardtune export`` of the last checkpoint); and a copy of the run cut after
-checkpoint-3 resumes onto the same curve and saves the same model.
+checkpoint-3 resumes onto the same curve and saves the same model. The MoE families train with their router aux
+loss at the model's own coefficient (``assert_losses_match`` says how they are compared); that their ranks route to
+different experts without hanging is test_moe_engines.py's check (a worker that controls each rank's tokens).
 
 `make test` runs the slice in ``SLICE`` (each engine and each tied family at least once); the rest is marked
 ``matrix`` (`make test-matrix`). scripts/architecture_table.py renders this parametrization in the README.
@@ -12,18 +15,25 @@ checkpoint-3 resumes onto the same curve and saves the same model.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import run_cli
-from tests.distributed.helpers import ENGINE_KEYS, losses, train
+from tests.distributed.helpers import ENGINE_KEYS, logged, losses, train
 from tests.distributed.test_checkpoints import assert_resumed_like_finished, crash_after_first_checkpoint
+from tests.distributed.test_moe_engines import saved_model_loss
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 FAMILIES = ("qwen3", "gemma3", "gemma2", "mistral", "phi3", "glm4", "qwen2")  # llama: test_engines_cli.py
+# Trained as a user would: SFT without packing and the defaults. GPT-OSS needs eager attention (no sdpa, and
+# flash-attn would drop its sinks): the default flash_attn: auto picks it. Packed rows would refuse its aux loss
+# (one mask per layer type, train/loss.py), but sft does not pack unless asked.
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
+AUX_LOSS_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")  # DeepSeek-V3 balances its experts with a routing bias
 ENGINES = ENGINE_KEYS
 FINETUNING = ("full", "lora")
 # Steps 1-6 with a checkpoint after step 3 (what crash_after_first_checkpoint cuts at).
@@ -37,7 +47,7 @@ LOGITS_TOLERANCE = {"rtol": 2e-3, "atol": 2e-3}  # after 6 Adam steps; the losse
 def cases() -> list:
     return [pytest.param(family, engine, finetuning, id=f"{family}-{engine}-{finetuning}",
                          marks=() if (family, engine, finetuning) in SLICE else pytest.mark.matrix)
-            for family in FAMILIES for engine in ENGINES for finetuning in FINETUNING]
+            for family in (*FAMILIES, *MOE_FAMILIES) for engine in ENGINES for finetuning in FINETUNING]
 
 
 @pytest.fixture(scope="session")
@@ -53,6 +63,43 @@ def one_process(arch_model_dir, tmp_path_factory):
         return found[family, finetuning]
 
     return run
+
+
+def assert_losses_match(two: Path, one: Path, family: str, base: Path) -> None:
+    """Per-step losses of the 2-process run equal the 1-process run's.
+
+    An MoE total is LM loss + coef x router aux loss. The LM part is batch-invariant (a token sum over the global
+    token count), but the aux loss is a mean over micro-batches of a per-micro-batch statistic, and one process with
+    4 rows per micro-batch groups the rows differently from two processes with 2: it differs by a few percent. So
+    the LM part (total - coef x aux, the model's own coef) is compared at the dense families' parity tolerance and
+    the aux loss loosely. That the aux term reaches the gradients at its scale is test_moe_engines.py's check,
+    where one process replays the ranks' micro-batches exactly.
+    """
+    if family not in AUX_LOSS_FAMILIES:
+        assert logged(two, "aux_loss") == logged(one, "aux_loss") == []
+        assert losses(two) == pytest.approx(losses(one), rel=2e-3)
+        return
+    coef = json.loads((base / "config.json").read_text())["router_aux_loss_coef"]
+    aux = {run: logged(run, "aux_loss") for run in (one, two)}
+    lm = {run: [total - coef * a for total, a in zip(losses(run), aux[run], strict=True)] for run in (one, two)}
+    assert len(aux[two]) == len(losses(two)) and all(a > 0 for a in aux[two])
+    assert lm[two] == pytest.approx(lm[one], rel=2e-3)
+    assert aux[two] == pytest.approx(aux[one], rel=5e-2)
+
+
+def assert_predicts_like_one_process(model: torch.nn.Module, two: Path, one: Path, base: Path, family: str,
+                                     finetuning: str) -> None:
+    """The reloaded 2-process output predicts as the 1-process one: the same logits, or for a family with a router
+    aux loss the same LM loss on fixed ids (as test_moe_engines.py's CLI test). Their aux gradients differ slightly
+    (see assert_losses_match), and after 6 Adam steps single logits differ by up to ~2e-2 (measured: qwen3_moe,
+    ZeRO-2 full; with moe_aux_loss_coef: 0 the same runs match to 2e-6). The tight checks of these outputs are the
+    export and resume ones below, which compare 2-process models with each other."""
+    if family not in AUX_LOSS_FAMILIES:
+        torch.testing.assert_close(logits(model), logits(reloaded(one, base, finetuning)), **LOGITS_TOLERANCE)
+        return
+    ids = torch.randint(5, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+    assert saved_model_loss(two, base, finetuning, ids) == pytest.approx(
+        saved_model_loss(one, base, finetuning, ids), rel=2e-3)
 
 
 def logits(model: torch.nn.Module) -> torch.Tensor:
@@ -91,10 +138,10 @@ def test_family_under_engine_matches_one_process_saves_and_resumes(family, engin
     finished, crashed = tmp_path / "finished", tmp_path / "crashed"
     results = train(base, finished, finetuning, 2, 2, *RUN, *ENGINES[engine])
     assert results["world_size"] == 2
-    assert losses(finished) == pytest.approx(losses(reference), rel=2e-3)
+    assert_losses_match(finished, reference, family, base)
 
     model = reloaded(finished, base, finetuning)
-    torch.testing.assert_close(logits(model), logits(reloaded(reference, base, finetuning)), **LOGITS_TOLERANCE)
+    assert_predicts_like_one_process(model, finished, reference, base, family, finetuning)
     if finetuning == "full":
         assert_tied_as_configured(model, finished)
         exported = tmp_path / "exported"
