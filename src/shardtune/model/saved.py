@@ -25,22 +25,18 @@ def count_saved_parameters(folder: Path) -> int:
 
 
 def expected_saved_parameters(model: Any, state_dict: dict[str, Any] | None = None) -> int:
-    """What save_pretrained should write: the adapter tensors for a peft model, else every (untied) parameter."""
-    if state_dict is not None:
-        named = state_dict.items()
-    else:
-        named = ((n, p) for n, p in model.named_parameters())  # shared tensors appear once
+    """What save_pretrained should write: the adapter tensors for a peft model, else every tensor of the state dict
+    once (tied ones share a tensor; persistent buffers are written too, e.g. DeepSeek-V3's routing bias)."""
     if hasattr(model, "peft_config"):
+        named = state_dict.items() if state_dict is not None else model.named_parameters()
         return sum(t.numel() for n, t in named if is_adapter_tensor(n))
-    if state_dict is not None:
-        seen: set[int] = set()
-        total = 0
-        for tensor in state_dict.values():
-            if tensor.data_ptr() not in seen:
-                seen.add(tensor.data_ptr())
-                total += tensor.numel()
-        return total
-    return sum(t.numel() for _, t in named)
+    seen: set[int] = set()
+    total = 0
+    for tensor in (model.state_dict() if state_dict is None else state_dict).values():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel()
+    return total
 
 
 def share_tied_tensors(model: Any, state: dict[str, Any]) -> dict[str, Any]:
