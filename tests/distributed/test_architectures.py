@@ -40,9 +40,12 @@ ENGINES = ENGINE_KEYS
 FINETUNING = ("full", "lora")
 # Steps 1-6 with a checkpoint after step 3 (what crash_after_first_checkpoint cuts at).
 RUN = ("max_steps=6", "save_strategy=steps", "save_steps=3")
-# In `make test`: every engine, both tied families, full and LoRA each at least twice.
+# In `make test`: every engine, both tied families, full and LoRA each at least twice; two MoE families (latent
+# attention, a routing-bias buffer in the saved files; sinks, eager attention, expert biases under ZeRO-3 LoRA);
+# Qwen3-MoE is in make test through test_moe_engines.py.
 SLICE = {("qwen3", "zero3", "full"), ("qwen3", "fsdp2", "lora"), ("gemma3", "fsdp1", "full"),
-         ("mistral", "zero2", "full"), ("phi3", "ddp", "lora")}
+         ("mistral", "zero2", "full"), ("phi3", "ddp", "lora"), ("deepseek_v3", "zero2", "full"),
+         ("gpt_oss", "zero3", "lora")}
 LOGITS_TOLERANCE = {"rtol": 2e-3, "atol": 2e-3}  # after 6 Adam steps; the losses match to 2e-3 relative
 
 
