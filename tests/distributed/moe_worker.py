@@ -2,6 +2,9 @@
 experts each rank's router chose, and writes per-step metrics as JSON.
 
     torchrun --standalone --nproc-per-node 2 moe_worker.py --model DIR --out DIR --cases z3_full,fsdp2_lora,...
+
+A case is ``<engine>_<finetuning>``: engine one of ENGINES (DDP, DeepSpeed ZeRO-2/ZeRO-3, FSDP2, FSDP1), finetuning
+``full`` or ``lora``.
     python moe_worker.py --model DIR --out DIR --reference
 
 The two ranks draw token ids from disjoint halves of the vocabulary, so their routers see different inputs and
@@ -31,7 +34,7 @@ STEPS = 3
 SEQ_LEN = 16
 COEF = 0.1  # the router aux loss coefficient (the tiny model's own is 0.001: too small to see in the loss)
 OPTIMIZER = OptimizerSettings(learning_rate=1e-3, weight_decay=0.0)
-ENGINES = ("ddp", "z3", "fsdp2")
+ENGINES = ("ddp", "z2", "z3", "fsdp2", "fsdp1")
 
 
 def build_model(model_dir: str, finetuning: str) -> torch.nn.Module:
@@ -118,11 +121,12 @@ def make_engine(kind: str, ctx: object) -> Engine:
         from shardtune.engines.ddp import DDPEngine
 
         return DDPEngine(PrecisionSettings(), ctx)
-    if kind == "fsdp2":
+    if kind in ("fsdp2", "fsdp1"):
         from shardtune.engines.fsdp import FSDPEngine
         from shardtune.engines.fsdp_config import FsdpSettings
 
-        return FSDPEngine(FsdpSettings(version=2), PrecisionSettings(), ctx)
+        return FSDPEngine(FsdpSettings(version=int(kind[-1])), PrecisionSettings(), ctx)
+    assert kind in ("z2", "z3"), kind
     from shardtune.engines.deepspeed import DeepSpeedEngine
     from shardtune.engines.deepspeed_config import DeepSpeedInputs, build_deepspeed_config
     from shardtune.world import WorldLayout

@@ -3,11 +3,13 @@
 The tiny Qwen3-MoE (4 experts, top-2, fused 3-D expert weights) trains with each rank on tokens from its own half
 of the vocabulary, so the ranks' routers choose different experts (counted by a hook in the worker). Checked: the
 per-step loss (LM loss + coef x router aux loss) and the aux loss itself equal the one-process run of the same
-micro-batches; ZeRO-3 registers the sparse block as a leaf and does not hang; FSDP2 shards the fused expert
-weights along the expert dimension. Mixtral, DeepSeek-V3 (a dense first layer, shared experts, no aux loss:
-its routing bias balances the experts) and GPT-OSS run the same checks in the matrix. CLI runs check the product
-path: the per-expert checkpoint filled into fused weights by the sharding engines, aux_loss logged next to loss,
-the saved output reloaded by plain transformers/peft.
+micro-batches under every engine (DDP, ZeRO-2, ZeRO-3, FSDP2, FSDP1; full and LoRA but FSDP1's), and no engine
+hangs; ZeRO-3 registers the sparse block as a leaf; FSDP2 shards the fused expert weights along the expert
+dimension.
+Mixtral, DeepSeek-V3 (a dense first layer, shared experts, no aux loss: its routing bias balances the experts) and
+GPT-OSS run the same checks in the matrix. CLI runs check the product path: the per-expert checkpoint filled into
+fused weights by the sharding engines, aux_loss logged next to loss, the saved output reloaded by plain
+transformers/peft (every MoE family x engine x finetuning, with resume: test_architectures.py).
 """
 
 from __future__ import annotations
@@ -28,8 +30,12 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 WORKER = Path(__file__).resolve().parent / "moe_worker.py"
 RTOL = 1e-5  # same micro-batches, same windows: only the engines' reduction order differs
-REPRESENTATIVE = ("z3_full", "fsdp2_lora")  # launched together in `make test`
-MATRIX = ("ddp_full", "ddp_lora", "z3_lora", "fsdp2_full")
+# Launched together in `make test` (one process group; about 2 s per case): every engine once.
+REPRESENTATIVE = ("z3_full", "fsdp2_lora", "z2_lora", "fsdp1_full", "ddp_full")
+# With the representative ones: every engine (DDP, ZeRO-2, ZeRO-3, FSDP2, FSDP1) x (full, LoRA) on Qwen3-MoE, but
+# FSDP1 LoRA, which refuses LoRA on fused expert weights (test_architectures.py checks the refusal, and FSDP1 LoRA
+# of the attention projections of every MoE family)
+MATRIX = ("ddp_lora", "z3_lora", "fsdp2_full", "z2_full")
 
 
 def run_worker(args: list[str], timeout: float) -> None:

@@ -45,8 +45,8 @@ from shardtune.engines.fsdp_qlora import (
 from shardtune.engines.safe_load import load_dcp_weights_only
 from shardtune.engines.sharded_loading import ShardedLoad, fill_fully_sharded, fsdp1_param_init
 from shardtune.engines.torch_native import SCHEDULER_FILE, TorchEngine
-from shardtune.errors import ModelError
-from shardtune.model.adapters import save_lora_adapter
+from shardtune.errors import ConfigError, ModelError
+from shardtune.model.adapters import parametrized_lora_weights, save_lora_adapter
 from shardtune.model.saved import as_saves_pretrained, expected_saved_parameters, share_tied_tensors, verify_saved
 from shardtune.world import WorldLayout
 
@@ -104,6 +104,7 @@ class FSDPEngine(DistributedMixin, TorchEngine):
             if self.loading is not None:
                 fill_fully_sharded(self.model, self.loading, self.storage_device)
         else:
+            refuse_fsdp1_parametrized_lora(model)
             init = fsdp1_param_init(model, self.loading) if self.loading is not None else None
             self.model = wrap_fsdp1(model, self.settings, self.mesh, self.device, self.param_cast_dtype, init,
                                     extra_units=fsdp1_lora_units(model) if self.quantized else [])
@@ -372,6 +373,20 @@ def wrap_fsdp1(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, device
         use_orig_params=fsdp1_uses_orig_params(s, mesh, bool(extra_units)),
         device_mesh=mesh if s.is_hybrid else None,
     )
+
+
+def refuse_fsdp1_parametrized_lora(model: torch.nn.Module) -> None:
+    """LoRA on fused expert weights cannot train under FSDP1: peft re-registers its parametrization on every
+    forward, which sets the weight onto itself in place, and FSDP1's weights are views split from one flat
+    parameter, which autograd then refuses ("a view of a multi-output view modified inplace"). FSDP2 keeps each
+    weight its own tensor."""
+    adapted = parametrized_lora_weights(model)
+    if adapted:
+        raise ConfigError(
+            f"fsdp_config (fsdp_version: 1) with finetuning_type: lora on fused expert weights ({adapted[0]}"
+            f"{f' and {len(adapted) - 1} more' if len(adapted) > 1 else ''}): peft adapts them through a "
+            "parametrization that FSDP1's flattened parameters do not allow; use fsdp_version: 2 or deepspeed, or a "
+            "lora_target without the expert weights (e.g. the attention projections)")
 
 
 def fsdp1_uses_orig_params(s: FsdpSettings, mesh: DeviceMesh, has_frozen_units: bool) -> bool:

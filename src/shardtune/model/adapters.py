@@ -188,6 +188,15 @@ def report_unadapted_linears(model: Any, requested: LoraTargets) -> None:
               f"(e.g. {missed[0]})", flush=True)
 
 
+def parametrized_lora_weights(model: Any) -> list[str]:
+    """Full names of the weights LoRA adapts through a parametrization (fused expert weights, peft's
+    ``target_parameters``) instead of by wrapping a Linear layer: peft registers it anew on every forward."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    return [f"{name}.{module.parameter_name}" for name, module in model.named_modules()
+            if isinstance(module, ParamWrapper)]
+
+
 def _module_class(model: Any, names: set[str], short: str) -> str:
     modules = dict(model.named_modules())
     return next(type(modules[n]).__name__ for n in sorted(names) if n.rsplit(".", 1)[-1] == short)
