@@ -27,7 +27,7 @@ def plan_engine(c: TrainConfig, world_size: int, has_cuda: bool) -> tuple[Engine
     """Pick DeepSpeed / FSDP when configured, DDP for several processes, else local; list every problem."""
     plan, problems = _choose_engine(c, world_size, has_cuda)
     return plan, (problems + quantization_problems(c, plan, has_cuda) + adapter_problems(c, plan)
-                  + optimizer_problems(c, plan))
+                  + optimizer_problems(c, plan) + reference_model_problems(c, plan))
 
 
 # Why each LLaMA-Factory optimizer replacement needs whole (replicated) weights: one process or DDP.
@@ -68,6 +68,20 @@ def adapter_problems(c: TrainConfig, plan: EnginePlan) -> list[str]:
                         "that layer's forward, where ZeRO-3 holds only a partition; use fsdp (full_shard auto_wrap, "
                         "fsdp_version 2) to shard a DoRA run, or ZeRO-2")
     return problems
+
+
+def reference_model_problems(c: TrainConfig, plan: EnginePlan) -> list[str]:
+    """dpo/kto without LoRA keep a frozen copy of the model as the reference: a plain replica on every rank. Where
+    the policy is sharded that copy would be whole on each rank, so it is refused until the reference is sharded
+    the same way."""
+    needs_copy = (c.stage == "kto" or (c.stage == "dpo" and c.pref_loss not in ("orpo", "simpo"))) \
+        and c.finetuning_type != "lora"
+    if not needs_copy or not (plan.kind == "fsdp" or (plan.kind == "deepspeed" and _zero_stage(plan) == 3)):
+        return []
+    return [f"stage {c.stage} with finetuning_type {c.finetuning_type} under {_engine_label(plan)}: the frozen "
+            "reference copy is not sharded yet and would be held whole on every rank; use finetuning_type: lora "
+            "(the reference is the model with adapters off), pref_loss orpo or simpo (no reference), or DDP / "
+            "ZeRO-0/1/2"]
 
 
 def _engine_label(plan: EnginePlan) -> str:

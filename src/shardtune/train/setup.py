@@ -132,9 +132,12 @@ def build_loader(dataset: Any, tokenizer: Any, batch_size: int, engine: Engine, 
     if dataset is None:
         return None
     from shardtune.data import DataCollator
+    from shardtune.data.collator import PairCollator
 
-    collator = DataCollator(tokenizer.pad_token_id, attn_implementation=c.attn_implementation,
-                            window_by_layer_type=model_layer_windows(c))
+    collator: Any = DataCollator(tokenizer.pad_token_id, attn_implementation=c.attn_implementation,
+                                 window_by_layer_type=model_layer_windows(c))
+    if c.stage in ("dpo", "kto", "rm"):  # chosen and rejected rows (kto: answers and KL rows) in one batch
+        collator = PairCollator(collator)
     if is_stream(dataset):  # already this rank's share, shuffled by its buffer
         return DataLoader(dataset, batch_size=batch_size, collate_fn=collator,
                           **loader_options(c, torch.cuda.is_available()))

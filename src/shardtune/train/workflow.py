@@ -19,7 +19,15 @@ from shardtune.engines.base import Engine
 from shardtune.errors import ConfigError
 from shardtune.train import checkpoint
 from shardtune.train.checkpoint import resume_source
-from shardtune.train.loop import LoopSettings, TrainState, evaluate, run_loop, steps_per_epoch, total_training_steps
+from shardtune.train.loop import (
+    LoopSettings,
+    Objective,
+    TrainState,
+    evaluate,
+    run_loop,
+    steps_per_epoch,
+    total_training_steps,
+)
 from shardtune.train.optim import build_optimizer, build_scheduler, parameter_names, warmup_steps_for
 from shardtune.train.pissa import PissaConversion
 from shardtune.train.reporting import LOG_FILE, Reporter, plot_loss
@@ -37,6 +45,9 @@ from shardtune.train.setup import (
 from shardtune.train.throughput import ThroughputMeter
 
 RESULTS_FILE = "train_results.json"
+# Metrics the log record has its own fields for; any other metric of a step (a preference objective's rewards/...,
+# logps/..., kl) is written beside them.
+LOGGED_METRICS = ("loss", "grad_norm", "tokens", "seconds", "aux_loss")
 RESOLVED_CONFIG_FILE = "shardtune_config.json"
 
 
@@ -66,7 +77,8 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
                           "use more data")
     loop = loop_settings(config, train_micro_batches(train_loader, config), eval_loader is not None)
     model = engine.build_model(model_source(*model_config(config), tokenizer_size=len(tokenizer)))
-    loop = dataclasses.replace(loop, router_aux_loss_coef=router_aux_setting(model, config, engine.is_main))
+    loop = dataclasses.replace(loop, router_aux_loss_coef=router_aux_setting(model, config, engine.is_main),
+                               objective=preference_objective(config, model, engine))
     # Before the engine touches the weights (ZeRO casts them to bf16): the adapter exactly as initialised.
     pissa = PissaConversion.start(model, output_dir, engine.is_main) if config.pissa_convert else None
     engine.prepare(
@@ -80,7 +92,7 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
         memory.mark_setup_done()
     state = start_state(engine, config, output_dir)
     hooks = RunHooks(engine, config, output_dir, loop.total_steps, eval_loader, state.global_step,
-                     stop or StopRequest())
+                     stop or StopRequest(), loop.objective)
     hooks.meter.start()
     state = run_loop(engine, epoch_batches_for(train_loader), loop, state, hooks)
     if state.interrupted:
@@ -184,12 +196,36 @@ def loop_settings(c: TrainConfig, micro_batches: int, has_eval: bool) -> LoopSet
     )
 
 
+def preference_objective(c: TrainConfig, model: torch.nn.Module, engine: Engine) -> Objective | None:
+    """dpo/kto: the preference step and its reference (made here, before the engine wraps the model)."""
+    if c.stage not in ("dpo", "kto"):
+        return None
+    from shardtune.train.preference import PreferenceSettings
+    from shardtune.train.preference_step import PreferenceObjective, build_reference
+
+    settings = PreferenceSettings(loss=c.pref_loss, beta=c.pref_beta, ftx=c.pref_ftx, simpo_gamma=c.simpo_gamma,
+                                  label_smoothing=c.dpo_label_smoothing, kto_chosen_weight=c.kto_chosen_weight,
+                                  kto_rejected_weight=c.kto_rejected_weight)
+    reference = build_reference(model, c.finetuning_type, settings, engine.device)
+    if engine.is_main:
+        where = {"none": "none (the loss compares the policy with itself)",
+                 "adapters_off": "the model with its LoRA adapters off (no copy)",
+                 "copy": "a frozen copy of the model on every rank"}[reference.kind]
+        print(f"[shardtune] stage {c.stage}" + (f", pref_loss {c.pref_loss}" if c.stage == "dpo" else "")
+              + f"; reference model: {where}; log-probabilities from the full logits (loss_chunk_size does not "
+              "apply)", flush=True)
+    return PreferenceObjective(c.stage, settings, reference)
+
+
 def router_aux_setting(model: torch.nn.Module, c: TrainConfig, is_main: bool) -> float | None:
     """The router auxiliary loss coefficient training adds (MoE models), said in the run log."""
     from shardtune.model.moe import has_router_aux_loss, router_aux_loss_coef
 
     model_config = getattr(model, "config", None)
     coef = router_aux_loss_coef(model_config, c.moe_aux_loss_coef)
+    if coef is not None and c.stage in ("dpo", "kto"):
+        raise ConfigError(f"moe_aux_loss_coef ({coef:g}): stage {c.stage} does not add the router auxiliary loss "
+                          "yet; set moe_aux_loss_coef: 0 to train this mixture-of-experts model without it")
     if is_main and coef is not None:
         print(f"[shardtune] mixture of experts: loss = LM loss + {coef:g} x router aux_loss (logged as aux_loss)",
               flush=True)
@@ -249,6 +285,7 @@ class RunHooks:
     eval_loader: Any
     start_step: int = 0
     stop: StopRequest = field(default_factory=StopRequest)
+    objective: Objective | None = None
 
     def __post_init__(self) -> None:
         self.reporter = Reporter(self.output_dir, self.total_steps, enabled=self.engine.is_main,
@@ -271,6 +308,7 @@ class RunHooks:
         extra: dict[str, Any] = {} if seen is None else {"num_input_tokens_seen": seen}
         if "aux_loss" in metrics:
             extra["aux_loss"] = round(metrics["aux_loss"], 6)
+        extra.update({key: round(value, 6) for key, value in metrics.items() if key not in LOGGED_METRICS})
         record = self.reporter.log(state.global_step, state.epoch, self.engine.current_lr(), metrics, extra or None)
         state.loss_history.append({"step": state.global_step, "loss": record["loss"]})
 
@@ -286,9 +324,13 @@ class RunHooks:
 
     def on_evaluate(self, state: TrainState) -> None:
         if self.eval_loader is not None:
-            self.reporter.log_eval(state.global_step, state.epoch, evaluate(
-                self.engine, self.eval_loader, self.config.loss_chunk_size, self.config.label_smoothing_factor))
+            self.reporter.log_eval(state.global_step, state.epoch, self.eval_loss())
         self.meter.start()
+
+    def eval_loss(self) -> float:
+        if self.objective is not None:
+            return self.objective.evaluate(self.engine, self.eval_loader)
+        return evaluate(self.engine, self.eval_loader, self.config.loss_chunk_size, self.config.label_smoothing_factor)
 
 
 def run_name(c: TrainConfig, output_dir: Path) -> str:
@@ -318,7 +360,7 @@ def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path,
         "trainable_parameter_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in engine.iter_trainable()}),
     }
     if hooks.eval_loader is not None:
-        results["eval_loss"] = evaluate(engine, hooks.eval_loader, c.loss_chunk_size, c.label_smoothing_factor)
+        results["eval_loss"] = hooks.eval_loss()
     if state.input_tokens_seen(c.include_num_input_tokens_seen) is not None:
         results["num_input_tokens_seen"] = state.input_tokens_seen(c.include_num_input_tokens_seen)
     if memory is not None:

@@ -1,0 +1,191 @@
+"""One optimizer step of a preference stage (dpo, kto) on any engine, and where the reference comes from.
+
+A micro-batch holds ``pairs`` chosen rows then the same number of rejected rows (dpo), or the answers then their
+KL rows (kto), padded together (``data.collator.PairCollator``). The policy scores the rows in one forward; the
+reference scores them first, without gradients:
+
+* LoRA: the policy itself with its adapters switched off (peft's ``disable_adapter``), called through the
+  engine's wrapper so that sharded weights are gathered as in training: no second copy of the model.
+* full / freeze: a frozen copy made before the engine wraps the policy, a plain replica on every rank (refused
+  before launch where the policy is sharded: engines/plan.py ``reference_model_problems``).
+* ORPO and SimPO: no reference at all.
+
+The loss of each micro-batch is its summed per-pair loss over the number of pairs in the whole window across
+ranks (times the engine's factor that undoes its gradient averaging), so accumulation and data parallelism give
+the update of one big batch, as the SFT loop does with tokens. KTO's KL reference point is estimated once per
+window over every rank's KL rows (TRL and LLaMA-Factory estimate it per micro-batch, the same when a window is one
+micro-batch per rank of equal size), so the step does not depend on how the window is split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardtune.engines.base import Engine
+from shardtune.errors import ModelError
+from shardtune.train.loop import MODEL_INPUTS, Batch, count_input_tokens, to_device
+from shardtune.train.preference import (
+    LossOutput,
+    PairLogps,
+    PreferenceSettings,
+    kto_losses,
+    preference_loss,
+    sequence_logps,
+)
+
+PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                "logps/rejected")
+ORPO_METRICS = ("sft_loss", "odds_ratio_loss")
+KTO_METRICS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "kl")
+
+
+@dataclass
+class Reference:
+    """How reference log-probabilities are computed: ``adapters_off`` (LoRA), ``copy`` (a frozen model) or
+    ``none`` (ORPO, SimPO)."""
+
+    kind: str
+    model: torch.nn.Module | None = None
+
+    def logps(self, engine: Engine, inputs: dict[str, Any], labels: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad(), self._switched(engine), engine.autocast():
+            model = self.model if self.kind == "copy" else engine.model
+            assert model is not None
+            logits = model(**inputs, use_cache=False).logits
+            return sequence_logps(logits, labels)
+
+    def _switched(self, engine: Engine) -> contextlib.AbstractContextManager:
+        if self.kind != "adapters_off":
+            return contextlib.nullcontext()
+        peft_model = engine.unwrapped_model()
+        disable = getattr(peft_model, "disable_adapter", None)
+        if disable is None:
+            raise ModelError(f"the reference of a LoRA run is the model with its adapters off, but the engine's "
+                             f"model ({type(peft_model).__name__}) has no disable_adapter(); use finetuning_type full")
+        return disable()
+
+
+def build_reference(model: torch.nn.Module, finetuning_type: str, settings: PreferenceSettings,
+                    device: torch.device) -> Reference:
+    """The reference for ``model`` before the engine wraps it (see the module docstring)."""
+    if not settings.needs_reference:
+        return Reference("none")
+    if finetuning_type == "lora":
+        return Reference("adapters_off")
+    frozen = copy.deepcopy(model).to(device).eval()
+    frozen.requires_grad_(False)
+    return Reference("copy", frozen)
+
+
+def rows(batch: Batch, start: int, stop: int) -> dict[str, Any]:
+    """The model inputs of rows [start, stop) of a padded batch."""
+    return {k: v[start:stop] for k, v in batch.items() if k in MODEL_INPUTS and isinstance(v, torch.Tensor)}
+
+
+@dataclass
+class PreferenceObjective:
+    """The dpo or kto objective the loop calls instead of the token loss."""
+
+    stage: str
+    settings: PreferenceSettings
+    reference: Reference
+
+    @property
+    def metric_keys(self) -> tuple[str, ...]:
+        if self.stage == "kto":
+            return KTO_METRICS
+        return PAIR_METRICS + (ORPO_METRICS if self.settings.loss == "orpo" else ())
+
+    def train_step(self, engine: Engine, window: list[Batch], max_grad_norm: float) -> dict[str, float]:
+        """Forward/backward every micro-batch of one window, one optimizer step; metrics averaged over all pairs."""
+        window = [to_device(b, engine.device) for b in window]
+        pairs = engine.all_reduce_sum(torch.tensor(float(sum(b["pairs"] for b in window)), device=engine.device))
+        denominator = torch.clamp(pairs, min=1.0)
+        kl = self.window_kl(engine, window) if self.stage == "kto" else None
+        totals = MetricTotals(self.metric_keys, engine.device)
+        for i, batch in enumerate(window):
+            reference = self.reference_logps(engine, batch)
+            with engine.accumulation_context(is_last_micro_batch=i == len(window) - 1), engine.autocast():
+                out = self.batch_losses(engine.model, batch, reference, kl)
+            engine.backward(out.losses.sum() * engine.loss_scale_for_mean_reduction / denominator)
+            totals.add(out)
+        grad_norm = engine.step(max_grad_norm)
+        found = totals.reduced(engine)
+        counts = engine.all_reduce_sum(torch.tensor(
+            [float(sum(count_input_tokens(b) for b in window)), float(sum(b["input_ids"].numel() for b in window))],
+            device=engine.device))
+        return {**found, "grad_norm": grad_norm, "tokens": float(counts[0]),
+                "slots": float(counts[1]), "trainable_tokens": float(pairs)}
+
+    @torch.no_grad()
+    def evaluate(self, engine: Engine, batches: Iterable[Batch]) -> float:
+        """Mean per-pair loss over the eval data, over all ranks."""
+        engine.model.eval()
+        totals = MetricTotals(self.metric_keys, engine.device)
+        for batch in batches:
+            batch = to_device(batch, engine.device)
+            kl = self.window_kl(engine, [batch]) if self.stage == "kto" else None
+            with engine.autocast():
+                totals.add(self.batch_losses(engine.model, batch, self.reference_logps(engine, batch), kl))
+        engine.model.train()
+        return totals.reduced(engine)["loss"]
+
+    def reference_logps(self, engine: Engine, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Reference log-probabilities of the rows the loss compares (dpo: all; kto: the answers)."""
+        if self.reference.kind == "none":
+            return None
+        stop = batch["pairs"] if self.stage == "kto" else batch["input_ids"].shape[0]
+        return self.reference.logps(engine, rows(batch, 0, stop), batch["labels"][:stop])
+
+    def batch_losses(self, model: torch.nn.Module, batch: Batch, reference: tuple[torch.Tensor, torch.Tensor] | None,
+                     kl: torch.Tensor | None) -> LossOutput:
+        n = batch["pairs"]
+        stop = n if self.stage == "kto" else 2 * n
+        logits = model(**rows(batch, 0, stop), use_cache=False).logits
+        summed, lengths = sequence_logps(logits, batch["labels"][:stop])
+        if self.stage == "kto":
+            assert reference is not None and kl is not None
+            return kto_losses(self.settings, summed, reference[0], batch["kto_tag"], kl)
+        policy = PairLogps(summed[:n], summed[n:], lengths[:n], lengths[n:])
+        ref = None if reference is None else PairLogps(reference[0][:n], reference[0][n:], lengths[:n], lengths[n:])
+        return preference_loss(self.settings, policy, ref)
+
+    def window_kl(self, engine: Engine, window: list[Batch]) -> torch.Tensor:
+        """KTO's reference point: the mean log-ratio of every rank's KL rows in the window, clamped at 0."""
+        total = torch.zeros(2, device=engine.device, dtype=torch.float64)
+        for batch in window:
+            n, end = batch["pairs"], batch["input_ids"].shape[0]
+            inputs, labels = rows(batch, n, end), batch["labels"][n:end]
+            with torch.no_grad(), engine.autocast():
+                policy, _ = sequence_logps(engine.model(**inputs, use_cache=False).logits, labels)
+            reference, _ = self.reference.logps(engine, inputs, labels)
+            total += torch.stack([(policy - reference).sum().double(), torch.tensor(float(n), device=engine.device,
+                                                                                    dtype=torch.float64)])
+        total = engine.all_reduce_sum(total)
+        return (total[0] / torch.clamp(total[1], min=1.0)).clamp(min=0).float()
+
+
+class MetricTotals:
+    """Sums and counts of the loss and each metric over a window, reduced over ranks in one call."""
+
+    def __init__(self, keys: tuple[str, ...], device: torch.device) -> None:
+        self.keys = ("loss", *keys)
+        self.sums = torch.zeros(2 * len(self.keys), device=device, dtype=torch.float64)
+
+    def add(self, out: LossOutput) -> None:
+        values = {"loss": out.losses.detach(), **out.metrics}
+        for i, key in enumerate(self.keys):
+            value = values[key].detach().double().reshape(-1)
+            self.sums[2 * i] += value.sum()
+            self.sums[2 * i + 1] += value.numel()
+
+    def reduced(self, engine: Engine) -> dict[str, float]:
+        summed = engine.all_reduce_sum(self.sums).tolist()
+        return {key: summed[2 * i] / max(summed[2 * i + 1], 1.0) for i, key in enumerate(self.keys)}
