@@ -55,11 +55,22 @@ class Reference:
 
     def logps(self, engine: Engine, inputs: dict[str, Any], labels: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kind == "copy":
+            self._match_policy_dtype(engine)
         with torch.no_grad(), self._switched(engine), engine.autocast():
             model = self.model if self.kind == "copy" else engine.model
             assert model is not None
             logits = model(**inputs, use_cache=False).logits
             return sequence_logps(logits, labels)
+
+    def _match_policy_dtype(self, engine: Engine) -> None:
+        """Engines may cast the policy after the copy was made (DeepSpeed bf16 holds bf16 weights): the copy follows,
+        so that the reference computes what the untrained policy would."""
+        assert self.model is not None
+        policy = next((p for p in engine.unwrapped_model().parameters() if p.is_floating_point()), None)
+        current = next((p for p in self.model.parameters() if p.is_floating_point()), None)
+        if policy is not None and current is not None and policy.dtype != current.dtype:
+            self.model.to(policy.dtype)
 
     def _switched(self, engine: Engine) -> contextlib.AbstractContextManager:
         if self.kind != "adapters_off":
