@@ -107,3 +107,14 @@ def test_a_preference_dataset_for_sft_and_a_sharded_full_reference_are_refused(t
     result = run_cli("train", DPO, f"model_name_or_path={tiny_model_dir}", f"output_dir={tmp_path / 'y'}",
                      "dataset=demo")
     assert result.returncode == 2 and "not a ranking dataset" in result.stdout + result.stderr
+    result = run_cli("estimate", DPO, f"model_name_or_path={tiny_model_dir}", "--gpu-memory", "80GiB")
+    assert result.returncode == 2 and "stage dpo is not modelled yet" in result.stdout + result.stderr
+
+
+def test_sharegpt_pairs_with_an_eval_split(tiny_model_dir, tmp_path):
+    out = tmp_path / "eval"
+    train(DPO, tiny_model_dir, out, "dataset=demo_dpo_sharegpt", "val_size=4", "do_eval=true",
+          "eval_strategy=steps", "eval_steps=3", "max_steps=6", *QUICK)
+    evals = [r["eval_loss"] for r in read_log(out) if "eval_loss" in r]
+    assert len(evals) == 2 and evals[1] < evals[0] < math.log(2)  # log 2: the untrained policy
+    assert json.loads((out / "train_results.json").read_text())["eval_loss"] == pytest.approx(evals[-1], rel=1e-5)
