@@ -137,6 +137,7 @@ def test_what_is_not_done_yet_is_refused_with_its_reason() -> None:
     assert any("stage rm" in p for p in problems_for(stage="rm"))
     assert any("engine (auto)" in p for p in problems_for(engine="auto"))
     assert any("label_smoothing_factor" in p for p in problems_for(label_smoothing_factor=0.1))
+    assert any("precompute_ref_log_probs" in p for p in problems_for(precompute_ref_log_probs=True, pref_loss="orpo"))
 
 
 @pytest.mark.parametrize("engine_keys", [{"deepspeed": "z3"}, {"fsdp": "full_shard auto_wrap"}])
@@ -144,6 +145,32 @@ def test_a_full_reference_copy_is_refused_where_the_policy_is_sharded(engine_key
     full = build_config({**BASE, "finetuning_type": "full", **engine_keys})
     _, problems = plan_engine(full, world_size=2, has_cuda=False)
     assert any("frozen reference copy is not sharded yet" in p for p in problems)
-    for allowed in ({"finetuning_type": "lora"}, {"finetuning_type": "full", "pref_loss": "orpo"}):
+    for allowed in ({"finetuning_type": "lora"}, {"finetuning_type": "full", "pref_loss": "orpo"},
+                    {"finetuning_type": "full", "precompute_ref_log_probs": True}):
         _, problems = plan_engine(build_config({**BASE, **allowed, **engine_keys}), world_size=2, has_cuda=False)
         assert not any("reference copy" in p for p in problems)
+
+
+@pytest.mark.parametrize(("stage", "lora"), [("dpo", False), ("dpo", True), ("kto", True)])
+def test_precomputed_reference_gives_the_live_losses(stage: str, lora: bool) -> None:
+    from shardtune.train.preference_step import Reference, precomputed_reference_logps
+
+    settings = PreferenceSettings(beta=0.2)
+    live, live_model = run_steps(stage, settings, micro=3, lora=lora, steps=3)
+
+    model = tiny_llama()
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    engine = make_engine(model)
+    objective = PreferenceObjective(stage, settings, Reference("precomputed"))
+    collate = PairCollator(DataCollator(0))
+    rows = features(kto=stage == "kto")
+    table = precomputed_reference_logps(engine, objective, rows, collate, 3, "lora" if lora else "full")
+    rows = [{**row, "ref_logps": values} for row, values in zip(rows, table, strict=True)]
+    window = [collate(rows[i:i + 3]) for i in range(0, len(rows), 3)]
+    precomputed = [objective.train_step(engine, window, 0.0) for _ in range(3)]
+    for a, b in zip(live, precomputed, strict=True):
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+    for p, q in zip(live_model.parameters(), engine.unwrapped_model().parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)

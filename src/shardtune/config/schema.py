@@ -126,6 +126,10 @@ class TrainConfig:
                                            "labels (conservative DPO)", PREFERENCE, minimum=0, maximum=0.5)
     kto_chosen_weight: float = _key(1.0, "kto: weight of the desirable answers' loss", PREFERENCE, minimum=0)
     kto_rejected_weight: float = _key(1.0, "kto: weight of the undesirable answers' loss", PREFERENCE, minimum=0)
+    precompute_ref_log_probs: bool = _key(
+        False, "dpo/kto: score the data with the reference once before training and keep only those numbers, so no "
+               "reference sits beside the policy (full fine-tuning: no frozen copy, so sharded engines work too)",
+        PREFERENCE)
     ref_model: str | None = _key(None, "dpo/kto: a separate reference model folder (default: the model being "
                                        "trained as loaded: LoRA with its adapters off, full a frozen copy)",
                                  PREFERENCE)

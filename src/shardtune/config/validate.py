@@ -93,6 +93,10 @@ def preference_key_problems(c: TrainConfig) -> list[str]:
             problems.append(f"{key} ({getattr(c, key)}): a separate reference model is not supported yet; the "
                             "reference is the model being trained as loaded (LoRA: adapters off; full: a frozen "
                             "copy); remove it")
+    if c.precompute_ref_log_probs and not (c.stage == "kto" or (c.stage == "dpo" and c.pref_loss not in (
+            "orpo", "simpo"))):
+        problems.append(f"precompute_ref_log_probs (true) is for stage dpo/kto with a reference (stage {c.stage}"
+                        + (f", pref_loss {c.pref_loss}" if c.stage == "dpo" else "") + "); remove it")
     if c.stage not in PREFERENCE_STAGES:
         return problems
     if c.stage == "rm":

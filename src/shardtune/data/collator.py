@@ -94,7 +94,8 @@ class DataCollator:
 class PairCollator:
     """One batch per micro-batch of pairs: the chosen rows, then the rejected rows in the same order, padded
     together (one forward scores both); ``pairs`` is the number of pairs. KTO batches carry the KL rows after the
-    answer rows, and ``kto_tag``."""
+    answer rows, and ``kto_tag``. Features with ``ref_logps`` (the reference's log-probabilities of both rows of
+    each pair, precomputed) carry them as a ``[pairs, 2]`` tensor."""
 
     def __init__(self, collator: DataCollator) -> None:
         self.collator = collator
@@ -109,6 +110,8 @@ class PairCollator:
             rows = [{"input_ids": f[f"{side}_input_ids"], "labels": f[f"{side}_labels"]}
                     for side in ("chosen", "rejected") for f in features]
             batch = self.collator(rows)
+        if "ref_logps" in features[0]:  # precomputed reference log-probabilities: [pairs, 2]
+            batch["ref_logps"] = torch.tensor([f["ref_logps"] for f in features], dtype=torch.float32)
         batch["pairs"] = len(features)
         return batch
 

@@ -75,13 +75,13 @@ def reference_model_problems(c: TrainConfig, plan: EnginePlan) -> list[str]:
     the policy is sharded that copy would be whole on each rank, so it is refused until the reference is sharded
     the same way."""
     needs_copy = (c.stage == "kto" or (c.stage == "dpo" and c.pref_loss not in ("orpo", "simpo"))) \
-        and c.finetuning_type != "lora"
+        and c.finetuning_type != "lora" and not c.precompute_ref_log_probs
     if not needs_copy or not (plan.kind == "fsdp" or (plan.kind == "deepspeed" and _zero_stage(plan) == 3)):
         return []
     return [f"stage {c.stage} with finetuning_type {c.finetuning_type} under {_engine_label(plan)}: the frozen "
             "reference copy is not sharded yet and would be held whole on every rank; use finetuning_type: lora "
-            "(the reference is the model with adapters off), pref_loss orpo or simpo (no reference), or DDP / "
-            "ZeRO-0/1/2"]
+            "(the reference is the model with adapters off), precompute_ref_log_probs: true (no copy), pref_loss "
+            "orpo or simpo (no reference), or DDP / ZeRO-0/1/2"]
 
 
 def _engine_label(plan: EnginePlan) -> str:

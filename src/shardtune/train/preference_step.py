@@ -47,8 +47,9 @@ KTO_METRICS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/reje
 
 @dataclass
 class Reference:
-    """How reference log-probabilities are computed: ``adapters_off`` (LoRA), ``copy`` (a frozen model) or
-    ``none`` (ORPO, SimPO)."""
+    """How reference log-probabilities are computed: ``adapters_off`` (LoRA), ``copy`` (a frozen model), ``policy``
+    (the policy as it is: only while precomputing, before the first step), ``precomputed`` (read from the batch's
+    ``ref_logps``) or ``none`` (ORPO, SimPO)."""
 
     kind: str
     model: torch.nn.Module | None = None
@@ -57,6 +58,7 @@ class Reference:
               ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kind == "copy":
             self._match_policy_dtype(engine)
+        assert self.kind in ("adapters_off", "copy", "policy"), self.kind
         with torch.no_grad(), self._switched(engine), engine.autocast():
             model = self.model if self.kind == "copy" else engine.model
             assert model is not None
@@ -84,10 +86,12 @@ class Reference:
 
 
 def build_reference(model: torch.nn.Module, finetuning_type: str, settings: PreferenceSettings,
-                    device: torch.device) -> Reference:
+                    device: torch.device, precompute: bool = False) -> Reference:
     """The reference for ``model`` before the engine wraps it (see the module docstring)."""
     if not settings.needs_reference:
         return Reference("none")
+    if precompute:
+        return Reference("precomputed")
     if finetuning_type == "lora":
         return Reference("adapters_off")
     frozen = copy.deepcopy(model).to(device).eval()
@@ -152,6 +156,10 @@ class PreferenceObjective:
         """Reference log-probabilities of the rows the loss compares (dpo: all; kto: the answers)."""
         if self.reference.kind == "none":
             return None
+        if self.reference.kind == "precomputed":
+            table = batch["ref_logps"].to(torch.float32)
+            summed = table[:, 0] if self.stage == "kto" else torch.cat([table[:, 0], table[:, 1]])
+            return summed, summed.new_zeros(summed.shape)  # lengths: the policy's are the same rows'
         stop = batch["pairs"] if self.stage == "kto" else batch["input_ids"].shape[0]
         return self.reference.logps(engine, rows(batch, 0, stop), batch["labels"][:stop])
 
@@ -176,7 +184,10 @@ class PreferenceObjective:
             inputs, labels = rows(batch, n, end), batch["labels"][n:end]
             with torch.no_grad(), engine.autocast():
                 policy, _ = sequence_logps(engine.model(**inputs, use_cache=False).logits, labels)
-            reference, _ = self.reference.logps(engine, inputs, labels)
+            if self.reference.kind == "precomputed":
+                reference = batch["ref_logps"][:, 1].to(policy.dtype)
+            else:
+                reference, _ = self.reference.logps(engine, inputs, labels)
             total += torch.stack([(policy - reference).sum().double(), torch.tensor(float(n), device=engine.device,
                                                                                     dtype=torch.float64)])
         total = engine.all_reduce_sum(total)
@@ -200,3 +211,32 @@ class MetricTotals:
     def reduced(self, engine: Engine) -> dict[str, float]:
         summed = engine.all_reduce_sum(self.sums).tolist()
         return {key: summed[2 * i] / max(summed[2 * i + 1], 1.0) for i, key in enumerate(self.keys)}
+
+
+def precomputed_reference_logps(engine: Engine, objective: PreferenceObjective, dataset: Any, collate: Any,
+                                batch_size: int, finetuning_type: str) -> list[list[float]]:
+    """The reference's log-probabilities of both rows of every sample of ``dataset`` ([chosen, rejected], kto:
+    [answer, KL row]), scored by the policy before its first step (LoRA: with its adapters off).
+
+    Rank r scores samples r, r + world, ...; every rank runs the same number of forwards (a sharding engine
+    gathers weights collectively), the last ones on a repeated sample whose result is dropped; one reduction
+    gives every rank the whole table.
+    """
+    scorer = Reference("adapters_off" if finetuning_type == "lora" else "policy")
+    size, world = len(dataset), engine.world_size
+    mine = list(range(engine.rank, size, world))
+    per_rank = -(-size // world)
+    table = torch.zeros(size, 2, dtype=torch.float64, device=engine.device)
+    engine.model.eval()
+    for start in range(0, per_rank, batch_size):
+        chunk = mine[start:start + batch_size]
+        real = len(chunk)
+        chunk = chunk + [0] * (min(batch_size, per_rank - start) - real)  # same number of rows on every rank
+        batch = to_device(collate([dataset[i] for i in chunk]), engine.device)
+        summed, _ = scorer.logps(engine, rows(batch, 0, batch["input_ids"].shape[0]), batch["labels"])
+        n = batch["pairs"]
+        pairs = torch.stack([summed[:n], summed[n:2 * n]], dim=1).double()
+        if real:
+            table[torch.tensor(chunk[:real], device=engine.device)] = pairs[:real]
+    engine.model.train()
+    return engine.all_reduce_sum(table).tolist()

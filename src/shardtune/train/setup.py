@@ -131,19 +131,25 @@ def build_loader(dataset: Any, tokenizer: Any, batch_size: int, engine: Engine, 
     """A loader over this rank's share of the data; the sampler's seed keeps ranks' orders consistent."""
     if dataset is None:
         return None
-    from shardtune.data import DataCollator
-    from shardtune.data.collator import PairCollator
-
-    collator: Any = DataCollator(tokenizer.pad_token_id, attn_implementation=c.attn_implementation,
-                                 window_by_layer_type=model_layer_windows(c))
-    if c.stage in ("dpo", "kto", "rm"):  # chosen and rejected rows (kto: answers and KL rows) in one batch
-        collator = PairCollator(collator)
+    collator = build_collator(tokenizer, c)
     if is_stream(dataset):  # already this rank's share, shuffled by its buffer
         return DataLoader(dataset, batch_size=batch_size, collate_fn=collator,
                           **loader_options(c, torch.cuda.is_available()))
     sampler = make_sampler(dataset, batch_size, engine, c, shuffle)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collator,
                       **loader_options(c, torch.cuda.is_available()))
+
+
+def build_collator(tokenizer: Any, c: TrainConfig) -> Any:
+    """The batch builder: padded (or packed) rows; preference stages put both rows of a pair in one batch."""
+    from shardtune.data import DataCollator
+    from shardtune.data.collator import PairCollator
+
+    collator = DataCollator(tokenizer.pad_token_id, attn_implementation=c.attn_implementation,
+                            window_by_layer_type=model_layer_windows(c))
+    if c.stage in ("dpo", "kto", "rm"):  # chosen and rejected rows (kto: answers and KL rows) in one batch
+        return PairCollator(collator)
+    return collator
 
 
 def model_layer_windows(c: TrainConfig) -> dict[str, int | None] | None:

@@ -33,6 +33,7 @@ from shardtune.train.pissa import PissaConversion
 from shardtune.train.reporting import LOG_FILE, Reporter, plot_loss
 from shardtune.train.settings import finetuning_settings, optimizer_settings
 from shardtune.train.setup import (
+    build_collator,
     build_loader,
     epoch_batches_for,
     is_stream,
@@ -90,6 +91,10 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     engine.verify()
     if memory is not None:
         memory.mark_setup_done()
+    if loop.objective is not None and is_precomputed(loop.objective):
+        train_set, eval_set = with_reference_logps(engine, loop.objective, tokenizer, config, train_set, eval_set)
+        train_loader = build_loader(train_set, tokenizer, config.per_device_train_batch_size, engine, config, True)
+        eval_loader = build_loader(eval_set, tokenizer, config.per_device_eval_batch_size, engine, config, False)
     state = start_state(engine, config, output_dir)
     hooks = RunHooks(engine, config, output_dir, loop.total_steps, eval_loader, state.global_step,
                      stop or StopRequest(), loop.objective)
@@ -206,15 +211,47 @@ def preference_objective(c: TrainConfig, model: torch.nn.Module, engine: Engine)
     settings = PreferenceSettings(loss=c.pref_loss, beta=c.pref_beta, ftx=c.pref_ftx, simpo_gamma=c.simpo_gamma,
                                   label_smoothing=c.dpo_label_smoothing, kto_chosen_weight=c.kto_chosen_weight,
                                   kto_rejected_weight=c.kto_rejected_weight)
-    reference = build_reference(model, c.finetuning_type, settings, engine.device)
+    source = resume_source(c)
+    if settings.needs_reference and c.finetuning_type != "lora" and source is not None \
+            and checkpoint.is_model_only(source):
+        raise ConfigError(f"resuming stage {c.stage} ({c.finetuning_type}) from {source}, a model-only checkpoint "
+                          "(save_only_model): the model is built from its trained weights, so the reference would be "
+                          "the trained model, not the original; resume from a full checkpoint")
+    reference = build_reference(model, c.finetuning_type, settings, engine.device, c.precompute_ref_log_probs)
     if engine.is_main:
         where = {"none": "none (the loss compares the policy with itself)",
+                 "precomputed": "precomputed before the first step (precompute_ref_log_probs)",
                  "adapters_off": "the model with its LoRA adapters off (no copy)",
                  "copy": "a frozen copy of the model on every rank"}[reference.kind]
         print(f"[shardtune] stage {c.stage}" + (f", pref_loss {c.pref_loss}" if c.stage == "dpo" else "")
               + f"; reference model: {where}; log-probabilities from the full logits (loss_chunk_size does not "
               "apply)", flush=True)
     return PreferenceObjective(c.stage, settings, reference)
+
+
+def is_precomputed(objective: Objective) -> bool:
+    return getattr(getattr(objective, "reference", None), "kind", None) == "precomputed"
+
+
+def with_reference_logps(engine: Engine, objective: Any, tokenizer: Any, c: TrainConfig, train_set: Any,
+                         eval_set: Any) -> tuple[Any, Any]:
+    """precompute_ref_log_probs: score the train (and eval) samples with the untrained policy, before any step and
+    before a checkpoint is loaded, and add them as a ``ref_logps`` column."""
+    from shardtune.train.preference_step import precomputed_reference_logps
+
+    started = time.perf_counter()
+    scored = []
+    for dataset in (train_set, eval_set):
+        if dataset is None:
+            scored.append(None)
+            continue
+        values = precomputed_reference_logps(engine, objective, dataset, build_collator(tokenizer, c),
+                                             c.per_device_train_batch_size, c.finetuning_type)
+        scored.append(dataset.add_column("ref_logps", values))
+    if engine.is_main:
+        print(f"[shardtune] precompute_ref_log_probs: {sum(len(d) for d in scored if d is not None)} samples scored "
+              f"by the reference in {time.perf_counter() - started:.1f} s; no reference is kept in memory", flush=True)
+    return scored[0], scored[1]
 
 
 def router_aux_setting(model: torch.nn.Module, c: TrainConfig, is_main: bool) -> float | None:
