@@ -3,7 +3,8 @@
 Per-step losses, gradient norms and rewards of DPO (LoRA: reference = adapters off, through the engine's wrapper;
 full: a frozen replica) and KTO (its KL estimate over both ranks' KL rows) must match the single-process run, as
 the SFT engine tests require. Full-parameter DPO is refused under ZeRO-3 and FSDP (the reference copy is not
-sharded yet; tests/unit/test_preference_step.py).
+sharded yet; tests/unit/test_preference_step.py) unless the reference log-probabilities are precomputed, which
+these runs check against the live reference of one process.
 """
 
 from __future__ import annotations
@@ -22,9 +23,13 @@ COMMON = ("examples/tiny/dpo_lora.yaml", "max_steps=4", "logging_steps=1", "save
           "gradient_accumulation_steps=2", "learning_rate=5e-3", "lr_scheduler_type=constant")
 STAGES = {"dpo-lora": ("finetuning_type=lora",),
           "dpo-full": ("finetuning_type=full", "learning_rate=1e-3"),
+          "dpo-full-precomputed": ("finetuning_type=full", "learning_rate=1e-3", "precompute_ref_log_probs=true"),
           "kto-lora": ("finetuning_type=lora", "stage=kto", "dataset=demo_kto")}
+# Precomputed reference log-probabilities are compared with the one-process run of the live reference.
+ONE_PROCESS_RUN = {"dpo-full-precomputed": "dpo-full"}
 RUNS = [("ddp", "dpo-lora"), ("ddp", "dpo-full"), ("ddp", "kto-lora"), ("zero2", "dpo-lora"), ("zero2", "dpo-full"),
-        ("zero3", "dpo-lora"), ("fsdp2", "dpo-lora"), ("fsdp2", "kto-lora")]
+        ("zero3", "dpo-lora"), ("fsdp2", "dpo-lora"), ("fsdp2", "kto-lora"), ("zero3", "dpo-full-precomputed"),
+        ("fsdp2", "dpo-full-precomputed")]
 COMPARED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen")
 
 
@@ -40,7 +45,7 @@ def train(model: Path, out: Path, nproc: int, micro: int, *extra: str) -> dict:
 def one_process(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     """The single-process runs, 4 pairs per micro-batch (2 per rank x 2 ranks below)."""
     found = {}
-    for stage in sorted({stage for _, stage in RUNS}):
+    for stage in sorted({ONE_PROCESS_RUN.get(stage, stage) for _, stage in RUNS}):
         out = tmp_path_factory.mktemp(f"one-{stage}")
         train(tiny_model_dir, out, 1, 4, *STAGES[stage])
         found[stage] = out
@@ -51,7 +56,7 @@ def one_process(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
 def test_preference_stage_matches_one_process(engine, stage, one_process, tiny_model_dir, tmp_path):
     results = train(tiny_model_dir, tmp_path, 2, 2, *STAGES[stage], *ENGINE_KEYS[engine])
     assert results["world_size"] == 2
-    reference = one_process[stage]
+    reference = one_process[ONE_PROCESS_RUN.get(stage, stage)]
     keys = COMPARED + (("kl",) if stage.startswith("kto") else ("rewards/accuracies",))
     for key in keys:
         assert logged(tmp_path, key) == pytest.approx(logged(reference, key), rel=2e-3, abs=1e-5), key

@@ -51,6 +51,22 @@ def test_full_dpo_keeps_a_frozen_reference(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("loss", ["orpo", "simpo", "ipo", "hinge"])
+def test_precomputed_reference_equals_the_live_one(tiny_model_dir, tmp_path):
+    runs = {}
+    for name, extra in {"live": (), "precomputed": ("precompute_ref_log_probs=true",)}.items():
+        out = tmp_path / name
+        result = run_cli("train", DPO, f"model_name_or_path={tiny_model_dir}", f"output_dir={out}", *QUICK,
+                         "finetuning_type=full", "learning_rate=1e-3", "max_steps=6", "logging_steps=1",
+                         "val_size=4", "do_eval=true", "eval_strategy=steps", "eval_steps=3", *extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = out
+    assert "precompute_ref_log_probs: 48 samples scored" in result.stdout
+    for key in ("loss", "grad_norm", "rewards/margins", "rewards/accuracies"):
+        assert logged(runs["precomputed"], key) == pytest.approx(logged(runs["live"], key), rel=1e-4, abs=1e-6), key
+    evals = {name: [r["eval_loss"] for r in read_log(out) if "eval_loss" in r] for name, out in runs.items()}
+    assert evals["precomputed"] == pytest.approx(evals["live"], rel=1e-4)
+
+
 def test_other_pref_losses_train(tiny_model_dir, tmp_path, loss):
     out = tmp_path / loss
     result = run_cli("train", DPO, f"model_name_or_path={tiny_model_dir}", f"output_dir={out}", *QUICK,
