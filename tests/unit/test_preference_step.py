@@ -174,3 +174,11 @@ def test_precomputed_reference_gives_the_live_losses(stage: str, lora: bool) -> 
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
     for p, q in zip(live_model.parameters(), engine.unwrapped_model().parameters(), strict=True):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
+def test_pref_loss_values_llamafactory_once_had_are_refused_with_the_replacement() -> None:
+    from shardtune.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="use stage: kto"):
+        build_config({**BASE, "pref_loss": "kto_pair"})
+    assert build_config({**BASE, "pref_loss": "ipo"}).pref_loss == "ipo"
