@@ -207,24 +207,34 @@ def tokenize_preference(dataset: Dataset, tokenizer: Any, template: Template, st
     return kept
 
 
-def encode_answers(tokenizer: Any, template: Template, system: str, prompt: Sequence[Message], answers: list[str],
-                   tools: str, cutoff_len: int) -> list[tuple[list[int], list[int]]]:
-    """(input_ids, labels) of the same prompt followed by each answer; empty lists when the prompt is too long.
+def encode_answer_sets(tokenizer: Any, template: Template, samples: Sequence[tuple[str, list[Message], list[str], str]],
+                       cutoff_len: int) -> list[list[tuple[list[int], list[int]]]]:
+    """For each (system, prompt turns, answers, tools): (input_ids, labels) of the prompt followed by each answer.
 
-    Every answer is rendered as the conversation's last turn, so all share the prompt's tokens exactly.
+    Every answer is rendered as the conversation's last turn, so all answers of a sample share its prompt tokens;
+    all pieces of all samples are tokenised in one call. A sample whose prompt leaves no room for one answer token
+    within ``cutoff_len`` gets empty lists (dropped later); answers are cut to fit.
     """
+    rendered = [[[piece for turn in template.render_turns(system, [*prompt, {"role": "assistant", "content": answer}],
+                                                          tokenizer, tools) for piece in turn] for answer in answers]
+                for system, prompt, answers, tools in samples]
+    flat = [piece for sample in rendered for answer in sample for piece in answer]
+    ids = iter(tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else [])
     encoded = []
-    for answer in answers:
-        turns = template.render_turns(system, [*prompt, {"role": "assistant", "content": answer}],
-                                      tokenizer, tools)
-        pieces = tokenizer([piece for turn in turns for piece in turn], add_special_tokens=False)["input_ids"]
-        prompt_ids = [token for piece in pieces[:-1] for token in piece]
-        room = cutoff_len - len(prompt_ids)
-        if room < 1:
-            return [([], []) for _ in answers]
-        response = pieces[-1][:room]
-        encoded.append((prompt_ids + response, [IGNORE_INDEX] * len(prompt_ids) + response))
+    for sample in rendered:
+        answers = [assemble_answer([next(ids) for _ in pieces], cutoff_len) for pieces in sample]
+        encoded.append(answers if all(a[0] for a in answers) else [([], []) for _ in answers])
     return encoded
+
+
+def assemble_answer(pieces: list[list[int]], cutoff_len: int) -> tuple[list[int], list[int]]:
+    """The prompt pieces masked, then the last piece (the answer) cut to ``cutoff_len``; empty when it cannot fit."""
+    prompt_ids = [token for piece in pieces[:-1] for token in piece]
+    room = cutoff_len - len(prompt_ids)
+    if room < 1:
+        return [], []
+    response = pieces[-1][:room]
+    return prompt_ids + response, [IGNORE_INDEX] * len(prompt_ids) + response
 
 
 def split_prompt(messages: Sequence[Message]) -> tuple[list[Message], str]:
@@ -234,13 +244,14 @@ def split_prompt(messages: Sequence[Message]) -> tuple[list[Message], str]:
 
 def encode_pair_batch(batch: Mapping[str, list[Any]], tokenizer: Any, template: Template, cutoff_len: int
                       ) -> dict[str, list[Any]]:
-    out: dict[str, list[Any]] = {key: [] for key in PAIR_FEATURES}
     tools = batch.get("tools") or [""] * len(batch["_messages"])
+    samples = []
     for system, messages, rejected, sample_tools in zip(batch["_system"], batch["_messages"], batch["_rejected"],
                                                          tools, strict=True):
         prompt, chosen = split_prompt(messages)
-        (c_ids, c_labels), (r_ids, r_labels) = encode_answers(tokenizer, template, system, prompt,
-                                                              [chosen, rejected], sample_tools or "", cutoff_len)
+        samples.append((system, prompt, [chosen, rejected], sample_tools or ""))
+    out: dict[str, list[Any]] = {key: [] for key in PAIR_FEATURES}
+    for (c_ids, c_labels), (r_ids, r_labels) in encode_answer_sets(tokenizer, template, samples, cutoff_len):
         for key, value in (("chosen_input_ids", c_ids), ("chosen_labels", c_labels), ("rejected_input_ids", r_ids),
                            ("rejected_labels", r_labels)):
             out[key].append(value)
@@ -251,14 +262,14 @@ def encode_kto_batch(batch: Mapping[str, list[Any]], tokenizer: Any, template: T
                      ) -> dict[str, list[Any]]:
     """Each answer, and for KTO's KL estimate the same prompt with another record's answer: the answers of a map
     batch in reverse order, as LLaMA-Factory pairs them."""
-    out: dict[str, list[Any]] = {key: [] for key in KTO_FEATURES}
     tools = batch.get("tools") or [""] * len(batch["_messages"])
     answers = [split_prompt(messages)[1] for messages in batch["_messages"]]
-    for system, messages, tag, sample_tools, kl_answer in zip(batch["_system"], batch["_messages"],
-                                                               batch["_kto_tag"], tools, answers[::-1], strict=True):
-        prompt, answer = split_prompt(messages)
-        (ids, labels), (kl_ids, kl_labels) = encode_answers(tokenizer, template, system, prompt, [answer, kl_answer],
-                                                            sample_tools or "", cutoff_len)
+    samples = [(system, split_prompt(messages)[0], [answer, kl_answer], sample_tools or "")
+               for system, messages, sample_tools, answer, kl_answer
+               in zip(batch["_system"], batch["_messages"], tools, answers, answers[::-1], strict=True)]
+    out: dict[str, list[Any]] = {key: [] for key in KTO_FEATURES}
+    for ((ids, labels), (kl_ids, kl_labels)), tag in zip(encode_answer_sets(tokenizer, template, samples, cutoff_len),
+                                                         batch["_kto_tag"], strict=True):
         for key, value in (("input_ids", ids), ("labels", labels), ("kl_input_ids", kl_ids),
                            ("kl_labels", kl_labels), ("kto_tag", tag)):
             out[key].append(value)
