@@ -1,10 +1,10 @@
 """Preference stages on 2 processes against one process with the same global batch, through the real CLI.
 
-Per-step losses, gradient norms and rewards of DPO (LoRA: reference = adapters off, through the engine's wrapper;
-full: a frozen replica) and KTO (its KL estimate over both ranks' KL rows) must match the single-process run, as
-the SFT engine tests require. Full-parameter DPO is refused under ZeRO-3 and FSDP (the reference copy is not
-sharded yet; tests/unit/test_preference_step.py) unless the reference log-probabilities are precomputed, which
-these runs check against the live reference of one process.
+Per-step losses, gradient norms and rewards of the reward model (DDP), of DPO (LoRA: reference = adapters off,
+through the engine's wrapper; full: a frozen replica) and of KTO (its KL estimate over both ranks' KL rows) must
+match the single-process run, as the SFT engine tests require. Full-parameter DPO is refused under ZeRO-3 and FSDP
+(the reference copy is not sharded yet; tests/unit/test_preference_step.py) unless the reference log-probabilities
+are precomputed, which these runs check against the live reference of one process.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ COMMON = ("examples/tiny/dpo_lora.yaml", "max_steps=4", "logging_steps=1", "save
 STAGES = {"dpo-lora": ("finetuning_type=lora",),
           "dpo-full": ("finetuning_type=full", "learning_rate=1e-3"),
           "dpo-full-precomputed": ("finetuning_type=full", "learning_rate=1e-3", "precompute_ref_log_probs=true"),
-          "kto-lora": ("finetuning_type=lora", "stage=kto", "dataset=demo_kto")}
+          "kto-lora": ("finetuning_type=lora", "stage=kto", "dataset=demo_kto"),
+          "rm-full": ("finetuning_type=full", "stage=rm", "learning_rate=1e-3")}
 # Precomputed reference log-probabilities are compared with the one-process run of the live reference.
 ONE_PROCESS_RUN = {"dpo-full-precomputed": "dpo-full"}
 RUNS = [("ddp", "dpo-lora"), ("ddp", "dpo-full"), ("ddp", "kto-lora"), ("zero2", "dpo-lora"), ("zero2", "dpo-full"),
         ("zero3", "dpo-lora"), ("fsdp2", "dpo-lora"), ("fsdp2", "kto-lora"), ("zero3", "dpo-full-precomputed"),
-        ("fsdp2", "dpo-full-precomputed")]
+        ("fsdp2", "dpo-full-precomputed"), ("ddp", "rm-full")]
 COMPARED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen")
 
 
@@ -58,6 +59,9 @@ def test_preference_stage_matches_one_process(engine, stage, one_process, tiny_m
     assert results["world_size"] == 2
     reference = one_process[ONE_PROCESS_RUN.get(stage, stage)]
     keys = COMPARED + (("kl",) if stage.startswith("kto") else ("rewards/accuracies",))
+    if stage.startswith("rm"):  # scores, not log-probabilities
+        keys = tuple(k for k in keys if not k.startswith("logps/"))
     for key in keys:
         assert logged(tmp_path, key) == pytest.approx(logged(reference, key), rel=2e-3, abs=1e-5), key
-    check_saved_model(tmp_path, tiny_model_dir, stage.split("-")[1])
+    if not stage.startswith("rm"):  # the reward model's folder is checked in tests/e2e/test_preference_cli.py
+        check_saved_model(tmp_path, tiny_model_dir, stage.split("-")[1])

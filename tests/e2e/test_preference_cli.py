@@ -50,7 +50,6 @@ def test_full_dpo_keeps_a_frozen_reference(tiny_model_dir, tmp_path):
     assert (out / "model.safetensors").is_file()
 
 
-@pytest.mark.parametrize("loss", ["orpo", "simpo", "ipo", "hinge"])
 def test_precomputed_reference_equals_the_live_one(tiny_model_dir, tmp_path):
     runs = {}
     for name, extra in {"live": (), "precomputed": ("precompute_ref_log_probs=true",)}.items():
@@ -67,6 +66,7 @@ def test_precomputed_reference_equals_the_live_one(tiny_model_dir, tmp_path):
     assert evals["precomputed"] == pytest.approx(evals["live"], rel=1e-4)
 
 
+@pytest.mark.parametrize("loss", ["orpo", "simpo", "ipo", "hinge"])
 def test_other_pref_losses_train(tiny_model_dir, tmp_path, loss):
     out = tmp_path / loss
     result = run_cli("train", DPO, f"model_name_or_path={tiny_model_dir}", f"output_dir={out}", *QUICK,
@@ -134,3 +134,29 @@ def test_sharegpt_pairs_with_an_eval_split(tiny_model_dir, tmp_path):
     evals = [r["eval_loss"] for r in read_log(out) if "eval_loss" in r]
     assert len(evals) == 2 and evals[1] < evals[0] < math.log(2)  # log 2: the untrained policy
     assert json.loads((out / "train_results.json").read_text())["eval_loss"] == pytest.approx(evals[-1], rel=1e-5)
+
+
+def test_reward_model_trains_and_loads_as_sequence_classification(tiny_model_dir, tmp_path):
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from shardtune.data import DataCollator, DataSettings, build_datasets
+    from shardtune.data.collator import PairCollator
+    from tests.conftest import DATA_DIR
+
+    out = tmp_path / "rm"
+    train(DPO, tiny_model_dir, out, "stage=rm", "finetuning_type=full", "learning_rate=1e-3", "val_size=8",
+          "do_eval=true", "eval_strategy=steps", "eval_steps=6", "max_steps=12", *QUICK)
+    evals = [r for r in read_log(out) if "eval_loss" in r]
+    assert len(evals) == 2 and evals[-1]["eval_rewards/accuracies"] > 0.5 and evals[-1]["eval_loss"] < math.log(2)
+    assert json.loads((out / "train_results.json").read_text())["eval_rewards/accuracies"] > 0.5
+
+    model, info = AutoModelForSequenceClassification.from_pretrained(out, output_loading_info=True)
+    assert type(model).__name__ == "LlamaForSequenceClassification" and not info["missing_keys"]
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    pairs, _ = build_datasets(tokenizer, DataSettings(dataset=("demo_dpo",), dataset_dir=str(DATA_DIR),
+                                                      template="chatml", stage="rm", cutoff_len=256))
+    batch = PairCollator(DataCollator(tokenizer.pad_token_id))([pairs[i] for i in range(16)])
+    with torch.no_grad():
+        scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)
+    assert float((scores[:16] > scores[16:]).float().mean()) > 0.5

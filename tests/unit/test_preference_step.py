@@ -134,7 +134,8 @@ def test_preference_keys_out_of_their_stage_are_refused() -> None:
 
 def test_what_is_not_done_yet_is_refused_with_its_reason() -> None:
     assert any("separate reference model is not supported yet" in p for p in problems_for(ref_model="other"))
-    assert any("stage rm" in p for p in problems_for(stage="rm"))
+    assert any("stage rm with finetuning_type lora" in p for p in problems_for(stage="rm"))
+    assert problems_for(stage="rm", finetuning_type="full") == []
     assert any("engine (auto)" in p for p in problems_for(engine="auto"))
     assert any("label_smoothing_factor" in p for p in problems_for(label_smoothing_factor=0.1))
     assert any("precompute_ref_log_probs" in p for p in problems_for(precompute_ref_log_probs=True, pref_loss="orpo"))

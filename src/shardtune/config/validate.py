@@ -99,9 +99,10 @@ def preference_key_problems(c: TrainConfig) -> list[str]:
                         + (f", pref_loss {c.pref_loss}" if c.stage == "dpo" else "") + "); remove it")
     if c.stage not in PREFERENCE_STAGES:
         return problems
-    if c.stage == "rm":
-        problems.append("stage rm: reward-model training is not wired into the training loop yet (the pairwise loss "
-                        "and the data are); use stage dpo or kto")
+    if c.stage == "rm" and c.finetuning_type != "full":
+        problems.append(f"stage rm with finetuning_type {c.finetuning_type}: reward models train in full for now "
+                        "(a LoRA or freeze run would have to save the new score layer beside the adapter); use "
+                        "finetuning_type: full")
     if c.label_smoothing_factor > 0:
         problems.append(f"label_smoothing_factor ({c.label_smoothing_factor}) smooths the SFT cross entropy; stage "
                         f"{c.stage} scores answers by their log-probabilities: remove it (dpo: dpo_label_smoothing)")

@@ -74,6 +74,10 @@ def reference_model_problems(c: TrainConfig, plan: EnginePlan) -> list[str]:
     """dpo/kto without LoRA keep a frozen copy of the model as the reference: a plain replica on every rank. Where
     the policy is sharded that copy would be whole on each rank, so it is refused until the reference is sharded
     the same way."""
+    if c.stage == "rm" and plan.kind in ("fsdp", "deepspeed"):
+        return [f"stage rm under {_engine_label(plan)}: the reward model is assembled from the loaded causal LM "
+                "(its body under a new score layer), which the engines' own loading and saving paths do not do yet; "
+                "train it on one process or with DDP (no deepspeed/fsdp key)"]
     needs_copy = (c.stage == "kto" or (c.stage == "dpo" and c.pref_loss not in ("orpo", "simpo"))) \
         and c.finetuning_type != "lora" and not c.precompute_ref_log_probs
     if not needs_copy or not (plan.kind == "fsdp" or (plan.kind == "deepspeed" and _zero_stage(plan) == 3)):

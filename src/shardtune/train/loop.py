@@ -43,10 +43,10 @@ class LoopSettings:
 
 
 class Objective(Protocol):
-    """A training objective other than the token loss: one window's step, and the eval loss."""
+    """A training objective other than the token loss: one window's step, and the eval metrics ("loss" and more)."""
 
     def train_step(self, engine: Engine, window: list[Batch], max_grad_norm: float) -> dict[str, float]: ...
-    def evaluate(self, engine: Engine, batches: Iterable[Batch]) -> float: ...
+    def evaluate(self, engine: Engine, batches: Iterable[Batch]) -> dict[str, float]: ...
 
 
 @dataclass

@@ -140,8 +140,8 @@ class PreferenceObjective:
                 "slots": float(counts[1]), "trainable_tokens": float(pairs)}
 
     @torch.no_grad()
-    def evaluate(self, engine: Engine, batches: Iterable[Batch]) -> float:
-        """Mean per-pair loss over the eval data, over all ranks."""
+    def evaluate(self, engine: Engine, batches: Iterable[Batch]) -> dict[str, float]:
+        """Mean per-pair loss and metrics over the eval data, over all ranks."""
         engine.model.eval()
         totals = MetricTotals(self.metric_keys, engine.device)
         for batch in batches:
@@ -150,7 +150,7 @@ class PreferenceObjective:
             with engine.autocast():
                 totals.add(self.batch_losses(engine.model, batch, self.reference_logps(engine, batch), kl))
         engine.model.train()
-        return totals.reduced(engine)["loss"]
+        return totals.reduced(engine)
 
     def reference_logps(self, engine: Engine, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Reference log-probabilities of the rows the loss compares (dpo: all; kto: the answers)."""

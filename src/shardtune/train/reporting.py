@@ -61,9 +61,10 @@ class Reporter:
                 self.tensorboard.add_scalar(f"train/{key}", record[key], step)
         return record
 
-    def log_eval(self, step: int, epoch: float, eval_loss: float) -> None:
+    def log_eval(self, step: int, epoch: float, eval_loss: float, extra: dict[str, float] | None = None) -> None:
+        """``extra``: an objective's other eval metrics (``eval_rewards/accuracies``, ...)."""
         self.write_record({"current_steps": step, "total_steps": self.total_steps, "eval_loss": eval_loss,
-                           "epoch": round(epoch, 4)})
+                           "epoch": round(epoch, 4), **(extra or {})})
         if self.tensorboard is not None:
             self.tensorboard.add_scalar("eval/loss", eval_loss, step)
 

@@ -78,8 +78,12 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
                           "use more data")
     loop = loop_settings(config, train_micro_batches(train_loader, config), eval_loader is not None)
     model = engine.build_model(model_source(*model_config(config), tokenizer_size=len(tokenizer)))
+    if config.stage == "rm":
+        from shardtune.train.reward import build_reward_model
+
+        model = build_reward_model(model, tokenizer.pad_token_id, config.seed)
     loop = dataclasses.replace(loop, router_aux_loss_coef=router_aux_setting(model, config, engine.is_main),
-                               objective=preference_objective(config, model, engine))
+                               objective=stage_objective(config, model, engine))
     # Before the engine touches the weights (ZeRO casts them to bf16): the adapter exactly as initialised.
     pissa = PissaConversion.start(model, output_dir, engine.is_main) if config.pissa_convert else None
     engine.prepare(
@@ -201,8 +205,16 @@ def loop_settings(c: TrainConfig, micro_batches: int, has_eval: bool) -> LoopSet
     )
 
 
-def preference_objective(c: TrainConfig, model: torch.nn.Module, engine: Engine) -> Objective | None:
-    """dpo/kto: the preference step and its reference (made here, before the engine wraps the model)."""
+def stage_objective(c: TrainConfig, model: torch.nn.Module, engine: Engine) -> Objective | None:
+    """dpo/kto: the preference step and its reference (made here, before the engine wraps the model); rm: the
+    pairwise reward step; None (the token loss) for sft and pt."""
+    if c.stage == "rm":
+        from shardtune.train.reward import RewardObjective
+
+        if engine.is_main:
+            print("[shardtune] stage rm: a one-label sequence-classification model (score at the last token), "
+                  "pairwise loss", flush=True)
+        return RewardObjective()
     if c.stage not in ("dpo", "kto"):
         return None
     from shardtune.train.preference import PreferenceSettings
@@ -260,7 +272,7 @@ def router_aux_setting(model: torch.nn.Module, c: TrainConfig, is_main: bool) ->
 
     model_config = getattr(model, "config", None)
     coef = router_aux_loss_coef(model_config, c.moe_aux_loss_coef)
-    if coef is not None and c.stage in ("dpo", "kto"):
+    if coef is not None and c.stage in ("dpo", "kto", "rm"):
         raise ConfigError(f"moe_aux_loss_coef ({coef:g}): stage {c.stage} does not add the router auxiliary loss "
                           "yet; set moe_aux_loss_coef: 0 to train this mixture-of-experts model without it")
     if is_main and coef is not None:
@@ -361,13 +373,17 @@ class RunHooks:
 
     def on_evaluate(self, state: TrainState) -> None:
         if self.eval_loader is not None:
-            self.reporter.log_eval(state.global_step, state.epoch, self.eval_loss())
+            found = self.eval_metrics()
+            self.reporter.log_eval(state.global_step, state.epoch, found.pop("eval_loss"), found)
         self.meter.start()
 
-    def eval_loss(self) -> float:
+    def eval_metrics(self) -> dict[str, float]:
+        """``eval_loss`` and, for a preference objective, ``eval_rewards/...`` and the like."""
         if self.objective is not None:
-            return self.objective.evaluate(self.engine, self.eval_loader)
-        return evaluate(self.engine, self.eval_loader, self.config.loss_chunk_size, self.config.label_smoothing_factor)
+            found = self.objective.evaluate(self.engine, self.eval_loader)
+            return {f"eval_{key}": round(value, 6) if key != "loss" else value for key, value in found.items()}
+        return {"eval_loss": evaluate(self.engine, self.eval_loader, self.config.loss_chunk_size,
+                                      self.config.label_smoothing_factor)}
 
 
 def run_name(c: TrainConfig, output_dir: Path) -> str:
@@ -397,7 +413,7 @@ def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path,
         "trainable_parameter_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in engine.iter_trainable()}),
     }
     if hooks.eval_loader is not None:
-        results["eval_loss"] = hooks.eval_loss()
+        results.update(hooks.eval_metrics())
     if state.input_tokens_seen(c.include_num_input_tokens_seen) is not None:
         results["num_input_tokens_seen"] = state.input_tokens_seen(c.include_num_input_tokens_seen)
     if memory is not None:
