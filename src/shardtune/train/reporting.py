@@ -36,7 +36,10 @@ class Reporter:
     def step(self, step: int, metrics: dict[str, float]) -> None:
         if self.progress is not None:
             self.progress.update(1)
-            self.progress.set_postfix(loss=f"{metrics['loss']:.4f}")
+            shown = {"loss": f"{metrics['loss']:.4f}"}
+            if "rewards/accuracies" in metrics:  # preference stages: is the chosen answer ahead?
+                shown["acc"] = f"{metrics['rewards/accuracies']:.2f}"
+            self.progress.set_postfix(**shown)
 
     def log(self, step: int, epoch: float, lr: float, metrics: dict[str, float],
             extra: dict[str, Any] | None = None) -> dict[str, Any]:
