@@ -166,7 +166,7 @@ def test_precomputed_reference_gives_the_live_losses(stage: str, lora: bool) -> 
     objective = PreferenceObjective(stage, settings, Reference("precomputed"))
     collate = PairCollator(DataCollator(0))
     rows = features(kto=stage == "kto")
-    table = precomputed_reference_logps(engine, objective, rows, collate, 3, "lora" if lora else "full")
+    table = precomputed_reference_logps(engine, rows, collate, 3, "lora" if lora else "full")
     rows = [{**row, "ref_logps": values} for row, values in zip(rows, table, strict=True)]
     window = [collate(rows[i:i + 3]) for i in range(0, len(rows), 3)]
     precomputed = [objective.train_step(engine, window, 0.0) for _ in range(3)]

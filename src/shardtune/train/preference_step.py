@@ -213,7 +213,7 @@ class MetricTotals:
         return {key: summed[2 * i] / max(summed[2 * i + 1], 1.0) for i, key in enumerate(self.keys)}
 
 
-def precomputed_reference_logps(engine: Engine, objective: PreferenceObjective, dataset: Any, collate: Any,
+def precomputed_reference_logps(engine: Engine, dataset: Any, collate: Any,
                                 batch_size: int, finetuning_type: str) -> list[list[float]]:
     """The reference's log-probabilities of both rows of every sample of ``dataset`` ([chosen, rejected], kto:
     [answer, KL row]), scored by the policy before its first step (LoRA: with its adapters off).

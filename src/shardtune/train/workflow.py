@@ -95,8 +95,8 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     engine.verify()
     if memory is not None:
         memory.mark_setup_done()
-    if loop.objective is not None and is_precomputed(loop.objective):
-        train_set, eval_set = with_reference_logps(engine, loop.objective, tokenizer, config, train_set, eval_set)
+    if config.precompute_ref_log_probs:  # validated: only for dpo/kto losses that have a reference
+        train_set, eval_set = with_reference_logps(engine, tokenizer, config, train_set, eval_set)
         train_loader = build_loader(train_set, tokenizer, config.per_device_train_batch_size, engine, config, True)
         eval_loader = build_loader(eval_set, tokenizer, config.per_device_eval_batch_size, engine, config, False)
     state = start_state(engine, config, output_dir)
@@ -241,12 +241,8 @@ def stage_objective(c: TrainConfig, model: torch.nn.Module, engine: Engine) -> O
     return PreferenceObjective(c.stage, settings, reference)
 
 
-def is_precomputed(objective: Objective) -> bool:
-    return getattr(getattr(objective, "reference", None), "kind", None) == "precomputed"
-
-
-def with_reference_logps(engine: Engine, objective: Any, tokenizer: Any, c: TrainConfig, train_set: Any,
-                         eval_set: Any) -> tuple[Any, Any]:
+def with_reference_logps(engine: Engine, tokenizer: Any, c: TrainConfig, train_set: Any, eval_set: Any
+                         ) -> tuple[Any, Any]:
     """precompute_ref_log_probs: score the train (and eval) samples with the untrained policy, before any step and
     before a checkpoint is loaded, and add them as a ``ref_logps`` column."""
     from shardtune.train.preference_step import precomputed_reference_logps
@@ -257,7 +253,7 @@ def with_reference_logps(engine: Engine, objective: Any, tokenizer: Any, c: Trai
         if dataset is None:
             scored.append(None)
             continue
-        values = precomputed_reference_logps(engine, objective, dataset, build_collator(tokenizer, c),
+        values = precomputed_reference_logps(engine, dataset, build_collator(tokenizer, c),
                                              c.per_device_train_batch_size, c.finetuning_type)
         scored.append(dataset.add_column("ref_logps", values))
     if engine.is_main:
