@@ -151,3 +151,11 @@ def test_a_prompt_longer_than_cutoff_len_drops_the_pair(tokenizer: Any, tmp_path
     train, _ = build_datasets(tokenizer, settings("pairs", dataset_dir=tmp_path, cutoff_len=40))
     assert len(train) == 1
     assert decode_trained(tokenizer, train[0]["chosen_input_ids"], train[0]["chosen_labels"]).startswith("Hello")
+
+
+def test_group_by_length_measures_a_pair_by_its_longer_row(tokenizer: Any) -> None:
+    from shardtune.train.setup import sample_lengths
+
+    train, _ = build_datasets(tokenizer, settings("demo_dpo"))
+    lengths = sample_lengths(train)
+    assert lengths == [max(len(r["chosen_input_ids"]), len(r["rejected_input_ids"])) for r in train]

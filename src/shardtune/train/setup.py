@@ -216,12 +216,19 @@ def stream_passes(loader: DataLoader) -> Iterator[Any]:
                             "records, use fewer processes or raise cutoff_len")
 
 
+def sample_lengths(dataset: Any) -> list[int]:
+    """Tokens per sample for group_by_length; a preference pair counts its longer answer row."""
+    if "chosen_input_ids" in dataset.column_names:
+        return [max(len(a), len(b)) for a, b in zip(dataset["chosen_input_ids"], dataset["rejected_input_ids"],
+                                                    strict=True)]
+    return [len(ids) for ids in dataset["input_ids"]]
+
+
 def make_sampler(dataset: Any, batch_size: int, engine: Engine, c: TrainConfig, shuffle: bool) -> DistributedSampler:
     """This rank's share of the data; the seed keeps every rank's view of the order the same."""
     if shuffle and c.group_by_length:
         from shardtune.data.sampling import LengthGroupedSampler
 
-        lengths = [len(ids) for ids in dataset["input_ids"]]
-        return LengthGroupedSampler(lengths, batch_size, engine.world_size, engine.rank, c.seed)
+        return LengthGroupedSampler(sample_lengths(dataset), batch_size, engine.world_size, engine.rank, c.seed)
     return DistributedSampler(dataset, num_replicas=engine.world_size, rank=engine.rank, shuffle=shuffle,
                               seed=c.seed, drop_last=False)
