@@ -138,6 +138,9 @@ def test_what_is_not_done_yet_is_refused_with_its_reason() -> None:
     assert problems_for(stage="rm", finetuning_type="full") == []
     assert any("engine (auto)" in p for p in problems_for(engine="auto"))
     assert any("label_smoothing_factor" in p for p in problems_for(label_smoothing_factor=0.1))
+    assert any("train_on_prompt (true)" in p for p in problems_for(train_on_prompt=True))
+    assert any("neftune_noise_alpha" in p for p in problems_for(neftune_noise_alpha=5.0))
+    assert any("pissa_init (true)" in p for p in problems_for(pissa_init=True))
     assert any("precompute_ref_log_probs" in p for p in problems_for(precompute_ref_log_probs=True, pref_loss="orpo"))
 
 

@@ -103,6 +103,17 @@ def preference_key_problems(c: TrainConfig) -> list[str]:
         problems.append(f"stage rm with finetuning_type {c.finetuning_type}: reward models train in full for now "
                         "(a LoRA or freeze run would have to save the new score layer beside the adapter); use "
                         "finetuning_type: full")
+    if c.train_on_prompt or c.mask_history:
+        problems.append(f"train_on_prompt ({str(c.train_on_prompt).lower()}) / mask_history "
+                        f"({str(c.mask_history).lower()}): stage {c.stage} scores only the final answer (earlier turns "
+                        "and the prompt are always context), so they would have no effect; remove them")
+    if c.neftune_noise_alpha and c.stage in ("dpo", "kto"):
+        problems.append(f"neftune_noise_alpha ({c.neftune_noise_alpha}) with stage {c.stage}: the noise would also "
+                        "reach the reference's forward; remove it")
+    if c.pissa_init and c.stage in ("dpo", "kto") and c.finetuning_type == "lora":
+        problems.append(f"pissa_init (true) with stage {c.stage}: the reference is the model with its adapters "
+                        "off, which after PiSSA is the residual of the weights, not the original model; use plain "
+                        "LoRA initialisation")
     if c.label_smoothing_factor > 0:
         problems.append(f"label_smoothing_factor ({c.label_smoothing_factor}) smooths the SFT cross entropy; stage "
                         f"{c.stage} scores answers by their log-probabilities: remove it (dpo: dpo_label_smoothing)")
