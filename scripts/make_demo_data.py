@@ -607,7 +607,55 @@ DATASET_INFO = {
                  "assistant_tag": "gpt", "system_tag": "system"},
     },
     "demo_pt": {"file_name": "demo_pt.jsonl", "formatting": "alpaca", "columns": {"prompt": "text"}},
+    "demo_dpo": {"file_name": "demo_dpo.json", "formatting": "alpaca", "ranking": True,
+                 "columns": {"prompt": "instruction", "query": "input", "chosen": "chosen", "rejected": "rejected",
+                             "history": "history"}},
+    "demo_dpo_sharegpt": {"file_name": "demo_dpo_sharegpt.jsonl", "formatting": "sharegpt", "ranking": True,
+                          "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected"}},
+    "demo_kto": {"file_name": "demo_kto.json", "formatting": "alpaca",
+                 "columns": {"prompt": "instruction", "query": "input", "response": "output", "kto_tag": "kto_tag"}},
 }
+REFUSALS = ("I will not help with that.", "No.", "Ask someone else.", "That question is not worth answering.")
+
+
+def preference_record(rng: random.Random, index: int) -> dict:
+    """A prompt with a helpful chosen answer and a curt refusal as the rejected one: learnably different, so a
+    preference run's reward accuracy rises above chance within a few steps; every eighth has a history turn."""
+    a, b = rng.randint(2, 30), rng.randint(2, 30)
+    if index % 3 == 0:
+        question, chosen = f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}."
+    elif index % 3 == 1:
+        fruit = rng.choice(("apple", "pear", "plum", "cherry", "grape", "lemon", "melon", "peach"))
+        colour = rng.choice(("red", "blue", "green", "yellow", "purple", "orange"))
+        question = f"Name the colour of a ripe {fruit}."
+        chosen = f"A ripe {fruit} is usually {colour}; the exact shade depends on the variety."
+    else:
+        question, chosen = f"Count from {a} to {a + 3}.", ", ".join(str(x) for x in range(a, a + 4)) + "."
+    record = {"instruction": question, "input": "", "chosen": chosen, "rejected": rng.choice(REFUSALS)}
+    if index % 8 == 5:
+        record["history"] = [["Hello, can you help me?", "Of course, ask your question."]]
+    return record
+
+
+def preference_sharegpt(record: dict) -> dict:
+    """The same pair in ShareGPT style: the conversation ends with the prompt; chosen/rejected are answer turns."""
+    turns = []
+    for question, answer in record.get("history", []):
+        turns += [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]
+    turns.append({"from": "human", "value": record["instruction"]})
+    return {"conversations": turns, "chosen": {"from": "gpt", "value": record["chosen"]},
+            "rejected": {"from": "gpt", "value": record["rejected"]}}
+
+
+def write_preference_data(out_dir: Path, seed: int) -> None:
+    """demo_dpo (alpaca pairs), demo_dpo_sharegpt and demo_kto (one answer per record with its kto_tag)."""
+    rng = random.Random(seed + 1)  # its own stream: the other demo files stay as they were
+    pairs = [preference_record(rng, i) for i in range(48)]
+    (out_dir / "demo_dpo.json").write_text(json.dumps(pairs, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    write_jsonl(out_dir / "demo_dpo_sharegpt.jsonl", [preference_sharegpt(r) for r in pairs[:16]])
+    kto = [{"instruction": r["instruction"], "input": "", "output": r["chosen"] if i % 2 == 0 else r["rejected"],
+            "kto_tag": i % 2 == 0} for i, r in enumerate(pairs[:32])]
+    (out_dir / "demo_kto.json").write_text(json.dumps(kto, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
@@ -615,13 +663,14 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 
 
 def write_demo_data(out_dir: Path, seed: int = SEED) -> None:
-    """Write the three demo datasets and dataset_info.json into ``out_dir``."""
+    """Write the demo datasets (sft, pt, preference) and dataset_info.json into ``out_dir``."""
     rng = random.Random(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     alpaca = [alpaca_record(rng) for _ in range(300)]
     (out_dir / "demo_alpaca.json").write_text(json.dumps(alpaca, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
     write_jsonl(out_dir / "demo_sharegpt.jsonl", [sharegpt_record(rng) for _ in range(200)])
     write_jsonl(out_dir / "demo_pt.jsonl", [pt_record(rng) for _ in range(200)])
+    write_preference_data(out_dir, seed)
     (out_dir / "dataset_info.json").write_text(json.dumps(DATASET_INFO, indent=2) + "\n", encoding="utf-8")
 
 

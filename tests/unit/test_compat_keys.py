@@ -33,9 +33,9 @@ def test_refused_mapped_and_honoured_keys_are_apart():
 
 
 def test_a_refused_llamafactory_key_names_its_reason():
-    with pytest.raises(ConfigError, match="key 'pref_beta' is not supported by shardtune: preference and "
-                                          "reinforcement stages"):
-        build_config({**BASE, "pref_beta": 0.1})
+    with pytest.raises(ConfigError, match="key 'ppo_epochs' is not supported by shardtune: reinforcement learning "
+                                          r"\(stage ppo\)"):
+        build_config({**BASE, "ppo_epochs": 4})
 
 
 def test_the_llamafactory_key_table_is_current():

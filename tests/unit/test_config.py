@@ -51,7 +51,7 @@ def test_unsupported_training_argument_is_refused_by_name():
         ("lora_rank", 0, "lora_rank: 0 is out of range; it must be >= 1"),
         ("learning_rate", 0, "learning_rate: 0.0 is out of range; it must be > 0"),
         ("warmup_ratio", 1.5, "warmup_ratio: 1.5 is out of range; it must be <= 1"),
-        ("stage", "dpo", "stage: 'dpo' is not allowed; choose one of: sft, pt"),
+        ("stage", "ppo", "stage: 'ppo' is not allowed; choose one of: sft, pt, dpo, kto, rm"),
         ("finetuning_type", "qlora", "finetuning_type: 'qlora' is not allowed; choose one of: lora, full, freeze"),
         ("quantization_bit", 3, "quantization_bit: 3 is not allowed; choose one of: 4, 8, null"),
         ("lr_scheduler_type", "cosin", "lr_scheduler_type: 'cosin' is not allowed"),
@@ -64,7 +64,7 @@ def test_wrong_type_or_value_names_key_value_and_allowed(key, value, fragment):
 
 
 def test_all_problems_reported_together():
-    problems = problems_of({**BASE, "lerning_rate": 1, "lora_rank": "x", "stage": "rm", "use_cpu": True})
+    problems = problems_of({**BASE, "lerning_rate": 1, "lora_rank": "x", "stage": "ppo", "use_cpu": True})
     assert len(problems) == 4
 
 

@@ -77,10 +77,10 @@ def test_hub_datasets_are_rejected_with_a_remedy(tmp_path: Path) -> None:
 
 def test_unknown_template_and_bad_settings(tmp_path: Path) -> None:
     directory = alpaca_dir(tmp_path, [RECORD])
-    problems = check_data_settings(settings_for(directory, template="chatm", cutoff_len=0, val_size=1.5, stage="dpo"))
+    problems = check_data_settings(settings_for(directory, template="chatm", cutoff_len=0, val_size=1.5, stage="ppo"))
     text = "\n".join(problems)
     assert "unknown template 'chatm' (did you mean 'chatml'?)" in text
-    assert "cutoff_len (0)" in text and "val_size (1.5)" in text and "stage 'dpo'" in text
+    assert "cutoff_len (0)" in text and "val_size (1.5)" in text and "stage 'ppo'" in text
 
 
 def test_stage_pt_needs_a_text_column(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

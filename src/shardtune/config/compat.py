@@ -199,6 +199,23 @@ MAPPED.update({
 })
 
 
+# --- preference training (pref) ---
+# LLaMA-Factory's preference keys (pref_beta, pref_loss, pref_ftx, simpo_gamma, dpo_label_smoothing, kto_*_weight,
+# ref_model*) are schema keys under their own names (schema.py, group "preference"). Only pref_loss needs a word
+# here: values LLaMA-Factory accepted once, which shardtune does not train, are refused with what to use instead.
+PREF_LOSS_REPLACED = {"kto_pair": "the paired KTO loss was dropped by TRL; use stage: kto with a kto_tag dataset",
+                      "bco_pair": "BCO is not implemented; use pref_loss sigmoid (DPO) or stage: kto"}
+
+
+def _pref_loss(value: Any, _values: Mapping[str, Any]) -> dict[str, Any]:
+    if value in PREF_LOSS_REPLACED:
+        raise Refused("pref_loss", value, PREF_LOSS_REPLACED[value])
+    return {"pref_loss": value}
+
+
+MAPPED["pref_loss"] = Mapped("pref_loss (kto_pair and bco_pair refused with what to use)", _pref_loss)
+
+
 def translate_keys(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """``values`` with every mapped key rewritten; (result, problems). A key given in both spellings is a problem
     unless both say the same."""

@@ -31,12 +31,10 @@ REFUSED_REASONS: dict[str, str] = {
     **_group("a setting of `llamafactory-cli eval` (MMLU-style benchmarks); shardtune does not run benchmarks: "
              "remove it",
              "batch_size download_mode lang n_shot save_dir task task_dir eval_on_each_dataset"),
-    **_group("preference and reinforcement stages (dpo, kto, rm, ppo) are not in shardtune yet; train with "
-             "stage: sft or pt and remove it",
-             """dpo_label_smoothing kto_chosen_weight kto_rejected_weight ld_alpha pref_bco_weight pref_beta
-             pref_ftx pref_loss ppo_buffer_size ppo_epochs ppo_score_norm ppo_target ppo_whiten_rewards ref_model
-             ref_model_adapters ref_model_quantization_bit reward_model reward_model_adapters
-             reward_model_quantization_bit reward_model_type simpo_gamma"""),
+    **_group("reinforcement learning (stage ppo) and these preference options are not in shardtune yet (stages dpo, "
+             "kto and rm are, see docs/config.md); remove it",
+             """ld_alpha pref_bco_weight ppo_buffer_size ppo_epochs ppo_score_norm ppo_target ppo_whiten_rewards
+             reward_model reward_model_adapters reward_model_quantization_bit reward_model_type"""),
     **_group("this machine reads models from local folders only; download the model once, point "
              "model_name_or_path at the folder and remove it",
              "cache_dir hf_hub_token model_revision ms_hub_token om_hub_token data_shared_file_system"),

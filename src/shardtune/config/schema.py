@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MODEL, FINETUNE, DATA, OUTPUT, TRAIN, ENGINE = "model", "finetuning", "data", "output", "training", "engine"
+PREFERENCE = "preference"
 GROUP_TITLES = {
     MODEL: "Model",
     FINETUNE: "Fine-tuning method",
+    PREFERENCE: "Preference training (stage dpo, kto, rm)",
     DATA: "Data",
     OUTPUT: "Output, logging and saving",
     TRAIN: "Optimisation",
@@ -94,7 +96,9 @@ class TrainConfig:
                "mean of the old plus noise); LoRA then trains and saves both layers in full", MODEL)
 
     # --- fine-tuning method ---
-    stage: str = _key("sft", "training stage: supervised fine-tuning or pre-training", FINETUNE, choices=("sft", "pt"))
+    stage: str = _key("sft", "training stage: supervised fine-tuning, pre-training, preference optimisation (dpo "
+                             "with pref_loss), KTO, or a pairwise reward model (rm)", FINETUNE,
+                      choices=("sft", "pt", "dpo", "kto", "rm"))
     do_train: bool = _key(True, "run training (shardtune only trains; false is refused)", FINETUNE)
     finetuning_type: str = _key("lora", "which parameters train", FINETUNE, choices=("lora", "full", "freeze"))
     lora_rank: int = _key(8, "LoRA rank r", FINETUNE, minimum=1)
@@ -108,6 +112,30 @@ class TrainConfig:
         ["all"], "freeze: module names inside the trainable layers, or 'all'", FINETUNE)
     quantization_bit: int | None = _key(None, "load the base model in 4 or 8 bits (bitsandbytes, CUDA only)",
                                         FINETUNE, choices=(4, 8, None))
+
+    # --- preference training (LLaMA-Factory's names) ---
+    pref_beta: float = _key(0.1, "dpo/kto: beta, the strength of the pull towards the reference model (SimPO: the "
+                                 "reward scale; IPO: tau)", PREFERENCE, minimum=0, exclusive_minimum=True)
+    pref_loss: str = _key("sigmoid", "dpo: the loss; sigmoid (DPO), hinge, ipo, orpo and simpo (the last two use no "
+                                     "reference model)", PREFERENCE,
+                          choices=("sigmoid", "hinge", "ipo", "orpo", "simpo"))
+    pref_ftx: float = _key(0.0, "dpo: add this times the chosen answer's average negative log-likelihood (an SFT term)",
+                           PREFERENCE, minimum=0)
+    simpo_gamma: float = _key(0.5, "dpo with pref_loss simpo: the target reward margin gamma", PREFERENCE)
+    dpo_label_smoothing: float = _key(0.0, "dpo with pref_loss sigmoid: the assumed share of flipped preference "
+                                           "labels (conservative DPO)", PREFERENCE, minimum=0, maximum=0.5)
+    kto_chosen_weight: float = _key(1.0, "kto: weight of the desirable answers' loss", PREFERENCE, minimum=0)
+    kto_rejected_weight: float = _key(1.0, "kto: weight of the undesirable answers' loss", PREFERENCE, minimum=0)
+    precompute_ref_log_probs: bool = _key(
+        False, "dpo/kto: score the data with the reference once before training and keep only those numbers, so no "
+               "reference sits beside the policy (full fine-tuning: no frozen copy, so sharded engines work too)",
+        PREFERENCE)
+    ref_model: str | None = _key(None, "dpo/kto: a separate reference model folder (default: the model being "
+                                       "trained as loaded: LoRA with its adapters off, full a frozen copy)",
+                                 PREFERENCE)
+    ref_model_adapters: str | None = _key(None, "dpo/kto: LoRA adapters applied to ref_model", PREFERENCE)
+    ref_model_quantization_bit: int | None = _key(None, "dpo/kto: load ref_model in 4 or 8 bits", PREFERENCE,
+                                                  choices=(4, 8, None))
     use_dora: bool = _key(False, "LoRA: weight-decomposed LoRA (DoRA; a trained magnitude per output row)", FINETUNE)
     use_rslora: bool = _key(False, "LoRA: rank-stabilised scaling lora_alpha / sqrt(lora_rank)", FINETUNE)
     pissa_init: bool = _key(False, "LoRA: initialise from the principal singular vectors of each weight (PiSSA)",

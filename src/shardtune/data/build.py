@@ -19,6 +19,7 @@ from shardtune.data.checks import check_data_settings
 from shardtune.data.formats import normalize_records
 from shardtune.data.loading import load_records
 from shardtune.data.packing import pack_dataset
+from shardtune.data.preference import is_preference_stage, normalize_preference_records, tokenize_preference
 from shardtune.data.processing import SftOptions, tokenize_pt, tokenize_sft
 from shardtune.data.registry import resolve_entries
 from shardtune.data.settings import MIX_STRATEGIES, DataSettings, dataset_names
@@ -74,8 +75,9 @@ def load_mixed(names: list[str], settings: DataSettings) -> Dataset:
     for entry in entries:
         try:
             records = load_records(entry, settings.max_samples, settings.seed)
-            parts.append(normalize_records(records, entry, settings.stage, settings.preprocessing_num_workers,
-                                           settings.preprocessing_batch_size))
+            normalize = normalize_preference_records if is_preference_stage(settings.stage) else normalize_records
+            parts.append(normalize(records, entry, settings.stage, settings.preprocessing_num_workers,
+                                   settings.preprocessing_batch_size))
         except DataError as err:
             problems += err.problems
     if problems:
@@ -98,6 +100,9 @@ def tokenize(records: Dataset, tokenizer: Any, settings: DataSettings) -> Datase
     workers, batch_size = settings.preprocessing_num_workers, settings.preprocessing_batch_size
     if settings.stage == "pt":
         return tokenize_pt(records, tokenizer, settings.cutoff_len, settings.packing, workers, batch_size)
+    if is_preference_stage(settings.stage):
+        return tokenize_preference(records, tokenizer, prepared_template(tokenizer, settings), settings.stage,
+                                   settings.cutoff_len, workers, batch_size)
     return tokenize_sft(records, tokenizer, prepared_template(tokenizer, settings), sft_options(settings), workers,
                         batch_size)
 

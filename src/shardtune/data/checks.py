@@ -10,6 +10,7 @@ import math
 
 from shardtune.data.formats import missing_column_problems
 from shardtune.data.loading import peek_columns
+from shardtune.data.preference import is_preference_stage, preference_columns, preference_entry_problems
 from shardtune.data.registry import DatasetEntry, did_you_mean, resolve_entries
 from shardtune.data.settings import MIX_STRATEGIES, STAGES, DataSettings, dataset_names
 from shardtune.data.templates import (
@@ -67,6 +68,9 @@ def setting_problems(settings: DataSettings) -> list[str]:
     if settings.neat_packing and settings.stage == "pt":
         problems.append("neat_packing (true) with stage pt: pt packing cuts one stream of texts into blocks, so "
                         "texts are not kept apart; unset neat_packing (or use stage sft)")
+    if is_preference_stage(settings.stage) and (settings.packing or settings.neat_packing or settings.streaming):
+        problems.append(f"stage {settings.stage}: packing, neat_packing and streaming are not supported for "
+                        "preference data yet (a pair is padded into one batch); set them to false")
     return problems + mix_problems(settings) + streaming_problems(settings)
 
 
@@ -106,6 +110,8 @@ def mix_problems(settings: DataSettings) -> list[str]:
 
 def entry_stage_problems(entry: DatasetEntry, stage: str) -> list[str]:
     """Does the entry fit the stage, and does its first record have the columns the stage reads?"""
+    if is_preference_stage(stage):
+        return preference_stage_problems(entry, stage)
     preference = preference_problems(entry, stage)
     if preference:
         return preference
@@ -117,6 +123,19 @@ def entry_stage_problems(entry: DatasetEntry, stage: str) -> list[str]:
     columns, problems = peek_columns(entry.data_files[0])
     if columns is not None:
         problems += missing_column_problems(columns, entry, stage)
+    return problems
+
+
+def preference_stage_problems(entry: DatasetEntry, stage: str) -> list[str]:
+    """dpo/rm need a ranking entry, kto an entry with kto_tag; the first record must have their columns."""
+    problems = preference_entry_problems(entry, stage)
+    if problems:
+        return problems
+    columns, problems = peek_columns(entry.data_files[0])
+    if columns is not None:
+        problems += [f"{entry.path}: records have no '{column}' column (dataset '{entry.name}', stage {stage}); "
+                     f"rename it or set columns.{key} in dataset_info.json"
+                     for key, column in preference_columns(entry, stage).items() if column not in columns]
     return problems
 
 

@@ -91,6 +91,31 @@ class DataCollator:
         return -(-longest // multiple) * multiple if multiple else longest
 
 
+class PairCollator:
+    """One batch per micro-batch of pairs: the chosen rows, then the rejected rows in the same order, padded
+    together (one forward scores both); ``pairs`` is the number of pairs. KTO batches carry the KL rows after the
+    answer rows, and ``kto_tag``. Features with ``ref_logps`` (the reference's log-probabilities of both rows of
+    each pair, precomputed) carry them as a ``[pairs, 2]`` tensor."""
+
+    def __init__(self, collator: DataCollator) -> None:
+        self.collator = collator
+
+    def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        if "kto_tag" in features[0]:
+            rows = [{"input_ids": f["input_ids"], "labels": f["labels"]} for f in features]
+            rows += [{"input_ids": f["kl_input_ids"], "labels": f["kl_labels"]} for f in features]
+            batch = self.collator(rows)
+            batch["kto_tag"] = torch.tensor([bool(f["kto_tag"]) for f in features])
+        else:
+            rows = [{"input_ids": f[f"{side}_input_ids"], "labels": f[f"{side}_labels"]}
+                    for side in ("chosen", "rejected") for f in features]
+            batch = self.collator(rows)
+        if "ref_logps" in features[0]:  # precomputed reference log-probabilities: [pairs, 2]
+            batch["ref_logps"] = torch.tensor([f["ref_logps"] for f in features], dtype=torch.float32)
+        batch["pairs"] = len(features)
+        return batch
+
+
 def pad_rows(rows: Sequence[Sequence[int]], length: int, value: int) -> torch.Tensor:
     out = torch.full((len(rows), length), value, dtype=torch.long)
     for i, row in enumerate(rows):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-STAGES = ("sft", "pt")
+STAGES = ("sft", "pt", "dpo", "kto", "rm")  # dpo, kto, rm: preference data (data.preference)
 # How several datasets become one, as LLaMA-Factory names it -> datasets' interleave stopping strategy.
 MIX_STRATEGIES = {"concat": None, "interleave_under": "first_exhausted", "interleave_over": "all_exhausted",
                   "interleave_once": "all_exhausted_without_replacement"}

@@ -21,6 +21,7 @@ from shardtune.engines.spec import (
     EngineSpec,
     MemoryLayout,
     pre_quantized_problems,
+    preference_problems,
     whole_weight_optimizer_problems,
 )
 from shardtune.errors import ConfigError
@@ -517,7 +518,8 @@ def deepspeed_refusals(c: TrainConfig, plan: EnginePlan, has_cuda: bool) -> list
         problems.append("use_dora (true) with DeepSpeed ZeRO-3: DoRA needs each layer's whole base weight outside "
                         "that layer's forward, where ZeRO-3 holds only a partition; use fsdp (full_shard auto_wrap, "
                         "fsdp_version 2) to shard a DoRA run, or ZeRO-2")
-    return problems + whole_weight_optimizer_problems(c, "deepspeed")
+    return problems + whole_weight_optimizer_problems(c, "deepspeed") + \
+        preference_problems(c, f"DeepSpeed ZeRO-{stage}", shards_weights=stage == 3)
 
 
 def deepspeed_memory_layout(plan: EnginePlan) -> MemoryLayout:

@@ -12,6 +12,7 @@ from shardtune.engines.spec import (
     EngineSpec,
     MemoryLayout,
     pre_quantized_problems,
+    preference_problems,
     whole_weight_optimizer_problems,
 )
 
@@ -237,7 +238,7 @@ def fsdp_refusals(c: TrainConfig, plan: EnginePlan, has_cuda: bool) -> list[str]
         problems.append("pissa_init (true) with fsdp: PiSSA takes the SVD of each whole base weight and rewrites it "
                         "while the model is built, which a sharding engine never holds; use DDP or ZeRO-0/1/2 "
                         "(LLaMA-Factory refuses it under ZeRO-3 too)")
-    return problems + whole_weight_optimizer_problems(c, "fsdp")
+    return problems + whole_weight_optimizer_problems(c, "fsdp") + preference_problems(c, "fsdp", shards_weights=True)
 
 
 def fsdp_memory_layout(plan: EnginePlan) -> MemoryLayout:

@@ -66,6 +66,62 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
     problems += _adapter_problems(c)
     problems += streaming_key_problems(c)
     problems += optimizer_key_problems(c)
+    problems += preference_key_problems(c)
+    return problems
+
+
+PREFERENCE_STAGES = ("dpo", "kto", "rm")
+# Preference keys, and the stages (and dpo losses) that read them; set elsewhere they would be ignored.
+PREFERENCE_KEY_USERS = {"pref_beta": ("dpo", "kto"), "pref_loss": ("dpo",), "pref_ftx": ("dpo",),
+                        "simpo_gamma": ("dpo",), "dpo_label_smoothing": ("dpo",), "kto_chosen_weight": ("kto",),
+                        "kto_rejected_weight": ("kto",)}
+
+
+def preference_key_problems(c: TrainConfig) -> list[str]:
+    """Preference keys that the stage would not read, and what the preference stages do not do yet."""
+    defaults = TrainConfig()
+    problems = [f"{key} ({getattr(c, key)}) is read by stage {' or '.join(stages)} only, but stage is {c.stage}; "
+                "remove it or change the stage" for key, stages in PREFERENCE_KEY_USERS.items()
+                if getattr(c, key) != getattr(defaults, key) and c.stage not in stages]
+    if c.stage == "dpo" and c.simpo_gamma != defaults.simpo_gamma and c.pref_loss != "simpo":
+        problems.append(f"simpo_gamma ({c.simpo_gamma}) is read by pref_loss simpo only (pref_loss is {c.pref_loss}); "
+                        "remove it")
+    if c.stage == "dpo" and c.dpo_label_smoothing > 0 and c.pref_loss != "sigmoid":
+        problems.append(f"dpo_label_smoothing ({c.dpo_label_smoothing}) applies to pref_loss sigmoid only (pref_loss "
+                        f"is {c.pref_loss}); remove it")
+    for key in ("ref_model", "ref_model_adapters", "ref_model_quantization_bit"):
+        if getattr(c, key) is not None:
+            problems.append(f"{key} ({getattr(c, key)}): a separate reference model is not supported yet; the "
+                            "reference is the model being trained as loaded (LoRA: adapters off; full: a frozen "
+                            "copy); remove it")
+    if c.precompute_ref_log_probs and not (c.stage == "kto" or (c.stage == "dpo" and c.pref_loss not in (
+            "orpo", "simpo"))):
+        problems.append(f"precompute_ref_log_probs (true) is for stage dpo/kto with a reference (stage {c.stage}"
+                        + (f", pref_loss {c.pref_loss}" if c.stage == "dpo" else "") + "); remove it")
+    if c.stage not in PREFERENCE_STAGES:
+        return problems
+    if c.stage == "rm" and c.finetuning_type != "full":
+        problems.append(f"stage rm with finetuning_type {c.finetuning_type}: reward models train in full for now "
+                        "(a LoRA or freeze run would have to save the new score layer beside the adapter); use "
+                        "finetuning_type: full")
+    if c.train_on_prompt or c.mask_history:
+        problems.append(f"train_on_prompt ({str(c.train_on_prompt).lower()}) / mask_history "
+                        f"({str(c.mask_history).lower()}): stage {c.stage} scores only the final answer (earlier turns "
+                        "and the prompt are always context), so they would have no effect; remove them")
+    if c.neftune_noise_alpha and c.stage in ("dpo", "kto"):
+        problems.append(f"neftune_noise_alpha ({c.neftune_noise_alpha}) with stage {c.stage}: the noise would also "
+                        "reach the reference's forward; remove it")
+    if c.pissa_init and c.stage in ("dpo", "kto") and c.finetuning_type == "lora":
+        problems.append(f"pissa_init (true) with stage {c.stage}: the reference is the model with its adapters "
+                        "off, which after PiSSA is the residual of the weights, not the original model; use plain "
+                        "LoRA initialisation")
+    if c.label_smoothing_factor > 0:
+        problems.append(f"label_smoothing_factor ({c.label_smoothing_factor}) smooths the SFT cross entropy; stage "
+                        f"{c.stage} scores answers by their log-probabilities: remove it (dpo: dpo_label_smoothing)")
+    if c.engine == "auto":
+        problems.append(f"engine (auto) with stage {c.stage}: the estimate does not yet count the reference model "
+                        "and the doubled rows of a preference batch; choose the engine (deepspeed/fsdp, or none "
+                        "for DDP)")
     return problems
 
 

@@ -38,6 +38,15 @@ class LoopSettings:
     loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
     label_smoothing: float = 0.0
     router_aux_loss_coef: float | None = None  # MoE: add coef x the router's auxiliary loss (model/moe.py)
+    # A preference stage's step (train/preference_step.py) in place of the token loss; None for sft and pt.
+    objective: Objective | None = None
+
+
+class Objective(Protocol):
+    """A training objective other than the token loss: one window's step, and the eval metrics ("loss" and more)."""
+
+    def train_step(self, engine: Engine, window: list[Batch], max_grad_norm: float) -> dict[str, float]: ...
+    def evaluate(self, engine: Engine, batches: Iterable[Batch]) -> dict[str, float]: ...
 
 
 @dataclass
@@ -191,8 +200,11 @@ def run_loop(engine: Engine, epoch_batches: Callable[[int], Iterable[Batch]], s:
         for index, window in enumerate(windows):
             if index < done_in_epoch:
                 continue
-            metrics = train_step(engine, window, s.max_grad_norm, s.loss_chunk_size, s.label_smoothing,
-                                 s.router_aux_loss_coef)
+            if s.objective is not None:
+                metrics = s.objective.train_step(engine, window, s.max_grad_norm)
+            else:
+                metrics = train_step(engine, window, s.max_grad_norm, s.loss_chunk_size, s.label_smoothing,
+                                     s.router_aux_loss_coef)
             state.global_step += 1
             state.epoch = epoch + (index + 1) / s.steps_per_epoch
             state.tokens_seen += int(metrics["tokens"])
@@ -229,7 +241,14 @@ def _interval_metrics(interval: list[dict[str, float]]) -> dict[str, float]:
     found = {"loss": loss, "grad_norm": interval[-1]["grad_norm"], "tokens": sum(m["tokens"] for m in interval)}
     if "aux_loss" in interval[-1]:
         found["aux_loss"] = sum(m["aux_loss"] for m in interval) / len(interval)
+    for key in interval[-1]:  # a preference objective's metrics (rewards/..., logps/..., kl), weighted as the loss
+        if key not in STEP_METRICS:
+            found[key] = sum(m[key] * m["trainable_tokens"] for m in interval) / max(trainable, 1.0)
     return found
+
+
+# What every step reports; anything else comes from an objective and is averaged into the logged metrics.
+STEP_METRICS = ("loss", "grad_norm", "tokens", "slots", "trainable_tokens", "aux_loss")
 
 
 def steps_per_epoch(num_micro_batches: int, gradient_accumulation_steps: int) -> int:

@@ -37,7 +37,10 @@ class Reporter:
     def step(self, step: int, metrics: dict[str, float]) -> None:
         if self.progress is not None:
             self.progress.update(1)
-            self.progress.set_postfix(loss=f"{metrics['loss']:.4f}")
+            shown = {"loss": f"{metrics['loss']:.4f}"}
+            if "rewards/accuracies" in metrics:  # preference stages: is the chosen answer ahead?
+                shown["acc"] = f"{metrics['rewards/accuracies']:.2f}"
+            self.progress.set_postfix(**shown)
 
     def log(self, step: int, epoch: float, lr: float, metrics: dict[str, float],
             extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -62,9 +65,10 @@ class Reporter:
                 self.tensorboard.add_scalar(f"train/{key}", record[key], step)
         return record
 
-    def log_eval(self, step: int, epoch: float, eval_loss: float) -> None:
+    def log_eval(self, step: int, epoch: float, eval_loss: float, extra: dict[str, float] | None = None) -> None:
+        """``extra``: an objective's other eval metrics (``eval_rewards/accuracies``, ...)."""
         self.write_record({"current_steps": step, "total_steps": self.total_steps, "eval_loss": eval_loss,
-                           "epoch": round(epoch, 4)})
+                           "epoch": round(epoch, 4), **(extra or {})})
         if self.tensorboard is not None:
             self.tensorboard.add_scalar("eval/loss", eval_loss, step)
 

@@ -131,16 +131,25 @@ def build_loader(dataset: Any, tokenizer: Any, batch_size: int, engine: Engine, 
     """A loader over this rank's share of the data; the sampler's seed keeps ranks' orders consistent."""
     if dataset is None:
         return None
-    from shardtune.data import DataCollator
-
-    collator = DataCollator(tokenizer.pad_token_id, attn_implementation=c.attn_implementation,
-                            window_by_layer_type=model_layer_windows(c))
+    collator = build_collator(tokenizer, c)
     if is_stream(dataset):  # already this rank's share, shuffled by its buffer
         return DataLoader(dataset, batch_size=batch_size, collate_fn=collator,
                           **loader_options(c, torch.cuda.is_available()))
     sampler = make_sampler(dataset, batch_size, engine, c, shuffle)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collator,
                       **loader_options(c, torch.cuda.is_available()))
+
+
+def build_collator(tokenizer: Any, c: TrainConfig) -> Any:
+    """The batch builder: padded (or packed) rows; preference stages put both rows of a pair in one batch."""
+    from shardtune.data import DataCollator
+    from shardtune.data.collator import PairCollator
+
+    collator = DataCollator(tokenizer.pad_token_id, attn_implementation=c.attn_implementation,
+                            window_by_layer_type=model_layer_windows(c))
+    if c.stage in ("dpo", "kto", "rm"):  # chosen and rejected rows (kto: answers and KL rows) in one batch
+        return PairCollator(collator)
+    return collator
 
 
 def model_layer_windows(c: TrainConfig) -> dict[str, int | None] | None:
@@ -224,12 +233,19 @@ def stream_passes(loader: DataLoader) -> Iterator[Any]:
                             "records, use fewer processes or raise cutoff_len")
 
 
+def sample_lengths(dataset: Any) -> list[int]:
+    """Tokens per sample for group_by_length; a preference pair counts its longer answer row."""
+    if "chosen_input_ids" in dataset.column_names:
+        return [max(len(a), len(b)) for a, b in zip(dataset["chosen_input_ids"], dataset["rejected_input_ids"],
+                                                    strict=True)]
+    return [len(ids) for ids in dataset["input_ids"]]
+
+
 def make_sampler(dataset: Any, batch_size: int, engine: Engine, c: TrainConfig, shuffle: bool) -> DistributedSampler:
     """This rank's share of the data; the seed keeps every rank's view of the order the same."""
     if shuffle and c.group_by_length:
         from shardtune.data.sampling import LengthGroupedSampler
 
-        lengths = [len(ids) for ids in dataset["input_ids"]]
-        return LengthGroupedSampler(lengths, batch_size, engine.world_size, engine.rank, c.seed)
+        return LengthGroupedSampler(sample_lengths(dataset), batch_size, engine.world_size, engine.rank, c.seed)
     return DistributedSampler(dataset, num_replicas=engine.world_size, rank=engine.rank, shuffle=shuffle,
                               seed=c.seed, drop_last=False)

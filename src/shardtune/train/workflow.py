@@ -22,11 +22,20 @@ from shardtune.optim.build import build_optimizer, build_scheduler, parameter_na
 from shardtune.optim.settings import optimizer_settings
 from shardtune.train import checkpoint
 from shardtune.train.checkpoint import resume_source
-from shardtune.train.loop import LoopSettings, TrainState, evaluate, run_loop, steps_per_epoch, total_training_steps
+from shardtune.train.loop import (
+    LoopSettings,
+    Objective,
+    TrainState,
+    evaluate,
+    run_loop,
+    steps_per_epoch,
+    total_training_steps,
+)
 from shardtune.train.pissa import PissaConversion
 from shardtune.train.reporting import LOG_FILE, Reporter, plot_loss
 from shardtune.train.settings import finetuning_settings
 from shardtune.train.setup import (
+    build_collator,
     build_loader,
     epoch_batches_for,
     is_stream,
@@ -39,6 +48,9 @@ from shardtune.train.setup import (
 from shardtune.train.throughput import ThroughputMeter
 
 RESULTS_FILE = run_files.RESULTS
+# Metrics the log record has its own fields for; any other metric of a step (a preference objective's rewards/...,
+# logps/..., kl) is written beside them.
+LOGGED_METRICS = ("loss", "grad_norm", "tokens", "seconds", "aux_loss")
 RESOLVED_CONFIG_FILE = run_files.RESOLVED_CONFIG
 
 
@@ -70,7 +82,12 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
                           "use more data")
     loop = loop_settings(config, train_micro_batches(train_loader, config), eval_loader is not None)
     model = engine.build_model(model_source(*model_config(config), tokenizer_size=len(tokenizer)))
-    loop = dataclasses.replace(loop, router_aux_loss_coef=router_aux_setting(model, config, engine.is_main))
+    if config.stage == "rm":
+        from shardtune.train.reward import build_reward_model
+
+        model = build_reward_model(model, tokenizer.pad_token_id, config.seed)
+    loop = dataclasses.replace(loop, router_aux_loss_coef=router_aux_setting(model, config, engine.is_main),
+                               objective=stage_objective(config, model, engine))
     # Before the engine touches the weights (ZeRO casts them to bf16): the adapter exactly as initialised.
     pissa = PissaConversion.start(model, output_dir, engine.is_main) if config.pissa_convert else None
     engine.prepare(
@@ -82,9 +99,15 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     engine.verify()
     if memory is not None:
         memory.mark_setup_done()
+    if config.precompute_ref_log_probs:  # validated: only for dpo/kto losses that have a reference
+        train_set, eval_set = with_reference_logps(engine, tokenizer, config, train_set, eval_set)
+        train_loader = build_loader(train_set, tokenizer, config.per_device_train_batch_size, engine, config, True)
+        eval_loader = build_loader(eval_set, tokenizer, config.per_device_eval_batch_size, engine, config, False)
+        if train_loader is None:
+            raise RuntimeError("no training data loader after scoring the reference log-probabilities")
     state = start_state(engine, config, output_dir)
     hooks = RunHooks(engine, config, output_dir, loop.total_steps, eval_loader, state.global_step,
-                     stop or StopRequest())
+                     stop or StopRequest(), loop.objective)
     hooks.meter.start()
     state = run_loop(engine, epoch_batches_for(train_loader), loop, state, hooks)
     if state.interrupted:
@@ -188,12 +211,72 @@ def loop_settings(c: TrainConfig, micro_batches: int, has_eval: bool) -> LoopSet
     )
 
 
+def stage_objective(c: TrainConfig, model: torch.nn.Module, engine: Engine) -> Objective | None:
+    """dpo/kto: the preference step and its reference (made here, before the engine wraps the model); rm: the
+    pairwise reward step; None (the token loss) for sft and pt."""
+    if c.stage == "rm":
+        from shardtune.train.reward import RewardObjective
+
+        if engine.is_main:
+            print("[shardtune] stage rm: a one-label sequence-classification model (score at the last token), "
+                  "pairwise loss", flush=True)
+        return RewardObjective()
+    if c.stage not in ("dpo", "kto"):
+        return None
+    from shardtune.train.preference import PreferenceSettings
+    from shardtune.train.preference_step import PreferenceObjective, build_reference
+
+    settings = PreferenceSettings(loss=c.pref_loss, beta=c.pref_beta, ftx=c.pref_ftx, simpo_gamma=c.simpo_gamma,
+                                  label_smoothing=c.dpo_label_smoothing, kto_chosen_weight=c.kto_chosen_weight,
+                                  kto_rejected_weight=c.kto_rejected_weight)
+    source = resume_source(c)
+    if settings.needs_reference and c.finetuning_type != "lora" and source is not None \
+            and checkpoint.is_model_only(source):
+        raise ConfigError(f"resuming stage {c.stage} ({c.finetuning_type}) from {source}, a model-only checkpoint "
+                          "(save_only_model): the model is built from its trained weights, so the reference would be "
+                          "the trained model, not the original; resume from a full checkpoint")
+    reference = build_reference(model, c.finetuning_type, settings, engine.device, c.precompute_ref_log_probs)
+    if engine.is_main:
+        where = {"none": "none (the loss compares the policy with itself)",
+                 "precomputed": "precomputed before the first step (precompute_ref_log_probs)",
+                 "adapters_off": "the model with its LoRA adapters off (no copy)",
+                 "copy": "a frozen copy of the model on every rank"}[reference.kind]
+        print(f"[shardtune] stage {c.stage}" + (f", pref_loss {c.pref_loss}" if c.stage == "dpo" else "")
+              + f"; reference model: {where}; log-probabilities from the full logits (loss_chunk_size does not "
+              "apply)", flush=True)
+    return PreferenceObjective(c.stage, settings, reference)
+
+
+def with_reference_logps(engine: Engine, tokenizer: Any, c: TrainConfig, train_set: Any, eval_set: Any
+                         ) -> tuple[Any, Any]:
+    """precompute_ref_log_probs: score the train (and eval) samples with the untrained policy, before any step and
+    before a checkpoint is loaded, and add them as a ``ref_logps`` column."""
+    from shardtune.train.preference_step import precomputed_reference_logps
+
+    started = time.perf_counter()
+    scored: list[Any] = []
+    for dataset in (train_set, eval_set):
+        if dataset is None:
+            scored.append(None)
+            continue
+        values = precomputed_reference_logps(engine, dataset, build_collator(tokenizer, c),
+                                             c.per_device_train_batch_size, c.finetuning_type)
+        scored.append(dataset.add_column("ref_logps", values))
+    if engine.is_main:
+        print(f"[shardtune] precompute_ref_log_probs: {sum(len(d) for d in scored if d is not None)} samples scored "
+              f"by the reference in {time.perf_counter() - started:.1f} s; no reference is kept in memory", flush=True)
+    return scored[0], scored[1]
+
+
 def router_aux_setting(model: torch.nn.Module, c: TrainConfig, is_main: bool) -> float | None:
     """The router auxiliary loss coefficient training adds (MoE models), said in the run log."""
     from shardtune.model.moe import has_router_aux_loss, router_aux_loss_coef
 
     model_config = getattr(model, "config", None)
     coef = router_aux_loss_coef(model_config, c.moe_aux_loss_coef)
+    if coef is not None and c.stage in ("dpo", "kto", "rm"):
+        raise ConfigError(f"moe_aux_loss_coef ({coef:g}): stage {c.stage} does not add the router auxiliary loss "
+                          "yet; set moe_aux_loss_coef: 0 to train this mixture-of-experts model without it")
     if is_main and coef is not None:
         print(f"[shardtune] mixture of experts: loss = LM loss + {coef:g} x router aux_loss (logged as aux_loss)",
               flush=True)
@@ -253,6 +336,7 @@ class RunHooks:
     eval_loader: Any
     start_step: int = 0
     stop: StopRequest = field(default_factory=StopRequest)
+    objective: Objective | None = None
 
     def __post_init__(self) -> None:
         self.reporter = Reporter(self.output_dir, self.total_steps, enabled=self.engine.is_main,
@@ -275,6 +359,7 @@ class RunHooks:
         extra: dict[str, Any] = {} if seen is None else {"num_input_tokens_seen": seen}
         if "aux_loss" in metrics:
             extra["aux_loss"] = round(metrics["aux_loss"], 6)
+        extra.update({key: round(value, 6) for key, value in metrics.items() if key not in LOGGED_METRICS})
         record = self.reporter.log(state.global_step, state.epoch, self.engine.current_lr(), metrics, extra or None)
         state.loss_history.append({"step": state.global_step, "loss": record["loss"]})
 
@@ -290,9 +375,17 @@ class RunHooks:
 
     def on_evaluate(self, state: TrainState) -> None:
         if self.eval_loader is not None:
-            self.reporter.log_eval(state.global_step, state.epoch, evaluate(
-                self.engine, self.eval_loader, self.config.loss_chunk_size, self.config.label_smoothing_factor))
+            found = self.eval_metrics()
+            self.reporter.log_eval(state.global_step, state.epoch, found.pop("eval_loss"), found)
         self.meter.start()
+
+    def eval_metrics(self) -> dict[str, float]:
+        """``eval_loss`` and, for a preference objective, ``eval_rewards/...`` and the like."""
+        if self.objective is not None:
+            found = self.objective.evaluate(self.engine, self.eval_loader)
+            return {f"eval_{key}": round(value, 6) if key != "loss" else value for key, value in found.items()}
+        return {"eval_loss": evaluate(self.engine, self.eval_loader, self.config.loss_chunk_size,
+                                      self.config.label_smoothing_factor)}
 
 
 def run_name(c: TrainConfig, output_dir: Path) -> str:
@@ -322,7 +415,7 @@ def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path,
         "trainable_parameter_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in engine.iter_trainable()}),
     }
     if hooks.eval_loader is not None:
-        results["eval_loss"] = evaluate(engine, hooks.eval_loader, c.loss_chunk_size, c.label_smoothing_factor)
+        results.update(hooks.eval_metrics())
     if state.input_tokens_seen(c.include_num_input_tokens_seen) is not None:
         results["num_input_tokens_seen"] = state.input_tokens_seen(c.include_num_input_tokens_seen)
     if memory is not None:

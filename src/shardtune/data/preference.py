@@ -1,0 +1,276 @@
+"""Preference data (LLaMA-Factory's formats): pairs for dpo and rm, single answers with a verdict for kto.
+
+A ranking entry (``ranking: true``) holds a prompt and two answers. Alpaca style: ``instruction`` (+ ``input``,
+``history``, ``system``) and the ``chosen`` / ``rejected`` columns, text. ShareGPT/OpenAI style: the
+conversation column ends with a prompt turn and ``chosen`` / ``rejected`` are one answer turn each, in the
+entry's tags. A KTO entry is an SFT entry plus its ``kto_tag`` column (true: a desirable answer).
+
+Both answers are rendered through the SFT template path (``Template.render_turns``) with the same prompt, so
+their prompt tokens are identical; every prompt token, earlier answers of a multi-turn history included, gets
+``IGNORE_INDEX`` (only the final answer is scored, as in LLaMA-Factory). When the prompt does not leave room
+for one answer token within ``cutoff_len`` the sample is dropped (a warning counts them); answers are cut to fit.
+Bad records raise ``DataError`` naming the file and the record index.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import Any
+
+from datasets import Dataset, Features, List, Value
+
+from shardtune.data.caching import step_fingerprint
+from shardtune.data.formats import (
+    CHAT_FEATURES,
+    Message,
+    RecordError,
+    alpaca_to_chat,
+    openai_to_chat,
+    raise_record_problems,
+    role_map,
+    rows,
+    sharegpt_to_chat,
+    tools_text,
+    turn_role_and_content,
+)
+from shardtune.data.registry import DatasetEntry
+from shardtune.data.settings import IGNORE_INDEX
+from shardtune.data.templates import Template
+from shardtune.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+PREFERENCE_STAGES = ("dpo", "kto", "rm")
+PAIR_STAGES = ("dpo", "rm")
+PAIR_RECORD_FEATURES = Features({**CHAT_FEATURES, "_rejected": Value("string")})
+KTO_RECORD_FEATURES = Features({**CHAT_FEATURES, "_kto_tag": Value("bool")})
+IDS = List(Value("int32"))
+PAIR_FEATURES = Features({"chosen_input_ids": IDS, "chosen_labels": IDS, "rejected_input_ids": IDS,
+                          "rejected_labels": IDS})
+KTO_FEATURES = Features({"input_ids": IDS, "labels": IDS, "kl_input_ids": IDS, "kl_labels": IDS,
+                         "kto_tag": Value("bool")})
+
+
+def is_preference_stage(stage: str) -> bool:
+    return stage in PREFERENCE_STAGES
+
+
+def preference_entry_problems(entry: DatasetEntry, stage: str) -> list[str]:
+    """Does the entry carry what the stage reads (pairs for dpo/rm, a kto_tag for kto)?"""
+    if stage in PAIR_STAGES and not entry.ranking:
+        return [f"dataset '{entry.name}' is not a ranking dataset, which stage {stage} needs (a prompt with a "
+                "chosen and a rejected answer); set \"ranking\": true and columns.chosen/rejected in its "
+                "dataset_info.json entry, or use another dataset"]
+    if stage == "kto" and "kto_tag" not in entry.columns:
+        return [f"dataset '{entry.name}' has no kto_tag column, which stage kto needs (true: desirable answer); "
+                "set columns.kto_tag in its dataset_info.json entry"]
+    if stage == "kto" and entry.ranking:
+        return [f"dataset '{entry.name}' is a ranking dataset; stage kto reads one answer per record with a "
+                "kto_tag, use stage dpo for pairs"]
+    return []
+
+
+# --- records -> normalised columns ---
+
+def preference_columns(entry: DatasetEntry, stage: str) -> dict[str, str]:
+    """Registry column key -> column name every record of ``entry`` must have for ``stage``."""
+    if stage == "kto":
+        keys: tuple[str, ...] = ("kto_tag",) + (("prompt", "response") if entry.formatting == "alpaca"
+                                                else ("messages",))
+    else:
+        keys = ("prompt" if entry.formatting == "alpaca" else "messages", "chosen", "rejected")
+    return {key: entry.columns[key] for key in keys}
+
+
+def normalize_preference_records(records: Dataset, entry: DatasetEntry, stage: str, num_proc: int | None,
+                                 batch_size: int = 1000) -> Dataset:
+    """``_system``, ``tools``, ``_messages`` (prompt turns then the chosen or only answer) and ``_rejected``
+    (pairs) or ``_kto_tag`` (kto); raises DataError listing bad records with the file and index."""
+    problems = preference_entry_problems(entry, stage)
+    if problems:
+        raise DataError(*problems)
+    missing = [f"{entry.path}: records have no '{column}' column (dataset '{entry.name}', stage {stage}, found: "
+               f"{', '.join(records.column_names) or 'none'}); rename it or set columns.{key} in dataset_info.json"
+               for key, column in preference_columns(entry, stage).items() if column not in records.column_names]
+    if missing:
+        raise DataError(*missing)
+    if stage == "kto":
+        convert: Callable[..., dict[str, list[Any]]] = partial(convert_kto_batch, entry=entry)
+        features = KTO_RECORD_FEATURES
+    else:
+        convert, features = partial(convert_pair_batch, entry=entry), PAIR_RECORD_FEATURES
+    normalized = records.map(convert, batched=True, with_indices=True, remove_columns=records.column_names,
+                             features=features, num_proc=num_proc, batch_size=batch_size,
+                             desc=f"Reading {entry.name}", new_fingerprint=step_fingerprint(records, stage, convert))
+    raise_record_problems(entry.path, [p for p in normalized["_problem"] if p])
+    return normalized.remove_columns("_problem")
+
+
+def chat_converter(entry: DatasetEntry) -> Callable[[Mapping[str, Any]], tuple[str, list[Message]]]:
+    converters = {"sharegpt": sharegpt_to_chat, "openai": openai_to_chat}
+    if entry.formatting in converters:
+        return partial(converters[entry.formatting], columns=entry.columns, tags=entry.tags)
+    return partial(alpaca_to_chat, columns=entry.columns)
+
+
+def pair_to_chat(record: Mapping[str, Any], entry: DatasetEntry) -> tuple[str, list[Message], str]:
+    """(system, prompt turns + the chosen answer, the rejected answer's text) of one ranking record."""
+    columns = entry.columns
+    for key in ("chosen", "rejected"):
+        if record.get(columns[key]) in (None, "", {}):
+            raise RecordError(f"'{columns[key]}' is missing or empty: a pair needs a chosen and a rejected answer")
+    if entry.formatting == "alpaca":
+        system, messages = alpaca_to_chat(record, {**columns, "response": columns["chosen"]})
+        return system, messages, answer_text(record[columns["rejected"]], columns["rejected"], entry)
+    conversation = record.get(columns["messages"])
+    if not isinstance(conversation, list):
+        raise RecordError(f"'{columns['messages']}' must be a list of turns")
+    with_chosen = {**record, columns["messages"]: [*conversation, record[columns["chosen"]]]}
+    system, messages = chat_converter(entry)(with_chosen)
+    return system, messages, answer_text(record[columns["rejected"]], columns["rejected"], entry)
+
+
+def answer_text(value: Any, column: str, entry: DatasetEntry) -> str:
+    """An answer of a pair: text (alpaca) or one answer turn in the entry's tags (sharegpt, openai)."""
+    if entry.formatting == "alpaca":
+        if not isinstance(value, str):
+            raise RecordError(f"'{column}' must be text, got {type(value).__name__}")
+        return value
+    role, content = turn_role_and_content(value, 0, role_map(entry.tags), entry.tags)
+    if role not in ("assistant", "function_call"):
+        raise RecordError(f"'{column}' must be an answer turn ('{entry.tags['assistant_tag']}'), got role '{role}'")
+    return content
+
+
+def convert_pair_batch(batch: Mapping[str, list[Any]], indices: list[int], entry: DatasetEntry
+                       ) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {"_system": [], "_messages": [], "tools": [], "_rejected": [], "_problem": []}
+    for index, record in zip(indices, rows(batch), strict=True):
+        try:
+            system, messages, rejected = pair_to_chat(record, entry)
+            tools, problem = tools_text(record.get(entry.columns["tools"]), entry.columns["tools"]), ""
+        except RecordError as err:
+            system, messages, rejected, tools = "", [], "", ""
+            problem = f"record {index} (0-based): {err}"
+        for key, value in (("_system", system), ("_messages", messages), ("tools", tools), ("_rejected", rejected),
+                           ("_problem", problem)):
+            out[key].append(value)
+    return out
+
+
+def kto_tag(value: Any, column: str) -> bool:
+    if not isinstance(value, bool):
+        raise RecordError(f"'{column}' must be true or false, got {value!r}")
+    return value
+
+
+def convert_kto_batch(batch: Mapping[str, list[Any]], indices: list[int], entry: DatasetEntry
+                      ) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {"_system": [], "_messages": [], "tools": [], "_kto_tag": [], "_problem": []}
+    to_chat, columns = chat_converter(entry), entry.columns
+    for index, record in zip(indices, rows(batch), strict=True):
+        try:
+            system, messages = to_chat(record)
+            tag = kto_tag(record.get(columns["kto_tag"]), columns["kto_tag"])
+            tools, problem = tools_text(record.get(columns["tools"]), columns["tools"]), ""
+        except RecordError as err:
+            system, messages, tag, tools = "", [], False, ""
+            problem = f"record {index} (0-based): {err}"
+        for key, value in (("_system", system), ("_messages", messages), ("tools", tools), ("_kto_tag", tag),
+                           ("_problem", problem)):
+            out[key].append(value)
+    return out
+
+
+# --- tokenisation ---
+
+def tokenize_preference(dataset: Dataset, tokenizer: Any, template: Template, stage: str, cutoff_len: int,
+                        num_proc: int | None = None, batch_size: int = 1000) -> Dataset:
+    """Encode normalised preference records; samples whose prompt leaves no room for an answer are dropped."""
+    encoder = encode_kto_batch if stage == "kto" else encode_pair_batch
+    encode = partial(encoder, tokenizer=tokenizer, template=template, cutoff_len=cutoff_len)
+    features = KTO_FEATURES if stage == "kto" else PAIR_FEATURES
+    first = "input_ids" if stage == "kto" else "chosen_input_ids"
+    encoded = dataset.map(encode, batched=True, remove_columns=dataset.column_names, features=features,
+                          num_proc=num_proc, batch_size=batch_size, desc="Tokenizing",
+                          new_fingerprint=step_fingerprint(dataset, f"{stage}-tokens", encode))
+    kept = encoded.filter(lambda ids: [len(x) > 0 for x in ids], batched=True, input_columns=first,
+                          num_proc=num_proc, desc="Truncating")
+    if len(kept) == 0 and len(encoded) > 0:
+        raise DataError(f"cutoff_len ({cutoff_len}) is too small: no {stage} sample keeps its whole prompt plus one "
+                        "answer token; raise cutoff_len")
+    if len(kept) < len(encoded):
+        logger.warning("dropped %d of %d samples whose prompt does not fit in cutoff_len=%d",
+                       len(encoded) - len(kept), len(encoded), cutoff_len)
+    return kept
+
+
+def encode_answer_sets(tokenizer: Any, template: Template, samples: Sequence[tuple[str, list[Message], list[str], str]],
+                       cutoff_len: int) -> list[list[tuple[list[int], list[int]]]]:
+    """For each (system, prompt turns, answers, tools): (input_ids, labels) of the prompt followed by each answer.
+
+    Every answer is rendered as the conversation's last turn, so all answers of a sample share its prompt tokens;
+    all pieces of all samples are tokenised in one call. A sample whose prompt leaves no room for one answer token
+    within ``cutoff_len`` gets empty lists (dropped later); answers are cut to fit.
+    """
+    rendered = [[[piece for turn in template.render_turns(system, [*prompt, {"role": "assistant", "content": answer}],
+                                                          tokenizer, tools) for piece in turn] for answer in answers]
+                for system, prompt, answers, tools in samples]
+    flat = [piece for sample in rendered for answer in sample for piece in answer]
+    ids = iter(tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else [])
+    encoded = []
+    for sample in rendered:
+        answers = [assemble_answer([next(ids) for _ in pieces], cutoff_len) for pieces in sample]
+        encoded.append(answers if all(a[0] for a in answers) else [([], []) for _ in answers])
+    return encoded
+
+
+def assemble_answer(pieces: list[list[int]], cutoff_len: int) -> tuple[list[int], list[int]]:
+    """The prompt pieces masked, then the last piece (the answer) cut to ``cutoff_len``; empty when it cannot fit."""
+    prompt_ids = [token for piece in pieces[:-1] for token in piece]
+    room = cutoff_len - len(prompt_ids)
+    if room < 1:
+        return [], []
+    response = pieces[-1][:room]
+    return prompt_ids + response, [IGNORE_INDEX] * len(prompt_ids) + response
+
+
+def split_prompt(messages: Sequence[Message]) -> tuple[list[Message], str]:
+    """The turns before the final answer, and the final answer's text."""
+    return list(messages[:-1]), messages[-1]["content"]
+
+
+def encode_pair_batch(batch: Mapping[str, list[Any]], tokenizer: Any, template: Template, cutoff_len: int
+                      ) -> dict[str, list[Any]]:
+    tools = batch.get("tools") or [""] * len(batch["_messages"])
+    samples = []
+    for system, messages, rejected, sample_tools in zip(batch["_system"], batch["_messages"], batch["_rejected"],
+                                                         tools, strict=True):
+        prompt, chosen = split_prompt(messages)
+        samples.append((system, prompt, [chosen, rejected], sample_tools or ""))
+    out: dict[str, list[Any]] = {key: [] for key in PAIR_FEATURES}
+    for (c_ids, c_labels), (r_ids, r_labels) in encode_answer_sets(tokenizer, template, samples, cutoff_len):
+        for key, value in (("chosen_input_ids", c_ids), ("chosen_labels", c_labels), ("rejected_input_ids", r_ids),
+                           ("rejected_labels", r_labels)):
+            out[key].append(value)
+    return out
+
+
+def encode_kto_batch(batch: Mapping[str, list[Any]], tokenizer: Any, template: Template, cutoff_len: int
+                     ) -> dict[str, list[Any]]:
+    """Each answer, and for KTO's KL estimate the same prompt with another record's answer: the answers of a map
+    batch in reverse order, as LLaMA-Factory pairs them."""
+    tools = batch.get("tools") or [""] * len(batch["_messages"])
+    answers = [split_prompt(messages)[1] for messages in batch["_messages"]]
+    samples = [(system, split_prompt(messages)[0], [answer, kl_answer], sample_tools or "")
+               for system, messages, sample_tools, answer, kl_answer
+               in zip(batch["_system"], batch["_messages"], tools, answers, answers[::-1], strict=True)]
+    out: dict[str, list[Any]] = {key: [] for key in KTO_FEATURES}
+    for ((ids, labels), (kl_ids, kl_labels)), tag in zip(encode_answer_sets(tokenizer, template, samples, cutoff_len),
+                                                         batch["_kto_tag"], strict=True):
+        for key, value in (("input_ids", ids), ("labels", labels), ("kl_input_ids", kl_ids),
+                           ("kl_labels", kl_labels), ("kto_tag", tag)):
+            out[key].append(value)
+    return out

@@ -1,0 +1,242 @@
+"""One optimizer step of a preference stage (dpo, kto) on any engine, and where the reference comes from.
+
+A micro-batch holds ``pairs`` chosen rows then the same number of rejected rows (dpo), or the answers then their
+KL rows (kto), padded together (``data.collator.PairCollator``). The policy scores the rows in one forward; the
+reference scores them first, without gradients:
+
+* LoRA: the policy itself with its adapters switched off (peft's ``disable_adapter``), called through the
+  engine's wrapper so that sharded weights are gathered as in training: no second copy of the model.
+* full / freeze: a frozen copy made before the engine wraps the policy, a plain replica on every rank (refused
+  before launch where the policy is sharded: engines/plan.py ``reference_model_problems``).
+* ORPO and SimPO: no reference at all.
+
+The loss of each micro-batch is its summed per-pair loss over the number of pairs in the whole window across
+ranks (times the engine's factor that undoes its gradient averaging), so accumulation and data parallelism give
+the update of one big batch, as the SFT loop does with tokens. KTO's KL reference point is estimated once per
+window over every rank's KL rows (TRL and LLaMA-Factory estimate it per micro-batch, the same when a window is one
+micro-batch per rank of equal size), so the step does not depend on how the window is split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardtune.engines.base import Engine
+from shardtune.errors import ModelError
+from shardtune.train.loop import MODEL_INPUTS, Batch, count_input_tokens, to_device
+from shardtune.train.preference import (
+    LossOutput,
+    PairLogps,
+    PreferenceSettings,
+    kto_losses,
+    preference_loss,
+    sequence_logps,
+)
+
+PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                "logps/rejected")
+ORPO_METRICS = ("sft_loss", "odds_ratio_loss")
+KTO_METRICS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "kl")
+
+
+@dataclass
+class Reference:
+    """How reference log-probabilities are computed: ``adapters_off`` (LoRA), ``copy`` (a frozen model), ``policy``
+    (the policy as it is: only while precomputing, before the first step), ``precomputed`` (read from the batch's
+    ``ref_logps``) or ``none`` (ORPO, SimPO)."""
+
+    kind: str
+    model: torch.nn.Module | None = None
+
+    def logps(self, engine: Engine, inputs: dict[str, Any], labels: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kind == "copy":
+            self._match_policy_dtype(engine)
+        assert self.kind in ("adapters_off", "copy", "policy"), self.kind
+        with torch.no_grad(), self._switched(engine), engine.autocast():
+            model = self.model if self.kind == "copy" else engine.model
+            assert model is not None
+            logits = model(**inputs, use_cache=False).logits
+            return sequence_logps(logits, labels)
+
+    def _match_policy_dtype(self, engine: Engine) -> None:
+        """Engines may cast the policy after the copy was made (DeepSpeed bf16 holds bf16 weights): the copy follows,
+        so that the reference computes what the untrained policy would."""
+        assert self.model is not None
+        policy = next((p for p in engine.unwrapped_model().parameters() if p.is_floating_point()), None)
+        current = next((p for p in self.model.parameters() if p.is_floating_point()), None)
+        if policy is not None and current is not None and policy.dtype != current.dtype:
+            self.model.to(policy.dtype)
+
+    def _switched(self, engine: Engine) -> contextlib.AbstractContextManager:
+        if self.kind != "adapters_off":
+            return contextlib.nullcontext()
+        peft_model = engine.unwrapped_model()
+        disable = getattr(peft_model, "disable_adapter", None)
+        if disable is None:
+            raise ModelError(f"the reference of a LoRA run is the model with its adapters off, but the engine's "
+                             f"model ({type(peft_model).__name__}) has no disable_adapter(); use finetuning_type full")
+        return disable()
+
+
+def build_reference(model: torch.nn.Module, finetuning_type: str, settings: PreferenceSettings,
+                    device: torch.device, precompute: bool = False) -> Reference:
+    """The reference for ``model`` before the engine wraps it (see the module docstring)."""
+    if not settings.needs_reference:
+        return Reference("none")
+    if precompute:
+        return Reference("precomputed")
+    if finetuning_type == "lora":
+        return Reference("adapters_off")
+    frozen = copy.deepcopy(model).to(device).eval()
+    frozen.requires_grad_(False)
+    return Reference("copy", frozen)
+
+
+def rows(batch: Batch, start: int, stop: int) -> dict[str, Any]:
+    """The model inputs of rows [start, stop) of a padded batch."""
+    return {k: v[start:stop] for k, v in batch.items() if k in MODEL_INPUTS and isinstance(v, torch.Tensor)}
+
+
+@dataclass
+class PreferenceObjective:
+    """The dpo or kto objective the loop calls instead of the token loss."""
+
+    stage: str
+    settings: PreferenceSettings
+    reference: Reference
+
+    @property
+    def metric_keys(self) -> tuple[str, ...]:
+        if self.stage == "kto":
+            return KTO_METRICS
+        return PAIR_METRICS + (ORPO_METRICS if self.settings.loss == "orpo" else ())
+
+    def train_step(self, engine: Engine, window: list[Batch], max_grad_norm: float) -> dict[str, float]:
+        """Forward/backward every micro-batch of one window, one optimizer step; metrics averaged over all pairs."""
+        window = [to_device(b, engine.device) for b in window]
+        pairs = engine.all_reduce_sum(torch.tensor(float(sum(b["pairs"] for b in window)), device=engine.device))
+        denominator = torch.clamp(pairs, min=1.0)
+        kl = self.window_kl(engine, window) if self.stage == "kto" else None
+        totals = MetricTotals(self.metric_keys, engine.device)
+        for i, batch in enumerate(window):
+            reference = self.reference_logps(engine, batch)
+            with engine.accumulation_context(is_last_micro_batch=i == len(window) - 1), engine.autocast():
+                out = self.batch_losses(engine.model, batch, reference, kl)
+            engine.backward(out.losses.sum() * engine.loss_scale_for_mean_reduction / denominator)
+            totals.add(out)
+        grad_norm = engine.step(max_grad_norm)
+        found = totals.reduced(engine)
+        counts = engine.all_reduce_sum(torch.tensor(
+            [float(sum(count_input_tokens(b) for b in window)), float(sum(b["input_ids"].numel() for b in window))],
+            device=engine.device))
+        return {**found, "grad_norm": grad_norm, "tokens": float(counts[0]),
+                "slots": float(counts[1]), "trainable_tokens": float(pairs)}
+
+    @torch.no_grad()
+    def evaluate(self, engine: Engine, batches: Iterable[Batch]) -> dict[str, float]:
+        """Mean per-pair loss and metrics over the eval data, over all ranks."""
+        engine.model.eval()
+        totals = MetricTotals(self.metric_keys, engine.device)
+        for batch in batches:
+            batch = to_device(batch, engine.device)
+            kl = self.window_kl(engine, [batch]) if self.stage == "kto" else None
+            with engine.autocast():
+                totals.add(self.batch_losses(engine.model, batch, self.reference_logps(engine, batch), kl))
+        engine.model.train()
+        return totals.reduced(engine)
+
+    def reference_logps(self, engine: Engine, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Reference log-probabilities of the rows the loss compares (dpo: all; kto: the answers)."""
+        if self.reference.kind == "none":
+            return None
+        if self.reference.kind == "precomputed":
+            table = batch["ref_logps"].to(torch.float32)
+            summed = table[:, 0] if self.stage == "kto" else torch.cat([table[:, 0], table[:, 1]])
+            return summed, summed.new_zeros(summed.shape)  # lengths: the policy's are the same rows'
+        stop = int(batch["pairs"]) if self.stage == "kto" else batch["input_ids"].shape[0]
+        return self.reference.logps(engine, rows(batch, 0, stop), batch["labels"][:stop])
+
+    def batch_losses(self, model: torch.nn.Module, batch: Batch, reference: tuple[torch.Tensor, torch.Tensor] | None,
+                     kl: torch.Tensor | None) -> LossOutput:
+        n = int(batch["pairs"])  # the collator's count of pairs (an int in the batch dict)
+        stop = n if self.stage == "kto" else 2 * n
+        logits = model(**rows(batch, 0, stop), use_cache=False).logits
+        summed, lengths = sequence_logps(logits, batch["labels"][:stop])
+        if self.stage == "kto":
+            assert reference is not None and kl is not None
+            return kto_losses(self.settings, summed, reference[0], batch["kto_tag"], kl)
+        policy = PairLogps(summed[:n], summed[n:], lengths[:n], lengths[n:])
+        ref = None if reference is None else PairLogps(reference[0][:n], reference[0][n:], lengths[:n], lengths[n:])
+        return preference_loss(self.settings, policy, ref)
+
+    def window_kl(self, engine: Engine, window: list[Batch]) -> torch.Tensor:
+        """KTO's reference point: the mean log-ratio of every rank's KL rows in the window, clamped at 0."""
+        total = torch.zeros(2, device=engine.device, dtype=torch.float64)
+        for batch in window:
+            n, end = int(batch["pairs"]), batch["input_ids"].shape[0]
+            inputs, labels = rows(batch, n, end), batch["labels"][n:end]
+            with torch.no_grad(), engine.autocast():
+                policy, _ = sequence_logps(engine.model(**inputs, use_cache=False).logits, labels)
+            if self.reference.kind == "precomputed":
+                reference = batch["ref_logps"][:, 1].to(policy.dtype)
+            else:
+                reference, _ = self.reference.logps(engine, inputs, labels)
+            total += torch.stack([(policy - reference).sum().double(), torch.tensor(float(n), device=engine.device,
+                                                                                    dtype=torch.float64)])
+        total = engine.all_reduce_sum(total)
+        return (total[0] / torch.clamp(total[1], min=1.0)).clamp(min=0).float()
+
+
+class MetricTotals:
+    """Sums and counts of the loss and each metric over a window, reduced over ranks in one call."""
+
+    def __init__(self, keys: tuple[str, ...], device: torch.device) -> None:
+        self.keys = ("loss", *keys)
+        self.sums = torch.zeros(2 * len(self.keys), device=device, dtype=torch.float64)
+
+    def add(self, out: LossOutput) -> None:
+        values = {"loss": out.losses.detach(), **out.metrics}
+        for i, key in enumerate(self.keys):
+            value = values[key].detach().double().reshape(-1)
+            self.sums[2 * i] += value.sum()
+            self.sums[2 * i + 1] += value.numel()
+
+    def reduced(self, engine: Engine) -> dict[str, float]:
+        summed = engine.all_reduce_sum(self.sums).tolist()
+        return {key: summed[2 * i] / max(summed[2 * i + 1], 1.0) for i, key in enumerate(self.keys)}
+
+
+def precomputed_reference_logps(engine: Engine, dataset: Any, collate: Any,
+                                batch_size: int, finetuning_type: str) -> list[list[float]]:
+    """The reference's log-probabilities of both rows of every sample of ``dataset`` ([chosen, rejected], kto:
+    [answer, KL row]), scored by the policy before its first step (LoRA: with its adapters off).
+
+    Rank r scores samples r, r + world, ...; every rank runs the same number of forwards (a sharding engine
+    gathers weights collectively), the last ones on a repeated sample whose result is dropped; one reduction
+    gives every rank the whole table.
+    """
+    scorer = Reference("adapters_off" if finetuning_type == "lora" else "policy")
+    size, world = len(dataset), engine.world_size
+    mine = list(range(engine.rank, size, world))
+    per_rank = -(-size // world)
+    table = torch.zeros(size, 2, dtype=torch.float64, device=engine.device)
+    engine.model.eval()
+    for start in range(0, per_rank, batch_size):
+        chunk = mine[start:start + batch_size]
+        real = len(chunk)
+        chunk = chunk + [0] * (min(batch_size, per_rank - start) - real)  # same number of rows on every rank
+        batch = to_device(collate([dataset[i] for i in chunk]), engine.device)
+        summed, _ = scorer.logps(engine, rows(batch, 0, batch["input_ids"].shape[0]), batch["labels"])
+        n = batch["pairs"]
+        pairs = torch.stack([summed[:n], summed[n:2 * n]], dim=1).double()
+        if real:
+            table[torch.tensor(chunk[:real], device=engine.device)] = pairs[:real]
+    engine.model.train()
+    return engine.all_reduce_sum(table).tolist()
