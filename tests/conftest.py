@@ -102,6 +102,10 @@ MATRIX_ONLY = {
     *(f"tests/distributed/test_launchers.py::test_accelerate_launch_with_shipped_config[{name}]" for name in (
         "fsdp_config.yaml", "fsdp_config_offload.yaml", "single_node.yaml")),
     "tests/distributed/test_checkpointing_engines.py::test_checkpointing_keeps_losses_and_lowers_peak_memory[zero3-lora]",
+    *(f"tests/distributed/test_preference_engines.py::test_preference_stage_matches_one_process[{case}]" for case in (
+        "ddp-dpo-full", "zero2-dpo-lora", "zero2-dpo-full", "zero3-dpo-lora", "fsdp2-dpo-lora",
+        "fsdp2-dpo-full-precomputed", "ddp-kto-lora")),
+    *(f"tests/e2e/test_preference_cli.py::test_other_pref_losses_train[{loss}]" for loss in ("ipo", "hinge")),
 }
 
 
