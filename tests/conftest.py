@@ -113,3 +113,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in MATRIX_ONLY:
             item.add_marker(pytest.mark.matrix)
+
+
+def crash_after_checkpoint(finished: Path, crashed: Path, step: int) -> None:
+    """A copy of a finished run as it was when the process died right after checkpoint-``step``: that checkpoint,
+    the log up to it and the run's own files survive, nothing written later."""
+    import json
+    import shutil
+
+    shutil.copytree(finished, crashed)
+    for path in crashed.iterdir():
+        if path.name not in (f"checkpoint-{step}", "trainer_log.jsonl", "shardtune_config.json", ".shardtune"):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    kept = [x for x in (crashed / "trainer_log.jsonl").read_text().splitlines()
+            if json.loads(x)["current_steps"] <= step]
+    (crashed / "trainer_log.jsonl").write_text("\n".join(kept) + "\n")

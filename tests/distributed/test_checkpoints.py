@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, cli_env, run_cli
+from tests.conftest import REPO, cli_env, crash_after_checkpoint, run_cli
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -39,13 +39,7 @@ def losses_by_step(out: Path) -> dict[int, float]:
 
 def crash_after_first_checkpoint(finished: Path, crashed: Path) -> None:
     """A copy of a finished run as it was when the process died right after checkpoint-3."""
-    shutil.copytree(finished, crashed)
-    for path in crashed.iterdir():
-        if path.name not in ("checkpoint-3", "trainer_log.jsonl", "shardtune_config.json", ".shardtune"):
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-    kept = [x for x in (crashed / "trainer_log.jsonl").read_text().splitlines()
-            if json.loads(x)["current_steps"] <= 3]
-    (crashed / "trainer_log.jsonl").write_text("\n".join(kept) + "\n")
+    crash_after_checkpoint(finished, crashed, 3)
 
 
 def assert_resumed_like_finished(finished: Path, crashed: Path, rel: float) -> None:

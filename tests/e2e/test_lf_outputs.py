@@ -4,11 +4,10 @@ resume, logging_first_step, run_name, and what gradient checkpointing does to pe
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import crash_after_checkpoint, run_cli
 from tests.e2e.test_train_cli import read_log, train, train_losses
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -25,12 +24,7 @@ def test_model_only_checkpoints_resume_with_a_fresh_optimizer(tiny_model_dir, tm
     assert (checkpoint / "adapter_model.safetensors").is_file() and (checkpoint / "MODEL_ONLY").is_file()
     assert not [p.name for p in checkpoint.iterdir() if "optim" in p.name or "scheduler" in p.name]
 
-    shutil.copytree(straight, crashed)
-    shutil.rmtree(crashed / "checkpoint-4")
-    (crashed / "train_results.json").unlink()
-    kept = [line for line in (crashed / "trainer_log.jsonl").read_text().splitlines()
-            if json.loads(line)["current_steps"] <= 2]
-    (crashed / "trainer_log.jsonl").write_text("\n".join(kept) + "\n")
+    crash_after_checkpoint(straight, crashed, 2)
     result = run_cli("train", LORA, f"model_name_or_path={tiny_model_dir}", f"output_dir={crashed}", *COMMON,
                      "overwrite_output_dir=false")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import crash_after_checkpoint, run_cli
 from tests.e2e.test_train_cli import read_log, train, train_losses
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -98,13 +97,7 @@ def test_dpo_resume_continues_the_loss_curve(tiny_model_dir, tmp_path):
               "learning_rate=1e-3", "per_device_train_batch_size=2", "gradient_accumulation_steps=2")
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     train(DPO, tiny_model_dir, straight, *common)
-    shutil.copytree(straight, crashed)
-    for name in ("model.safetensors", "train_results.json"):
-        (crashed / name).unlink()
-    shutil.rmtree(crashed / "checkpoint-6", ignore_errors=True)
-    kept = [line for line in (crashed / "trainer_log.jsonl").read_text().splitlines()
-            if json.loads(line)["current_steps"] <= 3]
-    (crashed / "trainer_log.jsonl").write_text("\n".join(kept) + "\n")
+    crash_after_checkpoint(straight, crashed, 3)
     result = run_cli("train", DPO, f"model_name_or_path={tiny_model_dir}", f"output_dir={crashed}", *common,
                      "overwrite_output_dir=false")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, crash_after_checkpoint, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -87,14 +86,7 @@ def test_resume_continues_the_loss_curve(tiny_model_dir, tmp_path):
     straight = tmp_path / "straight"
     train("examples/tiny/sft_full.yaml", tiny_model_dir, straight, *common, "do_eval=false", "eval_strategy=no")
     crashed = tmp_path / "crashed"
-    train("examples/tiny/sft_full.yaml", tiny_model_dir, crashed, *common, "do_eval=false", "eval_strategy=no")
-    # Simulate a crash after step 3: only the first checkpoint and the log up to it survive.
-    for name in ("model.safetensors", "train_results.json"):
-        (crashed / name).unlink()
-    shutil.rmtree(crashed / "checkpoint-6", ignore_errors=True)
-    kept = [line for line in (crashed / "trainer_log.jsonl").read_text().splitlines()
-            if json.loads(line)["current_steps"] <= 3]
-    (crashed / "trainer_log.jsonl").write_text("\n".join(kept) + "\n")
+    crash_after_checkpoint(straight, crashed, 3)
     result = run_cli("train", "examples/tiny/sft_full.yaml", f"model_name_or_path={tiny_model_dir}",
                      f"output_dir={crashed}", *common, "do_eval=false", "eval_strategy=no",
                      "overwrite_output_dir=false")
