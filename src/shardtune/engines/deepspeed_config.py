@@ -20,6 +20,7 @@ from shardtune.engines.spec import (
     CheckpointLayout,
     EngineSpec,
     MemoryLayout,
+    pissa_problems,
     pre_quantized_problems,
     preference_problems,
     whole_weight_optimizer_problems,
@@ -509,10 +510,8 @@ def deepspeed_refusals(c: TrainConfig, plan: EnginePlan, has_cuda: bool) -> list
     if stage == 3 and c.quantization_bit is not None:
         problems.append(f"quantization_bit ({c.quantization_bit}) with DeepSpeed ZeRO-3: bitsandbytes weights "
                         "cannot be partitioned; use FSDP (fsdp: full_shard auto_wrap) for sharded QLoRA, or ZeRO-2")
-    if stage == 3 and c.pissa_init:
-        problems.append("pissa_init (true) with DeepSpeed ZeRO-3: PiSSA takes the SVD of each whole base weight and "
-                        "rewrites it while the model is built, which a sharding engine never holds; use DDP or "
-                        "ZeRO-0/1/2 (LLaMA-Factory refuses it under ZeRO-3 too)")
+    if stage == 3:
+        problems += pissa_problems(c, "DeepSpeed ZeRO-3")
     if stage == 3 and c.use_dora:
         # peft reads each base weight outside its layer's forward (the norm of W + BA), where ZeRO-3 has released it.
         problems.append("use_dora (true) with DeepSpeed ZeRO-3: DoRA needs each layer's whole base weight outside "

@@ -11,6 +11,7 @@ from shardtune.engines.spec import (
     CheckpointLayout,
     EngineSpec,
     MemoryLayout,
+    pissa_problems,
     pre_quantized_problems,
     preference_problems,
     whole_weight_optimizer_problems,
@@ -234,11 +235,8 @@ def fsdp_refusals(c: TrainConfig, plan: EnginePlan, has_cuda: bool) -> list[str]
         # See engines/fsdp_qlora.py: 4-bit weights stored as fp32 would be all-gathered as floats.
         problems.append("quantization_bit (4) with fsdp needs bf16: true (the 4-bit weights are stored in the compute "
                         "dtype so that FSDP can shard them; shardtune shards them in bf16 only)")
-    if c.pissa_init:
-        problems.append("pissa_init (true) with fsdp: PiSSA takes the SVD of each whole base weight and rewrites it "
-                        "while the model is built, which a sharding engine never holds; use DDP or ZeRO-0/1/2 "
-                        "(LLaMA-Factory refuses it under ZeRO-3 too)")
-    return problems + whole_weight_optimizer_problems(c, "fsdp") + preference_problems(c, "fsdp", shards_weights=True)
+    return (problems + pissa_problems(c, "fsdp") + whole_weight_optimizer_problems(c, "fsdp")
+            + preference_problems(c, "fsdp", shards_weights=True))
 
 
 def fsdp_memory_layout(plan: EnginePlan) -> MemoryLayout:

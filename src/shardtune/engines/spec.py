@@ -80,6 +80,13 @@ def whole_weight_optimizer_problems(c: TrainConfig, label: str) -> list[str]:
             for key, value in on.items() if value]
 
 
+def pissa_problems(c: TrainConfig, label: str) -> list[str]:
+    """A sharding engine (``label``) never holds the whole base weights PiSSA's initialisation rewrites."""
+    return [f"pissa_init (true) with {label}: PiSSA takes the SVD of each whole base weight and rewrites it while "
+            "the model is built, which a sharding engine never holds; use DDP or ZeRO-0/1/2 (LLaMA-Factory refuses "
+            "it under ZeRO-3 too)"] if c.pissa_init else []
+
+
 def pre_quantized_problems(c: TrainConfig, kind: str) -> list[str]:
     """A sharding engine cannot shard a pre-quantized checkpoint's packed weights."""
     from shardtune.model.folder import pre_quantized_method

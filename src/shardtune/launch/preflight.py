@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from shardtune import run_files
-from shardtune.config.args import read_config
-from shardtune.config.load import build_config, config_to_dict
+from shardtune.config.args import CommandLine, read_config
+from shardtune.config.load import KeyProblem, build_config, config_to_dict
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.plan import EnginePlan, plan_engine
 from shardtune.errors import ConfigError, ShardtuneError
@@ -53,10 +53,8 @@ def plan_run(argv: list[str]) -> RunPlan:
     try:
         env = launch_env.read_launch_env()
     except ConfigError as launch_error:
-        config, _, key_problems = read_config(argv)
-        later = cross_key_problems(config) + file_problems(config)
-        raise ConfigError(*launch_error.problems, *[p.text for p in key_problems],
-                          *without_keys(later, {p.key for p in key_problems if p.key})) from None
+        _, _, key_problems, later = read_checked_config(argv)
+        raise ConfigError(*launch_error.problems, *problem_lines(key_problems, later)) from None
     launch = plan_launch(env, visible_gpu_count())
     return preflight(argv, launch.nnodes, launch.nproc_per_node, launch=launch, scheduler=env.scheduler)
 
@@ -65,12 +63,10 @@ def preflight(argv: list[str], nodes: int, procs_per_node: int, *, defaults: dic
               announce: bool = True, launch: LaunchPlan | None = None, scheduler: str | None = None) -> RunPlan:
     """Load and check everything that can be checked without weights for ``nodes`` x ``procs_per_node`` ranks;
     raise every problem at once. ``announce``: say the attention kernel a config chose (ranks do not repeat it)."""
-    config, cmd, key_problems = read_config(argv, defaults)
-    bad_keys = {p.key for p in key_problems if p.key}
+    config, cmd, key_problems, later = read_checked_config(argv, defaults)
     layout = WorldLayout(nodes, procs_per_node, config.per_device_train_batch_size,
                          config.gradient_accumulation_steps)
     has_cuda = visible_gpu_count() > 0
-    later = cross_key_problems(config) + file_problems(config)
     attention_was_auto = config.attn_implementation == "auto"
     try:  # the steps below read the model's config.json: a damaged one is already among the file problems
         config = apply_attention_auto(config, has_cuda=has_cuda, announce_choice=announce)
@@ -84,10 +80,23 @@ def preflight(argv: list[str], nodes: int, procs_per_node: int, *, defaults: dic
     except ShardtuneError as err:
         later += [p for p in err.problems if p not in later]
         engine = EnginePlan("local")
-    problems = [p.text for p in key_problems] + without_keys(later, bad_keys)
+    problems = problem_lines(key_problems, later)
     if problems:
         raise ConfigError(*problems)
     return RunPlan(config, engine, layout, frozenset(cmd.switches), launch, scheduler)
+
+
+def read_checked_config(argv: list[str], defaults: dict[str, Any] | None = None
+                        ) -> tuple[TrainConfig, CommandLine, list[KeyProblem], list[str]]:
+    """The config, its command line, the keys whose values cannot be used, and the problems of the rules between
+    keys and on files (those need no world size)."""
+    config, cmd, key_problems = read_config(argv, defaults)
+    return config, cmd, key_problems, cross_key_problems(config) + file_problems(config)
+
+
+def problem_lines(key_problems: list[KeyProblem], later: list[str]) -> list[str]:
+    """Every problem once: the unusable keys, then the later rules' problems that do not judge one of those keys."""
+    return [p.text for p in key_problems] + without_keys(later, {p.key for p in key_problems if p.key})
 
 
 def without_keys(problems: list[str], keys: set[str]) -> list[str]:

@@ -39,17 +39,16 @@ def worker_command(argv: list[str]) -> int:
 
 def rank_plan(argv: list[str], rank_env: RankEnv) -> RunPlan:
     """The launching host's plan when shardtune started this rank; else this rank's own preflight."""
-    per_node = max(1, min(rank_env.local_world_size, rank_env.world_size))
     resolved = read_run_plan(argv[0]) if argv else None
     if resolved is not None:
         config, engine = resolved
-        layout = WorldLayout.of_ranks(rank_env.world_size, per_node, config.per_device_train_batch_size,
-                                      config.gradient_accumulation_steps)
+        layout = WorldLayout.of_ranks(rank_env.world_size, rank_env.local_world_size,
+                                      config.per_device_train_batch_size, config.gradient_accumulation_steps)
         return RunPlan(config, engine, layout)
     from shardtune.launch.accelerate import config_values_from_accelerate
 
     accelerate_values = config_values_from_accelerate(launch_env.accelerate_settings())
-    layout = WorldLayout.of_ranks(rank_env.world_size, per_node)
+    layout = WorldLayout.of_ranks(rank_env.world_size, rank_env.local_world_size)
     return preflight(argv, layout.nodes, layout.procs_per_node, defaults=accelerate_values,
                      announce=not launch_env.inside_launcher())
 
