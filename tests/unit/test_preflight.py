@@ -118,3 +118,32 @@ def test_check_estimates_the_engine_an_accelerate_fsdp_file_asks_for(strategy, o
     # what `check` says: 24 GiB is too little for the file's engine; the warning names that engine
     warning = fit_warning(config, 8, 8, parse_size("24GiB", "gpu"), parse_size("1024GiB", "cpu"))
     assert warning is None or warning.startswith(f"memory: {option} is estimated")
+
+
+@pytest.mark.parametrize(("values", "expected"), [
+    ({"finetuning_type": "lora", "fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 1}},
+     "fsdp_config (fsdp_version: 1) with finetuning_type: lora on fused expert weights (gate_up_proj and down_proj "
+     "of 4 experts per MoE layer, chosen by lora_target all)"),
+    ({"packing": True, "attn_implementation": "sdpa"},
+     "moe_aux_loss_coef: transformers computes the router aux loss with a 2-D padding mask"),
+    ({"stage": "dpo", "dataset": "demo_dpo", "finetuning_type": "lora", "moe_aux_loss_coef": 0.01},
+     "moe_aux_loss_coef (0.01): stage dpo does not add the router auxiliary loss yet"),
+], ids=["fsdp1-lora-fused-experts", "packed-aux-loss", "preference-aux-loss"])
+def test_mixture_of_experts_limits_are_refused_before_launch(arch_model_dir, tmp_path, capsys, values, expected):
+    """Read from config.json on the launching host: no rank is started to find out (they check again)."""
+    config = json.loads((arch_model_dir("qwen3_moe") / "config.json").read_text())
+    assert config.get("router_aux_loss_coef"), "the tiny Qwen3-MoE must have an aux loss for these rules to apply"
+    path = write_config(tmp_path, arch_model_dir("qwen3_moe"), template="qwen3", **values)
+    assert main(["check", str(path)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("shardtune: error:")]
+    assert len(errors) == 1 and expected in errors[0], errors
+
+
+def test_the_same_moe_model_passes_where_its_limits_do_not_apply(arch_model_dir, tmp_path):
+    """FSDP1 LoRA on the attention projections, packing without the aux loss, DPO with moe_aux_loss_coef: 0."""
+    model = arch_model_dir("qwen3_moe")
+    for values in ({"finetuning_type": "lora", "lora_target": "q_proj,v_proj", "fsdp": "full_shard auto_wrap",
+                    "fsdp_config": {"fsdp_version": 1}},
+                   {"packing": True, "attn_implementation": "sdpa", "moe_aux_loss_coef": 0},
+                   {"stage": "dpo", "dataset": "demo_dpo", "finetuning_type": "lora", "moe_aux_loss_coef": 0}):
+        assert main(["check", str(write_config(tmp_path, model, template="qwen3", **values))]) == 0, values

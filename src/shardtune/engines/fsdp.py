@@ -47,6 +47,7 @@ from shardtune.engines.sharded_loading import ShardedLoad, fill_fully_sharded, f
 from shardtune.engines.torch_native import SCHEDULER_FILE, TorchEngine
 from shardtune.errors import ConfigError, ModelError
 from shardtune.model.adapters import parametrized_lora_weights, save_lora_adapter
+from shardtune.model.moe import fsdp1_fused_lora_problem
 from shardtune.model.saved import as_saves_pretrained, expected_saved_parameters, share_tied_tensors, verify_saved
 from shardtune.world import WorldLayout
 
@@ -382,11 +383,8 @@ def refuse_fsdp1_parametrized_lora(model: torch.nn.Module) -> None:
     weight its own tensor."""
     adapted = parametrized_lora_weights(model)
     if adapted:
-        raise ConfigError(
-            f"fsdp_config (fsdp_version: 1) with finetuning_type: lora on fused expert weights ({adapted[0]}"
-            f"{f' and {len(adapted) - 1} more' if len(adapted) > 1 else ''}): peft adapts them through a "
-            "parametrization that FSDP1's flattened parameters do not allow; use fsdp_version: 2 or deepspeed, or a "
-            "lora_target without the expert weights (e.g. the attention projections)")
+        raise ConfigError(fsdp1_fused_lora_problem(
+            adapted[0] + (f" and {len(adapted) - 1} more" if len(adapted) > 1 else "")))
 
 
 def fsdp1_uses_orig_params(s: FsdpSettings, mesh: DeviceMesh, has_frozen_units: bool) -> bool:

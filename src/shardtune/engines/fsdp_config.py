@@ -16,6 +16,9 @@ from shardtune.engines.spec import (
     preference_problems,
     whole_weight_optimizer_problems,
 )
+from shardtune.errors import ModelError
+from shardtune.model.folder import model_config_json
+from shardtune.model.moe import expert_count, fsdp1_fused_lora_problem, targets_fused_experts
 
 if TYPE_CHECKING:
     from shardtune.config.schema import TrainConfig
@@ -235,8 +238,22 @@ def fsdp_refusals(c: TrainConfig, plan: EnginePlan, has_cuda: bool) -> list[str]
         # See engines/fsdp_qlora.py: 4-bit weights stored as fp32 would be all-gathered as floats.
         problems.append("quantization_bit (4) with fsdp needs bf16: true (the 4-bit weights are stored in the compute "
                         "dtype so that FSDP can shard them; shardtune shards them in bf16 only)")
+    if settings.version == 1 and c.finetuning_type == "lora":
+        problems += fsdp1_fused_lora_problems(c)
     return (problems + pissa_problems(c, "fsdp") + whole_weight_optimizer_problems(c, "fsdp")
             + preference_problems(c, "fsdp", shards_weights=True))
+
+
+def fsdp1_fused_lora_problems(c: TrainConfig) -> list[str]:
+    """Before launch, from config.json: LoRA that would adapt fused expert weights (the ranks check the rest)."""
+    try:
+        config = model_config_json(c.model_name_or_path)
+    except ModelError:
+        return []  # reported by the folder checks
+    if config is None or not targets_fused_experts(config, c.lora_target):
+        return []
+    return [fsdp1_fused_lora_problem(f"gate_up_proj and down_proj of {expert_count(config)} experts per MoE "
+                                     f"layer, chosen by lora_target {','.join(c.lora_target)}")]
 
 
 def fsdp_memory_layout(plan: EnginePlan) -> MemoryLayout:

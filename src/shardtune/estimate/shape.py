@@ -12,6 +12,7 @@ from pathlib import Path
 
 from shardtune.errors import ConfigError, ModelError
 from shardtune.model.folder import model_config_json
+from shardtune.model.moe import expert_count
 
 # Linear layers of one LLaMA decoder layer, by the names LoRA's lora_target uses.
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -393,7 +394,7 @@ def shape_from_config(data: dict, source: str = "") -> ModelShape:
 
 def moe_from_config(config: dict, model_type: str, layers: int) -> MoeShape | None:
     """The experts of Mixtral/GPT-OSS (num_local_experts), Qwen-MoE (num_experts) and DeepSeek (n_routed_experts)."""
-    experts = int(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0)
+    experts = expert_count(config)
     if experts <= 1:
         return None
     top_k = int(config.get("num_experts_per_tok") or config.get("experts_per_token") or 2)

@@ -12,6 +12,7 @@ from shardtune.config.schema import REPORT_TO, TrainConfig
 from shardtune.data.tokenized import is_saved
 from shardtune.errors import ConfigError, ModelError
 from shardtune.model.folder import model_config_json, model_folder_problems
+from shardtune.model.moe import configured_router_aux_coef, packed_aux_loss_problem, preference_aux_loss_problem
 from shardtune.train.checkpoint_folders import checkpoint_problems, resume_source
 from shardtune.train.reporting import tracker_problems
 from shardtune.train.settings import resolved_packing
@@ -238,7 +239,7 @@ def file_problems(c: TrainConfig) -> list[str]:
     model = c.model_name_or_path
     if model is not None and not (c.build_tiny_model_if_missing and not Path(model).exists()):
         model_problems = model_path_problems(model)
-        problems += model_problems or attention_problems(c)
+        problems += model_problems or attention_problems(c) + moe_problems(c)
     if c.output_dir is not None:
         problems += output_dir_problems(c)
     for adapter in c.adapter_name_or_path:
@@ -266,8 +267,25 @@ def attention_problems(c: TrainConfig) -> list[str]:
     model = str(c.model_name_or_path)
     problem = kernel_problem(c.attn_implementation, support, model)
     if problem is None and resolved_packing(c):
-        problem = packing_problem(config, support, c.attn_implementation, model)
+        problem = packing_problem(config, support, c.attn_implementation, model) or packed_aux_loss_problems(c, config)
     return [problem] if problem else []
+
+
+def packed_aux_loss_problems(c: TrainConfig, config: dict) -> str | None:
+    """sft packs rows with a block mask (flash: none), which transformers' router aux loss cannot read."""
+    if c.stage != "sft" or "flash" in c.attn_implementation:
+        return None
+    return packed_aux_loss_problem() if configured_router_aux_coef(config, c.moe_aux_loss_coef) else None
+
+
+def moe_problems(c: TrainConfig) -> list[str]:
+    """Mixture-of-experts rules that need the model's config.json."""
+    try:
+        config = model_config_json(c.model_name_or_path)
+    except ModelError:
+        return []  # reported by the folder checks
+    coef = configured_router_aux_coef(config or {}, c.moe_aux_loss_coef)
+    return [preference_aux_loss_problem(coef, c.stage)] if coef and c.stage in PREFERENCE_STAGES else []
 
 
 def model_path_problems(model: str) -> list[str]:

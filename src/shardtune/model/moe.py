@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported by the callers that pass models in; this module stays light to import
@@ -21,6 +22,22 @@ if TYPE_CHECKING:  # torch is imported by the callers that pass models in; this 
 # Attributes of a sparse block that hold the router (Qwen3-MoE/Mixtral/DeepSeek-V3: gate; GPT-OSS: router).
 ROUTER_NAMES = ("gate", "router")
 EXPERTS_NAME = "experts"
+
+
+# The config key that counts the routed experts: Qwen-MoE, Mixtral/GPT-OSS, DeepSeek.
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+# transformers 5 stores the experts of every MoE family fused, as 3-D parameters with these names.
+FUSED_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def expert_count(config_json: dict) -> int:
+    """Routed experts per MoE layer from a config.json (0 for a dense model)."""
+    return int(next((config_json[k] for k in EXPERT_COUNT_KEYS if config_json.get(k)), 0) or 0)
+
+
+def configured_router_aux_coef(config_json: dict, override: float | None) -> float | None:
+    """``router_aux_loss_coef`` read from a config.json, for checks on the launching host before any weights load."""
+    return router_aux_loss_coef(SimpleNamespace(**config_json), override)
 
 
 def router_aux_loss_coef(config: Any, override: float | None) -> float | None:
@@ -73,3 +90,30 @@ def fused_expert_parameters(model: torch.nn.Module) -> list[str]:
         names.extend(f"{name}.{EXPERTS_NAME}.{p}" for p, value in experts.named_parameters(recurse=False)
                      if len(getattr(value, "ds_shape", value.shape)) == 3)
     return names
+
+
+def packed_aux_loss_problem() -> str:
+    """Why packed rows cannot train with the router's auxiliary loss (checked before launch and on the ranks)."""
+    return ("moe_aux_loss_coef: transformers computes the router aux loss with a 2-D padding mask, and packed rows "
+            "give the model a block mask (neat_packing, or one mask per layer type for local/global layers under "
+            "sdpa/eager); set neat_packing/packing: false, or moe_aux_loss_coef: 0 to train without the aux loss")
+
+
+def preference_aux_loss_problem(coef: float, stage: str) -> str:
+    return (f"moe_aux_loss_coef ({coef:g}): stage {stage} does not add the router auxiliary loss yet; set "
+            "moe_aux_loss_coef: 0 to train this mixture-of-experts model without it")
+
+
+def fsdp1_fused_lora_problem(weights: str) -> str:
+    """LoRA on fused expert weights under FSDP1 (engines/fsdp.py says why it cannot train)."""
+    return (f"fsdp_config (fsdp_version: 1) with finetuning_type: lora on fused expert weights ({weights}): "
+            "peft adapts them through a parametrization that FSDP1's "
+            "flattened parameters do not allow; use fsdp_version: 2 or deepspeed, or a lora_target without the "
+            "expert weights (e.g. the attention projections)")
+
+
+def targets_fused_experts(config_json: dict, lora_target: list[str]) -> bool:
+    """Whether LoRA with ``lora_target`` adapts an MoE model's fused expert weights (model/adapters.py: ``all``
+    includes them; GPT-OSS-style ``gate_up_proj`` exists only fused). A ``down_proj`` that is also a Linear elsewhere
+    in the model is decided on the ranks, where the modules are known."""
+    return expert_count(config_json) > 1 and bool({"all", "gate_up_proj"} & set(lora_target))

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from shardtune.config.schema import TrainConfig
 from shardtune.data.settings import IGNORE_INDEX
 from shardtune.errors import ModelError
+from shardtune.model.moe import packed_aux_loss_problem
 
 # The config key's default (its choice is measured in benchmarks/loss_memory.py).
 DEFAULT_LOSS_CHUNK_SIZE: int = TrainConfig.loss_chunk_size
@@ -88,10 +89,7 @@ def causal_lm_loss_terms(model: torch.nn.Module, inputs: dict[str, Any], labels:
     model's ``aux_loss`` with ``output_router_logits=True``; unscaled, a mean over this batch's tokens)."""
     mask = inputs.get("attention_mask")
     if router_aux and mask is not None and (not isinstance(mask, torch.Tensor) or mask.ndim != 2):
-        raise ModelError("moe_aux_loss_coef: transformers computes the router aux loss with a 2-D padding mask, and "
-                         "packed rows give the model a block mask (neat_packing, or one mask per layer type for "
-                         "local/global layers under sdpa/eager); set neat_packing/packing: false, or "
-                         "moe_aux_loss_coef: 0 to train without the aux loss")
+        raise ModelError(packed_aux_loss_problem())
     call_inputs = {**inputs, "use_cache": False, **({"output_router_logits": True} if router_aux else {})}
     head = chunkable_output_layer(model) if chunk_size > 0 else None
     if head is None:

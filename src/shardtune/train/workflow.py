@@ -270,13 +270,12 @@ def with_reference_logps(engine: Engine, tokenizer: Any, c: TrainConfig, train_s
 
 def router_aux_setting(model: torch.nn.Module, c: TrainConfig, is_main: bool) -> float | None:
     """The router auxiliary loss coefficient training adds (MoE models), said in the run log."""
-    from shardtune.model.moe import has_router_aux_loss, router_aux_loss_coef
+    from shardtune.model.moe import has_router_aux_loss, preference_aux_loss_problem, router_aux_loss_coef
 
     model_config = getattr(model, "config", None)
     coef = router_aux_loss_coef(model_config, c.moe_aux_loss_coef)
     if coef is not None and c.stage in ("dpo", "kto", "rm"):
-        raise ConfigError(f"moe_aux_loss_coef ({coef:g}): stage {c.stage} does not add the router auxiliary loss "
-                          "yet; set moe_aux_loss_coef: 0 to train this mixture-of-experts model without it")
+        raise ConfigError(preference_aux_loss_problem(coef, c.stage))
     if is_main and coef is not None:
         print(f"[shardtune] mixture of experts: loss = LM loss + {coef:g} x router aux_loss (logged as aux_loss)",
               flush=True)
