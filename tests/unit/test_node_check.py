@@ -148,3 +148,14 @@ def test_two_nodes_with_the_same_node_rank_stop_at_once():
     results = run_nodes(launches, [report(0), report(1), report(1, host="host9")])
     assert time.monotonic() - started < 15
     assert "more than one node started with NODE_RANK=1" in results[0][0]  # type: ignore[index]
+
+
+def test_doctor_tables_have_a_column_per_node_and_a_row_per_size():
+    from shardtune.launch.doctor import bandwidth_table, facts_table
+
+    table = facts_table([report(0), report(1, transformers="5.22.0")]).splitlines()
+    assert table[0].split() == ["node", "0", "node", "1"]
+    assert next(x for x in table if x.startswith("transformers")).split() == ["transformers", "5.23.0", "5.22.0"]
+    rows = bandwidth_table([(4096, 0.001), (1024**2, 0.01)], LaunchPlan(4, 0, 1, "h", 1)).splitlines()
+    assert rows[2].split() == ["4", "KiB", "1.000", "ms", "0.004", "GB/s", "0.006", "GB/s"]  # busbw = x 2*3/4
+    assert rows[3].split()[:2] == ["1", "MiB"]
