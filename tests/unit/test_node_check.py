@@ -159,3 +159,11 @@ def test_doctor_tables_have_a_column_per_node_and_a_row_per_size():
     rows = bandwidth_table([(4096, 0.001), (1024**2, 0.01)], LaunchPlan(4, 0, 1, "h", 1)).splitlines()
     assert rows[2].split() == ["4", "KiB", "1.000", "ms", "0.004", "GB/s", "0.006", "GB/s"]  # busbw = x 2*3/4
     assert rows[3].split()[:2] == ["1", "MiB"]
+
+
+def test_which_launches_are_checked():
+    assert not nodes.needs_check(LaunchPlan(1, 0, 8, "h", 1), None)
+    assert nodes.needs_check(LaunchPlan(2, 1, 8, "h", 1), "SLURM")
+    assert nodes.needs_check(LaunchPlan(2, 1, 8, "h", 1, max_restarts=3), None)  # restarts: same nodes
+    assert not nodes.needs_check(LaunchPlan(4, 0, 8, "h", 1, min_nnodes=2, max_nnodes=4), None)
+    assert not nodes.needs_check(LaunchPlan(2, 0, 8, "h", 1), "PyTorchJob (elastic)")

@@ -36,9 +36,10 @@ def doctor_command(args: list[str]) -> int:
 
         run_plan = run_plan_dict(plan_run(ns.config))
     report = nodes.node_report(launch, run_plan)
-    if launch.nnodes == 1:
+    if not nodes.needs_check(launch, env.scheduler):
         print(facts_table([report]))
-        print("all-reduce: skipped, one node (start doctor on every node with NNODES>1 to test the network)")
+        print(f"all-reduce: skipped, {'one node' if launch.nnodes == 1 else 'an elastic launch (nodes unnumbered)'}"
+              " (start doctor on every node of a fixed node count to test the network)")
         if report["problems"]:
             raise ConfigError(nodes.one_line(report["problems"]))
         return 0

@@ -26,6 +26,7 @@ from typing import Any
 from shardtune.errors import ConfigError
 from shardtune.host import local_available_memory, visible_gpu_count, visible_gpus
 from shardtune.launch import env as launch_env
+from shardtune.launch import kubernetes
 from shardtune.launch.torchrun import LaunchPlan
 
 # Facts every node must share, in the order a difference is reported; a difference stops the job.
@@ -54,8 +55,8 @@ def check_port(master_port: int) -> int:
 def check_nodes(launch: LaunchPlan, run_plan: Mapping[str, Any], scheduler: str | None = None) -> None:
     """The node check of a multi-node run; raises ConfigError (one line) when a node differs or never arrives.
     ``scheduler``: whose variables decided the nodes (SLURM, PyTorchJob, TrainJob; None: the user's)."""
-    if launch.nnodes == 1 or (launch.min_nnodes or launch.nnodes) != (launch.max_nnodes or launch.nnodes):
-        return  # one node: nothing to compare; an elastic node range: how many nodes come is not known up front
+    if not needs_check(launch, scheduler):
+        return
     print(f"[shardtune] node check: node {launch.node_rank} of {launch.nnodes} meets the others at "
           f"{launch.master_addr}:{check_port(launch.master_port)}", flush=True)
     with node_store(launch, scheduler) as store:
@@ -64,6 +65,13 @@ def check_nodes(launch: LaunchPlan, run_plan: Mapping[str, Any], scheduler: str 
         raise ConfigError(one_line(problems))
     if launch.node_rank == 0:
         print(f"[shardtune] node check: {len(reports)} nodes agree ({agreed_summary(reports[0])})", flush=True)
+
+
+def needs_check(launch: LaunchPlan, scheduler: str | None) -> bool:
+    """One node: nothing to compare. An elastic node range: how many nodes come is not known up front. An elastic
+    PyTorchJob: torchrun numbers the pods, which need not know their own index (PET_NODE_RANK) beforehand."""
+    elastic_range = (launch.min_nnodes or launch.nnodes) != (launch.max_nnodes or launch.nnodes)
+    return launch.nnodes > 1 and not elastic_range and scheduler != kubernetes.PYTORCHJOB_ELASTIC
 
 
 def one_line(problems: Sequence[str]) -> str:
