@@ -283,7 +283,7 @@ def node_store(launch: LaunchPlan, scheduler: str | None = None) -> Iterator[Any
     except (RuntimeError, OSError) as err:  # DistNetworkError is a RuntimeError
         if launch.node_rank == 0:
             raise ConfigError(f"node 0 cannot host the node check on port {port} (MASTER_PORT + 1): {_first(err)}; "
-                              "choose another MASTER_PORT") from None
+                              "choose another MASTER_PORT (or is another node 0 already running here?)") from None
         raise ConfigError(f"node 0 never arrived within {timeout} s (RDZV_TIMEOUT) at {launch.master_addr}:{port}, "
                           f"seen from node {launch.node_rank} ({socket.gethostname()}): start NODE_RANK=0 there, "
                           "or check MASTER_ADDR and the network between the nodes") from None
