@@ -17,6 +17,8 @@ commands:
                                                          write (and submit) an sbatch script for the config
   k8s CONFIG.yaml --nodes N --gpus-per-node G --image IMG [--kind pytorchjob|trainjob --namespace NS]
                                                          write a Kubeflow manifest with the config in a ConfigMap
+  doctor [CONFIG.yaml ...] [--iterations N]              check every node (versions, devices, network) and time
+                                                         all-reduces across them; run it on each node like train
   keys [--markdown]                                      list every config key
   convert-config FILE.yaml [--out NEW.yaml]              what happens to each key of a LLaMA-Factory file
 
@@ -34,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     handlers = {"train": _train, "check": _check, "estimate": _estimate, "export": _export,
                 "make-tiny-model": _make_tiny_model, "keys": _keys, "convert-config": _convert_config,
-                "slurm": _slurm, "k8s": _k8s}
+                "slurm": _slurm, "k8s": _k8s, "doctor": _doctor}
     if command not in handlers:
         print(f"shardtune: unknown command '{command}'\n\n{USAGE}", file=sys.stderr)
         return 2
@@ -89,6 +91,12 @@ def _slurm(args: list[str]) -> int:
     from shardtune.launch.sbatch import slurm_command
 
     return slurm_command(args)
+
+
+def _doctor(args: list[str]) -> int:
+    from shardtune.launch.doctor import doctor_command
+
+    return doctor_command(args)
 
 
 def _k8s(args: list[str]) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -40,3 +41,42 @@ def local_cpu_memory() -> int:
             if line.startswith("MemTotal:"):
                 return int(line.split()[1]) * 1024
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    name: str
+    free: int | None  # bytes
+    total: int | None
+
+
+def visible_gpus() -> list[GpuInfo]:
+    """Model and free memory of each visible GPU from nvidia-smi (creates no CUDA context); [] when it cannot say."""
+    if visible_gpu_count() == 0:
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,name,memory.free,memory.total",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10,
+                             check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:  # indices or UUIDs, in the order the process sees them
+        wanted = [v.strip() for v in visible.split(",") if v.strip()]
+        rows = [r for w in wanted for r in rows if w in (r[0], r[1])]
+    return [GpuInfo(r[2], _mib(r[3]), _mib(r[4])) for r in rows if len(r) >= 5]
+
+
+def _mib(text: str) -> int | None:
+    return int(text) * 1024**2 if text.isdigit() else None
+
+
+def local_available_memory() -> int | None:
+    """MemAvailable of this machine (Linux), None elsewhere."""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return None

@@ -176,3 +176,23 @@ def accelerate_settings(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """What `accelerate launch` passed to this worker (ACCELERATE_*, FSDP_*), empty when not under it."""
     env = os.environ if env is None else env
     return {k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "FSDP_"))}
+
+
+def socket_ifname(gpu: bool, env: Mapping[str, str] | None = None) -> tuple[str, str] | None:
+    """The interface the user named for the collectives: (variable, value) of NCCL_SOCKET_IFNAME on GPU nodes,
+    GLOO_SOCKET_IFNAME on CPU nodes; None when unset (then the one routing to MASTER_ADDR is used)."""
+    env = os.environ if env is None else env
+    name = "NCCL_SOCKET_IFNAME" if gpu else "GLOO_SOCKET_IFNAME"
+    value = env.get(name, "").strip()
+    return (name, value) if value else None
+
+
+def node_cpus(env: Mapping[str, str] | None = None) -> int:
+    """CPUs this node's ranks share: inside a Slurm allocation the ones Slurm gave this task (SLURM_CPUS_PER_TASK,
+    else SLURM_CPUS_ON_NODE), which can be far fewer than the machine has; else os.cpu_count()."""
+    env = os.environ if env is None else env
+    for name in ("SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE"):
+        raw = env.get(name, "").strip()
+        if raw.isdigit() and int(raw) > 0 and slurm.in_allocation(env):
+            return int(raw)
+    return os.cpu_count() or 1

@@ -198,10 +198,14 @@ def write_run_plan(plan: RunPlan) -> Path:
     path = plan.run_dir / run_files.LAUNCH_PLAN
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({PLAN_MARK: 1, "config": config_to_dict(plan.config),
-                               "engine": plan.engine.to_dict()}, indent=2))
+    tmp.write_text(json.dumps({PLAN_MARK: 1, **run_plan_dict(plan)}, indent=2))
     tmp.replace(path)
     return path
+
+
+def run_plan_dict(plan: RunPlan) -> dict[str, Any]:
+    """The resolved config and engine plan as the ranks read them (and the node check compares them)."""
+    return {"config": config_to_dict(plan.config), "engine": plan.engine.to_dict()}
 
 
 def read_run_plan(path: str) -> tuple[TrainConfig, EnginePlan] | None:

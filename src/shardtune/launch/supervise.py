@@ -18,9 +18,11 @@ from pathlib import Path
 from shardtune import run_files
 from shardtune.errors import ConfigError
 from shardtune.host import visible_gpu_count
+from shardtune.launch import env as launch_env
 from shardtune.launch.failures import saved_failure_report
 from shardtune.launch.launcher_output import LauncherOutput, pump
-from shardtune.launch.preflight import RunPlan, write_run_plan
+from shardtune.launch.nodes import check_nodes
+from shardtune.launch.preflight import RunPlan, run_plan_dict, write_run_plan
 from shardtune.launch.torchrun import LaunchPlan, build_torchrun_argv, worker_argv
 
 
@@ -43,6 +45,8 @@ def start_run(plan: RunPlan, debug: bool = False) -> int:
         return run_worker(plan)
     if launch.master_port_given and launch.node_rank == 0:
         check_port_free(launch.master_addr, launch.master_port)
+    # Every node agrees before a collective can hang (one node: no-op).
+    check_nodes(launch, run_plan_dict(plan), plan.scheduler)
     write_run_plan(plan)
     code = run_torchrun(commands[launch.node_rank], launch, plan.run_dir, debug)
     if code not in (0, 130) and launch.nnodes > 1:
@@ -66,11 +70,16 @@ def check_port_free(addr: str, port: int) -> None:
                               "or unset MASTER_PORT to pick a free one") from None
 
 
+def omp_threads(nproc_per_node: int) -> str:
+    """OMP_NUM_THREADS per rank: two ranks sharing a few cores slow each other down badly when each uses every
+    core; the cores are this node's (or this Slurm task's) divided among its ranks."""
+    return str(max(1, launch_env.node_cpus() // nproc_per_node))
+
+
 def run_torchrun(argv: list[str], launch: LaunchPlan, run_dir: Path, debug: bool = False) -> int:
     """Run torchrun for this node; unless ``debug``, a failed rank ends up as one line, not three tracebacks."""
     env = dict(os.environ)
-    # Two ranks sharing a few cores slow each other down badly when each uses every core.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // launch.nproc_per_node)))
+    env.setdefault("OMP_NUM_THREADS", omp_threads(launch.nproc_per_node))
     if launch.master_addr in ("127.0.0.1", "localhost") and visible_gpu_count() == 0:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if visible_gpu_count() == 0:
