@@ -17,7 +17,7 @@ from tests.distributed.test_checkpoints import _wait_for
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
-RUN = ("examples/tiny/sft_full.yaml", "max_steps=40", "save_steps=10", "logging_steps=1", "do_eval=false",
+RUN = ("examples/tiny/sft_full.yaml", "max_steps=80", "save_steps=10", "logging_steps=1", "do_eval=false",
        "eval_strategy=no", "val_size=0", "plot_loss=false", "max_samples=80", "gradient_accumulation_steps=2",
        "per_device_train_batch_size=2", "learning_rate=1e-3", "lr_scheduler_type=cosine", "warmup_steps=1")
 RAY = ("ray_num_workers=2", 'ray_init_kwargs={"num_cpus": 2}')
@@ -45,16 +45,17 @@ def test_ray_run_matches_torchrun_losses(torchrun_run, tiny_model_dir, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Ray Train TorchTrainer: 2 workers x {CPU: 1} (gloo), placement PACK" in result.stdout
     expected, got = losses_by_step(torchrun_run), losses_by_step(out)
-    assert sorted(got) == list(range(1, 41))
+    assert sorted(got) == list(range(1, 81))
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=1e-5), (step, got[step], expected[step])
     results = json.loads((out / "train_results.json").read_text())
-    assert results["world_size"] == 2 and results["global_step"] == 40
+    assert results["world_size"] == 2 and results["global_step"] == 80
     assert (tmp_path / "ray_state" / "ray").is_dir(), "Ray Train keeps its run state under ray_storage_path"
 
 
+@pytest.mark.matrix  # about 90 s on 2 cores
 def test_killed_ray_worker_restarts_the_group_and_resumes(torchrun_run, tiny_model_dir, tmp_path):
-    """SIGKILL one Ray worker after checkpoint-10: Ray (MAX_RESTARTS=1) restarts both workers, which resume from
+    """SIGKILL one Ray worker after checkpoint-10 (of 80 steps): Ray (MAX_RESTARTS=1) restarts both workers, which resume from
     the latest complete checkpoint instead of wiping output_dir (overwrite_output_dir is true), and the run ends
     with the uninterrupted run's losses."""
     out = tmp_path / "ray"
@@ -69,12 +70,13 @@ def test_killed_ray_worker_restarts_the_group_and_resumes(torchrun_run, tiny_mod
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
+    (tmp_path / "driver.log").write_text(stdout + stderr)
     assert job.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    assert "restarted by Ray (restart 1): resuming" in stdout
-    assert "resuming from" in stdout
+    # Rank 0's count of the group's starts (Ray's log forwarding to the driver is not guaranteed to be complete).
+    assert json.loads((out / ".shardtune" / "ray_attempt.json").read_text())["attempt"] == 2, tmp_path / "driver.log"
     expected, got = losses_by_step(torchrun_run), losses_by_step(out)
-    assert sorted(got) == list(range(1, 41))
-    for step in range(11, 41):
+    assert sorted(got) == list(range(1, 81))
+    for step in range(11, 81):
         assert got[step] == pytest.approx(expected[step], rel=1e-3), (step, got[step], expected[step])
 
 
