@@ -55,9 +55,9 @@ def test_ray_run_matches_torchrun_losses(torchrun_run, tiny_model_dir, tmp_path)
 
 @pytest.mark.matrix  # about 90 s on 2 cores
 def test_killed_ray_worker_restarts_the_group_and_resumes(torchrun_run, tiny_model_dir, tmp_path):
-    """SIGKILL one Ray worker after checkpoint-10 (of 80 steps): Ray (MAX_RESTARTS=1) restarts both workers, which resume from
-    the latest complete checkpoint instead of wiping output_dir (overwrite_output_dir is true), and the run ends
-    with the uninterrupted run's losses."""
+    """SIGKILL one Ray worker after checkpoint-10 (of 80 steps): Ray (MAX_RESTARTS=1) restarts both workers, which
+    resume from the latest complete checkpoint instead of wiping output_dir (overwrite_output_dir is true), and the
+    run ends with the uninterrupted run's losses."""
     out = tmp_path / "ray"
     argv = [sys.executable, "-m", "shardtune", "train", *RUN, *RAY, f"model_name_or_path={tiny_model_dir}",
             f"output_dir={out}", f"ray_storage_path={tmp_path / 'ray_state'}", "overwrite_output_dir=true"]
