@@ -80,6 +80,27 @@ def test_killed_ray_worker_restarts_the_group_and_resumes(torchrun_run, tiny_mod
         assert got[step] == pytest.approx(expected[step], rel=1e-3), (step, got[step], expected[step])
 
 
+def test_killed_ray_worker_without_restarts_is_one_line(tiny_model_dir, tmp_path):
+    """Without MAX_RESTARTS the run stops: exit code 1 and, last on stderr, one line naming the dead worker (the
+    surviving rank only lost its peer, so its own report is not the cause)."""
+    out = tmp_path / "ray"
+    argv = [sys.executable, "-m", "shardtune", "train", *RUN, *RAY, f"model_name_or_path={tiny_model_dir}",
+            f"output_dir={out}", f"ray_storage_path={tmp_path / 'ray_state'}"]
+    job = subprocess.Popen(argv, cwd=REPO, env=cli_env(USE_RAY="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)
+    try:
+        _wait_for(lambda: (out / "checkpoint-10" / "COMPLETE").is_file(), timeout=400)
+        victim = _ray_worker_pids(job.pid)[-1]
+        os.kill(victim, signal.SIGKILL)
+        _, stderr = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 1, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1].startswith("shardtune: error: a Ray worker (rank "), stderr[-3000:]
+    assert "died without a report (killed, or out of memory)" in stderr.strip().splitlines()[-1]
+
+
 def _ray_worker_pids(root: int) -> list[int]:
     """The Ray Train worker processes the job's own local Ray instance runs (descendants of the shardtune driver)."""
     found: list[int] = []

@@ -97,8 +97,16 @@ def test_failure_line_is_the_failing_ranks_own_report(tmp_path: Path):
     assert line.startswith("[shardtune] rank 1 failed: ValueError: bad batch (full traceback: ") and code == 1
     line, code = failure_line(RuntimeError("shardtune rank 0 exited with code 2"), tmp_path / "none", 2, started)
     assert code == 2 and "exited with code 2" in line
-    line, code = failure_line(RuntimeError("ActorDiedError: worker died\ntrace"), tmp_path / "none", 2, started)
-    assert line.startswith("shardtune: error: a Ray worker died without a report") and "\n" not in line
+    from ray.exceptions import ActorDiedError
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    died = WorkerGroupError("Training failed", {1: ActorDiedError(), 0: RuntimeError("shardtune rank 0 exited with "
+                                                                                     "code 1")})
+    assert failure_line(died, tmp_path, 2, started)[0].startswith("[shardtune] rank 1 failed: ValueError")
+    (tmp_path / ".shardtune" / "rank-1-error.txt").unlink()
+    line, code = failure_line(died, tmp_path, 2, started)  # rank 0 only lost the killed worker
+    assert line.startswith("shardtune: error: a Ray worker (rank 1) died without a report") and code == 1
+    assert "\n" not in line
 
 
 def test_check_under_use_ray_reports_every_problem_in_one_round(tmp_path: Path):

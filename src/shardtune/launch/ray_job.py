@@ -54,9 +54,14 @@ def start_ray_run(plan: RunPlan, debug: bool = False) -> int:
         if missing:
             raise ConfigError(missing)
         print(f"[shardtune] launching: {ray_plan.describe()}", flush=True)
-        return fit(ray_plan, write_run_plan(plan), plan.run_dir, debug)
+        failure = fit(ray_plan, write_run_plan(plan), plan.run_dir, debug)
     finally:
         ray.shutdown()
+    if failure is None:
+        return 0
+    # After the shutdown, so that the line comes after the tracebacks Ray's controller forwards.
+    print(failure[0], file=sys.stderr, flush=True)
+    return failure[1]
 
 
 def missing_resources(ray_plan: RayPlan, cluster: dict[str, float]) -> str | None:
@@ -70,7 +75,8 @@ def missing_resources(ray_plan: RayPlan, cluster: dict[str, float]) -> str | Non
     return None
 
 
-def fit(ray_plan: RayPlan, plan_path: Path, run_dir: Path, debug: bool) -> int:
+def fit(ray_plan: RayPlan, plan_path: Path, run_dir: Path, debug: bool) -> tuple[str, int] | None:
+    """Run the TorchTrainer; None when it finished, else the failure's line and exit code."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -88,25 +94,32 @@ def fit(ray_plan: RayPlan, plan_path: Path, run_dir: Path, debug: bool) -> int:
     except Exception as err:  # Ray wraps what the workers raised: TrainingFailedError and its kin
         if debug:
             raise
-        line, code = failure_line(err, run_dir, ray_plan.num_workers, started)
-        print(line, file=sys.stderr, flush=True)
-        return code
-    return 0
+        return failure_line(err, run_dir, ray_plan.num_workers, started)
+    return None
 
 
 def failure_line(err: BaseException, run_dir: Path, workers: int, started: float) -> tuple[str, int]:
     """One line for a failed Ray run, as for torchrun: the rank's own report when it wrote one, and the exit code."""
-    codes = [int(m.group(2)) for m in _EXIT_CODE.finditer(str(err))]
+    # Ray Train's WorkerGroupError holds each failed worker's exception by rank.
+    failures: dict[int, BaseException] = getattr(err, "worker_failures", None) or {}
+    text = "\n".join([str(err), *(f"{type(e).__name__}: {e}" for e in failures.values())])
+    # A rank that failed in shardtune's code raised RankFailed; any other failure of a worker (Ray's failed health
+    # check, ActorDiedError) means its process is gone.
+    dead = sorted(rank for rank, e in failures.items() if not _EXIT_CODE.search(str(e)))
+    codes = [int(m.group(2)) for m in _EXIT_CODE.finditer(text)]
     reports = [r for rank in range(workers) if (r := saved_failure_report(run_dir, rank, started))]
     own = [r for r in reports if "lost the connection to another rank" not in r]
-    if own or reports:
-        return (own or reports)[0], max(codes or [1])
-    if codes:  # the rank printed its own error (bad input: exit code 2) and wrote no file
-        return f"shardtune: error: Ray run failed: a rank exited with code {max(codes)} (its message is above)", \
-            max(codes)
-    first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
-    return (f"shardtune: error: a Ray worker died without a report (killed, or out of memory): {first}; with "
-            "MAX_RESTARTS=N Ray restarts the workers from the latest checkpoint"), 1
+    if own:
+        return own[0], max(codes or [1])
+    if dead or not (reports or codes):  # a worker that was killed writes nothing: the others only lost it
+        who = f" (rank {dead[0]})" if dead else ""
+        return (f"shardtune: error: a Ray worker{who} died without a report (killed, or out of memory); with "
+                "MAX_RESTARTS=N Ray restarts the workers, which resume from the latest checkpoint"), 1
+    if reports:
+        return reports[0], max(codes or [1])
+    # The rank printed its own error (bad input: exit code 2) and wrote no file.
+    return f"shardtune: error: the Ray run failed: a rank exited with code {max(codes)} (its message is above)", \
+        max(codes)
 
 
 def ray_rank(loop_config: dict[str, Any]) -> None:
