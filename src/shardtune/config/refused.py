@@ -54,8 +54,8 @@ REFUSED_REASONS: dict[str, str] = {
              profiler_warmup_steps profiler_with_stack"""),
     **_group("fp8 training is not supported (bf16 is the lowest training precision); remove it",
              "fp8 fp8_backend fp8_enable_fsdp_float8_all_gather"),
-    **_group("Ray launching is not supported yet; launch with torchrun, accelerate or deepspeed and remove it",
-             "ray_init_kwargs ray_num_workers"),
+    **_group("Ray's cloud storage (s3, gs) is not wired into shardtune, whose checkpoints live in output_dir; "
+             "remove it and point ray_storage_path at a folder every Ray node reaches", "ray_storage_filesystem"),
     **_group("set the launch address with the MASTER_ADDR / MASTER_PORT environment variables and remove it",
              "master_addr master_port"),
     **_group("Unsloth kernels are not used by shardtune; remove it", "use_unsloth_gc use_v1_kernels"),

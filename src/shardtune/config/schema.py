@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MODEL, FINETUNE, DATA, OUTPUT, TRAIN, ENGINE = "model", "finetuning", "data", "output", "training", "engine"
-PREFERENCE = "preference"
+PREFERENCE, RAY = "preference", "ray"
 GROUP_TITLES = {
     MODEL: "Model",
     FINETUNE: "Fine-tuning method",
@@ -20,7 +20,9 @@ GROUP_TITLES = {
     OUTPUT: "Output, logging and saving",
     TRAIN: "Optimisation",
     ENGINE: "Distributed engine",
+    RAY: "Ray launch (USE_RAY=1)",
 }
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 LR_SCHEDULERS = (
     "linear",
@@ -295,6 +297,23 @@ class TrainConfig:
     ddp_timeout: int = _key(1800, "seconds a collective may wait before the job fails", ENGINE, minimum=1)
     ddp_find_unused_parameters: bool | None = _key(
         None, "DDP unused-parameter search (default: off, LoRA included)", ENGINE)
+
+    # --- ray (read only under USE_RAY=1; LLaMA-Factory's names) ---
+    ray_num_workers: int = _key(1, "USE_RAY=1: rank workers Ray Train starts, one device each (the world size)", RAY,
+                                minimum=1)
+    resources_per_worker: dict | None = _key(
+        None, "USE_RAY=1: Ray resources each worker reserves, e.g. {GPU: 1, CPU: 4} (default: {GPU: 1} when the "
+              "Ray cluster has GPUs, else {CPU: 1}); GPU workers use NCCL, CPU workers gloo", RAY)
+    placement_strategy: str = _key("PACK", "USE_RAY=1: how Ray places the workers on its nodes", RAY,
+                                   choices=PLACEMENT_STRATEGIES)
+    ray_storage_path: str = _key(
+        "./saves", "USE_RAY=1: where Ray Train keeps its run state (a folder every Ray node reaches); shardtune's "
+                   "checkpoints, logs and model stay in output_dir", RAY)
+    ray_run_name: str | None = _key(None, "USE_RAY=1: Ray Train's run name under ray_storage_path (default: "
+                                          "output_dir's name)", RAY)
+    ray_init_kwargs: dict | None = _key(
+        None, "USE_RAY=1: arguments of ray.init, e.g. {address: auto} to join a running cluster (default: "
+              "RAY_ADDRESS, else a local Ray instance)", RAY)
 
 
 def config_fields() -> tuple[dataclasses.Field, ...]:

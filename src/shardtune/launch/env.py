@@ -1,4 +1,6 @@
-"""The only module that reads launcher environment variables (ours, torchrun's, accelerate's, SLURM's, Kubeflow's).
+"""The only module that reads launcher environment variables (ours, torchrun's, accelerate's, SLURM's, Kubeflow's,
+Ray's: inside a Ray Train worker, Ray's TorchConfig has set RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and
+MASTER_ADDR/PORT like torchrun does, so ``read_rank_env`` reads a Ray rank unchanged).
 
 The schedulers' variables are interpreted by pure functions in launch/slurm.py and launch/kubernetes.py, which
 get the environment from here.
@@ -64,6 +66,7 @@ class LaunchEnv:
     rdzv_timeout: int | None = None
     scheduler: str | None = None  # SLURM, PyTorchJob, TrainJob: whose variables decided the nodes
     c10d_rendezvous: bool = False
+    use_ray: bool = False  # USE_RAY=1: Ray Train starts the ranks (launch/ray_job.py), not torchrun
 
 
 # Integer launch variables and the values they may take (inclusive; None: no bound).
@@ -80,20 +83,21 @@ def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
     problems: list[str] = []
     ints = {name: value for name, (low, high) in _INT_RANGES.items()
             if (value := _int_variable(env, name, low, high, problems)) is not None}
-    force = env.get("FORCE_TORCHRUN", "0").strip().lower()
-    if force not in _FLAGS:
-        problems.append(f"environment variable FORCE_TORCHRUN={env['FORCE_TORCHRUN']!r} is not 1/0 (or true/false); "
-                        "set FORCE_TORCHRUN=1 to always launch through torchrun")
+    force = _flag(env, "FORCE_TORCHRUN", "set FORCE_TORCHRUN=1 to always launch through torchrun", problems)
+    use_ray = _flag(env, "USE_RAY", "set USE_RAY=1 to start the ranks through Ray Train", problems)
     cluster, cluster_problems = read_cluster_launch(env)
     problems += cluster_problems
     if cluster is not None:
         problems += merge_problems(cluster, env, ints)
         ints = _with_cluster_values(ints, cluster)
     problems += _node_problems(ints)
+    if use_ray:
+        problems += _ray_problems(ints, cluster)
     if problems:
         raise ConfigError(*problems)
     return LaunchEnv(
-        force_torchrun=_FLAGS[force],
+        force_torchrun=force,
+        use_ray=use_ray,
         nnodes=ints.get("NNODES", 1),
         node_rank=ints.get("NODE_RANK", 0),
         nproc_per_node=ints.get("NPROC_PER_NODE"),
@@ -107,6 +111,31 @@ def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
         max_restarts=ints.get("MAX_RESTARTS", 0),
         rdzv_timeout=ints.get("RDZV_TIMEOUT"),
     )
+
+
+def ray_requested(env: Mapping[str, str] | None = None) -> bool:
+    """USE_RAY=1, read on its own: the Ray keys are checked even when another launch variable is bad."""
+    env = os.environ if env is None else env
+    return _flag(env, "USE_RAY", "", [])
+
+
+def _flag(env: Mapping[str, str], name: str, remedy: str, problems: list[str]) -> bool:
+    """A 1/0 (true/false, yes/no) variable; unset is false, anything else is a problem naming it."""
+    raw = env.get(name, "0").strip().lower()
+    if raw not in _FLAGS:
+        problems.append(f"environment variable {name}={env[name]!r} is not 1/0 (or true/false); {remedy}")
+        return False
+    return _FLAGS[raw]
+
+
+def _ray_problems(ints: Mapping[str, int], cluster: ClusterLaunch | None) -> list[str]:
+    """Under USE_RAY=1 Ray places every worker: a node layout given for torchrun would be silently ignored."""
+    if cluster is not None:
+        return [f"USE_RAY=1 inside a {cluster.scheduler} job: start a Ray cluster on the job's nodes and run "
+                "shardtune once with RAY_ADDRESS set, or unset USE_RAY to launch with torchrun"]
+    return [f"{name}={ints[name]} is set with USE_RAY=1: Ray places the workers (ray_num_workers, "
+            f"placement_strategy); unset {name}"
+            for name in ("NNODES", "NODE_RANK", "NPROC_PER_NODE", "MIN_NNODES", "MAX_NNODES") if name in ints]
 
 
 def read_cluster_launch(env: Mapping[str, str]) -> tuple[ClusterLaunch | None, list[str]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,11 @@ def plan_run(argv: list[str]) -> RunPlan:
     try:
         env = launch_env.read_launch_env()
     except ConfigError as launch_error:
-        _, _, key_problems, later = read_checked_config(argv)
+        config, _, key_problems, later = read_checked_config(argv)
+        if launch_env.ray_requested():
+            from shardtune.launch.ray_plan import ray_init_function, ray_problems
+
+            later += ray_problems(config, ray_init_function())
         raise ConfigError(*launch_error.problems, *problem_lines(key_problems, later)) from None
     launch = plan_launch(env, visible_gpu_count())
     return preflight(argv, launch.nnodes, launch.nproc_per_node, launch=launch, scheduler=env.scheduler)
@@ -64,6 +69,14 @@ def preflight(argv: list[str], nodes: int, procs_per_node: int, *, defaults: dic
     """Load and check everything that can be checked without weights for ``nodes`` x ``procs_per_node`` ranks;
     raise every problem at once. ``announce``: say the attention kernel a config chose (ranks do not repeat it)."""
     config, cmd, key_problems, later = read_checked_config(argv, defaults)
+    if launch is not None and launch.use_ray:  # Ray places the workers: the world is ray_num_workers ranks
+        from shardtune.launch.ray_plan import ray_init_function, ray_problems
+
+        nodes, procs_per_node = 1, config.ray_num_workers
+        later += ray_problems(config, ray_init_function())
+    elif launch is not None and config.ray_num_workers > 1:
+        print(f"shardtune: warning: ray_num_workers ({config.ray_num_workers}) is read only with USE_RAY=1; "
+              "launching without Ray", file=sys.stderr)
     layout = WorldLayout(nodes, procs_per_node, config.per_device_train_batch_size,
                          config.gradient_accumulation_steps)
     has_cuda = visible_gpu_count() > 0
@@ -172,8 +185,6 @@ def layout_problems(config: TrainConfig, engine: EnginePlan, layout: WorldLayout
 
 def check_command(argv: list[str]) -> int:
     """`shardtune check`: the whole preflight, the memory verdict, and one line saying what would run."""
-    import sys
-
     plan = plan_run(argv)
     c = plan.config
     warning = memory_warning(plan)

@@ -7,16 +7,20 @@ import shlex
 from typing import TYPE_CHECKING
 
 from shardtune.engines.plan import spec_for
+from shardtune.run_files import LAUNCH_PLAN
 
 if TYPE_CHECKING:
     from shardtune.launch.preflight import RunPlan
 
 
-def dry_run_report(run: RunPlan, commands: list[list[str]]) -> str:
+def dry_run_report(run: RunPlan, commands: list[list[str]], ray: str | None = None) -> str:
+    """``ray``: the Ray plan's description under USE_RAY=1 (then there are no torchrun commands)."""
     plan, layout = run.launch, run.layout
     assert plan is not None
     lines = ["shardtune dry run (nothing was started)"]
-    if commands:
+    if ray is not None:
+        lines.append(f"command: {ray}; each worker runs shardtune's rank entry on {run.run_dir / LAUNCH_PLAN}")
+    elif commands:
         for node, argv in enumerate(commands):
             here = " (this node)" if node == plan.node_rank else ""
             lines.append(f"node {node}{here}: {shlex.join(argv)}")

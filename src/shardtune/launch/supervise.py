@@ -30,6 +30,10 @@ def start_run(plan: RunPlan, debug: bool = False) -> int:
     """Run the launching host's plan; the exit code of the run (130 when interrupted, 2 for bad input)."""
     launch = plan.launch
     assert launch is not None, "start_run needs the launching host's plan"
+    if launch.use_ray:
+        from shardtune.launch.ray_job import start_ray_run
+
+        return start_ray_run(plan, debug)
     use_torchrun = launch.force_torchrun or plan.layout.world_size > 1 or plan.engine.needs_process_group
     plan_path = plan.run_dir / run_files.LAUNCH_PLAN
     commands = [build_torchrun_argv(launch, node, worker_argv(str(plan_path), debug), sys.executable)

@@ -27,6 +27,7 @@ class LaunchPlan:
     c10d_rendezvous: bool = False
     force_torchrun: bool = False  # FORCE_TORCHRUN: torchrun even for one process
     master_port_given: bool = False  # MASTER_PORT was set (node 0 checks it is free), not picked here
+    use_ray: bool = False  # USE_RAY=1: Ray Train starts ray_num_workers ranks instead (launch/ray_job.py)
 
     @property
     def world_size(self) -> int:
@@ -47,7 +48,7 @@ def plan_launch(env: LaunchEnv, visible_gpus: int, free_port: int | None = None)
         master_port=port if port is not None else (free_port or find_free_port()),
         rdzv_id=env.rdzv_id, min_nnodes=env.min_nnodes, max_nnodes=env.max_nnodes, max_restarts=env.max_restarts,
         rdzv_timeout=env.rdzv_timeout, c10d_rendezvous=env.c10d_rendezvous, force_torchrun=env.force_torchrun,
-        master_port_given=port is not None,
+        master_port_given=port is not None, use_ray=env.use_ray,
     )
 
 

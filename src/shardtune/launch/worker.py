@@ -26,15 +26,23 @@ from shardtune.world import RankEnv, WorldLayout
 def worker_command(argv: list[str]) -> int:
     """Train as this process's rank; under a launcher the process ends here (leave_rank) with the run's exit code."""
     rank_env = launch_env.read_rank_env()
-    plan = rank_plan(argv, rank_env)
-    if launch_env.elastic_restart_count() > 0 and plan.config.overwrite_output_dir:
-        # A restarted worker must continue from the latest checkpoint, never wipe the run it belongs to.
-        plan = replace(plan, config=replace(plan.config, overwrite_output_dir=False))
-        if rank_env.rank == 0:
-            print("[shardtune] restarted by torchrun: resuming instead of overwriting output_dir", flush=True)
+    plan = resumed_after_restart(rank_plan(argv, rank_env), launch_env.elastic_restart_count(), rank_env.rank,
+                                 "torchrun")
     if not launch_env.inside_launcher():
         return run_worker(plan)
     leave_rank(run_rank(plan, rank_env, debug_requested(argv)))
+
+
+def resumed_after_restart(plan: RunPlan, restarts: int, rank: int, launcher: str) -> RunPlan:
+    """A worker that ``launcher`` restarted must continue from the latest checkpoint, never wipe the run it
+    belongs to: overwrite_output_dir applies to the first attempt only."""
+    if restarts == 0:
+        return plan
+    if rank == 0:
+        print(f"[shardtune] restarted by {launcher} (restart {restarts}): resuming from the latest complete "
+              "checkpoint" + (" instead of overwriting output_dir" if plan.config.overwrite_output_dir else ""),
+              flush=True)
+    return replace(plan, config=replace(plan.config, overwrite_output_dir=False))
 
 
 def rank_plan(argv: list[str], rank_env: RankEnv) -> RunPlan:
@@ -142,6 +150,12 @@ def install_stop_handlers(stop, run_dir: Path | None = None, started: float = 0.
     a stuck rank would hold the job until torchrun's SIGKILL 30 s later, so the signal ends the rank at once.
     """
     import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        # Ray Train runs a rank's function in a thread of its worker actor, and signals belong to Ray there:
+        # a Ray run is stopped through Ray and resumes from its latest checkpoint when started again.
+        return
 
     def request_stop(signum, frame) -> None:
         if run_dir is not None and peer_failed_since(run_dir, started):
