@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -130,3 +133,42 @@ def crash_after_checkpoint(finished: Path, crashed: Path, step: int) -> None:
     kept = [x for x in (crashed / "trainer_log.jsonl").read_text().splitlines()
             if json.loads(x)["current_steps"] <= step]
     (crashed / "trainer_log.jsonl").write_text("\n".join(kept) + "\n")
+
+
+def run_and_kill_a_worker(argv: list[str], env: dict[str, str], checkpoint: Path, is_worker: Callable[[str], bool],
+                          finish_timeout: float, start_timeout: float = 400) -> tuple[int, str, str]:
+    """Start a training command, SIGKILL its last worker process (a descendant whose command line satisfies
+    ``is_worker``) once ``checkpoint`` is complete, and let it finish: (exit code, stdout, stderr)."""
+    job = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + start_timeout
+        while not (checkpoint / "COMPLETE").is_file():
+            if time.monotonic() > deadline or job.poll() is not None:
+                raise TimeoutError(f"{checkpoint} never completed (exit code {job.poll()})")
+            time.sleep(0.2)
+        os.kill(descendant_pids(job.pid, is_worker)[-1], signal.SIGKILL)
+        stdout, stderr = job.communicate(timeout=finish_timeout)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    return job.returncode, stdout, stderr
+
+
+def descendant_pids(root: int, matches: Callable[[str], bool]) -> list[int]:
+    """Descendants of process ``root`` whose command line (arguments joined by spaces) satisfies ``matches``."""
+    found: list[int] = []
+    frontier = [root]
+    while frontier:
+        parent = frontier.pop()
+        children = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split()
+        for child in map(int, children):
+            try:
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:  # ended meanwhile
+                continue
+            if matches(cmdline):
+                found.append(child)
+            frontier.append(child)
+    assert found, "no worker process found"
+    return sorted(found)

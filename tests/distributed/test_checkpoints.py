@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, cli_env, crash_after_checkpoint, run_cli
+from tests.conftest import cli_env, crash_after_checkpoint, run_and_kill_a_worker, run_cli
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -116,17 +112,9 @@ def test_sigkill_of_a_rank_is_recovered_by_torchrun(tiny_model_dir, tmp_path):
     env = cli_env(NPROC_PER_NODE="2", MAX_RESTARTS="1", MASTER_PORT=str(_free_port()), GLOO_SOCKET_IFNAME="lo")
     argv = [sys.executable, "-m", "shardtune", "train", *RUN, f"model_name_or_path={tiny_model_dir}",
             f"output_dir={tmp_path}", "max_steps=120", "save_steps=10", "per_device_train_batch_size=2"]
-    job = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True)
-    try:
-        _wait_for(lambda: (tmp_path / "checkpoint-20" / "COMPLETE").is_file(), timeout=300)
-        victim = _worker_pids(job.pid)[-1]
-        os.kill(victim, signal.SIGKILL)
-        stdout, stderr = job.communicate(timeout=600)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-    assert job.returncode == 0, stderr[-4000:]
+    code, stdout, stderr = run_and_kill_a_worker(argv, env, tmp_path / "checkpoint-20", is_torchrun_worker,
+                                                 finish_timeout=600, start_timeout=300)
+    assert code == 0, stderr[-4000:]
     assert "resuming from" in stdout
     results = json.loads((tmp_path / "train_results.json").read_text())
     assert results["global_step"] == 120
@@ -138,28 +126,9 @@ def _free_port() -> int:
     return find_free_port()
 
 
-def _wait_for(condition, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met in time")
-        time.sleep(0.2)
-
-
-def _worker_pids(root: int) -> list[int]:
-    """Training worker processes under the launcher (grandchildren: shardtune -> torchrun -> workers)."""
-    found: list[int] = []
-    frontier = [root]
-    while frontier:
-        parent = frontier.pop()
-        children = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split()
-        for child in map(int, children):
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            if "shardtune.train" in cmdline and "torch.distributed.run" not in cmdline:
-                found.append(child)
-            frontier.append(child)
-    assert found, "no worker process found"
-    return sorted(found)
+def is_torchrun_worker(cmdline: str) -> bool:
+    """A training rank under the launcher (shardtune -> torchrun -> ranks), not torchrun itself."""
+    return "shardtune.train" in cmdline and "torch.distributed.run" not in cmdline
 
 
 def test_zero3_without_gathering_on_save_writes_the_trained_model_and_resumes(tiny_model_dir, tmp_path):

@@ -4,16 +4,12 @@ killed worker under MAX_RESTARTS restarts the group, which resumes from the late
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, cli_env, run_cli
-from tests.distributed.test_checkpoints import _wait_for
+from tests.conftest import cli_env, run_and_kill_a_worker, run_cli
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -61,17 +57,10 @@ def test_killed_ray_worker_restarts_the_group_and_resumes(torchrun_run, tiny_mod
     out = tmp_path / "ray"
     argv = [sys.executable, "-m", "shardtune", "train", *RUN, *RAY, f"model_name_or_path={tiny_model_dir}",
             f"output_dir={out}", f"ray_storage_path={tmp_path / 'ray_state'}", "overwrite_output_dir=true"]
-    job = subprocess.Popen(argv, cwd=REPO, env=cli_env(USE_RAY="1", MAX_RESTARTS="1"), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _wait_for(lambda: (out / "checkpoint-10" / "COMPLETE").is_file(), timeout=400)
-        os.kill(_ray_worker_pids(job.pid)[-1], signal.SIGKILL)
-        stdout, stderr = job.communicate(timeout=500)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+    code, stdout, stderr = run_and_kill_a_worker(argv, cli_env(USE_RAY="1", MAX_RESTARTS="1"), out / "checkpoint-10",
+                                                 is_ray_worker, finish_timeout=500)
     (tmp_path / "driver.log").write_text(stdout + stderr)
-    assert job.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
     # Rank 0's count of the group's starts (Ray's log forwarding to the driver is not guaranteed to be complete).
     assert json.loads((out / ".shardtune" / "ray_attempt.json").read_text())["attempt"] == 2, tmp_path / "driver.log"
     expected, got = losses_by_step(torchrun_run), losses_by_step(out)
@@ -86,35 +75,13 @@ def test_killed_ray_worker_without_restarts_is_one_line(tiny_model_dir, tmp_path
     out = tmp_path / "ray"
     argv = [sys.executable, "-m", "shardtune", "train", *RUN, *RAY, f"model_name_or_path={tiny_model_dir}",
             f"output_dir={out}", f"ray_storage_path={tmp_path / 'ray_state'}"]
-    job = subprocess.Popen(argv, cwd=REPO, env=cli_env(USE_RAY="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, start_new_session=True)
-    try:
-        _wait_for(lambda: (out / "checkpoint-10" / "COMPLETE").is_file(), timeout=400)
-        victim = _ray_worker_pids(job.pid)[-1]
-        os.kill(victim, signal.SIGKILL)
-        _, stderr = job.communicate(timeout=300)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-    assert job.returncode == 1, stderr[-3000:]
+    code, _, stderr = run_and_kill_a_worker(argv, cli_env(USE_RAY="1"), out / "checkpoint-10", is_ray_worker,
+                                            finish_timeout=300)
+    assert code == 1, stderr[-3000:]
     assert stderr.strip().splitlines()[-1].startswith("shardtune: error: a Ray worker (rank "), stderr[-3000:]
     assert "died without a report (killed, or out of memory)" in stderr.strip().splitlines()[-1]
 
 
-def _ray_worker_pids(root: int) -> list[int]:
-    """The Ray Train worker processes the job's own local Ray instance runs (descendants of the shardtune driver)."""
-    found: list[int] = []
-    frontier = [root]
-    while frontier:
-        parent = frontier.pop()
-        children = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split()
-        for child in map(int, children):
-            try:
-                cmdline = Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if cmdline.startswith("ray::RayTrainWorker"):
-                found.append(child)
-            frontier.append(child)
-    assert found, "no Ray Train worker process found"
-    return sorted(found)
+def is_ray_worker(cmdline: str) -> bool:
+    """A Ray Train worker process of the job's own local Ray instance (Ray sets its process title)."""
+    return cmdline.startswith("ray::RayTrainWorker")
