@@ -450,6 +450,9 @@ def test_a_live_full_reference_is_held_as_the_policy_weights(tiny_model):
     assert full["FSDP offload"].cpu_per_rank - dpo_options(
         tiny_model, "finetuning_type=full", "precompute_ref_log_probs=true")["FSDP offload"].cpu_per_rank \
         == pytest.approx(full["DDP"].device.reference / 2)
+    # A LoRA run's ref_model: the policy's shape without its adapters.
+    assert dpo_options(tiny_model, f"ref_model={tiny_model}")["ZeRO-3"].device.reference == \
+        pytest.approx(full["ZeRO-3"].device.reference)
     for extra in (("finetuning_type=lora",), ("finetuning_type=full", "pref_loss=orpo"),
                   ("finetuning_type=full", "precompute_ref_log_probs=true")):
         assert all(o.device.reference == 0 for o in dpo_options(tiny_model, *extra).values()), extra
@@ -470,3 +473,15 @@ def test_a_preference_micro_batch_is_two_rows_per_sample_from_full_logits(tiny_m
     shape = shape_from_config(TINY_CONFIG)
     assert activation_bytes(shape, w, 4) == activation_bytes(shape, workload_from_config(sft), 4) > 0
     assert logits_bytes(shape, w) == logits_bytes(shape, workload_from_config(sft))
+
+
+def test_engine_auto_counts_the_reference_of_a_preference_run():
+    # Llama-3-8B full, 8 x 60 GiB: SFT and DPO with precomputed log-probabilities fit ZeRO-1; the live reference
+    # (another bf16 copy per GPU under ZeRO-1) and the doubled rows need more sharding.
+    chosen = {}
+    for name, extra in {"sft": [], "dpo": ["stage=dpo", "dataset=demo_dpo"],
+                        "precomputed": ["stage=dpo", "dataset=demo_dpo", "precompute_ref_log_probs=true"]}.items():
+        config, _ = load_config([LLAMA3_FULL, *extra])
+        chosen[name] = recommend_for_config(config, 8, 8, 60 * GiB, 2**40)[0]
+    assert chosen["sft"] == chosen["precomputed"] == {"deepspeed": "z1"}
+    assert chosen["dpo"] != {"deepspeed": "z1"} and chosen["dpo"]

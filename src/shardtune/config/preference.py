@@ -16,9 +16,10 @@ def uses_reference(c: TrainConfig) -> bool:
 
 
 def holds_reference_copy(c: TrainConfig) -> bool:
-    """A frozen model beside the policy while training: a full/freeze run's live reference (LoRA's is the policy
-    with its adapters off; precomputed log-probabilities keep no model)."""
-    return uses_reference(c) and c.finetuning_type != "lora" and not c.precompute_ref_log_probs
+    """A frozen model beside the policy while training: a full/freeze run's live reference, or ``ref_model`` (a
+    LoRA run's own reference is the policy with its adapters off; precomputed log-probabilities keep no model)."""
+    separate = c.finetuning_type != "lora" or c.ref_model is not None
+    return uses_reference(c) and separate and not c.precompute_ref_log_probs
 
 
 def split_paths(value: str | None) -> tuple[str, ...]:

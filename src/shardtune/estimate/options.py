@@ -173,8 +173,12 @@ def reference_share(c: Context, held: float) -> float:
     """A live dpo/kto reference of a full/freeze run is the engine's frozen copy of the weights, placed as the
     policy's weights are (``Engine.load_frozen``): ``held``, the policy's weight bytes on this rank (a replica, or
     the shard; 0 where they are offloaded), once more. LoRA (adapters off), ORPO/SimPO and precomputed
-    log-probabilities hold none."""
-    return held if c.workload.reference_copy else 0.0
+    log-probabilities hold none; a LoRA run's ``ref_model`` is the policy's weights without its adapters (and
+    unquantized: ``ref_model_quantization_bit`` is not modelled)."""
+    if not c.workload.reference_copy:
+        return 0.0
+    frozen = replace(c.workload, finetuning_type="full", quantization_bit=None)
+    return held * weight_bytes(c.shape, frozen, FP32) / weight_bytes(c.shape, c.workload, FP32)
 
 
 def with_reference_setup(setup: Setup, reference: float, host: float) -> Setup:
