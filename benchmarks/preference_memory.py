@@ -40,6 +40,9 @@ RUNS = {
     "FSDP2 FULL_SHARD, live reference (sharded)": ["fsdp=full_shard auto_wrap"],
     "FSDP2 FULL_SHARD, precomputed reference": ["precompute_ref_log_probs=true", "fsdp=full_shard auto_wrap"],
 }
+# Every bundled pair is longer than this with its template (10 to 40 tokens before it), so every row is cut to
+# exactly this length: the estimate's sequence length (cutoff_len, the longest batch) is the one that runs.
+CUTOFF = 16
 ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2",
        "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "2", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -81,7 +84,7 @@ def main() -> None:
         done = shardtune("train", "examples/tiny/dpo_lora.yaml", f"model_name_or_path={model_dir}",
                          f"output_dir={out}", "finetuning_type=full", f"max_steps={args.steps}", "logging_steps=1",
                          "save_strategy=no", "plot_loss=false", "per_device_train_batch_size=2",
-                         "learning_rate=1e-5", *extra, env=ENV)
+                         f"cutoff_len={CUTOFF}", "learning_rate=1e-5", *extra, env=ENV)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         results = json.loads((out / "train_results.json").read_text())
         peak, estimate = max(results["peak_memory_bytes_per_rank"]), results["estimated_memory_bytes"]
@@ -95,7 +98,8 @@ def write_results(rows: list[tuple[str, int, int, float]], params: int, steps: i
     lines = [f"# Full-parameter DPO: peak memory per rank against the estimate, 2 CPU processes "
              f"({time.strftime('%Y-%m-%d')})", "",
              f"Random LLaMA, {params / 1e6:.1f}M parameters ({params * 4 / 2**20:.0f} MiB in fp32), fp32 AdamW, "
-             f"{steps} steps of 2 pairs per rank, `benchmarks/preference_memory.py`.", "",
+             f"{steps} steps of 2 pairs per rank (4 rows of {CUTOFF} tokens per forward), "
+             "`benchmarks/preference_memory.py`.", "",
              machine_line(machine()), "",
              "| run | measured peak per rank (MiB) | estimated (MiB) | measured / estimated | vs DDP live | wall (s) |",
              "|---|---|---|---|---|---|"]
