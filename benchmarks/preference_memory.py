@@ -40,9 +40,10 @@ RUNS = {
     "FSDP2 FULL_SHARD, live reference (sharded)": ["fsdp=full_shard auto_wrap"],
     "FSDP2 FULL_SHARD, precomputed reference": ["precompute_ref_log_probs=true", "fsdp=full_shard auto_wrap"],
 }
-# Every bundled pair is longer than this with its template (10 to 40 tokens before it), so every row is cut to
-# exactly this length: the estimate's sequence length (cutoff_len, the longest batch) is the one that runs.
-CUTOFF = 16
+# The estimate assumes the longest batch is cutoff_len tokens long: with 32 (the bundled prompts take up to 25
+# tokens with the template, prompt + shorter answer 21 and more) most rows are cut to 32, so the batches that run
+# are (nearly) that long, rather than a few dozen tokens under a cutoff_len of 256.
+CUTOFF = 32
 ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2",
        "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "2", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -98,7 +99,7 @@ def write_results(rows: list[tuple[str, int, int, float]], params: int, steps: i
     lines = [f"# Full-parameter DPO: peak memory per rank against the estimate, 2 CPU processes "
              f"({time.strftime('%Y-%m-%d')})", "",
              f"Random LLaMA, {params / 1e6:.1f}M parameters ({params * 4 / 2**20:.0f} MiB in fp32), fp32 AdamW, "
-             f"{steps} steps of 2 pairs per rank (4 rows of {CUTOFF} tokens per forward), "
+             f"{steps} steps of 2 pairs per rank (4 rows of at most {CUTOFF} tokens per forward, cutoff_len {CUTOFF}), "
              "`benchmarks/preference_memory.py`.", "",
              machine_line(machine()), "",
              "| run | measured peak per rank (MiB) | estimated (MiB) | measured / estimated | vs DDP live | wall (s) |",
