@@ -42,7 +42,7 @@ COMPARED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/
 
 def train(model: Path, out: Path, nproc: int, micro: int, *extra: str) -> dict:
     env = {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": str(nproc)} if nproc > 1 else {}
-    extra = tuple(value.format(model=model) for value in extra)
+    extra = tuple(value.replace("{model}", str(model)) for value in extra)  # ref_model={model}
     result = run_cli("train", *COMMON, f"model_name_or_path={model}", f"output_dir={out}",
                      f"per_device_train_batch_size={micro}", *extra, **env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
