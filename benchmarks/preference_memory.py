@@ -1,19 +1,19 @@
-"""Peak memory per rank of full-parameter DPO on 2 CPU processes: where the reference model lives, per engine.
+"""Peak memory per rank of full-parameter DPO on 2 CPU processes, where the reference model lives, against the
+estimate, per engine.
 
     .venv/bin/python benchmarks/preference_memory.py                 # results to benchmarks/results
     .venv/bin/python benchmarks/preference_memory.py --out /tmp/pm --steps 2
 
-A random LLaMA (8 layers, hidden 512: about 30M parameters, 120 MB in fp32) trains full-parameter DPO on the
-bundled pairs for a few steps through `FORCE_TORCHRUN=1 NPROC_PER_NODE=2 shardtune train`, one run at a time:
+A random LLaMA (8 layers, hidden 512: about 27M parameters, 102 MiB in fp32) trains full-parameter DPO on the
+bundled pairs for a few steps through `FORCE_TORCHRUN=1 NPROC_PER_NODE=2 shardtune train`, one run at a time,
+under DDP, ZeRO-3 and FSDP2 FULL_SHARD, each with the live reference (a frozen copy placed as the policy: a
+replica under DDP, sharded under ZeRO-3 and FSDP2) and with ``precompute_ref_log_probs: true`` (none in memory).
 
-* DDP with the live reference: a frozen copy of the model on every rank (1 x params extra);
-* DDP, ZeRO-3 and FSDP2 with ``precompute_ref_log_probs: true``: no reference in memory.
-
-The number is shardtune's own ``peak_memory_bytes_per_rank`` of train_results.json (resident memory the rank
-gained from before the model was loaded to the end of training; see train/workflow.py ``MemoryProbe``). The
-model-state share predicted for fp32 AdamW is params + grads + 2 moments = 16 bytes per parameter, divided by the
-world size under ZeRO-3/FSDP, plus 4 bytes per parameter for a live reference copy; activations and runtime
-come on top of that and are the same in every run. ``shardtune estimate`` does not model preference stages yet.
+The measured number is shardtune's own ``peak_memory_bytes_per_rank`` of train_results.json (resident memory the
+rank gained from before the model was loaded to the end of training; see train/workflow.py ``MemoryProbe``); the
+estimate is ``estimated_memory_bytes`` of the same file: the memory model of `shardtune estimate` for that run
+(reference and the two rows of each pair included: estimate/options.py ``reference_share``, estimate/config.py
+``workload_from_config``), as max(tensors of a step, set-up) + the CPU runtime (estimate/compare.py).
 """
 
 from __future__ import annotations
@@ -33,11 +33,17 @@ RESULTS = REPO / "benchmarks" / "results"
 MODEL = ["--layers", "8", "--hidden", "512", "--heads", "8", "--kv-heads", "4", "--intermediate", "1376",
          "--vocab-size", "4096"]
 RUNS = {
-    "DDP, live reference (frozen copy)": [],
+    "DDP, live reference (replica)": [],
     "DDP, precomputed reference": ["precompute_ref_log_probs=true"],
+    "ZeRO-3, live reference (sharded)": ["deepspeed=z3"],
     "ZeRO-3, precomputed reference": ["precompute_ref_log_probs=true", "deepspeed=z3"],
+    "FSDP2 FULL_SHARD, live reference (sharded)": ["fsdp=full_shard auto_wrap"],
     "FSDP2 FULL_SHARD, precomputed reference": ["precompute_ref_log_probs=true", "fsdp=full_shard auto_wrap"],
 }
+# The estimate assumes the longest batch is cutoff_len tokens long: with 32 (the bundled prompts take up to 25
+# tokens with the template, prompt + shorter answer 21 and more) most rows are cut to 32, so the batches that run
+# are (nearly) that long, rather than a few dozen tokens under a cutoff_len of 256.
+CUTOFF = 32
 ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2",
        "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "2", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -73,35 +79,38 @@ def main() -> None:
     params = parameter_count(model_dir)
     rows = []
     for title, extra in RUNS.items():
-        out = args.out / title.split(",")[0].replace(" ", "_") / ("pre" if extra else "live")
+        kind = "pre" if "precompute_ref_log_probs=true" in extra else "live"
+        out = args.out / title.split(",")[0].replace(" ", "_") / kind
         started = time.perf_counter()
         done = shardtune("train", "examples/tiny/dpo_lora.yaml", f"model_name_or_path={model_dir}",
                          f"output_dir={out}", "finetuning_type=full", f"max_steps={args.steps}", "logging_steps=1",
                          "save_strategy=no", "plot_loss=false", "per_device_train_batch_size=2",
-                         "learning_rate=1e-5", *extra, env=ENV)
+                         f"cutoff_len={CUTOFF}", "learning_rate=1e-5", *extra, env=ENV)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         results = json.loads((out / "train_results.json").read_text())
-        peak = max(results["peak_memory_bytes_per_rank"])
-        rows.append((title, peak, time.perf_counter() - started))
-        print(f"{title}: {peak / 2**20:.0f} MiB per rank", flush=True)
+        peak, estimate = max(results["peak_memory_bytes_per_rank"]), results["estimated_memory_bytes"]
+        rows.append((title, peak, estimate, time.perf_counter() - started))
+        print(f"{title}: {peak / 2**20:.0f} MiB per rank measured, {estimate / 2**20:.0f} MiB estimated", flush=True)
     write_results(rows, params, args.steps)
 
 
-def write_results(rows: list[tuple[str, int, float]], params: int, steps: int) -> None:
+def write_results(rows: list[tuple[str, int, int, float]], params: int, steps: int) -> None:
     ddp_live = rows[0][1]
-    lines = [f"# Full-parameter DPO: peak memory per rank, 2 CPU processes ({time.strftime('%Y-%m-%d')})", "",
+    lines = [f"# Full-parameter DPO: peak memory per rank against the estimate, 2 CPU processes "
+             f"({time.strftime('%Y-%m-%d')})", "",
              f"Random LLaMA, {params / 1e6:.1f}M parameters ({params * 4 / 2**20:.0f} MiB in fp32), fp32 AdamW, "
-             f"{steps} steps of 2 pairs per rank, `benchmarks/preference_memory.py`.", "",
+             f"{steps} steps of 2 pairs per rank (4 rows of at most {CUTOFF} tokens per forward, cutoff_len {CUTOFF}), "
+             "`benchmarks/preference_memory.py`.", "",
              machine_line(machine()), "",
-             "| run | peak per rank (MiB) | vs DDP with live reference | wall (s) |", "|---|---|---|---|"]
-    for title, peak, wall in rows:
-        lines.append(f"| {title} | {peak / 2**20:.0f} | {peak / ddp_live:.2f} | {wall:.0f} |")
-    states = params * 16 / 2**20
-    lines += ["", f"Model states predicted (16 bytes per parameter): {states:.0f} MiB replicated (DDP), "
-                  f"{states / 2:.0f} MiB per rank sharded over 2 (ZeRO-3, FSDP); the live reference adds "
-                  f"{params * 4 / 2**20:.0f} MiB per rank under DDP."]
+             "| run | measured peak per rank (MiB) | estimated (MiB) | measured / estimated | vs DDP live | wall (s) |",
+             "|---|---|---|---|---|---|"]
+    for title, peak, estimate, wall in rows:
+        lines.append(f"| {title} | {peak / 2**20:.0f} | {estimate / 2**20:.0f} | {peak / estimate:.2f} | "
+                     f"{peak / ddp_live:.2f} | {wall:.0f} |")
+    lines += ["", f"The live reference's predicted share: {params * 4 / 2**20:.0f} MiB per rank as a replica (DDP), "
+                  f"{params * 2 / 2**20:.0f} MiB per rank sharded over 2 (ZeRO-3, FSDP2)."]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"preference-memory-{time.strftime('%Y-%m-%d')}.md"
+    path = RESULTS / f"preference-memory-estimate-{time.strftime('%Y-%m-%d')}.md"
     path.write_text("\n".join(lines) + "\n")
     print(f"wrote {path}")
 

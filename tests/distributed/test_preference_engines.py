@@ -1,10 +1,10 @@
 """Preference stages on 2 processes against one process with the same global batch, through the real CLI.
 
 Per-step losses, gradient norms and rewards of the reward model (DDP), of DPO (LoRA: reference = adapters off,
-through the engine's wrapper; full: a frozen replica) and of KTO (its KL estimate over both ranks' KL rows) must
-match the single-process run, as the SFT engine tests require. Full-parameter DPO is refused under ZeRO-3 and FSDP
-(the reference copy is not sharded yet; tests/unit/test_preference_step.py) unless the reference log-probabilities
-are precomputed, which these runs check against the live reference of one process.
+through the engine's wrapper; full: a frozen model placed as the policy, a replica under DDP/ZeRO-2 and sharded
+under ZeRO-3 and FSDP) and of KTO (its KL estimate over both ranks' KL rows) must match the single-process run, as
+the SFT engine tests require. Precomputed reference log-probabilities are checked against the live reference of
+one process, and against the live sharded reference of the same engine.
 """
 
 from __future__ import annotations
@@ -25,17 +25,24 @@ STAGES = {"dpo-lora": ("finetuning_type=lora",),
           "dpo-full": ("finetuning_type=full", "learning_rate=1e-3"),
           "dpo-full-precomputed": ("finetuning_type=full", "learning_rate=1e-3", "precompute_ref_log_probs=true"),
           "kto-lora": ("finetuning_type=lora", "stage=kto", "dataset=demo_kto"),
+          "kto-full": ("finetuning_type=full", "learning_rate=1e-3", "stage=kto", "dataset=demo_kto"),
+          # ref_model = the base model: the same reference as adapters off, loaded and sharded by the engine.
+          "dpo-lora-ref-model": ("finetuning_type=lora", "ref_model={model}"),
           "rm-full": ("finetuning_type=full", "stage=rm", "learning_rate=1e-3")}
 # Precomputed reference log-probabilities are compared with the one-process run of the live reference.
-ONE_PROCESS_RUN = {"dpo-full-precomputed": "dpo-full"}
+ONE_PROCESS_RUN = {"dpo-full-precomputed": "dpo-full", "dpo-lora-ref-model": "dpo-lora"}
 RUNS = [("ddp", "dpo-lora"), ("ddp", "dpo-full"), ("ddp", "kto-lora"), ("zero2", "dpo-lora"), ("zero2", "dpo-full"),
         ("zero3", "dpo-lora"), ("fsdp2", "dpo-lora"), ("fsdp2", "kto-lora"), ("zero3", "dpo-full-precomputed"),
-        ("fsdp2", "dpo-full-precomputed"), ("ddp", "rm-full")]
+        ("fsdp2", "dpo-full-precomputed"), ("ddp", "rm-full"),
+        # A live full-parameter reference sharded as the policy (Engine.load_frozen).
+        ("zero3", "dpo-full"), ("fsdp2", "dpo-full"), ("fsdp1", "dpo-full"), ("fsdp2", "kto-full"),
+        ("zero3", "dpo-lora-ref-model")]
 COMPARED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen")
 
 
 def train(model: Path, out: Path, nproc: int, micro: int, *extra: str) -> dict:
     env = {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": str(nproc)} if nproc > 1 else {}
+    extra = tuple(value.replace("{model}", str(model)) for value in extra)  # ref_model={model}
     result = run_cli("train", *COMMON, f"model_name_or_path={model}", f"output_dir={out}",
                      f"per_device_train_batch_size={micro}", *extra, **env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
@@ -53,15 +60,43 @@ def one_process(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     return found
 
 
-@pytest.mark.parametrize(("engine", "stage"), RUNS, ids=[f"{e}-{s}" for e, s in RUNS])
-def test_preference_stage_matches_one_process(engine, stage, one_process, tiny_model_dir, tmp_path):
-    results = train(tiny_model_dir, tmp_path, 2, 2, *STAGES[stage], *ENGINE_KEYS[engine])
-    assert results["world_size"] == 2
-    reference = one_process[ONE_PROCESS_RUN.get(stage, stage)]
+@pytest.fixture(scope="module")
+def two_processes(tiny_model_dir, tmp_path_factory):
+    """``two_processes(engine, stage)``: the output folder of that 2-process run, trained once per module (the
+    live-vs-precomputed test reuses the parity runs)."""
+    done: dict[tuple[str, str], tuple[Path, dict]] = {}
+
+    def run(engine: str, stage: str) -> tuple[Path, dict]:
+        if (engine, stage) not in done:
+            out = tmp_path_factory.mktemp(f"two-{engine}-{stage}")
+            done[engine, stage] = out, train(tiny_model_dir, out, 2, 2, *STAGES[stage], *ENGINE_KEYS[engine])
+        return done[engine, stage]
+
+    return run
+
+
+def compared_keys(stage: str) -> tuple[str, ...]:
     keys = COMPARED + (("kl",) if stage.startswith("kto") else ("rewards/accuracies",))
     if stage.startswith("rm"):  # scores, not log-probabilities
         keys = tuple(k for k in keys if not k.startswith("logps/"))
-    for key in keys:
-        assert logged(tmp_path, key) == pytest.approx(logged(reference, key), rel=2e-3, abs=1e-5), key
+    return keys
+
+
+@pytest.mark.parametrize(("engine", "stage"), RUNS, ids=[f"{e}-{s}" for e, s in RUNS])
+def test_preference_stage_matches_one_process(engine, stage, one_process, two_processes, tiny_model_dir):
+    out, results = two_processes(engine, stage)
+    assert results["world_size"] == 2
+    reference = one_process[ONE_PROCESS_RUN.get(stage, stage)]
+    for key in compared_keys(stage):
+        assert logged(out, key) == pytest.approx(logged(reference, key), rel=2e-3, abs=1e-5), key
     if not stage.startswith("rm"):  # the reward model's folder is checked in tests/e2e/test_preference_cli.py
-        check_saved_model(tmp_path, tiny_model_dir, stage.split("-")[1])
+        check_saved_model(out, tiny_model_dir, stage.split("-")[1])
+
+
+@pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
+def test_live_sharded_reference_equals_precomputed(engine, two_processes):
+    """On one sharded engine, the live sharded reference and the precomputed log-probabilities train alike."""
+    live, _ = two_processes(engine, "dpo-full")
+    precomputed, _ = two_processes(engine, "dpo-full-precomputed")
+    for key in compared_keys("dpo-full"):
+        assert logged(live, key) == pytest.approx(logged(precomputed, key), rel=1e-4, abs=1e-6), key

@@ -43,10 +43,32 @@ def test_full_dpo_keeps_a_frozen_reference(tiny_model_dir, tmp_path):
     result = run_cli("train", DPO, f"model_name_or_path={tiny_model_dir}", f"output_dir={out}", *QUICK,
                      "finetuning_type=full", "learning_rate=1e-3", "logging_steps=1")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "reference model: a frozen copy of the model on every rank" in result.stdout
+    assert "reference model: a frozen copy of the model, whole on every rank" in result.stdout
     assert logged(out, "loss")[0] == pytest.approx(math.log(2), abs=1e-5)
     assert logged(out, "rewards/accuracies")[-1] > 0.5
     assert (out / "model.safetensors").is_file()
+
+
+def test_ref_model_is_the_reference_of_a_lora_run(tiny_model_dir, tmp_path):
+    """ref_model = the base model gives the adapters-off run's losses; another folder (a DPO-trained copy) moves
+    the rewards from the first step on."""
+    common = (f"model_name_or_path={tiny_model_dir}", *QUICK, "max_steps=3", "logging_steps=1")
+    trained = tmp_path / "dpo-full"
+    assert run_cli("train", DPO, *common, f"output_dir={trained}", "finetuning_type=full",
+                   "learning_rate=1e-3").returncode == 0
+    runs = {}
+    for name, extra in {"adapters-off": (), "base": (f"ref_model={tiny_model_dir}",),
+                        "trained": (f"ref_model={trained}",)}.items():
+        result = run_cli("train", DPO, *common, f"output_dir={tmp_path / name}", *extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = tmp_path / name
+        if extra:
+            assert f"reference model: ref_model {extra[0].split('=', 1)[1]} (frozen), whole on every rank" \
+                in result.stdout
+    for key in ("loss", "rewards/chosen", "rewards/margins", "grad_norm"):
+        assert logged(runs["base"], key) == pytest.approx(logged(runs["adapters-off"], key), rel=1e-5, abs=1e-6)
+    assert logged(runs["trained"], "rewards/margins")[0] != pytest.approx(0, abs=1e-4)
+    assert logged(runs["trained"], "loss")[0] != pytest.approx(math.log(2), abs=1e-4)
 
 
 def test_precomputed_reference_equals_the_live_one(tiny_model_dir, tmp_path):
@@ -109,15 +131,22 @@ def test_dpo_resume_continues_the_loss_curve(tiny_model_dir, tmp_path):
     assert logged(crashed, "rewards/margins")[-1] == pytest.approx(logged(straight, "rewards/margins")[-1], rel=1e-3)
 
 
-def test_a_preference_dataset_for_sft_and_a_sharded_full_reference_are_refused(tiny_model_dir, tmp_path):
-    result = run_cli("train", DPO, f"model_name_or_path={tiny_model_dir}", f"output_dir={tmp_path / 'x'}",
-                     "finetuning_type=full", "deepspeed=z3")
-    assert result.returncode == 2 and "frozen reference copy is not sharded yet" in result.stdout + result.stderr
+def test_a_preference_dataset_for_sft_is_refused_and_dpo_is_estimated(tiny_model_dir, tmp_path):
     result = run_cli("train", DPO, f"model_name_or_path={tiny_model_dir}", f"output_dir={tmp_path / 'y'}",
                      "dataset=demo")
     assert result.returncode == 2 and "not a ranking dataset" in result.stdout + result.stderr
-    result = run_cli("estimate", DPO, f"model_name_or_path={tiny_model_dir}", "--gpu-memory", "80GiB")
-    assert result.returncode == 2 and "stage dpo is not modelled yet" in result.stdout + result.stderr
+    found = {}
+    for label, extra in (("lora", ()), ("full", ("finetuning_type=full",))):
+        result = run_cli("estimate", DPO, f"model_name_or_path={tiny_model_dir}", *extra, "--gpu-memory", "80GiB",
+                         "--json")
+        assert result.returncode == 0, result.stderr[-2000:]
+        found[label] = {o["name"]: o["device_bytes"] for o in json.loads(result.stdout)["options"]}
+    assert found["lora"]["DDP"]["reference"] == 0  # LoRA's reference is the policy with its adapters off
+    assert found["full"]["DDP"]["reference"] == found["full"]["DDP"]["parameters"] > 0
+    assert found["full"]["ZeRO-3"]["reference"] == found["full"]["ZeRO-3"]["parameters"]
+    result = run_cli("estimate", DPO, f"model_name_or_path={tiny_model_dir}", "stage=rm", "finetuning_type=full",
+                     "--gpu-memory", "80GiB")
+    assert result.returncode == 2 and "stage rm is not modelled yet" in result.stdout + result.stderr
 
 
 def test_sharegpt_pairs_with_an_eval_split(tiny_model_dir, tmp_path):

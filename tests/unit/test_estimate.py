@@ -230,7 +230,7 @@ def test_estimate_command_json_shape(tiny_model, capsys):
     assert len(data["options"]) == 10
     for option in data["options"]:
         assert set(option["device_bytes"]) == {"parameters", "gradients", "optimizer_states", "buffers",
-                                               "activations", "overhead", "total"}
+                                               "activations", "overhead", "reference", "total"}
         assert all(isinstance(v, int) for v in option["device_bytes"].values())
         assert isinstance(option["fits"], bool)
     assert data["recommendation"]["name"] == "DDP"
@@ -424,3 +424,64 @@ def test_run_comparison_with_a_setup_peak_and_on_a_gpu():
                                  on_gpu=False, engine_kind="ddp")
     assert mapped.setup == 8.0 + 3.0  # from_pretrained maps the whole file: its pages count in the rank's memory
     assert compare_run_memory(None, [1]) == ({"estimated_memory_bytes": None}, None)
+
+
+# --- preference stages: the reference model and the doubled rows ---
+
+DPO = str(REPO / "examples" / "tiny" / "dpo_lora.yaml")
+
+
+def dpo_options(tiny_model, *extra: str) -> dict:
+    from shardtune.estimate.config import options_for_config
+
+    config, _ = load_config([DPO, f"model_name_or_path={tiny_model}", *extra])
+    return {o.name: o for o in options_for_config(config, Hardware(nodes=1, gpus_per_node=2, gpu_memory=80 * GiB))}
+
+
+def test_a_live_full_reference_is_held_as_the_policy_weights(tiny_model):
+    full = dpo_options(tiny_model, "finetuning_type=full")
+    for name in ("DDP", "ZeRO-2", "ZeRO-3", "FSDP FULL_SHARD"):
+        d = full[name].device
+        assert d.reference == d.parameters > 0, name  # a replica, or the same shard
+    assert full["ZeRO-3"].device.reference == pytest.approx(full["ZeRO-2"].device.reference / 2)
+    assert full["FSDP FULL_SHARD"].device.reference == pytest.approx(full["DDP"].device.reference / 2)
+    # Offloaded parameters: the reference's shard sits in host memory beside the policy's.
+    assert full["FSDP offload"].device.reference == 0
+    assert full["FSDP offload"].cpu_per_rank - dpo_options(
+        tiny_model, "finetuning_type=full", "precompute_ref_log_probs=true")["FSDP offload"].cpu_per_rank \
+        == pytest.approx(full["DDP"].device.reference / 2)
+    # A LoRA run's ref_model: the policy's shape without its adapters.
+    assert dpo_options(tiny_model, f"ref_model={tiny_model}")["ZeRO-3"].device.reference == \
+        pytest.approx(full["ZeRO-3"].device.reference)
+    for extra in (("finetuning_type=lora",), ("finetuning_type=full", "pref_loss=orpo"),
+                  ("finetuning_type=full", "precompute_ref_log_probs=true")):
+        assert all(o.device.reference == 0 for o in dpo_options(tiny_model, *extra).values()), extra
+
+
+def test_a_preference_micro_batch_is_two_rows_per_sample_from_full_logits(tiny_model):
+    from shardtune.estimate.config import workload_from_config
+
+    dpo, _ = load_config([DPO, f"model_name_or_path={tiny_model}", "finetuning_type=full"])
+    sft, _ = load_config([TINY_LORA, f"model_name_or_path={tiny_model}", "finetuning_type=full",
+                          f"per_device_train_batch_size={2 * dpo.per_device_train_batch_size}",
+                          f"cutoff_len={dpo.cutoff_len}", "loss_chunk_size=0"])
+    w = workload_from_config(dpo)
+    assert (w.rows_per_sample, w.loss_chunk_size, w.reference_copy) == (2, 0, True)
+    assert w.tokens == workload_from_config(sft).tokens
+    from shardtune.estimate.activations import activation_bytes
+
+    shape = shape_from_config(TINY_CONFIG)
+    assert activation_bytes(shape, w, 4) == activation_bytes(shape, workload_from_config(sft), 4) > 0
+    assert logits_bytes(shape, w) == logits_bytes(shape, workload_from_config(sft))
+
+
+def test_engine_auto_counts_the_reference_of_a_preference_run():
+    # Llama-3-8B full, 8 x 60 GiB: SFT and DPO with precomputed log-probabilities fit ZeRO-1; the live reference
+    # (another bf16 copy per GPU under ZeRO-1) and the doubled rows need more sharding.
+    chosen = {}
+    for name, extra in {"sft": [], "dpo": ["stage=dpo", "dataset=demo_dpo"],
+                        "precomputed": ["stage=dpo", "dataset=demo_dpo", "precompute_ref_log_probs=true"]}.items():
+        config, _ = load_config([LLAMA3_FULL, *extra])
+        chosen[name] = recommend_for_config(config, 8, 8, 60 * GiB, 2**40)[0]
+    assert chosen["sft"] == chosen["precomputed"] == {"deepspeed": "z1"}
+    assert chosen["dpo"] != {"deepspeed": "z1"} and chosen["dpo"]

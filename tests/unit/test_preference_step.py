@@ -17,6 +17,8 @@ from shardtune.engines.base import PrecisionSettings
 from shardtune.engines.local import LocalEngine
 from shardtune.engines.plan import plan_engine
 from shardtune.launch.validate import preference_key_problems
+from shardtune.model.adapters import FinetuningSettings
+from shardtune.model.source import ModelSource
 from shardtune.optim.build import build_optimizer, build_scheduler
 from shardtune.optim.settings import OptimizerSettings
 from shardtune.train.preference import PreferenceSettings
@@ -28,6 +30,14 @@ def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     return LlamaForCausalLM(config)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> ModelSource:
+    """tiny_llama() saved: the policy's source, from which a full-parameter run loads its frozen reference."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama().save_pretrained(folder)
+    return ModelSource(str(folder), FinetuningSettings(finetuning_type="full"))
 
 
 def features(n: int = 8, seed: int = 1, kto: bool = False) -> list[dict]:
@@ -55,13 +65,13 @@ def make_engine(model: torch.nn.Module) -> LocalEngine:
     return engine
 
 
-def run_steps(stage: str, settings: PreferenceSettings, micro: int, lora: bool, steps: int = 2
-              ) -> tuple[list[dict[str, float]], torch.nn.Module]:
+def run_steps(source: ModelSource, stage: str, settings: PreferenceSettings, micro: int, lora: bool,
+              steps: int = 2) -> tuple[list[dict[str, float]], torch.nn.Module]:
     model = tiny_llama()
     if lora:
         model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-    reference = build_reference(model, "lora" if lora else "full", settings, torch.device("cpu"))
     engine = make_engine(model)
+    reference = build_reference(engine, source, "lora" if lora else "full", settings)
     objective = PreferenceObjective(stage, settings, reference)
     collate = PairCollator(DataCollator(0))
     rows = features(kto=stage == "kto")
@@ -72,10 +82,10 @@ def run_steps(stage: str, settings: PreferenceSettings, micro: int, lora: bool, 
 @pytest.mark.parametrize(("stage", "loss", "lora"), [("dpo", "sigmoid", True), ("dpo", "sigmoid", False),
                                                      ("dpo", "ipo", True), ("dpo", "orpo", False),
                                                      ("dpo", "simpo", True), ("kto", "sigmoid", True)])
-def test_accumulating_micro_batches_equals_one_batch(stage: str, loss: str, lora: bool) -> None:
+def test_accumulating_micro_batches_equals_one_batch(source: ModelSource, stage: str, loss: str, lora: bool) -> None:
     settings = PreferenceSettings(loss=loss, beta=0.2, ftx=0.1 if stage == "dpo" else 0.0)
-    whole, whole_model = run_steps(stage, settings, micro=8, lora=lora)
-    split, split_model = run_steps(stage, settings, micro=3, lora=lora)  # 3 + 3 + 2 pairs in one window
+    whole, whole_model = run_steps(source, stage, settings, micro=8, lora=lora)
+    split, split_model = run_steps(source, stage, settings, micro=3, lora=lora)  # 3 + 3 + 2 pairs in one window
     for a, b in zip(whole, split, strict=True):
         assert a.keys() == b.keys()
         for key in a:
@@ -85,7 +95,7 @@ def test_accumulating_micro_batches_equals_one_batch(stage: str, loss: str, lora
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
 
 
-def test_the_reference_starts_equal_to_the_policy() -> None:
+def test_the_reference_starts_equal_to_the_policy(source: ModelSource) -> None:
     # LoRA with adapters off (B initialised to zero as peft does) and a frozen copy both give zero rewards at first.
     for lora in (True, False):
         model = tiny_llama()
@@ -93,8 +103,8 @@ def test_the_reference_starts_equal_to_the_policy() -> None:
             model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
         settings = PreferenceSettings()
         engine = make_engine(model)
-        objective = PreferenceObjective("dpo", settings, build_reference(model, "lora" if lora else "full",
-                                                                          settings, torch.device("cpu")))
+        objective = PreferenceObjective("dpo", settings, build_reference(engine, source, "lora" if lora else "full",
+                                                                          settings))
         metrics = objective.train_step(engine, [PairCollator(DataCollator(0))(features())], 0.0)
         assert metrics["loss"] == pytest.approx(math.log(2), abs=1e-6)
         assert metrics["rewards/chosen"] == pytest.approx(0, abs=1e-6)
@@ -102,19 +112,21 @@ def test_the_reference_starts_equal_to_the_policy() -> None:
         assert second["rewards/margins"] != pytest.approx(0, abs=1e-6)  # the policy moved, the reference did not
 
 
-def test_a_frozen_copy_does_not_follow_the_policy() -> None:
-    model = tiny_llama()
-    reference = build_reference(model, "full", PreferenceSettings(), torch.device("cpu"))
+def test_a_frozen_copy_does_not_follow_the_policy(source: ModelSource) -> None:
+    engine = make_engine(tiny_llama())
+    reference = build_reference(engine, source, "full", PreferenceSettings())
+    assert reference.kind == "copy" and reference.model is not None
     before = copy.deepcopy(reference.model.state_dict())
     run = PreferenceObjective("dpo", PreferenceSettings(), reference)
-    run.train_step(make_engine(model), [PairCollator(DataCollator(0))(features())], 0.0)
+    run.train_step(engine, [PairCollator(DataCollator(0))(features())], 0.0)
     assert all(torch.equal(before[k], v) for k, v in reference.model.state_dict().items())
     assert not any(p.requires_grad for p in reference.model.parameters())
 
 
-def test_orpo_and_simpo_load_no_reference() -> None:
+def test_orpo_and_simpo_load_no_reference(source: ModelSource) -> None:
+    engine = make_engine(tiny_llama())
     for loss in ("orpo", "simpo"):
-        assert build_reference(tiny_llama(), "full", PreferenceSettings(loss=loss), torch.device("cpu")).kind == "none"
+        assert build_reference(engine, source, "full", PreferenceSettings(loss=loss)).kind == "none"
 
 
 BASE = {"model_name_or_path": "m", "output_dir": "o", "dataset": ["demo_dpo"], "stage": "dpo"}
@@ -134,10 +146,11 @@ def test_preference_keys_out_of_their_stage_are_refused() -> None:
 
 
 def test_what_is_not_done_yet_is_refused_with_its_reason() -> None:
-    assert any("separate reference model is not supported yet" in p for p in problems_for(ref_model="other"))
     assert any("stage rm with finetuning_type lora" in p for p in problems_for(stage="rm"))
     assert problems_for(stage="rm", finetuning_type="full") == []
-    assert any("engine (auto)" in p for p in problems_for(engine="auto"))
+    assert any("engine (auto) with stage rm" in p for p in problems_for(engine="auto", stage="rm",
+                                                                        finetuning_type="full"))
+    assert problems_for(engine="auto") == []  # the estimate counts the reference and the two rows
     assert any("label_smoothing_factor" in p for p in problems_for(label_smoothing_factor=0.1))
     assert any("train_on_prompt (true)" in p for p in problems_for(train_on_prompt=True))
     assert any("neftune_noise_alpha" in p for p in problems_for(neftune_noise_alpha=5.0))
@@ -146,22 +159,23 @@ def test_what_is_not_done_yet_is_refused_with_its_reason() -> None:
 
 
 @pytest.mark.parametrize("engine_keys", [{"deepspeed": "z3"}, {"fsdp": "full_shard auto_wrap"}])
-def test_a_full_reference_copy_is_refused_where_the_policy_is_sharded(engine_keys: dict) -> None:
-    full = build_config({**BASE, "finetuning_type": "full", **engine_keys})
-    _, problems = plan_engine(full, world_size=2, has_cuda=False)
-    assert any("frozen reference copy is not sharded yet" in p for p in problems)
-    for allowed in ({"finetuning_type": "lora"}, {"finetuning_type": "full", "pref_loss": "orpo"},
-                    {"finetuning_type": "full", "precompute_ref_log_probs": True}):
+def test_a_full_reference_is_planned_where_the_policy_is_sharded(engine_keys: dict) -> None:
+    # The engine loads it sharded as the policy (Engine.load_frozen): no refusal left; rm still is one.
+    for allowed in ({"finetuning_type": "full"}, {"finetuning_type": "full", "stage": "kto", "dataset": ["demo_kto"]},
+                    {"finetuning_type": "lora"}, {"finetuning_type": "full", "precompute_ref_log_probs": True}):
         _, problems = plan_engine(build_config({**BASE, **allowed, **engine_keys}), world_size=2, has_cuda=False)
-        assert not any("reference copy" in p for p in problems)
+        assert problems == [], problems
+    _, problems = plan_engine(build_config({**BASE, "stage": "rm", "finetuning_type": "full", **engine_keys}),
+                              world_size=2, has_cuda=False)
+    assert any("stage rm under" in p for p in problems)
 
 
 @pytest.mark.parametrize(("stage", "lora"), [("dpo", False), ("dpo", True), ("kto", True)])
-def test_precomputed_reference_gives_the_live_losses(stage: str, lora: bool) -> None:
+def test_precomputed_reference_gives_the_live_losses(source: ModelSource, stage: str, lora: bool) -> None:
     from shardtune.train.preference_step import Reference, precomputed_reference_logps
 
     settings = PreferenceSettings(beta=0.2)
-    live, live_model = run_steps(stage, settings, micro=3, lora=lora, steps=3)
+    live, live_model = run_steps(source, stage, settings, micro=3, lora=lora, steps=3)
 
     model = tiny_llama()
     if lora:
@@ -187,3 +201,41 @@ def test_pref_loss_values_llamafactory_once_had_are_refused_with_the_replacement
     with pytest.raises(ConfigError, match="use stage: kto"):
         build_config({**BASE, "pref_loss": "kto_pair"})
     assert build_config({**BASE, "pref_loss": "ipo"}).pref_loss == "ipo"
+
+
+def test_ref_model_is_checked_on_the_launching_host(tmp_path) -> None:
+    import json
+
+    policy, other, adapter = tmp_path / "policy", tmp_path / "other", tmp_path / "adapter"
+    for folder, vocab in ((policy, 96), (other, 128)):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": vocab}))
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    same = {"model_name_or_path": str(policy), "ref_model": str(policy)}
+    assert any("ref_model: " in p and "has no weights" in p for p in problems_for(**same))  # config.json only
+    assert any("vocab_size 128 and model_name_or_path 96" in p
+               for p in problems_for(model_name_or_path=str(policy), ref_model=str(other)))
+    assert any("neither a model folder" in p for p in problems_for(ref_model=str(tmp_path / "missing")))
+    assert any("ref_model_adapters: " in p and "not a LoRA adapter folder" in p
+               for p in problems_for(**same, ref_model_adapters=f"{adapter},{tmp_path}"))
+    assert not any("ref_model_adapters" in p for p in problems_for(**same, ref_model_adapters=str(adapter)))
+    assert any("applies to ref_model, which is not set" in p for p in problems_for(ref_model_adapters=str(adapter)))
+    assert any("ref_model" in p and "stage dpo" in p for p in problems_for(**same, pref_loss="simpo"))
+    assert any("precompute_ref_log_probs (true) with ref_model" in p
+               for p in problems_for(**same, precompute_ref_log_probs=True))
+
+
+@pytest.mark.parametrize("engine_keys", [{"deepspeed": "z3"}, {"fsdp": "full_shard auto_wrap"}])
+def test_a_ref_model_that_must_be_whole_is_refused_where_the_policy_is_sharded(engine_keys: dict) -> None:
+    config = build_config({**BASE, "ref_model": "r", "ref_model_adapters": "a", "ref_model_quantization_bit": 4,
+                           **engine_keys})
+    _, problems = plan_engine(config, world_size=2, has_cuda=True)
+    assert any("ref_model_adapters with" in p for p in problems)
+    assert any("ref_model_quantization_bit (4) with" in p for p in problems)
+    _, problems = plan_engine(build_config({**BASE, "ref_model": "r", "ref_model_quantization_bit": 4}),
+                              world_size=2, has_cuda=False)
+    assert any("ref_model_quantization_bit (4) loads ref_model through bitsandbytes" in p for p in problems)
+    _, problems = plan_engine(build_config({**BASE, "ref_model": "r", "ref_model_quantization_bit": 4}),
+                              world_size=2, has_cuda=True)
+    assert problems == []  # DDP on a GPU: allowed where the policy's quantization is

@@ -135,8 +135,10 @@ class TrainConfig:
     ref_model: str | None = _key(None, "dpo/kto: a separate reference model folder (default: the model being "
                                        "trained as loaded: LoRA with its adapters off, full a frozen copy)",
                                  PREFERENCE)
-    ref_model_adapters: str | None = _key(None, "dpo/kto: LoRA adapters applied to ref_model", PREFERENCE)
-    ref_model_quantization_bit: int | None = _key(None, "dpo/kto: load ref_model in 4 or 8 bits", PREFERENCE,
+    ref_model_adapters: str | None = _key(None, "dpo/kto: LoRA adapters merged into ref_model (comma-separated; "
+                                                "not under ZeRO-3/FSDP)", PREFERENCE)
+    ref_model_quantization_bit: int | None = _key(None, "dpo/kto: load ref_model in 4 or 8 bits (bitsandbytes: a "
+                                                        "CUDA GPU; not under ZeRO-3/FSDP)", PREFERENCE,
                                                   choices=(4, 8, None))
     use_dora: bool = _key(False, "LoRA: weight-decomposed LoRA (DoRA; a trained magnitude per output row)", FINETUNE)
     use_rslora: bool = _key(False, "LoRA: rank-stabilised scaling lora_alpha / sqrt(lora_rank)", FINETUNE)

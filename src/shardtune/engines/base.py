@@ -78,6 +78,20 @@ class Engine(ABC):
         return source.load_full()
 
     @property
+    def shards_weights(self) -> bool:
+        """Whether each rank holds only a shard of the weights (FSDP, ZeRO-3)."""
+        return False
+
+    def load_frozen(self, source: ModelSource) -> torch.nn.Module:
+        """``source`` as a frozen model (no gradients, eval mode) placed as this engine places the policy, for
+        forwards under ``torch.no_grad`` only (a preference run's reference): whole on this rank's device here;
+        sharding engines shard it as they shard the policy, so no rank ever holds it whole."""
+        with torch.random.fork_rng(devices=[]):  # loading draws nothing the policy's run should miss
+            model = source.load_full()
+        model.requires_grad_(False)
+        return model.to(self.device).eval()
+
+    @property
     def weights_bytes_read(self) -> int:
         """Bytes of checkpoint weights this rank read itself (sharding engines load tensor by tensor)."""
         return self.loading.bytes_read if self.loading is not None else 0

@@ -70,6 +70,7 @@ class DeepSpeedEngine(DistributedMixin, Engine):
         self.ctx = ctx
         self.ds_config = ds_config
         self.ds: Any = None  # deepspeed.runtime.engine.DeepSpeedEngine once prepared
+        self.frozen: list[Any] = []  # optimizer-less DeepSpeed engines of frozen models (load_frozen)
         self._boundary_marked = False
 
     # --- topology ---
@@ -96,13 +97,37 @@ class DeepSpeedEngine(DistributedMixin, Engine):
         rank 0 reading the files; below ZeRO-3 every rank holds the whole model anyway."""
         if self.zero_stage != 3 or source.quantization_bit is not None:
             return source.load_full()
-        skeleton = source.build_skeleton(construction=self._partitioned_construction())
+        skeleton = source.build_skeleton(construction=self._partitioned_construction(self.ds_config))
         self.loading = ShardedLoad.start(skeleton, self.device, self.rank, rank0_reads=True)
         fill_zero3(skeleton.model, self.loading)
         return skeleton.model
 
+    @property
+    def shards_weights(self) -> bool:
+        return self.zero_stage == 3
+
+    def load_frozen(self, source: ModelSource) -> torch.nn.Module:
+        """ZeRO-3: a second DeepSpeed engine, partitioned as the policy and without optimizer (DeepSpeed then only
+        gathers each module's parameters for its forward and frees them after), built and filled the way the
+        policy is; below ZeRO-3 a replica, as the policy is one."""
+        if self.zero_stage != 3:
+            return super().load_frozen(source)
+        import deepspeed
+
+        config = frozen_zero3_config(self.ds_config)
+        with torch.random.fork_rng(devices=[]):
+            skeleton = source.build_skeleton(construction=self._partitioned_construction(config))
+        fill_zero3(skeleton.model, ShardedLoad.start(skeleton, self.device, self.rank, rank0_reads=True))
+        model = skeleton.model
+        model.requires_grad_(False)
+        apply_zero3_moe_leaves(model)
+        frozen, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=False)
+        frozen.eval()  # DeepSpeed's eval() returns nothing
+        self.frozen.append(frozen)
+        return frozen
+
     @contextlib.contextmanager
-    def _partitioned_construction(self) -> Iterator[None]:
+    def _partitioned_construction(self, ds_config: dict) -> Iterator[None]:
         """Entered only where the model is constructed: zero.Init replaces torch.Tensor.__new__, and a module first
         imported under it (transformers.modeling_utils -> torch._dynamo, reached first inside the construction of
         Qwen3 and Qwen3-MoE models) fails its signature check; so it is imported before."""
@@ -113,7 +138,7 @@ class DeepSpeedEngine(DistributedMixin, Engine):
         # zero.Init sizes partitions by DeepSpeed's view of the world: join the existing process group first.
         deepspeed.init_distributed(dist_backend=self.ctx.backend, dist_init_required=False)
         # Must come first: zero.Init would otherwise cast the rotary frequencies' arange to the training dtype.
-        with prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=self.ds_config):
+        with prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=ds_config):
             yield
 
     def prepare(self, model: torch.nn.Module, build_optimizer: OptimizerFactory,
@@ -327,6 +352,9 @@ class DeepSpeedEngine(DistributedMixin, Engine):
 
     def destroy(self) -> None:
         """Release DeepSpeed's hooks and buffers but keep the process group (e.g. to set up another engine)."""
+        for frozen in self.frozen:
+            frozen.destroy()
+        self.frozen = []
         if self.ds is not None:
             self.ds.destroy()
             self.ds = None
@@ -352,6 +380,16 @@ def apply_zero3_moe_leaves(model: torch.nn.Module) -> list[str]:
     if classes:
         set_z3_leaf_modules(model, classes)
     return [c.__name__ for c in classes]
+
+
+def frozen_zero3_config(ds_config: dict) -> dict:
+    """The policy's resolved ZeRO-3 config for a model that is never trained: no optimizer, scheduler or optimizer
+    offload (DeepSpeed builds no optimizer then and keeps only the parameter partitioning); the partitioning,
+    parameter offload and precision stay the policy's, so the frozen model is placed and computes as it does."""
+    config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
+    config["zero_optimization"] = {k: v for k, v in ds_config.get("zero_optimization", {}).items()
+                                   if k != "offload_optimizer"}
+    return config
 
 
 def to_cpu_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -113,6 +113,28 @@ class FSDPEngine(DistributedMixin, TorchEngine):
         self.scheduler = build_scheduler(self.optimizer)
 
     @property
+    def shards_weights(self) -> bool:
+        return True
+
+    def load_frozen(self, source: ModelSource) -> torch.nn.Module:
+        """The frozen model sharded as the policy (its own ``fully_shard`` units, or FSDP1 wrap), filled from the
+        files shard by shard, and gathered unit by unit for each forward: a strategy that keeps the gathered
+        parameters for backward (SHARD_GRAD_OP) frees them after forward here, since no backward comes."""
+        with torch.random.fork_rng(devices=[]):
+            skeleton = source.build_skeleton()
+        load = ShardedLoad.start(skeleton, self.device, self.rank, self.settings.cpu_ram_efficient_loading)
+        model = skeleton.model
+        model.requires_grad_(False)
+        settings = frozen_fsdp_settings(self.settings)
+        if settings.version == 2:
+            sharded = shard_fsdp2(model, settings, self.mesh, self.device, self.param_cast_dtype)
+            fill_fully_sharded(sharded, load, self.storage_device)
+        else:
+            sharded = wrap_fsdp1(model, settings, self.mesh, self.device, self.param_cast_dtype,
+                                 fsdp1_param_init(model, load))
+        return sharded.eval()
+
+    @property
     def storage_device(self) -> torch.device:
         """Where the sharded parameters live: the host when they are offloaded."""
         return torch.device("cpu") if self.settings.offload_params else self.device
@@ -331,6 +353,13 @@ def shard_fsdp2(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, devic
         for current, following in zip(sharded, sharded[1:], strict=False):
             current.set_modules_to_forward_prefetch([following])
     return model
+
+
+def frozen_fsdp_settings(s: FsdpSettings) -> FsdpSettings:
+    """The policy's settings for a model that only runs forwards: parameters resharded after each unit's forward
+    (the ZeRO-2-like strategies keep them gathered for a backward that never comes)."""
+    resharding = {"SHARD_GRAD_OP": "FULL_SHARD", "HYBRID_SHARD_ZERO2": "HYBRID_SHARD"}
+    return dataclasses.replace(s, sharding_strategy=resharding.get(s.sharding_strategy, s.sharding_strategy))
 
 
 def broadcast_from_rank0(model: torch.nn.Module) -> None:

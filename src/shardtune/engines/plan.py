@@ -125,9 +125,13 @@ def _short(value: Any) -> str:
 def quantization_problems(c: TrainConfig, has_cuda: bool) -> list[str]:
     """QLoRA rules of every engine: bitsandbytes on CUDA, never on an already quantized model (what FSDP and
     ZeRO-3 cannot shard is in their records)."""
-    if c.quantization_bit is None:
-        return []
     problems = []
+    if c.ref_model_quantization_bit is not None and not has_cuda:
+        problems.append(f"ref_model_quantization_bit ({c.ref_model_quantization_bit}) loads ref_model through "
+                        "bitsandbytes, which needs a CUDA GPU; none is visible here. Remove it to keep ref_model in "
+                        "full precision.")
+    if c.quantization_bit is None:
+        return problems
     method = pre_quantized_method(c.model_name_or_path)
     if method:
         problems.append(f"quantization_bit ({c.quantization_bit}): the model is already quantized ({method}); "

@@ -98,17 +98,20 @@ def pre_quantized_problems(c: TrainConfig, kind: str) -> list[str]:
 
 def preference_problems(c: TrainConfig, label: str, shards_weights: bool) -> list[str]:
     """Preference stages a sharding engine (``label``) does not run yet: a reward model (assembled from the loaded
-    causal LM), and dpo/kto's frozen reference copy where the policy is sharded (the copy would be whole on every
-    rank)."""
+    causal LM), and a ref_model that must be whole on every rank (adapters merged into it, bitsandbytes weights)
+    where the policy is sharded. A full-parameter dpo/kto reference is loaded by the engine and placed as the
+    policy (``Engine.load_frozen``)."""
     if c.stage == "rm":
         return [f"stage rm under {label}: the reward model is assembled from the loaded causal LM "
                 "(its body under a new score layer), which the engines' own loading and saving paths do not do yet; "
                 "train it on one process or with DDP (no deepspeed/fsdp key)"]
-    needs_copy = (c.stage == "kto" or (c.stage == "dpo" and c.pref_loss not in ("orpo", "simpo"))) \
-        and c.finetuning_type != "lora" and not c.precompute_ref_log_probs
-    if not (needs_copy and shards_weights):
-        return []
-    return [f"stage {c.stage} with finetuning_type {c.finetuning_type} under {label}: the frozen "
-            "reference copy is not sharded yet and would be held whole on every rank; use finetuning_type: lora "
-            "(the reference is the model with adapters off), precompute_ref_log_probs: true (no copy), pref_loss "
-            "orpo or simpo (no reference), or DDP / ZeRO-0/1/2"]
+    problems = []
+    if c.ref_model_adapters and shards_weights:
+        problems.append(f"ref_model_adapters with {label}: merging adapters needs the whole ref_model on each "
+                        "process, which a sharding engine never loads; merge them first (shardtune export) and give "
+                        "the merged folder as ref_model")
+    if c.ref_model_quantization_bit is not None and shards_weights:
+        problems.append(f"ref_model_quantization_bit ({c.ref_model_quantization_bit}) with {label}: bitsandbytes "
+                        "weights are not sharded here and would be whole on every rank; use DDP or ZeRO-0/1/2, or "
+                        "remove it")
+    return problems

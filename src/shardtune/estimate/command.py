@@ -107,13 +107,13 @@ def estimate_command(argv: list[str], launch_nodes: int = 1, launch_procs: int |
         return 0
     args = split_estimate_args(argv)
     config, _ = load_config(args.config_argv)
-    if config.stage in ("dpo", "kto", "rm"):
+    if config.stage == "rm":
         from shardtune.errors import ConfigError
 
-        # A number without the reference model and the doubled rows would understate the need: refuse instead.
-        raise ConfigError(f"shardtune estimate: stage {config.stage} is not modelled yet (the reference model and "
-                          "the chosen + rejected rows of each pair are not counted); estimate the same config with "
-                          "stage: sft for the policy alone")
+        # The score head replaces the vocabulary logits: a number from the causal LM's model would mislead.
+        raise ConfigError("shardtune estimate: stage rm is not modelled yet (its one-label score head replaces the "
+                          "vocabulary logits the activation model counts); estimate the same config with stage: dpo "
+                          "and finetuning_type: lora for an upper bound")
     shape = load_model_shape(config.model_name_or_path, args.values.get("--model-config"))
     hardware = resolve_hardware(args.values, launch_nodes, launch_procs)
     workload = workload_from_config(config)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from shardtune.config.preference import holds_reference_copy
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.plan import EnginePlan, plan_engine, spec_for
 from shardtune.errors import ConfigError, ShardtuneError
@@ -33,8 +34,11 @@ if TYPE_CHECKING:
 
 
 def workload_from_config(c: TrainConfig) -> Workload:
-    """The estimate's view of a config: micro batch x cutoff_len tokens per device (the longest batch)."""
+    """The estimate's view of a config: micro batch x cutoff_len tokens per device (the longest batch); a dpo/kto
+    micro-batch runs two rows per sample in one forward from the full logits (loss_chunk_size does not apply) and
+    may hold a frozen reference (``holds_reference_copy``)."""
     finetuning = "qlora" if c.finetuning_type == "lora" and c.quantization_bit is not None else c.finetuning_type
+    preference = c.stage in ("dpo", "kto")
     return Workload(
         micro_batch=c.per_device_train_batch_size,
         seq_len=c.cutoff_len,
@@ -49,7 +53,9 @@ def workload_from_config(c: TrainConfig) -> Workload:
         attn_implementation=c.attn_implementation,
         optim=c.optim,
         gradient_accumulation_steps=c.gradient_accumulation_steps,
-        loss_chunk_size=c.loss_chunk_size,
+        loss_chunk_size=0 if preference else c.loss_chunk_size,
+        rows_per_sample=2 if preference else 1,
+        reference_copy=holds_reference_copy(c),
     )
 
 

@@ -39,6 +39,7 @@ class Components:
     buffers: float = 0.0  # transient copies: gathered weights, autocast casts, unreduced gradients, buckets
     activations: float = 0.0
     overhead: float = 0.0
+    reference: float = 0.0  # a preference run's frozen reference model: this rank's share, as the policy's weights
 
     @property
     def total(self) -> float:
@@ -51,8 +52,9 @@ class Components:
 
     @property
     def measurable(self) -> float:
-        """Every tensor of a step: model states, buffers and activations (no runtime or allocator overhead)."""
-        return self.model_states + self.buffers + self.activations
+        """Every tensor of a step: model states, reference, buffers and activations (no runtime or allocator
+        overhead)."""
+        return self.model_states + self.reference + self.buffers + self.activations
 
     def to_dict(self) -> dict[str, int]:
         data = {f.name: int(round(getattr(self, f.name))) for f in fields(self)}
@@ -167,6 +169,24 @@ class Context:
         return self.workload.compute_bytes
 
 
+def reference_share(c: Context, held: float) -> float:
+    """A live dpo/kto reference of a full/freeze run is the engine's frozen copy of the weights, placed as the
+    policy's weights are (``Engine.load_frozen``): ``held``, the policy's weight bytes on this rank (a replica, or
+    the shard; 0 where they are offloaded), once more. LoRA (adapters off), ORPO/SimPO and precomputed
+    log-probabilities hold none; a LoRA run's ``ref_model`` is the policy's weights without its adapters (and
+    unquantized: ``ref_model_quantization_bit`` is not modelled)."""
+    if not c.workload.reference_copy:
+        return 0.0
+    frozen = replace(c.workload, finetuning_type="full", quantization_bit=None)
+    return held * weight_bytes(c.shape, frozen, FP32) / weight_bytes(c.shape, c.workload, FP32)
+
+
+def with_reference_setup(setup: Setup, reference: float, host: float) -> Setup:
+    """The frozen reference is loaded beside the policy before training: ``reference`` more on the device and
+    ``host`` more in the rank's host memory (a whole replica read into it)."""
+    return replace(setup, device=setup.device + reference, host_per_rank=setup.host_per_rank + host)
+
+
 # --- loading: how the weights reach each rank ---
 
 def full_load_setup(c: Context, device_bytes: float) -> Setup:
@@ -194,15 +214,17 @@ def ddp_states(c: Context) -> tuple[Components, float, Setup]:
     w, t = c.workload, c.trainable
     weights = weight_bytes(c.shape, w, FP32)
     buckets = FP32 * t if c.ranks > 1 else 0  # gradient_as_bucket_view is off: buckets are separate
+    reference = reference_share(c, weights)
     device = Components(
         parameters=weights,
         gradients=FP32 * t,
         optimizer_states=w.optimizer_state_bytes * t,
         buffers=buckets + autocast_weight_copy_bytes(c.shape, w),
         activations=activation_bytes(c.shape, w, FP32),
+        reference=reference,
     )
     # The reducer allocates its buckets when DDP wraps the model (on the CPU they stay unwritten until a backward).
-    return device, 0.0, full_load_setup(c, weights + buckets)
+    return device, 0.0, with_reference_setup(full_load_setup(c, weights + buckets), reference, reference)
 
 
 def fsdp_units(c: Context) -> tuple[float, float]:
@@ -242,15 +264,19 @@ def fsdp_states(c: Context, group: int, reshard: bool, offload: bool) -> tuple[C
         grads, unreduced = FP32 * t, 0.0
     else:
         grads, unreduced = kept * FP32 * t / group, sum(fsdp_trainable_units(c))
+    reference = reference_share(c, kept * weights / group)
     device = Components(
         parameters=kept * weights / group,
         gradients=grads,
         optimizer_states=kept * w.optimizer_state_bytes * t / group,
         buffers=gathered + unreduced + autocast_weight_copy_bytes(c.shape, w),
         activations=activation_bytes(c.shape, w, FP32),
+        reference=reference,
     )
     offloaded = (weights + (FP32 + w.optimizer_state_bytes) * t) / group if offload else 0.0
-    return device, offloaded, sharded_load_setup(c, weights / group, FP32, offload)
+    offloaded_reference = reference_share(c, weights / group) if offload else 0.0
+    setup = sharded_load_setup(c, weights / group, FP32, offload)
+    return device, offloaded + offloaded_reference, with_reference_setup(setup, reference, offloaded_reference)
 
 
 # --- DeepSpeed ZeRO ---
@@ -284,19 +310,23 @@ def zero_states(c: Context, z: ZeroSettings) -> tuple[Components, float, Setup]:
     if z.stage == 3:
         params = 0.0 if z.offload_params else weights / p_div
         gathered = weights * max(min(c.params, z.live_parameters), moe_leaf_params(c.shape)) / c.params
+    reference = reference_share(c, params)
     device = Components(
         parameters=params,
         gradients=0.0 if z.offload_optimizer else b * t / g_div,
         optimizer_states=0.0 if z.offload_optimizer else k * t / o_div,
         buffers=gathered + staging_bucket_bytes(z, b, t, activations, c.hardware.on_gpu),
         activations=activations,
+        reference=reference,
     )
     offloaded = 0.0
     if z.offload_optimizer:
         offloaded += (FP32 + k) * t / n + b * t / n  # fp32 gradient partition, master + states, pinned copy
     if z.offload_params:
-        offloaded += weights / n
-    return device, offloaded, zero_setup(c, z, weights)
+        offloaded += weights / n + reference_share(c, weights / n)
+    # Below ZeRO-3 the replica is read whole into fp32 host memory first, as the policy is.
+    host = reference_share(c, weight_bytes(c.shape, w, FP32)) if z.stage < 3 else 0.0
+    return device, offloaded, with_reference_setup(zero_setup(c, z, weights), reference, host)
 
 
 def moe_leaf_params(shape: ModelShape) -> int:

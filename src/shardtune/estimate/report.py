@@ -61,9 +61,12 @@ COLUMNS = ("option", "params", "grads", "optim", "buffers", "activ", "overhead",
 
 
 def render_table(e: Estimate) -> str:
-    """Header lines, one row per option (GiB), and the recommendation with its reason."""
-    rows = [COLUMNS] + [_row(o, e.hardware) for o in e.options]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    """Header lines, one row per option (GiB), and the recommendation with its reason; a 'ref' column after
+    'optim' when a preference run holds a frozen reference model."""
+    with_ref = e.workload.reference_copy
+    columns = COLUMNS[:4] + ("ref",) + COLUMNS[4:] if with_ref else COLUMNS
+    rows = [columns] + [_row(o, e.hardware, with_ref) for o in e.options]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     lines = [_header(e), ""]
     for row in rows:
         cells = [row[0].ljust(widths[0])] + [c.rjust(widths[i + 1]) for i, c in enumerate(row[1:-1])] + [row[-1]]
@@ -90,11 +93,22 @@ def _header(e: Estimate) -> str:
         *architecture_lines(s),
         f"run: {w.precision}, micro batch {w.micro_batch} x {w.seq_len} tokens, gradient checkpointing "
         f"{checkpointing}, {w.attn_implementation} attention, {w.optim}",
+        *_preference_lines(w),
         f"hardware: {e.hardware.describe()} (world size {e.hardware.world_size})",
         "memory per device in GiB; 'buffers' are transient copies (gathered weights, autocast casts, unreduced "
         "gradients, buckets); 'setup' is the peak while the model loads and the engine shards it; 'CPU/node' adds "
         "every rank of a node (the copies loaded, offloaded states, 1 GiB runtime each)",
     ])
+
+
+def _preference_lines(w: Workload) -> list[str]:
+    if w.rows_per_sample == 1:
+        return []
+    where = ("a frozen copy of the weights, held as the policy's (replica under DDP/ZeRO-1/2, sharded under "
+             "ZeRO-3/FSDP): the 'ref' column") if w.reference_copy else \
+        "none in memory (LoRA: adapters off; ORPO/SimPO; or precomputed log-probabilities)"
+    return [f"preference: {w.rows_per_sample} rows per sample in one forward (activations and logits for "
+            f"{w.micro_batch * w.rows_per_sample} rows); reference model: {where}"]
 
 
 def architecture_lines(s: ModelShape) -> list[str]:
@@ -126,11 +140,12 @@ def architecture_lines(s: ModelShape) -> list[str]:
     return lines
 
 
-def _row(o: Option, hw: Hardware) -> tuple[str, ...]:
+def _row(o: Option, hw: Hardware, with_ref: bool = False) -> tuple[str, ...]:
     d = o.device
     fits = "yes" if o.fits else ("n/a" if not o.available else "no")
     peak = _gib(o.device_peak) + ("*" if _setup_dominates(o) else "") if hw.on_gpu else "-"
-    return (o.name, _gib(d.parameters), _gib(d.gradients), _gib(d.optimizer_states), _gib(d.buffers),
+    ref = (_gib(d.reference),) if with_ref else ()
+    return (o.name, _gib(d.parameters), _gib(d.gradients), _gib(d.optimizer_states), *ref, _gib(d.buffers),
             _gib(d.activations), _gib(d.overhead), peak, _gib(o.setup_device), _gib(o.cpu_per_node), fits)
 
 

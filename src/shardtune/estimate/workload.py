@@ -43,10 +43,14 @@ class Workload:
     optim: str = "adamw_torch"
     gradient_accumulation_steps: int = 1
     loss_chunk_size: int = TrainConfig.loss_chunk_size  # 0: the loss takes the full [tokens, vocab] logits
+    # Preference stages: rows per sample in one forward (dpo: chosen + rejected; kto: the answer + its KL row).
+    rows_per_sample: int = 1
+    # dpo/kto full/freeze with a live reference: a frozen copy of the weights, placed as the policy's weights.
+    reference_copy: bool = False
 
     @property
     def tokens(self) -> int:
-        return self.micro_batch * self.seq_len
+        return self.micro_batch * self.rows_per_sample * self.seq_len
 
     @property
     def is_loss_chunked(self) -> bool:

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from shardtune import run_files
+from shardtune.config.preference import PREFERENCE_STAGES, split_paths, uses_reference
 from shardtune.config.schema import REPORT_TO, TrainConfig
 from shardtune.data.tokenized import is_saved
 from shardtune.errors import ConfigError, ModelError
@@ -71,7 +72,6 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
     return problems
 
 
-PREFERENCE_STAGES = ("dpo", "kto", "rm")
 # Preference keys, and the stages (and dpo losses) that read them; set elsewhere they would be ignored.
 PREFERENCE_KEY_USERS = {"pref_beta": ("dpo", "kto"), "pref_loss": ("dpo",), "pref_ftx": ("dpo",),
                         "simpo_gamma": ("dpo",), "dpo_label_smoothing": ("dpo",), "kto_chosen_weight": ("kto",),
@@ -90,13 +90,8 @@ def preference_key_problems(c: TrainConfig) -> list[str]:
     if c.stage == "dpo" and c.dpo_label_smoothing > 0 and c.pref_loss != "sigmoid":
         problems.append(f"dpo_label_smoothing ({c.dpo_label_smoothing}) applies to pref_loss sigmoid only (pref_loss "
                         f"is {c.pref_loss}); remove it")
-    for key in ("ref_model", "ref_model_adapters", "ref_model_quantization_bit"):
-        if getattr(c, key) is not None:
-            problems.append(f"{key} ({getattr(c, key)}): a separate reference model is not supported yet; the "
-                            "reference is the model being trained as loaded (LoRA: adapters off; full: a frozen "
-                            "copy); remove it")
-    if c.precompute_ref_log_probs and not (c.stage == "kto" or (c.stage == "dpo" and c.pref_loss not in (
-            "orpo", "simpo"))):
+    problems += ref_model_problems(c)
+    if c.precompute_ref_log_probs and not uses_reference(c):
         problems.append(f"precompute_ref_log_probs (true) is for stage dpo/kto with a reference (stage {c.stage}"
                         + (f", pref_loss {c.pref_loss}" if c.stage == "dpo" else "") + "); remove it")
     if c.stage not in PREFERENCE_STAGES:
@@ -119,10 +114,52 @@ def preference_key_problems(c: TrainConfig) -> list[str]:
     if c.label_smoothing_factor > 0:
         problems.append(f"label_smoothing_factor ({c.label_smoothing_factor}) smooths the SFT cross entropy; stage "
                         f"{c.stage} scores answers by their log-probabilities: remove it (dpo: dpo_label_smoothing)")
-    if c.engine == "auto":
-        problems.append(f"engine (auto) with stage {c.stage}: the estimate does not yet count the reference model "
-                        "and the doubled rows of a preference batch; choose the engine (deepspeed/fsdp, or none "
-                        "for DDP)")
+    if c.engine == "auto" and c.stage == "rm":
+        problems.append("engine (auto) with stage rm: the estimate does not model the reward model's score head "
+                        "yet; choose the engine (none for DDP; rm runs on one process or DDP for now)")
+    return problems
+
+
+def ref_model_problems(c: TrainConfig) -> list[str]:
+    """``ref_model`` (and its adapters and quantization): a local model folder (or one in the hub cache) whose
+    vocabulary is the policy's, read by a run that has a live reference. Engines refuse what they cannot place
+    (engines/spec.py ``preference_problems``; the CUDA rule of its quantization: engines/plan.py)."""
+    if c.ref_model is None:
+        return [f"{key} ({getattr(c, key)}) applies to ref_model, which is not set; set ref_model or remove it"
+                for key in ("ref_model_adapters", "ref_model_quantization_bit") if getattr(c, key) is not None]
+    if not uses_reference(c):
+        return [f"ref_model ({c.ref_model}) is read by stage dpo (a loss with a reference) or kto only "
+                f"(stage {c.stage}" + (f", pref_loss {c.pref_loss}" if c.stage == "dpo" else "") + "); remove it"]
+    problems = []
+    if c.precompute_ref_log_probs:
+        problems.append("precompute_ref_log_probs (true) with ref_model: the first pass scores the data with the "
+                        "untrained policy, not ref_model; remove one of them")
+    if c.resize_vocab or c.add_tokens or c.add_special_tokens:
+        problems.append("resize_vocab/add_tokens/add_special_tokens with ref_model: the policy's vocabulary grows "
+                        "and ref_model's would not; remove ref_model (the reference is then the policy as loaded)")
+    problems += _ref_folder_problems(c)
+    for path in split_paths(c.ref_model_adapters):
+        if not (Path(path) / "adapter_config.json").is_file():
+            problems.append(f"ref_model_adapters: {path} is not a LoRA adapter folder (no adapter_config.json)")
+    return problems
+
+
+def _ref_folder_problems(c: TrainConfig) -> list[str]:
+    from shardtune.model.folder import weights_problems
+
+    folder = Path(c.ref_model or "")
+    try:
+        ref, policy = model_config_json(c.ref_model), model_config_json(c.model_name_or_path)
+    except ModelError as err:
+        return [f"ref_model: {err}"]
+    if ref is None:
+        return [f"ref_model: {c.ref_model} is neither a model folder with a config.json nor a model in the Hugging "
+                "Face cache"]
+    problems = [f"ref_model: {p}" for p in weights_problems(folder)] if folder.is_dir() else []
+    if policy is not None and ref.get("vocab_size") != policy.get("vocab_size"):
+        problems.append(f"ref_model: {c.ref_model} has vocab_size {ref.get('vocab_size')} and model_name_or_path "
+                        f"{policy.get('vocab_size')}: the reference scores the same token ids, so both need the same "
+                        "tokenizer and vocabulary")
     return problems
 
 

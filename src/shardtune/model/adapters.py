@@ -51,6 +51,8 @@ def apply_finetuning(model: Any, settings: FinetuningSettings) -> Any:
         model.config.use_cache = False
     if settings.finetuning_type == "full":
         model.requires_grad_(True)
+    elif settings.finetuning_type == "frozen":  # a model that is never trained (a preference run's reference)
+        model.requires_grad_(False)
     elif settings.finetuning_type == "freeze":
         apply_freeze(model, settings.freeze_trainable_layers, settings.freeze_trainable_modules)
         if settings.gradient_checkpointing:

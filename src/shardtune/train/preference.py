@@ -19,11 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shardtune.config.preference import REFERENCE_FREE_LOSSES
 from shardtune.data.settings import IGNORE_INDEX
 
 PAIR_LOSSES = ("sigmoid", "hinge", "ipo", "orpo", "simpo")
-# These two compare the policy with itself (chosen vs rejected): no reference model is loaded.
-REFERENCE_FREE_LOSSES = ("orpo", "simpo")
 # These score length-averaged log-probabilities (LLaMA-Factory divides by the response length for them).
 LENGTH_AVERAGED_LOSSES = ("ipo", "orpo", "simpo")
 

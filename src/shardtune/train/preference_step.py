@@ -6,8 +6,12 @@ reference scores them first, without gradients:
 
 * LoRA: the policy itself with its adapters switched off (peft's ``disable_adapter``), called through the
   engine's wrapper so that sharded weights are gathered as in training: no second copy of the model.
-* full / freeze: a frozen copy made before the engine wraps the policy, a plain replica on every rank (refused
-  before launch where the policy is sharded: engines/plan.py ``reference_model_problems``).
+* full / freeze: a frozen model loaded from the same source as the policy and placed by the engine as it places
+  the policy (``Engine.load_frozen``): a replica on every rank under one process, DDP and ZeRO-0/1/2; sharded
+  under ZeRO-3 (a second, optimizer-less DeepSpeed engine) and FSDP (its own ``fully_shard`` / FSDP1 wrap), so no
+  rank ever holds it whole where the policy is sharded.
+* ``ref_model`` (LLaMA-Factory's key, with ``ref_model_adapters`` merged into it): that folder instead, loaded and
+  placed the same way, for LoRA runs too.
 * ORPO and SimPO: no reference at all.
 
 The loss of each micro-batch is its summed per-pair loss over the number of pairs in the whole window across
@@ -20,7 +24,7 @@ micro-batch per rank of equal size), so the step does not depend on how the wind
 from __future__ import annotations
 
 import contextlib
-import copy
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +33,9 @@ import torch
 
 from shardtune.engines.base import Engine
 from shardtune.errors import ModelError
+from shardtune.model.adapters import FinetuningSettings
+from shardtune.model.pretrained_adapters import AdapterPlan
+from shardtune.model.source import ModelSource
 from shardtune.train.loop import MODEL_INPUTS, Batch, count_input_tokens, to_device
 from shardtune.train.preference import (
     LossOutput,
@@ -47,9 +54,10 @@ KTO_METRICS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/reje
 
 @dataclass
 class Reference:
-    """How reference log-probabilities are computed: ``adapters_off`` (LoRA), ``copy`` (a frozen model), ``policy``
-    (the policy as it is: only while precomputing, before the first step), ``precomputed`` (read from the batch's
-    ``ref_logps``) or ``none`` (ORPO, SimPO)."""
+    """How reference log-probabilities are computed: ``adapters_off`` (LoRA), ``copy`` (a frozen replica),
+    ``sharded`` (a frozen model the engine shards as the policy), ``policy`` (the policy as it is: only while
+    precomputing, before the first step), ``precomputed`` (read from the batch's ``ref_logps``) or ``none`` (ORPO,
+    SimPO)."""
 
     kind: str
     model: torch.nn.Module | None = None
@@ -58,9 +66,9 @@ class Reference:
               ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kind == "copy":
             self._match_policy_dtype(engine)
-        assert self.kind in ("adapters_off", "copy", "policy"), self.kind
+        assert self.kind in ("adapters_off", "copy", "sharded", "policy"), self.kind
         with torch.no_grad(), self._switched(engine), engine.autocast():
-            model = self.model if self.kind == "copy" else engine.model
+            model = self.model if self.kind in ("copy", "sharded") else engine.model
             assert model is not None
             logits = model(**inputs, use_cache=False).logits
             return sequence_logps(logits, labels)
@@ -85,18 +93,31 @@ class Reference:
         return disable()
 
 
-def build_reference(model: torch.nn.Module, finetuning_type: str, settings: PreferenceSettings,
-                    device: torch.device, precompute: bool = False) -> Reference:
-    """The reference for ``model`` before the engine wraps it (see the module docstring)."""
+def build_reference(engine: Engine, source: ModelSource, finetuning_type: str, settings: PreferenceSettings,
+                    precompute: bool = False, separate: bool = False) -> Reference:
+    """The reference of a run (see the module docstring); ``source`` is where it loads from (``reference_source``),
+    ``separate`` when that is ``ref_model``, which a LoRA run then uses instead of its adapters-off policy."""
     if not settings.needs_reference:
         return Reference("none")
     if precompute:
         return Reference("precomputed")
-    if finetuning_type == "lora":
+    if finetuning_type == "lora" and not separate:
         return Reference("adapters_off")
-    frozen = copy.deepcopy(model).to(device).eval()
-    frozen.requires_grad_(False)
-    return Reference("copy", frozen)
+    frozen = engine.load_frozen(source)
+    return Reference("sharded" if engine.shards_weights else "copy", frozen)
+
+
+def reference_source(policy: ModelSource, ref_model: str | None = None, ref_adapters: tuple[str, ...] = (),
+                     ref_quantization_bit: int | None = None) -> ModelSource:
+    """Where the frozen reference loads from: the policy's source (the same weights: earlier adapters merged,
+    vocabulary grown), or ``ref_model`` with its own adapters merged and quantization; either way nothing set up
+    for training (no LoRA, gradient checkpointing or NEFTune noise)."""
+    frozen = FinetuningSettings(finetuning_type="frozen")
+    if ref_model is None:
+        return dataclasses.replace(policy, finetuning=frozen)
+    return dataclasses.replace(policy, name_or_path=ref_model, finetuning=frozen,
+                               adapters=AdapterPlan(to_merge=ref_adapters), quantization_bit=ref_quantization_bit,
+                               vocab=None)
 
 
 def rows(batch: Batch, start: int, stop: int) -> dict[str, Any]:

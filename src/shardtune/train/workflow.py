@@ -18,6 +18,7 @@ from shardtune.config.load import config_to_dict
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.base import Engine
 from shardtune.errors import ConfigError
+from shardtune.model.source import ModelSource
 from shardtune.optim.build import build_optimizer, build_scheduler, parameter_names, warmup_steps_for
 from shardtune.optim.settings import optimizer_settings
 from shardtune.train import checkpoint
@@ -81,13 +82,14 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
                           f"({config.per_device_train_batch_size}) samples, so no batch is left; turn it off or "
                           "use more data")
     loop = loop_settings(config, train_micro_batches(train_loader, config), eval_loader is not None)
-    model = engine.build_model(model_source(*model_config(config), tokenizer_size=len(tokenizer)))
+    source = model_source(*model_config(config), tokenizer_size=len(tokenizer))
+    model = engine.build_model(source)
     if config.stage == "rm":
         from shardtune.train.reward import build_reward_model
 
         model = build_reward_model(model, tokenizer.pad_token_id, config.seed)
     loop = dataclasses.replace(loop, router_aux_loss_coef=router_aux_setting(model, config, engine.is_main),
-                               objective=stage_objective(config, model, engine))
+                               objective=stage_objective(config, source, engine))
     # Before the engine touches the weights (ZeRO casts them to bf16): the adapter exactly as initialised.
     pissa = PissaConversion.start(model, output_dir, engine.is_main) if config.pissa_convert else None
     engine.prepare(
@@ -211,9 +213,9 @@ def loop_settings(c: TrainConfig, micro_batches: int, has_eval: bool) -> LoopSet
     )
 
 
-def stage_objective(c: TrainConfig, model: torch.nn.Module, engine: Engine) -> Objective | None:
-    """dpo/kto: the preference step and its reference (made here, before the engine wraps the model); rm: the
-    pairwise reward step; None (the token loss) for sft and pt."""
+def stage_objective(c: TrainConfig, source: ModelSource, engine: Engine) -> Objective | None:
+    """dpo/kto: the preference step and its reference (a full-parameter run's frozen model loaded from the policy's
+    ``source`` and placed by the engine); rm: the pairwise reward step; None (the token loss) for sft and pt."""
     if c.stage == "rm":
         from shardtune.train.reward import RewardObjective
 
@@ -223,24 +225,29 @@ def stage_objective(c: TrainConfig, model: torch.nn.Module, engine: Engine) -> O
         return RewardObjective()
     if c.stage not in ("dpo", "kto"):
         return None
+    from shardtune.config.preference import split_paths
     from shardtune.train.preference import PreferenceSettings
-    from shardtune.train.preference_step import PreferenceObjective, build_reference
+    from shardtune.train.preference_step import PreferenceObjective, build_reference, reference_source
 
     settings = PreferenceSettings(loss=c.pref_loss, beta=c.pref_beta, ftx=c.pref_ftx, simpo_gamma=c.simpo_gamma,
                                   label_smoothing=c.dpo_label_smoothing, kto_chosen_weight=c.kto_chosen_weight,
                                   kto_rejected_weight=c.kto_rejected_weight)
-    source = resume_source(c)
-    if settings.needs_reference and c.finetuning_type != "lora" and source is not None \
-            and checkpoint.is_model_only(source):
-        raise ConfigError(f"resuming stage {c.stage} ({c.finetuning_type}) from {source}, a model-only checkpoint "
+    resumed = resume_source(c)
+    if settings.needs_reference and c.finetuning_type != "lora" and c.ref_model is None and resumed is not None \
+            and checkpoint.is_model_only(resumed):
+        raise ConfigError(f"resuming stage {c.stage} ({c.finetuning_type}) from {resumed}, a model-only checkpoint "
                           "(save_only_model): the model is built from its trained weights, so the reference would be "
                           "the trained model, not the original; resume from a full checkpoint")
-    reference = build_reference(model, c.finetuning_type, settings, engine.device, c.precompute_ref_log_probs)
+    ref_source = reference_source(source, c.ref_model, split_paths(c.ref_model_adapters), c.ref_model_quantization_bit)
+    reference = build_reference(engine, ref_source, c.finetuning_type, settings, c.precompute_ref_log_probs,
+                                separate=c.ref_model is not None)
     if engine.is_main:
+        frozen = f"ref_model {c.ref_model} (frozen)" if c.ref_model else "a frozen copy of the model"
         where = {"none": "none (the loss compares the policy with itself)",
                  "precomputed": "precomputed before the first step (precompute_ref_log_probs)",
                  "adapters_off": "the model with its LoRA adapters off (no copy)",
-                 "copy": "a frozen copy of the model on every rank"}[reference.kind]
+                 "copy": f"{frozen}, whole on every rank",
+                 "sharded": f"{frozen}, sharded as the policy ({engine.name})"}[reference.kind]
         print(f"[shardtune] stage {c.stage}" + (f", pref_loss {c.pref_loss}" if c.stage == "dpo" else "")
               + f"; reference model: {where}; log-probabilities from the full logits (loss_chunk_size does not "
               "apply)", flush=True)
