@@ -119,3 +119,20 @@ def test_live_sharded_reference_equals_precomputed(engine, two_processes):
     precomputed, _ = two_processes(engine, "dpo-full-precomputed")
     for key in compared_keys("dpo-full"):
         assert logged(live, key) == pytest.approx(logged(precomputed, key), rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
+def test_sharded_reward_model_resumes_on_the_same_curve(engine, tiny_model_dir, tmp_path):
+    """A reward model whose run died after checkpoint-2 resumes (score layer included) and logs the uninterrupted
+    run's steps 3 and 4."""
+    from tests.conftest import crash_after_checkpoint
+
+    finished, crashed = tmp_path / "finished", tmp_path / "crashed"
+    keys = (*STAGES["rm-full"], *ENGINE_KEYS[engine], "save_strategy=steps", "save_steps=2")
+    train(tiny_model_dir, finished, 2, 2, *keys)
+    crash_after_checkpoint(finished, crashed, 2)
+    assert (crashed / "checkpoint-2" / "COMPLETE").is_file() and len(logged(crashed, "loss")) == 2
+    train(tiny_model_dir, crashed, 2, 2, *keys, "overwrite_output_dir=false")
+    for key in ("loss", "grad_norm", "rewards/margins"):
+        expected, resumed = logged(finished, key), logged(crashed, key)
+        assert len(resumed) == 4 and resumed[2:] == pytest.approx(expected[2:], rel=1e-4, abs=1e-6), key
