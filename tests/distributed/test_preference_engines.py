@@ -1,6 +1,7 @@
 """Preference stages on 2 processes against one process with the same global batch, through the real CLI.
 
-Per-step losses, gradient norms and rewards of the reward model (DDP), of DPO (LoRA: reference = adapters off,
+Per-step losses, gradient norms and rewards of the reward model (DDP, ZeRO-2, ZeRO-3, FSDP2, FSDP1; its saved folder
+holds the one-process weights), of DPO (LoRA: reference = adapters off,
 through the engine's wrapper; full: a frozen model placed as the policy, a replica under DDP/ZeRO-2 and sharded
 under ZeRO-3 and FSDP) and of KTO (its KL estimate over both ranks' KL rows) must match the single-process run, as
 the SFT engine tests require. Precomputed reference log-probabilities are checked against the live reference of
@@ -36,7 +37,10 @@ RUNS = [("ddp", "dpo-lora"), ("ddp", "dpo-full"), ("ddp", "kto-lora"), ("zero2",
         ("fsdp2", "dpo-full-precomputed"), ("ddp", "rm-full"),
         # A live full-parameter reference sharded as the policy (Engine.load_frozen).
         ("zero3", "dpo-full"), ("fsdp2", "dpo-full"), ("fsdp1", "dpo-full"), ("fsdp2", "kto-full"),
-        ("zero3", "dpo-lora-ref-model")]
+        ("zero3", "dpo-lora-ref-model"),
+        # The reward model: the score layer drawn on the host and filled into the skeleton (FSDP) or partitioned by
+        # DeepSpeed (ZeRO-3), saved whole.
+        ("zero2", "rm-full"), ("zero3", "rm-full"), ("fsdp2", "rm-full"), ("fsdp1", "rm-full")]
 COMPARED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen")
 
 
@@ -89,8 +93,23 @@ def test_preference_stage_matches_one_process(engine, stage, one_process, two_pr
     reference = one_process[ONE_PROCESS_RUN.get(stage, stage)]
     for key in compared_keys(stage):
         assert logged(out, key) == pytest.approx(logged(reference, key), rel=2e-3, abs=1e-5), key
-    if not stage.startswith("rm"):  # the reward model's folder is checked in tests/e2e/test_preference_cli.py
+    if stage.startswith("rm"):
+        check_saved_reward_model(out, reference)
+    else:
         check_saved_model(out, tiny_model_dir, stage.split("-")[1])
+
+
+def check_saved_reward_model(out: Path, reference: Path) -> None:
+    """The folder loads whole as a sequence-classification model and holds the one-process run's trained weights
+    (the score layer included: drawn alike on every engine, then trained alike)."""
+    from transformers import AutoModelForSequenceClassification
+
+    model, info = AutoModelForSequenceClassification.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    saved, expected = model.state_dict(), AutoModelForSequenceClassification.from_pretrained(reference).state_dict()
+    assert saved.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert saved[name] == pytest.approx(tensor, abs=1e-4), name
 
 
 @pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
@@ -100,3 +119,20 @@ def test_live_sharded_reference_equals_precomputed(engine, two_processes):
     precomputed, _ = two_processes(engine, "dpo-full-precomputed")
     for key in compared_keys("dpo-full"):
         assert logged(live, key) == pytest.approx(logged(precomputed, key), rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
+def test_sharded_reward_model_resumes_on_the_same_curve(engine, tiny_model_dir, tmp_path):
+    """A reward model whose run died after checkpoint-2 resumes (score layer included) and logs the uninterrupted
+    run's steps 3 and 4."""
+    from tests.conftest import crash_after_checkpoint
+
+    finished, crashed = tmp_path / "finished", tmp_path / "crashed"
+    keys = (*STAGES["rm-full"], *ENGINE_KEYS[engine], "save_strategy=steps", "save_steps=2")
+    train(tiny_model_dir, finished, 2, 2, *keys)
+    crash_after_checkpoint(finished, crashed, 2)
+    assert (crashed / "checkpoint-2" / "COMPLETE").is_file() and len(logged(crashed, "loss")) == 2
+    train(tiny_model_dir, crashed, 2, 2, *keys, "overwrite_output_dir=false")
+    for key in ("loss", "grad_norm", "rewards/margins"):
+        expected, resumed = logged(finished, key), logged(crashed, key)
+        assert len(resumed) == 4 and resumed[2:] == pytest.approx(expected[2:], rel=1e-4, abs=1e-6), key

@@ -97,14 +97,10 @@ def pre_quantized_problems(c: TrainConfig, kind: str) -> list[str]:
 
 
 def preference_problems(c: TrainConfig, label: str, shards_weights: bool) -> list[str]:
-    """Preference stages a sharding engine (``label``) does not run yet: a reward model (assembled from the loaded
-    causal LM), and a ref_model that must be whole on every rank (adapters merged into it, bitsandbytes weights)
-    where the policy is sharded. A full-parameter dpo/kto reference is loaded by the engine and placed as the
-    policy (``Engine.load_frozen``)."""
-    if c.stage == "rm":
-        return [f"stage rm under {label}: the reward model is assembled from the loaded causal LM "
-                "(its body under a new score layer), which the engines' own loading and saving paths do not do yet; "
-                "train it on one process or with DDP (no deepspeed/fsdp key)"]
+    """Preference runs a sharding engine (``label``) does not run yet: a ref_model that must be whole on every rank
+    (adapters merged into it, bitsandbytes weights) where the policy is sharded. A full-parameter dpo/kto reference
+    is loaded by the engine and placed as the policy (``Engine.load_frozen``); a reward model's score layer is
+    placed with its body (train/reward.py)."""
     problems = []
     if c.ref_model_adapters and shards_weights:
         problems.append(f"ref_model_adapters with {label}: merging adapters needs the whole ref_model on each "

@@ -116,7 +116,7 @@ def preference_key_problems(c: TrainConfig) -> list[str]:
                         f"{c.stage} scores answers by their log-probabilities: remove it (dpo: dpo_label_smoothing)")
     if c.engine == "auto" and c.stage == "rm":
         problems.append("engine (auto) with stage rm: the estimate does not model the reward model's score head "
-                        "yet; choose the engine (none for DDP; rm runs on one process or DDP for now)")
+                        "yet; choose the engine (none for DDP, or a deepspeed/fsdp key)")
     return problems
 
 

@@ -7,8 +7,8 @@ the class. The score of a sequence is the head's output at its last non-padding 
 model's ``pad_token_id`` is the tokenizer's). The loss is -log sigmoid(r_chosen - r_rejected) per pair
 (train/preference.py), averaged over all pairs of the window across ranks like the other preference stages.
 
-Full fine-tuning on one process, DDP and ZeRO-0/1/2 only (LoRA and the sharding engines are refused before
-launch: config/validate.py, engines/plan.py).
+Full fine-tuning on one process, DDP, ZeRO-0/1/2/3 and FSDP1/2 (``build_reward_model``: how the score layer is
+placed); LoRA and freeze are refused before launch (launch/validate.py).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from shardtune.engines.base import Engine
+from shardtune.engines.sharded_loading import ShardedLoad
 from shardtune.errors import ModelError
 from shardtune.train.loop import Batch, count_input_tokens, to_device
 from shardtune.train.preference import LossOutput, pairwise_reward_loss
@@ -29,8 +30,15 @@ from shardtune.train.preference_step import MetricTotals, rows
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 
 
-def build_reward_model(causal_lm: torch.nn.Module, pad_token_id: int, seed: int) -> torch.nn.Module:
-    """A one-label sequence-classification model holding ``causal_lm``'s body (its weights, not a copy)."""
+def build_reward_model(causal_lm: torch.nn.Module, pad_token_id: int, seed: int,
+                       loading: ShardedLoad | None = None) -> torch.nn.Module:
+    """A one-label sequence-classification model holding ``causal_lm``'s body (its weights, not a copy).
+
+    The score layer is drawn here, on the host with the run's seed, the same on every engine and rank. ``loading``:
+    a sharding engine that fills a meta skeleton from the files after sharding (FSDP) takes the score's values from
+    it as it takes an adapter's starting values (the body keeps its names, ``model.*``, so the files still name it).
+    Under ZeRO-3 the body arrives partitioned and filled; DeepSpeed partitions the plain score layer when it wraps
+    the model."""
     from transformers import AutoModelForSequenceClassification
 
     config: Any = copy.deepcopy(causal_lm.config)  # a transformers PretrainedConfig
@@ -51,9 +59,11 @@ def build_reward_model(causal_lm: torch.nn.Module, pad_token_id: int, seed: int)
         torch.manual_seed(seed)
         model.score = torch.nn.Linear(head.in_features, 1, bias=head.bias is not None)
         torch.nn.init.normal_(model.score.weight, std=getattr(config, "initializer_range", 0.02))
-    if any(p.is_meta for p in model.parameters()):
+    if any(p.is_meta for p in model.parameters() if not any(p is q for q in body.parameters())):
         raise ModelError(f"stage rm: {type(model).__name__} has layers besides '{body_name}' and 'score'; this "
                          "architecture cannot be a reward model here")
+    if loading is not None:
+        loading.initial.update({f"score.{name}": p.detach().clone() for name, p in model.score.named_parameters()})
     model.requires_grad_(True)
     if getattr(causal_lm, "is_gradient_checkpointing", False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

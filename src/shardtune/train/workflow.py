@@ -87,7 +87,7 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     if config.stage == "rm":
         from shardtune.train.reward import build_reward_model
 
-        model = build_reward_model(model, tokenizer.pad_token_id, config.seed)
+        model = build_reward_model(model, tokenizer.pad_token_id, config.seed, engine.loading)
     loop = dataclasses.replace(loop, router_aux_loss_coef=router_aux_setting(model, config, engine.is_main),
                                objective=stage_objective(config, source, engine))
     # Before the engine touches the weights (ZeRO casts them to bf16): the adapter exactly as initialised.
