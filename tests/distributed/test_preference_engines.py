@@ -40,7 +40,9 @@ RUNS = [("ddp", "dpo-lora"), ("ddp", "dpo-full"), ("ddp", "kto-lora"), ("zero2",
         ("zero3", "dpo-lora-ref-model"),
         # The reward model: the score layer drawn on the host and filled into the skeleton (FSDP) or partitioned by
         # DeepSpeed (ZeRO-3), saved whole.
-        ("zero2", "rm-full"), ("zero3", "rm-full"), ("fsdp2", "rm-full"), ("fsdp1", "rm-full")]
+        ("zero2", "rm-full"), ("zero3", "rm-full"), ("fsdp2", "rm-full"), ("fsdp1", "rm-full"),
+        # KTO under ZeRO: LoRA on ZeRO-2, full with the live partitioned reference on ZeRO-3.
+        ("zero2", "kto-lora"), ("zero3", "kto-full")]
 COMPARED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen")
 
 
