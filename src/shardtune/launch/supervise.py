@@ -67,6 +67,9 @@ def check_port_free(addr: str, port: int) -> None:
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As torchrun's store binds: connections of a run that just ended (TIME_WAIT) do not make the port taken,
+        # only a process listening on it does.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("" if addr not in ("127.0.0.1", "localhost") else addr, port))
         except OSError:
