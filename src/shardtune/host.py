@@ -35,12 +35,8 @@ def local_gpu_memory() -> int | None:
 
 def local_cpu_memory() -> int:
     """MemTotal of this machine (Linux), else the physical pages sysconf reports."""
-    meminfo = Path("/proc/meminfo")
-    if meminfo.is_file():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    total = _meminfo_bytes("MemTotal")
+    return total if total is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @dataclass(frozen=True)
@@ -74,9 +70,14 @@ def _mib(text: str) -> int | None:
 
 def local_available_memory() -> int | None:
     """MemAvailable of this machine (Linux), None elsewhere."""
+    return _meminfo_bytes("MemAvailable")
+
+
+def _meminfo_bytes(field: str) -> int | None:
+    """One field of /proc/meminfo in bytes (it counts kB); None where there is no such file or field."""
     meminfo = Path("/proc/meminfo")
     if meminfo.is_file():
         for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     return None
