@@ -30,6 +30,16 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def wider_model_dir(tmp_path_factory) -> Path:
+    """A tiny LLaMA wide and deep enough (about 6M parameters) that weights, optimizer state and activations, not the
+    process's baseline, decide a run's measured peak memory."""
+    from shardtune.model.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "wider", hidden=256, layers=6, heads=4,
+                            intermediate=1024)
+
+
+@pytest.fixture(scope="session")
 def arch_model_dir(tmp_path_factory):
     """``arch_model_dir(name)``: the tiny model of family ``name`` (model/architectures.py), built once per session."""
     from shardtune.model.tiny import build_tiny_model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 
@@ -32,13 +33,18 @@ class ModelError(ShardtuneError):
 
 def report_error(err: ShardtuneError) -> int:
     """Print one line per problem on stderr; return the exit code for it."""
-    import sys
-
     for problem in err.problems:
         # One line each, whatever a value in the message holds (a path ending in "\r" from a Windows file).
         line = problem.replace("\r", "\\r").replace("\n", "\\n")
-        print(f"shardtune: error: {line}", file=sys.stderr)
+        write_stderr_line(f"shardtune: error: {line}")
     return err.exit_code
+
+
+def write_stderr_line(line: str) -> None:
+    """``line`` and its newline in one write: ranks share torchrun's stderr pipe, and print() writes the text and
+    the newline separately, so another rank's line could land between them (a pipe write this short is atomic)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def debug_requested(args: list[str]) -> bool:
@@ -50,8 +56,6 @@ def debug_requested(args: list[str]) -> bool:
 
 def run_reporting_errors(handler: Callable[[list[str]], int], args: list[str]) -> int:
     """Run a command: user mistakes become one line per problem and exit code 2; tracebacks only with --debug."""
-    import sys
-
     try:
         return handler(args)
     except ShardtuneError as err:

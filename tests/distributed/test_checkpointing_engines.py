@@ -27,14 +27,6 @@ CASES = [pytest.param(engine, finetuning, id=f"{engine}-{finetuning}",
 MIN_SAVING = 150 * 2**20
 
 
-@pytest.fixture(scope="module")
-def wider_model_dir(tmp_path_factory):
-    from shardtune.model.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "wider", hidden=256, layers=6, heads=4,
-                            intermediate=1024)
-
-
 def run(model, out, engine: str, finetuning: str, checkpointing: bool) -> dict:
     result = run_cli("train", "examples/tiny/pt_full.yaml", f"model_name_or_path={model}", f"output_dir={out}",
                      f"finetuning_type={finetuning}", f"gradient_checkpointing={str(checkpointing).lower()}",

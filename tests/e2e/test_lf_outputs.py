@@ -46,15 +46,6 @@ def test_logging_first_step_and_run_name(tiny_model_dir, tmp_path):
     assert json.loads((out / "train_results.json").read_text())["run_name"] == "lf-run"
 
 
-@pytest.fixture(scope="module")
-def wider_model_dir(tmp_path_factory):
-    """Wide and deep enough that activations dominate the step's memory."""
-    from shardtune.model.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "wider", hidden=256, layers=6, heads=4,
-                            intermediate=1024)
-
-
 def test_gradient_checkpointing_lowers_peak_memory_with_equal_losses(wider_model_dir, tmp_path):
     runs = {}
     for name, switch in (("plain", "disable_gradient_checkpointing=true"),

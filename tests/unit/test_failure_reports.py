@@ -132,6 +132,14 @@ def test_the_same_report_from_several_ranks_is_shown_once():
     assert shown == timeout.format(0, 0) + error + REPORT
 
 
+def test_a_notice_written_into_an_unfinished_report_does_not_make_it_a_second_one():
+    """Seen in CI: torchrun's SIGTERM reached a rank between its error line's text and newline."""
+    error = "shardtune: error: lora_target: q_prj not found in the model"
+    notice = "[shardtune] SIGTERM: stopping after this step and saving a checkpoint\n"
+    shown, _ = filtered(error + "\n", error + notice, "\n")
+    assert shown == error + "\n" + notice + "\n"
+
+
 def test_progress_bars_pass_at_once_and_a_report_starts_its_own_line():
     output = LauncherOutput()
     assert output.feed("\r" + BAR) == "\r" + BAR

@@ -8,12 +8,12 @@ so a rank whose failure is only a consequence of another's stays silent; every r
 
 from __future__ import annotations
 
-import sys
 import traceback
 from enum import Enum
 from pathlib import Path
 
 from shardtune import run_files
+from shardtune.errors import write_stderr_line
 
 ERROR_FILE = run_files.RANK_ERROR
 # The launching host recognises (and de-duplicates) reports by this prefix.
@@ -83,7 +83,7 @@ def report_rank_failure(err: BaseException, rank: int, output_dir: Path, ddp_tim
     # Progress bars held by the failed frames close now, so their last redraw comes before the report.
     traceback.clear_frames(err.__traceback__)
     if classify_failure(err) is not FailureKind.PEER_LOST:
-        print(shown, file=sys.stderr, flush=True)
+        write_stderr_line(shown)
     return 1
 
 

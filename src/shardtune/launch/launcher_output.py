@@ -21,6 +21,7 @@ from shardtune.launch.failures import REPORT_PREFIX
 _TRACEBACK = "Traceback (most recent call last):"
 _REPORT = re.compile(re.escape(REPORT_PREFIX) + r"\d+ failed: ")
 _OUR_ERROR = "shardtune: error: "
+_OUR_NOTICE = "[shardtune] "  # e.g. "[shardtune] SIGTERM: stopping after this step"
 # torchrun's log lines about stopping ranks after a failure, e.g.
 # "W1122 18:21:41.082000 27381 .../torch/distributed/elastic/multiprocessing/api.py:1028] Sending process ..."
 _TORCHRUN_LOG = re.compile(r"[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/distributed/elastic/\S+\] ")
@@ -103,10 +104,11 @@ class LauncherOutput:
             return ""
         if self._held:
             return self._continue_traceback(line)
-        start = _first_marker(line)
-        if start > 0:
-            # Another rank's progress bar left the line open: end it there, then read the rest.
-            return line[:start] + "\n" + self._line(line[start:])
+        cut = _first_marker(line, after=1)
+        if cut > 0:
+            # Another rank's progress bar, or a rank's own line cut short by its signal handler's notice, left the
+            # line open: end it there and read both parts as lines.
+            return self._line(line[:cut] + "\n") + self._line(line[cut:])
         if line.startswith(_TRACEBACK):
             self._held = [line]
             return ""
@@ -145,13 +147,13 @@ class LauncherOutput:
             self._row_rank = None
 
 
-def _first_marker(line: str) -> int:
-    """Where the first line of interest to the filter starts inside ``line`` (-1: none)."""
-    found = [line.find(REPORT_PREFIX), line.find(_OUR_ERROR)]
-    header = line.find(_TRACEBACK)
+def _first_marker(line: str, after: int) -> int:
+    """Where the first line of interest to the filter starts inside ``line`` at or after ``after`` (-1: none)."""
+    found = [line.find(REPORT_PREFIX, after), line.find(_OUR_ERROR, after), line.find(_OUR_NOTICE, after)]
+    header = line.find(_TRACEBACK, after)
     if not line[:header].endswith("]: "):  # "[rank1]: Traceback": torch's prefix on a rank's own traceback
         found.append(header)
-    log = _TORCHRUN_LOG.search(line)
+    log = _TORCHRUN_LOG.search(line, after)
     if log:
         found.append(log.start())
     return min((i for i in found if i >= 0), default=-1)

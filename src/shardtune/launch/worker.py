@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
-from shardtune.errors import ShardtuneError, debug_requested, report_error
+from shardtune.errors import ShardtuneError, debug_requested, report_error, write_stderr_line
 from shardtune.launch import env as launch_env
 from shardtune.launch.failures import peer_failed_since, report_rank_failure, save_rank_failure
 from shardtune.launch.preflight import RunPlan, preflight, read_run_plan
@@ -167,8 +167,8 @@ def install_stop_handlers(stop, run_dir: Path | None = None, started: float = 0.
         if stop.requested:
             return
         stop.requested = True
-        print(f"[shardtune] {signal.Signals(signum).name}: stopping after this step and saving a checkpoint",
-              file=sys.stderr, flush=True)
+        name = signal.Signals(signum).name
+        write_stderr_line(f"[shardtune] {name}: stopping after this step and saving a checkpoint")
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
