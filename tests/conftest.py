@@ -99,6 +99,9 @@ MATRIX_ONLY = {
     "tests/distributed/test_preference_engines.py::test_sharded_reward_model_resumes_on_the_same_curve[zero3]",
     "tests/distributed/test_preference_engines.py::test_preference_stage_matches_one_process[zero2-kto-lora]",
     "tests/distributed/test_preference_engines.py::test_preference_stage_matches_one_process[zero3-kto-full]",
+    # LoRA reward models: ZeRO-3 stays in make test.
+    *(f"tests/distributed/test_preference_engines.py::test_preference_stage_matches_one_process[{case}]" for case in (
+        "ddp-rm-lora", "zero2-rm-lora", "fsdp2-rm-lora", "fsdp1-rm-lora", "zero3-rm-freeze", "fsdp2-rm-freeze")),
     # make test's time (about 25 minutes on 2 cores): the rest of each engine matrix; a representative case of
     # each engine, launcher and check stays in make test.
     *(f"tests/distributed/test_engines_cli.py::test_engine_matches_single_process[{case}]" for case in (

@@ -1,11 +1,11 @@
 """Preference stages on 2 processes against one process with the same global batch, through the real CLI.
 
-Per-step losses, gradient norms and rewards of the reward model (DDP, ZeRO-2, ZeRO-3, FSDP2, FSDP1; its saved folder
-holds the one-process weights), of DPO (LoRA: reference = adapters off,
-through the engine's wrapper; full: a frozen model placed as the policy, a replica under DDP/ZeRO-2 and sharded
-under ZeRO-3 and FSDP) and of KTO (its KL estimate over both ranks' KL rows) must match the single-process run, as
-the SFT engine tests require. Precomputed reference log-probabilities are checked against the live reference of
-one process, and against the live sharded reference of the same engine.
+Per-step losses, gradient norms and rewards of the reward model (full and LoRA under DDP, ZeRO-2, ZeRO-3, FSDP2,
+FSDP1, freeze under ZeRO-3 and FSDP2; its saved folder or adapter holds the one-process weights), of DPO (LoRA:
+reference = adapters off, through the engine's wrapper; full: a frozen model placed as the policy, a replica under
+DDP/ZeRO-2 and sharded under ZeRO-3 and FSDP) and of KTO (its KL estimate over both ranks' KL rows) must match the
+single-process run, as the SFT engine tests require. Precomputed reference log-probabilities are checked against
+the live reference of one process, and against the live sharded reference of the same engine.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ STAGES = {"dpo-lora": ("finetuning_type=lora",),
           "kto-full": ("finetuning_type=full", "learning_rate=1e-3", "stage=kto", "dataset=demo_kto"),
           # ref_model = the base model: the same reference as adapters off, loaded and sharded by the engine.
           "dpo-lora-ref-model": ("finetuning_type=lora", "ref_model={model}"),
-          "rm-full": ("finetuning_type=full", "stage=rm", "learning_rate=1e-3")}
+          "rm-full": ("finetuning_type=full", "stage=rm", "learning_rate=1e-3"),
+          "rm-lora": ("finetuning_type=lora", "stage=rm", "learning_rate=1e-3"),
+          "rm-freeze": ("finetuning_type=freeze", "freeze_trainable_layers=1", "stage=rm", "learning_rate=1e-3")}
 # Precomputed reference log-probabilities are compared with the one-process run of the live reference.
 ONE_PROCESS_RUN = {"dpo-full-precomputed": "dpo-full", "dpo-lora-ref-model": "dpo-lora"}
 RUNS = [("ddp", "dpo-lora"), ("ddp", "dpo-full"), ("ddp", "kto-lora"), ("zero2", "dpo-lora"), ("zero2", "dpo-full"),
@@ -42,7 +44,10 @@ RUNS = [("ddp", "dpo-lora"), ("ddp", "dpo-full"), ("ddp", "kto-lora"), ("zero2",
         # DeepSpeed (ZeRO-3), saved whole.
         ("zero2", "rm-full"), ("zero3", "rm-full"), ("fsdp2", "rm-full"), ("fsdp1", "rm-full"),
         # KTO under ZeRO: LoRA on ZeRO-2, full with the live partitioned reference on ZeRO-3.
-        ("zero2", "kto-lora"), ("zero3", "kto-full")]
+        ("zero2", "kto-lora"), ("zero3", "kto-full"),
+        # LoRA reward models (the score layer trained in full beside the adapter, peft's modules_to_save) and freeze.
+        ("ddp", "rm-lora"), ("zero2", "rm-lora"), ("zero3", "rm-lora"), ("fsdp2", "rm-lora"), ("fsdp1", "rm-lora"),
+        ("zero3", "rm-freeze"), ("fsdp2", "rm-freeze")]
 COMPARED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen")
 
 
@@ -102,9 +107,19 @@ def test_preference_stage_matches_one_process(engine, stage, one_process, two_pr
 
 
 def check_saved_reward_model(out: Path, reference: Path) -> None:
-    """The folder loads whole as a sequence-classification model and holds the one-process run's trained weights
-    (the score layer included: drawn alike on every engine, then trained alike)."""
+    """The folder loads whole as a sequence-classification model (a LoRA run: its adapter, score layer included)
+    and holds the one-process run's trained weights (the score layer drawn alike on every engine, then trained
+    alike)."""
     from transformers import AutoModelForSequenceClassification
+
+    if (out / "adapter_model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        saved, expected = (load_file(str(folder / "adapter_model.safetensors")) for folder in (out, reference))
+        assert saved.keys() == expected.keys() and "base_model.model.score.weight" in saved
+        for name, tensor in expected.items():
+            assert saved[name] == pytest.approx(tensor, abs=1e-4), name
+        return
 
     model, info = AutoModelForSequenceClassification.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info

@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from tests.conftest import crash_after_checkpoint, run_cli
 from tests.e2e.test_train_cli import read_log, train, train_losses
@@ -145,8 +146,11 @@ def test_a_preference_dataset_for_sft_is_refused_and_dpo_is_estimated(tiny_model
     assert found["full"]["DDP"]["reference"] == found["full"]["DDP"]["parameters"] > 0
     assert found["full"]["ZeRO-3"]["reference"] == found["full"]["ZeRO-3"]["parameters"]
     result = run_cli("estimate", DPO, f"model_name_or_path={tiny_model_dir}", "stage=rm", "finetuning_type=full",
-                     "--gpu-memory", "80GiB")
-    assert result.returncode == 2 and "stage rm is not modelled yet" in result.stdout + result.stderr
+                     "--gpu-memory", "80GiB", "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    reward = {o["name"]: o["device_bytes"] for o in json.loads(result.stdout)["options"]}
+    assert reward["DDP"]["reference"] == 0  # nothing beside the reward model; and its output matrix is one row
+    assert 0 < reward["DDP"]["parameters"] < found["full"]["DDP"]["parameters"]
 
 
 def test_sharegpt_pairs_with_an_eval_split(tiny_model_dir, tmp_path):
@@ -182,3 +186,73 @@ def test_reward_model_trains_and_loads_as_sequence_classification(tiny_model_dir
     with torch.no_grad():
         scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)
     assert float((scores[:16] > scores[16:]).float().mean()) > 0.5
+
+
+def reward_scores(model, tokenizer) -> torch.Tensor:
+    """Scores of every bundled pair's chosen (first half) and rejected (second half) answer."""
+    from shardtune.data import DataCollator, DataSettings, build_datasets
+    from shardtune.data.collator import PairCollator
+    from tests.conftest import DATA_DIR
+
+    pairs, _ = build_datasets(tokenizer, DataSettings(dataset=("demo_dpo",), dataset_dir=str(DATA_DIR),
+                                                      template="chatml", stage="rm", cutoff_len=256))
+    batch = PairCollator(DataCollator(tokenizer.pad_token_id))([pairs[i] for i in range(len(pairs))])
+    with torch.no_grad():
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)
+
+
+def pairwise_loss(scores: torch.Tensor) -> float:
+    chosen, rejected = scores.chunk(2)
+    return float(-torch.nn.functional.logsigmoid(chosen - rejected).mean())
+
+
+def test_lora_reward_model_saves_its_score_layer_with_the_adapter_and_exports_merged(tiny_model_dir, tmp_path):
+    """LLaMA-Factory's usual reward model: LoRA on the body, the score layer trained in full beside it. The adapter
+    folder (peft's SEQ_CLS task) holds the score; on the base loaded with num_labels=1 it gives the scores the run
+    evaluated with (its last eval_loss), and `shardtune export --merge-lora` writes a plain sequence-classification
+    folder with the same scores."""
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    out = tmp_path / "rm-lora"
+    train(DPO, tiny_model_dir, out, "stage=rm", "learning_rate=1e-3", "eval_dataset=demo_dpo", "do_eval=true",
+          "eval_strategy=steps", "eval_steps=12", "max_steps=12", "per_device_eval_batch_size=48", *QUICK)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["task_type"] == "SEQ_CLS" and "score" in config["modules_to_save"]
+    evals = [r for r in read_log(out) if "eval_loss" in r]
+    assert evals[-1]["eval_rewards/accuracies"] > 0.5 and evals[-1]["eval_loss"] < math.log(2)
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1,
+                                                              pad_token_id=tokenizer.pad_token_id)
+    adapted = PeftModel.from_pretrained(base, out).eval()
+    scores = reward_scores(adapted, tokenizer)
+    assert pairwise_loss(scores) == pytest.approx(evals[-1]["eval_loss"], rel=1e-4)
+
+    merged_dir = tmp_path / "merged"
+    result = run_cli("export", str(out), "--out", str(merged_dir), "--merge-lora")
+    assert result.returncode == 0, result.stderr[-2000:]
+    merged = AutoModelForSequenceClassification.from_pretrained(merged_dir).eval()
+    assert type(merged).__name__ == "LlamaForSequenceClassification" and merged.config.num_labels == 1
+    assert reward_scores(merged, tokenizer) == pytest.approx(scores, abs=1e-5)
+
+
+def test_freeze_reward_model_trains_the_chosen_layers_and_the_score(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
+
+    out = tmp_path / "rm-freeze"
+    train(DPO, tiny_model_dir, out, "stage=rm", "finetuning_type=freeze", "freeze_trainable_layers=1",
+          "learning_rate=1e-3", "max_steps=6", *QUICK)
+    trained = AutoModelForSequenceClassification.from_pretrained(out)
+    base = load_file(str(tiny_model_dir / "model.safetensors"))
+    for name, tensor in trained.state_dict().items():
+        if name.startswith("model.layers.0.") or name == "model.embed_tokens.weight":
+            assert torch.equal(tensor, base[name]), name  # frozen
+    assert not torch.equal(trained.state_dict()["model.layers.1.mlp.down_proj.weight"],
+                           base["model.layers.1.mlp.down_proj.weight"])
+    from shardtune.model.load import load_causal_lm
+    from shardtune.model.reward_head import RewardHead, to_reward_model
+
+    untrained = to_reward_model(load_causal_lm(str(tiny_model_dir)), RewardHead(trained.config.pad_token_id, 42))
+    assert not torch.equal(trained.score.weight, untrained.score.weight)  # drawn with the run's seed, then trained

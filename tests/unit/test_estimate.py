@@ -485,3 +485,43 @@ def test_engine_auto_counts_the_reference_of_a_preference_run():
         chosen[name] = recommend_for_config(config, 8, 8, 60 * GiB, 2**40)[0]
     assert chosen["sft"] == chosen["precomputed"] == {"deepspeed": "z1"}
     assert chosen["dpo"] != {"deepspeed": "z1"} and chosen["dpo"]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_reward_model_is_counted_as_transformers_builds_it(tmp_path, tied):
+    """stage rm: the score row replaces the output matrix (a tied one too: the embedding stays), the logits are one
+    score per token, and the score row trains beside LoRA adapters or freeze's layers."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardtune.estimate.config import model_shape_for, workload_from_config
+    from shardtune.estimate.workload import trainable_params
+    from shardtune.model.reward_head import RewardHead, to_reward_model
+
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_CONFIG, "tie_word_embeddings": tied}))
+    config, _ = load_config([DPO, f"model_name_or_path={tmp_path}", "stage=rm", "finetuning_type=full"])
+    shape = model_shape_for(config)
+    torch.manual_seed(0)
+    built = to_reward_model(LlamaForCausalLM(LlamaConfig(**{**TINY_CONFIG, "tie_word_embeddings": tied})),
+                            RewardHead(pad_token_id=0, seed=0))
+    assert shape.total_params == sum(p.numel() for p in built.parameters())
+    w = workload_from_config(config)
+    assert (w.rows_per_sample, w.loss_chunk_size, w.reference_copy) == (2, 0, False)
+    assert logits_bytes(shape, w) == 3 * w.tokens * 4  # three fp32 copies of one score per token
+    lora, _ = load_config([DPO, f"model_name_or_path={tmp_path}", "stage=rm"])
+    assert trainable_params(shape, workload_from_config(lora)) == \
+        lora_params(shape, lora.lora_rank, lora.lora_target) + TINY_CONFIG["hidden_size"]
+
+
+def test_a_reward_model_needs_less_than_dpo_of_the_same_model():
+    """Llama-3-8B full on 8 GPUs: no reference and no vocabulary logits; `engine: auto` plans stage rm."""
+    from shardtune.estimate.config import configured_option, hardware_for
+
+    hardware = hardware_for(8, 8, 80 * GiB, 2**40)
+    peak = {}
+    for stage in ("dpo", "rm"):
+        config, _ = load_config([LLAMA3_FULL, f"stage={stage}", "dataset=demo_dpo", "deepspeed=z3"])
+        peak[stage] = configured_option(config, hardware).device_peak
+    assert 0 < peak["rm"] < peak["dpo"]
+    config, _ = load_config([LLAMA3_FULL, "stage=rm", "dataset=demo_dpo"])
+    assert recommend_for_config(config, 8, 8, 80 * GiB, 2**40)[0]

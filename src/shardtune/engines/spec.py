@@ -100,7 +100,7 @@ def preference_problems(c: TrainConfig, label: str, shards_weights: bool) -> lis
     """Preference runs a sharding engine (``label``) does not run yet: a ref_model that must be whole on every rank
     (adapters merged into it, bitsandbytes weights) where the policy is sharded. A full-parameter dpo/kto reference
     is loaded by the engine and placed as the policy (``Engine.load_frozen``); a reward model's score layer is
-    placed with its body (train/reward.py)."""
+    placed with its body (model/reward_head.py)."""
     problems = []
     if c.ref_model_adapters and shards_weights:
         problems.append(f"ref_model_adapters with {label}: merging adapters needs the whole ref_model on each "

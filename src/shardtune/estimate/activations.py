@@ -179,10 +179,10 @@ def logits_bytes(shape: ModelShape, w: Workload, weight_bytes: int = FP32) -> in
     creates it only after two of its three copies are freed.
     """
     if not w.is_loss_chunked:
-        return LOGITS_COPIES * w.tokens * shape.vocab_size * FP32
+        return LOGITS_COPIES * w.tokens * shape.output_rows * FP32
     cast = w.compute_bytes if w.mixed_precision else 0
-    head_gradient = shape.vocab_size * shape.hidden_size * weight_bytes if w.finetuning_type == "full" else 0
-    return min(w.loss_chunk_size, w.tokens) * shape.vocab_size * (FP32 + cast) + head_gradient
+    head_gradient = shape.output_rows * shape.hidden_size * weight_bytes if w.finetuning_type == "full" else 0
+    return min(w.loss_chunk_size, w.tokens) * shape.output_rows * (FP32 + cast) + head_gradient
 
 
 def input_bytes(w: Workload, shape: ModelShape | None = None) -> int:
@@ -219,7 +219,7 @@ def autocast_weight_copy_bytes(shape: ModelShape, w: Workload) -> int:
     if w.gradient_checkpointing or w.quantization_bit:
         frozen_on_path = 0
     layers = range(shape.num_layers - trainable_layers - frozen_on_path, shape.num_layers)
-    head = shape.vocab_size * shape.hidden_size
+    head = shape.output_rows * shape.hidden_size
     return w.compute_bytes * (sum(cast_weight_params(shape, i) for i in layers) + head)
 
 

@@ -96,25 +96,17 @@ def resolve_hardware(values: dict[str, str], launch_nodes: int = 1, launch_procs
 def estimate_command(argv: list[str], launch_nodes: int = 1, launch_procs: int | None = None) -> int:
     """Print the estimate table (or JSON) for a training config; exit code 0 even when nothing fits."""
     from shardtune.config.args import load_config
-    from shardtune.estimate.config import workload_from_config
+    from shardtune.estimate.config import model_shape_for, workload_from_config
     from shardtune.estimate.options import build_options
     from shardtune.estimate.recommend import recommend
     from shardtune.estimate.report import Estimate, estimate_dict, render_table
-    from shardtune.estimate.shape import load_model_shape
 
     if "-h" in argv or "--help" in argv:
         print(USAGE)
         return 0
     args = split_estimate_args(argv)
     config, _ = load_config(args.config_argv)
-    if config.stage == "rm":
-        from shardtune.errors import ConfigError
-
-        # The score head replaces the vocabulary logits: a number from the causal LM's model would mislead.
-        raise ConfigError("shardtune estimate: stage rm is not modelled yet (its one-label score head replaces the "
-                          "vocabulary logits the activation model counts); estimate the same config with stage: dpo "
-                          "and finetuning_type: lora for an upper bound")
-    shape = load_model_shape(config.model_name_or_path, args.values.get("--model-config"))
+    shape = model_shape_for(config, args.values.get("--model-config"))
     hardware = resolve_hardware(args.values, launch_nodes, launch_procs)
     workload = workload_from_config(config)
     options = build_options(shape, workload, hardware)

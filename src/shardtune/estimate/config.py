@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from shardtune.config.preference import holds_reference_copy
+from shardtune.config.preference import PREFERENCE_STAGES, holds_reference_copy
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.plan import EnginePlan, plan_engine, spec_for
 from shardtune.errors import ConfigError, ShardtuneError
@@ -33,12 +33,18 @@ if TYPE_CHECKING:
     from shardtune.engines.fsdp_config import FsdpSettings
 
 
+def model_shape_for(c: TrainConfig, model_config: str | None = None) -> ModelShape:
+    """The shape of the model the run trains: config.json's, under a one-row score head for stage rm."""
+    shape = load_model_shape(c.model_name_or_path, model_config)
+    return shape.as_reward_model() if c.stage == "rm" else shape
+
+
 def workload_from_config(c: TrainConfig) -> Workload:
-    """The estimate's view of a config: micro batch x cutoff_len tokens per device (the longest batch); a dpo/kto
-    micro-batch runs two rows per sample in one forward from the full logits (loss_chunk_size does not apply) and
-    may hold a frozen reference (``holds_reference_copy``)."""
+    """The estimate's view of a config: micro batch x cutoff_len tokens per device (the longest batch); a
+    dpo/kto/rm micro-batch runs two rows per sample in one forward from the full logits (loss_chunk_size does not
+    apply) and a dpo/kto run may hold a frozen reference (``holds_reference_copy``)."""
     finetuning = "qlora" if c.finetuning_type == "lora" and c.quantization_bit is not None else c.finetuning_type
-    preference = c.stage in ("dpo", "kto")
+    preference = c.stage in PREFERENCE_STAGES
     return Workload(
         micro_batch=c.per_device_train_batch_size,
         seq_len=c.cutoff_len,
@@ -61,7 +67,7 @@ def workload_from_config(c: TrainConfig) -> Workload:
 
 def options_for_config(c: TrainConfig, hardware: Hardware, model_config: str | None = None) -> list[Option]:
     """Every engine option for this config on ``hardware``, fastest first."""
-    shape = load_model_shape(c.model_name_or_path, model_config)
+    shape = model_shape_for(c, model_config)
     return build_options(shape, workload_from_config(c), hardware)
 
 
@@ -91,7 +97,7 @@ def configured_option(config: TrainConfig, hardware: Hardware, shape: ModelShape
                       engine: EnginePlan | None = None) -> Option:
     """The option the run's engine selects, as the engines plan it (a DeepSpeed preset or JSON; fsdp words, an
     fsdp_config mapping, file or accelerate config file; else DDP). ``engine``: the plan preflight made."""
-    shape = shape or load_model_shape(config.model_name_or_path)
+    shape = shape or model_shape_for(config)
     if engine is None:
         engine, _ = plan_engine(config, hardware.world_size, has_cuda=hardware.on_gpu)  # problems: preflight's job
     c = Context(shape, workload_from_config(config), hardware)
@@ -124,7 +130,7 @@ def fit_warning(config: TrainConfig, world_size: int, nproc_per_node: int, gpu_m
     if option.fits or not option.available:
         return None
     workload = workload_from_config(config)
-    best = recommend(build_options(load_model_shape(config.model_name_or_path), workload, hardware), hardware,
+    best = recommend(build_options(model_shape_for(config), workload, hardware), hardware,
                      workload)
     hint = f"; {best.option.name} would fit ({_values(best.option)})" if best.option else f"; {best.reason}"
     need = (f"{format_size(option.device_peak)} per GPU of {format_size(gpu_memory_bytes)}"
@@ -163,7 +169,7 @@ def estimate_run_memory(config: TrainConfig, world_size: int, engine_kind: str, 
 
 def _run_states(config: TrainConfig, world_size: int, engine_kind: str, fsdp_settings: FsdpSettings | None,
                 deepspeed_raw: dict | None, nproc: int, on_gpu: bool) -> tuple[Components, Setup]:
-    shape = load_model_shape(config.model_name_or_path)
+    shape = model_shape_for(config)
     hardware = hardware_for(world_size, nproc, 1 if on_gpu else None, 0)
     c = Context(shape, workload_from_config(config), hardware)
     device, _, setup = _engine_states(EnginePlan(engine_kind, fsdp_settings, deepspeed_raw), c)[1](c)

@@ -93,7 +93,7 @@ def _header(e: Estimate) -> str:
         *architecture_lines(s),
         f"run: {w.precision}, micro batch {w.micro_batch} x {w.seq_len} tokens, gradient checkpointing "
         f"{checkpointing}, {w.attn_implementation} attention, {w.optim}",
-        *_preference_lines(w),
+        *_preference_lines(w, e.shape),
         f"hardware: {e.hardware.describe()} (world size {e.hardware.world_size})",
         "memory per device in GiB; 'buffers' are transient copies (gathered weights, autocast casts, unreduced "
         "gradients, buckets); 'setup' is the peak while the model loads and the engine shards it; 'CPU/node' adds "
@@ -101,12 +101,16 @@ def _header(e: Estimate) -> str:
     ])
 
 
-def _preference_lines(w: Workload) -> list[str]:
+def _preference_lines(w: Workload, s: ModelShape) -> list[str]:
     if w.rows_per_sample == 1:
         return []
-    where = ("a frozen copy of the weights, held as the policy's (replica under DDP/ZeRO-1/2, sharded under "
-             "ZeRO-3/FSDP): the 'ref' column") if w.reference_copy else \
-        "none in memory (LoRA: adapters off; ORPO/SimPO; or precomputed log-probabilities)"
+    if s.score_head:
+        where = "none (a reward model is trained alone)"
+    elif w.reference_copy:
+        where = ("a frozen copy of the weights, held as the policy's (replica under DDP/ZeRO-1/2, sharded under "
+                 "ZeRO-3/FSDP): the 'ref' column")
+    else:
+        where = "none in memory (LoRA: adapters off; ORPO/SimPO; or precomputed log-probabilities)"
     return [f"preference: {w.rows_per_sample} rows per sample in one forward (activations and logits for "
             f"{w.micro_batch * w.rows_per_sample} rows); reference model: {where}"]
 
@@ -130,7 +134,10 @@ def architecture_lines(s: ModelShape) -> list[str]:
         a = s.mla
         lines.append(f"latent attention: q_lora_rank {a.q_lora_rank}, kv_lora_rank {a.kv_lora_rank}, "
                      f"qk head {a.qk_nope_head_dim}+{a.qk_rope_head_dim} (nope+rope), v head {a.v_head_dim}")
-    if s.tie_word_embeddings:
+    if s.score_head:
+        lines.append("reward model (stage rm): a one-row score layer replaces the output head; the logits are one "
+                     "score per token, not the vocabulary")
+    elif s.tie_word_embeddings:
         lines.append("tied embeddings: the embedding and the output head are one matrix (counted once)")
     if s.sliding_window:
         lines.append(f"sliding window {s.sliding_window} on {s.sliding_layers} of {s.num_layers} layers: no memory "

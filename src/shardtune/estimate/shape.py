@@ -7,7 +7,7 @@ must work for models whose weights are not on this machine.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shardtune.errors import ConfigError, ModelError
@@ -120,6 +120,16 @@ class ModelShape:
     mla: MlaShape | None = None
     sliding_window: int | None = None
     sliding_layers: int = 0  # layers that attend within the window (the others attend globally)
+    score_head: bool = False  # stage rm: a one-row score layer replaces the output projection (model/reward_head.py)
+
+    def as_reward_model(self) -> ModelShape:
+        """The same body under a reward model's one-row score head (no vocabulary logits, no output matrix)."""
+        return replace(self, score_head=True)
+
+    @property
+    def output_rows(self) -> int:
+        """Rows of the output layer, the width of the logits: the vocabulary, or a reward model's one score."""
+        return 1 if self.score_head else self.vocab_size
 
     @property
     def head_size(self) -> int:
@@ -251,7 +261,9 @@ class ModelShape:
 
     @property
     def head_params(self) -> int:
-        """The output projection (0 when it shares the embedding matrix)."""
+        """The output projection (0 when it shares the embedding matrix; a reward model's score row has its own)."""
+        if self.score_head:
+            return self.hidden_size
         return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
 
     @property

@@ -75,11 +75,13 @@ class Workload:
 
 
 def trainable_params(shape: ModelShape, w: Workload) -> int:
-    """Parameters that get gradients and optimizer states."""
+    """Parameters that get gradients and optimizer states (a reward model's score row trains under every
+    method)."""
+    score = shape.head_params if shape.score_head else 0
     if w.is_lora:
-        return lora_params(shape, w.lora_rank, w.lora_targets)
+        return lora_params(shape, w.lora_rank, w.lora_targets) + score
     if w.finetuning_type == "freeze":
-        return freeze_trainable_params(shape, w.freeze_trainable_layers, w.freeze_trainable_modules)
+        return freeze_trainable_params(shape, w.freeze_trainable_layers, w.freeze_trainable_modules) + score
     return shape.total_params
 
 

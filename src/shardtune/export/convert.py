@@ -18,6 +18,7 @@ from shardtune import run_files
 from shardtune.engines.replicated import WEIGHTS_FILE
 from shardtune.engines.spec import CheckpointLayout
 from shardtune.errors import ModelError
+from shardtune.model.reward_head import RewardHead, is_reward_model_folder, to_reward_model
 
 RUN_CONFIG = run_files.RESOLVED_CONFIG
 
@@ -63,17 +64,38 @@ def merges_adapter(model: object) -> TypeGuard[MergesAdapter]:
     return hasattr(model, "merge_and_unload")
 
 
-def build_trained_model(base: str, finetuning: dict[str, Any]) -> torch.nn.Module:
-    """The model structure that was trained: base weights, plus LoRA modules when LoRA was used."""
+def build_trained_model(base: str, finetuning: dict[str, Any], reward: RewardHead | None) -> torch.nn.Module:
+    """The model structure that was trained: base weights (under the score head of a reward model), plus LoRA
+    modules when LoRA was used."""
     from shardtune.model.adapters import FinetuningSettings, apply_finetuning
-    from shardtune.model.load import load_causal_lm
 
-    model = load_causal_lm(base)
+    model = _load_base(base, reward)
     if finetuning.get("finetuning_type") != "lora":
         return model
     settings = FinetuningSettings(finetuning_type="lora", lora_rank=finetuning["lora_rank"],
-                                  lora_alpha=finetuning.get("lora_alpha"), lora_target=tuple(finetuning["lora_target"]))
+                                  lora_alpha=finetuning.get("lora_alpha"), lora_target=tuple(finetuning["lora_target"]),
+                                  score_head=reward is not None)
     return apply_finetuning(model, settings)
+
+
+def _load_base(base: str, reward: RewardHead | None) -> torch.nn.Module:
+    from shardtune.model.load import load_causal_lm
+
+    model = load_causal_lm(base)
+    return to_reward_model(model, reward) if reward is not None else model
+
+
+def reward_head_of(source: Path, run: dict[str, Any], tokenizer_from: str) -> RewardHead | None:
+    """The score head when ``source`` is a reward model (stage rm): its run config says so, or its adapter's
+    task (peft's SEQ_CLS) or its config's class (``...ForSequenceClassification``) does."""
+    adapter_config = source / "adapter_config.json"
+    adapter_task = json.loads(adapter_config.read_text()).get("task_type") if adapter_config.is_file() else None
+    if run.get("stage") != "rm" and adapter_task != "SEQ_CLS" and not is_reward_model_folder(str(source)):
+        return None
+    from shardtune.model.load import load_tokenizer
+
+    # The seed draws the score layer's starting values, which the saved weights then replace.
+    return RewardHead(load_tokenizer(tokenizer_from).pad_token_id, int(run.get("seed", 42)))
 
 
 def load_checkpoint_weights(model: torch.nn.Module, source: Path, kind: str) -> int:
@@ -133,26 +155,39 @@ def export_model(source: Path, out: Path, *, base: str | None = None, merge_lora
     if not base:
         raise ModelError("export: the base model is unknown; pass --model")
     check_export_inputs(source, base)
+    tokenizer_from = _tokenizer_source(source, base)
+    reward = reward_head_of(source, run or _run_config_if_any(source), tokenizer_from)
     if kind == "model":
-        model = _load_plain(source)
+        model = _load_plain(source, reward)
     elif kind == "adapter":
-        model = _load_adapter(base, source)
+        model = _load_adapter(base, source, reward)
     else:
-        model = build_trained_model(base, finetuning)
+        model = build_trained_model(base, finetuning, reward)
         load_checkpoint_weights(model, source, kind)
     if merge_lora and merges_adapter(model):
         model = model.merge_and_unload()
-    save_exported(model, out, tokenizer_from=_tokenizer_source(source, base))
+    save_exported(model, out, tokenizer_from=tokenizer_from)
     return out
 
 
-def _load_plain(source: Path) -> torch.nn.Module:
+def _run_config_if_any(source: Path) -> dict[str, Any]:
+    try:
+        return find_run_config(source)
+    except ModelError:
+        return {}
+
+
+def _load_plain(source: Path, reward: RewardHead | None) -> torch.nn.Module:
     from shardtune.model.load import load_causal_lm
 
-    return load_causal_lm(str(source))
+    if reward is None:
+        return load_causal_lm(str(source))
+    from transformers import AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification.from_pretrained(str(source), dtype=torch.float32)
 
 
-def _load_adapter(base: str, source: Path) -> torch.nn.Module:
+def _load_adapter(base: str, source: Path, reward: RewardHead | None) -> torch.nn.Module:
     from peft import PeftModel
 
     from shardtune.model.load import load_causal_lm
@@ -162,6 +197,8 @@ def _load_adapter(base: str, source: Path) -> torch.nn.Module:
     rows = adapter_embedding_rows(str(source), model)  # trained with resize_vocab: the base grows first
     if rows is not None and rows != model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(rows, mean_resizing=False)
+    if reward is not None:
+        model = to_reward_model(model, reward)
     return PeftModel.from_pretrained(model, str(source))
 
 

@@ -96,10 +96,6 @@ def preference_key_problems(c: TrainConfig) -> list[str]:
                         + (f", pref_loss {c.pref_loss}" if c.stage == "dpo" else "") + "); remove it")
     if c.stage not in PREFERENCE_STAGES:
         return problems
-    if c.stage == "rm" and c.finetuning_type != "full":
-        problems.append(f"stage rm with finetuning_type {c.finetuning_type}: reward models train in full for now "
-                        "(a LoRA or freeze run would have to save the new score layer beside the adapter); use "
-                        "finetuning_type: full")
     if c.train_on_prompt or c.mask_history:
         problems.append(f"train_on_prompt ({str(c.train_on_prompt).lower()}) / mask_history "
                         f"({str(c.mask_history).lower()}): stage {c.stage} scores only the final answer (earlier turns "
@@ -114,9 +110,6 @@ def preference_key_problems(c: TrainConfig) -> list[str]:
     if c.label_smoothing_factor > 0:
         problems.append(f"label_smoothing_factor ({c.label_smoothing_factor}) smooths the SFT cross entropy; stage "
                         f"{c.stage} scores answers by their log-probabilities: remove it (dpo: dpo_label_smoothing)")
-    if c.engine == "auto" and c.stage == "rm":
-        problems.append("engine (auto) with stage rm: the estimate does not model the reward model's score head "
-                        "yet; choose the engine (none for DDP, or a deepspeed/fsdp key)")
     return problems
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from shardtune.errors import ConfigError
 from shardtune.model.moe import fused_expert_parameters, router_module_names
 from shardtune.model.pretrained_adapters import load_adapter_weights, resumed_lora_config
+from shardtune.model.reward_head import SCORE_LAYER
 from shardtune.model.vocab import embedding_module_names
 
 
@@ -34,6 +35,7 @@ class FinetuningSettings:
     additional_target: tuple[str, ...] | None = None
     neftune_noise_alpha: float | None = None
     train_embeddings: bool = False  # resize_vocab: LoRA trains and saves the embedding and output layer in full
+    score_head: bool = False  # stage rm: the new score layer trains in full under freeze and LoRA too
 
     @property
     def init_lora_weights(self) -> bool | str:
@@ -55,6 +57,8 @@ def apply_finetuning(model: Any, settings: FinetuningSettings) -> Any:
         model.requires_grad_(False)
     elif settings.finetuning_type == "freeze":
         apply_freeze(model, settings.freeze_trainable_layers, settings.freeze_trainable_modules)
+        if settings.score_head:
+            model.get_submodule(SCORE_LAYER).requires_grad_(True)
         if settings.gradient_checkpointing:
             # Reentrant checkpointing drops the gradients of a block whose inputs need none (frozen layers before).
             model.enable_input_require_grads()
@@ -123,11 +127,11 @@ def apply_freeze(model: Any, trainable_layers: int, modules: tuple[str, ...]) ->
 
 
 def linear_module_names(model: Any) -> list[str]:
-    """Short names of the Linear layers LoRA can adapt (the output head excluded)."""
+    """Short names of the Linear layers LoRA can adapt (the output head or a reward model's score excluded)."""
     import torch
 
     names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-             if isinstance(module, torch.nn.Linear) and "lm_head" not in name}
+             if isinstance(module, torch.nn.Linear) and "lm_head" not in name and name != SCORE_LAYER}
     return sorted(names)
 
 
@@ -219,7 +223,8 @@ def apply_lora(model: Any, settings: FinetuningSettings) -> Any:
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=settings.gradient_checkpointing)
     config = LoraConfig(
-        task_type="CAUSAL_LM",
+        # SEQ_CLS: peft trains and saves the score layer in full beside the adapter (modules_to_save).
+        task_type="SEQ_CLS" if settings.score_head else "CAUSAL_LM",
         r=settings.lora_rank,
         lora_alpha=settings.lora_alpha or 2 * settings.lora_rank,
         lora_dropout=settings.lora_dropout,

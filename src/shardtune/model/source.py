@@ -25,6 +25,7 @@ from shardtune.model.adapters import FinetuningSettings, apply_finetuning, count
 from shardtune.model.expert_layout import with_fused_experts
 from shardtune.model.load import Quantization, load_model_config
 from shardtune.model.pretrained_adapters import AdapterPlan, merge_adapters
+from shardtune.model.reward_head import RewardHead, to_reward_model
 from shardtune.model.vocab import VocabGrowth, apply_vocab_growth, grown_tensor, vocab_tensors
 from shardtune.model.weights import WeightsReader, open_weights
 
@@ -49,6 +50,7 @@ class ModelSource:
     max_length: int | None = None  # the longest sequence trained on (cutoff_len), for rope_scaling
     vocab: VocabGrowth | None = None  # new tokens outgrew the embedding: rows to add (resize_vocab)
     pure_bf16: bool = False  # every weight, adapters included, in bfloat16 (LLaMA-Factory's pure_bf16)
+    reward_head: RewardHead | None = None  # stage rm: the body under a one-label score head (model/reward_head.py)
 
     def load_full(self) -> torch.nn.Module:
         """The whole model in float32 on the host (quantised loads through bitsandbytes), fine-tuning applied."""
@@ -123,6 +125,8 @@ class ModelSource:
         return model
 
     def _finish(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.reward_head is not None:
+            model = to_reward_model(model, self.reward_head)
         model = apply_finetuning(model, self.finetuning)
         trainable, total = count_parameters(model)
         print(f"[shardtune] {self.finetuning.finetuning_type}: trainable params {trainable:,} of {total:,} "

@@ -15,6 +15,7 @@ from shardtune.config.schema import TrainConfig
 from shardtune.engines.base import Engine
 from shardtune.errors import ConfigError
 from shardtune.model.adapters import FinetuningSettings
+from shardtune.model.reward_head import RewardHead
 from shardtune.model.source import ModelSource
 from shardtune.model.vocab import VocabGrowth, plan_vocab_growth
 
@@ -102,10 +103,12 @@ def build_tokenized(tokenizer: Any, settings: Any, path: str, key: dict[str, Any
     save_tokenized(path, train, evaluation, key)
 
 
-def model_source(c: TrainConfig, settings: FinetuningSettings, tokenizer_size: int | None = None) -> ModelSource:
+def model_source(c: TrainConfig, settings: FinetuningSettings, tokenizer_size: int | None = None,
+                 pad_token_id: int | None = None) -> ModelSource:
     """Where the model comes from and how it is set up for training; each engine decides how to load it.
 
-    With resize_vocab, ``tokenizer_size`` (the tokenizer with its added tokens) says how far the vocabulary grows.
+    With resize_vocab, ``tokenizer_size`` (the tokenizer with its added tokens) says how far the vocabulary grows;
+    stage rm's score head pools at the last token that is not ``pad_token_id`` (the tokenizer's).
     """
     compute_dtype = torch.bfloat16 if c.bf16 else (torch.float16 if c.fp16 else torch.float32)
     from shardtune.train.settings import adapter_plan
@@ -114,7 +117,17 @@ def model_source(c: TrainConfig, settings: FinetuningSettings, tokenizer_size: i
                        attn_implementation=c.attn_implementation, quantization_bit=c.quantization_bit,
                        quantization_type=c.quantization_type, double_quantization=c.double_quantization,
                        compute_dtype=compute_dtype, adapters=adapter_plan(c), rope_scaling=c.rope_scaling,
-                       max_length=c.cutoff_len, vocab=vocab_growth(c, tokenizer_size), pure_bf16=c.pure_bf16)
+                       max_length=c.cutoff_len, vocab=vocab_growth(c, tokenizer_size), pure_bf16=c.pure_bf16,
+                       reward_head=reward_head(c, pad_token_id))
+
+
+def reward_head(c: TrainConfig, pad_token_id: int | None) -> RewardHead | None:
+    if c.stage != "rm":
+        return None
+    if pad_token_id is None:
+        raise ConfigError("stage rm: the tokenizer has no padding token, which the score head's pooling needs; "
+                          "set one in the tokenizer (or a template that adds it)")
+    return RewardHead(pad_token_id, c.seed)
 
 
 def vocab_growth(c: TrainConfig, tokenizer_size: int | None) -> VocabGrowth | None:

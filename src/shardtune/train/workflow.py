@@ -82,12 +82,8 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
                           f"({config.per_device_train_batch_size}) samples, so no batch is left; turn it off or "
                           "use more data")
     loop = loop_settings(config, train_micro_batches(train_loader, config), eval_loader is not None)
-    source = model_source(*model_config(config), tokenizer_size=len(tokenizer))
+    source = model_source(*model_config(config), tokenizer_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
     model = engine.build_model(source)
-    if config.stage == "rm":
-        from shardtune.train.reward import build_reward_model
-
-        model = build_reward_model(model, tokenizer.pad_token_id, config.seed, engine.loading)
     loop = dataclasses.replace(loop, router_aux_loss_coef=router_aux_setting(model, config, engine.is_main),
                                objective=stage_objective(config, source, engine))
     # Before the engine touches the weights (ZeRO casts them to bf16): the adapter exactly as initialised.
