@@ -14,6 +14,9 @@ rank gained from before the model was loaded to the end of training; see train/w
 estimate is ``estimated_memory_bytes`` of the same file: the memory model of `shardtune estimate` for that run
 (reference and the two rows of each pair included: estimate/options.py ``reference_share``, estimate/config.py
 ``workload_from_config``), as max(tensors of a step, set-up) + the CPU runtime (estimate/compare.py).
+
+``--stage rm`` measures reward models instead (no reference; the score row instead of the output matrix; one score
+per token instead of the vocabulary logits): full under DDP, ZeRO-3 and FSDP2, freeze and LoRA under DDP.
 """
 
 from __future__ import annotations
@@ -32,13 +35,20 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 MODEL = ["--layers", "8", "--hidden", "512", "--heads", "8", "--kv-heads", "4", "--intermediate", "1376",
          "--vocab-size", "4096"]
-RUNS = {
+DPO_RUNS = {
     "DDP, live reference (replica)": [],
     "DDP, precomputed reference": ["precompute_ref_log_probs=true"],
     "ZeRO-3, live reference (sharded)": ["deepspeed=z3"],
     "ZeRO-3, precomputed reference": ["precompute_ref_log_probs=true", "deepspeed=z3"],
     "FSDP2 FULL_SHARD, live reference (sharded)": ["fsdp=full_shard auto_wrap"],
     "FSDP2 FULL_SHARD, precomputed reference": ["precompute_ref_log_probs=true", "fsdp=full_shard auto_wrap"],
+}
+RM_RUNS = {
+    "DDP, full": [],
+    "ZeRO-3, full": ["deepspeed=z3"],
+    "FSDP2 FULL_SHARD, full": ["fsdp=full_shard auto_wrap"],
+    "DDP, freeze (last 2 layers)": ["finetuning_type=freeze", "freeze_trainable_layers=2"],
+    "DDP, LoRA r=8 (all)": ["finetuning_type=lora"],
 }
 # The estimate assumes the longest batch is cutoff_len tokens long: with 32 (the bundled prompts take up to 25
 # tokens with the template, prompt + shorter answer 21 and more) most rows are cut to 32, so the batches that run
@@ -71,6 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("/tmp/shardtune-preference-memory"))
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--stage", choices=("dpo", "rm"), default="dpo")
     args = parser.parse_args()
     model_dir = args.out / "model"
     if not (model_dir / "config.json").is_file():
@@ -78,39 +89,43 @@ def main() -> None:
         assert done.returncode == 0, done.stderr[-2000:]
     params = parameter_count(model_dir)
     rows = []
-    for title, extra in RUNS.items():
-        kind = "pre" if "precompute_ref_log_probs=true" in extra else "live"
-        out = args.out / title.split(",")[0].replace(" ", "_") / kind
+    for index, (title, extra) in enumerate((RM_RUNS if args.stage == "rm" else DPO_RUNS).items()):
+        out = args.out / args.stage / str(index)
         started = time.perf_counter()
         done = shardtune("train", "examples/tiny/dpo_lora.yaml", f"model_name_or_path={model_dir}",
-                         f"output_dir={out}", "finetuning_type=full", f"max_steps={args.steps}", "logging_steps=1",
-                         "save_strategy=no", "plot_loss=false", "per_device_train_batch_size=2",
-                         f"cutoff_len={CUTOFF}", "learning_rate=1e-5", *extra, env=ENV)
+                         f"output_dir={out}", f"stage={args.stage}", "finetuning_type=full",
+                         f"max_steps={args.steps}", "logging_steps=1", "save_strategy=no", "plot_loss=false",
+                         "per_device_train_batch_size=2", f"cutoff_len={CUTOFF}", "learning_rate=1e-5", *extra,
+                         env=ENV)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         results = json.loads((out / "train_results.json").read_text())
         peak, estimate = max(results["peak_memory_bytes_per_rank"]), results["estimated_memory_bytes"]
         rows.append((title, peak, estimate, time.perf_counter() - started))
         print(f"{title}: {peak / 2**20:.0f} MiB per rank measured, {estimate / 2**20:.0f} MiB estimated", flush=True)
-    write_results(rows, params, args.steps)
+    write_results(rows, params, args.steps, args.stage)
 
 
-def write_results(rows: list[tuple[str, int, int, float]], params: int, steps: int) -> None:
-    ddp_live = rows[0][1]
-    lines = [f"# Full-parameter DPO: peak memory per rank against the estimate, 2 CPU processes "
+def write_results(rows: list[tuple[str, int, int, float]], params: int, steps: int, stage: str) -> None:
+    ddp = rows[0][1]
+    what = "Reward models" if stage == "rm" else "Full-parameter DPO"
+    lines = [f"# {what}: peak memory per rank against the estimate, 2 CPU processes "
              f"({time.strftime('%Y-%m-%d')})", "",
              f"Random LLaMA, {params / 1e6:.1f}M parameters ({params * 4 / 2**20:.0f} MiB in fp32), fp32 AdamW, "
              f"{steps} steps of 2 pairs per rank (4 rows of at most {CUTOFF} tokens per forward, cutoff_len {CUTOFF}), "
              "`benchmarks/preference_memory.py`.", "",
              machine_line(machine()), "",
-             "| run | measured peak per rank (MiB) | estimated (MiB) | measured / estimated | vs DDP live | wall (s) |",
+             f"| run | measured peak per rank (MiB) | estimated (MiB) | measured / estimated | vs {rows[0][0]} | "
+             "wall (s) |",
              "|---|---|---|---|---|---|"]
     for title, peak, estimate, wall in rows:
         lines.append(f"| {title} | {peak / 2**20:.0f} | {estimate / 2**20:.0f} | {peak / estimate:.2f} | "
-                     f"{peak / ddp_live:.2f} | {wall:.0f} |")
-    lines += ["", f"The live reference's predicted share: {params * 4 / 2**20:.0f} MiB per rank as a replica (DDP), "
-                  f"{params * 2 / 2**20:.0f} MiB per rank sharded over 2 (ZeRO-3, FSDP2)."]
+                     f"{peak / ddp:.2f} | {wall:.0f} |")
+    if stage == "dpo":
+        lines += ["", f"The live reference's predicted share: {params * 4 / 2**20:.0f} MiB per rank as a replica "
+                      f"(DDP), {params * 2 / 2**20:.0f} MiB per rank sharded over 2 (ZeRO-3, FSDP2)."]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"preference-memory-estimate-{time.strftime('%Y-%m-%d')}.md"
+    name = "reward" if stage == "rm" else "preference"
+    path = RESULTS / f"{name}-memory-estimate-{time.strftime('%Y-%m-%d')}.md"
     path.write_text("\n".join(lines) + "\n")
     print(f"wrote {path}")
 

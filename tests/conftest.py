@@ -99,6 +99,10 @@ MATRIX_ONLY = {
     "tests/distributed/test_preference_engines.py::test_sharded_reward_model_resumes_on_the_same_curve[zero3]",
     "tests/distributed/test_preference_engines.py::test_preference_stage_matches_one_process[zero2-kto-lora]",
     "tests/distributed/test_preference_engines.py::test_preference_stage_matches_one_process[zero3-kto-full]",
+    # The LLaMA-Factory-style DPO YAML learning the pairs on 2 processes: ZeRO-3 stays in make test.
+    *(f"tests/distributed/test_preference_example_engines.py::"
+      f"test_llamafactory_style_dpo_yaml_learns_the_pairs_on_two_processes[{engine}]"
+      for engine in ("ddp", "zero2", "fsdp2", "fsdp1")),
     # LoRA reward models: ZeRO-3 stays in make test.
     *(f"tests/distributed/test_preference_engines.py::test_preference_stage_matches_one_process[{case}]" for case in (
         "ddp-rm-lora", "zero2-rm-lora", "fsdp2-rm-lora", "fsdp1-rm-lora", "zero3-rm-freeze", "fsdp2-rm-freeze")),

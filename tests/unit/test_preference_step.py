@@ -149,6 +149,16 @@ def test_what_is_not_done_yet_is_refused_with_its_reason() -> None:
     for finetuning_type in ("full", "freeze", "lora"):  # the score layer trains (and saves) under every method
         assert problems_for(stage="rm", finetuning_type=finetuning_type) == []
     assert problems_for(engine="auto", stage="rm") == []  # the estimate models the score head
+    assert any("save_only_model (true) with stage rm" in p for p in problems_for(stage="rm", save_only_model=True))
+
+
+def test_a_reward_model_folder_is_refused_as_the_model_to_train(tmp_path) -> None:
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama",
+                                                      "architectures": ["LlamaForSequenceClassification"]}))
+    for stage in ("rm", "dpo"):
+        assert any("is a reward model" in p for p in problems_for(stage=stage, model_name_or_path=str(tmp_path)))
     assert problems_for(engine="auto") == []  # the estimate counts the reference and the two rows
     assert any("label_smoothing_factor" in p for p in problems_for(label_smoothing_factor=0.1))
     assert any("train_on_prompt (true)" in p for p in problems_for(train_on_prompt=True))

@@ -14,6 +14,7 @@ from shardtune.data.tokenized import is_saved
 from shardtune.errors import ConfigError, ModelError
 from shardtune.model.folder import model_config_json, model_folder_problems
 from shardtune.model.moe import configured_router_aux_coef, packed_aux_loss_problem, preference_aux_loss_problem
+from shardtune.model.reward_head import is_reward_model_folder
 from shardtune.train.checkpoint_folders import checkpoint_problems, resume_source
 from shardtune.train.reporting import tracker_problems
 from shardtune.train.settings import resolved_packing
@@ -94,6 +95,7 @@ def preference_key_problems(c: TrainConfig) -> list[str]:
     if c.precompute_ref_log_probs and not uses_reference(c):
         problems.append(f"precompute_ref_log_probs (true) is for stage dpo/kto with a reference (stage {c.stage}"
                         + (f", pref_loss {c.pref_loss}" if c.stage == "dpo" else "") + "); remove it")
+    problems += reward_model_problems(c)
     if c.stage not in PREFERENCE_STAGES:
         return problems
     if c.train_on_prompt or c.mask_history:
@@ -110,6 +112,21 @@ def preference_key_problems(c: TrainConfig) -> list[str]:
     if c.label_smoothing_factor > 0:
         problems.append(f"label_smoothing_factor ({c.label_smoothing_factor}) smooths the SFT cross entropy; stage "
                         f"{c.stage} scores answers by their log-probabilities: remove it (dpo: dpo_label_smoothing)")
+    return problems
+
+
+def reward_model_problems(c: TrainConfig) -> list[str]:
+    """Training starts from a causal LM: a reward model folder would load without its score layer (transformers
+    drops it and draws a new output layer), and so would stage rm's model-only checkpoints on resume."""
+    problems = []
+    if c.model_name_or_path and is_reward_model_folder(c.model_name_or_path):
+        problems.append(f"model_name_or_path: {c.model_name_or_path} is a reward model (a sequence-classification "
+                        "class in its config.json), which loads here without its score layer; give the causal LM it "
+                        "was trained from (stage rm puts it under a new score head)")
+    if c.stage == "rm" and c.save_only_model:
+        problems.append("save_only_model (true) with stage rm: a model-only checkpoint resumes through the causal-LM "
+                        "loader, which would drop the trained score layer; remove it (checkpoints then hold the "
+                        "engine's whole state)")
     return problems
 
 
