@@ -159,6 +159,9 @@ def test_a_reward_model_folder_is_refused_as_the_model_to_train(tmp_path) -> Non
                                                       "architectures": ["LlamaForSequenceClassification"]}))
     for stage in ("rm", "dpo"):
         assert any("is a reward model" in p for p in problems_for(stage=stage, model_name_or_path=str(tmp_path)))
+    for unreadable in ('{"model_type": "llama",\n}', "[1, 2]", '{"architectures": "x"}'):
+        (tmp_path / "config.json").write_text(unreadable)  # the model-folder checks report it, not this one
+        assert not any("is a reward model" in p for p in problems_for(model_name_or_path=str(tmp_path)))
     assert problems_for(engine="auto") == []  # the estimate counts the reference and the two rows
     assert any("label_smoothing_factor" in p for p in problems_for(label_smoothing_factor=0.1))
     assert any("train_on_prompt (true)" in p for p in problems_for(train_on_prompt=True))

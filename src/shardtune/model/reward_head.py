@@ -72,7 +72,10 @@ def is_reward_model_folder(folder: str) -> bool:
     from pathlib import Path
 
     config = Path(folder) / "config.json"
-    if not config.is_file():
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):  # no folder, or a config.json the model-folder checks report on their own
         return False
-    architectures = json.loads(config.read_text()).get("architectures") or []
-    return any(name.endswith("ForSequenceClassification") for name in architectures)
+    architectures = data.get("architectures") if isinstance(data, dict) else None
+    return isinstance(architectures, list) and any(str(name).endswith("ForSequenceClassification")
+                                                   for name in architectures)
