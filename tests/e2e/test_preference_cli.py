@@ -163,12 +163,7 @@ def test_sharegpt_pairs_with_an_eval_split(tiny_model_dir, tmp_path):
 
 
 def test_reward_model_trains_and_loads_as_sequence_classification(tiny_model_dir, tmp_path):
-    import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    from shardtune.data import DataCollator, DataSettings, build_datasets
-    from shardtune.data.collator import PairCollator
-    from tests.conftest import DATA_DIR
 
     out = tmp_path / "rm"
     train(DPO, tiny_model_dir, out, "stage=rm", "finetuning_type=full", "learning_rate=1e-3", "val_size=8",
@@ -179,24 +174,20 @@ def test_reward_model_trains_and_loads_as_sequence_classification(tiny_model_dir
 
     model, info = AutoModelForSequenceClassification.from_pretrained(out, output_loading_info=True)
     assert type(model).__name__ == "LlamaForSequenceClassification" and not info["missing_keys"]
-    tokenizer = AutoTokenizer.from_pretrained(out)
-    pairs, _ = build_datasets(tokenizer, DataSettings(dataset=("demo_dpo",), dataset_dir=str(DATA_DIR),
-                                                      template="chatml", stage="rm", cutoff_len=256))
-    batch = PairCollator(DataCollator(tokenizer.pad_token_id))([pairs[i] for i in range(16)])
-    with torch.no_grad():
-        scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)
+    scores = reward_scores(model, AutoTokenizer.from_pretrained(out), pairs=16)
     assert float((scores[:16] > scores[16:]).float().mean()) > 0.5
 
 
-def reward_scores(model, tokenizer) -> torch.Tensor:
-    """Scores of every bundled pair's chosen (first half) and rejected (second half) answer."""
+def reward_scores(model, tokenizer, pairs: int | None = None) -> torch.Tensor:
+    """Scores of the first ``pairs`` bundled pairs' (all: None) chosen (first half) and rejected (second half)
+    answers."""
     from shardtune.data import DataCollator, DataSettings, build_datasets
     from shardtune.data.collator import PairCollator
     from tests.conftest import DATA_DIR
 
-    pairs, _ = build_datasets(tokenizer, DataSettings(dataset=("demo_dpo",), dataset_dir=str(DATA_DIR),
-                                                      template="chatml", stage="rm", cutoff_len=256))
-    batch = PairCollator(DataCollator(tokenizer.pad_token_id))([pairs[i] for i in range(len(pairs))])
+    data, _ = build_datasets(tokenizer, DataSettings(dataset=("demo_dpo",), dataset_dir=str(DATA_DIR),
+                                                     template="chatml", stage="rm", cutoff_len=256))
+    batch = PairCollator(DataCollator(tokenizer.pad_token_id))([data[i] for i in range(pairs or len(data))])
     with torch.no_grad():
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)
 

@@ -18,7 +18,7 @@ from shardtune import run_files
 from shardtune.engines.replicated import WEIGHTS_FILE
 from shardtune.engines.spec import CheckpointLayout
 from shardtune.errors import ModelError
-from shardtune.model.reward_head import RewardHead, is_reward_model_folder, to_reward_model
+from shardtune.model.reward_head import RewardHead, is_reward_model_config, to_reward_model
 
 RUN_CONFIG = run_files.RESOLVED_CONFIG
 
@@ -68,8 +68,11 @@ def build_trained_model(base: str, finetuning: dict[str, Any], reward: RewardHea
     """The model structure that was trained: base weights (under the score head of a reward model), plus LoRA
     modules when LoRA was used."""
     from shardtune.model.adapters import FinetuningSettings, apply_finetuning
+    from shardtune.model.load import load_causal_lm
 
-    model = _load_base(base, reward)
+    model = load_causal_lm(base)
+    if reward is not None:
+        model = to_reward_model(model, reward)
     if finetuning.get("finetuning_type") != "lora":
         return model
     settings = FinetuningSettings(finetuning_type="lora", lora_rank=finetuning["lora_rank"],
@@ -78,19 +81,14 @@ def build_trained_model(base: str, finetuning: dict[str, Any], reward: RewardHea
     return apply_finetuning(model, settings)
 
 
-def _load_base(base: str, reward: RewardHead | None) -> torch.nn.Module:
-    from shardtune.model.load import load_causal_lm
-
-    model = load_causal_lm(base)
-    return to_reward_model(model, reward) if reward is not None else model
-
-
 def reward_head_of(source: Path, run: dict[str, Any], tokenizer_from: str) -> RewardHead | None:
     """The score head when ``source`` is a reward model (stage rm): its run config says so, or its adapter's
     task (peft's SEQ_CLS) or its config's class (``...ForSequenceClassification``) does."""
     adapter_config = source / "adapter_config.json"
     adapter_task = json.loads(adapter_config.read_text()).get("task_type") if adapter_config.is_file() else None
-    if run.get("stage") != "rm" and adapter_task != "SEQ_CLS" and not is_reward_model_folder(str(source)):
+    from shardtune.model.folder import read_config_json
+
+    if run.get("stage") != "rm" and adapter_task != "SEQ_CLS" and not is_reward_model_config(read_config_json(source)):
         return None
     from shardtune.model.load import load_tokenizer
 

@@ -14,7 +14,7 @@ from shardtune.data.tokenized import is_saved
 from shardtune.errors import ConfigError, ModelError
 from shardtune.model.folder import model_config_json, model_folder_problems
 from shardtune.model.moe import configured_router_aux_coef, packed_aux_loss_problem, preference_aux_loss_problem
-from shardtune.model.reward_head import is_reward_model_folder
+from shardtune.model.reward_head import is_reward_model_config
 from shardtune.train.checkpoint_folders import checkpoint_problems, resume_source
 from shardtune.train.reporting import tracker_problems
 from shardtune.train.settings import resolved_packing
@@ -119,7 +119,11 @@ def reward_model_problems(c: TrainConfig) -> list[str]:
     """Training starts from a causal LM: a reward model folder would load without its score layer (transformers
     drops it and draws a new output layer), and so would stage rm's model-only checkpoints on resume."""
     problems = []
-    if c.model_name_or_path and is_reward_model_folder(c.model_name_or_path):
+    try:
+        config = model_config_json(c.model_name_or_path)
+    except ModelError:
+        config = None  # reported by the folder checks
+    if is_reward_model_config(config):
         problems.append(f"model_name_or_path: {c.model_name_or_path} is a reward model (a sequence-classification "
                         "class in its config.json), which loads here without its score layer; give the causal LM it "
                         "was trained from (stage rm puts it under a new score head)")

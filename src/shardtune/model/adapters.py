@@ -35,7 +35,7 @@ class FinetuningSettings:
     additional_target: tuple[str, ...] | None = None
     neftune_noise_alpha: float | None = None
     train_embeddings: bool = False  # resize_vocab: LoRA trains and saves the embedding and output layer in full
-    score_head: bool = False  # stage rm: the new score layer trains in full under freeze and LoRA too
+    score_head: bool = False  # stage rm (set by ModelSource): the score layer trains in full under freeze and LoRA too
 
     @property
     def init_lora_weights(self) -> bool | str:

@@ -15,6 +15,7 @@ base loaded with ``num_labels=1``); the score of a sequence is the head's output
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,16 +67,8 @@ def to_reward_model(causal_lm: torch.nn.Module, head: RewardHead) -> torch.nn.Mo
     return model
 
 
-def is_reward_model_folder(folder: str) -> bool:
-    """Does the saved model at ``folder`` name a sequence-classification class (a full reward model's output)?"""
-    import json
-    from pathlib import Path
-
-    config = Path(folder) / "config.json"
-    try:
-        data = json.loads(config.read_text())
-    except (OSError, ValueError):  # no folder, or a config.json the model-folder checks report on their own
-        return False
-    architectures = data.get("architectures") if isinstance(data, dict) else None
+def is_reward_model_config(config: Mapping[str, Any] | None) -> bool:
+    """Does a model's config.json name a sequence-classification class (a full reward model's output)?"""
+    architectures = (config or {}).get("architectures")
     return isinstance(architectures, list) and any(str(name).endswith("ForSequenceClassification")
                                                    for name in architectures)

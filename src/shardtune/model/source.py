@@ -12,6 +12,7 @@ a given seed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import re
 from collections.abc import Iterator
@@ -125,9 +126,11 @@ class ModelSource:
         return model
 
     def _finish(self, model: torch.nn.Module) -> torch.nn.Module:
+        finetuning = self.finetuning
         if self.reward_head is not None:
             model = to_reward_model(model, self.reward_head)
-        model = apply_finetuning(model, self.finetuning)
+            finetuning = dataclasses.replace(finetuning, score_head=True)
+        model = apply_finetuning(model, finetuning)
         trainable, total = count_parameters(model)
         print(f"[shardtune] {self.finetuning.finetuning_type}: trainable params {trainable:,} of {total:,} "
               f"({100 * trainable / max(total, 1):.4f}%)", flush=True)

@@ -71,7 +71,6 @@ def finetuning_settings(c: TrainConfig) -> FinetuningSettings:
         additional_target=tuple(c.additional_target) if c.additional_target else None,
         neftune_noise_alpha=c.neftune_noise_alpha,
         train_embeddings=c.resize_vocab,
-        score_head=c.stage == "rm",
     )
 
 
