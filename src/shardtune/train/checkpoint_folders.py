@@ -30,6 +30,20 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def is_shardtune_checkpoint(path: Path) -> bool:
+    """A ``checkpoint-<step>`` folder shardtune wrote, finished or cut off while saving (it holds the run's config,
+    copied first, or a rank's RNG state), as opposed to another trainer's checkpoint of the same name."""
+    return (path / COMPLETE_MARKER).is_file() or (path / run_files.RESOLVED_CONFIG).is_file() or \
+        any(path.glob("rank*_rng_state.pt"))
+
+
+def checkpoint_folders(output_dir: Path) -> list[Path]:
+    """Every ``checkpoint-<step>`` folder in output_dir, whoever wrote it."""
+    if not output_dir.is_dir():
+        return []
+    return sorted(p for p in output_dir.iterdir() if _CHECKPOINT.match(p.name) and p.is_dir())
+
+
 def latest_checkpoint(output_dir: Path) -> Path | None:
     found = complete_checkpoints(output_dir)
     return found[-1] if found else None
