@@ -54,6 +54,16 @@ def json_array_dataset(tmp: Path, text: str) -> dict:
     return {"dataset": "bad", "dataset_dir": str(tmp)}
 
 
+def two_datasets(tmp: Path, long_prompt: str) -> dict:
+    """``short`` (fits) and ``long`` (every prompt longer than cutoff_len) in one registry."""
+    long_record = json.dumps({"instruction": long_prompt, "input": "", "output": "ok"})
+    (tmp / "short.jsonl").write_text("\n".join([RECORD] * 4) + "\n")
+    (tmp / "long.jsonl").write_text("\n".join([long_record] * 2) + "\n")
+    (tmp / "dataset_info.json").write_text(json.dumps({"short": {"file_name": "short.jsonl"},
+                                                      "long": {"file_name": "long.jsonl"}}))
+    return {"dataset": "short,long", "dataset_dir": str(tmp)}
+
+
 def ds_json(tmp: Path, text: str) -> dict:
     (tmp / "ds.json").write_text(text)
     return {"deepspeed": str(tmp / "ds.json")}
@@ -168,6 +178,32 @@ def run_with_checkpoint(tmp: Path, run_config: dict | None = None, step: int = 3
     return path
 
 
+def torch_checkpoint(tmp: Path, run_config: dict) -> Path:
+    """A finished local/DDP checkpoint of an earlier run with ``run_config``."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = run_with_checkpoint(tmp, run_config)
+    save_file({"w": torch.zeros(2)}, str(path / "trainable.safetensors"))
+    return path
+
+
+def engine_checkpoint(tmp: Path, layout: str) -> Path:
+    """A finished checkpoint holding another engine's layout folder (``deepspeed``, ``fsdp_state``)."""
+    path = run_with_checkpoint(tmp)
+    (path / layout).mkdir()
+    return path
+
+
+def wider_config(tmp: Path) -> Path:
+    """A model folder whose config.json has another hidden size than the tiny model's."""
+    folder = tmp / "wider"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 128, "vocab_size": 2048,
+                                                     "num_hidden_layers": 2, "num_attention_heads": 4}))
+    return folder
+
+
 def hf_trainer_checkpoint(tmp: Path) -> dict:
     """An output folder where another trainer left checkpoint-2 (its own files, no COMPLETE marker)."""
     path = tmp / "out" / "checkpoint-2"
@@ -240,10 +276,17 @@ CATALOGUE = [
          {"resume_from_checkpoint": "/no/such/checkpoint"}),
     Case("bad-launch-variable", "NPROC_PER_NODE='two' is not an integer", env={"NPROC_PER_NODE": "two"}),
     Case("node-rank-out-of-range", "NODE_RANK=3 must be in 0..1",
-         env={"NNODES": "2", "NODE_RANK": "3", "MASTER_PORT": "29999"}),
-    Case("multi-node-without-port", "MASTER_PORT must be set when NNODES=2", env={"NNODES": "2"}),
+         env={"NNODES": "2", "NODE_RANK": "3", "MASTER_PORT": "29999", "MASTER_ADDR": "10.0.0.1"}),
+    Case("multi-node-without-port", "MASTER_PORT must be set when NNODES=2",
+         env={"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1"}),
+    Case("multi-node-without-master-addr", "MASTER_ADDR must be set when NNODES=2",
+         env={"NNODES": "2", "NODE_RANK": "1", "MASTER_PORT": "29999"}),
+    Case("multi-node-without-node-rank", "NODE_RANK must be set when NNODES=2",
+         env={"NNODES": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29999"}),
     Case("port-in-use", "is already in use", prepare=taken_port, command="train"),
     Case("lora-target-unknown", "lora_target: q_prj not found", {"lora_target": "q_prj"}, command="train"),
+    Case("lora-target-typo-found-by-check", "lora_target: q_prj not found in the model (did you mean 'q_proj'?)",
+         {"lora_target": "q_prj,v_proj"}),
     # --- round two: config files and the command line ---
     Case("yaml-duplicate-key", "cfg.yaml:3: key 'learning_rate' is given twice (first on line 1)",
          raw_yaml="learning_rate: 1.0e-4\nseed: 1\nlearning_rate: 5.0e-4\n"),
@@ -383,6 +426,23 @@ CATALOGUE = [
     Case("dataset-entry-columns-not-a-mapping", "dataset 'x': 'columns' must be an object", prepare=lambda t: (
         t / "dataset_info.json").write_text('{"x": {"file_name": "a.jsonl", "columns": "messages"}}') and
         (t / "a.jsonl").write_text(RECORD) and {"dataset": "x", "dataset_dir": str(t)}),
+    Case("fsdp-options-contradict", "fsdp (full_shard offload) and fsdp_config fsdp_offload_params (False) "
+         "contradict each other", {"fsdp": "full_shard offload", "fsdp_config": {"fsdp_offload_params": False}}),
+    Case("cutoff-drops-one-dataset", "dataset 'long': cutoff_len (128) is too small for every one of its 2 samples",
+         command="train", prepare=lambda t: two_datasets(t, long_prompt=" ".join(["word"] * 300))),
+    # --- resume: the checkpoint must be one this run can read back (checked before launch, not in the ranks) ---
+    Case("resume-other-lora-rank", "was trained with other settings (lora_rank 8 then, 16 now)", {"lora_rank": 16},
+         command="train", prepare=lambda t: {"resume_from_checkpoint": str(torch_checkpoint(
+             t, {"finetuning_type": "lora", "lora_rank": 8}))}),
+    Case("resume-other-engine", "holds a deepspeed checkpoint (deepspeed), and this run uses local", command="train",
+         prepare=lambda t: {"resume_from_checkpoint": str(engine_checkpoint(t, "deepspeed"))}),
+    Case("resume-other-model", "the model's hidden_size 128 then", command="train",
+         prepare=lambda t: {"resume_from_checkpoint": str(torch_checkpoint(
+             t, {"model_name_or_path": str(wider_config(t)), "finetuning_type": "lora"}))}),
+    Case("estimate-model-config-zero", "hidden_size (0) must be a whole number of at least 1", command="estimate",
+         damage=lambda m: (m / "config.json").write_text(json.dumps(
+             {**json.loads((m / "config.json").read_text()), "hidden_size": 0})),
+         argv=lambda t, cfg: [str(cfg), "--gpu-memory", "80GiB"]),
     # --- the other commands ---
     Case("export-source-missing", "export: /no/such/run is not a folder", command="export",
          argv=lambda t, cfg: ["/no/such/run", "--out", str(t / "x")]),
@@ -430,7 +490,8 @@ def write_config(tmp: Path, case: Case, tiny_model_dir: Path) -> tuple[Path, dic
 @pytest.mark.parametrize("case", CATALOGUE, ids=[c.id for c in CATALOGUE])
 def test_bad_input_gives_one_clear_line_and_exit_2(case, tiny_model_dir, tmp_path, monkeypatch, capsys):
     path, env = write_config(tmp_path, case, tiny_model_dir)
-    for name in ("NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_PORT", "FORCE_TORCHRUN", "RANK", "WORLD_SIZE"):
+    for name in ("NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_PORT", "MASTER_ADDR", "FORCE_TORCHRUN", "RANK",
+                 "WORLD_SIZE", "RDZV_ID"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)

@@ -208,6 +208,18 @@ def tokenize_preference(dataset: Dataset, tokenizer: Any, template: Template, st
     return kept
 
 
+def preference_sample_fits(dataset: Dataset, tokenizer: Any, template: Template, stage: str, cutoff_len: int,
+                           batch: int = 64) -> bool:
+    """Whether any sample of ``dataset`` keeps its prompt plus one answer token (see ``sft_sample_fits``)."""
+    encoder = encode_kto_batch if stage == "kto" else encode_pair_batch
+    first = "input_ids" if stage == "kto" else "chosen_input_ids"
+    for start in range(0, len(dataset), batch):
+        encoded = encoder(dataset[start:start + batch], tokenizer=tokenizer, template=template, cutoff_len=cutoff_len)
+        if any(encoded[first]):
+            return True
+    return False
+
+
 def encode_answer_sets(tokenizer: Any, template: Template, samples: Sequence[tuple[str, list[Message], list[str], str]],
                        cutoff_len: int) -> list[list[tuple[list[int], list[int]]]]:
     """For each (system, prompt turns, answers, tools): (input_ids, labels) of the prompt followed by each answer.

@@ -306,13 +306,28 @@ def _lora_target_problems(c: TrainConfig) -> list[str]:
     return []
 
 
+def mistyped_target_problems(c: TrainConfig) -> list[str]:
+    """lora_target / additional_target names the model's weights lack, where a close name is present (a typo)."""
+    from shardtune.model.weight_names import mistyped_modules
+
+    folder = Path(c.model_name_or_path or "")
+    problems = []
+    for key, wanted in (("lora_target", c.lora_target), ("additional_target", c.additional_target or [])):
+        if key == "lora_target" and (c.finetuning_type != "lora" or "all" in wanted):
+            continue
+        typos = mistyped_modules(list(wanted), folder) if folder.is_dir() else {}
+        problems += [f"{key}: {typed} not found in the model (did you mean '{close}'?)"
+                     for typed, close in typos.items()]
+    return problems
+
+
 def file_problems(c: TrainConfig) -> list[str]:
     """Paths that must exist before training: the model's config and the output folder's state."""
     problems: list[str] = []
     model = c.model_name_or_path
     if model is not None and not (c.build_tiny_model_if_missing and not Path(model).exists()):
         model_problems = model_path_problems(model)
-        problems += model_problems or attention_problems(c) + moe_problems(c)
+        problems += model_problems or attention_problems(c) + moe_problems(c) + mistyped_target_problems(c)
     if c.output_dir is not None:
         problems += output_dir_problems(c)
     problems += write_problems(c)

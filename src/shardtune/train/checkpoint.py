@@ -19,6 +19,7 @@ from shardtune.engines.base import Engine
 from shardtune.model.pretrained_adapters import plan_adapters
 from shardtune.train.checkpoint_folders import (  # noqa: F401 - discovery lives there, torch-free
     COMPLETE_MARKER,
+    MODEL_ONLY_MARKER,
     STATE_FILE,
     checkpoint_dir,
     complete_checkpoints,
@@ -28,7 +29,6 @@ from shardtune.train.checkpoint_folders import (  # noqa: F401 - discovery lives
 )
 from shardtune.train.loop import TrainState
 
-MODEL_ONLY_MARKER = "MODEL_ONLY"  # save_only_model: the folder holds the model (or adapter), no optimizer state
 RNG_FILE = "rng_state.pt"
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from shardtune import run_files
 
 COMPLETE_MARKER = "COMPLETE"
+MODEL_ONLY_MARKER = "MODEL_ONLY"  # save_only_model: the folder holds the model (or adapter), no optimizer state
 STATE_FILE = run_files.TRAINER_STATE
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
