@@ -188,3 +188,10 @@ def _read_json_object(path: Path) -> tuple[dict[str, Any], str | None]:
     if not isinstance(data, dict):
         return {}, f"{path} must hold a JSON object, not {type(data).__name__}; {_REMEDY}"
     return data, None
+
+
+def is_reward_model_config(config: dict[str, Any] | None) -> bool:
+    """Does a model's config.json name a sequence-classification class (a full reward model's output)?"""
+    architectures = (config or {}).get("architectures")
+    return isinstance(architectures, list) and any(str(name).endswith("ForSequenceClassification")
+                                                   for name in architectures)
