@@ -144,7 +144,7 @@ def test_fully_masked_batch_gives_zero_loss_and_zero_gradients_everywhere():
 
 
 def test_chunks_skip_masked_positions_and_never_build_the_full_logits(monkeypatch):
-    """The head's matmuls see at most chunk_size rows, and only the trainable ones."""
+    """The head's matmuls see at most chunk_size rows, only the trainable ones, and each once."""
     model, batch, rows_seen = tiny_llama(), batch_of(features()), []
     trainable = int((batch["labels"][:, 1:] != M).sum())
     linear = torch.nn.functional.linear
@@ -157,7 +157,8 @@ def test_chunks_skip_masked_positions_and_never_build_the_full_logits(monkeypatc
     monkeypatch.setattr(torch.nn.functional, "linear", recording_linear)
     loss, _ = token_loss_sum(model, batch, 8)
     loss.backward()
-    assert max(rows_seen) == 8 and sum(rows_seen) == 2 * trainable  # forward, then recomputed in backward
+    # Each trainable row's logits once, in the forward: the backward recomputes nothing.
+    assert max(rows_seen) == 8 and sum(rows_seen) == trainable
     assert trainable < batch["input_ids"].numel()
 
 
@@ -232,18 +233,43 @@ def test_a_head_that_sees_only_some_positions_is_refused():
         causal_lm_loss_sum(tiny_llama(), inputs, batch["labels"], 4)
 
 
-def test_the_function_matches_cross_entropy_directly():
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_the_function_matches_cross_entropy_directly(smoothing):
+    """Loss and the gradients of hidden states, weight and bias against autograd through F.cross_entropy (fp64),
+    with an incoming gradient other than 1 (the loop scales the loss before its backward)."""
     torch.manual_seed(0)
     hidden = torch.randn(2, 9, 16, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(VOCAB, 16, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(VOCAB, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, VOCAB, (2, 9))
     targets[0, :3] = M
-    assert torch.autograd.gradcheck(lambda h, w, b: linear_cross_entropy_sum(h, w, b, targets, 4),
-                                    (hidden, weight, bias))
     expected = torch.nn.functional.cross_entropy((hidden @ weight.t() + bias).reshape(-1, VOCAB),
-                                                 targets.reshape(-1), ignore_index=M, reduction="sum")
-    assert float(linear_cross_entropy_sum(hidden, weight, bias, targets, 4)) == pytest.approx(float(expected))
+                                                 targets.reshape(-1), ignore_index=M, reduction="sum",
+                                                 label_smoothing=smoothing)
+    reference = torch.autograd.grad(expected * 0.37, (hidden, weight, bias))
+    found = linear_cross_entropy_sum(hidden, weight, bias, targets, 4, smoothing)
+    assert float(found) == pytest.approx(float(expected), rel=1e-12)
+    for got, want in zip(torch.autograd.grad(found * 0.37, (hidden, weight, bias)), reference, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_second_backward_through_the_same_loss_is_refused():
+    hidden = torch.randn(1, 5, 8, requires_grad=True)
+    loss = linear_cross_entropy_sum(hidden, torch.randn(VOCAB, 8), None, torch.randint(0, VOCAB, (1, 5)), 2)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="back-propagated twice"):
+        loss.backward()
+
+
+def test_evaluation_under_no_grad_forms_no_gradients(monkeypatch):
+    """Under no_grad only the loss is computed: one head matmul per chunk and no gradient matmuls."""
+    calls = []
+    matmul = torch.Tensor.__matmul__
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: calls.append(1) or matmul(a, b))
+    weight = torch.randn(VOCAB, 8, requires_grad=True)
+    with torch.no_grad():
+        loss = linear_cross_entropy_sum(torch.randn(1, 6, 8), weight, None, torch.randint(0, VOCAB, (1, 6)), 2)
+    assert not loss.requires_grad and calls == []
 
 
 def test_the_config_key_reaches_the_loop():

@@ -87,6 +87,28 @@ def test_collator_pads_plain_rows() -> None:
     assert all(t.dtype == torch.long for t in batch.values())
 
 
+def test_rows_without_padding_get_no_mask_and_the_same_loss_and_gradients() -> None:
+    """An all-ones mask is left out (transformers would check it every forward); the model then computes exactly
+    what it computes with the mask."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rows = [{"input_ids": [1, 2, 3, 4], "labels": [M, 2, 3, 4]}, {"input_ids": [5, 6, 7, 8], "labels": [5, 6, M, 8]}]
+    batch = DataCollator(pad_token_id=0, attn_implementation="sdpa")(rows)
+    assert "attention_mask" not in batch and int(batch["num_tokens"]) == 8
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa"))
+    found = []
+    for mask in (None, torch.ones_like(batch["input_ids"])):
+        model.zero_grad()
+        extra = {} if mask is None else {"attention_mask": mask}
+        out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"], **extra)
+        out.loss.backward()
+        found.append((out.loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    assert torch.equal(found[0][0], found[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(found[0][1], found[1][1], strict=True))
+
+
 def test_collator_builds_a_block_diagonal_mask_for_packed_rows() -> None:
     feature = {"input_ids": [5, 6, 7], "labels": [M, 6, M], "position_ids": [0, 1, 0], "segment_ids": [1, 1, 2]}
     as_bool = DataCollator(0, pad_to_multiple_of=4, attn_implementation="sdpa")([feature])["attention_mask"]

@@ -25,7 +25,9 @@ How packed rows stay independent (checked against transformers 5.23: ``masking_u
   kind the mask is a tensor (windowed for Mistral-style models, whose mask function returns a 4-D mask
   unchanged), with several (Gemma 2/3, GPT-OSS: local and global layers) it is ``{layer type: mask}``, which
   those models take in place of building their own. Flash gets each layer's window from the layer itself.
-* Rows that are not packed get the usual 2-D padding mask ``[B, L]`` (1 = token, 0 = padding).
+* Rows that are not packed get the usual 2-D padding mask ``[B, L]`` (1 = token, 0 = padding), and no mask at
+  all when no row is padded: transformers checks a given mask on every forward (a host sync on a GPU) to find it
+  all ones and take the plain causal kernel, which is what no mask gives directly.
 
 Padding forms its own causal segment so that no query row is fully masked (an all-blocked row
 makes SDPA return NaN, which would then leak into real tokens through 0 * NaN).
@@ -73,7 +75,8 @@ class DataCollator:
         # Real (non-padding) tokens, for throughput: packed rows carry no 2-D mask to count them from.
         batch["num_tokens"] = (segments > 0).sum()
         if not any("segment_ids" in f for f in features):
-            batch["attention_mask"] = (segments > 0).long()
+            if not bool((segments > 0).all()):  # rows without padding need no mask (see the module docstring)
+                batch["attention_mask"] = (segments > 0).long()
         elif "flash" in (self.attn_implementation or ""):
             batch.update(flash_varlen_kwargs(segments))
         else:

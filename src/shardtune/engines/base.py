@@ -123,6 +123,11 @@ class Engine(ABC):
     def step(self, max_grad_norm: float) -> float:
         """Clip, step optimizer and scheduler, zero grads; return the gradient norm before clipping."""
 
+    def step_on_device(self, max_grad_norm: float) -> torch.Tensor:
+        """``step``, with the gradient norm left where it was computed: reading it is the caller's one host sync
+        (the loop reads it together with the step's other numbers)."""
+        return torch.tensor(self.step(max_grad_norm), dtype=torch.float32)
+
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         return value
 

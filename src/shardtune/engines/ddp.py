@@ -34,8 +34,7 @@ class DDPEngine(DistributedMixin, TorchEngine):
         # Frozen (LoRA base) parameters are not registered for reduction, so LoRA needs no
         # unused-parameter search; it stays off unless asked for, as it costs a graph walk per step.
         device_ids = [self.ctx.local_rank] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids,
-                                       find_unused_parameters=self.find_unused_parameters)
+        return DistributedDataParallel(model, device_ids=device_ids, **ddp_options(model, self.find_unused_parameters))
 
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if is_last_micro_batch else self.wrapped().no_sync()
@@ -55,3 +54,21 @@ class DDPEngine(DistributedMixin, TorchEngine):
         self.wrapped()  # raises unless the model is DistributedDataParallel
         if dist.get_world_size() != self.ctx.world_size:
             raise RuntimeError(f"engine ddp: world size {dist.get_world_size()} != expected {self.ctx.world_size}")
+
+
+def ddp_options(model: torch.nn.Module, find_unused_parameters: bool) -> dict[str, bool]:
+    """DistributedDataParallel's settings beside the device.
+
+    * ``gradient_as_bucket_view``: the gradients are views into the all-reduce buckets, so they are not copied
+      into them and back after every backward, and the buckets are not a second copy of the gradients.
+    * ``broadcast_buffers`` off: by default DDP broadcasts every buffer from rank 0 before each forward (one more
+      collective per micro-batch). A causal LM's buffers (rotary frequencies, masks) are constants the model
+      computes the same on every rank, and none is trained; so nothing changes by skipping it.
+    * ``static_graph`` where the unused-parameter search was asked for on a model whose set of used parameters
+      cannot change between steps (no mixture-of-experts routing): DDP then finds them once, not every step.
+    """
+    from shardtune.model.moe import sparse_moe_blocks
+
+    static = find_unused_parameters and next(sparse_moe_blocks(model), None) is None
+    return {"find_unused_parameters": find_unused_parameters and not static, "static_graph": static,
+            "gradient_as_bucket_view": True, "broadcast_buffers": False}

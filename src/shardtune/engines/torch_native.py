@@ -38,6 +38,9 @@ class TorchEngine(Engine):
         loss.backward()
 
     def step(self, max_grad_norm: float) -> float:
+        return float(self.step_on_device(max_grad_norm))
+
+    def step_on_device(self, max_grad_norm: float) -> torch.Tensor:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         norm = self.clip_grad_norm(max_grad_norm if max_grad_norm > 0 else float("inf"))
@@ -48,7 +51,7 @@ class TorchEngine(Engine):
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm.detach().float().reshape(())
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(list(self.iter_trainable()), max_norm)

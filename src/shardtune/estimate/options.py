@@ -210,16 +210,17 @@ def sharded_load_setup(c: Context, shard: float, module_bytes: int, offload: boo
 # --- torch engines: DDP and FSDP ---
 
 def ddp_states(c: Context) -> tuple[Components, float, Setup]:
-    """Full fp32 weights, gradients and Adam states; DDP's buckets hold a second copy of the gradients."""
+    """Full fp32 weights, gradients and Adam states; the gradients are views into DDP's all-reduce buckets
+    (``gradient_as_bucket_view``, engines/ddp.py), which exist from the wrap on."""
     w, t = c.workload, c.trainable
     weights = weight_bytes(c.shape, w, FP32)
-    buckets = FP32 * t if c.ranks > 1 else 0  # gradient_as_bucket_view is off: buckets are separate
+    buckets = FP32 * t if c.ranks > 1 else 0  # allocated when DDP wraps the model; the gradients live in them
     reference = reference_share(c, weights)
     device = Components(
         parameters=weights,
         gradients=FP32 * t,
         optimizer_states=w.optimizer_state_bytes * t,
-        buffers=buckets + autocast_weight_copy_bytes(c.shape, w),
+        buffers=autocast_weight_copy_bytes(c.shape, w),
         activations=activation_bytes(c.shape, w, FP32),
         reference=reference,
     )

@@ -61,7 +61,7 @@ def build_optimizer(params: list[torch.nn.Parameter], s: OptimizerSettings,
     betas = (s.adam_beta1, s.adam_beta2)
     if s.optim in ("adamw_torch", "adamw_torch_fused"):
         return torch.optim.AdamW(groups, lr=s.learning_rate, betas=betas, eps=s.adam_epsilon,
-                                 fused=s.optim == "adamw_torch_fused")
+                                 fused=s.optim == "adamw_torch_fused" or fused_adamw_fits(params))
     if s.optim == "sgd":
         return torch.optim.SGD(groups, lr=s.learning_rate)
     if s.optim == "adafactor":
@@ -75,6 +75,14 @@ def build_optimizer(params: list[torch.nn.Parameter], s: OptimizerSettings,
             raise ConfigError("optim (adamw_8bit) needs bitsandbytes: pip install bitsandbytes") from None
         return bnb.optim.AdamW8bit(groups, lr=s.learning_rate, betas=betas, eps=s.adam_epsilon)
     raise ConfigError(f"optim: unknown optimizer '{s.optim}'")
+
+
+def fused_adamw_fits(params: list[torch.nn.Parameter]) -> bool:
+    """adamw_torch takes torch's fused kernel where every parameter is a floating-point CUDA tensor (FSDP2's
+    DTensors included): one kernel per step for all parameters instead of a dozen element-wise launches per
+    tensor. It computes the same update (the kernel tests in tests/gpu compare them); on the CPU torch's default
+    stays, so CPU runs are unchanged."""
+    return bool(params) and all(p.device.type == "cuda" and p.is_floating_point() for p in params)
 
 
 def build_extra_optimizer(params: list[torch.nn.Parameter], s: OptimizerSettings,

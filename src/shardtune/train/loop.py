@@ -75,7 +75,11 @@ class LoopHooks(Protocol):
     def on_log(self, state: TrainState, metrics: dict[str, float]) -> None: ...
     def on_save(self, state: TrainState) -> None: ...
     def on_evaluate(self, state: TrainState) -> None: ...
-    def should_stop(self) -> bool: ...
+    def should_stop(self) -> bool:
+        """Whether any rank was asked to stop (a collective: every rank calls it at the same step)."""
+
+    def stop_requested(self) -> bool:
+        """Whether this rank was asked to stop (no collective; the token loss's step reduces it with its numbers)."""
 
 
 def token_loss_sum(model: torch.nn.Module, batch: Batch, chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
@@ -127,8 +131,13 @@ def accumulation_windows(batches: Iterable[Batch], size: int) -> Iterator[list[B
 
 def train_step(engine: Engine, window: list[Batch], max_grad_norm: float,
                loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE, label_smoothing: float = 0.0,
-               router_aux_loss_coef: float | None = None) -> dict[str, float]:
-    """Forward/backward every micro-batch of one window, then one optimizer step."""
+               router_aux_loss_coef: float | None = None, stop_requested: bool = False) -> dict[str, float]:
+    """Forward/backward every micro-batch of one window, then one optimizer step.
+
+    Two collectives besides the engine's own: the window's trainable-token count before the first backward, and
+    one reduction after the step of everything the step reports, with whether any rank was asked to stop
+    (``stop`` in the result). The numbers are read from the device once, at the end.
+    """
     local_tokens = sum(count_trainable_tokens(b) for b in window)
     global_tokens = engine.all_reduce_sum(torch.tensor(float(local_tokens), device=engine.device))
     # max(…, 1): a window whose samples are all masked must not divide by zero.
@@ -149,16 +158,19 @@ def train_step(engine: Engine, window: list[Batch], max_grad_norm: float,
             aux_total += aux.detach() * aux_share
         engine.backward(loss)
         loss_total += loss_sum.detach()
-    grad_norm = engine.step(max_grad_norm)
-    step_loss = engine.all_reduce_sum(loss_total) / denominator
-    # Non-padding tokens and computed token slots (rows x padded length), summed over ranks in one call.
-    counts = engine.all_reduce_sum(torch.tensor(
-        [float(sum(count_input_tokens(b) for b in window)), float(sum(b["input_ids"].numel() for b in window))],
-        device=engine.device))
-    metrics = {"loss": float(step_loss), "grad_norm": grad_norm, "tokens": float(counts[0]),
-               "slots": float(counts[1]), "trainable_tokens": float(global_tokens)}
+        del loss, loss_sum, aux  # the graph (and the loss head's gradient buffers) goes before the next forward
+    grad_norm = engine.step_on_device(max_grad_norm)
+    # The loss, non-padding tokens and computed token slots (rows x padded length) and the stop flags, summed over
+    # ranks in one call; then everything read from the device at once.
+    counts = torch.tensor([float(sum(count_input_tokens(b) for b in window)),
+                           float(sum(b["input_ids"].numel() for b in window)), float(stop_requested)],
+                          device=engine.device)
+    summed = engine.all_reduce_sum(torch.cat([torch.stack([loss_total.float(), aux_total.float()]), counts]))
+    loss_sum_all, aux_loss, tokens, slots, stops, trainable, norm = torch.cat(
+        [summed, global_tokens.reshape(1).float(), grad_norm.to(summed.device).reshape(1)]).tolist()
+    metrics = {"loss": loss_sum_all / max(trainable, 1.0), "grad_norm": norm, "tokens": tokens, "slots": slots,
+               "trainable_tokens": trainable, "stop": stops}
     if router_aux_loss_coef is not None:
-        aux_loss = float(engine.all_reduce_sum(aux_total))
         metrics.update(loss=metrics["loss"] + router_aux_loss_coef * aux_loss, aux_loss=aux_loss)
     return metrics
 
@@ -202,9 +214,11 @@ def run_loop(engine: Engine, epoch_batches: Callable[[int], Iterable[Batch]], s:
                 continue
             if s.objective is not None:
                 metrics = s.objective.train_step(engine, window, s.max_grad_norm)
+                stop = hooks.should_stop()
             else:
                 metrics = train_step(engine, window, s.max_grad_norm, s.loss_chunk_size, s.label_smoothing,
-                                     s.router_aux_loss_coef)
+                                     s.router_aux_loss_coef, hooks.stop_requested())
+                stop = metrics.pop("stop") > 0
             state.global_step += 1
             state.epoch = epoch + (index + 1) / s.steps_per_epoch
             state.tokens_seen += int(metrics["tokens"])
@@ -215,7 +229,7 @@ def run_loop(engine: Engine, epoch_batches: Callable[[int], Iterable[Batch]], s:
             _after_step(state, s, hooks, interval, end_of_epoch)
             if state.global_step >= s.total_steps:
                 break
-            if hooks.should_stop():
+            if stop:
                 state.interrupted = True
                 if s.save_steps and state.global_step % s.save_steps:
                     hooks.on_save(state)  # not already saved by _after_step

@@ -5,9 +5,10 @@ Why this shape:
 * The plain path materialises the logits, an fp32 copy of them and the log-softmax, and three such tensors
   are alive when the backward starts: with a 150k vocabulary each is 2.5 GB per 4096 tokens, more than a
   small model's decoder activations. Here the loss is computed ``chunk_size`` trainable tokens at a time from
-  the final hidden states and the output layer's weight; only each chunk's log-sum-exp is kept, and the
-  backward recomputes each chunk's logits to form the gradients of the hidden states and of the weight (and
-  bias).
+  the final hidden states and the output layer's weight, and each chunk's gradients (of the hidden states, the
+  weight and the bias) are formed right away from the logits it already holds; the backward only scales them
+  by the incoming gradient. No logits are recomputed in the backward (recomputing them cost one more head
+  matmul per token, a third of a LoRA step's work on a small model: benchmarks/llamafactory_cpu.py).
   Positions whose label is ``IGNORE_INDEX`` get no logits at all: they add nothing to the loss or gradients.
 * The chunked computation runs *inside the output layer's own forward call*, during the wrapped model's
   forward. Engines only make a sharded weight whole around the forward and backward of the module that owns
@@ -16,8 +17,9 @@ Why this shape:
   root) around the root's forward and backward. Reading the weight anywhere else sees an empty shard. So for
   one forward of the model the head's ``forward`` is replaced by a function that returns the summed loss
   (shaped ``[1, 1, 1]`` so model code that indexes its logits keeps working) and the loss is taken from the
-  model's output, the tensor the engines' backward hooks are attached to. The custom autograd function saves
-  the weight the way ``F.linear`` does, so whatever makes a plain head work under an engine makes this work.
+  model's output, the tensor the engines' backward hooks are attached to. The gradients it returns have the
+  weight's gathered shape, formed while the engine held it whole, so the engine's gradient hooks see what a
+  plain head's backward would give them.
   transformers' causal LMs (5.23: ``LlamaForCausalLM.forward``) call ``self.lm_head(hidden_states[:,
   slice_indices, :])`` with every position when ``logits_to_keep`` is 0, so the head sees ``[batch, seq,
   hidden]`` aligned with the labels; a head called with another shape, or twice, is refused with a remedy.
@@ -27,8 +29,8 @@ Why this shape:
   that are not a plain ``nn.Linear`` (quantized, LoRA on the head) use the plain path, with a warning naming
   the reason; a model that changes the returned value anyway is caught by comparing it with the loss computed.
 * Mixed precision follows what autocast does to ``nn.Linear`` in the plain path: chunk logits are computed in
-  the autocast dtype, then the loss in fp32; the backward rounds the logits' gradient to that dtype before
-  both matmuls. The weight gradient is summed over chunks in the weight's dtype (fp32 under autocast).
+  the autocast dtype, then the loss in fp32; the logits' gradient is rounded to that dtype before both
+  matmuls. The weight gradient is summed over chunks in the weight's dtype (fp32 under autocast).
 """
 
 from __future__ import annotations
@@ -211,7 +213,8 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: t
     # Even with no trainable token the call stays in the graph, so every rank runs the same hooks and
     # collectives and every parameter gets a (zero) gradient.
     return _ChunkedLinearCrossEntropy.apply(rows.index_select(0, kept), weight, bias, flat.index_select(0, kept),
-                                            chunk_size, _compute_dtype(hidden, weight), label_smoothing)
+                                            chunk_size, _compute_dtype(hidden, weight), label_smoothing,
+                                            torch.is_grad_enabled())
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -222,38 +225,60 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Saves the inputs and one log-sum-exp per row; the backward recomputes each chunk's logits."""
+    """Computes the head's gradients in the forward, chunk by chunk, from the logits it already holds.
+
+    The loss is a sum, so its gradients are linear in the one incoming scalar: the forward forms them for an
+    incoming gradient of 1 and the backward only scales them. No logits are recomputed in the backward (one
+    head matmul per chunk less than recomputing them, the largest matmul of a small model), and nothing of the
+    inputs is saved: the rows' gradient takes the place of the rows. Under ``no_grad`` (evaluation) only the loss
+    is computed.
+    """
 
     @staticmethod
     def forward(ctx: Any, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, chunk_size: int, dtype: torch.dtype, smoothing: float) -> torch.Tensor:
-        lse = torch.empty(rows.size(0), dtype=_loss_dtype(dtype), device=rows.device)
+                targets: torch.Tensor, chunk_size: int, dtype: torch.dtype, smoothing: float,
+                grads_wanted: bool) -> torch.Tensor:
+        need_rows, need_weight, need_bias = (grads_wanted and flag for flag in ctx.needs_input_grad[:3])
+        grads = _HeadGrads(
+            rows=torch.empty_like(rows) if need_rows else None,
+            weight=torch.zeros_like(weight) if need_weight else None,
+            bias=torch.zeros(weight.size(0), dtype=_loss_dtype(dtype), device=weight.device) if need_bias else None)
         total = torch.zeros((), dtype=_loss_dtype(dtype), device=rows.device)
         with torch.autocast(rows.device.type, enabled=False):
             w, b = weight.to(dtype), bias.to(dtype) if bias is not None else None
             for start in range(0, rows.size(0), chunk_size):
                 end = min(start + chunk_size, rows.size(0))
-                total += _chunk_loss_sum(rows[start:end], w, b, targets[start:end], lse[start:end], dtype, smoothing)
-        ctx.save_for_backward(rows, weight, bias, targets, lse)
-        ctx.chunk_size, ctx.dtype, ctx.smoothing = chunk_size, dtype, smoothing
+                total += _chunk_loss_and_grads(rows[start:end], w, b, targets[start:end], dtype, smoothing,
+                                               grads.chunk(start, end))
+        ctx.grads = grads
+        ctx.bias_dtype = bias.dtype if bias is not None else None
         return total
 
     @staticmethod
     def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        rows, weight, bias, targets, lse = ctx.saved_tensors
-        need_rows, need_weight, need_bias = ctx.needs_input_grad[:3]
-        dtype = ctx.dtype
-        grad_rows = torch.zeros_like(rows) if need_rows else None
-        grad_weight = torch.zeros_like(weight) if need_weight else None
-        grad_bias = torch.zeros(weight.size(0), dtype=_loss_dtype(dtype), device=weight.device) if need_bias else None
-        with torch.autocast(rows.device.type, enabled=False):
-            w, b = weight.to(dtype), bias.to(dtype) if bias is not None else None
-            for start in range(0, rows.size(0), ctx.chunk_size):
-                end = min(start + ctx.chunk_size, rows.size(0))
-                _chunk_backward(rows[start:end].to(dtype), w, b, targets[start:end], lse[start:end], grad_total,
-                                grad_rows[start:end] if grad_rows is not None else None, grad_weight, grad_bias,
-                                ctx.smoothing)
-        return grad_rows, grad_weight, _as(grad_bias, bias), None, None, None, None
+        grads: _HeadGrads | None = ctx.grads
+        if grads is None:
+            raise RuntimeError("the chunked loss was back-propagated twice (retain_graph): its gradients are handed "
+                               "over once; set loss_chunk_size: 0 for repeated backward passes")
+        # Handed over once and scaled in place: the loss tensor keeps this node alive until the next micro-batch,
+        # and a head-sized buffer must not live that long.
+        ctx.grads = None
+        scaled = [g.mul_(grad_total) if g is not None else None for g in (grads.rows, grads.weight, grads.bias)]
+        grad_bias = scaled[2].to(ctx.bias_dtype) if scaled[2] is not None else None
+        return scaled[0], scaled[1], grad_bias, None, None, None, None, None
+
+
+@dataclass
+class _HeadGrads:
+    """The head's gradients for an incoming gradient of 1, filled chunk by chunk (None: not wanted)."""
+
+    rows: torch.Tensor | None
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def chunk(self, start: int, end: int) -> _HeadGrads:
+        """The same buffers with the rows' gradient narrowed to one chunk (weight and bias are sums)."""
+        return _HeadGrads(self.rows[start:end] if self.rows is not None else None, self.weight, self.bias)
 
 
 def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -266,49 +291,39 @@ def _chunk_logits(chunk: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, 
     return F.linear(chunk.to(dtype), w, b).to(_loss_dtype(dtype))
 
 
-def _chunk_loss_sum(chunk: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, targets: torch.Tensor,
-                    lse_out: torch.Tensor, dtype: torch.dtype, smoothing: float = 0.0) -> torch.Tensor:
-    """Summed cross entropy of one chunk; writes each row's log-sum-exp into ``lse_out``.
+def _chunk_loss_and_grads(chunk: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, targets: torch.Tensor,
+                          dtype: torch.dtype, smoothing: float, grads: _HeadGrads) -> torch.Tensor:
+    """Summed cross entropy of one chunk, and its share of the gradients added into ``grads``.
 
-    The log-sum-exp is taken in place so that one fp32 ``[chunk, vocab]`` tensor is alive, not two. With label
+    The softmax is formed in place from the logits (one fp32 ``[chunk, vocab]`` tensor alive). With label
     smoothing a row's loss is ``lse - (1 - eps) * z_target - eps * mean(z)`` (the mean over the vocabulary of
-    ``-log p`` is ``lse - mean(z)``).
+    ``-log p`` is ``lse - mean(z)``) and its logits' gradient is the softmax minus ``1 - eps`` on the target and
+    ``eps / V`` everywhere. The logits' gradient is rounded to ``dtype`` before both matmuls, as autocast's
+    backward of ``nn.Linear`` does.
     """
     logits = _chunk_logits(chunk, w, b, dtype)
     picked = logits.gather(1, targets[:, None]).squeeze(1)
     spread = logits.mean(dim=1) if smoothing else None
     peak = logits.amax(dim=1, keepdim=True)
-    lse_out.copy_(logits.sub_(peak).exp_().sum(dim=1).log_().add_(peak.squeeze(1)))
-    if spread is None:
-        return (lse_out - picked).sum()
-    return (lse_out - (1.0 - smoothing) * picked - smoothing * spread).sum()
-
-
-def _chunk_backward(chunk: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, targets: torch.Tensor,
-                    lse: torch.Tensor, grad_total: torch.Tensor, grad_rows: torch.Tensor | None,
-                    grad_weight: torch.Tensor | None, grad_bias: torch.Tensor | None, smoothing: float = 0.0) -> None:
-    """Add one chunk's share to the gradients. A function of its own so that the chunk's ``[chunk, vocab]``
-    gradient is freed before the next chunk's is built (a loop variable would keep two alive)."""
-    grad_logits = _chunk_logit_grad(chunk, w, b, targets, lse, grad_total, w.dtype, smoothing)
-    if grad_rows is not None:
-        grad_rows.copy_(grad_logits @ w)
-    if grad_weight is not None:
-        _add_product(grad_weight, grad_logits.t(), chunk)
-    if grad_bias is not None:
-        grad_bias += grad_logits.sum(0, dtype=grad_bias.dtype)
-
-
-def _chunk_logit_grad(chunk: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, targets: torch.Tensor,
-                      lse: torch.Tensor, grad_total: torch.Tensor, dtype: torch.dtype,
-                      smoothing: float = 0.0) -> torch.Tensor:
-    """d(loss)/d(logits) of one chunk: softmax minus the smoothed one-hot (``1 - eps`` on the target, ``eps / V``
-    everywhere), times the incoming gradient, in ``dtype``."""
-    probs = _chunk_logits(chunk, w, b, dtype)
-    probs.sub_(lse[:, None]).exp_()
+    probs = logits.sub_(peak).exp_()
+    sums = probs.sum(dim=1)
+    lse = sums.log().add_(peak.squeeze(1))
+    loss = (lse - picked).sum() if spread is None else (lse - (1.0 - smoothing) * picked - smoothing * spread).sum()
+    if grads.rows is None and grads.weight is None and grads.bias is None:
+        return loss
+    probs.div_(sums[:, None])
     if smoothing:
         probs.sub_(smoothing / probs.size(1))
     probs[torch.arange(probs.size(0), device=probs.device), targets] -= 1.0 - smoothing
-    return probs.mul_(grad_total).to(dtype)
+    grad_logits = probs.to(w.dtype)
+    del logits, probs  # the fp32 copy is freed before the products when the compute dtype is narrower
+    if grads.rows is not None:
+        grads.rows.copy_(grad_logits @ w)
+    if grads.weight is not None:
+        _add_product(grads.weight, grad_logits.t(), chunk.to(w.dtype))
+    if grads.bias is not None:
+        grads.bias += grad_logits.sum(0, dtype=grads.bias.dtype)
+    return loss
 
 
 def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -320,7 +335,3 @@ def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     # A bf16 product cannot be added into fp32 in one call on every device: add it a block of rows at a time.
     for start in range(0, out.size(0), PRODUCT_BLOCK_ROWS):
         out[start:start + PRODUCT_BLOCK_ROWS] += a[start:start + PRODUCT_BLOCK_ROWS] @ b
-
-
-def _as(grad: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
-    return None if grad is None or like is None else grad.to(like.dtype)

@@ -372,6 +372,9 @@ class RunHooks:
         flag = torch.tensor(1.0 if self.stop.requested else 0.0, device=self.engine.device)
         return bool(self.engine.all_reduce_sum(flag) > 0)
 
+    def stop_requested(self) -> bool:
+        return self.stop.requested
+
     def on_save(self, state: TrainState) -> None:
         checkpoint.save_checkpoint(self.engine, self.output_dir, state, self.config.save_total_limit,
                                    model_only=self.config.save_only_model)
