@@ -33,6 +33,7 @@ from shardtune.train.loop import (
     total_training_steps,
 )
 from shardtune.train.pissa import PissaConversion
+from shardtune.train.rank_log import RankLog, rank_log_path
 from shardtune.train.reporting import LOG_FILE, Reporter, plot_loss
 from shardtune.train.settings import finetuning_settings
 from shardtune.train.setup import (
@@ -105,16 +106,22 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
             raise RuntimeError("no training data loader after scoring the reference log-probabilities")
     state = start_state(engine, config, output_dir)
     hooks = RunHooks(engine, config, output_dir, loop.total_steps, eval_loader, state.global_step,
-                     stop or StopRequest(), loop.objective)
+                     stop or StopRequest(), loop.objective, estimated_peak(memory))
     hooks.meter.start()
     state = run_loop(engine, epoch_batches_for(train_loader), loop, state, hooks)
     if state.interrupted:
+        hooks.rank_log.close(state.global_step, interrupted=True)
         hooks.reporter.close()
         engine.close()
         return {"interrupted": True, "global_step": state.global_step}
     if pissa is not None:
         pissa.save_converted(engine.unwrapped_model(), engine.is_main)
     return finish_run(engine, tokenizer, config, output_dir, state, hooks, memory)
+
+
+def estimated_peak(memory: MemoryProbe | None) -> float | None:
+    """The estimate's peak bytes on the busiest rank (None without an estimate), for the rank logs."""
+    return None if memory is None or memory.estimate is None else float(memory.estimate.peak)
 
 
 def with_new_tokens(tokenizer: Any, c: TrainConfig) -> TrainConfig:
@@ -312,6 +319,8 @@ def clear_previous_run(output_dir: Path) -> None:
 
     (output_dir / LOG_FILE).unlink(missing_ok=True)
     (output_dir / RESULTS_FILE).unlink(missing_ok=True)
+    for old_log in rank_log_path(output_dir, 0).parent.glob("rank_*.jsonl"):
+        old_log.unlink(missing_ok=True)
     for old in output_dir.glob("checkpoint-*"):
         shutil.rmtree(old, ignore_errors=True)
 
@@ -339,6 +348,7 @@ class RunHooks:
     start_step: int = 0
     stop: StopRequest = field(default_factory=StopRequest)
     objective: Objective | None = None
+    estimate_peak_bytes: float | None = None
 
     def __post_init__(self) -> None:
         self.reporter = Reporter(self.output_dir, self.total_steps, enabled=self.engine.is_main,
@@ -347,8 +357,15 @@ class RunHooks:
         self.last_log_time = self.reporter.start_time
         self.train_losses: list[float] = []
         self.meter = ThroughputMeter(warmup_steps=self.config.throughput_warmup_steps)
+        self.rank_log = RankLog(rank_log_path(self.output_dir, self.engine.rank), self.engine.rank,
+                                self.engine.device)
+        self.rank_log.start(world_size=self.engine.world_size, total_steps=self.total_steps,
+                            start_step=self.start_step, estimate_peak_bytes=self.estimate_peak_bytes)
+        self.stop_wait = 0.0  # seconds the last stop-flag reduction waited for the other ranks
 
     def on_step(self, state: TrainState, metrics: dict[str, float]) -> None:
+        self.rank_log.step(state.global_step, metrics, self.stop_wait)
+        self.stop_wait = 0.0
         self.meter.record(metrics)
         self.train_losses.append(metrics["loss"])
         self.reporter.step(state.global_step, metrics)
@@ -367,18 +384,27 @@ class RunHooks:
 
     def should_stop(self) -> bool:
         # Ranks may receive the signal at different steps; the sum makes them stop at the same one.
+        arrived = time.perf_counter()
         flag = torch.tensor(1.0 if self.stop.requested else 0.0, device=self.engine.device)
-        return bool(self.engine.all_reduce_sum(flag) > 0)
+        stop = bool(self.engine.all_reduce_sum(flag) > 0)
+        self.stop_wait = time.perf_counter() - arrived
+        return stop
 
     def on_save(self, state: TrainState) -> None:
+        started = time.perf_counter()
         checkpoint.save_checkpoint(self.engine, self.output_dir, state, self.config.save_total_limit,
                                    model_only=self.config.save_only_model)
+        self.rank_log.event("save", state.global_step, seconds=round(time.perf_counter() - started, 3))
+        self.rank_log.restart_clock()
         self.meter.start()  # saving is not training time
 
     def on_evaluate(self, state: TrainState) -> None:
         if self.eval_loader is not None:
+            started = time.perf_counter()
             found = self.eval_metrics()
+            self.rank_log.event("eval", state.global_step, seconds=round(time.perf_counter() - started, 3))
             self.reporter.log_eval(state.global_step, state.epoch, found.pop("eval_loss"), found)
+        self.rank_log.restart_clock()
         self.meter.start()
 
     def eval_metrics(self) -> dict[str, float]:
@@ -428,6 +454,7 @@ def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path,
         if c.plot_loss:
             plot_loss(output_dir)
     hooks.reporter.close()
+    hooks.rank_log.close(state.global_step, interrupted=False)
     engine.barrier()
     engine.close()
     return results
