@@ -67,13 +67,14 @@ class RankLog:
         self._file.write(json.dumps({"time": round(time.time(), 3), **record}, separators=(",", ":")) + "\n")
         self._file.flush()
 
-    def start(self, *, world_size: int, total_steps: int, start_step: int, estimate_peak_bytes: float | None
-              ) -> None:
+    def start(self, *, world_size: int, total_steps: int, start_step: int, estimate_peak_bytes: float | None,
+              baseline_rss_bytes: int | None = None) -> None:
         self._last = time.perf_counter()
         self.write({"event": "start", "rank": self.rank, "world_size": world_size, "host": socket.gethostname(),
                     "pid": os.getpid(), "ppid": os.getppid(), "device": str(self.device or "cpu"),
                     "total_steps": total_steps, "step": start_step,
-                    "estimate_peak_bytes": None if estimate_peak_bytes is None else int(estimate_peak_bytes)})
+                    "estimate_peak_bytes": None if estimate_peak_bytes is None else int(estimate_peak_bytes),
+                    "baseline_rss": baseline_rss_bytes})
 
     def restart_clock(self) -> None:
         """Time after this (a checkpoint save, an evaluation) is not the next step's."""

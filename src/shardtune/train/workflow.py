@@ -106,7 +106,8 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
             raise RuntimeError("no training data loader after scoring the reference log-probabilities")
     state = start_state(engine, config, output_dir)
     hooks = RunHooks(engine, config, output_dir, loop.total_steps, eval_loader, state.global_step,
-                     stop or StopRequest(), loop.objective, estimated_peak(memory))
+                     stop or StopRequest(), loop.objective, estimated_peak(memory),
+                     memory.baseline.rss_bytes if memory is not None else None)
     hooks.meter.start()
     state = run_loop(engine, epoch_batches_for(train_loader), loop, state, hooks)
     if state.interrupted:
@@ -349,18 +350,21 @@ class RunHooks:
     stop: StopRequest = field(default_factory=StopRequest)
     objective: Objective | None = None
     estimate_peak_bytes: float | None = None
+    baseline_rss_bytes: int | None = None  # resident memory before the model was loaded (CPU runs measure from it)
 
     def __post_init__(self) -> None:
         self.reporter = Reporter(self.output_dir, self.total_steps, enabled=self.engine.is_main,
                                  trackers=self.config.report_to, logging_dir=self.config.logging_dir,
-                                 start_step=self.start_step, run_name=run_name(self.config, self.output_dir))
+                                 start_step=self.start_step, run_name=run_name(self.config, self.output_dir),
+                                 config=config_to_dict(self.config))
         self.last_log_time = self.reporter.start_time
         self.train_losses: list[float] = []
         self.meter = ThroughputMeter(warmup_steps=self.config.throughput_warmup_steps)
         self.rank_log = RankLog(rank_log_path(self.output_dir, self.engine.rank), self.engine.rank,
                                 self.engine.device)
         self.rank_log.start(world_size=self.engine.world_size, total_steps=self.total_steps,
-                            start_step=self.start_step, estimate_peak_bytes=self.estimate_peak_bytes)
+                            start_step=self.start_step, estimate_peak_bytes=self.estimate_peak_bytes,
+                            baseline_rss_bytes=self.baseline_rss_bytes)
         self.stop_wait = 0.0  # seconds the last stop-flag reduction waited for the other ranks
 
     def on_step(self, state: TrainState, metrics: dict[str, float]) -> None:
@@ -392,6 +396,7 @@ class RunHooks:
 
     def on_save(self, state: TrainState) -> None:
         started = time.perf_counter()
+        self.rank_log.event("saving", state.global_step)
         checkpoint.save_checkpoint(self.engine, self.output_dir, state, self.config.save_total_limit,
                                    model_only=self.config.save_only_model)
         self.rank_log.event("save", state.global_step, seconds=round(time.perf_counter() - started, 3))
@@ -401,6 +406,7 @@ class RunHooks:
     def on_evaluate(self, state: TrainState) -> None:
         if self.eval_loader is not None:
             started = time.perf_counter()
+            self.rank_log.event("evaluating", state.global_step)
             found = self.eval_metrics()
             self.rank_log.event("eval", state.global_step, seconds=round(time.perf_counter() - started, 3))
             self.reporter.log_eval(state.global_step, state.epoch, found.pop("eval_loss"), found)
