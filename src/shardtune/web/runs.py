@@ -238,6 +238,8 @@ def _env_prefix(launch: dict[str, Any]) -> str:
 
 def node_commands(launch: dict[str, Any]) -> list[dict[str, Any]]:
     """For each node: what to run on it (shardtune train with its NODE_RANK) and the torchrun command it starts."""
+    if not launch:
+        return []
     args = launch.get("command_line") or []
     nodes = launch.get("nnodes") or 1
     torchrun = launch.get("torchrun") or []
