@@ -30,7 +30,7 @@ from shardtune.web.runs import process_alive, read_json
 
 CHECK_TIMEOUT = 300
 STOP_GRACE_SECONDS = 120.0
-_KEY = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*)")
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass(frozen=True)
@@ -95,14 +95,18 @@ def check_request(request: LaunchRequest, root: Path, scratch: Path) -> tuple[li
         config.unlink(missing_ok=True)
     if done.returncode == 0:
         return [], done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "ok"
-    lines = [line.removeprefix("shardtune: error: ") for line in done.stderr.splitlines()
+    lines = [line.removeprefix("shardtune: error: ").replace(f"{config}: ", "config: ")
+             for line in done.stderr.splitlines()
              if line.startswith("shardtune: error: ")] or [done.stderr.strip()[-2000:] or "check failed"]
     return [{"key": key_of(line), "problem": line} for line in lines], ""
 
 
 def key_of(problem: str) -> str | None:
-    match = _KEY.match(problem)
-    return match.group(1) if match else None
+    """The config key a problem line judges: the first key it names (None when it names none)."""
+    from shardtune.config.schema import config_fields
+
+    keys = {f.name for f in config_fields()}
+    return next((word for word in _WORD.findall(problem) if word in keys), None)
 
 
 def _run_env(request: LaunchRequest) -> dict[str, str]:
@@ -150,11 +154,11 @@ def run_processes(folder: Path) -> dict[int, str]:
     and any process whose command line names the run's launch plan or page config (torchrun, a stray rank)."""
     found: dict[int, str] = {}
     web = read_json(folder / run_files.WEB_LAUNCH) or {}
-    if process_alive(web.get("pid"), web.get("host")):
+    if process_alive(web.get("pid"), web.get("host"), web.get("started")):
         found[web["pid"]] = "launcher"
     for reader in read_rank_logs(folder / "ranks"):
         start = reader.start or {}
-        if not reader.ended and process_alive(start.get("pid"), start.get("host")):
+        if not reader.ended and process_alive(start.get("pid"), start.get("host"), start.get("time")):
             found[start["pid"]] = f"rank {reader.rank}"
     launch = read_json(folder / run_files.LAUNCH_COMMANDS) or {}
     markers = run_markers(folder, [web.get("cwd"), launch.get("cwd")])
@@ -163,7 +167,7 @@ def run_processes(folder: Path) -> dict[int, str]:
             continue
         with contextlib.suppress(OSError):
             cmdline = b"\0" + (proc / "cmdline").read_bytes()
-            if any(m in cmdline for m in markers) and process_alive(int(proc.name), None):
+            if any(m in cmdline for m in markers) and process_alive(int(proc.name), None):  # not a zombie
                 found[int(proc.name)] = "run process"
     return found
 

@@ -139,27 +139,36 @@ def run_state(ranks: list[RankLogReader], results: Any, errors: list[dict[str, A
     exit_code = web.get("exit_code")
     if exit_code is not None:
         return "failed" if exit_code not in (0, 130) else ("stopped" if exit_code == 130 else "exited")
-    alive = [process_alive(r.start.get("pid"), r.start.get("host")) for r in ranks if r.start]
+    alive = [process_alive(r.start.get("pid"), r.start.get("host"), r.start.get("time")) for r in ranks if r.start]
     if ranks and alive and not any(a is not False for a in alive):
         return "exited"  # every rank process on this host is gone without an end record: killed
     if not ranks:
-        launcher = process_alive(web.get("pid"), web.get("host"))
+        launcher = process_alive(web.get("pid"), web.get("host"), web.get("started"))
         return "starting" if launcher else ("exited" if web else "unknown")
     rows = rank_rows(ranks, now, False)
     return "stalled" if any(row["stalled"] for row in rows) else "running"
 
 
-def process_alive(pid: Any, host: Any) -> bool | None:
-    """Whether a shardtune process ``pid`` runs (None: on another host, or unknown)."""
+def process_alive(pid: Any, host: Any, started_by: float | None = None) -> bool | None:
+    """Whether process ``pid`` runs (None: on another host, or unknown). ``started_by``: a time.time() the process
+    had started by; a younger process reuses the pid of one that ended."""
     if not isinstance(pid, int) or (host and host != socket.gethostname()):
         return None
     try:
         os.kill(pid, 0)
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return False
-    return b"shardtune" in cmdline and state != "Z"  # pid reuse, and a zombie not yet reaped, are not the run
+    if fields[0] == "Z":  # ended, not yet reaped
+        return False
+    return started_by is None or process_start_time(int(fields[19])) <= started_by + 1.0
+
+
+def process_start_time(ticks_after_boot: int) -> float:
+    """A process's start as a time.time() value, from /proc/<pid>/stat's starttime."""
+    boot = next((float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                 if line.startswith("btime ")), 0.0)
+    return boot + ticks_after_boot / os.sysconf("SC_CLK_TCK")
 
 
 def rank_errors(folder: Path, since: float) -> list[dict[str, Any]]:

@@ -130,12 +130,20 @@ async function showRun(id) {
   current.source = source;
 }
 
+// Stop asks for a second click within 5 s; the header is redrawn on every update, so the first click is kept here.
+let stopArmed = { id: null, at: 0 };
+
 function renderHeader(card, d) {
   const live = ["running", "starting", "stalled"].includes(d.state);
-  const stop = el("button", { class: "danger", id: "stop-button", disabled: !live || !token() || (d.stop && !d.stop.done) },
-    d.stop && !d.stop.done ? "Stopping…" : "Stop");
+  const stopping = d.stop && !d.stop.done;
+  const armed = stopArmed.id === d.id && Date.now() - stopArmed.at < 5000;
+  const stop = el("button", { class: "danger", id: "stop-button", disabled: !live || !token() || stopping },
+    stopping ? "Stopping…" : armed ? "Confirm stop" : "Stop");
   stop.addEventListener("click", async () => {
-    if (stop.dataset.armed !== "1") { stop.dataset.armed = "1"; stop.textContent = "Confirm stop"; return; }
+    if (!(stopArmed.id === d.id && Date.now() - stopArmed.at < 5000)) {
+      stopArmed = { id: d.id, at: Date.now() }; stop.textContent = "Confirm stop"; return;
+    }
+    stopArmed = { id: null, at: 0 };
     stop.disabled = true; stop.textContent = "Stopping…";
     const result = await postJSON("/api/stop?id=" + encodeURIComponent(d.id));
     if (result.status >= 300) alertBox(card, result.body.error);
