@@ -47,5 +47,6 @@ def test_status_of_a_running_then_finished_two_rank_run(tiny_model_dir, tmp_path
     assert finished.returncode == 0, finished.stderr
     assert finished.stdout.splitlines()[0] == f"run {out} (run): finished"
     assert "step 60/60 (100.0%)" in finished.stdout and "ETA" not in finished.stdout
-    assert "checkpoints: checkpoint-20, checkpoint-40, checkpoint-60; resume the latest with:" in finished.stdout
+    # save_total_limit (2) of the example keeps the last two.
+    assert "checkpoints: checkpoint-40, checkpoint-60; resume the latest with:" in finished.stdout
     assert f"resume_from_checkpoint={out / 'checkpoint-60'}" in finished.stdout
