@@ -113,8 +113,9 @@ async function showRun(id) {
   view.append(el("h1", {}, el("span", { id: "run-name" }, id)), header, errors, ranks,
     el("div", { class: "grid2" }, charts, memory), checkpoints, nodes, config, consoleCard);
   buildChartControls(charts, id);
-  buildConfig(config, id);
+  let configShown = await buildConfig(config, id);
   const render = (detail) => {
+    if (!configShown && detail.step > 0) buildConfig(config, id).then((shown) => { configShown = shown; });
     renderHeader(header, detail);
     renderRanks(ranks, detail);
     renderMemory(memory, detail);
@@ -191,7 +192,7 @@ function renderRanks(card, d) {
       ["rank", "host", "pid", "step", "step s", "own s", "wait s", "data s", "tokens/s", "loss",
         "memory (alloc / reserved / peak, or host rss)", "heartbeat", ""].map((h) => el("th", {}, h)))),
       el("tbody", {}, rows))
-      : el("p", { class: "muted" }, "No rank has started yet (model loading and data preparation come first)."),
+      : el("p", { class: "muted" }, "No rank has written a step log yet (each rank writes it once its model and data are ready)."),
     el("p", { class: "muted" }, "own s: step time less the time the rank waited for the others; a straggler's own time is over 1.3× the median of the ranks. Stalled: no record for 10× the median step time (30 s at least)."));
 }
 
@@ -250,6 +251,7 @@ async function buildConfig(card, id) {
     const runs = await getJSON("/api/runs");
     runs.runs.filter((r) => r.id !== id).forEach((r) => select.append(el("option", { value: r.id }, r.id)));
   } catch (error) { /* the list only feeds the select */ }
+  let shown = false;
   const show = async () => {
     const other = select.value;
     const data = await getJSON("/api/config?id=" + encodeURIComponent(id) + (other ? "&other=" + encodeURIComponent(other) : ""));
@@ -259,6 +261,7 @@ async function buildConfig(card, id) {
           el("td", {}, el("code", {}, row.key)), el("td", {}, JSON.stringify(row.a)), el("td", {}, JSON.stringify(row.b))))))
         : el("p", { class: "muted" }, "The two configs are the same."));
     } else if (data.config) {
+      shown = true;
       body.replaceChildren(el("details", {}, el("summary", {}, `${Object.keys(data.config).length} keys`),
         el("table", { id: "config-table" }, el("tbody", {}, Object.entries(data.config).map(([key, value]) =>
           el("tr", {}, el("td", {}, el("code", {}, key)), el("td", {}, JSON.stringify(value))))))));
@@ -266,6 +269,7 @@ async function buildConfig(card, id) {
   };
   select.addEventListener("change", () => show().catch((error) => showError(body, error)));
   await show().catch((error) => showError(body, error));
+  return shown;
 }
 
 // --- curves (uPlot) ------------------------------------------------------------------------------------------
@@ -285,6 +289,11 @@ function buildChartControls(card, id) {
   chartState.overlays = [];
   getJSON("/api/runs").then((data) => data.runs.filter((r) => r.id !== id)
     .forEach((r) => overlay.append(el("option", { value: r.id }, r.id)))).catch(() => {});
+}
+
+function axisNumber(v) {
+  if (v === null || v === undefined) return "";
+  return v !== 0 && Math.abs(v) < 0.01 ? Number(v).toExponential(2) : String(Number(Number(v).toPrecision(3)));
 }
 
 function smoothed(points, alpha) {
@@ -322,7 +331,7 @@ async function drawCharts(id) {
       scales: { x: { time: false }, y: logScale ? { distr: 3 } : {} },
       series: [{ label: "step" }, ...series.map((s, i) => ({ label: s.label, stroke: colours[i % colours.length], width: 1.5,
         points: { show: s.points.length < 60 }, spanGaps: true }))],
-      axes: [{ label: "step" }, { size: 70, values: (u, ticks) => ticks.map((v) => (v === null ? "" : Number(v).toPrecision(3))) }],
+      axes: [{ label: "step" }, { size: 76, values: (u, ticks) => ticks.map(axisNumber) }],
     };
     current.charts.push(new uPlot(options, data, box));
   }
