@@ -48,7 +48,8 @@ def record_cost(calls: int) -> dict[str, float]:
             times.append(time.perf_counter() - started)
         log.close(calls, interrupted=False)
     times.sort()
-    return {"median_s": statistics.median(times), "p99_s": times[int(0.99 * len(times))], "mean_s": statistics.mean(times)}
+    return {"median_s": statistics.median(times), "p99_s": times[int(0.99 * len(times))],
+            "mean_s": statistics.mean(times)}
 
 
 def step_times(model_dir: Path, steps: int, out: Path) -> list[float]:
