@@ -53,7 +53,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as err:
         raise ConfigError(f"web: cannot listen on {host}:{port} ({err.strerror}); choose another --port") from None
     sock.listen(64)
-    sock.set_inheritable(True)
     return sock
 
 
