@@ -18,7 +18,8 @@ from shardtune import run_files
 from shardtune.engines.replicated import WEIGHTS_FILE
 from shardtune.engines.spec import CheckpointLayout
 from shardtune.errors import ModelError
-from shardtune.model.reward_head import RewardHead, is_reward_model_config, to_reward_model
+from shardtune.model.folder import is_reward_model_config
+from shardtune.model.reward_head import RewardHead, to_reward_model
 
 RUN_CONFIG = run_files.RESOLVED_CONFIG
 
