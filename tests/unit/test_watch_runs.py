@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -133,3 +137,30 @@ def test_the_page_reads_no_folder_outside_its_root(tmp_path):
     assert state.run_folder("run") == (tmp_path / "root" / "run").resolve()
     for escape in ("../outside", "link", str(tmp_path / "outside"), "run/../../outside", None, "missing"):
         assert state.run_folder(escape) is None, escape
+
+
+def test_web_without_its_extra_is_refused_with_the_install_line(monkeypatch):
+    from shardtune.errors import ConfigError
+    from shardtune.web import command
+
+    monkeypatch.setattr(command.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match=r"pip install 'shardtune\[web\]'"):
+        command.web_command(["."])
+
+
+def test_web_binds_to_this_machine_and_prints_the_ssh_line():
+    from shardtune.web.command import serving_lines
+
+    local = serving_lines(Path("/runs"), "127.0.0.1", 7860, "tok")
+    assert "open http://127.0.0.1:7860/?token=tok" in local and "ssh -N -L 7860:127.0.0.1:7860 " in local
+    assert "warning: listening on 0.0.0.0" in serving_lines(Path("/r"), "0.0.0.0", 80, "t")
+
+
+def test_the_cheap_commands_do_not_import_the_web_stack_or_torch():
+    code = ("import sys; from shardtune.cli import main; main(['--help']); main(['status', sys.argv[1]]); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('starlette', 'uvicorn', 'torch', 'wandb')))")
+    with tempfile.TemporaryDirectory() as folder:
+        write_rank(Path(folder), 0, 1)
+        done = subprocess.run([sys.executable, "-c", code, folder], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
