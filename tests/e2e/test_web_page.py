@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, cli_env, run_cli
+from tests.conftest import REPO, cli_env
 
 pytestmark = pytest.mark.e2e
 TOKEN = "test-token"
@@ -275,22 +274,25 @@ def test_form_launch_is_live_flags_a_straggler_reattaches_and_stops(driver, web_
 
 
 def test_failed_run_shows_the_failing_ranks_own_error(driver, web_url, page_root, tiny_model_dir):
-    """A run started on the command line whose ranks fail (a damaged tokenizer.json passes the launching host's
-    checks): the page lists it as failed and shows the rank's own one-line error and traceback."""
+    """A 2-process run started on the command line whose rank 0 fails while the run goes on (a file appears where
+    its checkpoint goes, after the launching host's checks passed): the page lists the run as failed and shows
+    rank 0's own error first, rank 1's lost connection after it."""
     from selenium.webdriver.common.by import By
 
-    broken = page_root / "broken-model"
-    shutil.copytree(tiny_model_dir, broken)
-    (broken / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nope"}}')
     out = page_root / "outputs" / "failed"
-    done = run_cli("train", "examples/tiny/sft_full.yaml", f"model_name_or_path={broken}", f"output_dir={out}",
-                   "max_steps=3", NPROC_PER_NODE="2")
-    assert done.returncode != 0
-    own = [line for line in done.stderr.splitlines() if "failed: KeyError" in line]
-    assert own, done.stderr[-2000:]
+    proc = subprocess.Popen([sys.executable, "-m", "shardtune", "train", "examples/tiny/sft_full.yaml",
+                             f"model_name_or_path={tiny_model_dir}", f"output_dir={out}", "max_steps=40",
+                             "save_steps=30", "do_eval=false"], cwd=REPO, env=cli_env(NPROC_PER_NODE="2"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (out / "ranks" / "rank_0.jsonl").is_file() or proc.poll() is not None, 180, "the ranks' start",
+             interval=0.05)
+    (out / "checkpoint-30").write_text("not a checkpoint")
+    assert proc.wait(timeout=300) != 0
+    assert "rank 0 failed: AssertionError" in proc.stderr.read()
     driver.get(web_url + "#/run/" + "outputs%2Ffailed")
     errors = wait_for(lambda: page_text(driver, "#errors .rank-error"), 20, "the errors")
-    assert "failed: KeyError: 'added_tokens'" in errors[0]
+    assert "rank 0 failed: AssertionError:" in errors[0] and "checkpoint-30 was not written by shardtune" in errors[0]
+    assert "rank 1 failed: lost the connection to another rank" in errors[1]
     assert driver.find_elements(By.CSS_SELECTOR, '#run-state [data-state="failed"]')
     screenshot(driver, "web-run-failed")
     assert not console_errors(driver)

@@ -126,7 +126,9 @@ def _row(r: RankLogReader, now: float, own: float | None, median_own: float | No
         "loss": last_step.get("loss"), "rss": last_step.get("rss"), "mem_allocated": last_step.get("mem_allocated"),
         "mem_reserved": last_step.get("mem_reserved"), "mem_peak": last_step.get("mem_peak"),
         "measured_peak_bytes": measured_peak, "estimate_peak_bytes": start.get("estimate_peak_bytes"),
-        "heartbeat_age": age, "phase": "ended" if r.ended else phase, "ended": r.ended,
+        "heartbeat_age": age, "ended": r.ended,
+        # A run that is over while this rank wrote no end record: it did not finish what it was doing.
+        "phase": "ended" if r.ended else "no end record" if run_over else phase,
         "straggler": bool(straggler) and not r.ended,
         "stalled": bool(age is not None and age > allowance and not r.ended and not run_over),
     }
