@@ -17,8 +17,8 @@ from shardtune.model.folder import is_reward_model_config, model_config_json, mo
 from shardtune.model.moe import configured_router_aux_coef, packed_aux_loss_problem, preference_aux_loss_problem
 from shardtune.paths import shown
 from shardtune.train.checkpoint_folders import checkpoint_problems, resume_source
-from shardtune.train.reporting import tracker_problems
 from shardtune.train.settings import resolved_packing
+from shardtune.train.trackers import tracker_problems
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
