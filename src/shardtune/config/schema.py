@@ -217,8 +217,8 @@ class TrainConfig:
         False, "checkpoints hold the model only (no optimizer/scheduler state; a resume restarts the optimizer)",
         OUTPUT)
     plot_loss: bool = _key(False, "write training_loss.png at the end", OUTPUT)
-    report_to: list[str] = _key(["none"], "experiment trackers: none or tensorboard (wandb and mlflow are refused "
-                                          "with the reason)", OUTPUT)
+    report_to: list[str] = _key(["none"], "experiment trackers rank 0 writes to: none, tensorboard, wandb, mlflow "
+                                          "(all: tensorboard); wandb and mlflow need their extras", OUTPUT)
     resume_from_checkpoint: str | None = _key(None, "checkpoint folder to resume from", OUTPUT, path=True)
     throughput_warmup_steps: int = _key(
         1, "first optimizer steps left out of the throughput figures in train_results.json", OUTPUT, minimum=0)
