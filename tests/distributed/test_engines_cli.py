@@ -15,8 +15,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 ENGINES = {
     "ddp": (),
-    # The unused-parameter search asked for on a dense model: DDP's static graph (engines/ddp.py ddp_options).
-    "ddp-static_graph": ("ddp_find_unused_parameters=true",),
+    # The unused-parameter search with accumulation (DDP's static graph would fail here: engines/ddp.py).
+    "ddp-find_unused": ("ddp_find_unused_parameters=true",),
     "fsdp2-full_shard": ("fsdp=full_shard auto_wrap",),
     "fsdp2-shard_grad_op-forward_prefetch": ("fsdp=shard_grad_op auto_wrap",
                                              "fsdp_config={'fsdp_forward_prefetch': true}"),
