@@ -204,3 +204,42 @@ def test_flash_varlen_kwargs_give_each_sample_its_own_attention(tokenizer: Any,
     batch = DataCollator(tokenizer.pad_token_id, attn_implementation="flash_attention_2")(rows)
     with torch.no_grad():
         assert_each_sample_matches(model(**batch, use_cache=False).logits, rows, tiny_llama(len(tokenizer), "sdpa"))
+
+
+@pytest.mark.parametrize("finetuning", ["full", "lora"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_padding_free_rows_give_the_padded_loss_and_gradients(finetuning, attn) -> None:
+    """padding_free puts a micro-batch's samples into fewer packed rows: every parameter's gradient and the loss
+    are those of the padded batch (up to float summation order)."""
+    import copy
+
+    from tests.unit.test_chunked_loss import finetuned, tiny_llama
+    from shardtune.train.loop import token_loss_sum
+
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for length in (30, 6, 9, 14, 5):
+        ids = torch.randint(0, 101, (length,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": [M] * 2 + ids[2:]})
+    padded = DataCollator(0, attn_implementation=attn)(rows)
+    free = DataCollator(0, attn_implementation=attn, padding_free=True)(rows)
+    assert free["input_ids"].shape == (3, 30) and padded["input_ids"].shape == (5, 30)
+    assert int(free["num_tokens"]) == int(padded["num_tokens"]) == 64
+    model = finetuned(tiny_llama(), finetuning)
+    model.config._attn_implementation = attn
+    found = []
+    for batch in (padded, free):
+        copy_ = copy.deepcopy(model)
+        loss, count = token_loss_sum(copy_, batch, 8)
+        loss.backward()
+        found.append((float(loss), int(count), {n: p.grad for n, p in copy_.named_parameters() if p.requires_grad}))
+    assert found[0][1] == found[1][1]
+    assert found[1][0] == pytest.approx(found[0][0], rel=1e-5)
+    for name, grad in found[0][2].items():
+        torch.testing.assert_close(found[1][2][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_padding_free_keeps_rows_that_cannot_share() -> None:
+    rows = [{"input_ids": [1] * 5, "labels": [1] * 5}, {"input_ids": [2] * 4, "labels": [2] * 4}]
+    batch = DataCollator(0, padding_free=True)(rows)  # 4 + 5 > 5: nothing to gain, the padded batch as before
+    assert batch["attention_mask"].tolist() == [[1] * 5, [1] * 4 + [0]]

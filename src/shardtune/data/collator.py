@@ -56,13 +56,16 @@ class DataCollator:
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None,
                  attn_implementation: str | None = None,
-                 window_by_layer_type: Mapping[str, int | None] | None = None) -> None:
+                 window_by_layer_type: Mapping[str, int | None] | None = None, padding_free: bool = False) -> None:
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
         self.attn_implementation = attn_implementation
         self.window_by_layer_type = dict(window_by_layer_type or {"full_attention": None})
+        self.padding_free = padding_free
 
     def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        if self.padding_free and not any("segment_ids" in f for f in features):
+            features = rows_without_padding(features, self.padded_length(max(len(f["input_ids"]) for f in features)))
         length = self.padded_length(max(len(f["input_ids"]) for f in features))
         batch: dict[str, Any] = {
             "input_ids": pad_rows([f["input_ids"] for f in features], length, self.pad_token_id),
@@ -117,6 +120,42 @@ class PairCollator:
             batch["ref_logps"] = torch.tensor([f["ref_logps"] for f in features], dtype=torch.float32)
         batch["pairs"] = len(features)
         return batch
+
+
+def rows_without_padding(features: Sequence[dict[str, Any]], capacity: int) -> Sequence[dict[str, Any]]:
+    """``padding_free``: the micro-batch's samples in as few rows of at most ``capacity`` tokens as hold them
+    (first fit, longest first), each row a packed row; the features unchanged when that saves no row.
+
+    Every sample keeps its tokens, its positions from 0 and its labels, less its first label, which no position
+    of the sample predicts anyway (the loss scores position i on label i + 1); so the block-diagonal mask of packed
+    rows makes every sample's loss and gradients what they are in a padded row, with less padding computed.
+    """
+    order = sorted(range(len(features)), key=lambda i: -len(features[i]["input_ids"]))
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        size = len(features[i]["input_ids"])
+        fits = next((r for r, free in enumerate(room) if size <= free), None)
+        if fits is None:
+            rows.append([i])
+            room.append(capacity - size)
+        else:
+            rows[fits].append(i)
+            room[fits] -= size
+    if len(rows) == len(features):
+        return features
+    return [packed_row([features[i] for i in members]) for members in rows]
+
+
+def packed_row(samples: Sequence[dict[str, Any]]) -> dict[str, list[int]]:
+    row: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": [], "segment_ids": []}
+    for number, sample in enumerate(samples, start=1):
+        ids, labels = list(sample["input_ids"]), list(sample["labels"])
+        row["input_ids"] += ids
+        row["labels"] += [IGNORE_INDEX] + labels[1:]
+        row["position_ids"] += list(range(len(ids)))
+        row["segment_ids"] += [number] * len(ids)
+    return row
 
 
 def pad_rows(rows: Sequence[Sequence[int]], length: int, value: int) -> torch.Tensor:

@@ -61,7 +61,7 @@ def ddp_options(find_unused_parameters: bool) -> dict[str, bool]:
 
     * ``gradient_as_bucket_view``: the gradients are views into the all-reduce buckets, so they are not copied
       into them and back after every backward, and the buckets are not a second copy of the gradients.
-    * ``broadcast_buffers`` off: by default DDP broadcasts every buffer from rank 0 before each forward (one more
+    * ``forward_sync_buffers`` off: by default DDP broadcasts every buffer from rank 0 before each forward (one more
       collective per micro-batch). A causal LM's buffers (rotary frequencies, masks) are constants the model
       computes the same on every rank, and none is trained; so nothing changes by skipping it.
     * ``static_graph`` stays off: with gradient accumulation (``no_sync`` on all micro-batches but the last) torch
@@ -69,4 +69,4 @@ def ddp_options(find_unused_parameters: bool) -> dict[str, bool]:
       ``ddp-static_graph`` cell of tests/distributed/test_engines_cli.py keeps that combination covered).
     """
     return {"find_unused_parameters": find_unused_parameters, "gradient_as_bucket_view": True,
-            "broadcast_buffers": False}
+            "forward_sync_buffers": False}

@@ -157,23 +157,40 @@ def build_collator(tokenizer: Any, c: TrainConfig) -> Any:
     """The batch builder: padded (or packed) rows; preference stages put both rows of a pair in one batch."""
     from shardtune.data import DataCollator
     from shardtune.data.collator import PairCollator
+    from shardtune.train.settings import resolved_packing
 
+    padding_free = padding_free_rows(c)
+    windows = model_layer_windows(c) if resolved_packing(c) or padding_free else None
     collator = DataCollator(tokenizer.pad_token_id, attn_implementation=c.attn_implementation,
-                            window_by_layer_type=model_layer_windows(c))
+                            window_by_layer_type=windows, padding_free=padding_free)
     if c.stage in ("dpo", "kto", "rm"):  # chosen and rejected rows (kto: answers and KL rows) in one batch
         return PairCollator(collator)
     return collator
 
 
-def model_layer_windows(c: TrainConfig) -> dict[str, int | None] | None:
-    """The model's kinds of attention layers and their sliding windows, for packed rows' masks (None: unpacked
-    rows, whose plain padding mask lets the model build its own)."""
-    from shardtune.model.attention import layer_windows
+def padding_free_rows(c: TrainConfig) -> bool:
+    """``padding_free`` where it applies: unpacked sft/pt rows of a model whose packed rows stay apart under the
+    kernel (the checks ``packing: true`` passes before launch) and that adds no router loss (it reads a 2-D mask).
+    Preference stages keep one row per sample: their pair layout is by row."""
+    from shardtune.model.attention import kernel_support, packing_problem
     from shardtune.model.load import load_model_config
+    from shardtune.model.moe import router_aux_loss_coef
     from shardtune.train.settings import resolved_packing
 
-    if not resolved_packing(c):
-        return None
+    if not c.padding_free or resolved_packing(c) or c.stage not in ("sft", "pt"):
+        return False
+    config = load_model_config(c.model_name_or_path or "", trust_remote_code=c.trust_remote_code)
+    as_dict = config.to_dict()
+    if router_aux_loss_coef(config, c.moe_aux_loss_coef) is not None and "flash" not in c.attn_implementation:
+        return False
+    return packing_problem(as_dict, kernel_support(as_dict), c.attn_implementation, "") is None
+
+
+def model_layer_windows(c: TrainConfig) -> dict[str, int | None] | None:
+    """The model's kinds of attention layers and their sliding windows, for packed rows' masks."""
+    from shardtune.model.attention import layer_windows
+    from shardtune.model.load import load_model_config
+
     return layer_windows(load_model_config(c.model_name_or_path or "", trust_remote_code=c.trust_remote_code))
 
 
