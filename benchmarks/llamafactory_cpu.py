@@ -131,35 +131,40 @@ def config_steps(config: Path) -> int:
 
 def summarise(pairs: list[dict[str, dict]]) -> dict:
     """Per-pair ratios (LLaMA-Factory's time over shardtune's: > 1 means shardtune is faster) and medians."""
-    wall = [p["llamafactory"]["wall_seconds"] / p["shardtune"]["wall_seconds"] for p in pairs]
-    loop = [p["llamafactory"]["loop_seconds"] / p["shardtune"]["loop_seconds"] for p in pairs]
-    medians = {tool: {key: statistics.median(p[tool][key] for p in pairs) for key in ("wall_seconds", "loop_seconds")}
+    keys = ("wall_seconds", "loop_seconds", "cpu_seconds")
+    ratios = {key: [round(p["llamafactory"][key] / p["shardtune"][key], 3) for p in pairs] for key in keys}
+    medians = {tool: {key: statistics.median(p[tool][key] for p in pairs) for key in keys}
                for tool in ("shardtune", "llamafactory")}
-    return {"wall_speedup_each_pair": [round(x, 3) for x in wall], "loop_speedup_each_pair": [round(x, 3) for x in loop],
-            "wall_speedup_of_medians": round(medians["llamafactory"]["wall_seconds"]
-                                             / medians["shardtune"]["wall_seconds"], 3),
-            "loop_speedup_of_medians": round(medians["llamafactory"]["loop_seconds"]
-                                             / medians["shardtune"]["loop_seconds"], 3),
-            "medians": medians}
+    found: dict = {f"{key.split('_')[0]}_speedup_each_pair": ratios[key] for key in keys}
+    for key in keys:
+        found[f"{key.split('_')[0]}_speedup_of_medians"] = round(
+            medians["llamafactory"][key] / medians["shardtune"][key], 3)
+        found[f"{key.split('_')[0]}_speedup_median_of_pairs"] = round(statistics.median(ratios[key]), 3)
+    found["medians"] = medians
+    return found
 
 
 def render(pairs: list[dict[str, dict]], summary: dict, info: dict, argv_line: str, lf_version: str) -> str:
     lines = [f"Command: `{argv_line}`", "", machine_line(info) + f" LLaMA-Factory {lf_version} (its own venv).", "",
              f"Both: `{pairs[0]['shardtune']['command']}` and `{pairs[0]['llamafactory']['command']}` (cwd: the work "
              "folder holding run.yaml).", "",
-             "| pair | shardtune wall | LLaMA-Factory wall | wall speed-up | shardtune loop | LLaMA-Factory loop "
-             "| loop speed-up | train_loss (shardtune / LLaMA-Factory) |", "|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| pair | wall: shardtune / LLaMA-Factory | speed-up | loop: shardtune / LLaMA-Factory | speed-up "
+             "| CPU time: shardtune / LLaMA-Factory | ratio | train_loss |", "|---:|---|---:|---|---:|---|---:|---|"]
     for i, p in enumerate(pairs):
         st, lf = p["shardtune"], p["llamafactory"]
-        lines.append(f"| {i + 1} | {st['wall_seconds']:.1f} s | {lf['wall_seconds']:.1f} s | "
-                     f"{summary['wall_speedup_each_pair'][i]:.2f}x | {st['loop_seconds']:.1f} s | "
+        lines.append(f"| {i + 1} | {st['wall_seconds']:.1f} s / {lf['wall_seconds']:.1f} s | "
+                     f"{summary['wall_speedup_each_pair'][i]:.2f}x | {st['loop_seconds']:.1f} s / "
                      f"{lf['loop_seconds']:.1f} s | {summary['loop_speedup_each_pair'][i]:.2f}x | "
-                     f"{st['train_loss']:.4f} / {lf['train_loss']:.4f} |")
+                     f"{st['cpu_seconds']:.1f} s / {lf['cpu_seconds']:.1f} s | "
+                     f"{summary['cpu_speedup_each_pair'][i]:.2f}x | {st['train_loss']:.4f} / {lf['train_loss']:.4f} |")
     m = summary["medians"]
-    lines += ["", f"Medians: shardtune {m['shardtune']['wall_seconds']:.1f} s wall, {m['shardtune']['loop_seconds']:.1f}"
-              f" s loop; LLaMA-Factory {m['llamafactory']['wall_seconds']:.1f} s wall, "
-              f"{m['llamafactory']['loop_seconds']:.1f} s loop: shardtune **{summary['wall_speedup_of_medians']:.2f}x**"
-              f" faster in wall time and **{summary['loop_speedup_of_medians']:.2f}x** in the training loop."]
+    lines += ["", f"Medians: shardtune {m['shardtune']['wall_seconds']:.1f} s wall, "
+              f"{m['shardtune']['loop_seconds']:.1f} s loop; LLaMA-Factory {m['llamafactory']['wall_seconds']:.1f} s "
+              f"wall, {m['llamafactory']['loop_seconds']:.1f} s loop: shardtune "
+              f"**{summary['wall_speedup_of_medians']:.2f}x** faster in wall time and "
+              f"**{summary['loop_speedup_of_medians']:.2f}x** in the training loop (medians of the pairs' own ratios: "
+              f"{summary['wall_speedup_median_of_pairs']:.2f}x and {summary['loop_speedup_median_of_pairs']:.2f}x); "
+              f"{summary['cpu_speedup_of_medians']:.2f}x less CPU time for the whole command."]
     return "\n".join(lines) + "\n"
 
 
@@ -189,8 +194,8 @@ def main(argv: list[str]) -> int:
     argv_line = shlex.join(["python", "benchmarks/llamafactory_cpu.py", *argv])
     text = render(pairs, summary, info, argv_line, lf_version(args.lf_python))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(
-        {"command": argv_line, "machine": info, "config": RUN_KEYS, "summary": summary, "pairs": pairs}, indent=2) + "\n")
+    record = {"command": argv_line, "machine": info, "config": RUN_KEYS, "summary": summary, "pairs": pairs}
+    (args.out / f"{args.name}.json").write_text(json.dumps(record, indent=2) + "\n")
     (args.out / f"{args.name}.md").write_text(text)
     print(text)
     return 0

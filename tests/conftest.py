@@ -105,6 +105,11 @@ MATRIX_ONLY = {
     "tests/distributed/test_lf_streaming.py::test_two_rank_stream_matches_one_process[fsdp2-full_shard]",
     "tests/unit/test_fsdp_qlora.py::test_4bit_lora_sharded_matches_one_unsharded_process[fsdp1]",
     "tests/distributed/test_engines_cli.py::test_engine_matches_single_process[ddp-find_unused-full]",
+    "tests/distributed/test_engines_cli.py::test_engine_matches_single_process[ddp-compile-full]",
+    "tests/distributed/test_engines_cli.py::test_engine_matches_single_process[ddp-compile-lora]",
+    "tests/distributed/test_engines_cli.py::test_engine_matches_single_process[fsdp2-full_shard-compile-full]",
+    "tests/distributed/test_engines_cli.py::test_engine_matches_single_process[deepspeed-z2-compile-full]",
+    "tests/distributed/test_engines_cli.py::test_engine_matches_single_process[deepspeed-z2-compile-lora]",
     "tests/distributed/test_llamafactory_files.py::test_llamafactory_file_trains_unchanged_on_two_processes"
     "[llama3_lora_stream_pissa.yaml]",
     "tests/distributed/test_lf_training_engines.py::test_neftune_trains_under_zero3",

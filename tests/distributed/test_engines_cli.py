@@ -35,8 +35,13 @@ ENGINES = {
     "deepspeed-z2_offload": ("deepspeed=z2_offload",),
     "deepspeed-z3": ("deepspeed=z3",),
     "deepspeed-z3_offload": ("deepspeed=z3_offload",),
+    # torch_compile: each decoder layer compiled (aot_eager: traced as inductor's input, fast to build on CPU).
+    "ddp-compile": ("torch_compile=true", "torch_compile_backend=aot_eager"),
+    "fsdp2-full_shard-compile": ("fsdp=full_shard auto_wrap", "torch_compile=true", "torch_compile_backend=aot_eager"),
+    "deepspeed-z2-compile": ("deepspeed=z2", "torch_compile=true", "torch_compile_backend=aot_eager"),
 }
-WITH_LORA = ("ddp", "fsdp2-full_shard", "fsdp1-full_shard", "deepspeed-z2", "deepspeed-z3", "deepspeed-z3_offload")
+WITH_LORA = ("ddp", "fsdp2-full_shard", "fsdp1-full_shard", "deepspeed-z2", "deepspeed-z3", "deepspeed-z3_offload",
+             "ddp-compile", "fsdp2-full_shard-compile", "deepspeed-z2-compile")
 RUNS = [(name, ft) for name in ENGINES for ft in ("full", "lora") if ft == "full" or name in WITH_LORA]
 
 
@@ -50,6 +55,8 @@ def test_engine_matches_single_process(engine, finetuning, reference, tiny_model
     # Losses alone would not see gradients scaled by the world size: Adam's update hardly depends on their scale.
     assert logged(tmp_path, "grad_norm") == pytest.approx(reference[f"{finetuning}:grad_norm"], rel=2e-3)
     check_saved_model(tmp_path, tiny_model_dir, finetuning)
+    if "compile" in engine:
+        assert results["torch_compile"]["recompiles_after_step_2"] == 0 and results["torch_compile"]["layers"] == 2
 
 
 HYBRID = {

@@ -213,8 +213,8 @@ def test_padding_free_rows_give_the_padded_loss_and_gradients(finetuning, attn) 
     are those of the padded batch (up to float summation order)."""
     import copy
 
-    from tests.unit.test_chunked_loss import finetuned, tiny_llama
     from shardtune.train.loop import token_loss_sum
+    from tests.unit.test_chunked_loss import finetuned, tiny_llama
 
     g = torch.Generator().manual_seed(3)
     rows = []

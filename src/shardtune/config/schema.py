@@ -276,8 +276,15 @@ class TrainConfig:
     gradient_checkpointing: bool = _key(False, "recompute activations in backward to save memory", TRAIN)
     gradient_checkpointing_kwargs: dict | None = _key(
         None, "arguments of torch.utils.checkpoint, e.g. {use_reentrant: false} (the default)", TRAIN)
-    loss_chunk_size: int = _key(1024, "tokens per chunk of the loss's logits, recomputed in backward (0: full logits)",
+    loss_chunk_size: int = _key(1024, "tokens per chunk of the loss's logits and their gradients (0: full logits)",
                                 TRAIN, minimum=0)
+    torch_compile: bool = _key(False, "compile each decoder layer with torch.compile (regional: the rest stays eager); "
+                                      "local, DDP, ZeRO-0/1/2 and FSDP2", TRAIN)
+    torch_compile_mode: str | None = _key(None, "torch.compile mode (null: torch's default)", TRAIN,
+                                          choices=(None, "default", "reduce-overhead", "max-autotune",
+                                                   "max-autotune-no-cudagraphs"))
+    torch_compile_backend: str = _key("inductor", "torch.compile backend (aot_eager: traced, not code-generated; "
+                                                  "for checks)", TRAIN, choices=("inductor", "aot_eager", "eager"))
     dataloader_num_workers: int = _key(0, "data loader worker processes", TRAIN, minimum=0)
     dataloader_pin_memory: bool = _key(True, "pin the loader's batches in page-locked memory (only with CUDA)", TRAIN)
     dataloader_drop_last: bool = _key(False, "drop each rank's last incomplete micro batch", TRAIN)
@@ -355,8 +362,8 @@ UNSUPPORTED_KEYS = frozenset(
     lr_scheduler_kwargs metric_for_best_model mp_parameters no_cuda optim_args optim_target_modules past_index
     per_gpu_eval_batch_size per_gpu_train_batch_size predict_with_generate prediction_loss_only push_to_hub
     push_to_hub_model_id push_to_hub_organization push_to_hub_token ray_scope remove_unused_columns
-    restore_callback_states_from_checkpoint save_on_each_node skip_memory_metrics split_batches torch_compile
-    torch_compile_backend torch_compile_mode torch_empty_cache_steps torchdynamo tpu_metrics_debug tpu_num_cores
+    restore_callback_states_from_checkpoint save_on_each_node skip_memory_metrics split_batches
+    torch_empty_cache_steps torchdynamo tpu_metrics_debug tpu_num_cores
     use_cpu use_ipex use_legacy_prediction_loop use_liger_kernel use_mps_device do_predict enable_liger_kernel
     use_unsloth shift_attn upcast_layernorm
     """.split()

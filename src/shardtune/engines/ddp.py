@@ -34,7 +34,8 @@ class DDPEngine(DistributedMixin, TorchEngine):
         # Frozen (LoRA base) parameters are not registered for reduction, so LoRA needs no
         # unused-parameter search; it stays off unless asked for, as it costs a graph walk per step.
         device_ids = [self.ctx.local_rank] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids, **ddp_options(self.find_unused_parameters))
+        options = ddp_options(self.find_unused_parameters)
+        return DistributedDataParallel(model, device_ids=device_ids, **options)  # type: ignore[arg-type]
 
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if is_last_micro_batch else self.wrapped().no_sync()

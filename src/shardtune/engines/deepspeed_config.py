@@ -20,6 +20,7 @@ from shardtune.engines.spec import (
     CheckpointLayout,
     EngineSpec,
     MemoryLayout,
+    compile_problems,
     pissa_problems,
     pre_quantized_problems,
     preference_problems,
@@ -519,8 +520,12 @@ def deepspeed_refusals(c: TrainConfig, plan: EnginePlan, has_cuda: bool) -> list
         problems.append("use_dora (true) with DeepSpeed ZeRO-3: DoRA needs each layer's whole base weight outside "
                         "that layer's forward, where ZeRO-3 holds only a partition; use fsdp (full_shard auto_wrap, "
                         "fsdp_version 2) to shard a DoRA run, or ZeRO-2")
+    zero3_compile = ("ZeRO-3 gathers and releases every submodule's parameters from hooks inside each decoder "
+                     "layer, which would break a compiled layer's graph at every module; use ZeRO-2 or FSDP2 (fsdp: "
+                     "full_shard auto_wrap) to shard a compiled run") if stage == 3 else None
     return problems + whole_weight_optimizer_problems(c, "deepspeed") + \
-        preference_problems(c, f"DeepSpeed ZeRO-{stage}", shards_weights=stage == 3)
+        preference_problems(c, f"DeepSpeed ZeRO-{stage}", shards_weights=stage == 3) + \
+        compile_problems(c, f"DeepSpeed ZeRO-{max(stage, 0)}", zero3_compile)
 
 
 def deepspeed_memory_layout(plan: EnginePlan) -> MemoryLayout:

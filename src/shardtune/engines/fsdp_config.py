@@ -11,6 +11,7 @@ from shardtune.engines.spec import (
     CheckpointLayout,
     EngineSpec,
     MemoryLayout,
+    compile_problems,
     pissa_problems,
     pre_quantized_problems,
     preference_problems,
@@ -248,8 +249,10 @@ def fsdp_refusals(c: TrainConfig, plan: EnginePlan, has_cuda: bool) -> list[str]
                         "dtype so that FSDP can shard them; shardtune shards them in bf16 only)")
     if settings.version == 1 and c.finetuning_type == "lora":
         problems += fsdp1_fused_lora_problems(c)
+    fsdp1_compile = ("FSDP1 flattens each unit's parameters into one, which compiled layers would read as views; "
+                     "use fsdp_version: 2 (compile, then fully_shard)") if settings.version == 1 else None
     return (problems + pissa_problems(c, "fsdp") + whole_weight_optimizer_problems(c, "fsdp")
-            + preference_problems(c, "fsdp", shards_weights=True))
+            + preference_problems(c, "fsdp", shards_weights=True) + compile_problems(c, "fsdp", fsdp1_compile))
 
 
 def fsdp1_fused_lora_problems(c: TrainConfig) -> list[str]:

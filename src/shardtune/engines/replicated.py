@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardtune.engines.spec import CheckpointLayout, EngineSpec, MemoryLayout
+from shardtune.engines.spec import CheckpointLayout, EngineSpec, MemoryLayout, compile_problems
 
 if TYPE_CHECKING:
     import torch
@@ -27,7 +27,8 @@ def read_trainable(model: torch.nn.Module, folder: Path) -> dict[str, Any]:
 
 
 def _no_refusals(c: TrainConfig, plan: EnginePlan, has_cuda: bool) -> list[str]:
-    return []  # whole weights on every rank: every finetuning method and optimizer works
+    # Whole weights on every rank: every finetuning method and optimizer works.
+    return compile_problems(c, plan.kind)
 
 
 CHECKPOINTS = (CheckpointLayout("torch", WEIGHTS_FILE, read_trainable),)

@@ -111,3 +111,18 @@ def preference_problems(c: TrainConfig, label: str, shards_weights: bool) -> lis
                         "weights are not sharded here and would be whole on every rank; use DDP or ZeRO-0/1/2, or "
                         "remove it")
     return problems
+
+
+def compile_problems(c: TrainConfig, label: str, engine_reason: str | None = None) -> list[str]:
+    """torch_compile's limits under an engine (``label``): the engine's own reason (``engine_reason``) and what no
+    engine runs compiled yet."""
+    if not c.torch_compile:
+        return []
+    problems = [f"torch_compile (true) with {label}: {engine_reason}"] if engine_reason else []
+    if c.quantization_bit is not None:
+        problems.append(f"torch_compile (true) with quantization_bit ({c.quantization_bit}): bitsandbytes' 4/8-bit "
+                        "kernels are not traceable (every layer would break its graph); set torch_compile: false")
+    if c.gradient_checkpointing:
+        problems.append("torch_compile (true) with gradient_checkpointing (true): compiled layers under transformers' "
+                        "activation checkpointing are not checked by shardtune yet; turn one of them off")
+    return problems

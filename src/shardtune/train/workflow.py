@@ -18,6 +18,7 @@ from shardtune.config.load import config_to_dict
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.base import Engine
 from shardtune.errors import ConfigError
+from shardtune.model.compile import CompileReport
 from shardtune.model.source import ModelSource
 from shardtune.optim.build import build_optimizer, build_scheduler, parameter_names, warmup_steps_for
 from shardtune.optim.settings import optimizer_settings
@@ -86,6 +87,7 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     loop = loop_settings(config, train_micro_batches(train_loader, config), eval_loader is not None)
     source = model_source(*model_config(config), tokenizer_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
     model = engine.build_model(source)
+    compiling = start_compile(model, config)
     loop = dataclasses.replace(loop, router_aux_loss_coef=router_aux_setting(model, config, engine.is_main),
                                objective=stage_objective(config, source, engine))
     # Before the engine touches the weights (ZeRO casts them to bf16): the adapter exactly as initialised.
@@ -108,7 +110,7 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     state = start_state(engine, config, output_dir)
     hooks = RunHooks(engine, config, output_dir, loop.total_steps, eval_loader, state.global_step,
                      stop or StopRequest(), loop.objective, estimated_peak(memory),
-                     memory.baseline.rss_bytes if memory is not None else None)
+                     memory.baseline.rss_bytes if memory is not None else None, compiling)
     hooks.meter.start()
     state = run_loop(engine, epoch_batches_for(train_loader), loop, state, hooks)
     if state.interrupted:
@@ -124,6 +126,16 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
 def estimated_peak(memory: MemoryProbe | None) -> float | None:
     """The estimate's peak bytes on the busiest rank (None without an estimate), for the rank logs."""
     return None if memory is None or memory.estimate is None else float(memory.estimate.peak)
+
+
+def start_compile(model: torch.nn.Module, c: TrainConfig) -> CompileReport | None:
+    """torch_compile: each decoder layer compiled in place before the engine wraps the model (model/compile.py)."""
+    if not c.torch_compile:
+        return None
+    from shardtune.model.compile import apply_regional_compile
+
+    layers = apply_regional_compile(model, c.torch_compile_mode, c.torch_compile_backend)
+    return CompileReport(layers, c.torch_compile_mode, c.torch_compile_backend)
 
 
 def with_new_tokens(tokenizer: Any, c: TrainConfig) -> TrainConfig:
@@ -353,6 +365,7 @@ class RunHooks:
     objective: Objective | None = None
     estimate_peak_bytes: float | None = None
     baseline_rss_bytes: int | None = None  # resident memory before the model was loaded (CPU runs measure from it)
+    compiling: CompileReport | None = None  # torch_compile's bookkeeping
 
     def __post_init__(self) -> None:
         self.reporter = Reporter(self.output_dir, self.total_steps, enabled=self.engine.is_main,
@@ -370,6 +383,8 @@ class RunHooks:
         self.stop_wait = 0.0  # seconds the last stop-flag reduction waited for the other ranks
 
     def on_step(self, state: TrainState, metrics: dict[str, float]) -> None:
+        if self.compiling is not None:
+            self.compiling.on_step(state.global_step)
         self.rank_log.step(state.global_step, metrics, self.stop_wait)
         self.stop_wait = 0.0
         self.meter.record(metrics)
@@ -457,6 +472,10 @@ def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path,
         results.update(hooks.eval_metrics())
     if state.input_tokens_seen(c.include_num_input_tokens_seen) is not None:
         results["num_input_tokens_seen"] = state.input_tokens_seen(c.include_num_input_tokens_seen)
+    if hooks.compiling is not None:
+        results["torch_compile"] = hooks.compiling.summary()
+        if engine.is_main:
+            print(hooks.compiling.line(), flush=True)
     if memory is not None:
         results.update(memory_results(memory.per_rank(engine), memory.estimate, engine.is_main))
     if engine.is_main:

@@ -1,0 +1,77 @@
+"""torch_compile: regional compilation of each decoder layer gives the eager run's losses and gradient norms, full
+and LoRA, compiles nothing after step 2, and is refused before launch where an engine cannot take it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from shardtune.config.schema import TrainConfig
+from shardtune.engines.plan import plan_engine
+from shardtune.model.compile import CompileReport, apply_regional_compile, decoder_layers
+from shardtune.train.loop import train_step
+from tests.unit.test_chunked_loss import batch_of, features, finetuned, tiny_llama
+from tests.unit.test_loop import make_engine
+
+
+def losses_and_norms(model: torch.nn.Module, compiled: bool, steps: int = 4) -> tuple[list[float], list[float],
+                                                                                      CompileReport | None]:
+    model = copy.deepcopy(model)
+    report = None
+    if compiled:
+        torch._dynamo.reset()
+        report = CompileReport(apply_regional_compile(model, None, "aot_eager"), None, "aot_eager")
+    engine = make_engine(model, optim="adamw_torch", lr=1e-2)
+    losses, norms = [], []
+    for step in range(1, steps + 1):
+        # Windows of different lengths: the compiled layers meet new shapes after the first step.
+        window = [batch_of(features(seed=step)), batch_of(features(seed=10 + step))]
+        metrics = train_step(engine, window, max_grad_norm=1.0)
+        losses.append(metrics["loss"])
+        norms.append(metrics["grad_norm"])
+        if report is not None:
+            report.on_step(step)
+    return losses, norms, report
+
+
+@pytest.mark.parametrize("finetuning", ["full", "lora"])
+def test_compiled_layers_train_as_the_eager_model(finetuning):
+    model = finetuned(tiny_llama(), finetuning)
+    eager_losses, eager_norms, _ = losses_and_norms(model, compiled=False)
+    losses, norms, report = losses_and_norms(model, compiled=True)
+    assert losses == pytest.approx(eager_losses, rel=1e-5)
+    assert norms == pytest.approx(eager_norms, rel=1e-4)
+    assert report is not None
+    summary = report.summary()
+    assert summary["layers"] == 2 and summary["graphs"] >= 1
+    assert summary["recompiles_after_step_2"] == 0
+    assert "2 decoder layers compiled" in report.line()
+
+
+def test_layers_compile_in_place_and_keep_their_names():
+    model = finetuned(tiny_llama(), "lora")
+    names = [n for n, _ in model.named_parameters()]
+    apply_regional_compile(model, None, "aot_eager")
+    assert [n for n, _ in model.named_parameters()] == names
+    assert all(getattr(layer, "_compiled_call_impl", None) is not None for layer in decoder_layers(model))
+
+
+@pytest.mark.parametrize(("engine_keys", "reason"), [
+    ({"deepspeed": "z3"}, "ZeRO-3 gathers"),
+    ({"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 1}}, "FSDP1 flattens"),
+    ({"quantization_bit": 4, "bf16": True}, "not traceable"),
+    ({"gradient_checkpointing": True}, "activation checkpointing"),
+])
+def test_refused_before_launch_with_the_reason(engine_keys, reason):
+    c = TrainConfig(model_name_or_path="m", torch_compile=True, **engine_keys)
+    _, problems = plan_engine(c, world_size=2, has_cuda=False)
+    assert any("torch_compile (true)" in p and reason in p for p in problems), problems
+
+
+@pytest.mark.parametrize("engine_keys", [{}, {"deepspeed": "z2"}, {"fsdp": "full_shard auto_wrap"}])
+def test_taken_by_local_ddp_zero2_and_fsdp2(engine_keys):
+    c = TrainConfig(model_name_or_path="m", torch_compile=True, **engine_keys)
+    _, problems = plan_engine(c, world_size=2, has_cuda=False)
+    assert not [p for p in problems if "torch_compile" in p]
