@@ -38,8 +38,8 @@ def test_unknown_key_suggests_the_right_one():
 
 
 def test_unsupported_training_argument_is_refused_by_name():
-    (problem,) = problems_of({**BASE, "torch_compile": True})
-    assert "torch_compile" in problem and "not supported" in problem
+    (problem,) = problems_of({**BASE, "torchdynamo": "inductor"})
+    assert "torchdynamo" in problem and "not supported" in problem
 
 
 @pytest.mark.parametrize(

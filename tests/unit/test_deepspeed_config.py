@@ -91,12 +91,32 @@ def test_offload_presets_offload_to_cpu():
 
 # --- bucket sizes ---
 
-def test_zero3_bucket_sizes_follow_hidden_size():
+def test_zero3_bucket_sizes_follow_hidden_size_above_deepspeed_floors():
     raw, _ = load_deepspeed_setting("z3")
-    zero = resolve_deepspeed_config(raw, replace(INPUTS, hidden_size=1024))["zero_optimization"]
-    assert zero["reduce_bucket_size"] == 1024 * 1024
-    assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 1024 * 1024)
-    assert zero["stage3_param_persistence_threshold"] == 10 * 1024
+    zero = resolve_deepspeed_config(raw, replace(INPUTS, hidden_size=32768))["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 32768 * 32768
+    assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 32768 * 32768)
+    assert zero["stage3_param_persistence_threshold"] == 10 * 32768
+
+
+def test_small_models_get_deepspeed_buckets_and_keep_adapters_and_norms_whole():
+    """hidden 896 (Qwen2.5-0.5B): hidden^2 buckets would be smaller than one MLP weight (896 x 4864)."""
+    raw, _ = load_deepspeed_setting("z3")
+    zero = resolve_deepspeed_config(raw, replace(INPUTS, hidden_size=896))["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 500_000_000 > 896 * 4864
+    assert zero["stage3_prefetch_bucket_size"] == 50_000_000
+    persistence = zero["stage3_param_persistence_threshold"]
+    assert persistence == 100_000 > 896 * 64 and persistence < 896 * 896  # a rank-64 adapter whole, no weight
+    tiny = resolve_deepspeed_config(raw, replace(INPUTS, hidden_size=64))["zero_optimization"]
+    assert tiny["stage3_param_persistence_threshold"] == 64 * 64 // 4  # the tiny test model's weights stay sharded
+
+
+def test_explicit_sizes_win_over_auto():
+    raw, _ = load_deepspeed_setting("z3")
+    raw = {**raw, "zero_optimization": {**raw["zero_optimization"], "reduce_bucket_size": 1234,
+                                        "stage3_param_persistence_threshold": 10}}
+    zero = resolve_deepspeed_config(raw, replace(INPUTS, hidden_size=896))["zero_optimization"]
+    assert (zero["reduce_bucket_size"], zero["stage3_param_persistence_threshold"]) == (1234, 10)
 
 
 def test_bucket_sizes_fall_back_to_deepspeed_defaults_without_hidden_size():

@@ -233,7 +233,7 @@ CATALOGUE = [
     Case("yaml-not-mapping", "top level must be a mapping", raw_yaml="- a\n- b\n"),
     Case("config-file-missing", "config file not found", raw_yaml=""),
     Case("unknown-key", "unknown key 'lerning_rate' (did you mean 'learning_rate'?)", {"lerning_rate": 1e-4}),
-    Case("unsupported-training-argument", "key 'torch_compile' is not supported", {"torch_compile": True}),
+    Case("unsupported-training-argument", "key 'torchdynamo' is not supported", {"torchdynamo": "inductor"}),
     Case("wrong-type", "lora_rank: expected an integer, got 'big'", {"lora_rank": "big"}),
     Case("out-of-range", "learning_rate: -1.0 is out of range", {"learning_rate": -1}),
     Case("not-a-choice", "finetuning_type: 'qlora' is not allowed", {"finetuning_type": "qlora"}),

@@ -227,12 +227,11 @@ def _auto_values(inputs: DeepSpeedInputs) -> dict[tuple[str, ...], Callable[[], 
         ("fp16", "enabled"): lambda: inputs.fp16,
         ("bf16", "enabled"): lambda: inputs.bf16,
         ("bfloat16", "enabled"): lambda: inputs.bf16,
-        ("zero_optimization", "reduce_bucket_size"):
-            lambda: hidden * hidden if hidden else DEFAULT_REDUCE_BUCKET_SIZE,
+        ("zero_optimization", "reduce_bucket_size"): lambda: auto_zero_sizes(hidden)["reduce_bucket_size"],
         ("zero_optimization", "stage3_prefetch_bucket_size"):
-            lambda: int(0.9 * hidden * hidden) if hidden else DEFAULT_PREFETCH_BUCKET_SIZE,
+            lambda: auto_zero_sizes(hidden)["stage3_prefetch_bucket_size"],
         ("zero_optimization", "stage3_param_persistence_threshold"):
-            lambda: 10 * hidden if hidden else DEFAULT_PARAM_PERSISTENCE_THRESHOLD,
+            lambda: auto_zero_sizes(hidden)["stage3_param_persistence_threshold"],
         ("optimizer", "params", "lr"): lambda: inputs.optimizer.learning_rate,
         ("optimizer", "params", "betas"): lambda: [inputs.optimizer.adam_beta1, inputs.optimizer.adam_beta2],
         ("optimizer", "params", "eps"): lambda: inputs.optimizer.adam_epsilon,
@@ -242,6 +241,26 @@ def _auto_values(inputs: DeepSpeedInputs) -> dict[tuple[str, ...], Callable[[], 
         ("scheduler", "params", "warmup_num_steps"): lambda: inputs.warmup_steps,
         ("scheduler", "params", "total_num_steps"): lambda: inputs.total_steps,
     }
+
+
+def auto_zero_sizes(hidden: int | None) -> dict[str, int]:
+    """ZeRO's "auto" sizes in elements: the HF Trainer's hidden-size rules with floors, so that a small model is not
+    latency-bound.
+
+    The Trainer's rules (``hidden^2`` buckets, ``10 x hidden`` persistence) give a 0.5B model (hidden 896) buckets
+    smaller than one MLP weight, one collective per few tensors, and partition every LoRA adapter and norm. Here
+    the buckets are at least DeepSpeed's own defaults (5e8 to reduce, 5e7 to prefetch), and tensors below a quarter
+    of one hidden x hidden matrix, up to DeepSpeed's 1e5 default, stay whole on every rank (adapters of rank below
+    hidden / 4, norms, biases): they cost a few MiB and would each need a gather per use.
+    """
+    if not hidden:
+        return {"reduce_bucket_size": DEFAULT_REDUCE_BUCKET_SIZE,
+                "stage3_prefetch_bucket_size": DEFAULT_PREFETCH_BUCKET_SIZE,
+                "stage3_param_persistence_threshold": DEFAULT_PARAM_PERSISTENCE_THRESHOLD}
+    return {"reduce_bucket_size": max(hidden * hidden, DEFAULT_REDUCE_BUCKET_SIZE),
+            "stage3_prefetch_bucket_size": max(int(0.9 * hidden * hidden), DEFAULT_PREFETCH_BUCKET_SIZE),
+            "stage3_param_persistence_threshold": max(10 * hidden,
+                                                      min(DEFAULT_PARAM_PERSISTENCE_THRESHOLD, hidden * hidden // 4))}
 
 
 # Keys whose "auto" is DeepSpeed's own default value: resolved by leaving the key out.

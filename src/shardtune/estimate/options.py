@@ -117,14 +117,23 @@ class ZeroSettings:
 
 
 def zero_settings(raw: dict, hidden_size: int) -> ZeroSettings:
-    """Stage, offload and buffer sizes; "auto" sizes resolve as shardtune resolves them (hidden_size squared)."""
-    from shardtune.engines.deepspeed_config import offloads_optimizer, offloads_params, zero_section, zero_stage
+    """Stage, offload and buffer sizes; "auto" sizes resolve as shardtune resolves them (deepspeed_config's
+    auto_zero_sizes; hidden_size squared for the keys it has no rule for)."""
+    from shardtune.engines.deepspeed_config import (
+        auto_zero_sizes,
+        offloads_optimizer,
+        offloads_params,
+        zero_section,
+        zero_stage,
+    )
 
     zero = zero_section(raw)
 
     def size(key: str, default: int) -> int:
         value = zero.get(key, default)
-        return hidden_size**2 if value == "auto" else int(float(value))
+        if value == "auto":
+            return auto_zero_sizes(hidden_size).get(key, hidden_size**2)
+        return int(float(value))
 
     # Parameters are released after use only when not reused within max_reuse_distance, and at most
     # max_live_parameters stay gathered: the smaller of the two bounds the gathered working set.
