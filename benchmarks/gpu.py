@@ -6,17 +6,22 @@
 
 The model has random weights in the shape of Qwen2.5-0.5B (hidden 896, 24 layers, 14 heads, 2 key-value heads,
 intermediate 4864, vocabulary 151936, tied embeddings), built from ``AutoConfig.for_model("qwen2", ...)`` with
-shardtune's locally trained tokenizer: nothing is downloaded. The data is plain text cut into packed rows of
-``--cutoff`` tokens (stage ``pt``), tokenised once into ``--work-dir`` and reused by every run.
+shardtune's locally trained tokenizer: nothing is downloaded. ``--data pt`` (the default) is plain text cut into
+packed rows of ``--cutoff`` tokens (stage ``pt``); ``--data sft`` is multi-turn chat (the bundled sharegpt demo,
+repeated) packed with sample boundaries (stage ``sft``, ``packing: true``), the block-diagonal masks a user's SFT
+run trains with. Both are tokenised once into ``--work-dir`` and reused by every run.
 
 Each run is the real command line (``shardtune train CONFIG key=value ...``; FORCE_TORCHRUN and NPROC_PER_NODE in
 its environment for every engine but ``local``), bf16, one run at a time. The numbers come from the run's own
 ``train_results.json``: effective tokens per second summed over ranks after ``--warmup`` steps, the median step
 time, the peak accelerator memory each rank allocated from model loading on (``peak_memory_bytes_per_rank``).
-MFU = 6 x parameters x tokens/s per GPU / peak bf16 FLOP/s: the H200's dense bf16 datasheet figure (989 TFLOP/s)
-and, beside it, the rate this script measures for an 8192^3 bf16 matrix product on the same GPU. 6 x parameters
-counts neither attention's own FLOPs nor, for LoRA, that frozen weights get no weight gradient: it is the usual
-model-FLOPs convention, the same for every row.
+MFU = model FLOPs per token x tokens/s per GPU / peak bf16 FLOP/s: the H200's dense bf16 datasheet figure
+(989 TFLOP/s) and, beside it, the rate this script measures for an 8192^3 bf16 matrix product on the same GPU.
+Model FLOPs per token (``flops_per_token``): full fine-tuning 6 x N + attention; LoRA 4 x N + 2 x N_trainable +
+attention (frozen weights get the forward and the input gradient, no weight gradient; the adapters all three);
+attention is 12 x layers x hidden x cutoff (PaLM's count, scores and values, forward and backward, without
+halving for the causal mask). N counts every weight matmul (the tied output layer included, the embedding lookup
+not).
 
 Results merge into ``benchmarks/results/gpu-<date>.{json,md}`` (rows of the same engine and finetuning type are
 replaced), so the engines can be run in separate invocations; ``--out`` moves them.
@@ -61,10 +66,29 @@ ENGINES = {
 }
 
 
+def lora_parameters(shape: dict, rank: int = 16) -> int:
+    """Adapter parameters of LoRA rank ``rank`` on every linear layer of the decoder (q, k, v, o, gate, up, down)."""
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    kv = hidden // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    shapes = [(hidden, hidden), (hidden, kv), (hidden, kv), (hidden, hidden), (hidden, inter), (hidden, inter),
+              (inter, hidden)]
+    return shape["num_hidden_layers"] * sum(rank * (a + b) for a, b in shapes)
+
+
+def flops_per_token(info: dict, finetuning: str, cutoff: int) -> float:
+    """Model FLOPs of one trained token (see the module docstring)."""
+    matmul_params = info["parameters"] - (0 if info.get("tie_word_embeddings") else info["embedding_parameters"])
+    attention = 12 * info["num_hidden_layers"] * info["hidden_size"] * cutoff
+    if finetuning == "lora":
+        return 4 * matmul_params + 2 * lora_parameters(info) + attention
+    return 6 * matmul_params + attention
+
+
 @dataclass(frozen=True)
 class Settings:
     steps: int
     warmup: int
+    data: str
     micro_batch: int
     accumulation: int
     cutoff: int
@@ -114,19 +138,39 @@ def write_dataset(folder: Path, min_chars: int, seed: int = 0) -> None:
                                                                        "columns": {"prompt": "text"}}}))
 
 
+def write_sft_dataset(folder: Path, min_chars: int) -> None:
+    """Multi-turn chat for stage sft: the bundled sharegpt demo conversations, repeated to ``min_chars``."""
+    if (folder / "bench_sft.jsonl").is_file():
+        return
+    lines = [line for line in (REPO / "data" / "demo_sharegpt.jsonl").read_text().splitlines() if line]
+    folder.mkdir(parents=True, exist_ok=True)
+    written = 0
+    with open(folder / "bench_sft.jsonl", "w") as f:
+        while written < min_chars:
+            for line in lines:
+                f.write(line + "\n")
+                written += len(line)
+    info = json.loads((folder / "dataset_info.json").read_text()) if (folder / "dataset_info.json").is_file() else {}
+    demo = json.loads((REPO / "data" / "dataset_info.json").read_text())["demo_sharegpt"]
+    info["bench_sft"] = {**demo, "file_name": "bench_sft.jsonl"}
+    (folder / "dataset_info.json").write_text(json.dumps(info))
+
+
 def write_config(work: Path, model: Path, s: Settings) -> Path:
     import yaml
 
+    data = {"stage": "pt", "dataset": "bench_pt"} if s.data == "pt" else \
+        {"stage": "sft", "dataset": "bench_sft", "template": "chatml"}
     config = {
-        "model_name_or_path": str(model), "stage": "pt", "do_train": True, "dataset": "bench_pt",
-        "dataset_dir": str(work / "data"), "tokenized_path": str(work / f"tokenized-{s.cutoff}"),
+        "model_name_or_path": str(model), **data, "do_train": True,
+        "dataset_dir": str(work / "data"), "tokenized_path": str(work / f"tokenized-{s.data}-{s.cutoff}"),
         "cutoff_len": s.cutoff, "packing": True, "bf16": True, "lora_rank": 16, "learning_rate": 1.0e-5,
         "lr_scheduler_type": "constant", "warmup_ratio": 0.0, "per_device_train_batch_size": s.micro_batch,
         "gradient_accumulation_steps": s.accumulation, "max_steps": s.steps + s.warmup,
         "throughput_warmup_steps": s.warmup, "logging_steps": 100000, "save_strategy": "no", "plot_loss": False,
         "report_to": ["none"], "overwrite_output_dir": True, "seed": 42,
     }
-    path = work / "bench_config.yaml"
+    path = work / f"bench_config_{s.data}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
 
@@ -142,11 +186,11 @@ def command_for(engine: str, finetuning: str, config: Path, out: Path, processes
 
 def run_one(engine: str, finetuning: str, config: Path, work: Path, s: Settings, info: dict,
             peaks: dict[str, float | None]) -> dict:
-    out = work / "runs" / f"{engine}-{finetuning}"
+    out = work / "runs" / f"{engine}-{finetuning}-{s.data}"
     argv, env = command_for(engine, finetuning, config, out, s.processes)
     started = time.time()
     done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True)
-    row = {"engine": engine, "label": ENGINES[engine][0], "finetuning": finetuning,
+    row = {"engine": engine, "label": ENGINES[engine][0], "finetuning": finetuning, "data": s.data,
            "command": (f"FORCE_TORCHRUN=1 NPROC_PER_NODE={s.processes} " if engine != "local" else "")
            + shlex.join(["shardtune", *argv[len(SHARDTUNE):]])}
     if done.returncode != 0:
@@ -158,7 +202,7 @@ def run_one(engine: str, finetuning: str, config: Path, work: Path, s: Settings,
     results = json.loads((out / "train_results.json").read_text())
     gpus = results["world_size"]
     tokens_per_second = results["throughput"]["effective_tokens_per_second"]
-    flops_per_gpu = 6 * info["parameters"] * tokens_per_second / gpus
+    flops_per_gpu = flops_per_token(info, finetuning, s.cutoff) * tokens_per_second / gpus
     row.update({
         "processes": gpus, "engine_used": results["engine"], "tokens_per_second": tokens_per_second,
         "step_time_median_seconds": results["throughput"]["step_time_median_seconds"],
@@ -200,10 +244,10 @@ def measured_bf16_matmul_flops(size: int = 8192, repeats: int = 10) -> float | N
 def merge_rows(path: Path, rows: list[dict]) -> list[dict]:
     """Earlier rows of this results file, with those of the same engine and finetuning type replaced."""
     old = json.loads(path.read_text())["rows"] if path.is_file() else []
-    fresh = {(r["engine"], r["finetuning"]) for r in rows}
+    fresh = {(r["engine"], r["finetuning"], r.get("data", "pt")) for r in rows}
     order = list(ENGINES)
-    merged = [r for r in old if (r["engine"], r["finetuning"]) not in fresh] + rows
-    return sorted(merged, key=lambda r: (r["finetuning"], order.index(r["engine"])))
+    merged = [r for r in old if (r["engine"], r["finetuning"], r.get("data", "pt")) not in fresh] + rows
+    return sorted(merged, key=lambda r: (r.get("data", "pt"), r["finetuning"], order.index(r["engine"])))
 
 
 def render_markdown(rows: list[dict], meta: dict) -> str:
@@ -213,22 +257,27 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
         f"# GPU benchmark, {meta['date']}", "", machine_line(info), "",
         f"Model: random weights, {model['shape']} shape (Qwen2 architecture), {model['parameters'] / 1e6:.1f}M "
         f"parameters ({model['embedding_parameters'] / 1e6:.1f}M of them the tied embedding). Data: packed rows of "
-        f"{s['cutoff']} tokens (stage pt), micro-batch {s['micro_batch']} x accumulation {s['accumulation']} per "
+        f"{s['cutoff']} tokens (pt: plain text; sft: multi-turn chat, block-diagonal masks), micro-batch "
+        f"{s['micro_batch']} x accumulation {s['accumulation']} per "
         f"process, bf16, {s['steps']} measured steps after {s['warmup']} of warm-up. LoRA: rank 16 on every linear "
         "layer.", "",
-        "MFU = 6 x parameters x tokens/s per GPU / peak: against the H200's dense bf16 datasheet figure "
+        "MFU = model FLOPs per token (full 6N + attention; LoRA 4N + 2N_trainable + attention) x tokens/s per GPU / "
+        "peak: against the H200's dense bf16 datasheet figure "
         "(989 TFLOP/s) and against the measured 8192^3 bf16 matrix product"
         + (f" ({peak:.0f} TFLOP/s on this GPU)." if peak else " (not measured: no GPU)."), "",
-        "| finetuning | engine | procs | tokens/s | step median | MFU (989) | MFU (measured) | peak memory per rank |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
+        "| data | finetuning | engine | procs | tokens/s | step median | MFU (989) | MFU (measured) "
+        "| peak memory per rank |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['finetuning']} | {r['label']} | {r['processes']} | failed: {r['error']} | | | | |")
+            out.append(f"| {r.get('data', 'pt')} | {r['finetuning']} | {r['label']} | {r['processes']} | failed: "
+                       f"{r['error']} | | | | |")
             continue
         mfu = [f"{100 * r[k]:.1f}%" if r.get(k) is not None else "-" for k in ("mfu_spec", "mfu_measured")]
         memory = ", ".join(f"{m:.2f}" for m in r["peak_memory_gib_per_rank"])
-        out.append(f"| {r['finetuning']} | {r['label']} | {r['processes']} | {r['tokens_per_second']:,.0f} | "
+        out.append(f"| {r.get('data', 'pt')} | {r['finetuning']} | {r['label']} | {r['processes']} | "
+                   f"{r['tokens_per_second']:,.0f} | "
                    f"{1000 * r['step_time_median_seconds']:.0f} ms | {mfu[0]} | {mfu[1]} | {memory} GiB |")
     out += ["", "Commands (from the repository root; the config is written by the script):", ""]
     out += [f"- `{r['command']}`" for r in rows]
@@ -239,6 +288,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", default=",".join(ENGINES), help="any of %(default)s")
     parser.add_argument("--finetuning", default="full,lora", help="full, lora or both")
+    parser.add_argument("--data", default="pt", choices=["pt", "sft"], help="plain text (pt) or packed multi-turn "
+                        "chat (sft)")
     parser.add_argument("--shape", default="qwen2.5-0.5b", choices=list(SHAPES))
     parser.add_argument("--steps", type=int, default=20, help="measured optimizer steps")
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the rates")
@@ -261,12 +312,14 @@ def main(argv: list[str]) -> int:
     if not gpus and not args.allow_cpu:
         print("benchmarks/gpu.py needs a CUDA GPU (--allow-cpu runs it anyway, to check the script)")
         return 2
-    s = Settings(args.steps, args.warmup, args.micro_batch, args.accumulation, args.cutoff,
+    s = Settings(args.steps, args.warmup, args.data, args.micro_batch, args.accumulation, args.cutoff,
                  args.processes or max(gpus, 1))
     work = args.work_dir / args.shape
     info = build_model(work / "model", args.shape)
     tokens_needed = (s.steps + s.warmup) * s.micro_batch * s.accumulation * s.cutoff * s.processes
     write_dataset(work / "data", min_chars=5 * tokens_needed)
+    if s.data == "sft":
+        write_sft_dataset(work / "data", min_chars=5 * tokens_needed)
     config = write_config(work, work / "model", s)
     measured = measured_bf16_matmul_flops()
     peaks = {"spec": H200_DENSE_BF16_FLOPS if gpus else None, "measured": measured}

@@ -11,6 +11,8 @@
 #   bench-local    benchmarks/gpu.py --engines local,ddp                                       (~4 min)
 #   bench-fsdp     benchmarks/gpu.py --engines fsdp2                                           (~3 min)
 #   bench-zero     benchmarks/gpu.py --engines zero2,zero3                                     (~5 min)
+#   speed          benchmarks/gpu.py, one process, full and LoRA, on packed plain-text rows (pt) and packed
+#                  multi-turn chat (sft, block-diagonal masks), 10 measured steps each (docs/speed.md)  (~6 min)
 #   lf-qlora       benchmarks/gpu_llamafactory.py: a LLaMA-Factory LoRA file, bf16, 4-bit, sdpa/fa2,
 #                  activation checkpointing on and off                                         (~4 min)
 #   tests | bench | all                                                   several of the above, one after another
@@ -109,6 +111,16 @@ bench() {  # bench ENGINES: benchmarks/gpu.py for those engines, full and LoRA; 
   return "$code"
 }
 
+speed() {  # the rows docs/speed.md reports: pt and sft rows, full and LoRA, one process
+  local code=0
+  for data in pt sft; do
+    $PY benchmarks/gpu.py --engines local --finetuning full,lora --data "$data" --steps 10 --warmup 3 --date "$DATE" \
+      || code=$?
+  done
+  copy_out "$RESULTS/gpu-$DATE.md" "$RESULTS/gpu-$DATE.json"
+  return "$code"
+}
+
 lf_qlora() {
   $PY benchmarks/gpu_llamafactory.py --date "$DATE"
   local code=$?
@@ -126,14 +138,15 @@ case "$STEP" in
   bench-fsdp)    run_step bench-fsdp bench fsdp2 || status=$? ;;
   bench-zero)    run_step bench-zero bench zero2,zero3 || status=$? ;;
   lf-qlora)      run_step lf-qlora lf_qlora || status=$? ;;
+  speed)         run_step speed speed || status=$? ;;
   tests|bench|all)
     steps=()
     [ "$STEP" = all ] && steps+=(env)
     [ "$STEP" != bench ] && steps+=(tests-engines tests-qlora)
     [ "$STEP" != bench ] && steps+=(lf-qlora)
-    [ "$STEP" != tests ] && steps+=(bench-local bench-fsdp bench-zero)
+    [ "$STEP" != tests ] && steps+=(speed bench-local bench-fsdp bench-zero)
     for s in "${steps[@]}"; do "$0" "$s" || status=$?; done ;;
-  *) echo "usage: scripts/gpu_check.sh env|tests-engines|tests-qlora|bench-local|bench-fsdp|bench-zero|lf-qlora|tests|bench|all" >&2
+  *) echo "usage: scripts/gpu_check.sh env|tests-engines|tests-qlora|speed|bench-local|bench-fsdp|bench-zero|lf-qlora|tests|bench|all" >&2
      exit 2 ;;
 esac
 exit "$status"

@@ -107,3 +107,11 @@ def test_weight_decay_skips_biases_and_norms():
     for name, param in model.named_parameters():
         assert (id(param) in decayed) == (param.ndim >= 2), name
     assert copy.copy(opt.defaults)["lr"] == 5e-5
+
+
+def test_fused_adamw_only_where_every_parameter_is_on_cuda():
+    from shardtune.optim.build import fused_adamw_fits
+
+    assert not fused_adamw_fits([torch.nn.Parameter(torch.ones(2))])
+    assert not fused_adamw_fits([torch.nn.Parameter(torch.ones(2, device="meta"))])
+    assert not fused_adamw_fits([])
