@@ -178,10 +178,11 @@ class TrainConfig:
     max_samples: int | None = _key(None, "use at most this many samples per dataset", DATA, minimum=1)
     val_size: float = _key(0.0, "held-out eval split: a fraction (< 1) or a sample count", DATA, minimum=0)
     packing: bool | None = _key(None, "pack several samples per sequence (default: on for pt, off for sft)", DATA)
-    padding_free: bool = _key(
-        True, "unpacked rows: put each micro-batch's samples into as few rows as hold them (kept apart as packed rows "
-              "are; same samples, same loss) instead of padding every sample to the longest, where packing can keep "
-              "samples apart (sft and pt; not with the MoE router loss)", DATA)
+    padding_free: bool | None = _key(
+        None, "unpacked rows: put each micro-batch's samples into as few rows as hold them (kept apart as packed rows "
+              "are; same samples, same loss) instead of padding each to the longest, where packing keeps samples "
+              "apart (sft, pt; not with the MoE router loss); null: on the CPU and with flash attention (varlen), "
+              "off on a GPU under sdpa/eager, whose causal kernel a dense block mask would replace", DATA)
     train_on_prompt: bool = _key(False, "compute the loss on prompt tokens too", DATA)
     group_by_length: bool = _key(False, "batch samples of similar length together (less padding, unpacked)",
                                  DATA)

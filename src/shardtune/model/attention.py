@@ -165,3 +165,31 @@ def packing_problem(config: Mapping[str, Any], support: KernelSupport | None, ke
 
 def _get(config: Any, name: str) -> Any:
     return config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+
+
+def document_block_mask(segments: Any, window: int | None = None) -> Any:
+    """FlexAttention's ``BlockMask`` for packed rows: each token sees earlier tokens of its own segment only (and
+    only the last ``window`` of them on sliding-window layers), the rule of the collator's dense
+    ``block_causal_mask`` without its ``[B, 1, L, L]`` tensor: the kernel skips whole blocks of other samples.
+
+    ``segments`` is the collator's ``[B, L]`` segment numbering (padding is a segment of its own), on the device the
+    attention runs on. The block mask is what transformers' flex_attention integration takes as ``attention_mask``
+    (a 4-D mask is used as given).
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        allowed = (q >= kv) & (segments[b, q] == segments[b, kv])
+        return allowed if window is None else allowed & (q - kv < window)
+
+    batch, length = segments.shape
+    return create_block_mask(same_document, batch, None, length, length, device=segments.device)
+
+
+def dense_mask_fallback_warning(packed: bool, on_cuda: bool, kernel: str) -> str | None:
+    """The run-log line for packed rows on a GPU whose kernel takes them as a dense ``[B, 1, L, L]`` mask."""
+    if not packed or not on_cuda or kernel.startswith("flash"):
+        return None
+    return (f"[shardtune] warning: packed rows on a GPU under attn_implementation {kernel} use a dense [B, 1, L, L] "
+            "block mask (memory and time grow with L^2, and the causal flash kernel is not used); install flash-attn "
+            "for its varlen kernel (flash_attn: fa2), or set packing: false")

@@ -171,13 +171,16 @@ def build_collator(tokenizer: Any, c: TrainConfig) -> Any:
 def padding_free_rows(c: TrainConfig) -> bool:
     """``padding_free`` where it applies: unpacked sft/pt rows of a model whose packed rows stay apart under the
     kernel (the checks ``packing: true`` passes before launch) and that adds no router loss (it reads a 2-D mask).
-    Preference stages keep one row per sample: their pair layout is by row."""
+    Preference stages keep one row per sample: their pair layout is by row. Unset (null), it is on where the block
+    mask costs nothing the padding did not: on the CPU, and under flash attention (varlen offsets, no mask)."""
     from shardtune.model.attention import kernel_support, packing_problem
     from shardtune.model.load import load_model_config
     from shardtune.model.moe import router_aux_loss_coef
     from shardtune.train.settings import resolved_packing
 
-    if not c.padding_free or resolved_packing(c) or c.stage not in ("sft", "pt"):
+    wanted = c.padding_free if c.padding_free is not None else \
+        not torch.cuda.is_available() or "flash" in c.attn_implementation
+    if not wanted or resolved_packing(c) or c.stage not in ("sft", "pt"):
         return False
     config = load_model_config(c.model_name_or_path or "", trust_remote_code=c.trust_remote_code)
     as_dict = config.to_dict()

@@ -84,6 +84,7 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
         raise ConfigError(f"dataloader_drop_last (true): each rank has fewer than per_device_train_batch_size "
                           f"({config.per_device_train_batch_size}) samples, so no batch is left; turn it off or "
                           "use more data")
+    warn_dense_packed_masks(config, engine.is_main)
     loop = loop_settings(config, train_micro_batches(train_loader, config), eval_loader is not None)
     source = model_source(*model_config(config), tokenizer_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
     model = engine.build_model(source)
@@ -126,6 +127,18 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
 def estimated_peak(memory: MemoryProbe | None) -> float | None:
     """The estimate's peak bytes on the busiest rank (None without an estimate), for the rank logs."""
     return None if memory is None or memory.estimate is None else float(memory.estimate.peak)
+
+
+def warn_dense_packed_masks(c: TrainConfig, is_main: bool) -> None:
+    """Packed rows on a GPU without a varlen kernel: said once, with the way out."""
+    from shardtune.model.attention import dense_mask_fallback_warning
+    from shardtune.train.settings import resolved_packing
+    from shardtune.train.setup import padding_free_rows
+
+    packed = resolved_packing(c) or padding_free_rows(c)
+    line = dense_mask_fallback_warning(packed, torch.cuda.is_available(), c.attn_implementation)
+    if line and is_main:
+        print(line, flush=True)
 
 
 def start_compile(model: torch.nn.Module, c: TrainConfig) -> CompileReport | None:
