@@ -1,6 +1,6 @@
 """Packed rows through FlexAttention's block mask (model/attention.py document_block_mask) against the collator's
-dense block-diagonal mask under SDPA, the CPU reference: the same outputs and the same gradients, with and without a
-sliding window. FlexAttention runs on the CPU in torch 2.13, so the document-mask logic is checked here."""
+dense block-diagonal mask under SDPA, the CPU reference: the same outputs, with and without a sliding window.
+FlexAttention's forward runs on the CPU in torch 2.13, so the document-mask logic is checked here."""
 
 from __future__ import annotations
 
@@ -26,15 +26,12 @@ def packed_segments() -> torch.Tensor:
 def test_flex_document_mask_matches_the_dense_block_mask(window):
     segments = packed_segments()
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 2, 16, 8, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(2, 2, 16, 8) for _ in range(3))
     dense = block_causal_mask(segments, as_bool=True, window=window)
     reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    # torch 2.13 runs FlexAttention's forward on the CPU (its backward needs a GPU: tests/gpu).
     found = flex_attention(q, k, v, block_mask=document_block_mask(segments, window))
     torch.testing.assert_close(found, reference, rtol=1e-5, atol=1e-5)
-    grads = torch.autograd.grad(found.square().sum(), (q, k, v))
-    expected = torch.autograd.grad(reference.square().sum(), (q, k, v))
-    for got, want in zip(grads, expected, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_segments_never_see_each_other():
