@@ -212,6 +212,11 @@ class TrainConfig:
         False, "checkpoints hold the model only (no optimizer/scheduler state; a resume restarts the optimizer)",
         OUTPUT)
     plot_loss: bool = _key(False, "write training_loss.png at the end", OUTPUT)
+    save_dtype: str = _key("auto", "dtype of the saved full model (final output, export, merged LoRA); auto: the "
+                                   "base checkpoint's dtype from its config.json", OUTPUT,
+                           choices=("auto", "float32", "bfloat16", "float16"))
+    replace_eos: bool = _key(True, "the saved tokenizer's eos_token and generation_config.json's eos_token_id become "
+                                   "the template's stop token (e.g. <|im_end|>), so a served model stops", OUTPUT)
     report_to: list[str] = _key(["none"], "experiment trackers: none or tensorboard (wandb and mlflow are refused "
                                           "with the reason)", OUTPUT)
     resume_from_checkpoint: str | None = _key(None, "checkpoint folder to resume from", OUTPUT)

@@ -390,6 +390,20 @@ class RunHooks:
                                       self.config.label_smoothing_factor)}
 
 
+def save_servable(output_dir: Path, tokenizer: Any, c: TrainConfig) -> None:
+    """The tokenizer beside the final model, and the folder made ready to serve (dtype, chat template, stop token);
+    the run's own tokenizer object is left as it was."""
+    from shardtune.export.serving import ServingSettings, finish_servable
+    from shardtune.model.load import load_tokenizer
+
+    tokenizer.save_pretrained(output_dir)
+    settings = ServingSettings(None if c.stage == "pt" else c.template, c.model_name_or_path or "",
+                               c.default_system, c.enable_thinking, c.tool_format, c.replace_eos, c.save_dtype)
+    for note in finish_servable(output_dir, load_tokenizer(str(output_dir), trust_remote_code=c.trust_remote_code),
+                                settings):
+        print(f"[shardtune] saved model: {note}", flush=True)
+
+
 def run_name(c: TrainConfig, output_dir: Path) -> str:
     """``run_name``, else the output folder's name (the Trainer's default is the output_dir itself)."""
     return c.run_name or output_dir.resolve().name
@@ -423,7 +437,7 @@ def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path,
     if memory is not None:
         results.update(memory_results(memory.per_rank(engine), memory.estimate, engine.is_main))
     if engine.is_main:
-        tokenizer.save_pretrained(output_dir)
+        save_servable(output_dir, tokenizer, c)
         (output_dir / RESULTS_FILE).write_text(json.dumps(results, indent=2))
         if c.plot_loss:
             plot_loss(output_dir)
