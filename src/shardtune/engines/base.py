@@ -129,6 +129,31 @@ class Engine(ABC):
     def barrier(self) -> None:
         return None
 
+    def gather_objects(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (picklable), in rank order, on every rank."""
+        return [value]
+
+    # --- generation (do_predict) ---
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """``generate`` on this rank's prompts with the model as trained. Where the weights are sharded each forward
+        gathers them (a collective), so ranks that finish first keep stepping until every rank is done
+        (``synced_gpus``): every rank must call this as often as the others."""
+        model = self.unwrapped_model()
+        was_training = model.training
+        model.eval()
+        synced = self.shards_weights and self.world_size > 1
+        try:
+            with torch.no_grad(), self.autocast(), self.generation_context():
+                return model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(
+                    self.device), synced_gpus=synced, **kwargs)
+        finally:
+            model.train(was_training)
+
+    def generation_context(self) -> contextlib.AbstractContextManager:
+        """What ``generate`` runs in, beyond no_grad and autocast (an engine whose root holds weights of its own
+        that the model's forward hooks do not gather overrides it)."""
+        return contextlib.nullcontext()
+
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 

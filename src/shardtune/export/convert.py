@@ -8,7 +8,7 @@ Sources: a final output_dir (full model or LoRA adapter) or a ``checkpoint-<step
 from __future__ import annotations
 
 import json
-import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeGuard
 
@@ -18,6 +18,8 @@ from shardtune import run_files
 from shardtune.engines.replicated import WEIGHTS_FILE
 from shardtune.engines.spec import CheckpointLayout
 from shardtune.errors import ModelError
+from shardtune.export.destination import check_destination, staged_folder
+from shardtune.export.serving import ServingSettings, finish_servable, resolve_save_dtype, settings_from_run
 from shardtune.model.reward_head import RewardHead, is_reward_model_config, to_reward_model
 
 RUN_CONFIG = run_files.RESOLVED_CONFIG
@@ -141,9 +143,26 @@ def check_export_inputs(source: Path, base: str) -> None:
         raise ModelError(*problems)
 
 
+@dataclass(frozen=True)
+class ExportOptions:
+    """How the exported folder comes out: dtype (None: the run's save_dtype, else auto), shard size, the template
+    written into the tokenizer (None: the run's), replacing an existing folder, the merge device."""
+
+    save_dtype: str | None = None
+    max_shard_bytes: int | None = None
+    template: str | None = None
+    overwrite: bool = False
+    device: str = "cpu"
+    trust_remote_code: bool = False
+
+
 def export_model(source: Path, out: Path, *, base: str | None = None, merge_lora: bool = False,
-                 finetuning_type: str | None = None) -> Path:
-    """Write ``out`` as a Hugging Face folder (safetensors, config, tokenizer) from ``source``."""
+                 finetuning_type: str | None = None, options: ExportOptions | None = None,
+                 merged_first: tuple[str, ...] = ()) -> list[str]:
+    """Write ``out`` as a Hugging Face folder (safetensors, config, tokenizer) from ``source``; returns what was
+    done to make it ready to serve, one line each. ``merged_first``: adapters merged into the base before
+    ``source`` (an adapter) is loaded on it (LLaMA-Factory lists several in adapter_name_or_path)."""
+    options = options or ExportOptions()
     kind = checkpoint_kind(source)
     run = find_run_config(source) if base is None or finetuning_type is None else {}
     if finetuning_type == "lora" and not run:
@@ -152,20 +171,26 @@ def export_model(source: Path, out: Path, *, base: str | None = None, merge_lora
     finetuning = {**run, "finetuning_type": finetuning_type or run.get("finetuning_type")}
     if not base:
         raise ModelError("export: the base model is unknown; pass --model")
+    check_destination(out, {"the source": source, "the base model": Path(base)} if Path(base).exists()
+                      else {"the source": source}, options.overwrite)
     check_export_inputs(source, base)
     tokenizer_from = _tokenizer_source(source, base)
-    reward = reward_head_of(source, run or _run_config_if_any(source), tokenizer_from)
+    known_run = run or _run_config_if_any(source)
+    reward = reward_head_of(source, known_run, tokenizer_from)
     if kind == "model":
         model = _load_plain(source, reward)
     elif kind == "adapter":
-        model = _load_adapter(base, source, reward)
+        model = _load_adapter(base, source, reward, merged_first)
     else:
         model = build_trained_model(base, finetuning, reward)
         load_checkpoint_weights(model, source, kind)
     if merge_lora and merges_adapter(model):
         model = model.merge_and_unload()
-    save_exported(model, out, tokenizer_from=tokenizer_from)
-    return out
+    settings = settings_from_run(known_run, base, template=options.template, save_dtype=options.save_dtype,
+                                 max_shard_bytes=options.max_shard_bytes)
+    record = {"source": str(source.resolve()), "base_model": base, "merged_lora": bool(merge_lora)}
+    with staged_folder(out, record) as staging:
+        return save_exported(model, staging, tokenizer_from, settings, options.trust_remote_code)
 
 
 def _run_config_if_any(source: Path) -> dict[str, Any]:
@@ -185,13 +210,16 @@ def _load_plain(source: Path, reward: RewardHead | None) -> torch.nn.Module:
     return AutoModelForSequenceClassification.from_pretrained(str(source), dtype=torch.float32)
 
 
-def _load_adapter(base: str, source: Path, reward: RewardHead | None) -> torch.nn.Module:
+def _load_adapter(base: str, source: Path, reward: RewardHead | None, merged_first: tuple[str, ...] = ()
+                  ) -> torch.nn.Module:
     from peft import PeftModel
 
     from shardtune.model.load import load_causal_lm
     from shardtune.model.vocab import adapter_embedding_rows
 
     model = load_causal_lm(base)
+    for earlier in merged_first:
+        model = PeftModel.from_pretrained(model, earlier).merge_and_unload()
     rows = adapter_embedding_rows(str(source), model)  # trained with resize_vocab: the base grows first
     if rows is not None and rows != model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(rows, mean_resizing=False)
@@ -207,16 +235,21 @@ def _tokenizer_source(source: Path, base: str) -> str:
     return base
 
 
-def save_exported(model: torch.nn.Module, out: Path, tokenizer_from: str) -> None:
-    """Save weights + tokenizer, then check the written parameter count against the model's."""
+def save_exported(model: torch.nn.Module, out: Path, tokenizer_from: str, settings: ServingSettings,
+                  trust_remote_code: bool = False) -> list[str]:
+    """Save weights (a full model in the dtype asked for, in shards of at most ``settings.max_shard_bytes``) and
+    the tokenizer ready to serve, then check the written parameter count against the model's."""
     from shardtune.model.load import load_tokenizer
     from shardtune.model.saved import as_saves_pretrained
 
-    if out.exists():
-        shutil.rmtree(out)
-    as_saves_pretrained(model).save_pretrained(out, safe_serialization=True)
-    load_tokenizer(tokenizer_from).save_pretrained(out)
+    is_adapter = hasattr(model, "peft_config")
+    dtype = resolve_save_dtype(settings.save_dtype, settings.base_model)
+    if not is_adapter:
+        model = model.to(getattr(torch, dtype))
+    shards = {"max_shard_size": settings.max_shard_bytes} if settings.max_shard_bytes and not is_adapter else {}
+    as_saves_pretrained(model).save_pretrained(out, safe_serialization=True, **shards)
     check_saved_count(model, out)
+    return finish_servable(out, load_tokenizer(tokenizer_from, trust_remote_code=trust_remote_code), settings)
 
 
 def check_saved_count(model: torch.nn.Module, out: Path) -> None:

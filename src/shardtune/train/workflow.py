@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from shardtune import run_files
+from shardtune.config.generation import predicts_only
 from shardtune.config.load import config_to_dict
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.base import Engine
@@ -62,6 +63,10 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     When ``stop`` is raised (Ctrl-C, SIGTERM) the run ends after the current step with a checkpoint and returns
     ``{"interrupted": True, ...}`` without a final model, so the same command resumes.
     """
+    if predicts_only(config):
+        from shardtune.train.predict import predict_only
+
+        return {"predict_only": True, **predict_only(config, engine)}
     set_seed(config.seed)
     if not apply_tf32(config.tf32) and config.tf32 and engine.is_main:
         print("[shardtune] tf32: no CUDA device here; CPU matmuls never use TF32, nothing changes", flush=True)
@@ -442,6 +447,10 @@ def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path,
         if c.plot_loss:
             plot_loss(output_dir)
     hooks.reporter.close()
+    if c.do_predict:
+        from shardtune.train.predict import run_prediction
+
+        run_prediction(engine, tokenizer, c, output_dir)
     engine.barrier()
     engine.close()
     return results
