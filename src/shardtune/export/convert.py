@@ -156,6 +156,66 @@ class ExportOptions:
     trust_remote_code: bool = False
 
 
+@dataclass(frozen=True)
+class TrainedSource:
+    """A trained model to load: ``source`` of layout ``kind``, its base model and the run that wrote it."""
+
+    source: Path
+    kind: str
+    base: str
+    run: dict[str, Any]
+    finetuning: dict[str, Any]
+
+    @property
+    def protected(self) -> dict[str, Path]:
+        """What an export must never overwrite."""
+        paths = {"the source": self.source}
+        if Path(self.base).exists():
+            paths["the base model"] = Path(self.base)
+        return paths
+
+
+def resolve_trained(source: Path, base: str | None = None, finetuning_type: str | None = None) -> TrainedSource:
+    """What ``source`` holds and what it was trained from: the run's config says, else ``base`` and
+    ``finetuning_type``; a model folder is its own base, an adapter names its base in adapter_config.json."""
+    kind = checkpoint_kind(source)
+    run = _run_config_if_any(source)
+    if kind not in ("model", "adapter") and not run:
+        if base is None or finetuning_type is None:
+            find_run_config(source)  # raises: say what is missing
+        if finetuning_type == "lora":
+            run = _lora_run_config(source)
+    base = base or run.get("model_name_or_path") or _own_base(source, kind)
+    if not base:
+        raise ModelError(f"the base model of {source} is unknown; pass --model")
+    finetuning = {**run, "finetuning_type": finetuning_type or run.get("finetuning_type")}
+    return TrainedSource(source, kind, base, run, finetuning)
+
+
+def _own_base(source: Path, kind: str) -> str | None:
+    if kind == "model":
+        return str(source)
+    if kind == "adapter":
+        return json.loads((source / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    return None
+
+
+def load_trained(trained: TrainedSource, merged_first: tuple[str, ...] = ()) -> tuple[torch.nn.Module, str]:
+    """The trained model (float32, on the host) and where its tokenizer is read from. ``merged_first``: adapters
+    merged into the base before an adapter ``source`` is loaded on it."""
+    check_export_inputs(trained.source, trained.base)
+    tokenizer_from = _tokenizer_source(trained.source, trained.base)
+    reward = reward_head_of(trained.source, trained.run, tokenizer_from)
+    if trained.kind == "model":
+        model = _load_plain(trained.source, reward)
+    elif trained.kind == "adapter":
+        model = _load_adapter(trained.base, trained.source, reward, merged_first)
+    else:
+        model = build_trained_model(trained.base, trained.finetuning, reward)
+        load_checkpoint_weights(model, trained.source, trained.kind)
+    return model, tokenizer_from
+
+
 def export_model(source: Path, out: Path, *, base: str | None = None, merge_lora: bool = False,
                  finetuning_type: str | None = None, options: ExportOptions | None = None,
                  merged_first: tuple[str, ...] = ()) -> list[str]:
@@ -163,34 +223,19 @@ def export_model(source: Path, out: Path, *, base: str | None = None, merge_lora
     done to make it ready to serve, one line each. ``merged_first``: adapters merged into the base before
     ``source`` (an adapter) is loaded on it (LLaMA-Factory lists several in adapter_name_or_path)."""
     options = options or ExportOptions()
-    kind = checkpoint_kind(source)
-    run = find_run_config(source) if base is None or finetuning_type is None else {}
-    if finetuning_type == "lora" and not run:
-        run = _lora_run_config(source)
-    base = base or run.get("model_name_or_path")
-    finetuning = {**run, "finetuning_type": finetuning_type or run.get("finetuning_type")}
-    if not base:
-        raise ModelError("export: the base model is unknown; pass --model")
-    check_destination(out, {"the source": source, "the base model": Path(base)} if Path(base).exists()
-                      else {"the source": source}, options.overwrite)
-    check_export_inputs(source, base)
-    tokenizer_from = _tokenizer_source(source, base)
-    known_run = run or _run_config_if_any(source)
-    reward = reward_head_of(source, known_run, tokenizer_from)
-    if kind == "model":
-        model = _load_plain(source, reward)
-    elif kind == "adapter":
-        model = _load_adapter(base, source, reward, merged_first)
-    else:
-        model = build_trained_model(base, finetuning, reward)
-        load_checkpoint_weights(model, source, kind)
+    trained = resolve_trained(source, base, finetuning_type)
+    check_destination(out, {**trained.protected, **{f"the adapter {a}": Path(a) for a in merged_first}},
+                      options.overwrite)
+    model, tokenizer_from = load_trained(trained, merged_first)
+    if options.device == "auto" and torch.cuda.is_available():
+        model = model.to("cuda")
     if merge_lora and merges_adapter(model):
         model = model.merge_and_unload()
-    settings = settings_from_run(known_run, base, template=options.template, save_dtype=options.save_dtype,
-                                 max_shard_bytes=options.max_shard_bytes)
-    record = {"source": str(source.resolve()), "base_model": base, "merged_lora": bool(merge_lora)}
+    settings = settings_from_run(trained.run, trained.base, template=options.template,
+                                 save_dtype=options.save_dtype, max_shard_bytes=options.max_shard_bytes)
+    record = {"source": str(source.resolve()), "base_model": trained.base, "merged_lora": bool(merge_lora)}
     with staged_folder(out, record) as staging:
-        return save_exported(model, staging, tokenizer_from, settings, options.trust_remote_code)
+        return save_exported(model.cpu(), staging, tokenizer_from, settings, options.trust_remote_code)
 
 
 def _run_config_if_any(source: Path) -> dict[str, Any]:

@@ -83,7 +83,8 @@ def save_serving_tokenizer(tokenizer: Any, settings: ServingSettings, folder: Pa
     template = get_template(settings.template, settings.default_system, settings.enable_thinking,
                             settings.tool_format)
     if not isinstance(template, TokenizerChatTemplate):
-        tokenizer.chat_template = chat_template_jinja(template, tokenizer)
+        tokenizer.chat_template = chat_template_jinja(template, tokenizer,
+                                                      trained_special_tokens(tokenizer, settings.base_model))
         notes.append(f"chat template: '{template.name}' as trained")
     stop = template.stop_token(tokenizer)
     if tokenizer.pad_token is None:
@@ -97,6 +98,23 @@ def save_serving_tokenizer(tokenizer: Any, settings: ServingSettings, folder: Pa
                          "of this tokenizer")
     tokenizer.save_pretrained(folder)
     return notes
+
+
+def trained_special_tokens(tokenizer: Any, base_model: str) -> dict[str, str]:
+    """``{bos}``/``{eos}`` as training rendered them: the base model's tokenizer's own (a tokenizer saved by an
+    earlier run may carry the stop token as eos since), else ``tokenizer``'s."""
+    from shardtune.data.templates import special_token_strings
+
+    specials = special_token_strings(tokenizer)
+    path = Path(base_model) / "tokenizer_config.json"
+    if path.is_file():
+        config = json.loads(path.read_text())
+        for placeholder, key in (("{bos}", "bos_token"), ("{eos}", "eos_token")):
+            value = config.get(key)
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str) and value:
+                specials[placeholder] = value
+    return specials
 
 
 def update_generation_config(folder: Path, tokenizer: Any) -> list[str]:

@@ -28,10 +28,11 @@ def jinja_literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def chat_template_jinja(template: Template, tokenizer: Any) -> str:
+def chat_template_jinja(template: Template, tokenizer: Any, specials: dict[str, str] | None = None) -> str:
     """The Jinja ``chat_template`` that renders ``template`` for plain conversations with ``tokenizer``'s special
-    tokens as they are now (before any eos replacement)."""
-    specials = special_token_strings(tokenizer)
+    tokens as they are now, or with ``specials`` (``{"{bos}": ..., "{eos}": ...}``: those training rendered, when
+    the tokenizer's eos was replaced since)."""
+    specials = specials or special_token_strings(tokenizer)
 
     def literal(fmt: str) -> str:
         for placeholder, token in specials.items():
