@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import torch
 
@@ -17,6 +17,23 @@ if TYPE_CHECKING:
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+
+class Generates(Protocol):
+    """A transformers or peft model (peft forwards ``generate`` to the model it wraps)."""
+
+    training: bool
+
+    def generate(self, *args: Any, **kwargs: Any) -> torch.Tensor: ...
+
+    def eval(self) -> Any: ...
+
+    def train(self, mode: bool = True) -> Any: ...
+
+
+def generates(model: object) -> TypeGuard[Generates]:
+    # hasattr, not a runtime_checkable isinstance: from Python 3.12 that skips peft's forwarding __getattr__.
+    return hasattr(model, "generate")
 
 
 @dataclass(frozen=True)
@@ -139,6 +156,8 @@ class Engine(ABC):
         gathers them (a collective), so ranks that finish first keep stepping until every rank is done
         (``synced_gpus``): every rank must call this as often as the others."""
         model = self.unwrapped_model()
+        if not generates(model):
+            raise RuntimeError(f"{type(model).__name__} has no generate(): not a transformers or peft model")
         was_training = model.training
         model.eval()
         synced = self.shards_weights and self.world_size > 1

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from shardtune import run_files
 from shardtune.config.schema import TrainConfig
@@ -104,7 +103,7 @@ def text_streamer(tokenizer: Any, out: Any, skip_special_tokens: bool) -> Any:
     return StreamTo(tokenizer, skip_prompt=True, skip_special_tokens=skip_special_tokens)
 
 
-def converse(session: ChatSession, system: str | None, lines: Iterable[str] | Any, out: Any) -> None:
+def converse(session: ChatSession, system: str | None, lines: TextIO, out: TextIO) -> None:
     """The interactive loop: ``User:`` prompts, streamed ``Assistant:`` answers, history kept until ``clear``."""
     history: list[Message] = []
     out.write("Chat with the model: 'clear' forgets the conversation, 'exit' quits.\n")

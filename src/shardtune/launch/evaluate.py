@@ -36,13 +36,25 @@ def eval_arguments(args: list[str]) -> list[str]:
     rest = args[1:]
     config_file = rest[0] if rest and not rest[0].startswith("-") and "=" not in rest[0] else None
     overrides = rest[1:] if config_file else rest
-    given = {arg.split("=", 1)[0].lstrip("-").replace("-", "_") for arg in overrides if "=" in arg}
+    given_out = given_output_dir(overrides)
+    out = Path(given_out) if given_out else output / "predict"
     forced = [*model_overrides(output), "do_train=false", "do_predict=true", "predict_with_generate=true"]
-    if "output_dir" not in given:
-        forced.append(f"output_dir={output / 'predict'}")
-    if config_file is None:
-        return [str(write_run_config(output)), *forced, *overrides]
-    return [config_file, *forced, *overrides]
+    if given_out is None:
+        forced.append(f"output_dir={out}")
+    return [config_file or str(write_run_config(output, out)), *forced, *overrides]
+
+
+def given_output_dir(overrides: list[str]) -> str | None:
+    """output_dir from ``output_dir=X``, ``--output_dir X`` or ``--output-dir=X`` on the command line."""
+    for position, arg in enumerate(overrides):
+        name, sep, value = arg.lstrip("-").partition("=")
+        if name.replace("-", "_") != "output_dir":
+            continue
+        if sep:
+            return value
+        if arg.startswith("--") and position + 1 < len(overrides):
+            return overrides[position + 1]
+    return None
 
 
 def model_overrides(output: Path) -> list[str]:
@@ -65,15 +77,14 @@ def run_config(output: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def write_run_config(output: Path) -> Path:
-    """A config file of the run's data and template keys (the evaluation's own folder holds it)."""
+def write_run_config(output: Path, folder: Path) -> Path:
+    """A config file of the run's data and template keys, in the evaluation's own folder."""
     import yaml
 
     run = run_config(output)
     if not run:
         raise ConfigError(f"eval: no CONFIG.yaml given and {output} has no {run_files.RESOLVED_CONFIG}; give the "
                           "config that names the eval data and template")
-    folder = output / "predict"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "eval_config.yaml"
     path.write_text(yaml.safe_dump({key: run[key] for key in RUN_KEYS if key in run}, sort_keys=False))

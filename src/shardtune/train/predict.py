@@ -32,7 +32,8 @@ def run_prediction(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: P
     prompts = build_prompts(engine, tokenizer, c)
     settings = generation_settings(c)
     stops = stop_token_ids(tokenizer, prediction_stop_token(tokenizer, c))
-    sampler = DistributedSampler(prompts, num_replicas=engine.world_size, rank=engine.rank, shuffle=False)
+    sampler: DistributedSampler = DistributedSampler(prompts, num_replicas=engine.world_size, rank=engine.rank,
+                                                     shuffle=False)
     from shardtune.data.prediction import PromptCollator
 
     loader = DataLoader(prompts, batch_size=c.per_device_eval_batch_size, sampler=sampler,
