@@ -1,0 +1,83 @@
+"""Generation-based evaluation on 2 processes: under DDP, ZeRO-3 and FSDP each rank generates its share of the
+prompts (the sharded engines gathering the weights for every forward, ranks kept in step), and the greedy answers
+and scores equal one process's, sample for sample, in the data's order."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cli
+from tests.distributed.helpers import ENGINE_KEYS
+from tests.e2e.test_after_training import PAIRS, parrot_data
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+# Greedy, short, one prompt per batch: the same computation per sample on every engine and process count.
+PREDICT = ("do_sample=false", "max_new_tokens=12", "per_device_eval_batch_size=1")
+
+
+@pytest.fixture(scope="module")
+def half_trained(tiny_model_dir, tmp_path_factory) -> Path:
+    """A model that learned some answers partly: answers stop at different lengths, some run to max_new_tokens.
+    Its eval data has 5 samples, so 2 ranks get uneven shares (the sampler repeats one)."""
+    root = tmp_path_factory.mktemp("half")
+    data = parrot_data(root / "data")
+    rows = json.loads((data / "parrot_eval.json").read_text())
+    (data / "parrot_eval.json").write_text(json.dumps(rows + [{"instruction": "Name a color.", "input": "",
+                                                               "output": "Green."}]))
+    out = root / "out"
+    result = run_cli("train", f"model_name_or_path={tiny_model_dir}", "finetuning_type=full", "dataset=parrot",
+                     "eval_dataset=parrot_eval", f"dataset_dir={data}", "template=chatml", "cutoff_len=64",
+                     f"output_dir={out}", "per_device_train_batch_size=4", "learning_rate=1e-2", "max_steps=12",
+                     "save_strategy=no", "logging_steps=4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_process(half_trained, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("predict") / "one"
+    result = run_cli("eval", str(half_trained), f"output_dir={out}", *PREDICT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def predictions(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "generated_predictions.jsonl").read_text().splitlines()]
+
+
+def scores(out: Path) -> dict:
+    results = json.loads((out / "predict_results.json").read_text())
+    return {k: v for k, v in results.items() if "runtime" not in k and "per_second" not in k}
+
+
+@pytest.mark.parametrize("engine", [pytest.param("ddp", marks=pytest.mark.matrix), "zero3", "fsdp2",
+                                    pytest.param("fsdp1", marks=pytest.mark.matrix)])
+def test_two_ranks_generate_what_one_process_generates(engine, half_trained, one_process, tmp_path):
+    reference = predictions(one_process)
+    assert [r["label"] for r in reference] == [a for _, a in PAIRS] + ["Green."]
+    assert len({len(r["predict"]) for r in reference}) > 1, "answers of one length test nothing about stopping"
+    out = tmp_path / engine
+    result = run_cli("eval", str(half_trained), f"output_dir={out}", *PREDICT, *ENGINE_KEYS[engine],
+                     FORCE_TORCHRUN="1", NPROC_PER_NODE="2")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "world size 2" in result.stdout
+    assert predictions(out) == reference
+    assert scores(out) == scores(one_process)
+
+
+def test_do_predict_after_training_under_zero3(tiny_model_dir, tmp_path):
+    """Train and then predict in the same run of 2 ranks: the prediction files come out once, complete, in order."""
+    data = parrot_data(tmp_path / "data")
+    out = tmp_path / "run"
+    result = run_cli("train", f"model_name_or_path={tiny_model_dir}", "finetuning_type=full", "dataset=parrot",
+                     "eval_dataset=parrot_eval", f"dataset_dir={data}", "template=chatml", "cutoff_len=64",
+                     f"output_dir={out}", "per_device_train_batch_size=2", "max_steps=2", "save_strategy=no",
+                     "do_predict=true", "predict_with_generate=true", "max_new_tokens=6", "deepspeed=z3",
+                     FORCE_TORCHRUN="1", NPROC_PER_NODE="2")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert [r["label"] for r in predictions(out)] == [a for _, a in PAIRS]
+    assert (out / "model.safetensors").is_file() and scores(out)["predict_samples"] == 4
