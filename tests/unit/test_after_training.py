@@ -149,7 +149,8 @@ def test_staged_folder_replaces_only_when_complete(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["old.txt"] and len(list(tmp_path.iterdir())) == 1
     with staged_folder(out, {"source": "s"}) as staging:
         (staging / "new.txt").write_text("new")
-    assert sorted(p.name for p in out.iterdir()) == sorted([EXPORT_MARKER, "new.txt"]) and len(list(tmp_path.iterdir())) == 1
+    assert sorted(p.name for p in out.iterdir()) == sorted([EXPORT_MARKER, "new.txt"])
+    assert len(list(tmp_path.iterdir())) == 1
 
 
 # --- metrics and generation settings ---
