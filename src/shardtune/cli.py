@@ -143,7 +143,17 @@ def _make_tiny_model(args: list[str]) -> int:
     parser.add_argument("--intermediate", type=int, default=172)
     parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overwrite", action="store_true", help="write into --out even if it holds files")
     ns = parser.parse_args(args)
+    from pathlib import Path
+
+    from shardtune.errors import ModelError
+    from shardtune.paths import listed, user_entries
+
+    entries = user_entries(Path(ns.out))
+    if entries and not ns.overwrite:
+        raise ModelError(f"make-tiny-model: --out {ns.out} is not empty ({listed(entries)}); its files would be "
+                         "overwritten: give a new or empty folder, or add --overwrite")
     from shardtune.model.tiny import build_tiny_model
 
     out = build_tiny_model(ns.out, arch=ns.arch, layers=ns.layers, hidden=ns.hidden, heads=ns.heads,

@@ -50,8 +50,10 @@ def _key(
     minimum: float | None = None,
     maximum: float | None = None,
     exclusive_minimum: bool = False,
+    path: bool = False,
 ) -> Any:
-    """Declare one config key; ``minimum``/``maximum`` bound numbers, ``choices`` enumerate values."""
+    """Declare one config key; ``minimum``/``maximum`` bound numbers, ``choices`` enumerate values, ``path`` marks
+    file and folder names (``~`` and ``$VAR`` are expanded in them)."""
     meta = {
         "doc": doc,
         "group": group,
@@ -59,6 +61,7 @@ def _key(
         "minimum": minimum,
         "maximum": maximum,
         "exclusive_minimum": exclusive_minimum,
+        "path": path,
     }
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
@@ -70,7 +73,8 @@ class TrainConfig:
     """The resolved settings of one training run (all keys optional except where validation says)."""
 
     # --- model ---
-    model_name_or_path: str | None = _key(None, "local model directory or hub id (config.json required)", MODEL)
+    model_name_or_path: str | None = _key(None, "local model directory or hub id (config.json required)", MODEL,
+                                          path=True)
     trust_remote_code: bool = _key(False, "allow code from the model directory to run (off by default)", MODEL)
     attn_implementation: str = _key(
         "auto", "attention kernel passed to transformers; auto: flash_attention_2 where flash-attn and a CUDA GPU are "
@@ -80,7 +84,7 @@ class TrainConfig:
         False, "build a random tiny LLaMA + local tokenizer at model_name_or_path if it does not exist", MODEL)
     adapter_name_or_path: list[str] = _key(
         [], "LoRA adapter folders, comma separated: all but the last are merged into the base, the last one "
-            "continues training", MODEL)
+            "continues training", MODEL, path=True)
     create_new_adapter: bool = _key(
         False, "merge every adapter of adapter_name_or_path into the base and train a new one", MODEL)
     rope_scaling: str | None = _key(None, "stretch RoPE to cutoff_len beyond the model's trained context", MODEL,
@@ -137,9 +141,9 @@ class TrainConfig:
         PREFERENCE)
     ref_model: str | None = _key(None, "dpo/kto: a separate reference model folder (default: the model being "
                                        "trained as loaded: LoRA with its adapters off, full a frozen copy)",
-                                 PREFERENCE)
+                                 PREFERENCE, path=True)
     ref_model_adapters: str | None = _key(None, "dpo/kto: LoRA adapters merged into ref_model (comma-separated; "
-                                                "not under ZeRO-3/FSDP)", PREFERENCE)
+                                                "not under ZeRO-3/FSDP)", PREFERENCE, path=True)
     ref_model_quantization_bit: int | None = _key(None, "dpo/kto: load ref_model in 4 or 8 bits (bitsandbytes: a "
                                                         "CUDA GPU; not under ZeRO-3/FSDP)", PREFERENCE,
                                                   choices=(4, 8, None))
@@ -161,7 +165,7 @@ class TrainConfig:
 
     # --- data ---
     dataset: list[str] = _key([], "dataset names from dataset_info.json, comma separated", DATA)
-    dataset_dir: str = _key("data", "folder holding dataset_info.json and the data files", DATA)
+    dataset_dir: str = _key("data", "folder holding dataset_info.json and the data files", DATA, path=True)
     template: str = _key("default", "chat template under LLaMA-Factory's name (default, empty, alpaca, vicuna, chatml, "
                          "llama2, llama3, llama4, mistral, qwen, qwen3, qwen3_nothink, gemma, gemma3, phi, phi4, "
                          "deepseek, deepseek3, glm4, yi, cohere, intern2, gpt_oss) or auto (the tokenizer's own)",
@@ -198,16 +202,17 @@ class TrainConfig:
     buffer_size: int = _key(16384, "streaming: records in the shuffle buffer (1 keeps the file order)", DATA,
                             minimum=1)
     tokenized_path: str | None = _key(
-        None, "folder for the tokenised datasets: built by one rank once, then loaded by later runs and ranks", DATA)
+        None, "folder for the tokenised datasets: built by one rank once, then loaded by later runs and ranks", DATA,
+        path=True)
 
     # --- output ---
-    output_dir: str | None = _key(None, "where checkpoints, logs and the final model go", OUTPUT)
+    output_dir: str | None = _key(None, "where checkpoints, logs and the final model go", OUTPUT, path=True)
     overwrite_output_dir: bool = _key(False, "start afresh in a non-empty output_dir", OUTPUT)
     logging_steps: int = _key(10, "log every N optimizer steps", OUTPUT, minimum=1)
     logging_first_step: bool = _key(False, "log the first optimizer step too", OUTPUT)
     run_name: str | None = _key(None, "name of the run in train_results.json and trackers (default: output_dir's "
                                       "name)", OUTPUT)
-    logging_dir: str | None = _key(None, "tensorboard folder (default: output_dir/runs)", OUTPUT)
+    logging_dir: str | None = _key(None, "tensorboard folder (default: output_dir/runs)", OUTPUT, path=True)
     save_strategy: str = _key("steps", "when to write checkpoints", OUTPUT, choices=("no", "steps", "epoch"))
     save_steps: int = _key(500, "checkpoint every N optimizer steps (save_strategy steps)", OUTPUT, minimum=1)
     save_total_limit: int | None = _key(None, "keep at most N checkpoints (oldest deleted)", OUTPUT, minimum=1)
@@ -222,7 +227,7 @@ class TrainConfig:
                                    "the template's stop token (e.g. <|im_end|>), so a served model stops", OUTPUT)
     report_to: list[str] = _key(["none"], "experiment trackers: none or tensorboard (wandb and mlflow are refused "
                                           "with the reason)", OUTPUT)
-    resume_from_checkpoint: str | None = _key(None, "checkpoint folder to resume from", OUTPUT)
+    resume_from_checkpoint: str | None = _key(None, "checkpoint folder to resume from", OUTPUT, path=True)
     throughput_warmup_steps: int = _key(
         1, "first optimizer steps left out of the throughput figures in train_results.json", OUTPUT, minimum=0)
 
@@ -246,7 +251,7 @@ class TrainConfig:
                                     TRAIN)
     galore_rank: int = _key(16, "GaLore: rank of the projected gradient", TRAIN, minimum=1)
     galore_update_interval: int = _key(200, "GaLore: steps between projection updates", TRAIN, minimum=1)
-    galore_scale: float = _key(2.0, "GaLore: scale of the projected update", TRAIN)
+    galore_scale: float = _key(2.0, "GaLore: scale of the projected update", TRAIN, minimum=0, exclusive_minimum=True)
     galore_proj_type: str = _key("std", "GaLore: projection side", TRAIN,
                                  choices=("std", "reverse_std", "right", "left", "full"))
     use_apollo: bool = _key(False, "APOLLO (apollo-torch): AdamW with low-rank scaled updates for apollo_target",
@@ -255,13 +260,13 @@ class TrainConfig:
                                     TRAIN)
     apollo_rank: int = _key(16, "APOLLO: rank of the projection", TRAIN, minimum=1)
     apollo_update_interval: int = _key(200, "APOLLO: steps between projection updates", TRAIN, minimum=1)
-    apollo_scale: float = _key(32.0, "APOLLO: scale of the update", TRAIN)
+    apollo_scale: float = _key(32.0, "APOLLO: scale of the update", TRAIN, minimum=0, exclusive_minimum=True)
     apollo_proj: str = _key("random", "APOLLO: projection algorithm", TRAIN, choices=("svd", "random"))
     apollo_proj_type: str = _key("std", "APOLLO: projection side", TRAIN, choices=("std", "right", "left"))
     apollo_scale_type: str = _key("channel", "APOLLO: scaling granularity", TRAIN, choices=("channel", "tensor"))
     apollo_scale_front: bool = _key(False, "APOLLO: norm-growth limiter before the gradient scaling", TRAIN)
     num_train_epochs: float = _key(3.0, "passes over the data (ignored when max_steps > 0)", TRAIN, minimum=0)
-    max_steps: int = _key(-1, "total optimizer steps; overrides num_train_epochs when > 0", TRAIN)
+    max_steps: int = _key(-1, "total optimizer steps; overrides num_train_epochs when > 0 (-1: off)", TRAIN, minimum=-1)
     lr_scheduler_type: str = _key("linear", "learning-rate schedule (transformers.get_scheduler)", TRAIN,
                                   choices=LR_SCHEDULERS)
     warmup_ratio: float = _key(0.0, "fraction of steps to warm up over", TRAIN, minimum=0, maximum=1)
@@ -270,7 +275,8 @@ class TrainConfig:
     fp16: bool = _key(False, "float16 autocast with loss scaling", TRAIN)
     pure_bf16: bool = _key(False, "weights, gradients and optimizer state in bfloat16, no fp32 master copy and no "
                                   "autocast (one process and DDP)", TRAIN)
-    seed: int = _key(42, "random seed for weights of new modules, data order and dropout", TRAIN)
+    seed: int = _key(42, "random seed for weights of new modules, data order and dropout", TRAIN, minimum=0,
+                     maximum=2**32 - 1)
     gradient_checkpointing: bool = _key(False, "recompute activations in backward to save memory", TRAIN)
     gradient_checkpointing_kwargs: dict | None = _key(
         None, "arguments of torch.utils.checkpoint, e.g. {use_reentrant: false} (the default)", TRAIN)
@@ -301,9 +307,10 @@ class TrainConfig:
     # --- engine ---
     engine: str = _key("manual", "auto: pick the fastest engine the memory estimate says fits, at launch", ENGINE,
                        choices=("manual", "auto"))
-    deepspeed: str | dict | None = _key(None, "DeepSpeed config: JSON path, inline mapping or preset name", ENGINE)
+    deepspeed: str | dict | None = _key(None, "DeepSpeed config: JSON path, inline mapping or preset name", ENGINE,
+                                        path=True)
     fsdp: str | list | bool | None = _key(None, "FSDP options, e.g. 'full_shard auto_wrap'", ENGINE)
-    fsdp_config: str | dict | None = _key(None, "FSDP settings: mapping or JSON/YAML path", ENGINE)
+    fsdp_config: str | dict | None = _key(None, "FSDP settings: mapping or JSON/YAML path", ENGINE, path=True)
     ddp_timeout: int = _key(1800, "seconds a collective may wait before the job fails", ENGINE, minimum=1)
     ddp_find_unused_parameters: bool | None = _key(
         None, "DDP unused-parameter search (default: off, LoRA included)", ENGINE)
@@ -348,7 +355,7 @@ class TrainConfig:
                                    choices=PLACEMENT_STRATEGIES)
     ray_storage_path: str = _key(
         "./saves", "USE_RAY=1: where Ray Train keeps its run state (a folder every Ray node reaches); shardtune's "
-                   "checkpoints, logs and model stay in output_dir", RAY)
+                   "checkpoints, logs and model stay in output_dir", RAY, path=True)
     ray_run_name: str | None = _key(None, "USE_RAY=1: Ray Train's run name under ray_storage_path (default: "
                                           "output_dir's name)", RAY)
     ray_init_kwargs: dict | None = _key(

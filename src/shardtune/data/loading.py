@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from datasets import Dataset, load_dataset
 
+from shardtune.data.record_places import json_array_records, utf8_problem
 from shardtune.data.registry import DatasetEntry
 from shardtune.errors import DataError
 
@@ -94,14 +95,18 @@ def json_syntax_problems(path: Path) -> list[str]:
     """Line-numbered syntax problems of a JSON array file or a JSON-lines file (empty if it parses)."""
     try:
         text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        return [f"{path}: cannot be read as UTF-8 text ({err})"]
+    except UnicodeDecodeError:
+        return [utf8_problem(path) or f"{path}: not valid UTF-8"]
+    except OSError as err:
+        return [f"{path}: cannot be read ({err.strerror or err})"]
     if text.lstrip().startswith("["):
         try:
             json.loads(text)
         except json.JSONDecodeError as err:
             return [f"{path} line {err.lineno}: not valid JSON ({err.msg}, column {err.colno})"]
-        return []
+        return [f"{path} record {number} (line {line}): expected a JSON object, got {type(value).__name__}"
+                for number, (line, value) in enumerate(json_array_records(text), start=1)
+                if not isinstance(value, dict)][:MAX_LISTED]
     return jsonl_problems(path, text.splitlines())
 
 
@@ -137,7 +142,9 @@ def peek_columns(path: Path) -> tuple[list[str] | None, list[str]]:
         if suffix == ".json":
             return json_file_keys(path) if path.stat().st_size <= PEEK_JSON_BYTES else (None, [])
         return first_line_keys(path)
-    except (OSError, UnicodeDecodeError, ValueError) as err:
+    except UnicodeDecodeError:
+        return None, [utf8_problem(path) or f"{path}: not valid UTF-8"]
+    except (OSError, ValueError) as err:
         return None, [f"{path}: cannot be read ({innermost_message(err)})"]
 
 

@@ -29,6 +29,7 @@ from shardtune.data.formats import (
     alpaca_to_chat,
     openai_to_chat,
     raise_record_problems,
+    record_files,
     role_map,
     rows,
     sharegpt_to_chat,
@@ -104,7 +105,7 @@ def normalize_preference_records(records: Dataset, entry: DatasetEntry, stage: s
     normalized = records.map(convert, batched=True, with_indices=True, remove_columns=records.column_names,
                              features=features, num_proc=num_proc, batch_size=batch_size,
                              desc=f"Reading {entry.name}", new_fingerprint=step_fingerprint(records, stage, convert))
-    raise_record_problems(entry.path, [p for p in normalized["_problem"] if p])
+    raise_record_problems(entry.path, [p for p in normalized["_problem"] if p], record_files(entry))
     return normalized.remove_columns("_problem")
 
 
@@ -153,7 +154,7 @@ def convert_pair_batch(batch: Mapping[str, list[Any]], indices: list[int], entry
             tools, problem = tools_text(record.get(entry.columns["tools"]), entry.columns["tools"]), ""
         except RecordError as err:
             system, messages, rejected, tools = "", [], "", ""
-            problem = f"record {index} (0-based): {err}"
+            problem = f"record {index + 1}: {err}"
         for key, value in (("_system", system), ("_messages", messages), ("tools", tools), ("_rejected", rejected),
                            ("_problem", problem)):
             out[key].append(value)
@@ -177,7 +178,7 @@ def convert_kto_batch(batch: Mapping[str, list[Any]], indices: list[int], entry:
             tools, problem = tools_text(record.get(columns["tools"]), columns["tools"]), ""
         except RecordError as err:
             system, messages, tag, tools = "", [], False, ""
-            problem = f"record {index} (0-based): {err}"
+            problem = f"record {index + 1}: {err}"
         for key, value in (("_system", system), ("_messages", messages), ("tools", tools), ("_kto_tag", tag),
                            ("_problem", problem)):
             out[key].append(value)
@@ -205,6 +206,18 @@ def tokenize_preference(dataset: Dataset, tokenizer: Any, template: Template, st
         logger.warning("dropped %d of %d samples whose prompt does not fit in cutoff_len=%d",
                        len(encoded) - len(kept), len(encoded), cutoff_len)
     return kept
+
+
+def preference_sample_fits(dataset: Dataset, tokenizer: Any, template: Template, stage: str, cutoff_len: int,
+                           batch: int = 64) -> bool:
+    """Whether any sample of ``dataset`` keeps its prompt plus one answer token (see ``sft_sample_fits``)."""
+    encoder = encode_kto_batch if stage == "kto" else encode_pair_batch
+    first = "input_ids" if stage == "kto" else "chosen_input_ids"
+    for start in range(0, len(dataset), batch):
+        encoded = encoder(dataset[start:start + batch], tokenizer=tokenizer, template=template, cutoff_len=cutoff_len)
+        if any(encoded[first]):
+            return True
+    return False
 
 
 def encode_answer_sets(tokenizer: Any, template: Template, samples: Sequence[tuple[str, list[Message], list[str], str]],

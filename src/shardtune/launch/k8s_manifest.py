@@ -17,6 +17,7 @@ from typing import Any
 
 from shardtune.errors import ConfigError
 from shardtune.launch.cluster import add_node_shape_arguments, node_shape_problems, processes_per_node
+from shardtune.paths import output_file_problem
 from shardtune.world import WorldLayout
 
 KINDS = ("pytorchjob", "trainjob")
@@ -168,6 +169,9 @@ def k8s_command(args: list[str]) -> int:
     req = manifest_request(ns, overrides)
     preflight([ns.config, *overrides], req.nodes, req.nproc_per_node)
     out = Path(ns.out or f"{Path(ns.config).stem}.{req.kind}.yaml").resolve()
+    problem = output_file_problem(out, "k8s: --out")
+    if problem:
+        raise ConfigError(problem)
     out.write_text(manifest_text(req))
     print(f"wrote {out} ({req.kind}, {req.nodes} pod(s) x {req.nproc_per_node} process(es))")
     return 0

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from shardtune.errors import ConfigError
 from shardtune.launch.cluster import add_node_shape_arguments, node_shape_problems, processes_per_node
+from shardtune.paths import output_file_problem
 from shardtune.world import WorldLayout
 
 
@@ -119,6 +120,9 @@ def slurm_command(args: list[str]) -> int:
     req = sbatch_request(ns, overrides)
     preflight([str(req.config), *overrides], req.nodes, req.nproc_per_node)
     script = Path(ns.script or f"{req.config.stem}.sbatch").resolve()
+    problem = output_file_problem(script, "slurm: --script")
+    if problem:
+        raise ConfigError(problem)
     script.write_text(build_sbatch_script(req))
     print(f"wrote {script} ({req.nodes} node(s) x {req.nproc_per_node} process(es))")
     if ns.submit:

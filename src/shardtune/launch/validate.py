@@ -13,9 +13,11 @@ from shardtune.config.preference import PREFERENCE_STAGES, split_paths, uses_ref
 from shardtune.config.schema import REPORT_TO, TrainConfig
 from shardtune.data.tokenized import is_saved
 from shardtune.errors import ConfigError, ModelError
+from shardtune.launch.write_guard import write_problems
 from shardtune.model.folder import model_config_json, model_folder_problems
 from shardtune.model.moe import configured_router_aux_coef, packed_aux_loss_problem, preference_aux_loss_problem
 from shardtune.model.reward_head import is_reward_model_config
+from shardtune.paths import shown
 from shardtune.train.checkpoint_folders import checkpoint_problems, resume_source
 from shardtune.train.reporting import tracker_problems
 from shardtune.train.settings import resolved_packing
@@ -64,12 +66,32 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
     problems += tracker_problems(c.report_to)
     if c.engine == "auto" and (c.deepspeed or c.fsdp or c.fsdp_config):
         problems.append("engine (auto) with deepspeed/fsdp set: let the estimate choose, or remove engine: auto")
+    problems += schedule_problems(c)
     problems += _lora_target_problems(c)
     problems += model_key_problems(c)
     problems += _adapter_problems(c)
     problems += streaming_key_problems(c)
     problems += optimizer_key_problems(c)
     problems += preference_key_problems(c)
+    return problems
+
+
+def schedule_problems(c: TrainConfig) -> list[str]:
+    """Numbers that are valid alone but say nothing sensible together: a warm-up that never ends, a layer count
+    that selects nothing, a step interval read by a strategy that is off."""
+    problems = []
+    if 0 < c.max_steps <= c.warmup_steps:
+        problems.append(f"warmup_steps ({c.warmup_steps}) is not below max_steps ({c.max_steps}): the learning rate "
+                        "would never reach learning_rate; lower warmup_steps")
+    if c.finetuning_type == "freeze" and c.freeze_trainable_layers == 0:
+        problems.append("freeze_trainable_layers (0) selects no layer to train; give N > 0 (the last N decoder "
+                        "layers) or -N (the first N)")
+    if c.eval_steps is not None and c.eval_strategy != "steps":
+        problems.append(f"eval_steps ({c.eval_steps}) is read with eval_strategy: steps only (eval_strategy is "
+                        f"{c.eval_strategy}); set eval_strategy: steps or remove eval_steps")
+    if c.save_steps != TrainConfig().save_steps and c.save_strategy != "steps":
+        problems.append(f"save_steps ({c.save_steps}) is read with save_strategy: steps only (save_strategy is "
+                        f"{c.save_strategy}); set save_strategy: steps or remove save_steps")
     return problems
 
 
@@ -284,15 +306,31 @@ def _lora_target_problems(c: TrainConfig) -> list[str]:
     return []
 
 
+def mistyped_target_problems(c: TrainConfig) -> list[str]:
+    """lora_target / additional_target names the model's weights lack, where a close name is present (a typo)."""
+    from shardtune.model.weight_names import mistyped_modules
+
+    folder = Path(c.model_name_or_path or "")
+    problems = []
+    for key, wanted in (("lora_target", c.lora_target), ("additional_target", c.additional_target or [])):
+        if key == "lora_target" and (c.finetuning_type != "lora" or "all" in wanted):
+            continue
+        typos = mistyped_modules(list(wanted), folder) if folder.is_dir() else {}
+        problems += [f"{key}: {typed} not found in the model (did you mean '{close}'?)"
+                     for typed, close in typos.items()]
+    return problems
+
+
 def file_problems(c: TrainConfig) -> list[str]:
     """Paths that must exist before training: the model's config and the output folder's state."""
     problems: list[str] = []
     model = c.model_name_or_path
     if model is not None and not (c.build_tiny_model_if_missing and not Path(model).exists()):
         model_problems = model_path_problems(model)
-        problems += model_problems or attention_problems(c) + moe_problems(c)
+        problems += model_problems or attention_problems(c) + moe_problems(c) + mistyped_target_problems(c)
     if c.output_dir is not None:
         problems += output_dir_problems(c)
+    problems += write_problems(c)
     for adapter in c.adapter_name_or_path:
         if not (Path(adapter) / "adapter_config.json").is_file():
             problems.append(f"adapter_name_or_path: {adapter} is not a LoRA adapter folder (no adapter_config.json)")
@@ -347,8 +385,8 @@ def model_path_problems(model: str) -> list[str]:
         return [f"model_name_or_path: {model} is a file; give the model folder"]
     if _HUB_ID.match(model) and not model.startswith((".", "/")):
         return []  # a hub id: resolved by transformers at load time
-    return [f"model_name_or_path: folder not found: {model} (set build_tiny_model_if_missing: true "
-            "to create a tiny demo model there)"]
+    return [f"model_name_or_path: folder not found: {shown(model, quote=False)} (set build_tiny_model_if_missing: "
+            "true to create a tiny demo model there)"]
 
 
 def output_dir_problems(c: TrainConfig) -> list[str]:

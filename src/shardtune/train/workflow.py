@@ -24,6 +24,7 @@ from shardtune.optim.build import build_optimizer, build_scheduler, parameter_na
 from shardtune.optim.settings import optimizer_settings
 from shardtune.train import checkpoint
 from shardtune.train.checkpoint import resume_source
+from shardtune.train.checkpoint_folders import checkpoint_folders, is_shardtune_checkpoint
 from shardtune.train.loop import (
     LoopSettings,
     Objective,
@@ -317,8 +318,9 @@ def clear_previous_run(output_dir: Path) -> None:
 
     (output_dir / LOG_FILE).unlink(missing_ok=True)
     (output_dir / RESULTS_FILE).unlink(missing_ok=True)
-    for old in output_dir.glob("checkpoint-*"):
-        shutil.rmtree(old, ignore_errors=True)
+    for old in checkpoint_folders(output_dir):
+        if is_shardtune_checkpoint(old):  # never another trainer's folder of the same name
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def memory_results(per_rank: dict[str, list[int]], estimate: Any, announce: bool) -> dict[str, Any]:
