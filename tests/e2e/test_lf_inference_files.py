@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 FIXTURES = REPO / "tests" / "fixtures" / "llamafactory"
 TRAIN_FILE = FIXTURES / "qwen3_lora_sft.yaml"
 QUICK = ("dataset=alpaca_en_demo", "max_samples=8", "max_steps=2", "eval_dataset=", "eval_strategy=no",
-         "plot_loss=false", "bf16=false")
+         "eval_steps=null", "plot_loss=false", "bf16=false")
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,21 @@ def test_llamafactory_merge_file_of_a_full_model(workdir):
     result = run_cli("export", str(FIXTURES / "merge_lora" / "qwen3_full_sft.yaml"), "--overwrite", cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (workdir / "saves" / "qwen3_sft_merged" / "model.safetensors").is_file()
+
+
+def test_llamafactory_predict_file_generates_without_training(workdir):
+    """LLaMA-Factory's nlg_eval file leaves do_train out (false there): shardtune only predicts with it too."""
+    import json
+
+    result = run_cli("train", str(FIXTURES / "predict" / "qwen3_lora_predict.yaml"),
+                     "max_samples=2", "max_new_tokens=4", "preprocessing_num_workers=1",
+                     cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = workdir / "saves" / "qwen3-4b" / "lora" / "predict"
+    rows = (out / "generated_predictions.jsonl").read_text().splitlines()
+    assert len(rows) == 4 and all(json.loads(row)["label"] for row in rows)  # 2 samples of each eval dataset
+    assert "predict_bleu-4" in json.loads((out / "predict_results.json").read_text())
+    assert not (out / "adapter_model.safetensors").exists()  # nothing trained, nothing saved
 
 
 def test_llamafactory_gptq_file_is_refused_with_the_reason(workdir):

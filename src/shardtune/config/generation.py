@@ -12,13 +12,15 @@ OTHER_COMMAND_KEYS = {"infer_dtype": "shardtune chat", "export_dir": "shardtune 
 
 
 def predicts_only(c: TrainConfig) -> bool:
-    """do_predict without training: the model as loaded (with its adapters) generates, nothing is trained."""
-    return c.do_predict and not c.do_train
+    """do_predict without training: the model as loaded (with its adapters) generates, nothing is trained.
+    ``do_train: false``, or no training data at all (LLaMA-Factory's predict files leave do_train out, and its
+    default there is false)."""
+    return c.do_predict and (not c.do_train or not (c.dataset or c.tokenized_path))
 
 
 def prediction_datasets(c: TrainConfig) -> list[str]:
     """The datasets do_predict generates for: eval_dataset, else (nothing trained) dataset."""
-    return list(c.eval_dataset) or (list(c.dataset) if predicts_only(c) else [])
+    return list(c.eval_dataset) or (list(c.dataset) if not c.do_train else [])
 
 
 def generation_key_problems(c: TrainConfig) -> list[str]:
@@ -42,6 +44,9 @@ def generation_key_problems(c: TrainConfig) -> list[str]:
     if not prediction_datasets(c):
         problems.append("do_predict (true) needs eval_dataset (the datasets to generate for; a val_size hold-out is "
                         "not used for prediction)" + ("" if c.do_train else " or dataset"))
+    if predicts_only(c) and (c.do_eval or c.eval_strategy != "no"):
+        problems.append(f"do_eval/eval_strategy ({c.eval_strategy}) with a prediction-only run (do_predict without "
+                        "training): nothing is trained to evaluate; remove them")
     return problems
 
 

@@ -38,7 +38,8 @@ def eval_arguments(args: list[str]) -> list[str]:
     overrides = rest[1:] if config_file else rest
     given_out = given_output_dir(overrides)
     out = Path(given_out) if given_out else output / "predict"
-    forced = [*model_overrides(output), "do_train=false", "do_predict=true", "predict_with_generate=true"]
+    forced = [*model_overrides(output), "do_train=false", "do_predict=true", "predict_with_generate=true",
+              "do_eval=false", "eval_strategy=no"]
     if given_out is None:
         forced.append(f"output_dir={out}")
     return [config_file or str(write_run_config(output, out)), *forced, *overrides]
