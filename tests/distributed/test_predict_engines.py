@@ -69,15 +69,34 @@ def test_two_ranks_generate_what_one_process_generates(engine, half_trained, one
     assert scores(out) == scores(one_process)
 
 
-def test_do_predict_after_training_under_zero3(tiny_model_dir, tmp_path):
+def test_do_predict_after_training_under_fsdp2(tiny_model_dir, tmp_path):
     """Train and then predict in the same run of 2 ranks: the prediction files come out once, complete, in order."""
     data = parrot_data(tmp_path / "data")
     out = tmp_path / "run"
     result = run_cli("train", f"model_name_or_path={tiny_model_dir}", "finetuning_type=full", "dataset=parrot",
                      "eval_dataset=parrot_eval", f"dataset_dir={data}", "template=chatml", "cutoff_len=64",
                      f"output_dir={out}", "per_device_train_batch_size=2", "max_steps=2", "save_strategy=no",
-                     "do_predict=true", "predict_with_generate=true", "max_new_tokens=6", "deepspeed=z3",
+                     "do_predict=true", "predict_with_generate=true", "max_new_tokens=6", *ENGINE_KEYS["fsdp2"],
                      FORCE_TORCHRUN="1", NPROC_PER_NODE="2")
     assert result.returncode == 0, result.stderr[-4000:]
     assert [r["label"] for r in predictions(out)] == [a for _, a in PAIRS]
     assert (out / "model.safetensors").is_file() and scores(out)["predict_samples"] == 4
+
+
+@pytest.mark.matrix
+def test_lora_adapter_predictions_under_zero3_equal_one_process(tiny_model_dir, tmp_path):
+    """A LoRA output evaluated on its base: the peft model generates under ZeRO-3 as on one process."""
+    data = parrot_data(tmp_path / "data")
+    adapter = tmp_path / "lora"
+    result = run_cli("train", f"model_name_or_path={tiny_model_dir}", "finetuning_type=lora", "dataset=parrot",
+                     "eval_dataset=parrot_eval", f"dataset_dir={data}", "template=chatml", "cutoff_len=64",
+                     f"output_dir={adapter}", "per_device_train_batch_size=4", "learning_rate=1e-2", "max_steps=10",
+                     "save_strategy=no")
+    assert result.returncode == 0, result.stderr[-3000:]
+    outs = {}
+    for name, env, extra in (("one", {}, ()), ("zero3", {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2"},
+                                                   ENGINE_KEYS["zero3"])):
+        outs[name] = tmp_path / name
+        result = run_cli("eval", str(adapter), f"output_dir={outs[name]}", *PREDICT, *extra, **env)
+        assert result.returncode == 0, result.stderr[-4000:]
+    assert predictions(outs["zero3"]) == predictions(outs["one"])

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardtune.export.destination import EXPORT_MARKER
 from tests.conftest import REPO, cli_env, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -46,11 +47,14 @@ def parrot_data(folder: Path) -> Path:
 
 
 def parrot_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
-    return ["train", f"model_name_or_path={model}", "stage=sft", "finetuning_type=full", "dataset=parrot",
-            "eval_dataset=parrot_eval", f"dataset_dir={data}", "template=chatml", "cutoff_len=64",
-            f"output_dir={out}", "per_device_train_batch_size=4", "learning_rate=1e-2", "max_steps=40",
-            "save_strategy=no", "logging_steps=10", "do_predict=true", "predict_with_generate=true",
-            "do_sample=false", "max_new_tokens=16", "per_device_eval_batch_size=2", *extra]
+    """``train`` arguments of the parrot run; ``extra`` key=value pairs replace its own."""
+    keys = {"model_name_or_path": model, "stage": "sft", "finetuning_type": "full", "dataset": "parrot",
+            "eval_dataset": "parrot_eval", "dataset_dir": data, "template": "chatml", "cutoff_len": 64,
+            "output_dir": out, "per_device_train_batch_size": 4, "learning_rate": 1e-2, "max_steps": 40,
+            "save_strategy": "no", "logging_steps": 10, "do_predict": "true", "predict_with_generate": "true",
+            "do_sample": "false", "max_new_tokens": 16, "per_device_eval_batch_size": 2}
+    keys.update(dict(pair.split("=", 1) for pair in extra))
+    return ["train", *(f"{key}={value}" for key, value in keys.items())]
 
 
 @pytest.fixture(scope="module")
@@ -117,21 +121,32 @@ def test_do_predict_after_training_writes_llamafactory_files(parrot):
     assert results["predict_samples"] == 4
 
 
-def test_eval_command_scores_the_saved_model_from_its_run_config(parrot, tiny_model_dir, tmp_path):
+def test_eval_command_scores_the_saved_model_from_its_run_config(parrot, tmp_path):
     result = run_cli("eval", str(parrot), f"output_dir={tmp_path / 'predict'}", "do_sample=false",
                      "max_new_tokens=16")
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((tmp_path / "predict" / "predict_results.json").read_text())["predict_exact_match"] == 100.0
-    untrained = run_cli("eval", str(tiny_model_dir), str(tmp_path / "predict" / "eval_config.yaml"),
-                        f"output_dir={tmp_path / 'untrained'}", "do_sample=false", "max_new_tokens=8")
-    assert untrained.returncode == 0, untrained.stderr[-3000:]
+    assert (tmp_path / "predict" / ".shardtune" / "eval_config.yaml").is_file()  # the run's data keys
+
+
+@pytest.mark.matrix
+def test_eval_command_with_a_config_file_scores_an_untrained_model_low(parrot, tiny_model_dir, tmp_path):
+    config = tmp_path / "eval.yaml"
+    config.write_text((parrot / "shardtune_config.json").read_text())  # JSON is YAML: the run's own keys
+    result = run_cli("eval", str(tiny_model_dir), str(config), f"output_dir={tmp_path / 'untrained'}",
+                     "do_sample=false", "max_new_tokens=8")
+    assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((tmp_path / "untrained" / "predict_results.json").read_text())["predict_exact_match"] == 0.0
 
 
-def test_chat_one_shot_and_from_a_file(parrot, tmp_path):
+def test_chat_one_shot(parrot):
     result = run_cli("chat", str(parrot), "--prompt", PAIRS[3][0], "do_sample=false")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == PAIRS[3][1]
+
+
+@pytest.mark.matrix
+def test_chat_answers_each_line_of_a_file(parrot, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(f"{PAIRS[0][0]}\n\n{PAIRS[2][0]}\n")
     result = run_cli("chat", str(parrot), "--file", str(prompts), "do_sample=false")
@@ -190,12 +205,22 @@ def test_export_refuses_folders_it_would_destroy(parrot, tmp_path):
         assert len(result.stderr.strip().splitlines()) == 1
     assert (mine / "notes.txt").read_text() == "keep me" and (parrot / "model.safetensors").is_file()
     exported = tmp_path / "exported"
+    result = run_cli("export", str(parrot), "--out", str(exported))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "vLLM: loadable as it is" in result.stdout and (exported / EXPORT_MARKER).is_file()
+
+
+@pytest.mark.matrix
+def test_export_replaces_an_earlier_export_and_overwrites_on_request(parrot, tmp_path):
+    exported = tmp_path / "exported"
     for _ in range(2):  # the second run replaces the earlier export without --overwrite
         result = run_cli("export", str(parrot), "--out", str(exported), "--dtype", "float32", "--max-shard-size",
                          "300KB")
         assert result.returncode == 0, result.stderr[-2000:]
-    assert "vLLM: loadable as it is" in result.stdout
     assert safetensors_dtypes(exported) == {"F32"} and len(list(exported.glob("model-*.safetensors"))) > 1
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("replace me")
     result = run_cli("export", str(parrot), "--out", str(mine), "--overwrite")
     assert result.returncode == 0 and not (mine / "notes.txt").exists(), result.stderr[-2000:]
 

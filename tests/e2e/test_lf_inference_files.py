@@ -22,22 +22,34 @@ QUICK = ("dataset=alpaca_en_demo", "max_samples=8", "max_steps=2", "eval_dataset
          "eval_steps=null", "plot_loss=false", "bf16=false")
 
 
+def train_lf_file(root: Path, finetuning: str, out: str) -> None:
+    result = run_cli("train", str(TRAIN_FILE), "model_name_or_path=models/Qwen3-4B-Instruct-2507",
+                     f"dataset_dir={FIXTURES / 'data'}", f"finetuning_type={finetuning}", f"output_dir={out}", *QUICK,
+                     cwd=root)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def workdir(arch_model_dir, tmp_path_factory) -> Path:
-    """models/Qwen3-4B-Instruct-2507 (a tiny Qwen3), saves/qwen3-4b/lora/sft and saves/qwen3-4b/full/sft."""
+    """models/Qwen3-4B-Instruct-2507 (a tiny Qwen3) and saves/qwen3-4b/lora/sft, trained by LLaMA-Factory's file."""
     root = tmp_path_factory.mktemp("lf")
     shutil.copytree(arch_model_dir("qwen3"), root / "models" / "Qwen3-4B-Instruct-2507")
-    for finetuning, out in (("lora", "saves/qwen3-4b/lora/sft"), ("full", "saves/qwen3-4b/full/sft")):
-        result = run_cli("train", str(TRAIN_FILE), "model_name_or_path=models/Qwen3-4B-Instruct-2507",
-                         f"dataset_dir={FIXTURES / 'data'}", f"finetuning_type={finetuning}", f"output_dir={out}",
-                         *QUICK, cwd=root)
-        assert result.returncode == 0, result.stderr[-3000:]
+    train_lf_file(root, "lora", "saves/qwen3-4b/lora/sft")
     return root
+
+
+@pytest.fixture(scope="module")
+def full_sft(workdir) -> Path:
+    """saves/qwen3-4b/full/sft beside the adapter: the same file with finetuning_type full."""
+    train_lf_file(workdir, "full", "saves/qwen3-4b/full/sft")
+    return workdir
 
 
 @pytest.mark.parametrize("name", ["qwen3_lora_sft.yaml", pytest.param("qwen3_full_sft.yaml", marks=pytest.mark.matrix),
                                   pytest.param("qwen3.yaml", marks=pytest.mark.matrix)])
-def test_llamafactory_inference_file_chats(name, workdir):
+def test_llamafactory_inference_file_chats(name, workdir, request):
+    if "full" in name:
+        request.getfixturevalue("full_sft")
     result = run_cli("chat", str(FIXTURES / "inference" / name), "--prompt", "Hello", "max_new_tokens=5",
                      "do_sample=false", cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -63,7 +75,7 @@ def test_llamafactory_merge_file_merges_the_adapter(workdir):
 
 
 @pytest.mark.matrix
-def test_llamafactory_merge_file_of_a_full_model(workdir):
+def test_llamafactory_merge_file_of_a_full_model(full_sft, workdir):
     result = run_cli("export", str(FIXTURES / "merge_lora" / "qwen3_full_sft.yaml"), "--overwrite", cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (workdir / "saves" / "qwen3_sft_merged" / "model.safetensors").is_file()
@@ -74,8 +86,8 @@ def test_llamafactory_predict_file_generates_without_training(workdir):
     import json
 
     result = run_cli("train", str(FIXTURES / "predict" / "qwen3_lora_predict.yaml"),
-                     "max_samples=2", "max_new_tokens=4", "preprocessing_num_workers=1",
-                     cwd=workdir)
+                     f"dataset_dir={FIXTURES / 'data'}", "max_samples=2", "max_new_tokens=4",
+                     "preprocessing_num_workers=1", cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
     out = workdir / "saves" / "qwen3-4b" / "lora" / "predict"
     rows = (out / "generated_predictions.jsonl").read_text().splitlines()

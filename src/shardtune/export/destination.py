@@ -6,8 +6,7 @@ it would delete them); an existing non-empty folder is replaced only when it is 
 hidden temporary name beside the destination and renamed into place once complete, so a killed export leaves the
 destination as it was (and a hidden ``.NAME.partial-PID`` folder that the next export to NAME removes).
 
-``path_problem`` and ``is_earlier_export`` are small on purpose: other write paths (output_dir, tokenized_path)
-may ask the same questions.
+Which folders a run may write is the write guard's (launch/write_guard.py); both ask ``shardtune.paths``.
 """
 
 from __future__ import annotations
@@ -20,15 +19,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from shardtune.errors import ConfigError
+from shardtune.paths import is_inside, user_entries
 
 EXPORT_MARKER = "shardtune_export.json"  # what was exported from where; marks a folder as an export
 PARTIAL = ".partial-"
-
-
-def same_or_inside(path: Path, folder: Path) -> bool:
-    """Whether ``path`` is ``folder`` or lies inside it (symbolic links resolved)."""
-    path, folder = path.resolve(), folder.resolve()
-    return path == folder or folder in path.parents
 
 
 def is_earlier_export(folder: Path) -> bool:
@@ -40,13 +34,13 @@ def destination_problem(out: Path, protected: dict[str, Path], overwrite: bool) 
 
     ``protected``: what must survive, by role (``{"the source": ..., "the base model": ...}``)."""
     for role, path in protected.items():
-        if same_or_inside(path, out):
+        if is_inside(path, out):
             what = "is" if path.resolve() == out.resolve() else "contains"
             return (f"export: --out {out} {what} {role} ({path}); writing there would delete it: choose another "
                     "folder")
     if out.exists() and not out.is_dir():
         return f"export: --out {out} is a file; choose a folder"
-    if out.is_dir() and any(out.iterdir()) and not is_earlier_export(out) and not overwrite:
+    if user_entries(out) and not is_earlier_export(out) and not overwrite:
         return (f"export: --out {out} is a folder with files in it that is not an earlier export; choose an empty "
                 "or new folder, or pass --overwrite to replace it")
     return None

@@ -79,15 +79,16 @@ def run_config(output: Path) -> dict[str, Any]:
 
 
 def write_run_config(output: Path, folder: Path) -> Path:
-    """A config file of the run's data and template keys, in the evaluation's own folder."""
+    """A config file of the run's data and template keys, in the evaluation's own folder (its ``.shardtune/``,
+    which marks the folder as a run's)."""
     import yaml
 
     run = run_config(output)
     if not run:
         raise ConfigError(f"eval: no CONFIG.yaml given and {output} has no {run_files.RESOLVED_CONFIG}; give the "
                           "config that names the eval data and template")
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "eval_config.yaml"
+    path = folder / ".shardtune" / "eval_config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump({key: run[key] for key in RUN_KEYS if key in run}, sort_keys=False))
     return path
 

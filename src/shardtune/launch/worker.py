@@ -124,8 +124,9 @@ def run_worker(plan: RunPlan, rank_env: RankEnv | None = None) -> int:
         return 0 if rank_env is not None else 130
     if results.get("predict_only"):
         if engine.is_main:
-            print(f"[shardtune] done: predictions of {plan.config.model_name_or_path} ({engine.name}, world size "
-                  f"{engine.world_size}) in {plan.config.output_dir}", flush=True)
+            model = ", ".join([plan.config.model_name_or_path or "", *plan.config.adapter_name_or_path])
+            print(f"[shardtune] done: predictions of {model} ({engine.name}, world size {engine.world_size}) in "
+                  f"{plan.config.output_dir}", flush=True)
         return 0
     if engine.is_main:
         print(f"[shardtune] done: final loss {results['final_loss']:.4f} after {results['global_step']} steps "
