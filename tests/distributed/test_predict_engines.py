@@ -69,6 +69,7 @@ def test_two_ranks_generate_what_one_process_generates(engine, half_trained, one
     assert scores(out) == scores(one_process)
 
 
+@pytest.mark.matrix
 def test_do_predict_after_training_under_fsdp2(tiny_model_dir, tmp_path):
     """Train and then predict in the same run of 2 ranks: the prediction files come out once, complete, in order."""
     data = parrot_data(tmp_path / "data")

@@ -81,6 +81,7 @@ def test_llamafactory_merge_file_of_a_full_model(full_sft, workdir):
     assert (workdir / "saves" / "qwen3_sft_merged" / "model.safetensors").is_file()
 
 
+@pytest.mark.matrix
 def test_llamafactory_predict_file_generates_without_training(workdir):
     """LLaMA-Factory's nlg_eval file leaves do_train out (false there): shardtune only predicts with it too."""
     import json
