@@ -25,7 +25,15 @@ _NOISE = frozenset({"lost+found", ".DS_Store", "Thumbs.db"})
 
 
 def expand_user_path(value: str) -> str:
-    """``~`` and environment variables expanded; ValueError names a variable that is not set."""
+    """``~`` and environment variables expanded; ValueError names a variable that is not set, or a character no
+    file name can hold (NUL, a lone UTF-16 surrogate)."""
+    if "\x00" in value:
+        raise ValueError(f"{shown(value)} contains a NUL character, which no file name can hold")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{value!r} contains a lone UTF-16 surrogate (an escaped character cut in half?), which "
+                         "no file name can hold") from None
     missing = [m.group(1) or m.group(2) for m in _VARIABLE.finditer(value)
                if (m.group(1) or m.group(2)) not in os.environ]
     if missing:

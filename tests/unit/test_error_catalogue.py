@@ -109,6 +109,10 @@ def truncate(path: Path, keep: int = 5000) -> None:
     path.write_bytes(path.read_bytes()[:keep])
 
 
+def edit_json(path: Path, **values) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **values}))
+
+
 def remove_weights(model: Path) -> None:
     (model / "model.safetensors").unlink()
 
@@ -323,6 +327,10 @@ CATALOGUE = [
     Case("model-tokenizer-missing", "has no tokenizer files", damage=remove_tokenizer),
     Case("model-tokenizer-invalid", "tokenizer.json line 1, column 2: not valid JSON",
          damage=lambda m: (m / "tokenizer.json").write_text("{oops")),
+    Case("model-type-unknown", "model_type 'llama9' is not known to the installed transformers",
+         damage=lambda m: edit_json(m / "config.json", model_type="llama9")),
+    Case("tokenizer-json-not-a-tokenizer", "tokenizer.json is not a tokenizer the tokenizers library can read",
+         damage=lambda m: (m / "tokenizer.json").write_text('{"version": "1.0"}')),
     # --- engine files ---
     Case("deepspeed-duplicate-key", "has the key 'stage' twice",
          prepare=lambda t: ds_json(t, '{"zero_optimization": {"stage": 2, "stage": 3}}')),
@@ -448,8 +456,7 @@ CATALOGUE = [
          prepare=lambda t: {"resume_from_checkpoint": str(torch_checkpoint(
              t, {"model_name_or_path": str(wider_config(t)), "finetuning_type": "lora"}))}),
     Case("estimate-model-config-zero", "hidden_size (0) must be a whole number of at least 1", command="estimate",
-         damage=lambda m: (m / "config.json").write_text(json.dumps(
-             {**json.loads((m / "config.json").read_text()), "hidden_size": 0})),
+         damage=lambda m: edit_json(m / "config.json", hidden_size=0),
          argv=lambda t, cfg: [str(cfg), "--gpu-memory", "80GiB"]),
     # --- the other commands ---
     Case("export-source-missing", "export: /no/such/run is not a folder", command="export",

@@ -101,15 +101,15 @@ def read_config(argv: list[str], defaults: dict[str, Any] | None = None
             raise ConfigError(f"command line: '{path}' is not a .yaml/.yml/.json config file")
         if Path(path).is_dir():
             raise ConfigError(f"command line: {path} is a folder; give the config file")
-        file_values, problems = translate_keys(load_yaml_file(path))
+        file_values, file_problems = translate_keys(load_yaml_file(path))
         values.update(file_values)
-        spelling_problems += [KeyProblem(None, f"{path}: {p}") for p in problems]
+        spelling_problems += [KeyProblem(None, f"{path}: {p}") for p in file_problems]
         where.update({key: f"{path}:{line}" for key, line in yaml_key_lines(path).items()})
         source = path
     # The command line overrides the file in whichever spelling: each side is read in shardtune's spelling first.
-    command_line, problems = translate_keys(cmd.values)
-    spelling_problems += [KeyProblem(None, f"command line: {p}") for p in problems]
+    command_line, line_problems = translate_keys(cmd.values)
+    spelling_problems += [KeyProblem(None, f"command line: {p}") for p in line_problems]
     values.update(command_line)
     where.update({key: "command line" for key in command_line})
-    config, problems = build_config_collecting(values, source=source, where=where)
-    return config, cmd, spelling_problems + problems
+    config, key_problems = build_config_collecting(values, source=source, where=where)
+    return config, cmd, spelling_problems + key_problems

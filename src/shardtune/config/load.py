@@ -164,6 +164,7 @@ def unknown_key_message(key: str, known: list[str]) -> str:
 
 def coerce_value(key: str, raw: Any, hint: Any, meta: typing.Mapping[str, Any]) -> Any:
     """Convert ``raw`` to the declared type and check choices and bounds; ValueError names the key."""
+    raw = _joined_surrogates(raw)
     choices = meta.get("choices")
     if isinstance(raw, bool) and choices and "no" in choices:
         raw = "yes" if raw else "no"  # YAML 1.1 reads `save_strategy: no` as false
@@ -182,6 +183,14 @@ def coerce_value(key: str, raw: Any, hint: Any, meta: typing.Mapping[str, Any]) 
         except ValueError as err:
             raise ValueError(f"{key}: {err}") from None
     return value
+
+
+def _joined_surrogates(raw: Any) -> Any:
+    """A YAML/JSON ``"\\ud800\\udc00"`` escape arrives as two UTF-16 halves; join them into the character they
+    spell (lone halves stay, for the checks to name)."""
+    if isinstance(raw, str) and any("\ud800" <= c <= "\udfff" for c in raw):
+        return raw.encode("utf-16", "surrogatepass").decode("utf-16", "surrogatepass")
+    return raw
 
 
 def _expanded(value: Any) -> Any:

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import math
 
-from shardtune.data.formats import missing_column_problems
-from shardtune.data.loading import peek_columns
-from shardtune.data.preference import is_preference_stage, preference_columns, preference_entry_problems
+from shardtune.data.columns import (
+    is_preference_stage,
+    missing_column_problems,
+    preference_columns,
+    preference_entry_problems,
+)
+from shardtune.data.peek import peek_columns
 from shardtune.data.registry import DatasetEntry, did_you_mean, resolve_entries
 from shardtune.data.settings import MIX_STRATEGIES, STAGES, DataSettings, dataset_names
 from shardtune.data.templates import (

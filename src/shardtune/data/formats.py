@@ -23,6 +23,7 @@ from typing import Any
 from datasets import Dataset, Features, List, Value
 
 from shardtune.data.caching import step_fingerprint
+from shardtune.data.columns import missing_column_problems, required_columns  # noqa: F401 - re-exported
 from shardtune.data.record_places import record_lines
 from shardtune.data.registry import DatasetEntry
 from shardtune.errors import DataError
@@ -64,25 +65,6 @@ def batch_converter(entry: DatasetEntry, stage: str) -> tuple[Callable[..., dict
     else:
         to_chat = partial(alpaca_to_chat, columns=entry.columns)
     return partial(convert_chat_batch, to_chat=to_chat, tools_column=entry.columns["tools"]), CHAT_FEATURES
-
-
-def required_columns(entry: DatasetEntry, stage: str) -> dict[str, str]:
-    """Registry column key -> column name that every record of ``entry`` must have for ``stage``."""
-    if stage == "pt":
-        return {"prompt": entry.columns["prompt"]}
-    if entry.formatting != "alpaca":
-        return {"messages": entry.columns["messages"]}
-    return {key: entry.columns[key] for key in ("prompt", "response")}
-
-
-def missing_column_problems(found: list[str], entry: DatasetEntry, stage: str) -> list[str]:
-    """One line per required column that ``found`` lacks, saying how to map it."""
-    return [
-        f"{entry.path}: records have no '{column}' column (dataset '{entry.name}', stage {stage}, "
-        f"found: {', '.join(found) or 'none'}); rename it or set columns.{key} in dataset_info.json"
-        for key, column in required_columns(entry, stage).items()
-        if column not in found
-    ]
 
 
 def require_columns(found: list[str], entry: DatasetEntry, stage: str) -> None:

@@ -22,6 +22,13 @@ from typing import Any
 from datasets import Dataset, Features, List, Value
 
 from shardtune.data.caching import step_fingerprint
+from shardtune.data.columns import (  # noqa: F401 - re-exported: the stage rules live there
+    PAIR_STAGES,
+    PREFERENCE_STAGES,
+    is_preference_stage,
+    preference_columns,
+    preference_entry_problems,
+)
 from shardtune.data.formats import (
     CHAT_FEATURES,
     Message,
@@ -43,8 +50,6 @@ from shardtune.errors import DataError
 
 logger = logging.getLogger(__name__)
 
-PREFERENCE_STAGES = ("dpo", "kto", "rm")
-PAIR_STAGES = ("dpo", "rm")
 PAIR_RECORD_FEATURES = Features({**CHAT_FEATURES, "_rejected": Value("string")})
 KTO_RECORD_FEATURES = Features({**CHAT_FEATURES, "_kto_tag": Value("bool")})
 IDS = List(Value("int32"))
@@ -54,36 +59,7 @@ KTO_FEATURES = Features({"input_ids": IDS, "labels": IDS, "kl_input_ids": IDS, "
                          "kto_tag": Value("bool")})
 
 
-def is_preference_stage(stage: str) -> bool:
-    return stage in PREFERENCE_STAGES
-
-
-def preference_entry_problems(entry: DatasetEntry, stage: str) -> list[str]:
-    """Does the entry carry what the stage reads (pairs for dpo/rm, a kto_tag for kto)?"""
-    if stage in PAIR_STAGES and not entry.ranking:
-        return [f"dataset '{entry.name}' is not a ranking dataset, which stage {stage} needs (a prompt with a "
-                "chosen and a rejected answer); set \"ranking\": true and columns.chosen/rejected in its "
-                "dataset_info.json entry, or use another dataset"]
-    if stage == "kto" and "kto_tag" not in entry.columns:
-        return [f"dataset '{entry.name}' has no kto_tag column, which stage kto needs (true: desirable answer); "
-                "set columns.kto_tag in its dataset_info.json entry"]
-    if stage == "kto" and entry.ranking:
-        return [f"dataset '{entry.name}' is a ranking dataset; stage kto reads one answer per record with a "
-                "kto_tag, use stage dpo for pairs"]
-    return []
-
-
 # --- records -> normalised columns ---
-
-def preference_columns(entry: DatasetEntry, stage: str) -> dict[str, str]:
-    """Registry column key -> column name every record of ``entry`` must have for ``stage``."""
-    if stage == "kto":
-        keys: tuple[str, ...] = ("kto_tag",) + (("prompt", "response") if entry.formatting == "alpaca"
-                                                else ("messages",))
-    else:
-        keys = ("prompt" if entry.formatting == "alpaca" else "messages", "chosen", "rejected")
-    return {key: entry.columns[key] for key in keys}
-
 
 def normalize_preference_records(records: Dataset, entry: DatasetEntry, stage: str, num_proc: int | None,
                                  batch_size: int = 1000) -> Dataset:

@@ -20,7 +20,8 @@ from shardtune.engines.spec import CheckpointLayout
 from shardtune.errors import ModelError
 from shardtune.export.destination import check_destination, staged_folder
 from shardtune.export.serving import ServingSettings, finish_servable, resolve_save_dtype, settings_from_run
-from shardtune.model.reward_head import RewardHead, is_reward_model_config, to_reward_model
+from shardtune.model.folder import is_reward_model_config
+from shardtune.model.reward_head import RewardHead, to_reward_model
 
 RUN_CONFIG = run_files.RESOLVED_CONFIG
 

@@ -14,9 +14,8 @@ from shardtune.config.schema import REPORT_TO, TrainConfig
 from shardtune.data.tokenized import is_saved
 from shardtune.errors import ConfigError, ModelError
 from shardtune.launch.write_guard import write_problems
-from shardtune.model.folder import model_config_json, model_folder_problems
+from shardtune.model.folder import is_reward_model_config, model_config_json, model_folder_problems
 from shardtune.model.moe import configured_router_aux_coef, packed_aux_loss_problem, preference_aux_loss_problem
-from shardtune.model.reward_head import is_reward_model_config
 from shardtune.paths import shown
 from shardtune.train.checkpoint_folders import checkpoint_problems, resume_source
 from shardtune.train.reporting import tracker_problems
