@@ -245,15 +245,19 @@ def test_killed_export_leaves_no_half_folder(wider_model_dir, tmp_path):
     assert not list(tmp_path.glob(".exported.partial-*")) and (out / "shardtune_export.json").is_file()
 
 
-# --- full, freeze and merged LoRA keep a bf16 base's dtype ---
+# --- full, freeze and merged LoRA keep a bf16 base's dtype; chat on a checkpoint ---
 
 @pytest.mark.parametrize("method", ["lora", pytest.param("freeze", marks=pytest.mark.matrix)])
 def test_freeze_and_merged_lora_keep_the_base_dtype(method, bf16_base, tmp_path):
     data = parrot_data(tmp_path / "data")
     out = tmp_path / "run"
     result = run_cli(*parrot_args(bf16_base, data, out, f"finetuning_type={method}", "max_steps=2",
-                                  "do_predict=false", "predict_with_generate=false"))
+                                  "do_predict=false", "predict_with_generate=false", "save_strategy=steps",
+                                  "save_steps=2"))
     assert result.returncode == 0, result.stderr[-3000:]
+    # chat reads a checkpoint of the run too (the base model under the checkpoint's trained weights)
+    chat = run_cli("chat", str(out / "checkpoint-2"), "--prompt", PAIRS[0][0], "max_new_tokens=3")
+    assert chat.returncode == 0 and chat.stdout.endswith("\n"), chat.stderr[-3000:]
     folder = out
     if method == "lora":
         folder = tmp_path / "merged"

@@ -69,13 +69,18 @@ def merges_adapter(model: object) -> TypeGuard[MergesAdapter]:
 
 def build_trained_model(base: str, finetuning: dict[str, Any], reward: RewardHead | None) -> torch.nn.Module:
     """The model structure that was trained: base weights (under the score head of a reward model), plus LoRA
-    modules when LoRA was used."""
+    modules when LoRA was used; under freeze, the layers that trained are the trainable ones."""
     from shardtune.model.adapters import FinetuningSettings, apply_finetuning
     from shardtune.model.load import load_causal_lm
 
     model = load_causal_lm(base)
     if reward is not None:
         model = to_reward_model(model, reward)
+    if finetuning.get("finetuning_type") == "freeze":  # the checkpoint holds the trained layers only
+        return apply_finetuning(model, FinetuningSettings(
+            finetuning_type="freeze", freeze_trainable_layers=int(finetuning.get("freeze_trainable_layers", 2)),
+            freeze_trainable_modules=tuple(finetuning.get("freeze_trainable_modules") or ("all",)),
+            score_head=reward is not None))
     if finetuning.get("finetuning_type") != "lora":
         return model
     settings = FinetuningSettings(finetuning_type="lora", lora_rank=finetuning["lora_rank"],
