@@ -26,6 +26,9 @@ commands:
                                                          all-reduces across them; run it on each node like train
   keys [--markdown]                                      list every config key
   convert-config FILE.yaml [--out NEW.yaml]              what happens to each key of a LLaMA-Factory file
+  status OUTPUT_DIR [--watch SECONDS] [--json]           a run's progress, ETA, every rank's row, last error
+  web [ROOT] [--port P] [--host H]                       a live page of the runs under ROOT; launch and stop
+                                                         runs from it (needs the web extra: shardtune[web])
 
 Run `shardtune train --help` for every config key with its type, default and description.
 Set SHARDTUNE_DEBUG=1 (or pass --debug) to see tracebacks for errors."""
@@ -41,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     handlers = {"train": _train, "check": _check, "estimate": _estimate, "export": _export, "chat": _chat,
                 "eval": _eval, "make-tiny-model": _make_tiny_model, "keys": _keys, "convert-config": _convert_config,
-                "slurm": _slurm, "k8s": _k8s, "doctor": _doctor}
+                "slurm": _slurm, "k8s": _k8s, "doctor": _doctor, "status": _status, "web": _web}
     if command not in handlers:
         print(f"shardtune: unknown command '{command}'\n\n{USAGE}", file=sys.stderr)
         return 2
@@ -71,7 +74,7 @@ def _train(args: list[str]) -> int:
     from shardtune.launch.preflight import plan_run
     from shardtune.launch.supervise import start_run
 
-    return start_run(plan_run(args), debug_requested(args))
+    return start_run(plan_run(args), debug_requested(args), command_line=args)
 
 
 def _check(args: list[str]) -> int:
@@ -90,6 +93,18 @@ def _estimate(args: list[str]) -> int:
 
     launch = read_launch_env()  # NNODES / NPROC_PER_NODE are the defaults of --nodes / --gpus-per-node
     return estimate_command(args, launch.nnodes, launch.nproc_per_node)
+
+
+def _status(args: list[str]) -> int:
+    from shardtune.web.status import status_command
+
+    return status_command(args)
+
+
+def _web(args: list[str]) -> int:
+    from shardtune.web.command import web_command
+
+    return web_command(args)
 
 
 def _slurm(args: list[str]) -> int:

@@ -403,7 +403,7 @@ CATALOGUE = [
     Case("freeze-no-layers", "freeze_trainable_layers (0) selects no layer",
          {"finetuning_type": "freeze", "freeze_trainable_layers": 0}),
     Case("warmup-longer-than-run", "warmup_steps (10) is not below max_steps (2)", {"warmup_steps": 10}),
-    Case("eval-steps-without-eval", "eval_steps (5) is read with eval_strategy: steps", {"eval_steps": 5}),
+    Case("warmup-ratio-whole-run", "warmup_ratio (1.0) warms up over the whole run", {"warmup_ratio": 1.0}),
     Case("key-twice-on-command-line", "command line: learning_rate is given twice ('1e-4' and '2e-4')",
          argv=lambda t, cfg: [str(cfg), "learning_rate=1e-4", "--learning_rate", "2e-4"]),
     Case("key-in-two-spellings-on-command-line", "contradicts 'eval_strategy' ('steps')", {"val_size": 0.1},

@@ -13,6 +13,7 @@ may import its own layer's leaf modules and anything below, never above:
     estimate, export, infer          the memory model; checkpoints -> Hugging Face folders; chat, answer metrics
     train                            the loop and the run
     launch                           preflight, supervise, worker, schedulers
+    web                              shardtune status and shardtune web: read run folders, serve the page
     cli                              the command
 Entry modules (``__main__``) may import anything.
 """
@@ -33,6 +34,7 @@ LAYERS = [
     {"estimate", "export", "infer"},
     {"train"},
     {"launch"},
+    {"web"},
     {"cli"},
 ]
 RANK = {unit: level for level, units in enumerate(LAYERS) for unit in units}

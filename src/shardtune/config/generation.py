@@ -3,7 +3,7 @@ the workflow and ``shardtune eval`` ask here."""
 
 from __future__ import annotations
 
-from shardtune.config.schema import EXPORT, GENERATE, TrainConfig, config_fields
+from shardtune.config.schema import TrainConfig
 
 # Read by `shardtune chat` (infer_dtype) and `shardtune export FILE` (export_*), never by a training run.
 OTHER_COMMAND_KEYS = {"infer_dtype": "shardtune chat", "export_dir": "shardtune export FILE",
@@ -48,12 +48,3 @@ def generation_key_problems(c: TrainConfig) -> list[str]:
         problems.append(f"do_eval/eval_strategy ({c.eval_strategy}) with a prediction-only run (do_predict without "
                         "training): nothing is trained to evaluate; remove them")
     return problems
-
-
-def generation_keys() -> list[str]:
-    """The keys of the generation group (sampling settings and switches), in declaration order."""
-    return [f.name for f in config_fields() if f.metadata.get("group") == GENERATE]
-
-
-def export_keys() -> list[str]:
-    return [f.name for f in config_fields() if f.metadata.get("group") == EXPORT]

@@ -225,8 +225,8 @@ class TrainConfig:
                            choices=("auto", "float32", "bfloat16", "float16"))
     replace_eos: bool = _key(True, "the saved tokenizer's eos_token and generation_config.json's eos_token_id become "
                                    "the template's stop token (e.g. <|im_end|>), so a served model stops", OUTPUT)
-    report_to: list[str] = _key(["none"], "experiment trackers: none or tensorboard (wandb and mlflow are refused "
-                                          "with the reason)", OUTPUT)
+    report_to: list[str] = _key(["none"], "experiment trackers rank 0 writes to: none, tensorboard, wandb, mlflow "
+                                          "(all: tensorboard); wandb and mlflow need their extras", OUTPUT)
     resume_from_checkpoint: str | None = _key(None, "checkpoint folder to resume from", OUTPUT, path=True)
     throughput_warmup_steps: int = _key(
         1, "first optimizer steps left out of the throughput figures in train_results.json", OUTPUT, minimum=0)

@@ -18,8 +18,8 @@ from shardtune.model.folder import is_reward_model_config, model_config_json, mo
 from shardtune.model.moe import configured_router_aux_coef, packed_aux_loss_problem, preference_aux_loss_problem
 from shardtune.paths import shown
 from shardtune.train.checkpoint_folders import checkpoint_problems, resume_source
-from shardtune.train.reporting import tracker_problems
 from shardtune.train.settings import resolved_packing
+from shardtune.train.trackers import tracker_problems
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -77,7 +77,7 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
 
 def schedule_problems(c: TrainConfig) -> list[str]:
     """Numbers that are valid alone but say nothing sensible together: a warm-up that never ends, a layer count
-    that selects nothing, a step interval read by a strategy that is off."""
+    that selects nothing."""
     problems = []
     if 0 < c.max_steps <= c.warmup_steps:
         problems.append(f"warmup_steps ({c.warmup_steps}) is not below max_steps ({c.max_steps}): the learning rate "
@@ -85,12 +85,9 @@ def schedule_problems(c: TrainConfig) -> list[str]:
     if c.finetuning_type == "freeze" and c.freeze_trainable_layers == 0:
         problems.append("freeze_trainable_layers (0) selects no layer to train; give N > 0 (the last N decoder "
                         "layers) or -N (the first N)")
-    if c.eval_steps is not None and c.eval_strategy != "steps":
-        problems.append(f"eval_steps ({c.eval_steps}) is read with eval_strategy: steps only (eval_strategy is "
-                        f"{c.eval_strategy}); set eval_strategy: steps or remove eval_steps")
-    if c.save_steps != TrainConfig().save_steps and c.save_strategy != "steps":
-        problems.append(f"save_steps ({c.save_steps}) is read with save_strategy: steps only (save_strategy is "
-                        f"{c.save_strategy}); set save_strategy: steps or remove save_steps")
+    if c.warmup_ratio >= 1 and c.warmup_steps == 0:
+        problems.append(f"warmup_ratio ({c.warmup_ratio}) warms up over the whole run: the learning rate would never "
+                        "reach learning_rate; use a fraction below 1 (e.g. 0.1)")
     return problems
 
 
