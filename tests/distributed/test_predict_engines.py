@@ -11,12 +11,13 @@ import pytest
 
 from tests.conftest import run_cli
 from tests.distributed.helpers import ENGINE_KEYS
-from tests.e2e.test_after_training import PAIRS, parrot_data
+from tests.e2e.test_after_training import PAIRS, parrot_args, parrot_data
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 # Greedy, short, one prompt per batch: the same computation per sample on every engine and process count.
 PREDICT = ("do_sample=false", "max_new_tokens=12", "per_device_eval_batch_size=1")
+NO_PREDICT = ("do_predict=false", "predict_with_generate=false")
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +30,7 @@ def half_trained(tiny_model_dir, tmp_path_factory) -> Path:
     (data / "parrot_eval.json").write_text(json.dumps(rows + [{"instruction": "Name a color.", "input": "",
                                                                "output": "Green."}]))
     out = root / "out"
-    result = run_cli("train", f"model_name_or_path={tiny_model_dir}", "finetuning_type=full", "dataset=parrot",
-                     "eval_dataset=parrot_eval", f"dataset_dir={data}", "template=chatml", "cutoff_len=64",
-                     f"output_dir={out}", "per_device_train_batch_size=4", "learning_rate=1e-2", "max_steps=12",
-                     "save_strategy=no", "logging_steps=4")
+    result = run_cli(*parrot_args(tiny_model_dir, data, out, "max_steps=12", *NO_PREDICT))
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
@@ -74,11 +72,8 @@ def test_do_predict_after_training_under_fsdp2(tiny_model_dir, tmp_path):
     """Train and then predict in the same run of 2 ranks: the prediction files come out once, complete, in order."""
     data = parrot_data(tmp_path / "data")
     out = tmp_path / "run"
-    result = run_cli("train", f"model_name_or_path={tiny_model_dir}", "finetuning_type=full", "dataset=parrot",
-                     "eval_dataset=parrot_eval", f"dataset_dir={data}", "template=chatml", "cutoff_len=64",
-                     f"output_dir={out}", "per_device_train_batch_size=2", "max_steps=2", "save_strategy=no",
-                     "do_predict=true", "predict_with_generate=true", "max_new_tokens=6", *ENGINE_KEYS["fsdp2"],
-                     FORCE_TORCHRUN="1", NPROC_PER_NODE="2")
+    result = run_cli(*parrot_args(tiny_model_dir, data, out, "per_device_train_batch_size=2", "max_steps=2",
+                                  "max_new_tokens=6", *ENGINE_KEYS["fsdp2"]), FORCE_TORCHRUN="1", NPROC_PER_NODE="2")
     assert result.returncode == 0, result.stderr[-4000:]
     assert [r["label"] for r in predictions(out)] == [a for _, a in PAIRS]
     assert (out / "model.safetensors").is_file() and scores(out)["predict_samples"] == 4
@@ -89,10 +84,8 @@ def test_lora_adapter_predictions_under_zero3_equal_one_process(tiny_model_dir, 
     """A LoRA output evaluated on its base: the peft model generates under ZeRO-3 as on one process."""
     data = parrot_data(tmp_path / "data")
     adapter = tmp_path / "lora"
-    result = run_cli("train", f"model_name_or_path={tiny_model_dir}", "finetuning_type=lora", "dataset=parrot",
-                     "eval_dataset=parrot_eval", f"dataset_dir={data}", "template=chatml", "cutoff_len=64",
-                     f"output_dir={adapter}", "per_device_train_batch_size=4", "learning_rate=1e-2", "max_steps=10",
-                     "save_strategy=no")
+    result = run_cli(*parrot_args(tiny_model_dir, data, adapter, "finetuning_type=lora", "max_steps=10",
+                                  *NO_PREDICT))
     assert result.returncode == 0, result.stderr[-3000:]
     outs = {}
     for name, env, extra in (("one", {}, ()), ("zero3", {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2"},
