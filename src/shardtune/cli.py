@@ -11,7 +11,12 @@ commands:
   check CONFIG.yaml [key=value ...]                      validate config, data and model paths; no weights loaded
   estimate CONFIG.yaml [--gpus-per-node N --nodes M --gpu-memory 80GiB --cpu-memory 512GiB] [--json]
                                                          memory per engine option and the recommended engine
-  export SOURCE --out DIR [--merge-lora] [--model BASE] turn a checkpoint or output into a Hugging Face folder
+  export SOURCE --out DIR [--merge-lora] [--model BASE] [--dtype D] [--max-shard-size 5GB]
+                                                         a checkpoint or output -> a Hugging Face folder ready to serve
+  export FILE.yaml                                       LLaMA-Factory's merge_lora file (export_dir, export_size, ...)
+  chat OUTPUT|FILE.yaml [--prompt TEXT | --file F] [key=value ...]
+                                                         talk to a trained model (interactive, or one-shot)
+  eval OUTPUT [CONFIG.yaml] [key=value ...]              generate for eval_dataset and score it (BLEU, ROUGE)
   make-tiny-model --out DIR [--arch NAME --layers N ...]  write a random tiny model + local tokenizer
   slurm CONFIG.yaml --nodes N --gpus-per-node G [--partition P --time T --account A --submit]
                                                          write (and submit) an sbatch script for the config
@@ -37,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
             print(_keys_help())
         return 0
     command, rest = argv[0], argv[1:]
-    handlers = {"train": _train, "check": _check, "estimate": _estimate, "export": _export,
-                "make-tiny-model": _make_tiny_model, "keys": _keys, "convert-config": _convert_config,
+    handlers = {"train": _train, "check": _check, "estimate": _estimate, "export": _export, "chat": _chat,
+                "eval": _eval, "make-tiny-model": _make_tiny_model, "keys": _keys, "convert-config": _convert_config,
                 "slurm": _slurm, "k8s": _k8s, "doctor": _doctor, "status": _status, "web": _web}
     if command not in handlers:
         print(f"shardtune: unknown command '{command}'\n\n{USAGE}", file=sys.stderr)
@@ -121,29 +126,21 @@ def _k8s(args: list[str]) -> int:
 
 
 def _export(args: list[str]) -> int:
-    import argparse
-    from pathlib import Path
+    from shardtune.export.command import export_command
 
-    parser = argparse.ArgumentParser(prog="shardtune export",
-                                     description="Any checkpoint-<step> folder (any engine, any number of processes "
-                                                 "that wrote it) or final output -> a Hugging Face model folder.")
-    parser.add_argument("source", help="checkpoint-<step> folder or a run's output_dir")
-    parser.add_argument("--out", required=True, help="folder to write (replaced if it exists)")
-    parser.add_argument("--merge-lora", action="store_true", help="merge LoRA weights into the base model")
-    parser.add_argument("--model", help="base model (default: model_name_or_path of the run)")
-    parser.add_argument("--finetuning-type", choices=("full", "freeze", "lora"), help="default: that of the run")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    ns = parser.parse_args(args)
-    from shardtune.errors import ModelError
-    from shardtune.export.convert import export_model
+    return export_command(args)
 
-    source = Path(ns.source)
-    if not source.is_dir():
-        raise ModelError(f"export: {source} is not a folder")
-    out = export_model(source, Path(ns.out), base=ns.model, merge_lora=ns.merge_lora,
-                       finetuning_type=ns.finetuning_type)
-    print(f"exported {source} -> {out}")
-    return 0
+
+def _chat(args: list[str]) -> int:
+    from shardtune.infer.chat import chat_command
+
+    return chat_command(args)
+
+
+def _eval(args: list[str]) -> int:
+    from shardtune.launch.evaluate import eval_command
+
+    return eval_command(args)
 
 
 def _make_tiny_model(args: list[str]) -> int:

@@ -145,6 +145,12 @@ def export_source(tmp: Path, weights: bytes | None = None, run_config: bool = Tr
     return source
 
 
+def folder_with_a_file(folder: Path) -> Path:
+    folder.mkdir()
+    (folder / "notes.txt").write_text("the user's")
+    return folder
+
+
 def arch_model(tmp: Path, arch: str, layer_types: list[str] | None = None) -> dict:
     """A tiny model of family ``arch`` (optionally with other layer kinds in its config.json) as the run's model."""
     from shardtune.model.tiny import build_tiny_model
@@ -461,6 +467,10 @@ CATALOGUE = [
          argv=lambda t, cfg: [str(export_source(t, weights=b"\x10")), "--out", str(t / "x")]),
     Case("export-base-model-damaged", "export: base model: ", command="export", damage=remove_weights,
          argv=lambda t, cfg: [str(export_source(t, base=str(t / "model"))), "--out", str(t / "x")]),
+    Case("export-out-is-source", "is the source", command="export",
+         argv=lambda t, cfg: [str(export_source(t)), "--out", str(t / "checkpoint-2")]),
+    Case("export-out-not-an-export", "not an earlier export", command="export",
+         argv=lambda t, cfg: [str(export_source(t)), "--out", str(folder_with_a_file(t / "mine"))]),
     Case("export-lora-without-run-config", "--finetuning-type lora needs the run's shardtune_config.json",
          command="export", argv=lambda t, cfg: [str(export_source(t, run_config=False)), "--out", str(t / "x"),
                                                 "--model", str(t), "--finetuning-type", "lora"]),

@@ -10,7 +10,7 @@ may import its own layer's leaf modules and anything below, never above:
     model                            loading, adapters, architectures (never torch.distributed)
     optim                            optimizer settings and builders
     engines                          one module per engine, the engine plan
-    estimate, export                 the memory model; checkpoints -> Hugging Face folders
+    estimate, export, infer          the memory model; checkpoints -> Hugging Face folders; chat, answer metrics
     train                            the loop and the run
     launch                           preflight, supervise, worker, schedulers
     web                              shardtune status and shardtune web: read run folders, serve the page
@@ -31,7 +31,7 @@ LAYERS = [
     {"model"},
     {"optim"},
     {"engines"},
-    {"estimate", "export"},
+    {"estimate", "export", "infer"},
     {"train"},
     {"launch"},
     {"web"},

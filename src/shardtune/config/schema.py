@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MODEL, FINETUNE, DATA, OUTPUT, TRAIN, ENGINE = "model", "finetuning", "data", "output", "training", "engine"
-PREFERENCE, RAY = "preference", "ray"
+PREFERENCE, RAY, GENERATE, EXPORT = "preference", "ray", "generation", "export"
 GROUP_TITLES = {
     MODEL: "Model",
     FINETUNE: "Fine-tuning method",
@@ -20,6 +20,8 @@ GROUP_TITLES = {
     OUTPUT: "Output, logging and saving",
     TRAIN: "Optimisation",
     ENGINE: "Distributed engine",
+    GENERATE: "Generation (do_predict with predict_with_generate, shardtune chat and eval)",
+    EXPORT: "Export (shardtune export FILE.yaml, as llamafactory-cli export reads it)",
     RAY: "Ray launch (USE_RAY=1)",
 }
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -105,7 +107,8 @@ class TrainConfig:
     stage: str = _key("sft", "training stage: supervised fine-tuning, pre-training, preference optimisation (dpo "
                              "with pref_loss), KTO, or a pairwise reward model (rm)", FINETUNE,
                       choices=("sft", "pt", "dpo", "kto", "rm"))
-    do_train: bool = _key(True, "run training (shardtune only trains; false is refused)", FINETUNE)
+    do_train: bool = _key(True, "run training (false only with do_predict: generate with the model as it is)",
+                          FINETUNE)
     finetuning_type: str = _key("lora", "which parameters train", FINETUNE, choices=("lora", "full", "freeze"))
     lora_rank: int = _key(8, "LoRA rank r", FINETUNE, minimum=1)
     lora_alpha: int | None = _key(None, "LoRA scaling alpha (default: 2 x lora_rank)", FINETUNE, minimum=1)
@@ -222,6 +225,11 @@ class TrainConfig:
         False, "checkpoints hold the model only (no optimizer/scheduler state; a resume restarts the optimizer)",
         OUTPUT)
     plot_loss: bool = _key(False, "write training_loss.png at the end", OUTPUT)
+    save_dtype: str = _key("auto", "dtype of the saved full model (final output, export, merged LoRA); auto: the "
+                                   "base checkpoint's dtype from its config.json", OUTPUT,
+                           choices=("auto", "float32", "bfloat16", "float16"))
+    replace_eos: bool = _key(True, "the saved tokenizer's eos_token and generation_config.json's eos_token_id become "
+                                   "the template's stop token (e.g. <|im_end|>), so a served model stops", OUTPUT)
     report_to: list[str] = _key(["none"], "experiment trackers rank 0 writes to: none, tensorboard, wandb, mlflow "
                                           "(all: tensorboard); wandb and mlflow need their extras", OUTPUT)
     resume_from_checkpoint: str | None = _key(None, "checkpoint folder to resume from", OUTPUT, path=True)
@@ -319,6 +327,36 @@ class TrainConfig:
     ddp_find_unused_parameters: bool | None = _key(
         None, "DDP unused-parameter search (default: off, LoRA included)", ENGINE)
 
+    # --- generation (LLaMA-Factory's generating_args; do_predict, chat, eval) ---
+    do_predict: bool = _key(False, "generate answers for the eval data (eval_dataset, the val_size hold-out, or "
+                                   "dataset when do_train is false) after training: generated_predictions.jsonl and "
+                                   "predict_results.json (needs predict_with_generate)", GENERATE)
+    predict_with_generate: bool = _key(False, "do_predict generates with model.generate and scores the answers "
+                                              "(BLEU-4, ROUGE-1/2/L, exact match)", GENERATE)
+    do_sample: bool = _key(True, "sample (false: greedy, reproducible across engines and process counts)", GENERATE)
+    temperature: float = _key(0.95, "sampling temperature", GENERATE, minimum=0, exclusive_minimum=True)
+    top_p: float = _key(0.7, "nucleus sampling: the smallest set of tokens whose probability reaches top_p",
+                        GENERATE, minimum=0, maximum=1, exclusive_minimum=True)
+    top_k: int = _key(50, "sample among the top_k most likely tokens", GENERATE, minimum=0)
+    num_beams: int = _key(1, "beam search width (1: none)", GENERATE, minimum=1)
+    max_new_tokens: int = _key(1024, "most tokens generated per answer", GENERATE, minimum=1)
+    repetition_penalty: float = _key(1.0, "penalty on tokens already present (1.0: none)", GENERATE, minimum=0,
+                                     exclusive_minimum=True)
+    length_penalty: float = _key(1.0, "beam search: exponent of the length normalisation", GENERATE)
+    skip_special_tokens: bool = _key(True, "leave special tokens out of the decoded answers", GENERATE)
+    infer_backend: str = _key("huggingface", "generation back-end of chat and eval (transformers' generate)",
+                              GENERATE, choices=("huggingface",))
+    infer_dtype: str = _key("auto", "chat: dtype the model is loaded in (auto: its config.json's)", GENERATE,
+                            choices=("auto", "float16", "bfloat16", "float32"))
+
+    # --- export (read by `shardtune export FILE.yaml`; train refuses them) ---
+    export_dir: str | None = _key(None, "folder the export writes (refused when it is or contains the model, or "
+                                        "holds other files)", EXPORT)
+    export_size: int = _key(5, "largest safetensors shard of the export, in GB", EXPORT, minimum=1)
+    export_device: str = _key("cpu", "device that merges the weights (auto: the GPU when there is one)", EXPORT,
+                              choices=("cpu", "auto"))
+    export_legacy_format: bool = _key(False, "false: safetensors (the only format shardtune writes)", EXPORT)
+
     # --- ray (read only under USE_RAY=1; LLaMA-Factory's names) ---
     ray_num_workers: int = _key(1, "USE_RAY=1: rank workers Ray Train starts, one device each (the world size)", RAY,
                                 minimum=1)
@@ -353,7 +391,7 @@ UNSUPPORTED_KEYS = frozenset(
     accelerator_config adafactor auto_find_batch_size average_tokens_across_devices batch_eval_metrics
     bf16_full_eval data_seed
     dataloader_prefetch_factor ddp_backend ddp_broadcast_buffers ddp_bucket_cap_mb debug disable_tqdm
-    dispatch_batches do_predict eval_accumulation_steps eval_delay eval_do_concat_batches eval_on_start
+    dispatch_batches eval_accumulation_steps eval_delay eval_do_concat_batches eval_on_start
     eval_use_gather_object fp16_backend fp16_full_eval fp16_opt_level
     full_determinism generation_max_length generation_num_beams
     greater_is_better half_precision_backend hub_always_push
@@ -361,11 +399,11 @@ UNSUPPORTED_KEYS = frozenset(
     include_inputs_for_metrics include_tokens_per_second jit_mode_eval label_names length_column_name
     load_best_model_at_end log_level log_level_replica log_on_each_node logging_nan_inf_filter logging_strategy
     lr_scheduler_kwargs metric_for_best_model mp_parameters no_cuda optim_args optim_target_modules past_index
-    per_gpu_eval_batch_size per_gpu_train_batch_size predict_with_generate prediction_loss_only push_to_hub
+    per_gpu_eval_batch_size per_gpu_train_batch_size prediction_loss_only push_to_hub
     push_to_hub_model_id push_to_hub_organization push_to_hub_token ray_scope remove_unused_columns
     restore_callback_states_from_checkpoint save_on_each_node skip_memory_metrics split_batches
     torch_empty_cache_steps torchdynamo tpu_metrics_debug tpu_num_cores
-    use_cpu use_ipex use_legacy_prediction_loop use_liger_kernel use_mps_device do_predict enable_liger_kernel
+    use_cpu use_ipex use_legacy_prediction_loop use_liger_kernel use_mps_device enable_liger_kernel
     use_unsloth shift_attn upcast_layernorm
     """.split()
 )

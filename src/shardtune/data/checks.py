@@ -31,6 +31,8 @@ def check_data_settings(settings: DataSettings) -> list[str]:
     names = dataset_names(settings)
     if not names:
         return problems + ["dataset is empty; name at least one entry of dataset_info.json, e.g. dataset: demo"]
+    problems += [f"dataset: '{name}' is listed twice; each dataset is read once (to weight one, use mix_strategy "
+                 "interleave_* with interleave_probs)" for name in sorted({n for n in names if names.count(n) > 1})]
     entries, entry_problems = resolve_entries([*names, *settings.eval_dataset], settings.dataset_dir)
     problems += entry_problems
     for entry in entries:

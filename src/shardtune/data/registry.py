@@ -140,8 +140,6 @@ def resolve_entries(names: list[str], dataset_dir: str | Path) -> tuple[list[Dat
         return [], problems
     path = info_path(dataset_dir)
     entries: list[DatasetEntry] = []
-    problems += [f"dataset: '{name}' is listed twice; each dataset is read once (to weight one, use mix_strategy "
-                 "interleave_* with interleave_probs)" for name in sorted({n for n in names if names.count(n) > 1})]
     for name in dict.fromkeys(names):
         if name not in registry:
             hint = did_you_mean(name, registry) or f"; known: {', '.join(sorted(registry)[:12]) or 'none'}"

@@ -17,6 +17,7 @@ from typing import Any
 
 from shardtune import run_files
 from shardtune.config.args import CommandLine, read_config
+from shardtune.config.generation import prediction_datasets, predicts_only
 from shardtune.config.load import KeyProblem, build_config, config_to_dict
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.plan import EnginePlan, plan_engine
@@ -202,7 +203,9 @@ def check_command(argv: list[str]) -> int:
     warning = memory_warning(plan)
     if warning:
         print(f"shardtune: warning: {warning}", file=sys.stderr)
-    print(f"ok: {c.stage} / {c.finetuning_type} of {c.model_name_or_path} on {','.join(c.dataset)}; "
+    task = (f"predictions of {c.model_name_or_path} for {','.join(prediction_datasets(c))}" if predicts_only(c)
+            else f"{c.stage} / {c.finetuning_type} of {c.model_name_or_path} on {','.join(c.dataset)}")
+    print(f"ok: {task}; "
           f"engine {plan.engine.kind}, world size {plan.layout.world_size}, global batch "
           f"{plan.layout.global_batch} -> {c.output_dir}")
     return 0

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from shardtune import run_files
+from shardtune.config.generation import generation_key_problems, predicts_only
 from shardtune.config.preference import PREFERENCE_STAGES, split_paths, uses_reference
 from shardtune.config.schema import REPORT_TO, TrainConfig
 from shardtune.data.tokenized import is_saved
@@ -39,11 +40,10 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
         problems.append("model_name_or_path is required (a local model directory or a hub id)")
     if c.output_dir is None:
         problems.append("output_dir is required (where the model and logs are written)")
-    if not c.dataset and not (c.tokenized_path and is_saved(c.tokenized_path)):
+    if not c.dataset and not (c.tokenized_path and is_saved(c.tokenized_path)) and not predicts_only(c):
         problems.append("dataset is required (names from dataset_info.json, comma separated), unless "
                         "tokenized_path holds datasets prepared by an earlier run")
-    if not c.do_train:
-        problems.append("do_train (false): shardtune only trains; set do_train: true")
+    problems += generation_key_problems(c)
     if c.bf16 and c.fp16:
         problems.append("bf16 (true) and fp16 (true) are both set; choose one")
     if c.pure_bf16 and (c.fp16 or c.quantization_bit is not None):

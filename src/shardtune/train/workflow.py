@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from shardtune import run_files
+from shardtune.config.generation import predicts_only
 from shardtune.config.load import config_to_dict
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.base import Engine
@@ -65,6 +66,10 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     When ``stop`` is raised (Ctrl-C, SIGTERM) the run ends after the current step with a checkpoint and returns
     ``{"interrupted": True, ...}`` without a final model, so the same command resumes.
     """
+    if predicts_only(config):
+        from shardtune.train.predict import predict_only
+
+        return {"predict_only": True, **predict_only(config, engine)}
     set_seed(config.seed)
     if not apply_tf32(config.tf32) and config.tf32 and engine.is_main:
         print("[shardtune] tf32: no CUDA device here; CPU matmuls never use TF32, nothing changes", flush=True)
@@ -455,6 +460,20 @@ class RunHooks:
                                       self.config.label_smoothing_factor)}
 
 
+def save_servable(output_dir: Path, tokenizer: Any, c: TrainConfig) -> None:
+    """The tokenizer beside the final model, and the folder made ready to serve (dtype, chat template, stop token);
+    the run's own tokenizer object is left as it was."""
+    from shardtune.export.serving import ServingSettings, finish_servable
+    from shardtune.model.load import load_tokenizer
+
+    tokenizer.save_pretrained(output_dir)
+    settings = ServingSettings(None if c.stage == "pt" else c.template, c.model_name_or_path or "",
+                               c.default_system, c.enable_thinking, c.tool_format, c.replace_eos, c.save_dtype)
+    for note in finish_servable(output_dir, load_tokenizer(str(output_dir), trust_remote_code=c.trust_remote_code),
+                                settings):
+        print(f"[shardtune] saved model: {note}", flush=True)
+
+
 def run_name(c: TrainConfig, output_dir: Path) -> str:
     """``run_name``, else the output folder's name (the Trainer's default is the output_dir itself)."""
     return c.run_name or output_dir.resolve().name
@@ -492,11 +511,15 @@ def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path,
     if memory is not None:
         results.update(memory_results(memory.per_rank(engine), memory.estimate, engine.is_main))
     if engine.is_main:
-        tokenizer.save_pretrained(output_dir)
+        save_servable(output_dir, tokenizer, c)
         (output_dir / RESULTS_FILE).write_text(json.dumps(results, indent=2))
         if c.plot_loss:
             plot_loss(output_dir)
     hooks.reporter.close()
+    if c.do_predict:
+        from shardtune.train.predict import run_prediction
+
+        run_prediction(engine, tokenizer, c, output_dir)
     hooks.rank_log.close(state.global_step, interrupted=False)
     engine.barrier()
     engine.close()
