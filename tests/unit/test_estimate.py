@@ -293,20 +293,43 @@ def test_shapes_come_from_local_folder_before_built_in(tiny_model):
     assert load_model_shape("meta-llama/Meta-Llama-3-8B-Instruct").total_params == LLAMA3_8B.total_params
 
 
-def test_fsdp_keeps_unsharded_gradients_while_accumulating():
+def test_fsdp_full_shard_keeps_sharded_gradients_while_accumulating():
+    """FULL_SHARD reduce-scatters every micro-batch (engines/fsdp.py): the same gradient shard with or without
+    accumulation; SHARD_GRAD_OP accumulates with sync off and holds the whole fp32 gradient."""
     hw = Hardware(1, 8, 80 * GiB, 2048 * GiB)
     p = LLAMA3_8B.total_params
 
-    def full_shard(accumulation: int):
+    def option(name: str, accumulation: int):
         w = Workload(1, 512, gradient_accumulation_steps=accumulation)
-        return next(o for o in build_options(LLAMA3_8B, w, hw) if o.name == "FSDP FULL_SHARD").device
+        return next(o for o in build_options(LLAMA3_8B, w, hw) if o.name == name).device
 
-    assert full_shard(2).gradients == 4 * p
+    assert option("FSDP FULL_SHARD", 2).gradients == option("FSDP FULL_SHARD", 1).gradients == pytest.approx(4 * p / 8)
+    assert option("FSDP FULL_SHARD", 2).buffers == option("FSDP FULL_SHARD", 1).buffers
+    assert option("FSDP SHARD_GRAD_OP", 2).gradients == 4 * p
     root = 2 * LLAMA3_8B.embedding_params + LLAMA3_8B.hidden_size  # embeddings, lm_head, final norm
-    assert full_shard(1).gradients == pytest.approx(4 * p / 8)
     # Without accumulation the root unit's and one layer's gradients wait unsharded for their reduce-scatter.
-    assert full_shard(1).buffers - full_shard(2).buffers == pytest.approx(4 * root + 4 * LLAMA3_8B.layer_params)
-    assert full_shard(1).optimizer_states == full_shard(2).optimizer_states == 8 * p / 8
+    assert option("FSDP SHARD_GRAD_OP", 1).buffers - option("FSDP SHARD_GRAD_OP", 2).buffers == pytest.approx(
+        4 * root + 4 * LLAMA3_8B.layer_params)
+    assert option("FSDP FULL_SHARD", 1).optimizer_states == option("FSDP FULL_SHARD", 2).optimizer_states == 8 * p / 8
+
+
+def test_qwen3_8b_full_shard_model_states_are_16_bytes_per_parameter_over_the_ranks():
+    """Issue 28: bf16, 4096 tokens, micro-batch 1 x accumulation 8 on 8 x 80 GiB."""
+    from pathlib import Path
+
+    from shardtune.estimate.shape import shape_from_config
+
+    shape = shape_from_config(json.loads(
+        (Path(__file__).parents[1] / "fixtures/model_configs/Qwen3-8B/config.json").read_text()))
+    hw = Hardware(1, 8, 80 * GiB, 2048 * GiB)
+
+    def full_shard(checkpointing: bool):
+        w = Workload(1, 4096, precision="bf16", gradient_accumulation_steps=8, gradient_checkpointing=checkpointing)
+        return next(o for o in build_options(shape, w, hw) if o.name == "FSDP FULL_SHARD")
+
+    states = full_shard(False).device.model_states
+    assert states == pytest.approx(16 * shape.total_params / 8, rel=0.15)
+    assert full_shard(True).fits and not full_shard(False).fits
 
 
 # --- loading: the set-up peak (issue 11) ---
@@ -525,3 +548,18 @@ def test_a_reward_model_needs_less_than_dpo_of_the_same_model():
     assert 0 < peak["rm"] < peak["dpo"]
     config, _ = load_config([LLAMA3_FULL, "stage=rm", "dataset=demo_dpo"])
     assert recommend_for_config(config, 8, 8, 80 * GiB, 2**40)[0]
+
+
+def test_estimate_names_what_activation_checkpointing_makes_fit():
+    import dataclasses
+
+    from shardtune.estimate.recommend import checkpointing_note
+
+    hw = Hardware(1, 8, 80 * GiB, 2048 * GiB)
+    w = Workload(1, 4096, precision="bf16", gradient_accumulation_steps=8)
+    options = build_options(LLAMA3_8B, w, hw)
+    note = checkpointing_note(options, build_options(LLAMA3_8B, dataclasses.replace(w, gradient_checkpointing=True),
+                                                     hw))
+    assert note is not None and "FSDP FULL_SHARD" in note
+    assert not next(o for o in options if o.name == "FSDP FULL_SHARD").fits
+    assert checkpointing_note(options, options) is None

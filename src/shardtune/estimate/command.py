@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -98,7 +99,7 @@ def estimate_command(argv: list[str], launch_nodes: int = 1, launch_procs: int |
     from shardtune.config.args import load_config
     from shardtune.estimate.config import model_shape_for, workload_from_config
     from shardtune.estimate.options import build_options
-    from shardtune.estimate.recommend import recommend
+    from shardtune.estimate.recommend import checkpointing_note, recommend
     from shardtune.estimate.report import Estimate, estimate_dict, render_table
 
     if "-h" in argv or "--help" in argv:
@@ -111,5 +112,12 @@ def estimate_command(argv: list[str], launch_nodes: int = 1, launch_procs: int |
     workload = workload_from_config(config)
     options = build_options(shape, workload, hardware)
     estimate = Estimate(shape, workload, hardware, options, recommend(options, hardware, workload))
-    print(json.dumps(estimate_dict(estimate), indent=2) if args.as_json else render_table(estimate))
+    note = None
+    if not workload.gradient_checkpointing:  # what activation checkpointing would make fit, said with the remedy
+        rechecked = build_options(shape, dataclasses.replace(workload, gradient_checkpointing=True), hardware)
+        note = checkpointing_note(options, rechecked)
+    if args.as_json:
+        print(json.dumps({**estimate_dict(estimate), "checkpointing_note": note}, indent=2))
+    else:
+        print(render_table(estimate) + (f"\n{note}" if note else ""))
     return 0

@@ -261,8 +261,10 @@ def fsdp_states(c: Context, group: int, reshard: bool, offload: bool) -> tuple[C
     units are gathered at a time (current + prefetched), or all of them after forward without resharding.
 
     Gradients: each unit's unsharded gradients live until its reduce-scatter (the root's until the end of the
-    backward). With gradient accumulation, shardtune turns gradient sync off for all but the last micro-batch,
-    and FSDP then keeps the accumulated gradients unsharded: the whole fp32 gradient is on every device.
+    backward). With gradient accumulation the resharding strategies (FULL_SHARD, HYBRID_SHARD) reduce-scatter every
+    micro-batch and accumulate the shard; the others (SHARD_GRAD_OP) turn gradient sync off for all but the last
+    micro-batch, and FSDP then keeps the accumulated gradients unsharded: the whole fp32 gradient on every device
+    (engines/fsdp.py, accumulation_context).
     """
     w, t = c.workload, c.trainable
     weights = weight_bytes(c.shape, w, FP32)
@@ -270,7 +272,7 @@ def fsdp_states(c: Context, group: int, reshard: bool, offload: bool) -> tuple[C
     gathered = root + (2 * layer if reshard else weights - root)
     kept = 0.0 if offload else 1.0  # offload keeps the shards in host memory
     grads: float
-    if w.gradient_accumulation_steps > 1:
+    if w.gradient_accumulation_steps > 1 and not reshard:
         grads, unreduced = FP32 * t, 0.0
     else:
         grads, unreduced = kept * FP32 * t / group, sum(fsdp_trainable_units(c))

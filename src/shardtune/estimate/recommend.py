@@ -67,3 +67,14 @@ def remedies(workload: Workload | None) -> list[str]:
     if workload is not None and workload.gradient_checkpointing:
         items[-1] += " (gradient_checkpointing is on already)"
     return items
+
+
+def checkpointing_note(options: list[Option], with_checkpointing: list[Option]) -> str | None:
+    """The options that do not fit as configured but fit with activation checkpointing (the same options computed
+    with ``gradient_checkpointing`` on), said as the remedy; None when checkpointing rescues none."""
+    rescued = [(o, c) for o, c in zip(options, with_checkpointing, strict=True) if o.available and not o.fits
+               and c.fits]
+    if not rescued:
+        return None
+    listed = ", ".join(f"{c.name} ({format_size(c.device_peak)} per device)" for _, c in rescued)
+    return f"with gradient_checkpointing: true these fit too: {listed}"
