@@ -31,11 +31,22 @@ class DDPEngine(DistributedMixin, TorchEngine):
         self.find_unused_parameters = find_unused_parameters
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        # Frozen (LoRA base) parameters are not registered for reduction, so LoRA needs no
-        # unused-parameter search; it stays off unless asked for, as it costs a graph walk per step.
+        """DistributedDataParallel, set for a causal LM:
+
+        * Frozen (LoRA base) parameters are not registered for reduction, so LoRA needs no unused-parameter
+          search; it stays off unless asked for, as it costs a graph walk per step.
+        * ``gradient_as_bucket_view``: the gradients are views into the all-reduce buckets, so they are not copied
+          into them and back after every backward, and the buckets are not a second copy of the gradients.
+        * ``forward_sync_buffers`` off: by default DDP broadcasts every buffer from rank 0 before each forward (one
+          more collective per micro-batch). A causal LM's buffers (rotary frequencies, masks) are constants the
+          model computes the same on every rank, and none is trained; so nothing changes by skipping it.
+        * ``static_graph`` stays off: with gradient accumulation (``no_sync`` on all micro-batches but the last)
+          torch 2.13's reducer fails an internal assertion under it (seen with ddp_find_unused_parameters on 2
+          ranks; the ``ddp-find_unused`` cell of tests/distributed/test_engines_cli.py covers that combination).
+        """
         device_ids = [self.ctx.local_rank] if self.device.type == "cuda" else None
-        options = ddp_options(self.find_unused_parameters)
-        return DistributedDataParallel(model, device_ids=device_ids, **options)  # type: ignore[arg-type]
+        return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=self.find_unused_parameters,
+                                       gradient_as_bucket_view=True, forward_sync_buffers=False)
 
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if is_last_micro_batch else self.wrapped().no_sync()
@@ -55,19 +66,3 @@ class DDPEngine(DistributedMixin, TorchEngine):
         self.wrapped()  # raises unless the model is DistributedDataParallel
         if dist.get_world_size() != self.ctx.world_size:
             raise RuntimeError(f"engine ddp: world size {dist.get_world_size()} != expected {self.ctx.world_size}")
-
-
-def ddp_options(find_unused_parameters: bool) -> dict[str, bool]:
-    """DistributedDataParallel's settings beside the device.
-
-    * ``gradient_as_bucket_view``: the gradients are views into the all-reduce buckets, so they are not copied
-      into them and back after every backward, and the buckets are not a second copy of the gradients.
-    * ``forward_sync_buffers`` off: by default DDP broadcasts every buffer from rank 0 before each forward (one more
-      collective per micro-batch). A causal LM's buffers (rotary frequencies, masks) are constants the model
-      computes the same on every rank, and none is trained; so nothing changes by skipping it.
-    * ``static_graph`` stays off: with gradient accumulation (``no_sync`` on all micro-batches but the last) torch
-      2.13's reducer fails an internal assertion under it (seen with ddp_find_unused_parameters on 2 ranks; the
-      ``ddp-static_graph`` cell of tests/distributed/test_engines_cli.py keeps that combination covered).
-    """
-    return {"find_unused_parameters": find_unused_parameters, "gradient_as_bucket_view": True,
-            "forward_sync_buffers": False}
