@@ -109,6 +109,7 @@ MATRIX_ONLY = {
     "tests/distributed/test_engines_cli.py::test_engine_matches_single_process[ddp-compile-lora]",
     "tests/distributed/test_engines_cli.py::test_engine_matches_single_process[fsdp2-full_shard-compile-full]",
     "tests/distributed/test_engines_cli.py::test_engine_matches_single_process[deepspeed-z2-compile-full]",
+    "tests/distributed/test_engines_cli.py::test_engine_matches_single_process[fsdp2-full_shard-compile-lora]",
     "tests/distributed/test_engines_cli.py::test_engine_matches_single_process[deepspeed-z2-compile-lora]",
     "tests/distributed/test_llamafactory_files.py::test_llamafactory_file_trains_unchanged_on_two_processes"
     "[llama3_lora_stream_pissa.yaml]",
