@@ -144,8 +144,8 @@ def manifest_text(req: ManifestRequest) -> str:
 
     header = (f"# Written by `shardtune k8s`: {req.kind} {req.name}, {req.nodes} pod(s) x {req.nproc_per_node} "
               f"process(es) = {req.world_size} rank(s).\n# Each pod requests {req.resources.describe()}; output_dir "
-              "must be on a volume every pod mounts (docs/clusters.md).\n# Apply with `kubectl apply -f THIS_FILE`. The image must "
-              "contain shardtune, the model and the data the config names.\n")
+              "must be on a volume every pod mounts (docs/clusters.md).\n# Apply with `kubectl apply -f THIS_FILE`. "
+              "The image must contain shardtune, the model and the data the config names.\n")
     return header + yaml.dump_all(build_manifest(req), Dumper=_block_dumper(), sort_keys=False)
 
 

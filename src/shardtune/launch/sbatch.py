@@ -66,7 +66,8 @@ def build_sbatch_script(req: SbatchRequest) -> str:
     if req.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={req.gpus_per_node}")
     resources = req.resources or node_resources(None, None, req.nproc_per_node, None)
-    lines += [f"# CPUs and memory of each node (the task is all of the node's ranks; memory: {resources.memory_source}).",
+    lines += [f"# CPUs and memory of each node (the one task is all of the node's ranks; memory: "
+              f"{resources.memory_source}).",
               f"#SBATCH --cpus-per-task={resources.cpus}", f"#SBATCH --mem={resources.slurm_memory}"]
     optional = {"partition": req.partition, "time": req.time, "account": req.account}
     lines += [f"#SBATCH --{name}={value}" for name, value in optional.items() if value is not None]
