@@ -10,7 +10,7 @@ loss at the model's own coefficient (``assert_losses_match`` says how they are c
 different experts without hanging is test_moe_engines.py's check (a worker that controls each rank's tokens).
 
 `make test` runs the slice in ``SLICE`` (each engine and each tied family at least once); the rest is marked
-``matrix`` (`make test-matrix`). scripts/architecture_table.py renders this parametrization in the README.
+``matrix`` (`make test-matrix`). scripts/architecture_table.py renders this parametrization in docs/architectures.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The README's architecture table is generated from the tests' parametrization and must be current."""
+"""The architecture table (docs/architectures.md) is generated from the tests' parametrization and must be current."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from tests.conftest import REPO
 
 
-def test_the_readme_architecture_table_is_current():
+def test_the_architecture_table_is_current():
     done = subprocess.run([sys.executable, "scripts/architecture_table.py", "--check"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]
