@@ -59,14 +59,15 @@ def test_plan_maps_keys_onto_ray_train_configs():
     assert plan.scaling_args() == {"num_workers": 4, "use_gpu": True, "resources_per_worker": {"GPU": 1.0, "CPU": 8.0},
                                    "placement_strategy": "STRICT_SPREAD"}
     assert (plan.backend, plan.max_failures, plan.timeout_s, plan.storage_path, plan.run_name) == \
-        ("nccl", 3, 600, "/shared/ray", "exp1")
+        ("cpu:gloo,cuda:nccl", 3, 600, "/shared/ray", "exp1")
     assert plan.init_kwargs == {"address": "auto"}
 
 
-@pytest.mark.parametrize(("gpus", "resources", "backend"), [(2, {"GPU": 1.0}, "nccl"), (0, {"CPU": 1.0}, "gloo")])
+@pytest.mark.parametrize(("gpus", "resources", "backend"), [(2, {"GPU": 1.0}, "cpu:gloo,cuda:nccl"),
+                                                             (0, {"CPU": 1.0}, "gloo")])
 def test_default_resources_follow_the_cluster(gpus, resources, backend):
     plan = build_ray_plan(config(ray_num_workers=2), max_restarts=0, cluster_gpus=gpus)
-    assert (plan.resources_per_worker, plan.backend, plan.use_gpu) == (resources, backend, backend == "nccl")
+    assert (plan.resources_per_worker, plan.backend, plan.use_gpu) == (resources, backend, gpus > 0)
 
 
 def test_ray_key_problems_are_named():

@@ -33,7 +33,7 @@ class DDPEngine(DistributedMixin, TorchEngine):
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         # Frozen (LoRA base) parameters are not registered for reduction, so LoRA needs no
         # unused-parameter search; it stays off unless asked for, as it costs a graph walk per step.
-        device_ids = [self.ctx.local_rank] if self.device.type == "cuda" else None
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids,
                                        find_unused_parameters=self.find_unused_parameters)
 

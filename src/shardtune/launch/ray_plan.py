@@ -28,7 +28,7 @@ class RayPlan:
     resources_per_worker: dict[str, float]
     placement_strategy: str
     use_gpu: bool
-    backend: str  # nccl for GPU workers, gloo for CPU workers (what shardtune's ranks expect)
+    backend: str  # as shardtune's own ranks: NCCL with gloo for host tensors on GPU workers, gloo on CPU workers
     storage_path: str
     run_name: str
     max_failures: int
@@ -59,6 +59,8 @@ def ray_init_function() -> Callable[..., Any] | None:
 
 def build_ray_plan(config: TrainConfig, max_restarts: int, cluster_gpus: float) -> RayPlan:
     """The plan for ``config``; ``cluster_gpus``: the GPUs the Ray cluster has (decides the default resources)."""
+    from shardtune.engines.distributed import process_group_backend
+
     resources = {str(k): float(v) for k, v in (config.resources_per_worker or {}).items()}
     if not resources:
         resources = {"GPU": 1.0} if cluster_gpus > 0 else {"CPU": 1.0}
@@ -66,7 +68,7 @@ def build_ray_plan(config: TrainConfig, max_restarts: int, cluster_gpus: float) 
     default_name = Path(config.output_dir or "shardtune").resolve().name
     return RayPlan(num_workers=config.ray_num_workers, resources_per_worker=resources,
                    placement_strategy=config.placement_strategy, use_gpu=use_gpu,
-                   backend="nccl" if use_gpu else "gloo",
+                   backend=process_group_backend("cuda" if use_gpu else "cpu"),
                    storage_path=str(Path(config.ray_storage_path).expanduser().resolve()),
                    run_name=config.ray_run_name or default_name, max_failures=max_restarts,
                    timeout_s=config.ddp_timeout, init_kwargs=dict(config.ray_init_kwargs or {}))
