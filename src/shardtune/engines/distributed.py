@@ -70,6 +70,14 @@ def rank_device(local_rank: int, cuda_devices: int) -> torch.device:
                       "process all of the node's GPUs or exactly one")
 
 
+def gather_local_world_sizes(ctx: DistContext) -> list[int]:
+    """Every rank's LOCAL_WORLD_SIZE, in rank order (one collective)."""
+    sizes = torch.zeros(ctx.world_size, dtype=torch.int64, device=ctx.device)
+    sizes[ctx.rank] = ctx.local_world_size
+    dist.all_reduce(sizes)
+    return [int(size) for size in sizes.tolist()]
+
+
 def restart_store(rank_env: RankEnv, timeout: datetime.timedelta) -> dict:
     """After a torchrun restart, a store namespace of this attempt's own.
 
