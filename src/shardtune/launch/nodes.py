@@ -12,6 +12,7 @@ Store keys: ``report/<node>`` (a node's facts, JSON), ``claims/<node>`` (how man
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import platform
@@ -277,7 +278,10 @@ def node_store(launch: LaunchPlan, scheduler: str | None = None) -> Iterator[Any
         raise ConfigError(problem)
     try:
         if launch.node_rank == 0:
-            store = TCPStore("0.0.0.0", port, None, True, timedelta(seconds=timeout), wait_for_workers=False)
+            listener = listen_for_nodes(launch.master_addr, port)
+            address = listener.getsockname()[0]
+            store = TCPStore(address, port, None, True, timedelta(seconds=timeout), wait_for_workers=False,
+                             master_listen_fd=listener.detach())  # the store owns (and closes) the socket now
         else:
             store = TCPStore(launch.master_addr, port, None, False, timedelta(seconds=timeout + READ_GRACE))
     except (RuntimeError, OSError) as err:  # DistNetworkError is a RuntimeError
@@ -291,6 +295,30 @@ def node_store(launch: LaunchPlan, scheduler: str | None = None) -> Iterator[Any
         yield store
     finally:
         del store
+
+
+def listen_for_nodes(master_addr: str, port: int) -> socket.socket:
+    """Node 0's listening socket for the check: on MASTER_ADDR's address, the one the other nodes reach it by.
+
+    The store has no authentication and carries each node's versions and resolved config, so it listens on that
+    one interface only, not on every interface of the machine. Where MASTER_ADDR is not an address of this machine
+    (a Kubernetes service name resolves to the service's address) it listens on all of them, as torchrun's own
+    rendezvous store always does.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        try:
+            sock.bind((socket.gethostbyname(master_addr), port))
+        except OSError as err:
+            if err.errno != errno.EADDRNOTAVAIL:
+                raise
+            sock.bind(("0.0.0.0", port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _first(err: BaseException) -> str:
