@@ -296,7 +296,7 @@ def start_state(engine: Engine, c: TrainConfig, output_dir: Path) -> TrainState:
             clear_previous_run(output_dir)
         (output_dir / RESOLVED_CONFIG_FILE).write_text(json.dumps(config_to_dict(c), indent=2))
     engine.barrier()
-    source = resume_source(c)
+    source = checkpoint.agreed_resume_source(engine, c, output_dir)
     if source is None:
         return TrainState()
     if engine.is_main:
