@@ -28,7 +28,8 @@ Why this shape:
   the reason; a model that changes the returned value anyway is caught by comparing it with the loss computed.
 * Mixed precision follows what autocast does to ``nn.Linear`` in the plain path: chunk logits are computed in
   the autocast dtype, then the loss in fp32; the backward rounds the logits' gradient to that dtype before
-  both matmuls. The weight gradient is summed over chunks in the weight's dtype (fp32 under autocast).
+  both matmuls. The weight gradient is summed over chunks in fp32 (also for a bf16 weight, as FSDP's mixed
+  precision and DeepSpeed's bf16 hand the head) and rounded to the weight's dtype once.
 """
 
 from __future__ import annotations
@@ -244,7 +245,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         need_rows, need_weight, need_bias = ctx.needs_input_grad[:3]
         dtype = ctx.dtype
         grad_rows = torch.zeros_like(rows) if need_rows else None
-        grad_weight = torch.zeros_like(weight) if need_weight else None
+        # Summed over the chunks in fp32 and rounded once, as the plain head's single matmul does: a bf16 weight
+        # (FSDP's mixed precision, DeepSpeed's bf16) would otherwise lose each chunk's share against the bf16 sum.
+        grad_weight = torch.zeros(weight.shape, dtype=_loss_dtype(weight.dtype), device=weight.device) \
+            if need_weight else None
         grad_bias = torch.zeros(weight.size(0), dtype=_loss_dtype(dtype), device=weight.device) if need_bias else None
         with torch.autocast(rows.device.type, enabled=False):
             w, b = weight.to(dtype), bias.to(dtype) if bias is not None else None
@@ -253,7 +257,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 _chunk_backward(rows[start:end].to(dtype), w, b, targets[start:end], lse[start:end], grad_total,
                                 grad_rows[start:end] if grad_rows is not None else None, grad_weight, grad_bias,
                                 ctx.smoothing)
-        return grad_rows, grad_weight, _as(grad_bias, bias), None, None, None, None
+        return grad_rows, _as(grad_weight, weight), _as(grad_bias, bias), None, None, None, None
 
 
 def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
