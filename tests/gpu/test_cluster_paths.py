@@ -59,3 +59,17 @@ def test_a_rank_given_one_gpu_takes_it_whatever_its_local_rank(tiny_model_dir, t
                    LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", CUDA_VISIBLE_DEVICES="0")
     assert done.returncode == 0, done.stderr[-5000:]
     assert json.loads((tmp_path / "train_results.json").read_text())["global_step"] > 0
+
+
+@pytest.mark.parametrize(("precision", "engine", "expected"), [
+    ("bf16=true", (), "eager"),  # DDP: fp32 weights under autocast
+    ("bf16=false", (), "eager"),  # fp32 training
+    ("bf16=true", ("fsdp=full_shard auto_wrap",), "grouped_mm"),  # bf16 weights in forward
+])
+def test_moe_fused_experts_train_on_the_gpu(precision, engine, expected, arch_model_dir, tmp_path):
+    """transformers' grouped_mm fuses bf16 experts only: the run says which implementation the experts use, and
+    trains."""
+    done = train_on_gpus(arch_model_dir("qwen3_moe"), tmp_path, precision, "finetuning_type=full", *engine)
+    assert done.returncode == 0, done.stderr[-5000:]
+    assert f"mixture of experts: experts_implementation {expected}" in done.stdout
+    assert len(losses(tmp_path)) > 0

@@ -134,6 +134,9 @@ class FSDPEngine(DistributedMixin, TorchEngine):
                                  fsdp1_param_init(model, load))
         return sharded.eval()
 
+    def forward_weight_dtype(self, stored: torch.dtype) -> torch.dtype:
+        return self.param_cast_dtype or stored
+
     @property
     def storage_device(self) -> torch.device:
         """Where the sharded parameters live: the host when they are offloaded."""

@@ -95,6 +95,7 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
                                     warmup_steps_for(loop.total_steps, config.warmup_steps, config.warmup_ratio)),
     )
     engine.verify()
+    choose_experts_implementation(engine)
     if memory is not None:
         memory.mark_setup_done()
     if config.precompute_ref_log_probs:  # validated: only for dpo/kto losses that have a reference
@@ -269,6 +270,21 @@ def with_reference_logps(engine: Engine, tokenizer: Any, c: TrainConfig, train_s
         print(f"[shardtune] precompute_ref_log_probs: {sum(len(d) for d in scored if d is not None)} samples scored "
               f"by the reference in {time.perf_counter() - started:.1f} s; no reference is kept in memory", flush=True)
     return scored[0], scored[1]
+
+
+def choose_experts_implementation(engine: Engine) -> None:
+    """How fused MoE experts compute, decided from the dtype their weights have in forward (model/moe.py)."""
+    from shardtune.model.moe import apply_experts_implementation, fused_expert_parameters
+
+    model = engine.unwrapped_model()
+    names = fused_expert_parameters(model)
+    if not names:
+        return
+    stored = dict(model.named_parameters()).get(names[0])
+    dtype = engine.forward_weight_dtype(stored.dtype if stored is not None else torch.float32)
+    line = apply_experts_implementation(model, engine.device.type, str(dtype).removeprefix("torch."))
+    if line and engine.is_main:
+        print(f"[shardtune] {line}", flush=True)
 
 
 def router_aux_setting(model: torch.nn.Module, c: TrainConfig, is_main: bool) -> float | None:
