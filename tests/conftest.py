@@ -66,9 +66,26 @@ def cli_env(**extra: str) -> dict[str, str]:
 
 
 def run_cli(*args: str, cwd: Path = REPO, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
-    """Run the real `shardtune` entry point in a subprocess."""
-    return subprocess.run([sys.executable, "-m", "shardtune", *args], cwd=cwd, env=cli_env(**env),
+    """Run the real `shardtune` entry point in a subprocess. Tests build a command from shared base arguments
+    plus their own ``key=value`` overrides; the CLI refuses a key given twice, so a later override replaces an
+    earlier one here, as the test's author means it."""
+    return subprocess.run([sys.executable, "-m", "shardtune", *overrides_merged(args)], cwd=cwd, env=cli_env(**env),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def overrides_merged(args: tuple[str, ...] | list[str]) -> list[str]:
+    """``args`` with each ``key=value`` given once: the last value, at the place of the first."""
+    merged: list[str] = []
+    where: dict[str, int] = {}
+    for arg in args:
+        key, sep, _ = arg.partition("=")
+        if sep and key.isidentifier():
+            if key in where:
+                merged[where[key]] = arg
+                continue
+            where[key] = len(merged)
+        merged.append(arg)
+    return merged
 
 
 # The engine matrix of the LLaMA-Factory features is large; `make test` runs a representative slice (every

@@ -11,7 +11,12 @@ commands:
   check CONFIG.yaml [key=value ...]                      validate config, data and model paths; no weights loaded
   estimate CONFIG.yaml [--gpus-per-node N --nodes M --gpu-memory 80GiB --cpu-memory 512GiB] [--json]
                                                          memory per engine option and the recommended engine
-  export SOURCE --out DIR [--merge-lora] [--model BASE] turn a checkpoint or output into a Hugging Face folder
+  export SOURCE --out DIR [--merge-lora] [--model BASE] [--dtype D] [--max-shard-size 5GB]
+                                                         a checkpoint or output -> a Hugging Face folder ready to serve
+  export FILE.yaml                                       LLaMA-Factory's merge_lora file (export_dir, export_size, ...)
+  chat OUTPUT|FILE.yaml [--prompt TEXT | --file F] [key=value ...]
+                                                         talk to a trained model (interactive, or one-shot)
+  eval OUTPUT [CONFIG.yaml] [key=value ...]              generate for eval_dataset and score it (BLEU, ROUGE)
   make-tiny-model --out DIR [--arch NAME --layers N ...]  write a random tiny model + local tokenizer
   slurm CONFIG.yaml --nodes N --gpus-per-node G [--partition P --time T --account A --submit]
                                                          write (and submit) an sbatch script for the config
@@ -21,6 +26,9 @@ commands:
                                                          all-reduces across them; run it on each node like train
   keys [--markdown]                                      list every config key
   convert-config FILE.yaml [--out NEW.yaml]              what happens to each key of a LLaMA-Factory file
+  status OUTPUT_DIR [--watch SECONDS] [--json]           a run's progress, ETA, every rank's row, last error
+  web [ROOT] [--port P] [--host H]                       a live page of the runs under ROOT; launch and stop
+                                                         runs from it (needs the web extra: shardtune[web])
 
 Run `shardtune train --help` for every config key with its type, default and description.
 Set SHARDTUNE_DEBUG=1 (or pass --debug) to see tracebacks for errors."""
@@ -34,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
             print(_keys_help())
         return 0
     command, rest = argv[0], argv[1:]
-    handlers = {"train": _train, "check": _check, "estimate": _estimate, "export": _export,
-                "make-tiny-model": _make_tiny_model, "keys": _keys, "convert-config": _convert_config,
-                "slurm": _slurm, "k8s": _k8s, "doctor": _doctor}
+    handlers = {"train": _train, "check": _check, "estimate": _estimate, "export": _export, "chat": _chat,
+                "eval": _eval, "make-tiny-model": _make_tiny_model, "keys": _keys, "convert-config": _convert_config,
+                "slurm": _slurm, "k8s": _k8s, "doctor": _doctor, "status": _status, "web": _web}
     if command not in handlers:
         print(f"shardtune: unknown command '{command}'\n\n{USAGE}", file=sys.stderr)
         return 2
@@ -66,7 +74,7 @@ def _train(args: list[str]) -> int:
     from shardtune.launch.preflight import plan_run
     from shardtune.launch.supervise import start_run
 
-    return start_run(plan_run(args), debug_requested(args))
+    return start_run(plan_run(args), debug_requested(args), command_line=args)
 
 
 def _check(args: list[str]) -> int:
@@ -85,6 +93,18 @@ def _estimate(args: list[str]) -> int:
 
     launch = read_launch_env()  # NNODES / NPROC_PER_NODE are the defaults of --nodes / --gpus-per-node
     return estimate_command(args, launch.nnodes, launch.nproc_per_node)
+
+
+def _status(args: list[str]) -> int:
+    from shardtune.web.status import status_command
+
+    return status_command(args)
+
+
+def _web(args: list[str]) -> int:
+    from shardtune.web.command import web_command
+
+    return web_command(args)
 
 
 def _slurm(args: list[str]) -> int:
@@ -106,29 +126,21 @@ def _k8s(args: list[str]) -> int:
 
 
 def _export(args: list[str]) -> int:
-    import argparse
-    from pathlib import Path
+    from shardtune.export.command import export_command
 
-    parser = argparse.ArgumentParser(prog="shardtune export",
-                                     description="Any checkpoint-<step> folder (any engine, any number of processes "
-                                                 "that wrote it) or final output -> a Hugging Face model folder.")
-    parser.add_argument("source", help="checkpoint-<step> folder or a run's output_dir")
-    parser.add_argument("--out", required=True, help="folder to write (replaced if it exists)")
-    parser.add_argument("--merge-lora", action="store_true", help="merge LoRA weights into the base model")
-    parser.add_argument("--model", help="base model (default: model_name_or_path of the run)")
-    parser.add_argument("--finetuning-type", choices=("full", "freeze", "lora"), help="default: that of the run")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    ns = parser.parse_args(args)
-    from shardtune.errors import ModelError
-    from shardtune.export.convert import export_model
+    return export_command(args)
 
-    source = Path(ns.source)
-    if not source.is_dir():
-        raise ModelError(f"export: {source} is not a folder")
-    out = export_model(source, Path(ns.out), base=ns.model, merge_lora=ns.merge_lora,
-                       finetuning_type=ns.finetuning_type)
-    print(f"exported {source} -> {out}")
-    return 0
+
+def _chat(args: list[str]) -> int:
+    from shardtune.infer.chat import chat_command
+
+    return chat_command(args)
+
+
+def _eval(args: list[str]) -> int:
+    from shardtune.launch.evaluate import eval_command
+
+    return eval_command(args)
 
 
 def _make_tiny_model(args: list[str]) -> int:
@@ -146,7 +158,17 @@ def _make_tiny_model(args: list[str]) -> int:
     parser.add_argument("--intermediate", type=int, default=172)
     parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overwrite", action="store_true", help="write into --out even if it holds files")
     ns = parser.parse_args(args)
+    from pathlib import Path
+
+    from shardtune.errors import ModelError
+    from shardtune.paths import listed, user_entries
+
+    entries = user_entries(Path(ns.out))
+    if entries and not ns.overwrite:
+        raise ModelError(f"make-tiny-model: --out {ns.out} is not empty ({listed(entries)}); its files would be "
+                         "overwritten: give a new or empty folder, or add --overwrite")
     from shardtune.model.tiny import build_tiny_model
 
     out = build_tiny_model(ns.out, arch=ns.arch, layers=ns.layers, hidden=ns.hidden, heads=ns.heads,

@@ -42,8 +42,8 @@ def test_config_error_is_one_line_exit_2_no_traceback(tmp_path):
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert lines == [
-        f"shardtune: error: {cfg}: unknown key 'lerning_rate' (did you mean 'learning_rate'?)",
-        f"shardtune: error: {cfg}: lora_rank: expected an integer, got 'x'",
+        f"shardtune: error: {cfg}:4: unknown key 'lerning_rate' (did you mean 'learning_rate'?)",
+        f"shardtune: error: {cfg}:5: lora_rank: expected an integer, got 'x'",
     ]
 
 

@@ -92,7 +92,8 @@ def test_bad_alpaca_records_are_listed_by_index(tokenizer: Any, tmp_path: Path) 
     with pytest.raises(DataError) as caught:
         build_datasets(tokenizer, settings_for(alpaca_dir(tmp_path, records)))
     problems = caught.value.problems
-    assert [p.split(":")[0] for p in problems] == [f"{tmp_path / 'toy.jsonl'} record {i} (0-based)" for i in (3, 4, 5)]
+    # records are numbered from 1, with the line each starts on (one JSON object per line here)
+    assert [p.split(":")[0] for p in problems] == [f"{tmp_path / 'toy.jsonl'} record {i} (line {i})" for i in (4, 5, 6)]
     assert "'output' is missing" in problems[0] and "'history' must be a list" in problems[2]
 
 
@@ -118,7 +119,7 @@ def test_sharegpt_roles_must_alternate(tokenizer: Any, tmp_path: Path) -> None:
         build_datasets(tokenizer, settings_for(directory))
     problems = caught.value.problems
     path = tmp_path / "chat.jsonl"
-    assert [p.split(":")[0] for p in problems] == [f"{path} record {i} (0-based)" for i in (1, 2, 3, 4)]
+    assert [p.split(":")[0] for p in problems] == [f"{path} record {i} (line {i})" for i in (2, 3, 4, 5)]
     assert "turn 1 should be 'gpt' but is 'human'" in problems[0]
     assert "last turn must be an answer" in problems[1]
     assert "role 'bot'" in problems[2] and "tags.user_tag" in problems[2]

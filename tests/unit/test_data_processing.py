@@ -97,5 +97,5 @@ def test_worker_processes_give_the_same_result_and_still_report_bad_records(toke
     parallel, _ = build_datasets(tokenizer, DataSettings(preprocessing_num_workers=2, **base))
     assert list(parallel["input_ids"]) == list(single["input_ids"])
     records = [{"instruction": f"q{i}", "output": "a" if i != 30 else None} for i in range(40)]
-    with pytest.raises(DataError, match=r"record 30 \(0-based\): 'output' is missing"):
+    with pytest.raises(DataError, match=r"record 31 \(line 31\): 'output' is missing"):
         build_datasets(tokenizer, settings_for(alpaca_dir(tmp_path, records), preprocessing_num_workers=2))

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 
 from shardtune.cli import main
 from tests.conftest import REPO
@@ -35,13 +36,32 @@ class Case:
     argv: Callable[[Path, Path], list[str]] | None = None  # (tmp, config path) -> arguments after the command
     # Other problems the same input also has on this machine, reported in the same round (all problems at once).
     also: tuple[str, ...] = ()
+    extra_yaml: str = ""  # raw lines appended to the config file (YAML as a user writes it)
+    # (tmp) -> files and folders that must come out of the command exactly as they went in: nothing lost.
+    keeps: Callable[[Path], list[Path]] | None = None
 
 
 def jsonl_dataset(tmp: Path, lines: list[str], formatting: str = "alpaca", columns: dict | None = None) -> dict:
-    (tmp / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp / "bad.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8", errors="surrogateescape")
     entry = {"file_name": "bad.jsonl", "formatting": formatting, **({"columns": columns} if columns else {})}
     (tmp / "dataset_info.json").write_text(json.dumps({"bad": entry}))
     return {"dataset": "bad", "dataset_dir": str(tmp)}
+
+
+def json_array_dataset(tmp: Path, text: str) -> dict:
+    (tmp / "bad.json").write_text(text, encoding="utf-8", errors="surrogateescape")
+    (tmp / "dataset_info.json").write_text(json.dumps({"bad": {"file_name": "bad.json"}}))
+    return {"dataset": "bad", "dataset_dir": str(tmp)}
+
+
+def two_datasets(tmp: Path, long_prompt: str) -> dict:
+    """``short`` (fits) and ``long`` (every prompt longer than cutoff_len) in one registry."""
+    long_record = json.dumps({"instruction": long_prompt, "input": "", "output": "ok"})
+    (tmp / "short.jsonl").write_text("\n".join([RECORD] * 4) + "\n")
+    (tmp / "long.jsonl").write_text("\n".join([long_record] * 2) + "\n")
+    (tmp / "dataset_info.json").write_text(json.dumps({"short": {"file_name": "short.jsonl"},
+                                                      "long": {"file_name": "long.jsonl"}}))
+    return {"dataset": "short,long", "dataset_dir": str(tmp)}
 
 
 def ds_json(tmp: Path, text: str) -> dict:
@@ -51,6 +71,7 @@ def ds_json(tmp: Path, text: str) -> dict:
 
 def finished_output(tmp: Path) -> dict:
     (tmp / "out").mkdir()
+    (tmp / "out" / "shardtune_config.json").write_text("{}")
     (tmp / "out" / "train_results.json").write_text("{}")
     return {"output_dir": str(tmp / "out"), "overwrite_output_dir": False}
 
@@ -88,6 +109,10 @@ def truncate(path: Path, keep: int = 5000) -> None:
     path.write_bytes(path.read_bytes()[:keep])
 
 
+def edit_json(path: Path, **values) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **values}))
+
+
 def remove_weights(model: Path) -> None:
     (model / "model.safetensors").unlink()
 
@@ -120,6 +145,12 @@ def export_source(tmp: Path, weights: bytes | None = None, run_config: bool = Tr
     return source
 
 
+def folder_with_a_file(folder: Path) -> Path:
+    folder.mkdir()
+    (folder / "notes.txt").write_text("the user's")
+    return folder
+
+
 def arch_model(tmp: Path, arch: str, layer_types: list[str] | None = None) -> dict:
     """A tiny model of family ``arch`` (optionally with other layer kinds in its config.json) as the run's model."""
     from shardtune.model.tiny import build_tiny_model
@@ -129,6 +160,76 @@ def arch_model(tmp: Path, arch: str, layer_types: list[str] | None = None) -> di
         config = json.loads((model / "config.json").read_text())
         (model / "config.json").write_text(json.dumps({**config, "layer_types": layer_types}))
     return {"model_name_or_path": str(model)}
+
+
+def user_folder(tmp: Path, name: str = "mine") -> Path:
+    """A folder of someone's own work: what no command may delete or overwrite."""
+    folder = tmp / name
+    (folder / "sub").mkdir(parents=True)
+    (folder / "notes.txt").write_text("my notes\n")
+    (folder / "sub" / "table.csv").write_text("a,b\n1,2\n")
+    return folder
+
+
+def data_copy(tmp: Path) -> Path:
+    """A copy of the bundled data folder, used as dataset_dir."""
+    return Path(shutil.copytree(DATA, tmp / "data"))
+
+
+def model_copy(tmp: Path, tiny: Path) -> Path:
+    return Path(shutil.copytree(tiny, tmp / "model"))
+
+
+def run_with_checkpoint(tmp: Path, run_config: dict | None = None, step: int = 3) -> Path:
+    """output ``out/`` of an earlier shardtune run with a finished ``checkpoint-<step>``."""
+    path = checkpoint(tmp, step=step)
+    (path.parent / "shardtune_config.json").write_text(json.dumps(run_config or {}))
+    (path / "shardtune_config.json").write_text(json.dumps(run_config or {}))
+    return path
+
+
+def torch_checkpoint(tmp: Path, run_config: dict) -> Path:
+    """A finished local/DDP checkpoint of an earlier run with ``run_config``."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = run_with_checkpoint(tmp, run_config)
+    save_file({"w": torch.zeros(2)}, str(path / "trainable.safetensors"))
+    return path
+
+
+def engine_checkpoint(tmp: Path, layout: str) -> Path:
+    """A finished checkpoint holding another engine's layout folder (``deepspeed``, ``fsdp_state``)."""
+    path = run_with_checkpoint(tmp)
+    (path / layout).mkdir()
+    return path
+
+
+def wider_config(tmp: Path) -> Path:
+    """A model folder whose config.json has another hidden size than the tiny model's."""
+    folder = tmp / "wider"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 128, "vocab_size": 2048,
+                                                     "num_hidden_layers": 2, "num_attention_heads": 4}))
+    return folder
+
+
+def hf_trainer_checkpoint(tmp: Path) -> dict:
+    """An output folder where another trainer left checkpoint-2 (its own files, no COMPLETE marker)."""
+    path = tmp / "out" / "checkpoint-2"
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text('{"global_step": 2}')
+    (path / "rng_state.pth").write_bytes(b"x")
+    return {"output_dir": str(tmp / "out"), "overwrite_output_dir": True}
+
+
+def snapshot(paths: list[Path]) -> dict[str, bytes]:
+    """Every file under ``paths`` with its bytes (folders: their files), to compare before and after a command."""
+    found: dict[str, bytes] = {}
+    for root in paths:
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        found.update({str(f): f.read_bytes() for f in files})
+    return found
 
 
 RECORD = '{"instruction": "Say hi.", "input": "", "output": "Hi!"}'
@@ -185,10 +286,17 @@ CATALOGUE = [
          {"resume_from_checkpoint": "/no/such/checkpoint"}),
     Case("bad-launch-variable", "NPROC_PER_NODE='two' is not an integer", env={"NPROC_PER_NODE": "two"}),
     Case("node-rank-out-of-range", "NODE_RANK=3 must be in 0..1",
-         env={"NNODES": "2", "NODE_RANK": "3", "MASTER_PORT": "29999"}),
-    Case("multi-node-without-port", "MASTER_PORT must be set when NNODES=2", env={"NNODES": "2"}),
+         env={"NNODES": "2", "NODE_RANK": "3", "MASTER_PORT": "29999", "MASTER_ADDR": "10.0.0.1"}),
+    Case("multi-node-without-port", "MASTER_PORT must be set when NNODES=2",
+         env={"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1"}),
+    Case("multi-node-without-master-addr", "MASTER_ADDR must be set when NNODES=2",
+         env={"NNODES": "2", "NODE_RANK": "1", "MASTER_PORT": "29999"}),
+    Case("multi-node-without-node-rank", "NODE_RANK must be set when NNODES=2",
+         env={"NNODES": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29999"}),
     Case("port-in-use", "is already in use", prepare=taken_port, command="train"),
     Case("lora-target-unknown", "lora_target: q_prj not found", {"lora_target": "q_prj"}, command="train"),
+    Case("lora-target-typo-found-by-check", "lora_target: q_prj not found in the model (did you mean 'q_proj'?)",
+         {"lora_target": "q_prj,v_proj"}),
     # --- round two: config files and the command line ---
     Case("yaml-duplicate-key", "cfg.yaml:3: key 'learning_rate' is given twice (first on line 1)",
          raw_yaml="learning_rate: 1.0e-4\nseed: 1\nlearning_rate: 5.0e-4\n"),
@@ -219,6 +327,10 @@ CATALOGUE = [
     Case("model-tokenizer-missing", "has no tokenizer files", damage=remove_tokenizer),
     Case("model-tokenizer-invalid", "tokenizer.json line 1, column 2: not valid JSON",
          damage=lambda m: (m / "tokenizer.json").write_text("{oops")),
+    Case("model-type-unknown", "model_type 'llama9' is not known to the installed transformers",
+         damage=lambda m: edit_json(m / "config.json", model_type="llama9")),
+    Case("tokenizer-json-not-a-tokenizer", "tokenizer.json is not a tokenizer the tokenizers library can read",
+         damage=lambda m: (m / "tokenizer.json").write_text('{"version": "1.0"}')),
     # --- engine files ---
     Case("deepspeed-duplicate-key", "has the key 'stage' twice",
          prepare=lambda t: ds_json(t, '{"zero_optimization": {"stage": 2, "stage": 3}}')),
@@ -248,6 +360,104 @@ CATALOGUE = [
          prepare=lambda t: (t / "ck").write_text("x") and {"resume_from_checkpoint": str(t / "ck")}),
     Case("auto-resume-damaged", "output_dir (resuming from", command="train",
          prepare=lambda t: checkpoint(t, state=None) and {"output_dir": str(t / "out")}),
+    # --- writes: a path the run writes or deletes never reaches what it reads or what shardtune did not write ---
+    Case("tokenized-path-user-folder", "mine holds files that are not tokenised datasets saved by shardtune "
+         "(notes.txt, sub)", command="train",
+         prepare=lambda t: {"tokenized_path": str(user_folder(t))}, keeps=lambda t: [t / "mine"]),
+    Case("tokenized-path-is-data", "holds files that are not tokenised datasets", command="train",
+         prepare=lambda t: {"dataset_dir": str(data_copy(t)), "tokenized_path": str(t / "data")},
+         keeps=lambda t: [t / "data"]),
+    Case("tokenized-path-contains-output", "tok) contains output_dir (", command="train",
+         prepare=lambda t: {"tokenized_path": str(t / "tok"), "output_dir": str(t / "tok" / "run")}),
+    Case("overwrite-deletes-resume-checkpoint", "overwrite_output_dir (true) would delete", command="train",
+         prepare=lambda t: {"output_dir": str(t / "out"), "overwrite_output_dir": True,
+                            "resume_from_checkpoint": str(run_with_checkpoint(t))},
+         keeps=lambda t: [t / "out"]),
+    Case("output-dir-is-model", "model) is model_name_or_path: the run would write", command="train",
+         damage=lambda m: None, prepare=lambda t: {"output_dir": str(t / "model"), "overwrite_output_dir": True},
+         keeps=lambda t: [t / "model"]),
+    Case("output-dir-is-data", "data) is dataset_dir: the run would write", command="train",
+         prepare=lambda t: {"dataset_dir": str(data_copy(t)), "output_dir": str(t / "data"),
+                            "overwrite_output_dir": True}, keeps=lambda t: [t / "data"]),
+    Case("output-dir-is-adapter", "adapter) is adapter_name_or_path: the run would write", command="train",
+         prepare=lambda t: (user_folder(t, "adapter") / "adapter_config.json").write_text("{}") and
+         {"adapter_name_or_path": str(t / "adapter"), "output_dir": str(t / "adapter")},
+         keeps=lambda t: [t / "adapter"]),
+    Case("output-dir-someone-elses", "holds files shardtune did not write (notes.txt, sub)", command="train",
+         prepare=lambda t: {"output_dir": str(user_folder(t))}, keeps=lambda t: [t / "mine"]),
+    Case("output-dir-other-trainer-checkpoint", "checkpoint-2, which shardtune did not write", command="train",
+         prepare=hf_trainer_checkpoint, keeps=lambda t: [t / "out"]),
+    Case("make-tiny-model-over-folder", "mine is not empty (notes.txt, sub)", command="make-tiny-model",
+         argv=lambda t, cfg: ["--out", str(user_folder(t))], keeps=lambda t: [t / "mine"]),
+    Case("slurm-script-over-file", "notes.txt exists and was not written by shardtune", command="slurm",
+         argv=lambda t, cfg: [str(cfg), "--nodes", "1", "--gpus-per-node", "0", "--script",
+                              str(user_folder(t) / "notes.txt")], keeps=lambda t: [t / "mine"]),
+    Case("k8s-manifest-over-file", "notes.txt exists and was not written by shardtune", command="k8s",
+         argv=lambda t, cfg: [str(cfg), "--nodes", "2", "--gpus-per-node", "1", "--image", "img:1", "--out",
+                              str(user_folder(t) / "notes.txt")], keeps=lambda t: [t / "mine"]),
+    Case("convert-config-over-itself", "--out names the file being converted", command="convert-config",
+         argv=lambda t, cfg: [str(cfg), "--out", str(cfg)], keeps=lambda t: [t / "cfg.yaml"]),
+    # --- numbers and spellings: nothing nonsensical or ambiguous is accepted silently ---
+    Case("not-a-finite-number", "weight_decay: nan is not a finite number", {"weight_decay": float("nan")}),
+    Case("seed-negative", "seed: -1 is out of range; it must be >= 0", {"seed": -1}),
+    Case("freeze-no-layers", "freeze_trainable_layers (0) selects no layer",
+         {"finetuning_type": "freeze", "freeze_trainable_layers": 0}),
+    Case("warmup-longer-than-run", "warmup_steps (10) is not below max_steps (2)", {"warmup_steps": 10}),
+    Case("warmup-ratio-whole-run", "warmup_ratio (1.0) warms up over the whole run", {"warmup_ratio": 1.0}),
+    Case("key-twice-on-command-line", "command line: learning_rate is given twice ('1e-4' and '2e-4')",
+         argv=lambda t, cfg: [str(cfg), "learning_rate=1e-4", "--learning_rate", "2e-4"]),
+    Case("key-in-two-spellings-on-command-line", "contradicts 'eval_strategy' ('steps')", {"val_size": 0.1},
+         argv=lambda t, cfg: [str(cfg), "eval_strategy=steps", "evaluation_strategy=no"]),
+    Case("dataset-registered-twice", "dataset_info.json lines 1 and 2: 'x' is given twice",
+         prepare=lambda t: (t / "dataset_info.json").write_text(
+             '{"x": {"file_name": "a.jsonl"},\n "x": {"file_name": "b.jsonl"}}') and
+         {"dataset": "x", "dataset_dir": str(t)}),
+    Case("dataset-listed-twice", "dataset: 'demo' is listed twice", {"dataset": "demo,demo"}),
+    Case("lookalike-key", "U+0435 CYRILLIC SMALL LETTER IE at position 2; did you mean 'learning_rate'?",
+         {"l\u0435arning_rate": 1e-4}),
+    Case("lookalike-template", "U+0441 CYRILLIC SMALL LETTER ES at position 1) (did you mean 'chatml'?)",
+         {"template": "\u0441hatml"}),
+    Case("invisible-character-in-path", "U+200B ZERO WIDTH SPACE", command="train",
+         prepare=lambda t: {"model_name_or_path": str(t / "model") + "\u200b"}, damage=lambda m: None),
+    Case("unset-variable-in-path", "output_dir: '$SHARDTUNE_NO_SUCH_VAR/run' uses $SHARDTUNE_NO_SUCH_VAR, which is "
+         "not set", {"output_dir": "$SHARDTUNE_NO_SUCH_VAR/run"}),
+    # --- messages point at the line, the record, the real cause ---
+    Case("yaml-value-at-its-line", "cfg.yaml:8: lora_rank: expected an integer, got 'big'",
+         extra_yaml="lora_rank: big\n"),
+    Case("config-is-a-folder", "is a folder; give the config file",
+         argv=lambda t, cfg: [str((t / "conf.yaml").mkdir() or t / "conf.yaml")]),
+    Case("dataset-info-is-a-folder", "dataset_info.json is a folder",
+         prepare=lambda t: (t / "dataset_info.json").mkdir() or {"dataset": "x", "dataset_dir": str(t)}),
+    Case("deepspeed-is-a-folder", "examples/deepspeed is a folder; give its JSON file",
+         prepare=lambda t: {"deepspeed": str(REPO / "examples/deepspeed")}),
+    Case("fsdp-config-is-a-folder", "examples/accelerate is a folder; give the FSDP or accelerate config file",
+         prepare=lambda t: {"fsdp_config": str(REPO / "examples/accelerate")}),
+    Case("jsonl-invalid-utf8", "bad.jsonl line 2: not valid UTF-8 (byte 0xff", command="train",
+         prepare=lambda t: jsonl_dataset(t, [RECORD, '{"instruction": "caf\udcff", "input": "", "output": "x"}',
+                                             RECORD])),
+    Case("json-array-record-not-an-object", "bad.json record 2 (line 3): expected a JSON object", command="train",
+         prepare=lambda t: json_array_dataset(t, f"[{RECORD},\n\n\"oops\"]")),
+    Case("json-array-record-missing-column", "bad.json record 2 (line 2): 'output' is missing", command="train",
+         prepare=lambda t: json_array_dataset(t, f'[{RECORD},\n{{"instruction": "hi", "input": ""}}]')),
+    Case("dataset-entry-columns-not-a-mapping", "dataset 'x': 'columns' must be an object", prepare=lambda t: (
+        t / "dataset_info.json").write_text('{"x": {"file_name": "a.jsonl", "columns": "messages"}}') and
+        (t / "a.jsonl").write_text(RECORD) and {"dataset": "x", "dataset_dir": str(t)}),
+    Case("fsdp-options-contradict", "fsdp (full_shard offload) and fsdp_config fsdp_offload_params (False) "
+         "contradict each other", {"fsdp": "full_shard offload", "fsdp_config": {"fsdp_offload_params": False}}),
+    Case("cutoff-drops-one-dataset", "dataset 'long': cutoff_len (128) is too small for every one of its 2 samples",
+         command="train", prepare=lambda t: two_datasets(t, long_prompt=" ".join(["word"] * 300))),
+    # --- resume: the checkpoint must be one this run can read back (checked before launch, not in the ranks) ---
+    Case("resume-other-lora-rank", "was trained with other settings (lora_rank 8 then, 16 now)", {"lora_rank": 16},
+         command="train", prepare=lambda t: {"resume_from_checkpoint": str(torch_checkpoint(
+             t, {"finetuning_type": "lora", "lora_rank": 8}))}),
+    Case("resume-other-engine", "holds a deepspeed checkpoint (deepspeed), and this run uses local", command="train",
+         prepare=lambda t: {"resume_from_checkpoint": str(engine_checkpoint(t, "deepspeed"))}),
+    Case("resume-other-model", "the model's hidden_size 128 then", command="train",
+         prepare=lambda t: {"resume_from_checkpoint": str(torch_checkpoint(
+             t, {"model_name_or_path": str(wider_config(t)), "finetuning_type": "lora"}))}),
+    Case("estimate-model-config-zero", "hidden_size (0) must be a whole number of at least 1", command="estimate",
+         damage=lambda m: edit_json(m / "config.json", hidden_size=0),
+         argv=lambda t, cfg: [str(cfg), "--gpu-memory", "80GiB"]),
     # --- the other commands ---
     Case("export-source-missing", "export: /no/such/run is not a folder", command="export",
          argv=lambda t, cfg: ["/no/such/run", "--out", str(t / "x")]),
@@ -257,6 +467,10 @@ CATALOGUE = [
          argv=lambda t, cfg: [str(export_source(t, weights=b"\x10")), "--out", str(t / "x")]),
     Case("export-base-model-damaged", "export: base model: ", command="export", damage=remove_weights,
          argv=lambda t, cfg: [str(export_source(t, base=str(t / "model"))), "--out", str(t / "x")]),
+    Case("export-out-is-source", "is the source", command="export",
+         argv=lambda t, cfg: [str(export_source(t)), "--out", str(t / "checkpoint-2")]),
+    Case("export-out-not-an-export", "not an earlier export", command="export",
+         argv=lambda t, cfg: [str(export_source(t)), "--out", str(folder_with_a_file(t / "mine"))]),
     Case("export-lora-without-run-config", "--finetuning-type lora needs the run's shardtune_config.json",
          command="export", argv=lambda t, cfg: [str(export_source(t, run_config=False)), "--out", str(t / "x"),
                                                 "--model", str(t), "--finetuning-type", "lora"]),
@@ -288,21 +502,26 @@ def write_config(tmp: Path, case: Case, tiny_model_dir: Path) -> tuple[Path, dic
         env.update(extra.pop("__env__", {}))
         values.update(extra)
     values = {k: v for k, v in values.items() if v is not None}
-    path.write_text(json.dumps(values))
-    return path.with_suffix(".yaml"), env
+    path.write_text(yaml.safe_dump(values, sort_keys=False, allow_unicode=True) + case.extra_yaml)
+    return path, env
 
 
 @pytest.mark.parametrize("case", CATALOGUE, ids=[c.id for c in CATALOGUE])
 def test_bad_input_gives_one_clear_line_and_exit_2(case, tiny_model_dir, tmp_path, monkeypatch, capsys):
     path, env = write_config(tmp_path, case, tiny_model_dir)
-    for name in ("NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_PORT", "FORCE_TORCHRUN", "RANK", "WORLD_SIZE"):
+    for name in ("NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_PORT", "MASTER_ADDR", "FORCE_TORCHRUN", "RANK",
+                 "WORLD_SIZE", "RDZV_ID"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     args = case.argv(tmp_path, path) if case.argv is not None else [str(path)]
+    kept = snapshot(case.keeps(tmp_path)) if case.keeps is not None else {}
     code = main([case.command, *args])
     out, err = capsys.readouterr()
     assert code == 2, err
+    if case.keeps is not None:
+        assert snapshot(case.keeps(tmp_path)) == kept, "the command changed or deleted files it must keep"
+        assert kept, "the case must keep something"
     assert "[shardtune] launching" not in out, "the mistake must be found before any rank starts"
     assert "Traceback" not in err
     lines = [line for line in err.splitlines() if line.startswith("shardtune: error:")]

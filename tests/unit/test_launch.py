@@ -41,7 +41,7 @@ def test_static_multi_node_argv():
 
 def test_elastic_argv():
     env = read_launch_env({"NNODES": "2", "MIN_NNODES": "1", "MAX_NNODES": "2", "MAX_RESTARTS": "3",
-                           "RDZV_ID": "job7", "MASTER_PORT": "29400"})
+                           "RDZV_ID": "job7", "MASTER_PORT": "29400", "MASTER_ADDR": "127.0.0.1"})
     plan = plan_launch(env, visible_gpus=0)
     argv = build_torchrun_argv(plan, 0, worker_argv("c.json"), PY)
     assert "--nnodes=1:2" in argv and "--rdzv-backend=c10d" in argv and "--max-restarts=3" in argv
@@ -116,7 +116,8 @@ def test_hybrid_mesh_never_silently_degrades():
 
 
 def test_rendezvous_timeout_bounds_the_wait():
-    env = read_launch_env({"NNODES": "2", "MASTER_PORT": "29500", "RDZV_TIMEOUT": "30"})
+    env = read_launch_env({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+                           "RDZV_TIMEOUT": "30"})
     argv = build_torchrun_argv(plan_launch(env, visible_gpus=0), 0, worker_argv("c.json"), PY)
     assert "--rdzv-conf=join_timeout=30,timeout=30" in argv
 

@@ -4,15 +4,16 @@ Every import counts, also one inside a function (a hidden cycle is still a cycle
 ``if TYPE_CHECKING:``. Layers, lowest first; a package
 may import its own layer's leaf modules and anything below, never above:
 
-    errors, host, world, run_files   leaves: the standard library only
+    errors, host, world, run_files, paths   leaves: the standard library only
     config                           keys, types, files of settings
     data                             datasets, templates, packing (takes DataSettings, never the config)
     model                            loading, adapters, architectures (never torch.distributed)
     optim                            optimizer settings and builders
     engines                          one module per engine, the engine plan
-    estimate, export                 the memory model; checkpoints -> Hugging Face folders
+    estimate, export, infer          the memory model; checkpoints -> Hugging Face folders; chat, answer metrics
     train                            the loop and the run
     launch                           preflight, supervise, worker, schedulers
+    web                              shardtune status and shardtune web: read run folders, serve the page
     cli                              the command
 Entry modules (``__main__``) may import anything.
 """
@@ -24,15 +25,16 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "shardtune"
 LAYERS = [
-    {"errors", "host", "world", "run_files"},
+    {"errors", "host", "world", "run_files", "paths"},
     {"config"},
     {"data"},
     {"model"},
     {"optim"},
     {"engines"},
-    {"estimate", "export"},
+    {"estimate", "export", "infer"},
     {"train"},
     {"launch"},
+    {"web"},
     {"cli"},
 ]
 RANK = {unit: level for level, units in enumerate(LAYERS) for unit in units}

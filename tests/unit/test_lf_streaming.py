@@ -161,7 +161,7 @@ def test_a_bad_record_fails_when_the_stream_reaches_it(folder, tokenizer) -> Non
     stream, _ = build_streams(tokenizer, settings(folder, "broken"))
     with pytest.raises(DataError) as caught:
         list(stream)
-    assert "broken.jsonl" in str(caught.value) and "record 3" in str(caught.value)
+    assert "broken.jsonl" in str(caught.value) and "record 4" in str(caught.value)  # numbered from 1
 
 
 def test_what_a_stream_cannot_do_is_refused_with_the_reason(folder) -> None:

@@ -112,7 +112,7 @@ def test_a_pair_without_a_rejected_answer_names_the_file_and_record(tokenizer: A
     path = write_entry(tmp_path, records, RANKING)
     with pytest.raises(DataError) as err:
         build_datasets(tokenizer, settings("pairs", dataset_dir=tmp_path))
-    assert str(path) in str(err.value) and "record 1 (0-based)" in str(err.value) and "'rejected'" in str(err.value)
+    assert str(path) in str(err.value) and "record 2" in str(err.value) and "'rejected'" in str(err.value)
 
 
 def test_a_sharegpt_pair_whose_chosen_is_not_an_answer_is_refused(tokenizer: Any, tmp_path: Path) -> None:
@@ -123,7 +123,7 @@ def test_a_sharegpt_pair_whose_chosen_is_not_an_answer_is_refused(tokenizer: Any
     path = write_entry(tmp_path, records, entry, ".jsonl")
     with pytest.raises(DataError) as err:
         build_datasets(tokenizer, settings("pairs", dataset_dir=tmp_path))
-    assert str(path) in str(err.value) and "record 0 (0-based)" in str(err.value)
+    assert str(path) in str(err.value) and "record 1 (line 1)" in str(err.value)
 
 
 def test_a_kto_tag_that_is_not_a_boolean_is_refused(tokenizer: Any, tmp_path: Path) -> None:

@@ -7,9 +7,11 @@ tolerated here so they can never hide the YAML path.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from shardtune.config.load import KeyProblem, build_config_collecting, load_yaml_file, parse_override
+from shardtune.config.compat import translate_keys
+from shardtune.config.load import KeyProblem, build_config_collecting, load_yaml_file, parse_override, yaml_key_lines
 from shardtune.config.schema import TrainConfig, config_fields
 from shardtune.errors import ConfigError
 
@@ -65,6 +67,11 @@ def parse_command_line(argv: list[str]) -> CommandLine:
         else:
             raise ConfigError(f"command line: unexpected argument '{arg}' (a second config file?)")
     parsed.values = dict(overrides)
+    twice = [f"command line: {key} is given twice ({first!r} and {value!r}); keep one"
+             for index, (key, value) in enumerate(overrides)
+             for first in [next((v for k, v in overrides[:index] if k == key), value)] if first != value]
+    if twice:
+        raise ConfigError(*dict.fromkeys(twice))
     return parsed
 
 
@@ -86,11 +93,23 @@ def read_config(argv: list[str], defaults: dict[str, Any] | None = None
     cmd = parse_command_line(argv)
     values: dict[str, Any] = dict(defaults or {})
     source = "command line"
+    where: dict[str, str] = {}
+    spelling_problems: list[KeyProblem] = []
     if cmd.config_path is not None:
-        if not cmd.config_path.endswith(_CONFIG_SUFFIXES):
-            raise ConfigError(f"command line: '{cmd.config_path}' is not a .yaml/.yml/.json config file")
-        values.update(load_yaml_file(cmd.config_path))
-        source = cmd.config_path
-    values.update(cmd.values)
-    config, problems = build_config_collecting(values, source=source)
-    return config, cmd, problems
+        path = cmd.config_path
+        if not path.endswith(_CONFIG_SUFFIXES):
+            raise ConfigError(f"command line: '{path}' is not a .yaml/.yml/.json config file")
+        if Path(path).is_dir():
+            raise ConfigError(f"command line: {path} is a folder; give the config file")
+        file_values, file_problems = translate_keys(load_yaml_file(path))
+        values.update(file_values)
+        spelling_problems += [KeyProblem(None, f"{path}: {p}") for p in file_problems]
+        where.update({key: f"{path}:{line}" for key, line in yaml_key_lines(path).items()})
+        source = path
+    # The command line overrides the file in whichever spelling: each side is read in shardtune's spelling first.
+    command_line, line_problems = translate_keys(cmd.values)
+    spelling_problems += [KeyProblem(None, f"command line: {p}") for p in line_problems]
+    values.update(command_line)
+    where.update({key: "command line" for key in command_line})
+    config, key_problems = build_config_collecting(values, source=source, where=where)
+    return config, cmd, spelling_problems + key_problems

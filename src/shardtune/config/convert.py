@@ -18,6 +18,7 @@ from shardtune.config.load import build_config, load_yaml_file, unknown_key_mess
 from shardtune.config.refused import REFUSED_REASONS
 from shardtune.config.schema import UNSUPPORTED_KEYS, key_names
 from shardtune.errors import ConfigError
+from shardtune.paths import output_file_problem
 
 HONOURED, MAPPED_STATUS, REFUSED, UNKNOWN = "honoured", "mapped", "refused", "unknown"
 
@@ -71,6 +72,11 @@ def validation_problems(values: dict[str, Any], source: str) -> list[str]:
 def convert_config(path: Path, out: Path | None) -> tuple[list[str], bool]:
     """(report lines, whether the file runs as it is); writes shardtune's spelling to ``out`` when given."""
     values = load_yaml_file(path)
+    if out is not None:
+        problem = ("convert-config: --out names the file being converted; give a new file name"
+                   if out.resolve() == path.resolve() else output_file_problem(out, "convert-config: --out"))
+        if problem:
+            raise ConfigError(problem)
     reports = key_reports(values)
     lines = [report.line() for report in reports]
     translated, _ = translate_keys(values)
@@ -82,6 +88,7 @@ def convert_config(path: Path, out: Path | None) -> tuple[list[str], bool]:
     lines += [f"problem: {p}" for p in problems if not any(f"'{r.key}'" in p for r in blocked)]
     if out is not None:
         kept = {k: v for k, v in translated.items() if k not in {r.key for r in blocked}}
-        out.write_text(yaml.safe_dump(kept, sort_keys=False), encoding="utf-8")
+        header = f"# Written by `shardtune convert-config` from {path.name}: its keys in shardtune's spelling.\n"
+        out.write_text(header + yaml.safe_dump(kept, sort_keys=False), encoding="utf-8")
         lines.append(f"wrote {out} in shardtune's spelling ({len(kept)} keys; refused and unknown keys left out)")
     return lines, not blocked and not problems

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from shardtune.config.compat import translate_keys
 from shardtune.config.refused import REFUSED_REASONS
 from shardtune.config.schema import UNSUPPORTED_KEYS, TrainConfig, config_fields
 from shardtune.errors import ConfigError
+from shardtune.paths import ascii_lookalike, expand_user_path, shown, unusual_characters
 
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
@@ -106,11 +108,13 @@ class KeyProblem:
     text: str
 
 
-def build_config_collecting(values: dict[str, Any], source: str = "config") -> tuple[TrainConfig, list[KeyProblem]]:
+def build_config_collecting(values: dict[str, Any], source: str = "config",
+                            where: dict[str, str] | None = None) -> tuple[TrainConfig, list[KeyProblem]]:
     """The config from every key that converts (the default for each one that does not), and the problems.
 
-    The launching host goes on to check the other rules on this config so that a user sees everything in one
-    round; a rule about a key listed here judges the default, not the user's value, and is left out then.
+    ``where``: the place each key was given (``cfg.yaml:12``, ``command line``), named in its problem instead of
+    ``source``. The launching host goes on to check the other rules on this config so that a user sees everything
+    in one round; a rule about a key listed here judges the default, not the user's value, and is left out then.
     """
     fields = {f.name: f for f in config_fields()}
     hints = typing.get_type_hints(TrainConfig)
@@ -118,38 +122,83 @@ def build_config_collecting(values: dict[str, Any], source: str = "config") -> t
     problems = [KeyProblem(None, f"{source}: {p}") for p in translation]
     converted: dict[str, Any] = {}
     for key, raw in values.items():
+        place = (where or {}).get(str(key), source)
         if key not in fields:
-            problems.append(KeyProblem(str(key), f"{source}: {unknown_key_message(str(key), list(fields))}"))
+            problems.append(KeyProblem(str(key), f"{place}: {unknown_key_message(str(key), list(fields))}"))
             continue
         try:
             converted[key] = coerce_value(key, raw, hints[key], fields[key].metadata)
         except ValueError as err:
-            problems.append(KeyProblem(key, f"{source}: {err}"))
+            problems.append(KeyProblem(key, f"{place}: {err}"))
     return TrainConfig(**converted), problems
 
 
+def yaml_key_lines(path: str | Path) -> dict[str, int]:
+    """The line of each top-level key of a YAML file that ``load_yaml_file`` has read (1-based)."""
+    try:
+        root = yaml.compose(Path(path).read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
+    except (yaml.YAMLError, OSError, UnicodeDecodeError):
+        return {}
+    if not isinstance(root, yaml.MappingNode):
+        return {}
+    lines: dict[str, int] = {}
+    for key_node, _ in root.value:
+        if isinstance(key_node, yaml.ScalarNode):
+            lines.setdefault(str(key_node.value), key_node.start_mark.line + 1)
+    return lines
+
+
 def unknown_key_message(key: str, known: list[str]) -> str:
-    key = key if key.isprintable() else repr(key)[1:-1]  # keep the message on one line
     if key in REFUSED_REASONS:
         return f"key '{key}' is not supported by shardtune: {REFUSED_REASONS[key]}"
     if key in UNSUPPORTED_KEYS:
         return f"key '{key}' is not supported by shardtune (remove it; it would have no effect)"
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    return f"unknown key '{key}'{hint}"
+    close = difflib.get_close_matches(ascii_lookalike(key), known, n=1, cutoff=0.6)
+    hint = f"did you mean '{close[0]}'?" if close else ""
+    odd = unusual_characters(key)
+    if odd:  # a key that looks right but is not: say which characters are not what they seem
+        return f"unknown key {repr(key)} (it contains {'; '.join(odd)}{'; ' + hint if hint else ''})"
+    return f"unknown key '{key}'" + (f" ({hint})" if hint else "")
+
 
 
 def coerce_value(key: str, raw: Any, hint: Any, meta: typing.Mapping[str, Any]) -> Any:
     """Convert ``raw`` to the declared type and check choices and bounds; ValueError names the key."""
+    raw = _joined_surrogates(raw)
     choices = meta.get("choices")
     if isinstance(raw, bool) and choices and "no" in choices:
         raw = "yes" if raw else "no"  # YAML 1.1 reads `save_strategy: no` as false
     value = _convert(key, raw, hint)
     if choices is not None and value not in choices:
-        shown = ", ".join("null" if c is None else str(c) for c in choices)
-        raise ValueError(f"{key}: {raw!r} is not allowed; choose one of: {shown}")
+        allowed = ", ".join("null" if c is None else str(c) for c in choices)
+        raise ValueError(f"{key}: {shown(raw) if isinstance(raw, str) else repr(raw)} is not allowed; choose one of: "
+                         f"{allowed}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{key}: {raw!r} is not a finite number; give a number")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         _check_bounds(key, value, meta)
+    if meta.get("path"):
+        try:
+            value = _expanded(value)
+        except ValueError as err:
+            raise ValueError(f"{key}: {err}") from None
+    return value
+
+
+def _joined_surrogates(raw: Any) -> Any:
+    """A YAML/JSON ``"\\ud800\\udc00"`` escape arrives as two UTF-16 halves; join them into the character they
+    spell (lone halves stay, for the checks to name)."""
+    if isinstance(raw, str) and any("\ud800" <= c <= "\udfff" for c in raw):
+        return raw.encode("utf-16", "surrogatepass").decode("utf-16", "surrogatepass")
+    return raw
+
+
+def _expanded(value: Any) -> Any:
+    """``~`` and ``$VAR`` in a path key (a list of paths: each; a mapping: left as it is)."""
+    if isinstance(value, str):
+        return expand_user_path(value)
+    if isinstance(value, list):
+        return [expand_user_path(v) for v in value]
     return value
 
 

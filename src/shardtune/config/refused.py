@@ -18,16 +18,16 @@ REFUSED_REASONS: dict[str, str] = {
              """audio_sampling_rate crop_to_patches freeze_language_model freeze_multi_modal_projector
              freeze_vision_tower image_do_pan_and_scan image_max_pixels image_min_pixels media_dir
              use_audio_in_video video_fps video_max_pixels video_maxlen video_min_pixels"""),
-    **_group("an inference or chat setting of LLaMA-Factory; shardtune only trains: remove it (serve the exported "
-             "model with your inference engine)",
-             """do_sample infer_backend infer_dtype length_penalty max_length max_new_tokens num_beams
-             repetition_penalty sglang_config sglang_lora_backend sglang_maxlen sglang_mem_fraction sglang_tp_size
-             skip_special_tokens temperature top_k top_p use_kv_cache vllm_config vllm_enforce_eager vllm_gpu_util
-             vllm_max_lora_rank vllm_maxlen eval_num_beams"""),
-    **_group("a setting of `llamafactory-cli export`; use `shardtune export SOURCE --out DIR [--merge-lora]` and "
-             "remove it",
-             """export_device export_dir export_hub_model_id export_legacy_format export_quantization_bit
-             export_quantization_dataset export_quantization_maxlen export_quantization_nsamples export_size"""),
+    **_group("an inference setting of LLaMA-Factory's vLLM/SGLang back-ends or one shardtune's chat does not "
+             "read (generation length is max_new_tokens): remove it (serve the exported model with your inference "
+             "engine)",
+             """max_length sglang_config sglang_lora_backend sglang_maxlen sglang_mem_fraction sglang_tp_size
+             use_kv_cache vllm_config vllm_enforce_eager vllm_gpu_util vllm_max_lora_rank vllm_maxlen
+             eval_num_beams"""),
+    **_group("a setting of `llamafactory-cli export` that shardtune does not do (GPTQ quantization, pushing to the "
+             "hub); `shardtune export` writes the merged model in safetensors: remove it",
+             """export_hub_model_id export_quantization_bit export_quantization_dataset export_quantization_maxlen
+             export_quantization_nsamples"""),
     **_group("a setting of `llamafactory-cli eval` (MMLU-style benchmarks); shardtune does not run benchmarks: "
              "remove it",
              "batch_size download_mode lang n_shot save_dir task task_dir eval_on_each_dataset"),

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MODEL, FINETUNE, DATA, OUTPUT, TRAIN, ENGINE = "model", "finetuning", "data", "output", "training", "engine"
-PREFERENCE, RAY = "preference", "ray"
+PREFERENCE, RAY, GENERATE, EXPORT = "preference", "ray", "generation", "export"
 GROUP_TITLES = {
     MODEL: "Model",
     FINETUNE: "Fine-tuning method",
@@ -20,6 +20,8 @@ GROUP_TITLES = {
     OUTPUT: "Output, logging and saving",
     TRAIN: "Optimisation",
     ENGINE: "Distributed engine",
+    GENERATE: "Generation (do_predict with predict_with_generate, shardtune chat and eval)",
+    EXPORT: "Export (shardtune export FILE.yaml, as llamafactory-cli export reads it)",
     RAY: "Ray launch (USE_RAY=1)",
 }
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -48,8 +50,10 @@ def _key(
     minimum: float | None = None,
     maximum: float | None = None,
     exclusive_minimum: bool = False,
+    path: bool = False,
 ) -> Any:
-    """Declare one config key; ``minimum``/``maximum`` bound numbers, ``choices`` enumerate values."""
+    """Declare one config key; ``minimum``/``maximum`` bound numbers, ``choices`` enumerate values, ``path`` marks
+    file and folder names (``~`` and ``$VAR`` are expanded in them)."""
     meta = {
         "doc": doc,
         "group": group,
@@ -57,6 +61,7 @@ def _key(
         "minimum": minimum,
         "maximum": maximum,
         "exclusive_minimum": exclusive_minimum,
+        "path": path,
     }
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
@@ -68,7 +73,8 @@ class TrainConfig:
     """The resolved settings of one training run (all keys optional except where validation says)."""
 
     # --- model ---
-    model_name_or_path: str | None = _key(None, "local model directory or hub id (config.json required)", MODEL)
+    model_name_or_path: str | None = _key(None, "local model directory or hub id (config.json required)", MODEL,
+                                          path=True)
     trust_remote_code: bool = _key(False, "allow code from the model directory to run (off by default)", MODEL)
     attn_implementation: str = _key(
         "auto", "attention kernel passed to transformers; auto: flash_attention_2 where flash-attn and a CUDA GPU are "
@@ -78,7 +84,7 @@ class TrainConfig:
         False, "build a random tiny LLaMA + local tokenizer at model_name_or_path if it does not exist", MODEL)
     adapter_name_or_path: list[str] = _key(
         [], "LoRA adapter folders, comma separated: all but the last are merged into the base, the last one "
-            "continues training", MODEL)
+            "continues training", MODEL, path=True)
     create_new_adapter: bool = _key(
         False, "merge every adapter of adapter_name_or_path into the base and train a new one", MODEL)
     rope_scaling: str | None = _key(None, "stretch RoPE to cutoff_len beyond the model's trained context", MODEL,
@@ -101,7 +107,8 @@ class TrainConfig:
     stage: str = _key("sft", "training stage: supervised fine-tuning, pre-training, preference optimisation (dpo "
                              "with pref_loss), KTO, or a pairwise reward model (rm)", FINETUNE,
                       choices=("sft", "pt", "dpo", "kto", "rm"))
-    do_train: bool = _key(True, "run training (shardtune only trains; false is refused)", FINETUNE)
+    do_train: bool = _key(True, "run training (false only with do_predict: generate with the model as it is)",
+                          FINETUNE)
     finetuning_type: str = _key("lora", "which parameters train", FINETUNE, choices=("lora", "full", "freeze"))
     lora_rank: int = _key(8, "LoRA rank r", FINETUNE, minimum=1)
     lora_alpha: int | None = _key(None, "LoRA scaling alpha (default: 2 x lora_rank)", FINETUNE, minimum=1)
@@ -134,9 +141,9 @@ class TrainConfig:
         PREFERENCE)
     ref_model: str | None = _key(None, "dpo/kto: a separate reference model folder (default: the model being "
                                        "trained as loaded: LoRA with its adapters off, full a frozen copy)",
-                                 PREFERENCE)
+                                 PREFERENCE, path=True)
     ref_model_adapters: str | None = _key(None, "dpo/kto: LoRA adapters merged into ref_model (comma-separated; "
-                                                "not under ZeRO-3/FSDP)", PREFERENCE)
+                                                "not under ZeRO-3/FSDP)", PREFERENCE, path=True)
     ref_model_quantization_bit: int | None = _key(None, "dpo/kto: load ref_model in 4 or 8 bits (bitsandbytes: a "
                                                         "CUDA GPU; not under ZeRO-3/FSDP)", PREFERENCE,
                                                   choices=(4, 8, None))
@@ -158,7 +165,7 @@ class TrainConfig:
 
     # --- data ---
     dataset: list[str] = _key([], "dataset names from dataset_info.json, comma separated", DATA)
-    dataset_dir: str = _key("data", "folder holding dataset_info.json and the data files", DATA)
+    dataset_dir: str = _key("data", "folder holding dataset_info.json and the data files", DATA, path=True)
     template: str = _key("default", "chat template under LLaMA-Factory's name (default, empty, alpaca, vicuna, chatml, "
                          "llama2, llama3, llama4, mistral, qwen, qwen3, qwen3_nothink, gemma, gemma3, phi, phi4, "
                          "deepseek, deepseek3, glm4, yi, cohere, intern2, gpt_oss) or auto (the tokenizer's own)",
@@ -195,16 +202,17 @@ class TrainConfig:
     buffer_size: int = _key(16384, "streaming: records in the shuffle buffer (1 keeps the file order)", DATA,
                             minimum=1)
     tokenized_path: str | None = _key(
-        None, "folder for the tokenised datasets: built by one rank once, then loaded by later runs and ranks", DATA)
+        None, "folder for the tokenised datasets: built by one rank once, then loaded by later runs and ranks", DATA,
+        path=True)
 
     # --- output ---
-    output_dir: str | None = _key(None, "where checkpoints, logs and the final model go", OUTPUT)
+    output_dir: str | None = _key(None, "where checkpoints, logs and the final model go", OUTPUT, path=True)
     overwrite_output_dir: bool = _key(False, "start afresh in a non-empty output_dir", OUTPUT)
     logging_steps: int = _key(10, "log every N optimizer steps", OUTPUT, minimum=1)
     logging_first_step: bool = _key(False, "log the first optimizer step too", OUTPUT)
     run_name: str | None = _key(None, "name of the run in train_results.json and trackers (default: output_dir's "
                                       "name)", OUTPUT)
-    logging_dir: str | None = _key(None, "tensorboard folder (default: output_dir/runs)", OUTPUT)
+    logging_dir: str | None = _key(None, "tensorboard folder (default: output_dir/runs)", OUTPUT, path=True)
     save_strategy: str = _key("steps", "when to write checkpoints", OUTPUT, choices=("no", "steps", "epoch"))
     save_steps: int = _key(500, "checkpoint every N optimizer steps (save_strategy steps)", OUTPUT, minimum=1)
     save_total_limit: int | None = _key(None, "keep at most N checkpoints (oldest deleted)", OUTPUT, minimum=1)
@@ -212,9 +220,14 @@ class TrainConfig:
         False, "checkpoints hold the model only (no optimizer/scheduler state; a resume restarts the optimizer)",
         OUTPUT)
     plot_loss: bool = _key(False, "write training_loss.png at the end", OUTPUT)
-    report_to: list[str] = _key(["none"], "experiment trackers: none or tensorboard (wandb and mlflow are refused "
-                                          "with the reason)", OUTPUT)
-    resume_from_checkpoint: str | None = _key(None, "checkpoint folder to resume from", OUTPUT)
+    save_dtype: str = _key("auto", "dtype of the saved full model (final output, export, merged LoRA); auto: the "
+                                   "base checkpoint's dtype from its config.json", OUTPUT,
+                           choices=("auto", "float32", "bfloat16", "float16"))
+    replace_eos: bool = _key(True, "the saved tokenizer's eos_token and generation_config.json's eos_token_id become "
+                                   "the template's stop token (e.g. <|im_end|>), so a served model stops", OUTPUT)
+    report_to: list[str] = _key(["none"], "experiment trackers rank 0 writes to: none, tensorboard, wandb, mlflow "
+                                          "(all: tensorboard); wandb and mlflow need their extras", OUTPUT)
+    resume_from_checkpoint: str | None = _key(None, "checkpoint folder to resume from", OUTPUT, path=True)
     throughput_warmup_steps: int = _key(
         1, "first optimizer steps left out of the throughput figures in train_results.json", OUTPUT, minimum=0)
 
@@ -238,7 +251,7 @@ class TrainConfig:
                                     TRAIN)
     galore_rank: int = _key(16, "GaLore: rank of the projected gradient", TRAIN, minimum=1)
     galore_update_interval: int = _key(200, "GaLore: steps between projection updates", TRAIN, minimum=1)
-    galore_scale: float = _key(2.0, "GaLore: scale of the projected update", TRAIN)
+    galore_scale: float = _key(2.0, "GaLore: scale of the projected update", TRAIN, minimum=0, exclusive_minimum=True)
     galore_proj_type: str = _key("std", "GaLore: projection side", TRAIN,
                                  choices=("std", "reverse_std", "right", "left", "full"))
     use_apollo: bool = _key(False, "APOLLO (apollo-torch): AdamW with low-rank scaled updates for apollo_target",
@@ -247,13 +260,13 @@ class TrainConfig:
                                     TRAIN)
     apollo_rank: int = _key(16, "APOLLO: rank of the projection", TRAIN, minimum=1)
     apollo_update_interval: int = _key(200, "APOLLO: steps between projection updates", TRAIN, minimum=1)
-    apollo_scale: float = _key(32.0, "APOLLO: scale of the update", TRAIN)
+    apollo_scale: float = _key(32.0, "APOLLO: scale of the update", TRAIN, minimum=0, exclusive_minimum=True)
     apollo_proj: str = _key("random", "APOLLO: projection algorithm", TRAIN, choices=("svd", "random"))
     apollo_proj_type: str = _key("std", "APOLLO: projection side", TRAIN, choices=("std", "right", "left"))
     apollo_scale_type: str = _key("channel", "APOLLO: scaling granularity", TRAIN, choices=("channel", "tensor"))
     apollo_scale_front: bool = _key(False, "APOLLO: norm-growth limiter before the gradient scaling", TRAIN)
     num_train_epochs: float = _key(3.0, "passes over the data (ignored when max_steps > 0)", TRAIN, minimum=0)
-    max_steps: int = _key(-1, "total optimizer steps; overrides num_train_epochs when > 0", TRAIN)
+    max_steps: int = _key(-1, "total optimizer steps; overrides num_train_epochs when > 0 (-1: off)", TRAIN, minimum=-1)
     lr_scheduler_type: str = _key("linear", "learning-rate schedule (transformers.get_scheduler)", TRAIN,
                                   choices=LR_SCHEDULERS)
     warmup_ratio: float = _key(0.0, "fraction of steps to warm up over", TRAIN, minimum=0, maximum=1)
@@ -262,7 +275,8 @@ class TrainConfig:
     fp16: bool = _key(False, "float16 autocast with loss scaling", TRAIN)
     pure_bf16: bool = _key(False, "weights, gradients and optimizer state in bfloat16, no fp32 master copy and no "
                                   "autocast (one process and DDP)", TRAIN)
-    seed: int = _key(42, "random seed for weights of new modules, data order and dropout", TRAIN)
+    seed: int = _key(42, "random seed for weights of new modules, data order and dropout", TRAIN, minimum=0,
+                     maximum=2**32 - 1)
     gradient_checkpointing: bool = _key(False, "recompute activations in backward to save memory", TRAIN)
     gradient_checkpointing_kwargs: dict | None = _key(
         None, "arguments of torch.utils.checkpoint, e.g. {use_reentrant: false} (the default)", TRAIN)
@@ -293,12 +307,43 @@ class TrainConfig:
     # --- engine ---
     engine: str = _key("manual", "auto: pick the fastest engine the memory estimate says fits, at launch", ENGINE,
                        choices=("manual", "auto"))
-    deepspeed: str | dict | None = _key(None, "DeepSpeed config: JSON path, inline mapping or preset name", ENGINE)
+    deepspeed: str | dict | None = _key(None, "DeepSpeed config: JSON path, inline mapping or preset name", ENGINE,
+                                        path=True)
     fsdp: str | list | bool | None = _key(None, "FSDP options, e.g. 'full_shard auto_wrap'", ENGINE)
-    fsdp_config: str | dict | None = _key(None, "FSDP settings: mapping or JSON/YAML path", ENGINE)
+    fsdp_config: str | dict | None = _key(None, "FSDP settings: mapping or JSON/YAML path", ENGINE, path=True)
     ddp_timeout: int = _key(1800, "seconds a collective may wait before the job fails", ENGINE, minimum=1)
     ddp_find_unused_parameters: bool | None = _key(
         None, "DDP unused-parameter search (default: off, LoRA included)", ENGINE)
+
+    # --- generation (LLaMA-Factory's generating_args; do_predict, chat, eval) ---
+    do_predict: bool = _key(False, "generate answers for the eval data (eval_dataset, the val_size hold-out, or "
+                                   "dataset when do_train is false) after training: generated_predictions.jsonl and "
+                                   "predict_results.json (needs predict_with_generate)", GENERATE)
+    predict_with_generate: bool = _key(False, "do_predict generates with model.generate and scores the answers "
+                                              "(BLEU-4, ROUGE-1/2/L, exact match)", GENERATE)
+    do_sample: bool = _key(True, "sample (false: greedy, reproducible across engines and process counts)", GENERATE)
+    temperature: float = _key(0.95, "sampling temperature", GENERATE, minimum=0, exclusive_minimum=True)
+    top_p: float = _key(0.7, "nucleus sampling: the smallest set of tokens whose probability reaches top_p",
+                        GENERATE, minimum=0, maximum=1, exclusive_minimum=True)
+    top_k: int = _key(50, "sample among the top_k most likely tokens", GENERATE, minimum=0)
+    num_beams: int = _key(1, "beam search width (1: none)", GENERATE, minimum=1)
+    max_new_tokens: int = _key(1024, "most tokens generated per answer", GENERATE, minimum=1)
+    repetition_penalty: float = _key(1.0, "penalty on tokens already present (1.0: none)", GENERATE, minimum=0,
+                                     exclusive_minimum=True)
+    length_penalty: float = _key(1.0, "beam search: exponent of the length normalisation", GENERATE)
+    skip_special_tokens: bool = _key(True, "leave special tokens out of the decoded answers", GENERATE)
+    infer_backend: str = _key("huggingface", "generation back-end of chat and eval (transformers' generate)",
+                              GENERATE, choices=("huggingface",))
+    infer_dtype: str = _key("auto", "chat: dtype the model is loaded in (auto: its config.json's)", GENERATE,
+                            choices=("auto", "float16", "bfloat16", "float32"))
+
+    # --- export (read by `shardtune export FILE.yaml`; train refuses them) ---
+    export_dir: str | None = _key(None, "folder the export writes (refused when it is or contains the model, or "
+                                        "holds other files)", EXPORT)
+    export_size: int = _key(5, "largest safetensors shard of the export, in GB", EXPORT, minimum=1)
+    export_device: str = _key("cpu", "device that merges the weights (auto: the GPU when there is one)", EXPORT,
+                              choices=("cpu", "auto"))
+    export_legacy_format: bool = _key(False, "false: safetensors (the only format shardtune writes)", EXPORT)
 
     # --- ray (read only under USE_RAY=1; LLaMA-Factory's names) ---
     ray_num_workers: int = _key(1, "USE_RAY=1: rank workers Ray Train starts, one device each (the world size)", RAY,
@@ -310,7 +355,7 @@ class TrainConfig:
                                    choices=PLACEMENT_STRATEGIES)
     ray_storage_path: str = _key(
         "./saves", "USE_RAY=1: where Ray Train keeps its run state (a folder every Ray node reaches); shardtune's "
-                   "checkpoints, logs and model stay in output_dir", RAY)
+                   "checkpoints, logs and model stay in output_dir", RAY, path=True)
     ray_run_name: str | None = _key(None, "USE_RAY=1: Ray Train's run name under ray_storage_path (default: "
                                           "output_dir's name)", RAY)
     ray_init_kwargs: dict | None = _key(
@@ -334,7 +379,7 @@ UNSUPPORTED_KEYS = frozenset(
     accelerator_config adafactor auto_find_batch_size average_tokens_across_devices batch_eval_metrics
     bf16_full_eval data_seed
     dataloader_prefetch_factor ddp_backend ddp_broadcast_buffers ddp_bucket_cap_mb debug disable_tqdm
-    dispatch_batches do_predict eval_accumulation_steps eval_delay eval_do_concat_batches eval_on_start
+    dispatch_batches eval_accumulation_steps eval_delay eval_do_concat_batches eval_on_start
     eval_use_gather_object fp16_backend fp16_full_eval fp16_opt_level
     full_determinism generation_max_length generation_num_beams
     greater_is_better half_precision_backend hub_always_push
@@ -342,11 +387,11 @@ UNSUPPORTED_KEYS = frozenset(
     include_inputs_for_metrics include_tokens_per_second jit_mode_eval label_names length_column_name
     load_best_model_at_end log_level log_level_replica log_on_each_node logging_nan_inf_filter logging_strategy
     lr_scheduler_kwargs metric_for_best_model mp_parameters no_cuda optim_args optim_target_modules past_index
-    per_gpu_eval_batch_size per_gpu_train_batch_size predict_with_generate prediction_loss_only push_to_hub
+    per_gpu_eval_batch_size per_gpu_train_batch_size prediction_loss_only push_to_hub
     push_to_hub_model_id push_to_hub_organization push_to_hub_token ray_scope remove_unused_columns
     restore_callback_states_from_checkpoint save_on_each_node skip_memory_metrics split_batches torch_compile
     torch_compile_backend torch_compile_mode torch_empty_cache_steps torchdynamo tpu_metrics_debug tpu_num_cores
-    use_cpu use_ipex use_legacy_prediction_loop use_liger_kernel use_mps_device do_predict enable_liger_kernel
+    use_cpu use_ipex use_legacy_prediction_loop use_liger_kernel use_mps_device enable_liger_kernel
     use_unsloth shift_attn upcast_layernorm
     """.split()
 )

@@ -10,13 +10,12 @@ and on the launching host, before spawning anything: ``check_data_settings(setti
 This package never imports ``torch.distributed``; callers decide which rank preprocesses first.
 """
 
-from shardtune.data.checks import check_data_settings
-from shardtune.data.settings import IGNORE_INDEX, DataSettings
-from shardtune.data.templates import TEMPLATES, Template, get_template
-
-# build_datasets and DataCollator pull in `datasets` and torch; loaded on first use so that
-# `shardtune check` stays fast.
-_LAZY = {"build_datasets": "shardtune.data.build", "DataCollator": "shardtune.data.collator"}
+# Everything is loaded on first use: build_datasets and DataCollator pull in `datasets` and torch, and
+# `shardtune check` imports only the light modules it needs.
+_LAZY = {"build_datasets": "shardtune.data.build", "DataCollator": "shardtune.data.collator",
+         "check_data_settings": "shardtune.data.checks", "IGNORE_INDEX": "shardtune.data.settings",
+         "DataSettings": "shardtune.data.settings", "TEMPLATES": "shardtune.data.templates",
+         "Template": "shardtune.data.templates", "get_template": "shardtune.data.templates"}
 
 
 def __getattr__(name: str):
@@ -25,6 +24,7 @@ def __getattr__(name: str):
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(name)
+
 
 __all__ = [
     "IGNORE_INDEX",

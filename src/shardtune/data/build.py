@@ -19,8 +19,13 @@ from shardtune.data.checks import check_data_settings
 from shardtune.data.formats import normalize_records
 from shardtune.data.loading import load_records
 from shardtune.data.packing import pack_dataset
-from shardtune.data.preference import is_preference_stage, normalize_preference_records, tokenize_preference
-from shardtune.data.processing import SftOptions, tokenize_pt, tokenize_sft
+from shardtune.data.preference import (
+    is_preference_stage,
+    normalize_preference_records,
+    preference_sample_fits,
+    tokenize_preference,
+)
+from shardtune.data.processing import SftOptions, sft_sample_fits, tokenize_pt, tokenize_sft
 from shardtune.data.registry import resolve_entries
 from shardtune.data.settings import MIX_STRATEGIES, DataSettings, dataset_names
 from shardtune.data.templates import Template, get_template, missing_special_tokens
@@ -40,8 +45,8 @@ def build_datasets(tokenizer: Any, settings: DataSettings) -> tuple[Dataset, Dat
     if problems:
         raise DataError(*problems)
     with fresh_cache(settings.overwrite_cache):
-        tokenized = tokenize(load_mixed(dataset_names(settings), settings), tokenizer, settings)
-        named_eval = (tokenize(load_mixed(list(settings.eval_dataset), settings), tokenizer, settings)
+        tokenized = tokenize(load_mixed(dataset_names(settings), settings, tokenizer), tokenizer, settings)
+        named_eval = (tokenize(load_mixed(list(settings.eval_dataset), settings, tokenizer), tokenizer, settings)
                       if settings.eval_dataset else None)
     if len(tokenized) == 0:
         raise DataError(f"datasets {', '.join(dataset_names(settings))} produced no samples (all texts are empty)")
@@ -68,8 +73,9 @@ def fresh_cache(enabled: bool) -> Iterator[None]:
         datasets.enable_caching()
 
 
-def load_mixed(names: list[str], settings: DataSettings) -> Dataset:
-    """Load every named dataset, normalise it, and mix them; problems from all files are raised together."""
+def load_mixed(names: list[str], settings: DataSettings, tokenizer: Any = None) -> Dataset:
+    """Load every named dataset, normalise it, and mix them; problems from all files are raised together.
+    With ``tokenizer``, a dataset of several whose every sample cutoff_len would cut away is named."""
     entries, problems = resolve_entries(names, settings.dataset_dir)
     parts: list[Dataset] = []
     for entry in entries:
@@ -80,9 +86,25 @@ def load_mixed(names: list[str], settings: DataSettings) -> Dataset:
                                    settings.preprocessing_batch_size))
         except DataError as err:
             problems += err.problems
+    if not problems and tokenizer is not None and len(parts) > 1:
+        problems = [f"dataset '{entry.name}': cutoff_len ({settings.cutoff_len}) is too small for every one of its "
+                    f"{len(part)} samples, so it would be left out of the mix; raise cutoff_len or remove it"
+                    for entry, part in zip(entries, parts, strict=True) if not fits_cutoff(part, tokenizer, settings)]
     if problems:
         raise DataError(*problems)
     return mix_datasets(parts, settings.mix_strategy, settings.interleave_probs, settings.seed)
+
+
+def fits_cutoff(part: Dataset, tokenizer: Any, settings: DataSettings) -> bool:
+    """Whether at least one sample of one normalised dataset keeps a trained token within cutoff_len (pt: any text
+    is cut into blocks, so it always does)."""
+    if settings.stage == "pt":
+        return True
+    template = get_template(settings.template, settings.default_system, settings.enable_thinking,
+                            settings.tool_format)
+    if is_preference_stage(settings.stage):
+        return preference_sample_fits(part, tokenizer, template, settings.stage, settings.cutoff_len)
+    return sft_sample_fits(part, tokenizer, template, sft_options(settings))
 
 
 def mix_datasets(parts: list[Dataset], strategy: str, probabilities: tuple[float, ...], seed: int) -> Dataset:

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import math
 
-from shardtune.data.formats import missing_column_problems
-from shardtune.data.loading import peek_columns
-from shardtune.data.preference import is_preference_stage, preference_columns, preference_entry_problems
+from shardtune.data.columns import (
+    is_preference_stage,
+    missing_column_problems,
+    preference_columns,
+    preference_entry_problems,
+)
+from shardtune.data.peek import peek_columns
 from shardtune.data.registry import DatasetEntry, did_you_mean, resolve_entries
 from shardtune.data.settings import MIX_STRATEGIES, STAGES, DataSettings, dataset_names
 from shardtune.data.templates import (
@@ -27,6 +31,8 @@ def check_data_settings(settings: DataSettings) -> list[str]:
     names = dataset_names(settings)
     if not names:
         return problems + ["dataset is empty; name at least one entry of dataset_info.json, e.g. dataset: demo"]
+    problems += [f"dataset: '{name}' is listed twice; each dataset is read once (to weight one, use mix_strategy "
+                 "interleave_* with interleave_probs)" for name in sorted({n for n in names if names.count(n) > 1})]
     entries, entry_problems = resolve_entries([*names, *settings.eval_dataset], settings.dataset_dir)
     problems += entry_problems
     for entry in entries:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
@@ -22,6 +23,8 @@ from typing import Any
 from datasets import Dataset, Features, List, Value
 
 from shardtune.data.caching import step_fingerprint
+from shardtune.data.columns import missing_column_problems, required_columns  # noqa: F401 - re-exported
+from shardtune.data.record_places import record_lines
 from shardtune.data.registry import DatasetEntry
 from shardtune.errors import DataError
 
@@ -48,7 +51,7 @@ def normalize_records(records: Dataset, entry: DatasetEntry, stage: str, num_pro
     normalized = records.map(convert, batched=True, with_indices=True, remove_columns=records.column_names,
                              features=features, num_proc=num_proc, batch_size=batch_size, desc=f"Reading {entry.name}",
                              new_fingerprint=step_fingerprint(records, "normalize", convert))
-    raise_record_problems(entry.path, [p for p in normalized["_problem"] if p])
+    raise_record_problems(entry.path, [p for p in normalized["_problem"] if p], record_files(entry))
     return normalized.remove_columns("_problem")
 
 
@@ -64,38 +67,34 @@ def batch_converter(entry: DatasetEntry, stage: str) -> tuple[Callable[..., dict
     return partial(convert_chat_batch, to_chat=to_chat, tools_column=entry.columns["tools"]), CHAT_FEATURES
 
 
-def required_columns(entry: DatasetEntry, stage: str) -> dict[str, str]:
-    """Registry column key -> column name that every record of ``entry`` must have for ``stage``."""
-    if stage == "pt":
-        return {"prompt": entry.columns["prompt"]}
-    if entry.formatting != "alpaca":
-        return {"messages": entry.columns["messages"]}
-    return {key: entry.columns[key] for key in ("prompt", "response")}
-
-
-def missing_column_problems(found: list[str], entry: DatasetEntry, stage: str) -> list[str]:
-    """One line per required column that ``found`` lacks, saying how to map it."""
-    return [
-        f"{entry.path}: records have no '{column}' column (dataset '{entry.name}', stage {stage}, "
-        f"found: {', '.join(found) or 'none'}); rename it or set columns.{key} in dataset_info.json"
-        for key, column in required_columns(entry, stage).items()
-        if column not in found
-    ]
-
-
 def require_columns(found: list[str], entry: DatasetEntry, stage: str) -> None:
     problems = missing_column_problems(found, entry, stage)
     if problems:
         raise DataError(*problems)
 
 
-def raise_record_problems(path: Path, problems: list[str]) -> None:
+def raise_record_problems(path: Path, problems: list[str], files: tuple[Path, ...] = ()) -> None:
+    """One line per bad record (``record N: why``), with the line it starts on when the data is one file."""
     if not problems:
         return
-    listed = [f"{path} {p}" for p in problems[:MAX_LISTED]]
+    lines = record_lines(files[0]) if len(files) == 1 else []
+    listed = [f"{path} {_with_line(p, lines)}" for p in problems[:MAX_LISTED]]
     if len(problems) > MAX_LISTED:
         listed.append(f"{path}: ... and {len(problems) - MAX_LISTED} more bad records")
     raise DataError(*listed)
+
+
+def record_files(entry: DatasetEntry) -> tuple[Path, ...]:
+    """The files whose record numbers are file positions: all of them unless num_samples drew records at random."""
+    return tuple(entry.data_files) if entry.num_samples is None else ()
+
+
+def _with_line(problem: str, lines: list[int]) -> str:
+    """``record 3 (line 17): ...`` when the record's line is known."""
+    number = re.match(r"record (\d+):", problem)
+    if number is None or not 0 < int(number.group(1)) <= len(lines):
+        return problem
+    return f"record {number.group(1)} (line {lines[int(number.group(1)) - 1]}):{problem[number.end():]}"
 
 
 def rows(batch: Mapping[str, list[Any]]) -> list[dict[str, Any]]:
@@ -115,7 +114,7 @@ def convert_chat_batch(batch: Mapping[str, list[Any]], indices: list[int],
             out["_problem"].append("")
         except RecordError as err:
             system, messages, tools = "", [], ""
-            out["_problem"].append(f"record {index} (0-based): {err}")
+            out["_problem"].append(f"record {index + 1}: {err}")
         out["_system"].append(system)
         out["_messages"].append(messages)
         out["tools"].append(tools)
@@ -130,7 +129,7 @@ def convert_text_batch(batch: Mapping[str, list[Any]], indices: list[int], colum
             out["_problem"].append("")
         except RecordError as err:
             out["_text"].append("")
-            out["_problem"].append(f"record {index} (0-based): {err}")
+            out["_problem"].append(f"record {index + 1}: {err}")
     return out
 
 

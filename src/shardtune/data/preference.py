@@ -22,6 +22,13 @@ from typing import Any
 from datasets import Dataset, Features, List, Value
 
 from shardtune.data.caching import step_fingerprint
+from shardtune.data.columns import (  # noqa: F401 - re-exported: the stage rules live there
+    PAIR_STAGES,
+    PREFERENCE_STAGES,
+    is_preference_stage,
+    preference_columns,
+    preference_entry_problems,
+)
 from shardtune.data.formats import (
     CHAT_FEATURES,
     Message,
@@ -29,6 +36,7 @@ from shardtune.data.formats import (
     alpaca_to_chat,
     openai_to_chat,
     raise_record_problems,
+    record_files,
     role_map,
     rows,
     sharegpt_to_chat,
@@ -42,8 +50,6 @@ from shardtune.errors import DataError
 
 logger = logging.getLogger(__name__)
 
-PREFERENCE_STAGES = ("dpo", "kto", "rm")
-PAIR_STAGES = ("dpo", "rm")
 PAIR_RECORD_FEATURES = Features({**CHAT_FEATURES, "_rejected": Value("string")})
 KTO_RECORD_FEATURES = Features({**CHAT_FEATURES, "_kto_tag": Value("bool")})
 IDS = List(Value("int32"))
@@ -53,36 +59,7 @@ KTO_FEATURES = Features({"input_ids": IDS, "labels": IDS, "kl_input_ids": IDS, "
                          "kto_tag": Value("bool")})
 
 
-def is_preference_stage(stage: str) -> bool:
-    return stage in PREFERENCE_STAGES
-
-
-def preference_entry_problems(entry: DatasetEntry, stage: str) -> list[str]:
-    """Does the entry carry what the stage reads (pairs for dpo/rm, a kto_tag for kto)?"""
-    if stage in PAIR_STAGES and not entry.ranking:
-        return [f"dataset '{entry.name}' is not a ranking dataset, which stage {stage} needs (a prompt with a "
-                "chosen and a rejected answer); set \"ranking\": true and columns.chosen/rejected in its "
-                "dataset_info.json entry, or use another dataset"]
-    if stage == "kto" and "kto_tag" not in entry.columns:
-        return [f"dataset '{entry.name}' has no kto_tag column, which stage kto needs (true: desirable answer); "
-                "set columns.kto_tag in its dataset_info.json entry"]
-    if stage == "kto" and entry.ranking:
-        return [f"dataset '{entry.name}' is a ranking dataset; stage kto reads one answer per record with a "
-                "kto_tag, use stage dpo for pairs"]
-    return []
-
-
 # --- records -> normalised columns ---
-
-def preference_columns(entry: DatasetEntry, stage: str) -> dict[str, str]:
-    """Registry column key -> column name every record of ``entry`` must have for ``stage``."""
-    if stage == "kto":
-        keys: tuple[str, ...] = ("kto_tag",) + (("prompt", "response") if entry.formatting == "alpaca"
-                                                else ("messages",))
-    else:
-        keys = ("prompt" if entry.formatting == "alpaca" else "messages", "chosen", "rejected")
-    return {key: entry.columns[key] for key in keys}
-
 
 def normalize_preference_records(records: Dataset, entry: DatasetEntry, stage: str, num_proc: int | None,
                                  batch_size: int = 1000) -> Dataset:
@@ -104,7 +81,7 @@ def normalize_preference_records(records: Dataset, entry: DatasetEntry, stage: s
     normalized = records.map(convert, batched=True, with_indices=True, remove_columns=records.column_names,
                              features=features, num_proc=num_proc, batch_size=batch_size,
                              desc=f"Reading {entry.name}", new_fingerprint=step_fingerprint(records, stage, convert))
-    raise_record_problems(entry.path, [p for p in normalized["_problem"] if p])
+    raise_record_problems(entry.path, [p for p in normalized["_problem"] if p], record_files(entry))
     return normalized.remove_columns("_problem")
 
 
@@ -153,7 +130,7 @@ def convert_pair_batch(batch: Mapping[str, list[Any]], indices: list[int], entry
             tools, problem = tools_text(record.get(entry.columns["tools"]), entry.columns["tools"]), ""
         except RecordError as err:
             system, messages, rejected, tools = "", [], "", ""
-            problem = f"record {index} (0-based): {err}"
+            problem = f"record {index + 1}: {err}"
         for key, value in (("_system", system), ("_messages", messages), ("tools", tools), ("_rejected", rejected),
                            ("_problem", problem)):
             out[key].append(value)
@@ -177,7 +154,7 @@ def convert_kto_batch(batch: Mapping[str, list[Any]], indices: list[int], entry:
             tools, problem = tools_text(record.get(columns["tools"]), columns["tools"]), ""
         except RecordError as err:
             system, messages, tag, tools = "", [], False, ""
-            problem = f"record {index} (0-based): {err}"
+            problem = f"record {index + 1}: {err}"
         for key, value in (("_system", system), ("_messages", messages), ("tools", tools), ("_kto_tag", tag),
                            ("_problem", problem)):
             out[key].append(value)
@@ -205,6 +182,18 @@ def tokenize_preference(dataset: Dataset, tokenizer: Any, template: Template, st
         logger.warning("dropped %d of %d samples whose prompt does not fit in cutoff_len=%d",
                        len(encoded) - len(kept), len(encoded), cutoff_len)
     return kept
+
+
+def preference_sample_fits(dataset: Dataset, tokenizer: Any, template: Template, stage: str, cutoff_len: int,
+                           batch: int = 64) -> bool:
+    """Whether any sample of ``dataset`` keeps its prompt plus one answer token (see ``sft_sample_fits``)."""
+    encoder = encode_kto_batch if stage == "kto" else encode_pair_batch
+    first = "input_ids" if stage == "kto" else "chosen_input_ids"
+    for start in range(0, len(dataset), batch):
+        encoded = encoder(dataset[start:start + batch], tokenizer=tokenizer, template=template, cutoff_len=cutoff_len)
+        if any(encoded[first]):
+            return True
+    return False
 
 
 def encode_answer_sets(tokenizer: Any, template: Template, samples: Sequence[tuple[str, list[Message], list[str], str]],

@@ -58,6 +58,16 @@ def tokenize_sft(dataset: Dataset, tokenizer: Any, template: Template, options: 
     return kept.remove_columns(["_length", "_needed"])
 
 
+def sft_sample_fits(dataset: Dataset, tokenizer: Any, template: Template, options: SftOptions,
+                    batch: int = 64) -> bool:
+    """Whether any sample of ``dataset`` keeps a trainable token within cutoff_len, encoding batch by batch until
+    one does (usually the first): the cheap way to name a dataset that cutoff_len would drop whole."""
+    for start in range(0, len(dataset), batch):
+        if any(encode_sft_batch(dataset[start:start + batch], tokenizer, template, options)["_length"]):
+            return True
+    return False
+
+
 def has_tokens(lengths: list[int]) -> list[bool]:
     return [length > 0 for length in lengths]
 

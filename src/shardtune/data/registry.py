@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from shardtune.data.datafiles import pick_data_files
+from shardtune.paths import ascii_lookalike, shown
 
 INFO_FILE = "dataset_info.json"
 LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -77,7 +79,7 @@ class DatasetEntry:
 
 def did_you_mean(word: str, options: Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` for the closest option, or an empty string when nothing is close."""
-    matches = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    matches = difflib.get_close_matches(ascii_lookalike(word), list(options), n=1, cutoff=0.6)
     return f" (did you mean '{matches[0]}'?)" if matches else ""
 
 
@@ -90,18 +92,45 @@ def load_registry(dataset_dir: str | Path) -> tuple[dict[str, Any], list[str]]:
     directory = Path(dataset_dir)
     path = info_path(directory)
     if not directory.is_dir():
-        return {}, [f"dataset_dir '{directory}' does not exist; set dataset_dir to the folder holding {INFO_FILE}"]
+        return {}, [f"dataset_dir {shown(str(directory))} does not exist; set dataset_dir to the folder holding "
+                    f"{INFO_FILE}"]
+    if path.is_dir():
+        return {}, [f"{path} is a folder; it must be the JSON file that registers the datasets"]
     if not path.is_file():
         return {}, [f"{path} does not exist; create it (see data/{INFO_FILE} in the shardtune repo for the layout)"]
     try:
-        registry = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        repeated: list[str] = []
+        registry = json.loads(text, object_pairs_hook=lambda pairs: _without_repeats(pairs, repeated))
     except json.JSONDecodeError as err:
         return {}, [f"{path} line {err.lineno}: not valid JSON ({err.msg}, column {err.colno})"]
-    except (OSError, UnicodeDecodeError) as err:
-        return {}, [f"{path}: cannot be read ({err})"]
+    except UnicodeDecodeError as err:
+        return {}, [f"{path}: not valid UTF-8 (byte 0x{err.object[err.start]:02x} at offset {err.start}); save it "
+                    "as UTF-8"]
+    except OSError as err:
+        return {}, [f"{path}: cannot be read ({err.strerror or err})"]
     if not isinstance(registry, dict):
         return {}, [f"{path}: expected an object mapping dataset names to entries, got {type(registry).__name__}"]
+    if repeated:
+        return {}, [f"{path}{_lines_of(text, name)}: '{name}' is given twice in one object; JSON would silently "
+                    "keep the last one: keep one (or rename one)" for name in dict.fromkeys(repeated)]
     return registry, []
+
+
+def _without_repeats(pairs: list[tuple[str, Any]], repeated: list[str]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict, noting every key given twice (json keeps the last one silently)."""
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            repeated.append(key)
+        seen[key] = value
+    return seen
+
+
+def _lines_of(text: str, key: str) -> str:
+    """`` lines 3 and 9``: where ``"key":`` stands in ``text``."""
+    lines = [text.count("\n", 0, m.start()) + 1 for m in re.finditer(rf'"{re.escape(key)}"\s*:', text)]
+    return f" lines {' and '.join(map(str, lines))}" if len(lines) > 1 else ""
 
 
 def resolve_entries(names: list[str], dataset_dir: str | Path) -> tuple[list[DatasetEntry], list[str]]:
@@ -111,10 +140,10 @@ def resolve_entries(names: list[str], dataset_dir: str | Path) -> tuple[list[Dat
         return [], problems
     path = info_path(dataset_dir)
     entries: list[DatasetEntry] = []
-    for name in names:
+    for name in dict.fromkeys(names):
         if name not in registry:
             hint = did_you_mean(name, registry) or f"; known: {', '.join(sorted(registry)[:12]) or 'none'}"
-            problems.append(f"unknown dataset '{name}' in {path}{hint}")
+            problems.append(f"unknown dataset {shown(name)} in {path}{hint}")
             continue
         entry, entry_problems = resolve_entry(name, registry[name], Path(dataset_dir), path)
         problems += entry_problems
@@ -219,6 +248,6 @@ def data_path_problems(raw: dict[str, Any], dataset_dir: Path, where: str, probl
                         f"use one of {', '.join(LOADERS)}")
         return None
     if not file_path.is_file():
-        problems.append(f"{where}: file {file_path} does not exist")
+        problems.append(f"{where}: file {shown(str(file_path), quote=False)} does not exist")
         return None
     return file_path

@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import torch
 
@@ -17,6 +17,23 @@ if TYPE_CHECKING:
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+
+class Generates(Protocol):
+    """A transformers or peft model (peft forwards ``generate`` to the model it wraps)."""
+
+    training: bool
+
+    def generate(self, *args: Any, **kwargs: Any) -> torch.Tensor: ...
+
+    def eval(self) -> Any: ...
+
+    def train(self, mode: bool = True) -> Any: ...
+
+
+def generates(model: object) -> TypeGuard[Generates]:
+    # hasattr, not a runtime_checkable isinstance: from Python 3.12 that skips peft's forwarding __getattr__.
+    return hasattr(model, "generate")
 
 
 @dataclass(frozen=True)
@@ -132,6 +149,33 @@ class Engine(ABC):
 
     def barrier(self) -> None:
         return None
+
+    def gather_objects(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (picklable), in rank order, on every rank."""
+        return [value]
+
+    # --- generation (do_predict) ---
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """``generate`` on this rank's prompts with the model as trained. Where the weights are sharded each forward
+        gathers them (a collective), so ranks that finish first keep stepping until every rank is done
+        (``synced_gpus``): every rank must call this as often as the others."""
+        model = self.unwrapped_model()
+        if not generates(model):
+            raise RuntimeError(f"{type(model).__name__} has no generate(): not a transformers or peft model")
+        was_training = model.training
+        model.eval()
+        synced = self.shards_weights and self.world_size > 1
+        try:
+            with torch.no_grad(), self.autocast(), self.generation_context():
+                return model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(
+                    self.device), synced_gpus=synced, **kwargs)
+        finally:
+            model.train(was_training)
+
+    def generation_context(self) -> contextlib.AbstractContextManager:
+        """What ``generate`` runs in, beyond no_grad and autocast (an engine whose root holds weights of its own
+        that the model's forward hooks do not gather overrides it)."""
+        return contextlib.nullcontext()
 
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])

@@ -123,6 +123,8 @@ def load_deepspeed_setting(value: str | dict) -> tuple[dict, str]:
     if value in PRESETS:
         return read_json_config(PRESET_DIR / PRESETS[value]), f"preset {value} ({PRESETS[value]})"
     path = Path(value).expanduser()
+    if path.is_dir():
+        raise ConfigError(f"deepspeed: {value} is a folder; give its JSON file or a preset ({preset_list()})")
     if not path.is_file():
         raise ConfigError(f"deepspeed ({value}): no such preset or file; presets are: {preset_list()}")
     return read_json_config(path), str(path)

@@ -116,6 +116,11 @@ class DistributedMixin:
     def barrier(self) -> None:
         dist.barrier()
 
+    def gather_objects(self, value: object) -> list[object]:
+        gathered: list[object] = [None] * self.world_size
+        dist.all_gather_object(gathered, value)
+        return gathered
+
     def close(self) -> None:
         # The barrier keeps a rank from closing its sockets while a peer still waits on it. Destroying the
         # group does not stop gloo's worker threads while the engine still holds the group object; a rank

@@ -164,6 +164,13 @@ class FSDPEngine(DistributedMixin, TorchEngine):
             return super().autocast()
         return contextlib.nullcontext()
 
+    def generation_context(self) -> contextlib.AbstractContextManager:
+        # generate() calls the wrapped module, not the FSDP1 root, so the root's own flat parameter (embeddings,
+        # final norm, an untied output layer) is gathered here; the wrapped layers gather themselves.
+        if self.settings.version == 1:
+            return FullyShardedDataParallel.summon_full_params(self.model, recurse=False, writeback=False)
+        return contextlib.nullcontext()
+
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         if self.settings.version == 2:
             self.fsdp2_root().set_requires_gradient_sync(is_last_micro_batch)

@@ -109,6 +109,8 @@ def resolve_fsdp_settings(fsdp: Any, fsdp_config: dict[str, Any] | None) -> tupl
             values.setdefault("auto_wrap_policy", "TRANSFORMER_BASED_WRAP")
         else:
             values["sharding_strategy"] = word.upper()
+    # What the fsdp words said: fsdp_config may add to it, not silently overrule it (auto_wrap takes any policy).
+    from_words = {k: v for k, v in values.items() if k != "auto_wrap_policy"}
     for raw_key, raw_value in (fsdp_config or {}).items():
         key = raw_key[5:] if raw_key.startswith("fsdp_") else raw_key
         if key not in _KEYS:
@@ -121,9 +123,15 @@ def resolve_fsdp_settings(fsdp: Any, fsdp_config: dict[str, Any] | None) -> tupl
             problems.append(f"fsdp_config: '{raw_key}' is not supported; set gradient_checkpointing: true instead")
             continue
         try:
-            values[setting_name] = _convert(key, raw_value)
+            value = _convert(key, raw_value)
         except ValueError as err:
             problems.append(f"fsdp_config: {raw_key}: {err}")
+            continue
+        if setting_name in from_words and value != from_words[setting_name]:
+            problems.append(f"fsdp ({' '.join(fsdp_words(fsdp))}) and fsdp_config {raw_key} ({raw_value}) contradict "
+                            f"each other ({setting_name}: {from_words[setting_name]} vs {value}); keep one")
+            continue
+        values[setting_name] = value
     settings = FsdpSettings(**values)
     return settings, problems + settings_problems(settings)
 

@@ -96,6 +96,8 @@ def _load_fsdp_config_file(path: str, world_size: int) -> tuple[dict[str, Any], 
     from shardtune.config.load import load_yaml_file
     from shardtune.errors import ConfigError
 
+    if Path(path).is_dir():
+        return {}, [f"fsdp_config: {path} is a folder; give the FSDP or accelerate config file"]
     if not Path(path).is_file():
         return {}, [f"fsdp_config: file not found: {path}"]
     try:

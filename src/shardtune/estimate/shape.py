@@ -369,6 +369,14 @@ def shape_from_config(data: dict, source: str = "") -> ModelShape:
     if missing:
         raise ConfigError(f"model config {source or '(mapping)'} lacks {', '.join(missing)}: the estimate "
                           "needs a LLaMA-style config.json; pass --model-config PATH to one")
+    sizes = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "num_key_value_heads",
+             "intermediate_size", "head_dim")
+    unusable = [f"{key} ({config[key]!r})" for key in sizes if config.get(key) is not None
+                and not (isinstance(config[key], int) and not isinstance(config[key], bool) and config[key] >= 1)]
+    if unusable:
+        what = "whole numbers" if len(unusable) > 1 else "a whole number"
+        raise ConfigError(f"model config {source or '(mapping)'}: {', '.join(unusable)} must be {what} of at least "
+                          "1; the config.json is damaged: save or download the model again")
     hidden = int(config["hidden_size"])
     heads = int(config["num_attention_heads"])
     layers = int(config["num_hidden_layers"])

@@ -8,7 +8,7 @@ Sources: a final output_dir (full model or LoRA adapter) or a ``checkpoint-<step
 from __future__ import annotations
 
 import json
-import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeGuard
 
@@ -18,7 +18,10 @@ from shardtune import run_files
 from shardtune.engines.replicated import WEIGHTS_FILE
 from shardtune.engines.spec import CheckpointLayout
 from shardtune.errors import ModelError
-from shardtune.model.reward_head import RewardHead, is_reward_model_config, to_reward_model
+from shardtune.export.destination import check_destination, staged_folder
+from shardtune.export.serving import ServingSettings, finish_servable, resolve_save_dtype, settings_from_run
+from shardtune.model.folder import is_reward_model_config
+from shardtune.model.reward_head import RewardHead, to_reward_model
 
 RUN_CONFIG = run_files.RESOLVED_CONFIG
 
@@ -66,13 +69,18 @@ def merges_adapter(model: object) -> TypeGuard[MergesAdapter]:
 
 def build_trained_model(base: str, finetuning: dict[str, Any], reward: RewardHead | None) -> torch.nn.Module:
     """The model structure that was trained: base weights (under the score head of a reward model), plus LoRA
-    modules when LoRA was used."""
+    modules when LoRA was used; under freeze, the layers that trained are the trainable ones."""
     from shardtune.model.adapters import FinetuningSettings, apply_finetuning
     from shardtune.model.load import load_causal_lm
 
     model = load_causal_lm(base)
     if reward is not None:
         model = to_reward_model(model, reward)
+    if finetuning.get("finetuning_type") == "freeze":  # the checkpoint holds the trained layers only
+        return apply_finetuning(model, FinetuningSettings(
+            finetuning_type="freeze", freeze_trainable_layers=int(finetuning.get("freeze_trainable_layers", 2)),
+            freeze_trainable_modules=tuple(finetuning.get("freeze_trainable_modules") or ("all",)),
+            score_head=reward is not None))
     if finetuning.get("finetuning_type") != "lora":
         return model
     settings = FinetuningSettings(finetuning_type="lora", lora_rank=finetuning["lora_rank"],
@@ -141,31 +149,99 @@ def check_export_inputs(source: Path, base: str) -> None:
         raise ModelError(*problems)
 
 
-def export_model(source: Path, out: Path, *, base: str | None = None, merge_lora: bool = False,
-                 finetuning_type: str | None = None) -> Path:
-    """Write ``out`` as a Hugging Face folder (safetensors, config, tokenizer) from ``source``."""
+@dataclass(frozen=True)
+class ExportOptions:
+    """How the exported folder comes out: dtype (None: the run's save_dtype, else auto), shard size, the template
+    written into the tokenizer (None: the run's), replacing an existing folder, the merge device."""
+
+    save_dtype: str | None = None
+    max_shard_bytes: int | None = None
+    template: str | None = None
+    overwrite: bool = False
+    device: str = "cpu"
+    trust_remote_code: bool = False
+
+
+@dataclass(frozen=True)
+class TrainedSource:
+    """A trained model to load: ``source`` of layout ``kind``, its base model and the run that wrote it."""
+
+    source: Path
+    kind: str
+    base: str
+    run: dict[str, Any]
+    finetuning: dict[str, Any]
+
+    @property
+    def protected(self) -> dict[str, Path]:
+        """What an export must never overwrite."""
+        paths = {"the source": self.source}
+        if Path(self.base).exists():
+            paths["the base model"] = Path(self.base)
+        return paths
+
+
+def resolve_trained(source: Path, base: str | None = None, finetuning_type: str | None = None) -> TrainedSource:
+    """What ``source`` holds and what it was trained from: the run's config says, else ``base`` and
+    ``finetuning_type``; a model folder is its own base, an adapter names its base in adapter_config.json."""
     kind = checkpoint_kind(source)
-    run = find_run_config(source) if base is None or finetuning_type is None else {}
-    if finetuning_type == "lora" and not run:
-        run = _lora_run_config(source)
-    base = base or run.get("model_name_or_path")
-    finetuning = {**run, "finetuning_type": finetuning_type or run.get("finetuning_type")}
+    run = _run_config_if_any(source)
+    if kind not in ("model", "adapter") and not run:
+        if base is None or finetuning_type is None:
+            find_run_config(source)  # raises: say what is missing
+        if finetuning_type == "lora":
+            run = _lora_run_config(source)
+    base = base or run.get("model_name_or_path") or _own_base(source, kind)
     if not base:
-        raise ModelError("export: the base model is unknown; pass --model")
-    check_export_inputs(source, base)
-    tokenizer_from = _tokenizer_source(source, base)
-    reward = reward_head_of(source, run or _run_config_if_any(source), tokenizer_from)
+        raise ModelError(f"the base model of {source} is unknown; pass --model")
+    finetuning = {**run, "finetuning_type": finetuning_type or run.get("finetuning_type")}
+    return TrainedSource(source, kind, base, run, finetuning)
+
+
+def _own_base(source: Path, kind: str) -> str | None:
     if kind == "model":
-        model = _load_plain(source, reward)
-    elif kind == "adapter":
-        model = _load_adapter(base, source, reward)
+        return str(source)
+    if kind == "adapter":
+        return json.loads((source / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    return None
+
+
+def load_trained(trained: TrainedSource, merged_first: tuple[str, ...] = ()) -> tuple[torch.nn.Module, str]:
+    """The trained model (float32, on the host) and where its tokenizer is read from. ``merged_first``: adapters
+    merged into the base before an adapter ``source`` is loaded on it."""
+    check_export_inputs(trained.source, trained.base)
+    tokenizer_from = _tokenizer_source(trained.source, trained.base)
+    reward = reward_head_of(trained.source, trained.run, tokenizer_from)
+    if trained.kind == "model":
+        model = _load_plain(trained.source, reward)
+    elif trained.kind == "adapter":
+        model = _load_adapter(trained.base, trained.source, reward, merged_first)
     else:
-        model = build_trained_model(base, finetuning, reward)
-        load_checkpoint_weights(model, source, kind)
+        model = build_trained_model(trained.base, trained.finetuning, reward)
+        load_checkpoint_weights(model, trained.source, trained.kind)
+    return model, tokenizer_from
+
+
+def export_model(source: Path, out: Path, *, base: str | None = None, merge_lora: bool = False,
+                 finetuning_type: str | None = None, options: ExportOptions | None = None,
+                 merged_first: tuple[str, ...] = ()) -> list[str]:
+    """Write ``out`` as a Hugging Face folder (safetensors, config, tokenizer) from ``source``; returns what was
+    done to make it ready to serve, one line each. ``merged_first``: adapters merged into the base before
+    ``source`` (an adapter) is loaded on it (LLaMA-Factory lists several in adapter_name_or_path)."""
+    options = options or ExportOptions()
+    trained = resolve_trained(source, base, finetuning_type)
+    check_destination(out, {**trained.protected, **{f"the adapter {a}": Path(a) for a in merged_first}},
+                      options.overwrite)
+    model, tokenizer_from = load_trained(trained, merged_first)
+    if options.device == "auto" and torch.cuda.is_available():
+        model = model.to("cuda")
     if merge_lora and merges_adapter(model):
         model = model.merge_and_unload()
-    save_exported(model, out, tokenizer_from=tokenizer_from)
-    return out
+    settings = settings_from_run(trained.run, trained.base, template=options.template,
+                                 save_dtype=options.save_dtype, max_shard_bytes=options.max_shard_bytes)
+    record = {"source": str(source.resolve()), "base_model": trained.base, "merged_lora": bool(merge_lora)}
+    with staged_folder(out, record) as staging:
+        return save_exported(model.cpu(), staging, tokenizer_from, settings, options.trust_remote_code)
 
 
 def _run_config_if_any(source: Path) -> dict[str, Any]:
@@ -185,13 +261,16 @@ def _load_plain(source: Path, reward: RewardHead | None) -> torch.nn.Module:
     return AutoModelForSequenceClassification.from_pretrained(str(source), dtype=torch.float32)
 
 
-def _load_adapter(base: str, source: Path, reward: RewardHead | None) -> torch.nn.Module:
+def _load_adapter(base: str, source: Path, reward: RewardHead | None, merged_first: tuple[str, ...] = ()
+                  ) -> torch.nn.Module:
     from peft import PeftModel
 
     from shardtune.model.load import load_causal_lm
     from shardtune.model.vocab import adapter_embedding_rows
 
     model = load_causal_lm(base)
+    for earlier in merged_first:
+        model = PeftModel.from_pretrained(model, earlier).merge_and_unload()
     rows = adapter_embedding_rows(str(source), model)  # trained with resize_vocab: the base grows first
     if rows is not None and rows != model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(rows, mean_resizing=False)
@@ -207,16 +286,21 @@ def _tokenizer_source(source: Path, base: str) -> str:
     return base
 
 
-def save_exported(model: torch.nn.Module, out: Path, tokenizer_from: str) -> None:
-    """Save weights + tokenizer, then check the written parameter count against the model's."""
+def save_exported(model: torch.nn.Module, out: Path, tokenizer_from: str, settings: ServingSettings,
+                  trust_remote_code: bool = False) -> list[str]:
+    """Save weights (a full model in the dtype asked for, in shards of at most ``settings.max_shard_bytes``) and
+    the tokenizer ready to serve, then check the written parameter count against the model's."""
     from shardtune.model.load import load_tokenizer
     from shardtune.model.saved import as_saves_pretrained
 
-    if out.exists():
-        shutil.rmtree(out)
-    as_saves_pretrained(model).save_pretrained(out, safe_serialization=True)
-    load_tokenizer(tokenizer_from).save_pretrained(out)
+    is_adapter = hasattr(model, "peft_config")
+    dtype = resolve_save_dtype(settings.save_dtype, settings.base_model)
+    if not is_adapter:
+        model = model.to(getattr(torch, dtype))
+    shards = {"max_shard_size": settings.max_shard_bytes} if settings.max_shard_bytes and not is_adapter else {}
+    as_saves_pretrained(model).save_pretrained(out, safe_serialization=True, **shards)
     check_saved_count(model, out)
+    return finish_servable(out, load_tokenizer(tokenizer_from, trust_remote_code=trust_remote_code), settings)
 
 
 def check_saved_count(model: torch.nn.Module, out: Path) -> None:

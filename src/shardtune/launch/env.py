@@ -91,6 +91,8 @@ def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
         problems += merge_problems(cluster, env, ints)
         ints = _with_cluster_values(ints, cluster)
     problems += _node_problems(ints)
+    if cluster is None and not use_ray:  # (Ray places the workers itself; NNODES is refused under it)
+        problems += _by_hand_node_problems(env, ints)
     if use_ray:
         problems += _ray_problems(ints, cluster)
     if problems:
@@ -186,6 +188,22 @@ def _range_text(name: str, low: int | None, high: int | None) -> str:
     if high is not None:
         return f"set {name} to a whole number from {low} to {high}, or unset it"
     return f"set {name} to a whole number >= {low}, or unset it"
+
+
+def _by_hand_node_problems(env: Mapping[str, str], ints: Mapping[str, int]) -> list[str]:
+    """Several nodes started by hand (no scheduler): each must be told where node 0 is and which node it is;
+    the defaults (127.0.0.1, node 0) would make every node wait for itself until the rendezvous times out."""
+    nnodes = ints.get("NNODES", 1)
+    if nnodes <= 1:
+        return []
+    problems = []
+    if not env.get("MASTER_ADDR"):
+        problems.append(f"MASTER_ADDR must be set when NNODES={nnodes}: node 0's address, the same on every node")
+    elastic = bool(env.get("RDZV_ID")) or "MIN_NNODES" in ints or "MAX_NNODES" in ints
+    if "NODE_RANK" not in ints and not elastic:
+        problems.append(f"NODE_RANK must be set when NNODES={nnodes}: 0 on the node at MASTER_ADDR, 1..{nnodes - 1} "
+                        "on the others (or set RDZV_ID for an elastic launch that numbers the nodes itself)")
+    return problems
 
 
 def _node_problems(ints: Mapping[str, int]) -> list[str]:

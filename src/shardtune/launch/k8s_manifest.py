@@ -26,6 +26,7 @@ from shardtune.launch.node_resources import (
     node_resources,
     resource_problems,
 )
+from shardtune.paths import output_file_problem
 from shardtune.world import WorldLayout
 
 KINDS = ("pytorchjob", "trainjob")
@@ -191,6 +192,9 @@ def k8s_command(args: list[str]) -> int:
     req = replace(req, resources=node_resources(ns.cpus_per_node, ns.memory_per_node, req.nproc_per_node,
                                                 estimated_node_memory(plan, req.gpus_per_node)))
     out = Path(ns.out or f"{Path(ns.config).stem}.{req.kind}.yaml").resolve()
+    problem = output_file_problem(out, "k8s: --out")
+    if problem:
+        raise ConfigError(problem)
     out.write_text(manifest_text(req))
     print(f"wrote {out} ({req.kind}, {req.nodes} pod(s) x {req.nproc_per_node} process(es))")
     return 0

@@ -17,14 +17,17 @@ from typing import Any
 
 from shardtune import run_files
 from shardtune.config.args import CommandLine, read_config
+from shardtune.config.generation import prediction_datasets, predicts_only
 from shardtune.config.load import KeyProblem, build_config, config_to_dict
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.plan import EnginePlan, plan_engine
 from shardtune.errors import ConfigError, ShardtuneError
 from shardtune.host import cuda_visible_devices, local_cpu_memory, local_gpu_memory, visible_gpu_count
 from shardtune.launch import env as launch_env
+from shardtune.launch.resume_check import resume_read_problems
 from shardtune.launch.torchrun import LaunchPlan, device_problems, plan_launch
 from shardtune.launch.validate import attention_problems, cross_key_problems, file_problems
+from shardtune.train.checkpoint_folders import checkpoint_problems, resume_source
 from shardtune.world import WorldLayout
 
 PLAN_MARK = "shardtune_run_plan"  # the top-level key that tells a rank the file is a resolved plan
@@ -90,6 +93,7 @@ def preflight(argv: list[str], nodes: int, procs_per_node: int, *, defaults: dic
             later += auto_problems
         engine, engine_problems = plan_engine(config, layout.world_size, has_cuda=has_cuda)
         later += engine_problems + data_problems(config) + layout_problems(config, engine, layout)
+        later += resume_problems(config, engine)
         if attention_was_auto:  # a chosen kernel was checked with the other keys; one picked here is checked now
             later += attention_problems(config)
     except ShardtuneError as err:
@@ -177,12 +181,21 @@ def layout_problems(config: TrainConfig, engine: EnginePlan, layout: WorldLayout
             return [f"fsdp: {err}"]
     if engine.kind != "deepspeed" or engine.deepspeed_raw is None:
         return []
-    from shardtune.engines.deepspeed_config import deepspeed_inputs, deepspeed_problems, resume_problems
-    from shardtune.train.checkpoint import resume_source
+    from shardtune.engines.deepspeed_config import deepspeed_inputs, deepspeed_problems
+    from shardtune.engines.deepspeed_config import resume_problems as zero_resume_problems
 
     return deepspeed_problems(engine.deepspeed_raw, deepspeed_inputs(config, layout),
                               engine.deepspeed_source or "deepspeed") + \
-        resume_problems(engine.deepspeed_raw, resume_source(config), layout.world_size)
+        zero_resume_problems(engine.deepspeed_raw, resume_source(config), layout.world_size)
+
+
+def resume_problems(config: TrainConfig, engine: EnginePlan) -> list[str]:
+    """The checkpoint to resume from, if it is a sound one, must be readable by this run's engine and shapes."""
+    source = resume_source(config)
+    if source is None or checkpoint_problems(source):  # a damaged one is among the file problems already
+        return []
+    key = "resume_from_checkpoint" if config.resume_from_checkpoint else f"output_dir (resuming from {source})"
+    return resume_read_problems(config, engine, source, key)
 
 
 def check_command(argv: list[str]) -> int:
@@ -192,7 +205,9 @@ def check_command(argv: list[str]) -> int:
     warning = memory_warning(plan)
     if warning:
         print(f"shardtune: warning: {warning}", file=sys.stderr)
-    print(f"ok: {c.stage} / {c.finetuning_type} of {c.model_name_or_path} on {','.join(c.dataset)}; "
+    task = (f"predictions of {c.model_name_or_path} for {','.join(prediction_datasets(c))}" if predicts_only(c)
+            else f"{c.stage} / {c.finetuning_type} of {c.model_name_or_path} on {','.join(c.dataset)}")
+    print(f"ok: {task}; "
           f"engine {plan.engine.kind}, world size {plan.layout.world_size}, global batch "
           f"{plan.layout.global_batch} -> {c.output_dir}")
     return 0

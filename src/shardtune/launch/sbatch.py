@@ -25,6 +25,7 @@ from shardtune.launch.node_resources import (
     node_resources,
     resource_problems,
 )
+from shardtune.paths import output_file_problem
 from shardtune.world import WorldLayout
 
 
@@ -134,6 +135,9 @@ def slurm_command(args: list[str]) -> int:
     req = replace(req, resources=node_resources(ns.cpus_per_node, ns.memory_per_node, req.nproc_per_node,
                                                 estimated_node_memory(plan, req.gpus_per_node)))
     script = Path(ns.script or f"{req.config.stem}.sbatch").resolve()
+    problem = output_file_problem(script, "slurm: --script")
+    if problem:
+        raise ConfigError(problem)
     script.write_text(build_sbatch_script(req))
     print(f"wrote {script} ({req.nodes} node(s) x {req.nproc_per_node} process(es))")
     if ns.submit:

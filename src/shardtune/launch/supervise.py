@@ -7,6 +7,7 @@ this process (launch/worker.py), or torchrun's argv (launch/torchrun.py, pure) s
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import subprocess
@@ -26,8 +27,9 @@ from shardtune.launch.preflight import RunPlan, run_plan_dict, write_run_plan
 from shardtune.launch.torchrun import LaunchPlan, build_torchrun_argv, worker_argv
 
 
-def start_run(plan: RunPlan, debug: bool = False) -> int:
-    """Run the launching host's plan; the exit code of the run (130 when interrupted, 2 for bad input)."""
+def start_run(plan: RunPlan, debug: bool = False, command_line: list[str] | None = None) -> int:
+    """Run the launching host's plan; the exit code of the run (130 when interrupted, 2 for bad input).
+    ``command_line``: the arguments of `shardtune train`, recorded for `shardtune status` and `shardtune web`."""
     launch = plan.launch
     assert launch is not None, "start_run needs the launching host's plan"
     if launch.use_ray:
@@ -43,6 +45,8 @@ def start_run(plan: RunPlan, debug: bool = False) -> int:
 
         print(dry_run_report(plan, commands))
         return 0
+    if launch.node_rank == 0:
+        write_launch_commands(plan.run_dir, command_line, commands, launch)
     if not use_torchrun:
         from shardtune.launch.worker import run_worker
 
@@ -60,6 +64,21 @@ def start_run(plan: RunPlan, debug: bool = False) -> int:
         print(f"shardtune: error: the job failed (exit code {code}); if the log shows a rendezvous timeout, a node "
               f"never joined: {remedy}", file=sys.stderr)
     return code
+
+
+def write_launch_commands(run_dir: Path, command_line: list[str] | None, commands: list[list[str]],
+                          launch: LaunchPlan) -> None:
+    """What started this run, for the run's watchers: the user's command and each node's torchrun command."""
+    path = run_dir / run_files.LAUNCH_COMMANDS
+    record = {"cwd": os.getcwd(), "command_line": command_line, "nnodes": launch.nnodes,
+              "nproc_per_node": launch.nproc_per_node, "master_addr": launch.master_addr,
+              "master_port": launch.master_port, "started": time.time(), "launcher_pid": os.getpid(),
+              "torchrun": [shlex.join(argv) for argv in commands]}
+    with contextlib.suppress(OSError):  # watching is a convenience: a read-only output_dir fails later, clearly
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=2))
+        tmp.replace(path)
 
 
 def check_port_free(addr: str, port: int) -> None:

@@ -8,16 +8,18 @@ import re
 from pathlib import Path
 
 from shardtune import run_files
+from shardtune.config.generation import generation_key_problems, predicts_only
 from shardtune.config.preference import PREFERENCE_STAGES, split_paths, uses_reference
 from shardtune.config.schema import REPORT_TO, TrainConfig
 from shardtune.data.tokenized import is_saved
 from shardtune.errors import ConfigError, ModelError
-from shardtune.model.folder import model_config_json, model_folder_problems
+from shardtune.launch.write_guard import write_problems
+from shardtune.model.folder import is_reward_model_config, model_config_json, model_folder_problems
 from shardtune.model.moe import configured_router_aux_coef, packed_aux_loss_problem, preference_aux_loss_problem
-from shardtune.model.reward_head import is_reward_model_config
+from shardtune.paths import shown
 from shardtune.train.checkpoint_folders import checkpoint_problems, resume_source
-from shardtune.train.reporting import tracker_problems
 from shardtune.train.settings import resolved_packing
+from shardtune.train.trackers import tracker_problems
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -38,11 +40,10 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
         problems.append("model_name_or_path is required (a local model directory or a hub id)")
     if c.output_dir is None:
         problems.append("output_dir is required (where the model and logs are written)")
-    if not c.dataset and not (c.tokenized_path and is_saved(c.tokenized_path)):
+    if not c.dataset and not (c.tokenized_path and is_saved(c.tokenized_path)) and not predicts_only(c):
         problems.append("dataset is required (names from dataset_info.json, comma separated), unless "
                         "tokenized_path holds datasets prepared by an earlier run")
-    if not c.do_train:
-        problems.append("do_train (false): shardtune only trains; set do_train: true")
+    problems += generation_key_problems(c)
     if c.bf16 and c.fp16:
         problems.append("bf16 (true) and fp16 (true) are both set; choose one")
     if c.pure_bf16 and (c.fp16 or c.quantization_bit is not None):
@@ -64,12 +65,29 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
     problems += tracker_problems(c.report_to)
     if c.engine == "auto" and (c.deepspeed or c.fsdp or c.fsdp_config):
         problems.append("engine (auto) with deepspeed/fsdp set: let the estimate choose, or remove engine: auto")
+    problems += schedule_problems(c)
     problems += _lora_target_problems(c)
     problems += model_key_problems(c)
     problems += _adapter_problems(c)
     problems += streaming_key_problems(c)
     problems += optimizer_key_problems(c)
     problems += preference_key_problems(c)
+    return problems
+
+
+def schedule_problems(c: TrainConfig) -> list[str]:
+    """Numbers that are valid alone but say nothing sensible together: a warm-up that never ends, a layer count
+    that selects nothing."""
+    problems = []
+    if 0 < c.max_steps <= c.warmup_steps:
+        problems.append(f"warmup_steps ({c.warmup_steps}) is not below max_steps ({c.max_steps}): the learning rate "
+                        "would never reach learning_rate; lower warmup_steps")
+    if c.finetuning_type == "freeze" and c.freeze_trainable_layers == 0:
+        problems.append("freeze_trainable_layers (0) selects no layer to train; give N > 0 (the last N decoder "
+                        "layers) or -N (the first N)")
+    if c.warmup_ratio >= 1 and c.warmup_steps == 0:
+        problems.append(f"warmup_ratio ({c.warmup_ratio}) warms up over the whole run: the learning rate would never "
+                        "reach learning_rate; use a fraction below 1 (e.g. 0.1)")
     return problems
 
 
@@ -284,15 +302,31 @@ def _lora_target_problems(c: TrainConfig) -> list[str]:
     return []
 
 
+def mistyped_target_problems(c: TrainConfig) -> list[str]:
+    """lora_target / additional_target names the model's weights lack, where a close name is present (a typo)."""
+    from shardtune.model.weight_names import mistyped_modules
+
+    folder = Path(c.model_name_or_path or "")
+    problems = []
+    for key, wanted in (("lora_target", c.lora_target), ("additional_target", c.additional_target or [])):
+        if key == "lora_target" and (c.finetuning_type != "lora" or "all" in wanted):
+            continue
+        typos = mistyped_modules(list(wanted), folder) if folder.is_dir() else {}
+        problems += [f"{key}: {typed} not found in the model (did you mean '{close}'?)"
+                     for typed, close in typos.items()]
+    return problems
+
+
 def file_problems(c: TrainConfig) -> list[str]:
     """Paths that must exist before training: the model's config and the output folder's state."""
     problems: list[str] = []
     model = c.model_name_or_path
     if model is not None and not (c.build_tiny_model_if_missing and not Path(model).exists()):
         model_problems = model_path_problems(model)
-        problems += model_problems or attention_problems(c) + moe_problems(c)
+        problems += model_problems or attention_problems(c) + moe_problems(c) + mistyped_target_problems(c)
     if c.output_dir is not None:
         problems += output_dir_problems(c)
+    problems += write_problems(c)
     for adapter in c.adapter_name_or_path:
         if not (Path(adapter) / "adapter_config.json").is_file():
             problems.append(f"adapter_name_or_path: {adapter} is not a LoRA adapter folder (no adapter_config.json)")
@@ -347,8 +381,8 @@ def model_path_problems(model: str) -> list[str]:
         return [f"model_name_or_path: {model} is a file; give the model folder"]
     if _HUB_ID.match(model) and not model.startswith((".", "/")):
         return []  # a hub id: resolved by transformers at load time
-    return [f"model_name_or_path: folder not found: {model} (set build_tiny_model_if_missing: true "
-            "to create a tiny demo model there)"]
+    return [f"model_name_or_path: folder not found: {shown(model, quote=False)} (set build_tiny_model_if_missing: "
+            "true to create a tiny demo model there)"]
 
 
 def output_dir_problems(c: TrainConfig) -> list[str]:

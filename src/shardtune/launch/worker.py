@@ -122,6 +122,12 @@ def run_worker(plan: RunPlan, rank_env: RankEnv | None = None) -> int:
                   "set. Run the same command again to resume.", flush=True)
         # Under a launcher exit 0, so torchrun reports no failure; the launching process says 130.
         return 0 if rank_env is not None else 130
+    if results.get("predict_only"):
+        if engine.is_main:
+            model = ", ".join([plan.config.model_name_or_path or "", *plan.config.adapter_name_or_path])
+            print(f"[shardtune] done: predictions of {model} ({engine.name}, world size {engine.world_size}) in "
+                  f"{plan.config.output_dir}", flush=True)
+        return 0
     if engine.is_main:
         print(f"[shardtune] done: final loss {results['final_loss']:.4f} after {results['global_step']} steps "
               f"({results['engine']}, world size {results['world_size']}); outputs in {plan.config.output_dir}",

@@ -12,9 +12,7 @@ layers get the window on top of the sample boundaries. ``layer_windows`` reads t
 
 from __future__ import annotations
 
-import importlib
-import inspect
-import sys
+import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +20,7 @@ from typing import Any
 
 from shardtune.errors import ModelError
 from shardtune.model.folder import model_config_json
+from shardtune.model.transformers_tables import causal_lm_class_name, class_attributes, find_class_file
 
 AUTO = "auto"
 KERNELS = ("flash_attention_2", "sdpa", "eager")
@@ -48,35 +47,32 @@ class KernelSupport:
 
 def kernel_support(config: Mapping[str, Any]) -> KernelSupport | None:
     """The support of the class ``AutoModelForCausalLM`` builds for this config.json (None: not known before
-    loading, e.g. a model with remote code)."""
-    cls = _causal_lm_class(config)
-    if cls is None:
+    loading, e.g. a model with remote code). Read from transformers' source files, not imported (seconds saved
+    on every ``shardtune check``; tests/unit/test_transformers_tables.py compares it with the imported class)."""
+    found = causal_lm_class_file(config)
+    if found is None:
         return None
-    source = _module_source(cls)
-    return KernelSupport(cls.__name__, flash=bool(getattr(cls, "_supports_flash_attn", False)),
-                         sdpa=bool(getattr(cls, "_supports_sdpa", False)),
+    name, path = found
+    attributes = class_attributes(path, name) or {}
+    source = path.read_text(encoding="utf-8")
+    return KernelSupport(name, flash=bool(attributes.get("_supports_flash_attn")
+                                          or attributes.get("_supports_flash_attn_2")),
+                         sdpa=bool(attributes.get("_supports_sdpa")),
                          # transformers' attention modules hand sinks to the kernel as `s_aux=` (gpt_oss).
                          sinks="s_aux=" in source,
                          mask_per_layer_type="isinstance(causal_mask_mapping := attention_mask, dict)" in source)
 
 
-def _causal_lm_class(config: Mapping[str, Any]) -> type | None:
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    names = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(config.get("model_type")))]
-    names += list(config.get("architectures") or [])
+def causal_lm_class_file(config: Mapping[str, Any]) -> tuple[str, Path] | None:
+    """(class name, modelling file) of the causal LM class for this config.json: the auto table's class for its
+    model_type, else a class its ``architectures`` name, defined in that model type's modelling file."""
+    model_type = str(config.get("model_type"))
+    names = [causal_lm_class_name(model_type), *(config.get("architectures") or [])]
     for name in names:
-        if name and hasattr(transformers, name):
-            return getattr(transformers, name)
+        path = find_class_file(model_type, str(name)) if name else None
+        if path is not None:
+            return str(name), path
     return None
-
-
-def _module_source(cls: type) -> str:
-    try:
-        return inspect.getsource(sys.modules[cls.__module__])
-    except (OSError, TypeError, KeyError):
-        return ""
 
 
 def known_model_config(name: str, *, builds_tiny_model: bool = False) -> dict[str, Any] | None:

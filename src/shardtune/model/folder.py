@@ -96,17 +96,65 @@ def _config_problems(path: Path) -> list[str]:
     data, problem = _read_json_object(path)
     if problem:
         return [problem]
-    if not data.get("model_type"):
+    model_type = data.get("model_type")
+    if not model_type:
         return [f"{path} has no model_type, so transformers cannot tell the architecture; {_REMEDY}"]
+    if "auto_map" not in data and not _is_known_model_type(str(model_type)):  # (auto_map: the model's own code)
+        return [f"{path}: model_type {model_type!r} is not known to the installed transformers "
+                f"{_transformers_version()}{_closest_model_type(str(model_type))}; fix config.json, or install the "
+                "transformers release that added it"]
     return []
+
+
+def _is_known_model_type(model_type: str) -> bool:
+    from shardtune.model.transformers_tables import known_model_types
+
+    known = known_model_types()
+    return not known or model_type in known  # an unreadable table decides nothing
+
+
+def _closest_model_type(model_type: str) -> str:
+    import difflib
+
+    from shardtune.model.transformers_tables import known_model_types
+
+    close = difflib.get_close_matches(model_type, sorted(known_model_types()), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _transformers_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 def _tokenizer_problems(folder: Path) -> list[str]:
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         return [f"{folder} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...); copy the tokenizer "
                 "into the model folder (tokenizer.save_pretrained)"]
-    return [problem for name in _JSON_TOKENIZER_FILES if (folder / name).is_file()
-            and (problem := _read_json_object(folder / name)[1])]
+    problems = [problem for name in _JSON_TOKENIZER_FILES if (folder / name).is_file()
+                and (problem := _read_json_object(folder / name)[1])]
+    return problems or _tokenizer_json_problems(folder / "tokenizer.json")
+
+
+def _tokenizer_json_problems(path: Path) -> list[str]:
+    """A tokenizer.json that is JSON but not a tokenizer: the tokenizers library (Rust, quick to load) reads it as
+    the ranks' AutoTokenizer would."""
+    if not path.is_file():
+        return []
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return []
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as err:  # the library raises a bare Exception with its parser's message
+        return [f"{path} is not a tokenizer the tokenizers library can read ({err}); save or download the tokenizer "
+                "again"]
+    return []
 
 
 def weights_problems(folder: Path) -> list[str]:
@@ -188,3 +236,10 @@ def _read_json_object(path: Path) -> tuple[dict[str, Any], str | None]:
     if not isinstance(data, dict):
         return {}, f"{path} must hold a JSON object, not {type(data).__name__}; {_REMEDY}"
     return data, None
+
+
+def is_reward_model_config(config: dict[str, Any] | None) -> bool:
+    """Does a model's config.json name a sequence-classification class (a full reward model's output)?"""
+    architectures = (config or {}).get("architectures")
+    return isinstance(architectures, list) and any(str(name).endswith("ForSequenceClassification")
+                                                   for name in architectures)

@@ -15,13 +15,13 @@ base loaded with ``num_labels=1``); the score of a sequence is the head's output
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from shardtune.errors import ModelError
+
+if TYPE_CHECKING:  # torch is imported where it runs: `shardtune check` reads this module without it
+    import torch
 
 SCORE_LAYER = "score"
 
@@ -40,6 +40,7 @@ def to_reward_model(causal_lm: torch.nn.Module, head: RewardHead) -> torch.nn.Mo
     Draws nothing from the global generator. The body keeps its names (``model.*``), so a skeleton's tensors are
     still found in the files; the score layer is real (never meta), so a sharding engine takes it as a starting
     value, as it takes new adapter weights."""
+    import torch
     from transformers import AutoModelForSequenceClassification
 
     config: Any = copy.deepcopy(causal_lm.config)  # a transformers PretrainedConfig
@@ -66,9 +67,3 @@ def to_reward_model(causal_lm: torch.nn.Module, head: RewardHead) -> torch.nn.Mo
                          "architecture cannot be a reward model here")
     return model
 
-
-def is_reward_model_config(config: Mapping[str, Any] | None) -> bool:
-    """Does a model's config.json name a sequence-classification class (a full reward model's output)?"""
-    architectures = (config or {}).get("architectures")
-    return isinstance(architectures, list) and any(str(name).endswith("ForSequenceClassification")
-                                                   for name in architectures)

@@ -76,6 +76,7 @@ def build_tiny_model(
     from transformers import AutoModelForCausalLM
 
     from shardtune.data.templates import get_template
+    from shardtune.data.templates.jinja import chat_template_jinja
     from shardtune.model.architectures import family, tiny_config
 
     spec = family(arch)
@@ -93,43 +94,3 @@ def build_tiny_model(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
-
-
-def chat_template_jinja(template, tokenizer) -> str:
-    """A Jinja chat template rendering what shardtune's ``template`` renders for plain conversations (no tools;
-    Qwen3's reasoning blocks are not reproduced)."""
-    from shardtune.data.templates.base import special_token_strings
-
-    specials = special_token_strings(tokenizer)
-
-    def expression(fmt: str, content: str) -> str:  # ``fmt`` with {content} := the Jinja expression ``content``
-        for placeholder, token in specials.items():
-            fmt = fmt.replace(placeholder, token)
-        before, _, after = fmt.partition("{content}")
-        return f"{before!r} + {content} + {after!r}"
-
-    def emit(expr: str) -> str:
-        return "{{ " + expr + " }}"
-
-    in_block = template.system_placement == "block"
-    gets_system = {"first_user": "ns.users == 0", "last_user": "loop.index0 == ns.last_user"}
-    user_content = "message['content']" if in_block else (
-        f"(system_text if {gets_system[template.system_placement]} else '') + message['content']")
-    return "".join([
-        "{%- set ns = namespace(system=" + repr(template.default_system) + ", users=0, last_user=-1) -%}",
-        "{%- if messages and messages[0]['role'] == 'system' -%}{%- set ns.system = messages[0]['content'] -%}"
-        "{%- endif -%}",
-        "{%- for message in messages -%}{%- if message['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}"
-        "{%- endif -%}{%- endfor -%}",
-        "{%- set system_text = (" + expression(template.system_format, "ns.system") + ") if ns.system else '' -%}",
-        emit(expression(template.prefix + "{content}", "''")),
-        emit("system_text") if in_block else "",
-        "{%- for message in messages -%}{%- if message['role'] == 'user' -%}",
-        emit(expression(template.user_format, user_content)),
-        "{%- set ns.users = ns.users + 1 -%}{%- elif message['role'] == 'assistant' -%}",
-        "{%- if loop.last -%}",
-        emit(expression((template.last_assistant_format or template.assistant_format) + template.final_suffix,
-                        "message['content']")),
-        "{%- else -%}", emit(expression(template.assistant_format, "message['content']")), "{%- endif -%}",
-        "{%- endif -%}{%- endfor -%}",
-    ])

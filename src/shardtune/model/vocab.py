@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from shardtune.errors import ModelError
+
+if TYPE_CHECKING:  # torch is imported where it runs: `shardtune check` reads this module without it
+    import torch
 
 PAD_TO_MULTIPLE_OF = 64  # LLaMA-Factory's resize_token_embeddings(pad_to_multiple_of=64)
 
@@ -62,6 +63,8 @@ def grown_tensor(old: torch.Tensor, growth: VocabGrowth, which: int) -> torch.Te
 
     ``which`` (0: input embedding, 1: output layer) gives each tensor its own noise, as LLaMA-Factory draws twice.
     """
+    import torch
+
     if old.shape[0] != growth.old_rows:
         raise ModelError(f"resize_vocab: the embedding has {old.shape[0]} rows, expected {growth.old_rows}")
     values = old.detach().to(torch.float32)
@@ -83,6 +86,8 @@ def vocab_tensors(model: Any) -> list[torch.Tensor]:
 
 def apply_vocab_growth(model: Any, growth: VocabGrowth) -> None:
     """Grow a loaded model's embedding and output layer to ``growth.new_rows`` by the rule of ``grown_tensor``."""
+    import torch
+
     if not growth.is_growing:
         return
     if getattr(model, "quantization_method", None) or getattr(model, "is_quantized", False):

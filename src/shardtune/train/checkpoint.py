@@ -21,15 +21,16 @@ from shardtune.errors import ConfigError
 from shardtune.model.pretrained_adapters import plan_adapters
 from shardtune.train.checkpoint_folders import (  # noqa: F401 - discovery lives there, torch-free
     COMPLETE_MARKER,
+    MODEL_ONLY_MARKER,
     STATE_FILE,
     checkpoint_dir,
     complete_checkpoints,
+    is_shardtune_checkpoint,
     latest_checkpoint,
     resume_source,
 )
 from shardtune.train.loop import TrainState
 
-MODEL_ONLY_MARKER = "MODEL_ONLY"  # save_only_model: the folder holds the model (or adapter), no optimizer state
 RNG_FILE = "rng_state.pt"
 
 
@@ -39,9 +40,13 @@ def save_checkpoint(engine: Engine, output_dir: Path, state: TrainState, save_to
     marker goes last so a crash never leaves a 'complete' half."""
     path = checkpoint_dir(output_dir, state.global_step)
     if engine.is_main:
-        if path.exists():
+        if path.exists():  # our own save of this step, cut off (the launching host refused anyone else's)
+            assert is_shardtune_checkpoint(path), f"{path} was not written by shardtune"
             shutil.rmtree(path)
         path.mkdir(parents=True)
+        run_config = output_dir / run_files.RESOLVED_CONFIG
+        if run_config.is_file():  # first: it marks the folder as ours and says what layout it holds
+            shutil.copyfile(run_config, path / run_files.RESOLVED_CONFIG)
     engine.barrier()
     if model_only:
         engine.save_model(path)

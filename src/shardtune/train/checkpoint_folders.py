@@ -13,6 +13,7 @@ from pathlib import Path
 from shardtune import run_files
 
 COMPLETE_MARKER = "COMPLETE"
+MODEL_ONLY_MARKER = "MODEL_ONLY"  # save_only_model: the folder holds the model (or adapter), no optimizer state
 STATE_FILE = run_files.TRAINER_STATE
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -28,6 +29,20 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
     found = [(int(m.group(1)), p) for p in output_dir.iterdir()
              if (m := _CHECKPOINT.match(p.name)) and (p / COMPLETE_MARKER).is_file()]
     return [p for _, p in sorted(found)]
+
+
+def is_shardtune_checkpoint(path: Path) -> bool:
+    """A ``checkpoint-<step>`` folder shardtune wrote, finished or cut off while saving (it holds the run's config,
+    copied first, or a rank's RNG state), as opposed to another trainer's checkpoint of the same name."""
+    return (path / COMPLETE_MARKER).is_file() or (path / run_files.RESOLVED_CONFIG).is_file() or \
+        any(path.glob("rank*_rng_state.pt"))
+
+
+def checkpoint_folders(output_dir: Path) -> list[Path]:
+    """Every ``checkpoint-<step>`` folder in output_dir, whoever wrote it."""
+    if not output_dir.is_dir():
+        return []
+    return sorted(p for p in output_dir.iterdir() if _CHECKPOINT.match(p.name) and p.is_dir())
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:

@@ -8,6 +8,7 @@ across all ranks, so accumulation gives exactly the update of one big batch (no 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
@@ -130,7 +131,10 @@ def train_step(engine: Engine, window: list[Batch], max_grad_norm: float,
                router_aux_loss_coef: float | None = None) -> dict[str, float]:
     """Forward/backward every micro-batch of one window, then one optimizer step."""
     local_tokens = sum(count_trainable_tokens(b) for b in window)
+    arrived = time.perf_counter()
     global_tokens = engine.all_reduce_sum(torch.tensor(float(local_tokens), device=engine.device))
+    # On the CPU the reduction blocks until every rank arrived: the wait for slower ranks (the rank log's wait_s).
+    sync_seconds = time.perf_counter() - arrived
     # max(…, 1): a window whose samples are all masked must not divide by zero.
     denominator = torch.clamp(global_tokens, min=1.0)
     # The router's auxiliary loss is a mean over one micro-batch's tokens (transformers adds coef x it to each
@@ -152,11 +156,12 @@ def train_step(engine: Engine, window: list[Batch], max_grad_norm: float,
     grad_norm = engine.step(max_grad_norm)
     step_loss = engine.all_reduce_sum(loss_total) / denominator
     # Non-padding tokens and computed token slots (rows x padded length), summed over ranks in one call.
+    local_input_tokens = float(sum(count_input_tokens(b) for b in window))
     counts = engine.all_reduce_sum(torch.tensor(
-        [float(sum(count_input_tokens(b) for b in window)), float(sum(b["input_ids"].numel() for b in window))],
-        device=engine.device))
+        [local_input_tokens, float(sum(b["input_ids"].numel() for b in window))], device=engine.device))
     metrics = {"loss": float(step_loss), "grad_norm": grad_norm, "tokens": float(counts[0]),
-               "slots": float(counts[1]), "trainable_tokens": float(global_tokens)}
+               "slots": float(counts[1]), "trainable_tokens": float(global_tokens),
+               "local_tokens": local_input_tokens, "sync_seconds": sync_seconds}
     if router_aux_loss_coef is not None:
         aux_loss = float(engine.all_reduce_sum(aux_total))
         metrics.update(loss=metrics["loss"] + router_aux_loss_coef * aux_loss, aux_loss=aux_loss)
@@ -200,12 +205,15 @@ def run_loop(engine: Engine, epoch_batches: Callable[[int, int], Iterable[Batch]
         done_in_epoch = state.global_step - epoch * s.steps_per_epoch
         batches = epoch_batches(epoch, done_in_epoch * s.gradient_accumulation_steps)
         windows = accumulation_windows(batches, s.gradient_accumulation_steps)
+        fetch_started = time.perf_counter()
         for index, window in enumerate(windows, start=done_in_epoch):
+            data_seconds = time.perf_counter() - fetch_started
             if s.objective is not None:
                 metrics = s.objective.train_step(engine, window, s.max_grad_norm)
             else:
                 metrics = train_step(engine, window, s.max_grad_norm, s.loss_chunk_size, s.label_smoothing,
                                      s.router_aux_loss_coef)
+            metrics["data_seconds"] = data_seconds  # waiting for this window's batches
             state.global_step += 1
             state.epoch = epoch + (index + 1) / s.steps_per_epoch
             state.tokens_seen += int(metrics["tokens"])
@@ -221,6 +229,7 @@ def run_loop(engine: Engine, epoch_batches: Callable[[int, int], Iterable[Batch]
                 if s.save_steps and state.global_step % s.save_steps:
                     hooks.on_save(state)  # not already saved by _after_step
                 return state
+            fetch_started = time.perf_counter()
     return state
 
 
@@ -249,7 +258,8 @@ def _interval_metrics(interval: list[dict[str, float]]) -> dict[str, float]:
 
 
 # What every step reports; anything else comes from an objective and is averaged into the logged metrics.
-STEP_METRICS = ("loss", "grad_norm", "tokens", "slots", "trainable_tokens", "aux_loss")
+STEP_METRICS = ("loss", "grad_norm", "tokens", "slots", "trainable_tokens", "aux_loss", "local_tokens",
+                "sync_seconds", "data_seconds")
 
 
 def steps_per_epoch(num_micro_batches: int, gradient_accumulation_steps: int) -> int:

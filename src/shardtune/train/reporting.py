@@ -1,4 +1,4 @@
-"""What a run tells the user: progress bar, trainer_log.jsonl, tensorboard events and the loss plot."""
+"""What a run tells the user: progress bar, trainer_log.jsonl, the experiment trackers and the loss plot."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtune import run_files
-from shardtune.errors import ConfigError
+from shardtune.train.trackers import Tracker, open_trackers
 
 LOG_FILE = run_files.LOG
 PLOT_FILE = run_files.LOSS_PLOT
@@ -18,21 +18,21 @@ class Reporter:
     """Main-rank reporting; every method is a no-op on other ranks."""
 
     def __init__(self, output_dir: Path, total_steps: int, *, enabled: bool, trackers: list[str],
-                 logging_dir: str | None, start_step: int = 0, run_name: str = "") -> None:
+                 logging_dir: str | None, start_step: int = 0, run_name: str = "",
+                 config: dict[str, Any] | None = None) -> None:
         self.output_dir = output_dir
         self.total_steps = total_steps
         self.enabled = enabled
         self.start_time = time.perf_counter()
         self.start_step = start_step
         self.progress = None
-        self.tensorboard = None
+        self.trackers: list[Tracker] = []
         if enabled:
             from tqdm.auto import tqdm
 
             self.progress = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
-            if "tensorboard" in trackers or "all" in trackers:
-                self.tensorboard = open_tensorboard(logging_dir or str(output_dir / "runs"))
-                self.tensorboard.add_text("run_name", run_name or output_dir.name)
+            self.trackers = open_trackers(trackers, output_dir=output_dir, logging_dir=logging_dir,
+                                          run_name=run_name or output_dir.name, config=config or {})
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
         if self.progress is not None:
@@ -60,17 +60,21 @@ class Reporter:
             **(extra or {}),
         }
         self.write_record(record)
-        if self.tensorboard is not None:
-            for key in ("loss", "learning_rate", "grad_norm", "tokens_per_second"):
-                self.tensorboard.add_scalar(f"train/{key}", record[key], step)
+        self.track({f"train/{key}": record[key] for key in ("loss", "learning_rate", "grad_norm", "tokens_per_second",
+                                                             "epoch")}, step)
         return record
 
     def log_eval(self, step: int, epoch: float, eval_loss: float, extra: dict[str, float] | None = None) -> None:
         """``extra``: an objective's other eval metrics (``eval_rewards/accuracies``, ...)."""
         self.write_record({"current_steps": step, "total_steps": self.total_steps, "eval_loss": eval_loss,
                            "epoch": round(epoch, 4), **(extra or {})})
-        if self.tensorboard is not None:
-            self.tensorboard.add_scalar("eval/loss", eval_loss, step)
+        self.track({"eval/loss": eval_loss, **{f"eval/{key.removeprefix('eval_')}": value
+                                              for key, value in (extra or {}).items()}}, step)
+
+    def track(self, metrics: dict[str, float], step: int) -> None:
+        """The same metrics to every tracker of ``report_to``."""
+        for tracker in self.trackers:
+            tracker.log(metrics, step)
 
     def write_record(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -81,33 +85,9 @@ class Reporter:
     def close(self) -> None:
         if self.progress is not None:
             self.progress.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-
-
-def open_tensorboard(log_dir: str) -> Any:
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ConfigError("report_to (tensorboard) needs the tensorboard package: pip install tensorboard") from None
-    return SummaryWriter(log_dir=log_dir)
-
-
-# Trackers LLaMA-Factory users name that shardtune does not write to. Accepting them would leave the user with no
-# run in their tracker and no word why, so they are refused before launch. Neither package is installed in the
-# environment shardtune is built and tested in, so an integration could not be tested.
-REFUSED_TRACKERS = {
-    "wandb": "shardtune does not send metrics to Weights & Biases (wandb is not installed here, so no integration "
-             "is built or tested); use report_to: tensorboard and upload its folder with "
-             "`wandb sync --sync-tensorboard <logging_dir>`, or report_to: none",
-    "mlflow": "shardtune does not send metrics to MLflow (mlflow is not installed here, so no integration is built "
-              "or tested); use report_to: tensorboard, or report_to: none",
-}
-
-
-def tracker_problems(report_to: list[str]) -> list[str]:
-    """One problem per tracker of ``report_to`` that shardtune would not write to."""
-    return [f"report_to ({name}): {REFUSED_TRACKERS[name]}" for name in report_to if name in REFUSED_TRACKERS]
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
 
 def format_seconds(seconds: float) -> str:

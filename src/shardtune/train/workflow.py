@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from shardtune import run_files
+from shardtune.config.generation import predicts_only
 from shardtune.config.load import config_to_dict
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.base import Engine
@@ -23,6 +24,7 @@ from shardtune.optim.build import build_optimizer, build_scheduler, parameter_na
 from shardtune.optim.settings import optimizer_settings
 from shardtune.train import checkpoint
 from shardtune.train.checkpoint import resume_source
+from shardtune.train.checkpoint_folders import checkpoint_folders, is_shardtune_checkpoint
 from shardtune.train.loop import (
     LoopSettings,
     Objective,
@@ -33,6 +35,7 @@ from shardtune.train.loop import (
     total_training_steps,
 )
 from shardtune.train.pissa import PissaConversion
+from shardtune.train.rank_log import RankLog, rank_log_path
 from shardtune.train.reporting import LOG_FILE, Reporter, plot_loss
 from shardtune.train.settings import finetuning_settings
 from shardtune.train.setup import (
@@ -62,6 +65,10 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     When ``stop`` is raised (Ctrl-C, SIGTERM) the run ends after the current step with a checkpoint and returns
     ``{"interrupted": True, ...}`` without a final model, so the same command resumes.
     """
+    if predicts_only(config):
+        from shardtune.train.predict import predict_only
+
+        return {"predict_only": True, **predict_only(config, engine)}
     set_seed(config.seed)
     if not apply_tf32(config.tf32) and config.tf32 and engine.is_main:
         print("[shardtune] tf32: no CUDA device here; CPU matmuls never use TF32, nothing changes", flush=True)
@@ -106,16 +113,23 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
             raise RuntimeError("no training data loader after scoring the reference log-probabilities")
     state = start_state(engine, config, output_dir)
     hooks = RunHooks(engine, config, output_dir, loop.total_steps, eval_loader, state.global_step,
-                     stop or StopRequest(), loop.objective)
+                     stop or StopRequest(), loop.objective, estimated_peak(memory),
+                     memory.baseline.rss_bytes if memory is not None else None)
     hooks.meter.start()
     state = run_loop(engine, epoch_batches_for(train_loader), loop, state, hooks)
     if state.interrupted:
+        hooks.rank_log.close(state.global_step, interrupted=True)
         hooks.reporter.close()
         engine.close()
         return {"interrupted": True, "global_step": state.global_step}
     if pissa is not None:
         pissa.save_converted(engine.unwrapped_model(), engine.is_main)
     return finish_run(engine, tokenizer, config, output_dir, state, hooks, memory)
+
+
+def estimated_peak(memory: MemoryProbe | None) -> float | None:
+    """The estimate's peak bytes on the busiest rank (None without an estimate), for the rank logs."""
+    return None if memory is None or memory.estimate is None else float(memory.estimate.peak)
 
 
 def with_new_tokens(tokenizer: Any, c: TrainConfig) -> TrainConfig:
@@ -328,8 +342,11 @@ def clear_previous_run(output_dir: Path) -> None:
 
     (output_dir / LOG_FILE).unlink(missing_ok=True)
     (output_dir / RESULTS_FILE).unlink(missing_ok=True)
-    for old in output_dir.glob("checkpoint-*"):
-        shutil.rmtree(old, ignore_errors=True)
+    for old_log in rank_log_path(output_dir, 0).parent.glob("rank_*.jsonl"):
+        old_log.unlink(missing_ok=True)
+    for old in checkpoint_folders(output_dir):
+        if is_shardtune_checkpoint(old):  # never another trainer's folder of the same name
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def memory_results(per_rank: dict[str, list[int]], estimate: Any, announce: bool) -> dict[str, Any]:
@@ -355,16 +372,27 @@ class RunHooks:
     start_step: int = 0
     stop: StopRequest = field(default_factory=StopRequest)
     objective: Objective | None = None
+    estimate_peak_bytes: float | None = None
+    baseline_rss_bytes: int | None = None  # resident memory before the model was loaded (CPU runs measure from it)
 
     def __post_init__(self) -> None:
         self.reporter = Reporter(self.output_dir, self.total_steps, enabled=self.engine.is_main,
                                  trackers=self.config.report_to, logging_dir=self.config.logging_dir,
-                                 start_step=self.start_step, run_name=run_name(self.config, self.output_dir))
+                                 start_step=self.start_step, run_name=run_name(self.config, self.output_dir),
+                                 config=config_to_dict(self.config))
         self.last_log_time = self.reporter.start_time
         self.train_losses: list[float] = []
         self.meter = ThroughputMeter(warmup_steps=self.config.throughput_warmup_steps)
+        self.rank_log = RankLog(rank_log_path(self.output_dir, self.engine.rank), self.engine.rank,
+                                self.engine.device)
+        self.rank_log.start(world_size=self.engine.world_size, total_steps=self.total_steps,
+                            start_step=self.start_step, estimate_peak_bytes=self.estimate_peak_bytes,
+                            baseline_rss_bytes=self.baseline_rss_bytes)
+        self.stop_wait = 0.0  # seconds the last stop-flag reduction waited for the other ranks
 
     def on_step(self, state: TrainState, metrics: dict[str, float]) -> None:
+        self.rank_log.step(state.global_step, metrics, self.stop_wait)
+        self.stop_wait = 0.0
         self.meter.record(metrics)
         self.train_losses.append(metrics["loss"])
         self.reporter.step(state.global_step, metrics)
@@ -383,18 +411,29 @@ class RunHooks:
 
     def should_stop(self) -> bool:
         # Ranks may receive the signal at different steps; the sum makes them stop at the same one.
+        arrived = time.perf_counter()
         flag = torch.tensor(1.0 if self.stop.requested else 0.0, device=self.engine.device)
-        return bool(self.engine.all_reduce_sum(flag) > 0)
+        stop = bool(self.engine.all_reduce_sum(flag) > 0)
+        self.stop_wait = time.perf_counter() - arrived
+        return stop
 
     def on_save(self, state: TrainState) -> None:
+        started = time.perf_counter()
+        self.rank_log.event("saving", state.global_step)
         checkpoint.save_checkpoint(self.engine, self.output_dir, state, self.config.save_total_limit,
                                    model_only=self.config.save_only_model)
+        self.rank_log.event("save", state.global_step, seconds=round(time.perf_counter() - started, 3))
+        self.rank_log.restart_clock()
         self.meter.start()  # saving is not training time
 
     def on_evaluate(self, state: TrainState) -> None:
         if self.eval_loader is not None:
+            started = time.perf_counter()
+            self.rank_log.event("evaluating", state.global_step)
             found = self.eval_metrics()
+            self.rank_log.event("eval", state.global_step, seconds=round(time.perf_counter() - started, 3))
             self.reporter.log_eval(state.global_step, state.epoch, found.pop("eval_loss"), found)
+        self.rank_log.restart_clock()
         self.meter.start()
 
     def eval_metrics(self) -> dict[str, float]:
@@ -404,6 +443,20 @@ class RunHooks:
             return {f"eval_{key}": round(value, 6) if key != "loss" else value for key, value in found.items()}
         return {"eval_loss": evaluate(self.engine, self.eval_loader, self.config.loss_chunk_size,
                                       self.config.label_smoothing_factor)}
+
+
+def save_servable(output_dir: Path, tokenizer: Any, c: TrainConfig) -> None:
+    """The tokenizer beside the final model, and the folder made ready to serve (dtype, chat template, stop token);
+    the run's own tokenizer object is left as it was."""
+    from shardtune.export.serving import ServingSettings, finish_servable
+    from shardtune.model.load import load_tokenizer
+
+    tokenizer.save_pretrained(output_dir)
+    settings = ServingSettings(None if c.stage == "pt" else c.template, c.model_name_or_path or "",
+                               c.default_system, c.enable_thinking, c.tool_format, c.replace_eos, c.save_dtype)
+    for note in finish_servable(output_dir, load_tokenizer(str(output_dir), trust_remote_code=c.trust_remote_code),
+                                settings):
+        print(f"[shardtune] saved model: {note}", flush=True)
 
 
 def run_name(c: TrainConfig, output_dir: Path) -> str:
@@ -439,11 +492,16 @@ def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path,
     if memory is not None:
         results.update(memory_results(memory.per_rank(engine), memory.estimate, engine.is_main))
     if engine.is_main:
-        tokenizer.save_pretrained(output_dir)
+        save_servable(output_dir, tokenizer, c)
         (output_dir / RESULTS_FILE).write_text(json.dumps(results, indent=2))
         if c.plot_loss:
             plot_loss(output_dir)
     hooks.reporter.close()
+    if c.do_predict:
+        from shardtune.train.predict import run_prediction
+
+        run_prediction(engine, tokenizer, c, output_dir)
+    hooks.rank_log.close(state.global_step, interrupted=False)
     engine.barrier()
     engine.close()
     return results

@@ -10,11 +10,12 @@ from shardtune.data.templates.base import Message, Template, Turn, special_token
 from shardtune.data.templates.families import TEMPLATES
 from shardtune.data.templates.tools import TOOL_FORMATS
 from shardtune.errors import DataError
+from shardtune.paths import shown
 
 
 def unknown_template_message(name: str) -> str:
     """The line shown for an unknown template name: the closest name, ``auto``, and every choice."""
-    return (f"unknown template '{name}'{did_you_mean(name, TEMPLATES)}; or use 'auto' for the tokenizer's own "
+    return (f"unknown template {shown(name)}{did_you_mean(name, TEMPLATES)}; or use 'auto' for the tokenizer's own "
             f"chat_template; choose one of {', '.join(TEMPLATES)}")
 
 

@@ -1,0 +1,1 @@
+"""Using a trained model: generation settings, answer metrics, ``shardtune chat``."""

@@ -1,0 +1,105 @@
+"""``shardtune eval OUTPUT [CONFIG.yaml] [key=value ...]``: generation-based evaluation of a trained model.
+
+It is a prediction-only run (``do_train: false``, ``do_predict`` and ``predict_with_generate`` on) of the model in
+OUTPUT, planned and launched as ``train`` is, so it runs on one process or many, under any engine. OUTPUT is a full
+model folder (model_name_or_path) or a LoRA adapter (adapter_name_or_path on its base). The data, template and
+generation keys come from CONFIG.yaml, else from the run's own ``shardtune_config.json`` in OUTPUT. The files go to
+``OUTPUT/predict`` unless ``output_dir=`` is given on the command line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from shardtune import run_files
+from shardtune.errors import ConfigError
+
+USAGE = ("usage: shardtune eval OUTPUT [CONFIG.yaml] [key=value ...] [--dry-run]\n\n"
+         "Generates answers for eval_dataset (else dataset) with the model in OUTPUT (a full model folder or a LoRA "
+         "adapter) and scores them: OUTPUT/predict/generated_predictions.jsonl and predict_results.json.\n"
+         "Without CONFIG.yaml the run's shardtune_config.json in OUTPUT gives the data, template and cutoff_len.\n"
+         "NPROC_PER_NODE / FORCE_TORCHRUN and deepspeed= / fsdp= run it on several processes, as for train.")
+# What an evaluation takes from the run's resolved config when no CONFIG.yaml is given.
+RUN_KEYS = ("template", "default_system", "enable_thinking", "tool_format", "dataset_dir", "dataset", "eval_dataset",
+            "cutoff_len", "trust_remote_code", "max_samples")
+
+
+def eval_arguments(args: list[str]) -> list[str]:
+    """The ``train`` command line that evaluates OUTPUT: its config file and key=value overrides."""
+    if not args or args[0].startswith("-"):
+        raise ConfigError("eval: give the trained model folder first: " + USAGE.splitlines()[0])
+    output = Path(args[0])
+    if not output.is_dir():
+        raise ConfigError(f"eval: {output} is not a folder (give a run's output_dir or an exported model)")
+    rest = args[1:]
+    config_file = rest[0] if rest and not rest[0].startswith("-") and "=" not in rest[0] else None
+    overrides = rest[1:] if config_file else rest
+    given_out = given_output_dir(overrides)
+    out = Path(given_out) if given_out else output / "predict"
+    forced = [*model_overrides(output), "do_train=false", "do_predict=true", "predict_with_generate=true",
+              "do_eval=false", "eval_strategy=no"]
+    if given_out is None:
+        forced.append(f"output_dir={out}")
+    return [config_file or str(write_run_config(output, out)), *forced, *overrides]
+
+
+def given_output_dir(overrides: list[str]) -> str | None:
+    """output_dir from ``output_dir=X``, ``--output_dir X`` or ``--output-dir=X`` on the command line."""
+    for position, arg in enumerate(overrides):
+        name, sep, value = arg.lstrip("-").partition("=")
+        if name.replace("-", "_") != "output_dir":
+            continue
+        if sep:
+            return value
+        if arg.startswith("--") and position + 1 < len(overrides):
+            return overrides[position + 1]
+    return None
+
+
+def model_overrides(output: Path) -> list[str]:
+    """model_name_or_path (and adapter_name_or_path) for the model in ``output``."""
+    if (output / "adapter_config.json").is_file():
+        base = json.loads((output / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        base = run_config(output).get("model_name_or_path") or base
+        if not base:
+            raise ConfigError(f"eval: {output} is a LoRA adapter whose base model is unknown; pass "
+                              "model_name_or_path=BASE")
+        return [f"model_name_or_path={base}", f"adapter_name_or_path={output}", "finetuning_type=lora"]
+    if (output / "config.json").is_file():
+        return [f"model_name_or_path={output}", "adapter_name_or_path=", "finetuning_type=full"]
+    raise ConfigError(f"eval: {output} holds no model (no config.json or adapter_config.json); a checkpoint-<step> "
+                      f"folder becomes one with `shardtune export {output} --out DIR`")
+
+
+def run_config(output: Path) -> dict[str, Any]:
+    path = output / run_files.RESOLVED_CONFIG
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def write_run_config(output: Path, folder: Path) -> Path:
+    """A config file of the run's data and template keys, in the evaluation's own folder (its ``.shardtune/``,
+    which marks the folder as a run's)."""
+    import yaml
+
+    run = run_config(output)
+    if not run:
+        raise ConfigError(f"eval: no CONFIG.yaml given and {output} has no {run_files.RESOLVED_CONFIG}; give the "
+                          "config that names the eval data and template")
+    path = folder / ".shardtune" / "eval_config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({key: run[key] for key in RUN_KEYS if key in run}, sort_keys=False))
+    return path
+
+
+def eval_command(args: list[str]) -> int:
+    if "-h" in args or "--help" in args:
+        print(USAGE)
+        return 0
+    from shardtune.errors import debug_requested
+    from shardtune.launch.preflight import plan_run
+    from shardtune.launch.supervise import start_run
+
+    argv = eval_arguments(args)
+    return start_run(plan_run(argv), debug_requested(argv))

@@ -1,0 +1,289 @@
+"""What a run folder says about its run: state, progress and ETA, curves, ranks, errors, checkpoints, commands.
+
+Read from the files the run writes (run_files.py), never from a process: a page reloaded, a server restarted or
+another machine looking at a shared folder sees the same. Nothing heavy is imported (no torch, no web stack).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import socket
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardtune import run_files
+from shardtune.web.rank_table import RankLogReader, rank_rows, read_rank_logs
+
+COMPLETE_MARKER = "COMPLETE"  # as train/checkpoint_folders.py writes it
+_SKIP_DIRS = {"ranks", "runs", "wandb", "mlruns", "__pycache__", "node_modules"}
+MAX_DEPTH = 4
+
+
+def find_runs(root: Path) -> list[Path]:
+    """Run folders under ``root`` (``root`` itself included), newest first: any folder shardtune trained or is
+    training into, started from this page or from the command line."""
+    found: list[Path] = []
+
+    def visit(folder: Path, depth: int) -> None:
+        if is_run_folder(folder):
+            found.append(folder)
+        if depth >= MAX_DEPTH:
+            return
+        with contextlib.suppress(OSError):
+            for child in folder.iterdir():
+                if child.is_dir() and not child.is_symlink() and not child.name.startswith(".") \
+                        and child.name not in _SKIP_DIRS and not child.name.startswith("checkpoint-"):
+                    visit(child, depth + 1)
+
+    visit(root, 0)
+    return sorted(found, key=_last_change, reverse=True)
+
+
+def is_run_folder(folder: Path) -> bool:
+    return any((folder / name).exists() for name in (run_files.RESOLVED_CONFIG, run_files.LAUNCH_PLAN,
+                                                     run_files.WEB_LAUNCH, run_files.LAUNCH_COMMANDS, "ranks"))
+
+
+def _last_change(folder: Path) -> float:
+    times = [0.0]
+    for name in (run_files.LOG, run_files.WEB_LAUNCH, run_files.LAUNCH_COMMANDS, run_files.RESULTS, "ranks"):
+        with contextlib.suppress(OSError):
+            times.append((folder / name).stat().st_mtime)
+    return max(times)
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return []
+    records = []
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError):
+            records.append(json.loads(line))
+    return records
+
+
+@dataclass
+class RunWatcher:
+    """Keeps a run's rank-log readers between looks, so a live page reads only what was appended."""
+
+    folder: Path
+    readers: dict[Path, RankLogReader] = field(default_factory=dict)
+
+    def summary(self, now: float | None = None) -> dict[str, Any]:
+        return run_summary(self.folder, read_rank_logs(self.folder / "ranks", self.readers), now)
+
+
+def run_summary(folder: Path, ranks: list[RankLogReader], now: float | None = None) -> dict[str, Any]:
+    """Everything the table and the page show of a run, as plain data."""
+    now = time.time() if now is None else now
+    launch = read_json(folder / run_files.LAUNCH_COMMANDS) or {}
+    web = read_json(folder / run_files.WEB_LAUNCH) or {}
+    started = min([t for t in (launch.get("started"), web.get("started")) if t] or
+                  [min((r.start["time"] for r in ranks if r.start), default=0.0)])
+    results = read_json(folder / run_files.RESULTS)
+    if results is not None and _mtime(folder / run_files.RESULTS) < started:
+        results = None  # an earlier attempt's
+    errors = rank_errors(folder, started)
+    state = run_state(ranks, results, errors, web, now)
+    over = state in ("finished", "failed", "stopped", "exited")
+    total = max([int(r.start["total_steps"]) for r in ranks if r.start] or [0])
+    step = max([r.step for r in ranks] or [int(results["global_step"]) if results else 0])
+    step_times = [v for r in ranks if (v := r.step_seconds()) is not None]
+    eta = statistics.median(step_times) * max(total - step, 0) if step_times and not over else None
+    return {
+        "name": folder.name, "state": state, "step": step, "total_steps": total,
+        "percent": round(100 * step / total, 1) if total else None, "eta_seconds": eta,
+        "elapsed_seconds": (now if not over else _end_time(ranks, now)) - started if started else None,
+        "started": started or None, "ranks": rank_rows(ranks, now, over), "errors": errors,
+        "results": results, "checkpoints": checkpoints(folder, launch), "launch": launch, "web_launch": web,
+        "console_tail": console_tail(folder), "world_size": max([r.start["world_size"] for r in ranks if r.start]
+                                                                 or [0]),
+    }
+
+
+def _end_time(ranks: list[RankLogReader], now: float) -> float:
+    return max([r.last["time"] for r in ranks if r.last and "time" in r.last] or [now])
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def run_state(ranks: list[RankLogReader], results: Any, errors: list[dict[str, Any]], web: dict[str, Any],
+              now: float) -> str:
+    """starting, running, stalled, finished, stopped, failed, or exited (ended with no word why)."""
+    if results is not None and all(r.ended for r in ranks):
+        return "finished"
+    if errors:
+        return "failed"
+    if ranks and all(r.ended for r in ranks):
+        return "stopped" if any(r.last and r.last.get("interrupted") for r in ranks) else "finished"
+    exit_code = web.get("exit_code")
+    if exit_code is not None:
+        return "failed" if exit_code not in (0, 130) else ("stopped" if exit_code == 130 else "exited")
+    alive = [process_alive(r.start.get("pid"), r.start.get("host"), r.start.get("time")) for r in ranks if r.start]
+    if ranks and alive and not any(a is not False for a in alive):
+        return "exited"  # every rank process on this host is gone without an end record: killed
+    if not ranks:
+        launcher = process_alive(web.get("pid"), web.get("host"), web.get("started"))
+        return "starting" if launcher else ("exited" if web else "unknown")
+    rows = rank_rows(ranks, now, False)
+    return "stalled" if any(row["stalled"] for row in rows) else "running"
+
+
+def process_alive(pid: Any, host: Any, started_by: float | None = None) -> bool | None:
+    """Whether process ``pid`` runs (None: on another host, or unknown). ``started_by``: a time.time() the process
+    had started by; a younger process reuses the pid of one that ended."""
+    if not isinstance(pid, int) or (host and host != socket.gethostname()):
+        return None
+    try:
+        os.kill(pid, 0)
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    if fields[0] == "Z":  # ended, not yet reaped
+        return False
+    return started_by is None or process_start_time(int(fields[19])) <= started_by + 1.0
+
+
+def process_start_time(ticks_after_boot: int) -> float:
+    """A process's start as a time.time() value, from /proc/<pid>/stat's starttime."""
+    boot = next((float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                 if line.startswith("btime ")), 0.0)
+    return boot + ticks_after_boot / os.sysconf("SC_CLK_TCK")
+
+
+def rank_errors(folder: Path, since: float) -> list[dict[str, Any]]:
+    """Each rank's own error file written for this attempt: its one-line summary and its traceback.
+    A rank's own error first; ranks that only lost a peer after it last."""
+    found = []
+    for path in sorted((folder / run_files.RANK_ERROR).parent.glob("rank-*-error.txt")):
+        if _mtime(path) < since - 1:
+            continue
+        try:
+            summary, _, details = path.read_text(encoding="utf-8", errors="replace").partition("\n\n")
+            rank = int(path.name.split("-")[1])
+        except (OSError, ValueError):
+            continue
+        found.append({"rank": rank, "summary": summary.strip(), "traceback": details[-20000:],
+                      "file": str(path), "consequence": "lost the connection to another rank" in summary
+                      or "a collective waited longer than ddp_timeout" in summary})
+    return sorted(found, key=lambda e: (e["consequence"], e["rank"]))
+
+
+def console_tail(folder: Path, lines: int = 40) -> list[str]:
+    """The end of a page-started run's console log (what the launching host printed)."""
+    try:
+        with open(folder / run_files.CONSOLE_LOG, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return []
+    return [line.rsplit("\r", 1)[-1] for line in text.splitlines()[-lines:]]
+
+
+def checkpoints(folder: Path, launch: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every checkpoint-<step> folder: complete or not (interrupted mid-save), its size, the command resuming it."""
+    found = []
+    with contextlib.suppress(OSError):
+        for path in folder.iterdir():
+            if not (path.is_dir() and path.name.startswith("checkpoint-") and path.name[11:].isdigit()):
+                continue
+            complete = (path / COMPLETE_MARKER).is_file()
+            found.append({"name": path.name, "step": int(path.name[11:]), "complete": complete,
+                          "size_bytes": folder_size(path),
+                          "resume_command": resume_command(folder, path, launch) if complete else None})
+    return sorted(found, key=lambda c: c["step"])
+
+
+def folder_size(path: Path) -> int:
+    total = 0
+    for item in path.rglob("*"):
+        with contextlib.suppress(OSError):
+            if item.is_file() and not item.is_symlink():
+                total += item.stat().st_size
+    return total
+
+
+def resume_command(folder: Path, checkpoint: Path, launch: dict[str, Any]) -> str:
+    """The run's own command line with resume_from_checkpoint added (its resolved config when unknown)."""
+    args = launch.get("command_line")
+    if not args:
+        args = [str(folder.resolve() / run_files.RESOLVED_CONFIG)]
+    args = [a for a in args if not a.startswith(("resume_from_checkpoint=", "overwrite_output_dir="))]
+    command = shlex.join(["shardtune", "train", *args, f"resume_from_checkpoint={checkpoint.resolve()}",
+                          "overwrite_output_dir=false"])
+    prefix = _env_prefix(launch)
+    cwd = launch.get("cwd")
+    return (f"cd {shlex.quote(cwd)} && " if cwd else "") + prefix + command
+
+
+def _env_prefix(launch: dict[str, Any]) -> str:
+    nodes, procs = launch.get("nnodes") or 1, launch.get("nproc_per_node") or 1
+    if nodes > 1:
+        return (f"NNODES={nodes} NODE_RANK=<node> MASTER_ADDR={launch.get('master_addr')} "
+                f"MASTER_PORT={launch.get('master_port')} NPROC_PER_NODE={procs} ")
+    return f"NPROC_PER_NODE={procs} " if procs > 1 else ""
+
+
+def node_commands(launch: dict[str, Any]) -> list[dict[str, Any]]:
+    """For each node: what to run on it (shardtune train with its NODE_RANK) and the torchrun command it starts."""
+    if not launch:
+        return []
+    args = launch.get("command_line") or []
+    nodes = launch.get("nnodes") or 1
+    torchrun = launch.get("torchrun") or []
+    out = []
+    for node in range(nodes):
+        env = {"NNODES": nodes, "NODE_RANK": node, "MASTER_ADDR": launch.get("master_addr"),
+               "MASTER_PORT": launch.get("master_port"), "NPROC_PER_NODE": launch.get("nproc_per_node")}
+        prefix = " ".join(f"{k}={v}" for k, v in env.items()) if nodes > 1 else _env_prefix(launch).strip()
+        out.append({"node": node, "shardtune": (prefix + " " if prefix else "") + shlex.join(["shardtune", "train",
+                                                                                            *args]),
+                    "torchrun": torchrun[node] if node < len(torchrun) else None})
+    return out
+
+
+def config_of(folder: Path) -> dict[str, Any] | None:
+    """The resolved config the run trained with (from the launch plan while the ranks start)."""
+    config = read_json(folder / run_files.RESOLVED_CONFIG)
+    if config is None:
+        plan = read_json(folder / run_files.LAUNCH_PLAN)
+        config = plan.get("config") if isinstance(plan, dict) else None
+    return config if isinstance(config, dict) else None
+
+
+def config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
+    """The keys whose values differ between two resolved configs."""
+    return [{"key": key, "a": a.get(key), "b": b.get(key)} for key in sorted(set(a) | set(b))
+            if a.get(key) != b.get(key)]
+
+
+def curves(folder: Path) -> dict[str, list[list[float]]]:
+    """Loss, learning rate and eval loss by step, as rank 0 logged them (trainer_log.jsonl)."""
+    out: dict[str, list[list[float]]] = {"loss": [], "learning_rate": [], "eval_loss": [], "grad_norm": []}
+    for record in read_jsonl(folder / run_files.LOG):
+        step = record.get("current_steps")
+        for key, values in out.items():
+            if step is not None and isinstance(record.get(key), (int, float)):
+                values.append([step, record[key]])
+    return out
