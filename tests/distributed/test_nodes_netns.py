@@ -158,6 +158,12 @@ def test_doctor_prints_its_tables_for_two_namespaces(pair, tmp_path):
     assert len(re.findall(r"^(4 KiB|1 MiB|16 MiB|64 MiB)\s+\d+\.\d+ ms\s+\d+\.\d+ GB/s", table, re.M)) == 4
 
 
+def saving_args(model: Path, out: Path) -> list[str]:
+    """training_args with a checkpoint every 2 steps (each key once on the command line)."""
+    return [a for a in training_args(model, out) if not a.startswith("save_strategy=")] + [
+        "save_strategy=steps", "save_steps=2"]
+
+
 def own_tmpfs(folder: Path) -> tuple[str, ...]:
     """A command prefix that mounts a tmpfs over ``folder`` in the node's own mount namespace (`ip netns exec`
     gives each node one): that node's output_dir is then a folder of its own, as a pod's disk is."""
@@ -166,7 +172,7 @@ def own_tmpfs(folder: Path) -> tuple[str, ...]:
 
 def test_a_node_with_its_own_output_dir_is_refused_before_launch(pair, tiny_model_dir, tmp_path):
     out = tmp_path / "out"
-    args = training_args(tiny_model_dir, out) + ["save_strategy=steps", "save_steps=2"]
+    args = saving_args(tiny_model_dir, out)
     nodes = [Node(pair[0], args, cli_env(GLOO_SOCKET_IFNAME=pair[0][2], **static_env(0))),
              Node(pair[1], args, cli_env(GLOO_SOCKET_IFNAME=pair[1][2], **static_env(1)), prefix=own_tmpfs(out))]
     results = [n.finish(timeout=300) for n in nodes]
@@ -182,7 +188,7 @@ def test_ranks_without_the_node_check_refuse_an_unshared_output_dir(pair, tiny_m
     """An elastic node range skips the node check (how many nodes come is not known before): the ranks check
     output_dir themselves before the first step, all together, instead of crashing at the first checkpoint."""
     out = tmp_path / "out"
-    args = training_args(tiny_model_dir, out) + ["save_strategy=steps", "save_steps=2"]
+    args = saving_args(tiny_model_dir, out)
     elastic = {"MIN_NNODES": "1", "MAX_NNODES": "2", "RDZV_ID": f"shared{os.getpid()}"}
     nodes = [Node(pair[0], args, cli_env(GLOO_SOCKET_IFNAME=pair[0][2], **static_env(0), **elastic)),
              Node(pair[1], args, cli_env(GLOO_SOCKET_IFNAME=pair[1][2], **static_env(1), **elastic),
