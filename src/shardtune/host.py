@@ -12,13 +12,43 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-def visible_gpu_count() -> int:
-    """CUDA devices this process may use, found without importing torch."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+def visible_gpu_count(visible: str | None = None, installed: int | None = None) -> int:
+    """CUDA devices this process may use, found without importing torch.
+
+    ``visible`` (default: CUDA_VISIBLE_DEVICES) narrows the ``installed`` GPUs (default: what the driver shows);
+    on a machine with no GPU a CUDA_VISIBLE_DEVICES left in the environment counts nothing.
+    """
+    installed = installed_gpu_count() if installed is None else installed
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    if installed == 0 or visible is None:
+        return installed
+    return len(visible_entries(visible, installed))
+
+
+def cuda_visible_devices() -> str | None:
+    """CUDA_VISIBLE_DEVICES as set (None when unset), for messages."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def visible_entries(visible: str, installed: int) -> list[str]:
+    """The devices a CUDA_VISIBLE_DEVICES value names, read as CUDA reads it: in order, up to the first entry that
+    names no device (``-1``, an index past the installed GPUs, a repeat); GPU-/MIG- UUIDs count as devices."""
+    entries: list[str] = []
+    for raw in visible.split(","):
+        entry = raw.strip()
+        is_index = entry.isdigit() and int(entry) < installed
+        if not (is_index or entry.startswith(("GPU-", "MIG-"))) or entry in entries:
+            break
+        entries.append(entry)
+    return entries[:installed]
+
+
+def installed_gpu_count() -> int:
+    """NVIDIA GPUs the driver shows on this machine (its /proc entries, else the /dev/nvidiaN device files)."""
     gpus = Path("/proc/driver/nvidia/gpus")
-    return len(list(gpus.iterdir())) if gpus.is_dir() else 0
+    if gpus.is_dir():
+        return len(list(gpus.iterdir()))
+    return len([p for p in Path("/dev").glob("nvidia*") if p.name[len("nvidia"):].isdigit()])
 
 
 def local_gpu_memory() -> int | None:

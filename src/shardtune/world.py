@@ -8,6 +8,7 @@ shardtune has no tensor or pipeline parallelism, so every rank is a data-paralle
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -26,12 +27,18 @@ class RankEnv:
 
 @dataclass(frozen=True)
 class WorldLayout:
-    """Nodes x processes per node, and the batch each optimizer step consumes."""
+    """Nodes x processes per node, and the batch each optimizer step consumes.
+
+    ``uneven_ranks``: the world size of a job whose nodes hold different numbers of ranks (Ray places workers where
+    GPUs are free: 12 workers on 8-GPU nodes, a partly busy node). Data parallelism does not mind; ``nodes`` and
+    ``procs_per_node`` then only describe this rank's node, and node-shaped groups (hybrid sharding) are refused.
+    """
 
     nodes: int = 1
     procs_per_node: int = 1
     micro_batch: int = 1  # per_device_train_batch_size
     grad_accum: int = 1  # gradient_accumulation_steps
+    uneven_ranks: int | None = None
 
     def __post_init__(self) -> None:
         named = {"nodes": self.nodes, "processes per node": self.procs_per_node,
@@ -43,16 +50,30 @@ class WorldLayout:
     @classmethod
     def of_ranks(cls, world_size: int, local_world_size: int, micro_batch: int = 1,
                  grad_accum: int = 1) -> WorldLayout:
-        """The layout of a running job, from its rank variables (``local_world_size`` ranks on each node)."""
+        """The layout of a running job, from one rank's variables (``local_world_size`` ranks on its node).
+
+        A world that is not a whole number of such nodes was placed unevenly: every rank still gets a layout (a rank
+        that raised here while its peers went on would leave them waiting in their first collective).
+        """
         per_node = max(1, min(local_world_size, world_size))
         if world_size % per_node:
-            raise ValueError(f"world layout: world size {world_size} is not a whole number of nodes of "
-                             f"{per_node} processes")
+            return cls(-(-world_size // per_node), per_node, micro_batch, grad_accum, uneven_ranks=world_size)
         return cls(world_size // per_node, per_node, micro_batch, grad_accum)
+
+    @classmethod
+    def of_placement(cls, local_world_sizes: Sequence[int], micro_batch: int = 1, grad_accum: int = 1) -> WorldLayout:
+        """The layout from every rank's LOCAL_WORLD_SIZE (gathered, so that every rank decides the same)."""
+        world_size = len(local_world_sizes)
+        sizes = set(local_world_sizes)
+        if len(sizes) == 1 and world_size % min(sizes) == 0:
+            return cls.of_ranks(world_size, min(sizes), micro_batch, grad_accum)
+        # A node of k ranks has k ranks that each say k.
+        nodes = max(1, sum(list(local_world_sizes).count(k) // k for k in sizes))
+        return cls(nodes, max(sizes), micro_batch, grad_accum, uneven_ranks=world_size)
 
     @property
     def world_size(self) -> int:
-        return self.nodes * self.procs_per_node
+        return self.uneven_ranks if self.uneven_ranks is not None else self.nodes * self.procs_per_node
 
     @property
     def data_parallel_size(self) -> int:
@@ -75,6 +96,11 @@ class WorldLayout:
         or with 1 process per node a shard size of 1 that silently becomes NO_SHARD; we never let that happen.
         """
         shard, world = shard_size or self.procs_per_node, self.world_size
+        if shard_size is None and self.uneven_ranks is not None:
+            raise ValueError(f"{strategy} shards within a node, but this job's {world} ranks are spread unevenly over "
+                             "its nodes (different LOCAL_WORLD_SIZE); set fsdp_config.hsdp_shard_size, or place the "
+                             "same number of ranks on every node (Ray: placement_strategy STRICT_PACK / "
+                             "STRICT_SPREAD, ray_num_workers a multiple of the GPUs per node)")
         if shard < 2:
             raise ValueError(f"{strategy} needs at least 2 processes per shard group, got {shard} (world size "
                              f"{world}); use more processes per node or set fsdp_config.hsdp_shard_size")

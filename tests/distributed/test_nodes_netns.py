@@ -49,11 +49,12 @@ def pair():
 class Node:
     """One node's `shardtune` process in its namespace; notes when its node check started."""
 
-    def __init__(self, host: tuple[str, str, str], args: list[str], env: dict[str, str]) -> None:
+    def __init__(self, host: tuple[str, str, str], args: list[str], env: dict[str, str],
+                 prefix: tuple[str, ...] = ()) -> None:
         self.check_started: float | None = None
         suffix, side, _ = host
-        self.proc = subprocess.Popen(["bash", str(SCRIPT), "run", suffix, side, sys.executable, "-m", "shardtune",
-                                      *args],
+        self.proc = subprocess.Popen(["bash", str(SCRIPT), "run", suffix, side, *prefix, sys.executable, "-m",
+                                      "shardtune", *args],
                                      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.out: list[str] = []
         self.err: list[str] = []
@@ -155,3 +156,46 @@ def test_doctor_prints_its_tables_for_two_namespaces(pair, tmp_path):
     assert re.search(r"reaches_master\s+is the master\s+yes \(", table)
     assert "all-reduce, gloo, 2 nodes x 1 process" in table
     assert len(re.findall(r"^(4 KiB|1 MiB|16 MiB|64 MiB)\s+\d+\.\d+ ms\s+\d+\.\d+ GB/s", table, re.M)) == 4
+
+
+def saving_args(model: Path, out: Path) -> list[str]:
+    """training_args with a checkpoint every 2 steps (each key once on the command line)."""
+    return [a for a in training_args(model, out) if not a.startswith("save_strategy=")] + [
+        "save_strategy=steps", "save_steps=2"]
+
+
+def own_tmpfs(folder: Path) -> tuple[str, ...]:
+    """A command prefix that mounts a tmpfs over ``folder`` in the node's own mount namespace (`ip netns exec`
+    gives each node one): that node's output_dir is then a folder of its own, as a pod's disk is."""
+    return ("sh", "-c", 'mkdir -p "$0" && mount -t tmpfs tmpfs "$0" && exec "$@"', str(folder))
+
+
+def test_a_node_with_its_own_output_dir_is_refused_before_launch(pair, tiny_model_dir, tmp_path):
+    out = tmp_path / "out"
+    args = saving_args(tiny_model_dir, out)
+    nodes = [Node(pair[0], args, cli_env(GLOO_SOCKET_IFNAME=pair[0][2], **static_env(0))),
+             Node(pair[1], args, cli_env(GLOO_SOCKET_IFNAME=pair[1][2], **static_env(1)), prefix=own_tmpfs(out))]
+    results = [n.finish(timeout=300) for n in nodes]
+    for code, stdout, err, _ in results:
+        errors = [x for x in err.splitlines() if x.startswith("shardtune: error:")]
+        assert code == 2 and len(errors) == 1, err[-3000:]
+        assert f"node 1 (node2) does not share output_dir {out} with node 0 (node1)" in errors[0]
+        assert "launching:" not in stdout  # stopped before torchrun
+    assert not list(out.glob("checkpoint-*"))
+
+
+def test_ranks_without_the_node_check_refuse_an_unshared_output_dir(pair, tiny_model_dir, tmp_path):
+    """An elastic node range skips the node check (how many nodes come is not known before): the ranks check
+    output_dir themselves before the first step, all together, instead of crashing at the first checkpoint."""
+    out = tmp_path / "out"
+    args = saving_args(tiny_model_dir, out)
+    elastic = {"MIN_NNODES": "1", "MAX_NNODES": "2", "RDZV_ID": f"shared{os.getpid()}"}
+    nodes = [Node(pair[0], args, cli_env(GLOO_SOCKET_IFNAME=pair[0][2], **static_env(0), **elastic)),
+             Node(pair[1], args, cli_env(GLOO_SOCKET_IFNAME=pair[1][2], **static_env(1), **elastic),
+                  prefix=own_tmpfs(out))]
+    results = [n.finish(timeout=400) for n in nodes]
+    assert [r[0] for r in results] == [2, 2], results[0][2][-3000:] + results[1][2][-3000:]
+    text = results[0][2] + results[1][2]
+    assert f"output_dir {out} is not shared by every rank: 1 of 2 ranks cannot see the file rank 0 wrote" in text
+    assert "node check" not in results[0][1]
+    assert not list(out.glob("checkpoint-*"))

@@ -61,7 +61,7 @@ def test_sbatch_script_trains_on_two_gloo_processes(slurm_conf, tiny_model_dir, 
     out, script = tmp_path / "out", tmp_path / "job.sbatch"
     submitted = run_cli(
         "slurm", "examples/tiny/sft_full.yaml", "--nodes", "1", "--gpus-per-node", "0", "--nproc-per-node", "2",
-        "--cpus-per-task", "2", "--time", "00:10:00", "--script", str(script), "--output",
+        "--cpus-per-task", "2", "--memory-per-node", "0", "--time", "00:10:00", "--script", str(script), "--output",
         str(tmp_path / "slurm-%j.out"), "--submit", f"model_name_or_path={tiny_model_dir}", f"output_dir={out}",
         "max_steps=3", "do_eval=false", "save_steps=100", "plot_loss=false", SLURM_CONF=slurm_conf)
     assert submitted.returncode == 0, submitted.stderr

@@ -35,6 +35,8 @@ def test_qlora_one_process_trains_and_saves_an_adapter(qlora_single, tiny_model_
 
 @pytest.mark.parametrize("version", list(FSDP))
 def test_fsdp_qlora_matches_one_process(version, qlora_single, tiny_model_dir, tmp_path):
+    if version == "fsdp1" and GPUS > 1:
+        pytest.skip("FSDP1 QLoRA on several processes is refused before launch (tests/unit/test_engine_plan.py)")
     run = train(tiny_model_dir, tmp_path, "lora", *QLORA, *FSDP[version], processes=GPUS)
     assert run.results["engine"] == "fsdp" and run.results["world_size"] == GPUS
     check_memory_records(run.results, GPUS)

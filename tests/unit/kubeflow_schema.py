@@ -29,7 +29,8 @@ RESOURCES = obj(limits={"type": "object", "additionalProperties": QUANTITY},
 ENV = array(obj(["name"], name=STRING, value=STRING))
 VOLUME_MOUNT = obj(["mountPath", "name"], mountPath=STRING, name=STRING, readOnly=BOOL, subPath=STRING)
 VOLUME = obj(["name"], name=STRING, configMap=obj(name=STRING, optional=BOOL),
-             persistentVolumeClaim=obj(["claimName"], claimName=STRING, readOnly=BOOL))
+             persistentVolumeClaim=obj(["claimName"], claimName=STRING, readOnly=BOOL),
+             emptyDir=obj(medium=STRING, sizeLimit=QUANTITY))
 CONTAINER = obj(["name"], name=STRING, image=STRING, command=array(STRING), args=array(STRING), env=ENV,
                 resources=RESOURCES, volumeMounts=array(VOLUME_MOUNT))
 POD_SPEC = obj(["containers"], containers=array(CONTAINER), volumes=array(VOLUME))

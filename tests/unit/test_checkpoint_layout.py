@@ -71,3 +71,30 @@ def test_deepspeed_reads_are_forced_to_weights_only(tmp_path, capsys):
     torch.save({"module": {"w": torch.ones(2)}}, path)
     with weights_only_loads():
         assert torch.load(path, weights_only=False)["module"]["w"].sum() == 2
+
+
+def test_an_fp16_loss_scaler_state_loads_through_the_safe_loader(tmp_path, capsys):
+    """fp16 ZeRO saves its DynamicLossScaler object in the optimizer state: resume and export read it back."""
+    import torch
+    from deepspeed.checkpoint.constants import LOSS_SCALER, OPTIMIZER_STATE_DICT
+    from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler, DynamicLossScaler
+    from deepspeed.runtime.precision_config import get_float16_config
+
+    from shardtune.engines.safe_load import weights_only_loads
+
+    # What ZeRO-1/2/3 build from an fp16 config with dynamic scaling ("loss_scale": 0, DeepSpeed's default).
+    fp16 = get_float16_config({"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12}})
+    scaler = CreateLossScaler(dtype=torch.float16, static_loss_scale=fp16.loss_scale, dynamic_scaling=True,
+                              dynamic_loss_args=fp16.dynamic_loss_scale_args())
+    scaler.update_scale(False)
+    path = tmp_path / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({OPTIMIZER_STATE_DICT: {LOSS_SCALER: scaler, "dynamic_loss_scale": True, "overflow": False}}, path)
+    with weights_only_loads():
+        loaded = torch.load(path, weights_only=False)[OPTIMIZER_STATE_DICT][LOSS_SCALER]
+    assert isinstance(loaded, DynamicLossScaler)
+    assert (loaded.cur_scale, loaded.cur_iter, loaded.dtype) == (2**12, 1, torch.float16)
+    # Still only the allowed classes: anything else in the same file is refused.
+    torch.save({OPTIMIZER_STATE_DICT: {LOSS_SCALER: scaler, "extra": Payload()}}, path)
+    with weights_only_loads(), pytest.raises(Exception, match="Unsupported global"):
+        torch.load(path, weights_only=False)
+    assert "unpickled!" not in capsys.readouterr().out

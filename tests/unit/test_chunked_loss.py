@@ -278,3 +278,31 @@ def test_the_config_key_reaches_the_loop():
 
     assert loop_settings(TrainConfig(loss_chunk_size=37), 10, False).loss_chunk_size == 37
     assert loop_settings(TrainConfig(), 10, False).loss_chunk_size == DEFAULT_LOSS_CHUNK_SIZE > 0
+
+
+def test_a_bf16_head_sums_its_weight_gradient_in_fp32():
+    """FSDP's mixed precision and DeepSpeed's bf16 hand the head a bf16 weight: the weight gradient summed over many
+    chunks must stay as close to the exact one as the plain path's single bf16 matmul, not lose each chunk's
+    small share against a large bf16 running sum."""
+    torch.manual_seed(0)
+    rows, width = 2048, 16
+    hidden = torch.randn(1, rows, width, dtype=torch.float64)
+    weight = torch.randn(VOCAB, width, dtype=torch.float64) * 0.1
+    targets = torch.randint(0, VOCAB, (1, rows))
+
+    def weight_grad(dtype: torch.dtype, chunk_size: int | None) -> torch.Tensor:
+        w = weight.detach().to(dtype).clone().requires_grad_(True)
+        h = hidden.to(dtype)
+        if chunk_size is None:  # the plain path: one matmul for the whole gradient
+            plain = torch.nn.functional.cross_entropy((h @ w.t()).float().reshape(-1, VOCAB), targets.reshape(-1),
+                                                      reduction="sum")
+            plain.backward()
+        else:
+            linear_cross_entropy_sum(h, w, None, targets, chunk_size).backward()
+        assert w.grad is not None and w.grad.dtype == dtype
+        return w.grad.double()
+
+    exact = weight_grad(torch.float64, None)
+    plain_error = (weight_grad(torch.bfloat16, None) - exact).abs().max()
+    chunked_error = (weight_grad(torch.bfloat16, 8) - exact).abs().max()  # 256 chunks
+    assert chunked_error <= 2 * plain_error, (float(chunked_error), float(plain_error))

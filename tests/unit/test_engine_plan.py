@@ -60,3 +60,13 @@ def test_accelerate_config_file_as_fsdp_config():
     assert any("num_processes: 2 but this launch has 4 processes" in p for p in problems)
     _, problems = plan(fsdp_config="examples/accelerate/single_node.yaml")
     assert any("not FSDP" in p for p in problems)
+
+
+def test_fsdp1_qlora_on_several_processes_is_refused():
+    """A path that has never run (FSDP1 sharding frozen 4-bit units beside LoRA units) is refused, not trusted."""
+    qlora = {"finetuning_type": "lora", "quantization_bit": 4, "bf16": True, "fsdp": "full_shard auto_wrap"}
+    _, problems = plan(True, 2, fsdp_config={"fsdp_version": 1}, **qlora)
+    assert problems == ["quantization_bit (4) with fsdp_version 1 on 2 processes: FSDP1 QLoRA has been run on one "
+                        "GPU only; use fsdp_version: 2 (the default), which shards QLoRA across GPUs"]
+    assert plan(True, 1, fsdp_config={"fsdp_version": 1}, **qlora)[1] == []
+    assert plan(True, 2, **qlora)[1] == []

@@ -192,3 +192,76 @@ def test_host_is_quiet_after_a_report_and_says_2_for_bad_input(tmp_path, capsys)
                          TORCHRUN_TAIL.replace("exitcode  : -9", "exitcode  : 2"))
     assert report_launch_failure(1, output, tmp_path, time.time()) == 2
     assert capsys.readouterr().err == ""
+
+
+# ---- NCCL: the watchdog ends a rank (SIGABRT) before any Python exception; these are its real log lines ----
+
+# torch 2.6-2.13 ProcessGroupNCCL, a collective that never completed (another rank stuck), as torchrun prefixes it.
+NCCL_TIMEOUT_LOG = """\
+[rank1]:[E1218 20:27:21.484959605 ProcessGroupNCCL.cpp:629] [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600081 milliseconds before timing out.
+[rank1]:[E1218 20:27:21.484959605 ProcessGroupNCCL.cpp:681] [Rank 1] Some NCCL operations have failed or timed out. Due to the asynchronous nature of CUDA kernels, subsequent GPU operations might run on corrupted/incomplete data.
+[rank1]:[E1218 20:27:21.484966856 ProcessGroupNCCL.cpp:695] [Rank 1] To avoid data inconsistency, we are taking the entire process down.
+[rank1]:[E1218 20:27:21.486305774 ProcessGroupNCCL.cpp:1895] [PG ID 0 PG GUID 0(default_pg) Rank 1] Process group watchdog thread terminated with exception: [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600081 milliseconds before timing out.
+Exception raised from checkTimeout at /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:632 (most recent call first):
+frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x98 (0x7f1c4a76c1b8 in /usr/lib/python3/dist-packages/torch/lib/libc10.so)
+terminate called after throwing an instance of 'c10::DistBackendError'
+"""  # noqa: E501
+# torch 2.3 ProcessGroupNCCL after a peer process died (NCCL's socket transport saw the connection close).
+NCCL_PEER_LOST_LOG = """\
+[rank1]:[E ProcessGroupNCCL.cpp:577] [Rank 1] Some NCCL operations have failed or timed out. Due to the asynchronous nature of CUDA kernels, subsequent GPU operations might run on corrupted/incomplete data.
+[rank1]:[E ProcessGroupNCCL.cpp:583] [Rank 1] To avoid data inconsistency, we are taking the entire process down.
+[rank1]:[E ProcessGroupNCCL.cpp:1414] [PG 0 Rank 1] Process group watchdog thread terminated with exception: NCCL error: remote process exited or there was a network error, NCCL version 2.20.5
+ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely.
+Last error:
+socketProgress: Connection closed by remote peer gpu-node1<45074>
+terminate called after throwing an instance of 'c10::DistBackendError'
+"""  # noqa: E501
+ABORTED_TAIL = TORCHRUN_TAIL.replace("exitcode  : -9 (pid: 27384)", "exitcode  : -6 (pid: 27384)")
+
+
+@pytest.mark.parametrize(("message", "kind"), [
+    ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:77, remote process exited or there was a "
+     "network error, NCCL version 2.21.5\nncclRemoteError: A call failed possibly due to a network error or a "
+     "remote process exiting prematurely.", FailureKind.PEER_LOST),
+    ("[Rank 1] NCCL communicator was aborted on rank 1.", FailureKind.PEER_LOST),
+    ("[PG 0 Rank 25] Heartbeat monitor timed out! Process will be terminated after dumping debug info. "
+     "workMetaList_.size()=2", FailureKind.TIMED_OUT),
+])
+def test_nccl_exceptions_are_told_apart(message, kind):
+    assert classify_failure(RuntimeError(message)) is kind
+
+
+def test_two_ranks_on_one_gpu_are_named():
+    err = RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1275, invalid usage (run with NCCL_DEBUG=WARN for "
+                       "details), NCCL version 2.21.5\nncclInvalidUsage: This usually reflects invalid usage of NCCL "
+                       "library.\nLast error:\nDuplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000")
+    assert failure_summary(err, 1, 1800) == (
+        "[shardtune] rank 1 failed: two ranks are on one GPU (NCCL: Duplicate GPU detected): start one process per "
+        "GPU (NPROC_PER_NODE, CUDA_VISIBLE_DEVICES, Ray's resources_per_worker GPU: 1)")
+
+
+@pytest.mark.parametrize(("log", "expected"), [
+    (NCCL_TIMEOUT_LOG, "[shardtune] rank 1 failed: NCCL's watchdog ended the process: collective ALLREDUCE (#9, "
+                       "timeout 600 s) waited longer than the process group timeout (ddp_timeout): another rank is "
+                       "stuck or died; raise ddp_timeout if a step legitimately takes that long"),
+    (NCCL_PEER_LOST_LOG, "[shardtune] rank 1 failed: NCCL's watchdog ended the process: it lost the connection to "
+                         "another rank, which failed or was killed first (or the network between the nodes failed)"),
+])
+def test_host_reports_a_rank_the_nccl_watchdog_aborted(log, expected, tmp_path, capsys):
+    """The rank died by SIGABRT and wrote no report: the host reads the watchdog's lines instead of saying only
+    that rank 1 was killed by SIGABRT."""
+    from shardtune.launch.supervise import report_launch_failure
+
+    shown, output = filtered(log, ABORTED_TAIL)
+    assert shown == log  # the watchdog's own lines still pass
+    assert report_launch_failure(1, output, tmp_path, time.time()) == 1
+    assert capsys.readouterr().err == expected + "\n"
+
+
+def test_a_rank_killed_first_stays_the_cause_over_the_watchdog(tmp_path, capsys):
+    """rank 1 was killed (SIGKILL, out of memory); rank 0's watchdog then lost it: the kill is the news."""
+    from shardtune.launch.supervise import report_launch_failure
+
+    _, output = filtered(NCCL_PEER_LOST_LOG.replace("rank1]", "rank0]").replace("Rank 1]", "Rank 0]"), TORCHRUN_TAIL)
+    assert report_launch_failure(1, output, tmp_path, time.time()) == 1
+    assert capsys.readouterr().err.startswith("shardtune: error: rank 1 was killed by SIGKILL")

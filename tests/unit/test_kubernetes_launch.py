@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from shardtune.errors import ConfigError
 from shardtune.launch.env import inside_launcher, read_launch_env
 from shardtune.launch.k8s_manifest import ManifestRequest, build_manifest, job_name, manifest_text
 from shardtune.launch.kubernetes import PYTORCHJOB, PYTORCHJOB_ELASTIC, TRAINJOB, operator_flavour
+from shardtune.launch.node_resources import NodeResources, node_resources, parse_memory, resource_problems
 from shardtune.launch.torchrun import build_torchrun_argv, plan_launch, worker_argv
 from tests.conftest import run_cli
 from tests.unit.kubeflow_schema import SCHEMAS, validate
@@ -171,7 +173,7 @@ def test_pytorchjob_manifest_shape():
     container = replicas["Worker"]["template"]["spec"]["containers"][0]
     assert container["name"] == "pytorch"  # the operator looks for this name
     assert container["command"] == ["shardtune", "train", "/etc/shardtune/sft.yaml", "max_steps=5"]
-    assert container["resources"] == {"limits": {"nvidia.com/gpu": 4}}
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": 4}
     assert job["spec"]["nprocPerNode"] == "4"
     assert "Worker" not in build_manifest(manifest_request("pytorchjob", nodes=1))[1]["spec"]["pytorchReplicaSpecs"]
 
@@ -199,6 +201,39 @@ def test_manifest_passes_the_full_upstream_crd(kind, crd):
     assert validate(job, schema) == []
 
 
+@pytest.mark.parametrize("kind", ["pytorchjob", "trainjob"])
+def test_every_pod_requests_cpus_and_memory_and_mounts_shm(kind):
+    """Without requests a pod lands anywhere and is evicted first; without /dev/shm NCCL and DataLoader workers
+    have a container's 64 MiB."""
+    resources = NodeResources(cpus=48, memory=300 * 2**30)
+    job = build_manifest(replace(manifest_request(kind, gpus=8, nproc=8), resources=resources))[1]
+    if kind == "pytorchjob":
+        pods = [r["template"]["spec"] for r in job["spec"]["pytorchReplicaSpecs"].values()]
+        requests = [pod["containers"][0]["resources"] for pod in pods]
+    else:
+        replicated = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+        pods = [replicated[0]["template"]["spec"]["template"]["spec"]]
+        requests = [job["spec"]["trainer"]["resourcesPerNode"]]
+    for got in requests:
+        assert got == {"requests": {"cpu": "48", "memory": "300Gi"}, "limits": {"nvidia.com/gpu": 8}}
+    for pod in pods:
+        shm = [v for v in pod["volumes"] if v.get("emptyDir") == {"medium": "Memory"}]
+        assert len(shm) == 1
+        assert {"name": shm[0]["name"], "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
+    assert validate(job, SCHEMAS[job["kind"]]) == []
+
+
+def test_node_resources_defaults_and_flags():
+    assert node_resources(None, None, 4, 10 * 2**30) == NodeResources(32, int(12.5 * 2**30), "estimate")
+    assert node_resources(None, None, 2, None) == NodeResources(16, 64 * 2**30, "default")
+    assert node_resources(None, None, 1, 2**20).memory == 8 * 2**30  # never below one rank's runtime
+    assert node_resources(12, "200G", 8, 10).k8s_requests() == {"cpu": "12", "memory": "200Gi"}
+    assert node_resources(12, "0", 8, 10).k8s_requests() == {"cpu": "12"}
+    assert parse_memory("512Mi") == 512 * 2**20 and parse_memory("1.5T") == int(1.5 * 2**40)
+    assert resource_problems(0, "lots") == ["--cpus-per-node must be >= 1 (got 0)",
+                                            "--memory-per-node 'lots' is not a size; give e.g. 200G or 512Gi"]
+
+
 def test_job_names_are_dns_labels():
     assert job_name(Path("examples/train_full/Llama3_SFT.yaml")) == "llama3-sft"
     assert job_name(Path("2024_run.yaml")) == "run"
@@ -213,6 +248,9 @@ def test_k8s_command_writes_a_manifest(tmp_path, tiny_model_dir):
     docs = list(yaml.safe_load_all(out.read_text()))
     assert [validate(d, SCHEMAS[d["kind"]]) for d in docs] == [[], []]
     assert docs[1]["spec"]["trainer"]["command"][-1] == "max_steps=3"
+    # The tiny model's estimate is far below one rank's runtime: the floor, 8 CPUs per process.
+    assert docs[1]["spec"]["trainer"]["resourcesPerNode"]["requests"] == {"cpu": "16", "memory": "8Gi"}
+    assert "Each pod requests 16 CPUs and 8 GiB of memory (estimate)" in out.read_text()
 
 
 def test_k8s_command_validates_the_config_first(tmp_path):

@@ -129,3 +129,17 @@ def test_every_strategy_maps_onto_fsdp1_and_fsdp2():
         assert ShardingStrategy[fsdp1_strategy_member(strategy)]  # HYBRID_SHARD_ZERO2 is private in torch
     assert ShardingStrategy[fsdp1_strategy_member("HYBRID_SHARD_ZERO2")] is ShardingStrategy._HYBRID_SHARD_ZERO2
     assert [s for s in STRATEGIES if reshards_after_forward(s)] == ["FULL_SHARD", "HYBRID_SHARD"]
+
+
+def test_an_uneven_placement_is_a_layout_not_an_error():
+    """Ray put 8 workers on one 8-GPU node and 4 on another: every rank gets the same data-parallel world."""
+    for local in (8, 4):
+        layout = WorldLayout.of_ranks(12, local, micro_batch=2, grad_accum=3)
+        assert (layout.world_size, layout.data_parallel_size, layout.global_batch) == (12, 12, 72)
+    placed = WorldLayout.of_placement([8] * 8 + [4] * 4)
+    assert (placed.world_size, placed.nodes, placed.uneven_ranks) == (12, 2, 12)
+    assert WorldLayout.of_placement([4] * 8) == WorldLayout(2, 4)  # even: the plain layout
+    # Node-shaped groups need even nodes; an explicit shard size does not.
+    with pytest.raises(ValueError, match="12 ranks are spread unevenly over its nodes"):
+        placed.hybrid_groups("HYBRID_SHARD", None)
+    assert placed.hybrid_groups("HYBRID_SHARD", 4) == (3, 4)

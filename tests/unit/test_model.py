@@ -66,3 +66,22 @@ def test_quantization_without_cuda_is_a_clear_error():
         pytest.skip("has CUDA")
     with pytest.raises(ModelError, match="needs a CUDA GPU"):
         quantization_config(Quantization(4), torch.bfloat16)
+
+
+def checkpoint_arguments(model) -> list[dict]:
+    """The torch.utils.checkpoint arguments each checkpointed decoder layer calls it with."""
+    return [dict(m._gradient_checkpointing_func.keywords) for m in model.modules()
+            if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func")]
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_checkpointing_keeps_its_arguments_under_qlora(quantized):
+    """peft's prepare_model_for_kbit_training enables checkpointing again; it must keep use_reentrant: false and
+    the user's gradient_checkpointing_kwargs (here an extra torch.utils.checkpoint argument)."""
+    model = tiny_llama()
+    model.is_loaded_in_4bit = quantized  # what bitsandbytes' loading sets; peft's k-bit path reads it
+    settings = FinetuningSettings(gradient_checkpointing=True, checkpointing_kwargs={"preserve_rng_state": False},
+                                  is_quantized=quantized)
+    found = checkpoint_arguments(apply_finetuning(model, settings))
+    assert len(found) >= LAYERS  # the decoder layers (and the model, which carries the flag too)
+    assert all(kwargs == {"use_reentrant": False, "preserve_rng_state": False} for kwargs in found), found

@@ -209,3 +209,48 @@ def test_router_aux_loss_with_a_4d_packing_mask_is_refused_with_the_remedy(arch_
         causal_lm_loss_terms(model, {"input_ids": ids, "attention_mask": mask}, ids, 0, router_aux=True)
     loss, aux = causal_lm_loss_terms(model, {"input_ids": ids, "attention_mask": mask}, ids, 0)  # no aux: trains
     assert aux is None and float(loss) > 0
+
+
+# ---- how the fused experts compute ----
+
+def test_the_experts_implementation_follows_the_weights_dtype_on_cuda():
+    assert moe.experts_implementation("cuda", "bfloat16")[0] == "grouped_mm"  # FSDP/DeepSpeed bf16 weights
+    assert moe.experts_implementation("cuda", "float32")[0] == "eager"  # DDP / one process: fp32 under autocast
+    assert moe.experts_implementation("cuda", "float16")[0] == "eager"
+    assert moe.experts_implementation("cpu", "float32")[0] == "grouped_mm"  # transformers' own choice stays
+
+
+def test_grouped_mm_escapes_autocast_and_eager_does_not(arch_model_dir):
+    """Why fp32 expert weights get eager on CUDA: under bf16 autocast, transformers' grouped_mm casts the tokens to the
+    weights' fp32 and computes the experts exactly as without autocast, while eager's matmuls run in bf16 like the
+    rest of the model."""
+    model = load(arch_model_dir, "qwen3_moe").eval()
+    experts = next(block for _, block in moe.sparse_moe_blocks(model)).experts
+    calls: list[tuple] = []
+    experts.register_forward_pre_hook(lambda module, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
+    with torch.no_grad():
+        model(input_ids=batch(0)["input_ids"])
+    args, kwargs = calls[0]  # the tokens and routing the first sparse block's experts received
+
+    def experts_output(choice: str, autocast: bool) -> torch.Tensor:
+        model.set_experts_implementation(choice)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return experts(*args, **kwargs).float()
+
+    exact = experts_output("grouped_mm", autocast=False)
+    assert torch.allclose(experts_output("eager", autocast=False), exact, atol=1e-5)  # the same experts
+    assert torch.allclose(experts_output("grouped_mm", autocast=True), exact, atol=1e-6)  # autocast did not reach it
+    in_bf16 = experts_output("eager", autocast=True)
+    assert not torch.allclose(in_bf16, exact, atol=1e-4) and torch.allclose(in_bf16, exact, atol=0.05)
+
+
+def test_the_choice_is_set_on_the_model_and_said(arch_model_dir):
+    model = load(arch_model_dir, "qwen3_moe")
+    line = moe.apply_experts_implementation(model, "cuda", "float32")
+    assert model.config._experts_implementation == "eager"
+    assert line is not None and line.startswith("mixture of experts: experts_implementation eager (float32 expert")
+    assert moe.apply_experts_implementation(model, "cuda", "bfloat16").startswith(
+        "mixture of experts: experts_implementation grouped_mm")
+    assert model.config._experts_implementation == "grouped_mm"
+    assert moe.apply_experts_implementation(AutoModelForCausalLM.from_pretrained(arch_model_dir("llama")), "cuda",
+                                            "float32") is None  # a dense model: nothing to choose

@@ -3,6 +3,7 @@ between threads (no processes)."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -167,3 +168,21 @@ def test_which_launches_are_checked():
     assert nodes.needs_check(LaunchPlan(2, 1, 8, "h", 1, max_restarts=3), None)  # restarts: same nodes
     assert not nodes.needs_check(LaunchPlan(4, 0, 8, "h", 1, min_nnodes=2, max_nnodes=4), None)
     assert not nodes.needs_check(LaunchPlan(2, 0, 8, "h", 1), "PyTorchJob (elastic)")
+
+
+def test_node_zero_listens_on_master_addr_only():
+    """The check's store has no authentication and carries the resolved config: it listens on the interface of
+    MASTER_ADDR, not on every interface of node 0."""
+    others = [a for n, a in nodes.interface_addresses().items() if not a.startswith("127.")]
+    if not others:
+        pytest.skip("this machine has no address besides loopback")
+    port = find_free_port()
+    with nodes.node_store(LaunchPlan(2, 0, 1, "127.0.0.1", port - 1, rdzv_timeout=5)) as store:
+        store.set("probe", "1")
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+        with pytest.raises(OSError), socket.create_connection((others[0], port), timeout=5):
+            pass
+    sock = nodes.listen_for_nodes("127.0.0.1", find_free_port())
+    assert sock.getsockname()[0] == "127.0.0.1"
+    sock.close()

@@ -12,7 +12,7 @@ from shardtune.errors import ConfigError
 from shardtune.launch.env import read_launch_env
 from shardtune.launch.failures import save_rank_failure
 from shardtune.launch.ray_job import failure_line, missing_resources
-from shardtune.launch.ray_plan import build_ray_plan, ray_problems
+from shardtune.launch.ray_plan import build_ray_plan, ray_problems, worker_threads
 from shardtune.launch.torchrun import plan_launch
 from tests.conftest import run_cli
 
@@ -59,14 +59,15 @@ def test_plan_maps_keys_onto_ray_train_configs():
     assert plan.scaling_args() == {"num_workers": 4, "use_gpu": True, "resources_per_worker": {"GPU": 1.0, "CPU": 8.0},
                                    "placement_strategy": "STRICT_SPREAD"}
     assert (plan.backend, plan.max_failures, plan.timeout_s, plan.storage_path, plan.run_name) == \
-        ("nccl", 3, 600, "/shared/ray", "exp1")
+        ("cpu:gloo,cuda:nccl", 3, 600, "/shared/ray", "exp1")
     assert plan.init_kwargs == {"address": "auto"}
 
 
-@pytest.mark.parametrize(("gpus", "resources", "backend"), [(2, {"GPU": 1.0}, "nccl"), (0, {"CPU": 1.0}, "gloo")])
+@pytest.mark.parametrize(("gpus", "resources", "backend"), [(2, {"GPU": 1.0}, "cpu:gloo,cuda:nccl"),
+                                                             (0, {"CPU": 1.0}, "gloo")])
 def test_default_resources_follow_the_cluster(gpus, resources, backend):
     plan = build_ray_plan(config(ray_num_workers=2), max_restarts=0, cluster_gpus=gpus)
-    assert (plan.resources_per_worker, plan.backend, plan.use_gpu) == (resources, backend, backend == "nccl")
+    assert (plan.resources_per_worker, plan.backend, plan.use_gpu) == (resources, backend, gpus > 0)
 
 
 def test_ray_key_problems_are_named():
@@ -119,3 +120,32 @@ def test_check_under_use_ray_reports_every_problem_in_one_round(tmp_path: Path):
     assert len(lines) == 3, lines
     assert "NNODES=2 is set with USE_RAY=1" in lines[0]
     assert "placement_strategy" in result.stderr and "ray_init_kwargs: num_cpu not an argument" in result.stderr
+
+
+def test_a_fraction_of_a_gpu_per_worker_is_refused():
+    problems = ray_problems(config(resources_per_worker={"GPU": 0.5}), fake_ray_init)
+    assert problems == ["resources_per_worker: GPU: 0.5: a fraction of a GPU per worker puts several ranks on one "
+                        "GPU, which NCCL refuses; give each worker GPU: 1 (or CPU workers without GPU)"]
+    assert ray_problems(config(resources_per_worker={"GPU": 1, "CPU": 0.5}), fake_ray_init) == []
+
+
+def test_gpu_workers_share_their_node_cpus():
+    """Ray gives a worker that requested no CPU OMP_NUM_THREADS=1; shardtune gives it its share of the node."""
+    assert worker_threads({"GPU": 1.0}, node_cpus=96, local_world_size=8) == 12
+    assert worker_threads({"GPU": 1.0, "CPU": 0.5}, node_cpus=96, local_world_size=8) == 12
+    assert worker_threads({"GPU": 1.0, "CPU": 6.0}, node_cpus=96, local_world_size=8) is None  # Ray sets 6
+    assert worker_threads({"GPU": 1.0}, node_cpus=4, local_world_size=8) == 1
+
+
+def test_a_rank_placed_unevenly_gets_its_plan(tmp_path):
+    """12 workers on 8-GPU nodes: the ranks on the full node used to raise while the others waited for them."""
+    from shardtune.engines.plan import EnginePlan
+    from shardtune.launch import worker
+    from shardtune.launch.preflight import RunPlan, write_run_plan
+    from shardtune.world import RankEnv, WorldLayout
+
+    plan = RunPlan(config(output_dir=str(tmp_path)), EnginePlan("ddp"), WorldLayout(1, 12))
+    path = write_run_plan(plan)
+    for local in (8, 4):
+        ranked = worker.rank_plan([str(path)], RankEnv(rank=0, world_size=12, local_world_size=local))
+        assert ranked.layout.world_size == 12

@@ -10,6 +10,7 @@ import pytest
 
 from shardtune.errors import ConfigError
 from shardtune.launch.env import inside_launcher, read_launch_env
+from shardtune.launch.node_resources import NodeResources
 from shardtune.launch.sbatch import SbatchRequest, build_sbatch_script, parse_job_id
 from shardtune.launch.slurm import expand_counts, expand_hostlist, port_for_job
 from shardtune.launch.torchrun import build_torchrun_argv, plan_launch, worker_argv
@@ -163,7 +164,8 @@ def test_sbatch_script_text():
     assert lines[0] == "#!/bin/bash"
     directives = [line for line in lines if line.startswith("#SBATCH")]
     assert directives == ["#SBATCH --job-name=sft", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1",
-                          "#SBATCH --gpus-per-node=4", "#SBATCH --partition=gpu", "#SBATCH --time=04:00:00",
+                          "#SBATCH --gpus-per-node=4", "#SBATCH --cpus-per-task=32", "#SBATCH --mem=128G",
+                          "#SBATCH --partition=gpu", "#SBATCH --time=04:00:00",
                           "#SBATCH --account=proj1", "#SBATCH --output=/work/my runs/shardtune-%x-%j.out"]
     assert "cd '/work/my runs'" in lines
     assert "export NPROC_PER_NODE=4" in lines
@@ -176,9 +178,10 @@ def test_sbatch_script_text():
 
 def test_cpu_sbatch_script_requests_no_gpus():
     text = build_sbatch_script(sbatch_request(gpus_per_node=0, nproc_per_node=2, partition=None, time=None,
-                                              account=None, cpus_per_task=2))
+                                              account=None, resources=NodeResources(2, 0)))
     assert "--gpus-per-node" not in text and "--partition" not in text
     assert "#SBATCH --cpus-per-task=2" in text and "export NPROC_PER_NODE=2" in text
+    assert "#SBATCH --mem=0" in text  # all of the node's memory
 
 
 def test_sbatch_job_id():
@@ -195,6 +198,8 @@ def test_slurm_command_writes_the_script(tmp_path, tiny_model_dir):
     assert done.returncode == 0, done.stderr
     text = script.read_text()
     assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=4" in text and "#SBATCH --partition=gpu" in text
+    # Each node's CPUs and memory are requested: 8 CPUs per process, the estimate's floor for the tiny model.
+    assert "#SBATCH --cpus-per-task=32" in text and "#SBATCH --mem=8G" in text
     assert text.rstrip().endswith(f"examples/tiny/sft_full.yaml model_name_or_path={tiny_model_dir} max_steps=3")
 
 

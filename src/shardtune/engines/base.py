@@ -122,6 +122,10 @@ class Engine(ABC):
         """Check after setup that the engine and world size are the ones asked for (no silent fallback)."""
         return None
 
+    def forward_weight_dtype(self, stored: torch.dtype) -> torch.dtype:
+        """The dtype a weight stored as ``stored`` has when the model runs (FSDP casts its shards for compute)."""
+        return stored
+
     # --- per step ---
     def autocast(self) -> contextlib.AbstractContextManager:
         dtype = self.precision.autocast_dtype

@@ -44,7 +44,7 @@ class DDPEngine(DistributedMixin, TorchEngine):
           torch 2.13's reducer fails an internal assertion under it (seen with ddp_find_unused_parameters on 2
           ranks; the ``ddp-find_unused`` cell of tests/distributed/test_engines_cli.py covers that combination).
         """
-        device_ids = [self.ctx.local_rank] if self.device.type == "cuda" else None
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=self.find_unused_parameters,
                                        gradient_as_bucket_view=True, forward_sync_buffers=False)
 

@@ -60,6 +60,11 @@ class DeepSpeedEngine(DistributedMixin, Engine):
     def from_plan(cls, config: TrainConfig, plan: EnginePlan, ctx: DistContext,
                   precision: PrecisionSettings) -> DeepSpeedEngine:
         """The config resolved against this job's world (DeepSpeed's "auto" values, the batch arithmetic)."""
+        if ctx.device.type == "cuda" and ctx.device.index != ctx.local_rank:
+            # DeepSpeed (ZeRO-3's partitioning among others) puts tensors on the GPU numbered LOCAL_RANK itself.
+            raise ConfigError(f"deepspeed: this rank (LOCAL_RANK={ctx.local_rank}) was given one GPU, and DeepSpeed "
+                              "always takes the GPU numbered LOCAL_RANK: give each process all of the node's GPUs "
+                              "(one shardtune per node, e.g. srun --ntasks-per-node=1 --gpus-per-node=N)")
         layout = WorldLayout.of_ranks(ctx.world_size, ctx.local_world_size, config.per_device_train_batch_size,
                                       config.gradient_accumulation_steps)
         return cls(resolve_deepspeed_config(plan.deepspeed_raw or {}, deepspeed_inputs(config, layout)), precision,

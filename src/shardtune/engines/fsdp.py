@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 from shardtune.engines.base import OptimizerFactory, PrecisionSettings, SchedulerFactory
-from shardtune.engines.distributed import DistContext, DistributedMixin
+from shardtune.engines.distributed import DistContext, DistributedMixin, gather_local_world_sizes
 from shardtune.engines.fsdp_config import (
     DCP_DIR,
     FULL_STATE_FILE,
@@ -133,6 +133,9 @@ class FSDPEngine(DistributedMixin, TorchEngine):
             sharded = wrap_fsdp1(model, settings, self.mesh, self.device, self.param_cast_dtype,
                                  fsdp1_param_init(model, load))
         return sharded.eval()
+
+    def forward_weight_dtype(self, stored: torch.dtype) -> torch.dtype:
+        return self.param_cast_dtype or stored
 
     @property
     def storage_device(self) -> torch.device:
@@ -303,8 +306,13 @@ def build_mesh(s: FsdpSettings, ctx: DistContext) -> DeviceMesh:
     """1-D shard mesh, or (replicate, shard) for hybrid strategies and for NO_SHARD under FSDP2."""
     device_type = "cpu" if ctx.backend == "gloo" else ctx.device.type  # gloo meshes are host meshes
     if s.is_hybrid:
-        layout = WorldLayout.of_ranks(ctx.world_size, ctx.local_world_size)
-        shape = layout.hybrid_groups(s.sharding_strategy, s.hsdp_shard_size)
+        # From every rank's node size: a rank deciding from its own alone could differ from the others (uneven
+        # placement) and leave them waiting in the mesh's first collective.
+        layout = WorldLayout.of_placement(gather_local_world_sizes(ctx))
+        try:
+            shape = layout.hybrid_groups(s.sharding_strategy, s.hsdp_shard_size)
+        except ValueError as err:
+            raise ConfigError(f"fsdp: {err}") from None
         return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
     if s.sharding_strategy == "NO_SHARD" and s.version == 2:
         return init_device_mesh(device_type, (ctx.world_size, 1), mesh_dim_names=("replicate", "shard"))

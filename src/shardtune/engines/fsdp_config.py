@@ -255,6 +255,15 @@ def fsdp_refusals(c: TrainConfig, plan: EnginePlan, has_cuda: bool) -> list[str]
             + preference_problems(c, "fsdp", shards_weights=True) + compile_problems(c, "fsdp", fsdp1_compile))
 
 
+def fsdp1_qlora_problems(c: TrainConfig, settings: FsdpSettings, world_size: int) -> list[str]:
+    """FSDP1 QLoRA shards its frozen 4-bit units beside the LoRA units only with several processes, a path that has
+    never run (it needs CUDA GPUs, and the GPU tier has had one): refused rather than trusted."""
+    if settings.version != 1 or c.quantization_bit is None or world_size < 2:
+        return []
+    return [f"quantization_bit ({c.quantization_bit}) with fsdp_version 1 on {world_size} processes: FSDP1 QLoRA has "
+            "been run on one GPU only; use fsdp_version: 2 (the default), which shards QLoRA across GPUs"]
+
+
 def fsdp1_fused_lora_problems(c: TrainConfig) -> list[str]:
     """Before launch, from config.json: LoRA that would adapt fused expert weights (the ranks check the rest)."""
     try:

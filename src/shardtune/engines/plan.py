@@ -7,7 +7,12 @@ from typing import Any
 
 from shardtune.config.schema import TrainConfig
 from shardtune.engines import deepspeed_config, fsdp_config, replicated
-from shardtune.engines.fsdp_config import FsdpSettings, is_fsdp_requested, resolve_fsdp_settings
+from shardtune.engines.fsdp_config import (
+    FsdpSettings,
+    fsdp1_qlora_problems,
+    is_fsdp_requested,
+    resolve_fsdp_settings,
+)
 from shardtune.engines.spec import EngineSpec
 from shardtune.model.folder import pre_quantized_method
 
@@ -81,7 +86,7 @@ def _plan_fsdp(c: TrainConfig, world_size: int) -> tuple[EnginePlan, list[str]]:
     if isinstance(fsdp_config, str):
         fsdp_config, problems = _load_fsdp_config_file(fsdp_config, world_size)
     settings, more = resolve_fsdp_settings(c.fsdp, fsdp_config)
-    return EnginePlan("fsdp", fsdp=settings), problems + more
+    return EnginePlan("fsdp", fsdp=settings), problems + more + fsdp1_qlora_problems(c, settings, world_size)
 
 
 def _load_fsdp_config_file(path: str, world_size: int) -> tuple[dict[str, Any], list[str]]:

@@ -2,7 +2,7 @@
 
 DeepSpeed loads its own files with ``weights_only=False`` (its checkpoint engine, the ZeRO-3 and universal
 readers, ``zero_to_fp32``, ``ds_to_universal``), which would run any code a tampered checkpoint carries. Its
-files hold only tensors, plain containers and three small record classes, so inside ``weights_only_loads()``
+files hold only tensors, plain containers and a few small record classes, so inside ``weights_only_loads()``
 every ``torch.load`` is forced to ``weights_only=True`` with exactly those classes allowed. A file holding
 anything else fails to load with torch's "Unsupported global" error instead of executing it. Calls that name no
 ``map_location`` load onto the CPU, not onto the device that wrote the file.
@@ -38,12 +38,16 @@ SafeGlobal = Callable[..., Any] | tuple[Callable[..., Any], str]
 
 
 def deepspeed_record_classes() -> list[SafeGlobal]:
-    """The non-tensor classes DeepSpeed pickles into its checkpoint files (DeepSpeed 0.19)."""
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    """The non-tensor classes DeepSpeed pickles into its checkpoint files (DeepSpeed 0.19).
+
+    The optimizer's state holds its loss scaler object itself: a static ``LossScaler`` under bf16 and fp32, a
+    ``DynamicLossScaler`` under fp16 with dynamic scaling (DeepSpeed's default, ``loss_scale: 0``).
+    """
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    return [LossScaler, ZeroStageEnum, fragment_address]
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
 @contextlib.contextmanager

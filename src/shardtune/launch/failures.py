@@ -8,7 +8,9 @@ so a rank whose failure is only a consequence of another's stays silent; every r
 
 from __future__ import annotations
 
+import re
 import traceback
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
@@ -19,11 +21,17 @@ ERROR_FILE = run_files.RANK_ERROR
 # The launching host recognises (and de-duplicates) reports by this prefix.
 REPORT_PREFIX = "[shardtune] rank "
 
-# What a collective raises when a peer process went away (gloo, NCCL, the c10d store).
+# What a collective raises when a peer process went away (gloo, NCCL, the c10d store). NCCL's own texts:
+# ncclGetErrorString(ncclRemoteError), its socket transport, and ProcessGroupNCCL after an abort.
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exited",
-              "communicator was aborted")
-# What a collective raises when a peer did not arrive within the process group timeout (ddp_timeout).
-_TIMED_OUT = ("timed out waiting", "collective operation timeout", "socket timeout")
+              "communicator was aborted", "connection closed by remote peer", "ncclremoteerror")
+# What a collective raises when a peer did not arrive within the process group timeout (ddp_timeout); under NCCL
+# ProcessGroupNCCL's watchdog: "Watchdog caught collective operation timeout: WorkNCCL(...) ran for N milliseconds
+# before timing out", and its heartbeat monitor when the watchdog itself is stuck.
+_TIMED_OUT = ("timed out waiting", "collective operation timeout", "socket timeout", "heartbeat monitor timed out")
+# NCCL refuses a communicator with two ranks on one GPU (init.cc): "Duplicate GPU detected : rank 1 and rank 0 both
+# on CUDA device 1000".
+_DUPLICATE_GPU = "duplicate gpu detected"
 
 
 class FailureKind(Enum):
@@ -56,6 +64,9 @@ def failure_summary(err: BaseException, rank: int, ddp_timeout: int) -> str:
                 "raise ddp_timeout if a step legitimately takes that long")
     elif kind is FailureKind.PEER_LOST:
         what = "lost the connection to another rank, which failed or was killed first"
+    elif _DUPLICATE_GPU in str(err).lower():
+        what = ("two ranks are on one GPU (NCCL: Duplicate GPU detected): start one process per GPU (NPROC_PER_NODE, "
+                "CUDA_VISIBLE_DEVICES, Ray's resources_per_worker GPU: 1)")
     else:
         what = f"{type(err).__name__}: {_first_line(err)}"
     return f"{REPORT_PREFIX}{rank} failed: {what}"
@@ -113,3 +124,63 @@ def saved_failure_report(output_dir: Path, rank: int, since: float) -> str | Non
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else "(no message)"
+
+
+# ---- NCCL's watchdog: a rank it ends never raises in Python ----
+
+_RANK_PREFIX = re.compile(r"\[rank(\d+)\]:")  # torchrun's prefix on each line of a rank's output
+_PG_RANK = re.compile(r"\[(?:PG [^\]]*?)?Rank (\d+)\]")  # ProcessGroupNCCL's own log prefix
+_WORK = re.compile(r"WorkNCCL\(SeqNum=(\d+), OpType=(\w+).*?Timeout\(ms\)=(\d+)\)")
+_WATCHDOG_ENDS = ("watchdog thread terminated with exception", "taking the entire process down",
+                  "heartbeat monitor timed out", "watchdog caught collective operation timeout")
+
+
+@dataclass(frozen=True)
+class WatchdogReport:
+    """What ProcessGroupNCCL's watchdog logged before it ended a rank (SIGABRT, no Python exception)."""
+
+    rank: int
+    kind: FailureKind  # TIMED_OUT or PEER_LOST; OWN when it logged no recognised reason
+    detail: str = ""
+
+    def line(self) -> str:
+        """The one-line report, as a rank that could raise would have printed it."""
+        if self.kind is FailureKind.TIMED_OUT:
+            what = (f"{self.detail or 'a collective'} waited longer than the process group timeout (ddp_timeout): "
+                    "another rank is stuck or died; raise ddp_timeout if a step legitimately takes that long")
+        elif self.kind is FailureKind.PEER_LOST:
+            what = ("it lost the connection to another rank, which failed or was killed first (or the network "
+                    "between the nodes failed)")
+        else:
+            what = "an NCCL operation failed (its log above says which)"
+        return f"{REPORT_PREFIX}{self.rank} failed: NCCL's watchdog ended the process: {what}"
+
+
+def read_watchdog_line(line: str) -> WatchdogReport | None:
+    """The report in one line of a rank's stderr, when it is ProcessGroupNCCL's watchdog ending the rank."""
+    lowered = line.lower()
+    if not any(text in lowered for text in _WATCHDOG_ENDS):
+        return None
+    found = _RANK_PREFIX.search(line) or _PG_RANK.search(line)
+    if found is None:
+        return None
+    rank = int(found.group(1))
+    work = _WORK.search(line)
+    if "heartbeat monitor timed out" in lowered:
+        return WatchdogReport(rank, FailureKind.TIMED_OUT, "NCCL's watchdog itself (a CUDA or NCCL call hung)")
+    if any(text in lowered for text in _TIMED_OUT) and work is not None:
+        seconds = int(work.group(3)) // 1000
+        return WatchdogReport(rank, FailureKind.TIMED_OUT,
+                              f"collective {work.group(2)} (#{work.group(1)}, timeout {seconds} s)")
+    if any(text in lowered for text in _PEER_LOST):
+        return WatchdogReport(rank, FailureKind.PEER_LOST)
+    return WatchdogReport(rank, FailureKind.OWN)
+
+
+def strongest(reports: list[WatchdogReport]) -> list[WatchdogReport]:
+    """One report per rank: the one that says the most (a timeout or a lost peer over the generic teardown)."""
+    best: dict[int, WatchdogReport] = {}
+    for report in reports:
+        if report.rank not in best or best[report.rank].kind is FailureKind.OWN:
+            best[report.rank] = report
+    return list(best.values())

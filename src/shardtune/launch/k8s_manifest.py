@@ -5,24 +5,34 @@ Two kinds, both with the config file in a ConfigMap mounted at /etc/shardtune:
 - TrainJob (trainer.kubeflow.org/v1alpha1, Kubeflow Trainer v2.3): the `torch-distributed` runtime, numNodes
   pods, the config mounted through runtimePatches on the runtime's "node" job and container.
 Each pod runs `shardtune train /etc/shardtune/<config>`; launch/kubernetes.py reads what the operator sets.
+Each pod requests CPUs and memory (launch/node_resources.py) and mounts a memory-backed /dev/shm: a container's
+default 64 MiB is too little for NCCL with several GPUs per pod and for DataLoader workers.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from shardtune.errors import ConfigError
 from shardtune.launch.cluster import add_node_shape_arguments, node_shape_problems, processes_per_node
+from shardtune.launch.node_resources import (
+    NodeResources,
+    add_resource_arguments,
+    estimated_node_memory,
+    node_resources,
+    resource_problems,
+)
 from shardtune.paths import output_file_problem
 from shardtune.world import WorldLayout
 
 KINDS = ("pytorchjob", "trainjob")
 MOUNT_DIR = "/etc/shardtune"
 VOLUME = "shardtune-config"
+SHM_VOLUME, SHM_DIR = "dshm", "/dev/shm"
 GPU_RESOURCE = "nvidia.com/gpu"
 TRAINJOB_RUNTIME = "torch-distributed"
 # Kubeflow's names: PyTorchJob's container must be "pytorch"; the torch runtime's job and container are "node".
@@ -41,6 +51,7 @@ class ManifestRequest:
     image: str
     kind: str = "pytorchjob"
     namespace: str | None = None
+    resources: NodeResources = field(default_factory=lambda: NodeResources(cpus=8, memory=32 * 2**30))
 
     @property
     def world_size(self) -> int:
@@ -79,19 +90,15 @@ def _pytorch_replica(req: ManifestRequest, replicas: int) -> dict[str, Any]:
         "name": PYTORCH_CONTAINER, "image": req.image, "command": req.train_command,
         # Also tells operators older than 1.7, which set no PET_NPROC_PER_NODE, how many ranks each pod starts.
         "env": [{"name": "NPROC_PER_NODE", "value": str(req.nproc_per_node)}],
-        "volumeMounts": [_volume_mount()],
+        "volumeMounts": _volume_mounts(), "resources": _resources(req),
     }
-    if req.gpus_per_node:
-        container["resources"] = {"limits": {GPU_RESOURCE: req.gpus_per_node}}
     return {"replicas": replicas, "restartPolicy": "OnFailure",
-            "template": {"spec": {"containers": [container], "volumes": [_volume(req)]}}}
+            "template": {"spec": {"containers": [container], "volumes": _volumes(req)}}}
 
 
 def build_trainjob(req: ManifestRequest) -> dict[str, Any]:
     trainer: dict[str, Any] = {"image": req.image, "command": req.train_command, "numNodes": req.nodes,
-                               "numProcPerNode": req.nproc_per_node}
-    if req.gpus_per_node:
-        trainer["resourcesPerNode"] = {"limits": {GPU_RESOURCE: req.gpus_per_node}}
+                               "numProcPerNode": req.nproc_per_node, "resourcesPerNode": _resources(req)}
     return {
         "apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "metadata": _metadata(req, req.name),
         "spec": {"runtimeRef": {"name": TRAINJOB_RUNTIME}, "trainer": trainer,
@@ -100,11 +107,12 @@ def build_trainjob(req: ManifestRequest) -> dict[str, Any]:
 
 
 def _config_mount_patch(req: ManifestRequest) -> dict[str, Any]:
-    """Trainer v2.3's runtimePatches: the ConfigMap volume and its mount on the runtime's "node" job/container.
+    """Trainer v2.3's runtimePatches: the ConfigMap and /dev/shm volumes and their mounts on the runtime's "node"
+    job and container.
 
     (Trainer v2.0 called this podSpecOverrides and v2.1 podTemplateOverrides, with other shapes.)
     """
-    pod = {"volumes": [_volume(req)], "containers": [{"name": TRAINJOB_NODE, "volumeMounts": [_volume_mount()]}]}
+    pod = {"volumes": _volumes(req), "containers": [{"name": TRAINJOB_NODE, "volumeMounts": _volume_mounts()}]}
     job = {"name": TRAINJOB_NODE, "template": {"spec": {"template": {"spec": pod}}}}
     return {"manager": "shardtune", "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [job]}}}}
 
@@ -113,20 +121,32 @@ def _metadata(req: ManifestRequest, name: str) -> dict[str, Any]:
     return {"name": name, **({"namespace": req.namespace} if req.namespace else {})}
 
 
-def _volume(req: ManifestRequest) -> dict[str, Any]:
-    return {"name": VOLUME, "configMap": {"name": f"{req.name}-config"}}
+def _resources(req: ManifestRequest) -> dict[str, Any]:
+    """CPU and memory requested (the scheduler places the pod where they are free; no limit, so a rank that needs
+    more for a moment is not killed), GPUs as a limit (extended resources are requested by their limit)."""
+    resources: dict[str, Any] = {"requests": req.resources.k8s_requests()}
+    if req.gpus_per_node:
+        resources["limits"] = {GPU_RESOURCE: req.gpus_per_node}
+    return resources
 
 
-def _volume_mount() -> dict[str, Any]:
-    return {"name": VOLUME, "mountPath": MOUNT_DIR, "readOnly": True}
+def _volumes(req: ManifestRequest) -> list[dict[str, Any]]:
+    # /dev/shm in memory, counted against the pod's memory: NCCL's intra-node buffers, DataLoader workers.
+    return [{"name": VOLUME, "configMap": {"name": f"{req.name}-config"}},
+            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
+
+
+def _volume_mounts() -> list[dict[str, Any]]:
+    return [{"name": VOLUME, "mountPath": MOUNT_DIR, "readOnly": True}, {"name": SHM_VOLUME, "mountPath": SHM_DIR}]
 
 
 def manifest_text(req: ManifestRequest) -> str:
     import yaml
 
     header = (f"# Written by `shardtune k8s`: {req.kind} {req.name}, {req.nodes} pod(s) x {req.nproc_per_node} "
-              f"process(es) = {req.world_size} rank(s).\n# Apply with `kubectl apply -f THIS_FILE`. The image must "
-              "contain shardtune, the model and the data the config names.\n")
+              f"process(es) = {req.world_size} rank(s).\n# Each pod requests {req.resources.describe()}; output_dir "
+              "must be on a volume every pod mounts (docs/clusters.md).\n# Apply with `kubectl apply -f THIS_FILE`. "
+              "The image must contain shardtune, the model and the data the config names.\n")
     return header + yaml.dump_all(build_manifest(req), Dumper=_block_dumper(), sort_keys=False)
 
 
@@ -159,6 +179,7 @@ def k8s_command(args: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="shardtune k8s", description="Validate CONFIG and write a Kubeflow "
                                      "manifest (ConfigMap + PyTorchJob or TrainJob) that trains it on N pods.")
     add_node_shape_arguments(parser, "pod")
+    add_resource_arguments(parser, "pod")
     parser.add_argument("--image", required=True, help="container image with shardtune installed")
     parser.add_argument("--kind", choices=KINDS, default="pytorchjob")
     parser.add_argument("--namespace")
@@ -167,7 +188,9 @@ def k8s_command(args: list[str]) -> int:
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     ns, overrides = parser.parse_known_args(args)
     req = manifest_request(ns, overrides)
-    preflight([ns.config, *overrides], req.nodes, req.nproc_per_node)
+    plan = preflight([ns.config, *overrides], req.nodes, req.nproc_per_node)
+    req = replace(req, resources=node_resources(ns.cpus_per_node, ns.memory_per_node, req.nproc_per_node,
+                                                estimated_node_memory(plan, req.gpus_per_node)))
     out = Path(ns.out or f"{Path(ns.config).stem}.{req.kind}.yaml").resolve()
     problem = output_file_problem(out, "k8s: --out")
     if problem:
@@ -178,7 +201,8 @@ def k8s_command(args: list[str]) -> int:
 
 
 def manifest_request(ns: argparse.Namespace, overrides: list[str]) -> ManifestRequest:
-    problems = node_shape_problems(ns.nodes, ns.gpus_per_node, ns.nproc_per_node)
+    problems = node_shape_problems(ns.nodes, ns.gpus_per_node, ns.nproc_per_node) + \
+        resource_problems(ns.cpus_per_node, ns.memory_per_node)
     name = ns.name or job_name(Path(ns.config))
     if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) or len(name) > 50:
         problems.append(f"--name {name!r} must be a DNS label: lower-case letters, digits and '-', starting "

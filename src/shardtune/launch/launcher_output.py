@@ -16,7 +16,7 @@ import signal
 from dataclasses import dataclass
 from typing import TextIO
 
-from shardtune.launch.failures import REPORT_PREFIX
+from shardtune.launch.failures import REPORT_PREFIX, WatchdogReport, read_watchdog_line, strongest
 
 _TRACEBACK = "Traceback (most recent call last):"
 _REPORT = re.compile(re.escape(REPORT_PREFIX) + r"\d+ failed: ")
@@ -39,6 +39,11 @@ class RankExit:
     @property
     def stopped_by_torchrun(self) -> bool:
         return self.exit_code == -signal.SIGTERM
+
+    @property
+    def aborted(self) -> bool:
+        """SIGABRT: on GPUs usually NCCL's watchdog taking the process down."""
+        return self.exit_code == -signal.SIGABRT
 
     def describe(self) -> str:
         if self.exit_code >= 0:
@@ -63,6 +68,7 @@ class LauncherOutput:
         self._row_rank: int | None = None
         self._seen_reports: set[str] = set()
         self._line_open = False           # the text shown last did not end its line (a progress bar)
+        self._watchdog: list[WatchdogReport] = []
 
     @property
     def any_rank_reported(self) -> bool:
@@ -93,12 +99,21 @@ class LauncherOutput:
         held, self._held = "".join(self._held), []
         return rest + ("" if self._in_failure_table else held)
 
+    def watchdog_report(self, cause: RankExit | None = None) -> str | None:
+        """The line for a rank NCCL's watchdog ended (``cause``'s own, else the first), None when none logged."""
+        reports = strongest(self._watchdog)
+        own = [r for r in reports if cause is not None and r.rank == cause.rank]
+        return (own or reports)[0].line() if reports else None
+
     def failed_ranks(self) -> list[RankExit]:
         """torchrun's failure table, the first observed failure first; empty when torchrun printed none."""
         root = self._failed[self._root_cause_from:]
         return root + [e for e in self._failed[:self._root_cause_from] if e not in root]
 
     def _line(self, line: str) -> str:
+        report = read_watchdog_line(line)
+        if report is not None:
+            self._watchdog.append(report)
         if self._in_failure_table:
             self._read_failure_table(line)
             return ""

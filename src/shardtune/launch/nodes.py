@@ -12,9 +12,11 @@ Store keys: ``report/<node>`` (a node's facts, JSON), ``claims/<node>`` (how man
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import platform
+import secrets
 import socket
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -23,6 +25,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from shardtune import run_files
 from shardtune.errors import ConfigError
 from shardtune.host import local_available_memory, visible_gpu_count, visible_gpus
 from shardtune.launch import env as launch_env
@@ -59,8 +62,14 @@ def check_nodes(launch: LaunchPlan, run_plan: Mapping[str, Any], scheduler: str 
         return
     print(f"[shardtune] node check: node {launch.node_rank} of {launch.nnodes} meets the others at "
           f"{launch.master_addr}:{check_port(launch.master_port)}", flush=True)
+    report = node_report(launch, run_plan)
+    output_dir = run_plan.get("config", {}).get("output_dir")
+    if output_dir:
+        report["output_marker"] = write_output_marker(Path(output_dir), launch.node_rank)
     with node_store(launch, scheduler) as store:
-        reports, problems = exchange(store, launch, node_report(launch, run_plan))
+        reports, problems = exchange(store, launch, report)
+    if output_dir and launch.node_rank == 0:
+        clear_output_markers(Path(output_dir))
     if problems:
         raise ConfigError(one_line(problems))
     if launch.node_rank == 0:
@@ -261,6 +270,51 @@ def missing_nodes_problem(nnodes: int, arrived: Sequence[int], waited: float, la
             f"NNODES={nnodes}, its own NODE_RANK and MASTER_ADDR={launch.master_addr}, and check that they reach it")
 
 
+# ---- a shared output_dir ----
+
+MARKER_WAIT = 5.0  # seconds node 0 waits for another node's marker to appear (a network filesystem's caching)
+
+
+def write_output_marker(output_dir: Path, node: int) -> str:
+    """A token this node writes into output_dir for node 0 to find: the same folder on every node, or not."""
+    token = secrets.token_hex(8)
+    path = output_dir / run_files.NODE_MARKER.format(node=node)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(token)
+    return token
+
+
+def unshared_output_problems(output_dir: Path, reports: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line for each node whose output_dir is another folder than node 0's (its marker is not there).
+
+    Every rank writes its part of each checkpoint into output_dir and every rank resumes from it: a node with
+    its own folder (a pod's own disk) would crash at the first checkpoint or resume from another step.
+    """
+    first, missing = reports[0], [r for r in reports[1:] if "output_marker" in r]
+    deadline = time.monotonic() + MARKER_WAIT
+    while missing:
+        missing = [r for r in missing if _marker(output_dir, r["node"]) != r["output_marker"]]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    return [f"{_who(r)} does not share output_dir {output_dir} with {_who(first)}: a file it wrote there is not "
+            f"there on node {first['node']}; every rank writes its part of each checkpoint into output_dir and "
+            "resumes from it, so put output_dir on storage every node mounts (NFS, Lustre, a ReadWriteMany "
+            "volume in every pod)" for r in missing]
+
+
+def _marker(output_dir: Path, node: int) -> str | None:
+    try:
+        return (output_dir / run_files.NODE_MARKER.format(node=node)).read_text()
+    except OSError:
+        return None
+
+
+def clear_output_markers(output_dir: Path) -> None:
+    for path in (output_dir / run_files.NODE_MARKER.format(node=0)).parent.glob("node-*"):
+        path.unlink(missing_ok=True)
+
+
 # ---- the exchange ----
 
 @contextmanager
@@ -277,7 +331,10 @@ def node_store(launch: LaunchPlan, scheduler: str | None = None) -> Iterator[Any
         raise ConfigError(problem)
     try:
         if launch.node_rank == 0:
-            store = TCPStore("0.0.0.0", port, None, True, timedelta(seconds=timeout), wait_for_workers=False)
+            listener = listen_for_nodes(launch.master_addr, port)
+            address = listener.getsockname()[0]
+            store = TCPStore(address, port, None, True, timedelta(seconds=timeout), wait_for_workers=False,
+                             master_listen_fd=listener.detach())  # the store owns (and closes) the socket now
         else:
             store = TCPStore(launch.master_addr, port, None, False, timedelta(seconds=timeout + READ_GRACE))
     except (RuntimeError, OSError) as err:  # DistNetworkError is a RuntimeError
@@ -291,6 +348,30 @@ def node_store(launch: LaunchPlan, scheduler: str | None = None) -> Iterator[Any
         yield store
     finally:
         del store
+
+
+def listen_for_nodes(master_addr: str, port: int) -> socket.socket:
+    """Node 0's listening socket for the check: on MASTER_ADDR's address, the one the other nodes reach it by.
+
+    The store has no authentication and carries each node's versions and resolved config, so it listens on that
+    one interface only, not on every interface of the machine. Where MASTER_ADDR is not an address of this machine
+    (a Kubernetes service name resolves to the service's address) it listens on all of them, as torchrun's own
+    rendezvous store always does.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        try:
+            sock.bind((socket.gethostbyname(master_addr), port))
+        except OSError as err:
+            if err.errno != errno.EADDRNOTAVAIL:
+                raise
+            sock.bind(("0.0.0.0", port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _first(err: BaseException) -> str:
@@ -343,6 +424,9 @@ def collect(store: Any, launch: LaunchPlan, own: dict[str, Any], started: float
                 for n in duplicated]
     compared, warnings = compare_reports(reports)
     problems += compared
+    output_dir = own.get("config", {}).get("output_dir")
+    if output_dir and not compared:
+        problems += unshared_output_problems(Path(output_dir), reports)
     if len(arrived) < len(others) and not duplicated:
         problems.append(missing_nodes_problem(launch.nnodes, [0, *arrived], time.monotonic() - started, launch))
     for warning in warnings:

@@ -22,10 +22,10 @@ from shardtune.config.load import KeyProblem, build_config, config_to_dict
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.plan import EnginePlan, plan_engine
 from shardtune.errors import ConfigError, ShardtuneError
-from shardtune.host import local_cpu_memory, local_gpu_memory, visible_gpu_count
+from shardtune.host import cuda_visible_devices, local_cpu_memory, local_gpu_memory, visible_gpu_count
 from shardtune.launch import env as launch_env
 from shardtune.launch.resume_check import resume_read_problems
-from shardtune.launch.torchrun import LaunchPlan, plan_launch
+from shardtune.launch.torchrun import LaunchPlan, device_problems, plan_launch
 from shardtune.launch.validate import attention_problems, cross_key_problems, file_problems
 from shardtune.train.checkpoint_folders import checkpoint_problems, resume_source
 from shardtune.world import WorldLayout
@@ -80,6 +80,8 @@ def preflight(argv: list[str], nodes: int, procs_per_node: int, *, defaults: dic
     elif launch is not None and config.ray_num_workers > 1:
         print(f"shardtune: warning: ray_num_workers ({config.ray_num_workers}) is read only with USE_RAY=1; "
               "launching without Ray", file=sys.stderr)
+    if launch is not None:
+        later += device_problems(launch, visible_gpu_count(), cuda_visible_devices(), scheduler)
     layout = WorldLayout(nodes, procs_per_node, config.per_device_train_batch_size,
                          config.gradient_accumulation_steps)
     has_cuda = visible_gpu_count() > 0

@@ -23,7 +23,7 @@ from shardtune.host import visible_gpu_count
 from shardtune.launch import env as launch_env
 from shardtune.launch.failures import saved_failure_report
 from shardtune.launch.preflight import RunPlan, write_run_plan
-from shardtune.launch.ray_plan import RayPlan, build_ray_plan
+from shardtune.launch.ray_plan import RayPlan, build_ray_plan, worker_threads
 
 ATTEMPT_FILE = ".shardtune/ray_attempt.json"  # which attempt of which Ray launch wrote this run folder last
 _EXIT_CODE = re.compile(r"shardtune rank (\d+) exited with code (\d+)")
@@ -81,7 +81,7 @@ def fit(ray_plan: RayPlan, plan_path: Path, run_dir: Path, debug: bool) -> tuple
     from ray.train.torch import TorchConfig, TorchTrainer
 
     loop_config = {"plan": str(plan_path.resolve()), "cwd": os.getcwd(), "launch_id": uuid.uuid4().hex,
-                   "debug": debug}
+                   "debug": debug, "resources": dict(ray_plan.resources_per_worker)}
     trainer = TorchTrainer(
         ray_rank, train_loop_config=loop_config,
         torch_config=TorchConfig(backend=ray_plan.backend, timeout_s=ray_plan.timeout_s),
@@ -128,12 +128,24 @@ def ray_rank(loop_config: dict[str, Any]) -> None:
 
     os.chdir(loop_config["cwd"])  # Ray starts workers in its own folder; paths in the config are the user's
     rank_env = launch_env.read_rank_env()
+    use_node_threads(loop_config.get("resources", {}), rank_env.local_world_size)
     plan = rank_plan([loop_config["plan"]], rank_env)
     attempt = attempt_number(plan.run_dir, loop_config["launch_id"], rank_env.rank, rank_env.local_rank)
     plan = resumed_after_restart(plan, attempt, rank_env.rank, "Ray")
     code = run_rank(plan, rank_env, bool(loop_config["debug"]))
     if code != 0:
         raise RankFailed(f"shardtune rank {rank_env.rank} exited with code {code}")
+
+
+def use_node_threads(resources: dict[str, float], local_world_size: int) -> None:
+    """Threads for this worker's share of its node's CPUs (Ray gives a worker that requested no CPU one)."""
+    threads = worker_threads(resources, launch_env.node_cpus(), local_world_size)
+    if threads is None:
+        return
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # for the processes this worker starts (data loading)
+    torch.set_num_threads(threads)
 
 
 def attempt_number(run_dir: Path, launch_id: str, rank: int, local_rank: int) -> int:
@@ -155,7 +167,9 @@ def attempt_number(run_dir: Path, launch_id: str, rank: int, local_rank: int) ->
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"launch": launch_id, "attempt": attempt + 1}))
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)  # an NCCL broadcast uses the current device
+        from shardtune.engines.distributed import rank_device
+
+        torch.cuda.set_device(rank_device(local_rank, torch.cuda.device_count()))  # NCCL uses the current device
     box: list[Any] = [attempt]
     dist.broadcast_object_list(box, src=0)
     return int(box[0])

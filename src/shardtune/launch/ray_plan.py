@@ -28,7 +28,7 @@ class RayPlan:
     resources_per_worker: dict[str, float]
     placement_strategy: str
     use_gpu: bool
-    backend: str  # nccl for GPU workers, gloo for CPU workers (what shardtune's ranks expect)
+    backend: str  # as shardtune's own ranks: NCCL with gloo for host tensors on GPU workers, gloo on CPU workers
     storage_path: str
     run_name: str
     max_failures: int
@@ -59,6 +59,8 @@ def ray_init_function() -> Callable[..., Any] | None:
 
 def build_ray_plan(config: TrainConfig, max_restarts: int, cluster_gpus: float) -> RayPlan:
     """The plan for ``config``; ``cluster_gpus``: the GPUs the Ray cluster has (decides the default resources)."""
+    from shardtune.engines.distributed import process_group_backend
+
     resources = {str(k): float(v) for k, v in (config.resources_per_worker or {}).items()}
     if not resources:
         resources = {"GPU": 1.0} if cluster_gpus > 0 else {"CPU": 1.0}
@@ -66,10 +68,19 @@ def build_ray_plan(config: TrainConfig, max_restarts: int, cluster_gpus: float) 
     default_name = Path(config.output_dir or "shardtune").resolve().name
     return RayPlan(num_workers=config.ray_num_workers, resources_per_worker=resources,
                    placement_strategy=config.placement_strategy, use_gpu=use_gpu,
-                   backend="nccl" if use_gpu else "gloo",
+                   backend=process_group_backend("cuda" if use_gpu else "cpu"),
                    storage_path=str(Path(config.ray_storage_path).expanduser().resolve()),
                    run_name=config.ray_run_name or default_name, max_failures=max_restarts,
                    timeout_s=config.ddp_timeout, init_kwargs=dict(config.ray_init_kwargs or {}))
+
+
+def worker_threads(resources: dict[str, float], node_cpus: int, local_world_size: int) -> int | None:
+    """CPU threads for one Ray worker's torch and OpenMP; None when it asked for CPUs (Ray then sets OMP_NUM_THREADS
+    to them). A GPU worker that asked for none gets OMP_NUM_THREADS=1 from Ray: it shares its node's CPUs with the
+    node's other workers instead, as torchrun's ranks do (launch/supervise.py)."""
+    if resources.get("CPU", 0) >= 1:
+        return None
+    return max(1, node_cpus // max(1, local_world_size))
 
 
 def ray_problems(config: TrainConfig, ray_init: Callable[..., Any] | None) -> list[str]:
@@ -85,6 +96,10 @@ def ray_problems(config: TrainConfig, ray_init: Callable[..., Any] | None) -> li
     if isinstance(gpus, (int, float)) and not isinstance(gpus, bool) and gpus > 1:
         problems.append(f"resources_per_worker: GPU: {gpus}: shardtune runs one rank per device; give each worker "
                         "GPU: 1 and raise ray_num_workers")
+    elif isinstance(gpus, (int, float)) and not isinstance(gpus, bool) and 0 < gpus < 1:
+        # Ray would place 1/GPU workers on one GPU, and NCCL refuses two ranks on one device ("Duplicate GPU").
+        problems.append(f"resources_per_worker: GPU: {gpus}: a fraction of a GPU per worker puts several ranks on "
+                        "one GPU, which NCCL refuses; give each worker GPU: 1 (or CPU workers without GPU)")
     # ray.init also takes **kwargs, but only for its private "_"-prefixed settings: any other name is a typo.
     named = {n for n, p in inspect.signature(ray_init).parameters.items() if p.kind is not p.VAR_KEYWORD}
     unknown = [k for k in (config.ray_init_kwargs or {}) if k not in named and not str(k).startswith("_")]

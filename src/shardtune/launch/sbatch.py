@@ -1,7 +1,9 @@
 """`shardtune slurm`: validate a config, then write (and optionally submit) a complete, commented sbatch script.
 
 The script runs `srun --ntasks-per-node=1 python -m shardtune train CONFIG` on every node of the allocation;
-launch/slurm.py then turns the job's variables into a c10d torchrun launch on each node.
+launch/slurm.py then turns the job's variables into a c10d torchrun launch on each node. The script requests the
+node's CPUs (``--cpus-per-task``: the one task per node is shardtune and all its ranks) and memory (``--mem``, per
+node): without them a job gets the site's default, often one CPU and a little memory (launch/node_resources.py).
 """
 
 from __future__ import annotations
@@ -11,11 +13,18 @@ import re
 import shlex
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shardtune.errors import ConfigError
 from shardtune.launch.cluster import add_node_shape_arguments, node_shape_problems, processes_per_node
+from shardtune.launch.node_resources import (
+    NodeResources,
+    add_resource_arguments,
+    estimated_node_memory,
+    node_resources,
+    resource_problems,
+)
 from shardtune.paths import output_file_problem
 from shardtune.world import WorldLayout
 
@@ -36,7 +45,7 @@ class SbatchRequest:
     time: str | None = None
     account: str | None = None
     output: str | None = None
-    cpus_per_task: int | None = None
+    resources: NodeResources | None = None  # None: the defaults for nproc_per_node (node_resources)
 
     @property
     def world_size(self) -> int:
@@ -57,8 +66,11 @@ def build_sbatch_script(req: SbatchRequest) -> str:
     ]
     if req.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={req.gpus_per_node}")
-    optional = {"cpus-per-task": req.cpus_per_task, "partition": req.partition, "time": req.time,
-                "account": req.account}
+    resources = req.resources or node_resources(None, None, req.nproc_per_node, None)
+    lines += [f"# CPUs and memory of each node (the one task is all of the node's ranks; memory: "
+              f"{resources.memory_source}).",
+              f"#SBATCH --cpus-per-task={resources.cpus}", f"#SBATCH --mem={resources.slurm_memory}"]
+    optional = {"partition": req.partition, "time": req.time, "account": req.account}
     lines += [f"#SBATCH --{name}={value}" for name, value in optional.items() if value is not None]
     lines += [
         f"#SBATCH --output={req.output or str(req.workdir / 'shardtune-%x-%j.out')}",
@@ -107,7 +119,8 @@ def slurm_command(args: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="shardtune slurm", description="Validate CONFIG and write an sbatch "
                                      "script that trains it on N nodes; extra key=value pairs go to the config.")
     add_node_shape_arguments(parser, "node")
-    parser.add_argument("--cpus-per-task", type=int)
+    add_resource_arguments(parser, "node")
+    parser.add_argument("--cpus-per-task", type=int, dest="cpus_per_node", help="the same as --cpus-per-node")
     parser.add_argument("--partition")
     parser.add_argument("--time", help="time limit, e.g. 04:00:00")
     parser.add_argument("--account")
@@ -118,7 +131,9 @@ def slurm_command(args: list[str]) -> int:
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     ns, overrides = parser.parse_known_args(args)
     req = sbatch_request(ns, overrides)
-    preflight([str(req.config), *overrides], req.nodes, req.nproc_per_node)
+    plan = preflight([str(req.config), *overrides], req.nodes, req.nproc_per_node)
+    req = replace(req, resources=node_resources(ns.cpus_per_node, ns.memory_per_node, req.nproc_per_node,
+                                                estimated_node_memory(plan, req.gpus_per_node)))
     script = Path(ns.script or f"{req.config.stem}.sbatch").resolve()
     problem = output_file_problem(script, "slurm: --script")
     if problem:
@@ -131,9 +146,8 @@ def slurm_command(args: list[str]) -> int:
 
 
 def sbatch_request(ns: argparse.Namespace, overrides: list[str]) -> SbatchRequest:
-    problems = node_shape_problems(ns.nodes, ns.gpus_per_node, ns.nproc_per_node)
-    if ns.cpus_per_task is not None and ns.cpus_per_task < 1:
-        problems.append(f"--cpus-per-task must be >= 1 (got {ns.cpus_per_task})")
+    problems = node_shape_problems(ns.nodes, ns.gpus_per_node, ns.nproc_per_node) + \
+        resource_problems(ns.cpus_per_node, ns.memory_per_node)
     if problems:
         raise ConfigError(*problems)
     config = Path(ns.config).resolve()
@@ -141,5 +155,4 @@ def sbatch_request(ns: argparse.Namespace, overrides: list[str]) -> SbatchReques
         config=config, overrides=tuple(overrides), nodes=ns.nodes, gpus_per_node=ns.gpus_per_node,
         nproc_per_node=processes_per_node(ns.gpus_per_node, ns.nproc_per_node), workdir=Path.cwd(),
         python=sys.executable,
-        job_name=ns.job_name, partition=ns.partition, time=ns.time, account=ns.account, output=ns.output,
-        cpus_per_task=ns.cpus_per_task)
+        job_name=ns.job_name, partition=ns.partition, time=ns.time, account=ns.account, output=ns.output)

@@ -139,7 +139,9 @@ def report_launch_failure(code: int, output: LauncherOutput, run_dir: Path, star
     if not output.any_rank_reported:
         # torchrun stops the other ranks with SIGTERM: the cause is the first failure that is not one of those.
         cause = next((f for f in failed if not f.stopped_by_torchrun), failed[0])
-        print(saved_failure_report(run_dir, cause.rank, started) or f"shardtune: error: {cause.describe()}",
+        # A rank NCCL's watchdog took down (SIGABRT) raised nothing in Python: its log says why.
+        watchdog = output.watchdog_report(cause) if cause.aborted else None
+        print(saved_failure_report(run_dir, cause.rank, started) or watchdog or f"shardtune: error: {cause.describe()}",
               file=sys.stderr, flush=True)
     return 2 if any(f.exit_code == 2 for f in failed) else code
 

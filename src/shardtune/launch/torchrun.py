@@ -52,6 +52,21 @@ def plan_launch(env: LaunchEnv, visible_gpus: int, free_port: int | None = None)
     )
 
 
+def device_problems(plan: LaunchPlan, visible_gpus: int, visible_setting: str | None,
+                    scheduler: str | None = None) -> list[str]:
+    """Each rank takes the GPU of its LOCAL_RANK: more processes per node than GPUs this process sees would end
+    in "invalid device ordinal" on the extra ranks (CPU machines run any number of processes)."""
+    if plan.use_ray or visible_gpus == 0 or plan.nproc_per_node <= visible_gpus:
+        return []
+    seen = f"CUDA_VISIBLE_DEVICES={visible_setting}" if visible_setting is not None else "all of this machine's"
+    fix = f"set NPROC_PER_NODE={visible_gpus} (or unset it), or make more GPUs visible"
+    if scheduler == "SLURM":
+        fix = ("start shardtune once per node with all of the node's GPUs (`srun --ntasks-per-node=1 "
+               "--gpus-per-node=N`, not --gpus-per-task=1), or " + fix)
+    return [f"NPROC_PER_NODE={plan.nproc_per_node} starts {plan.nproc_per_node} processes on this node, but it sees "
+            f"{visible_gpus} GPU(s) ({seen}) and each process needs its own: {fix}"]
+
+
 def find_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

@@ -45,11 +45,15 @@ class FinetuningSettings:
         return "pissa" if self.pissa_iter == -1 else f"pissa_niter_{self.pissa_iter}"
 
 
+def checkpointing_kwargs(settings: FinetuningSettings) -> dict[str, Any]:
+    """torch.utils.checkpoint's arguments: non-reentrant unless gradient_checkpointing_kwargs says otherwise."""
+    return {"use_reentrant": False, **settings.checkpointing_kwargs}
+
+
 def apply_finetuning(model: Any, settings: FinetuningSettings) -> Any:
     """Mark trainable parameters; for LoRA, return the peft-wrapped model."""
     if settings.gradient_checkpointing:
-        kwargs = {"use_reentrant": False, **settings.checkpointing_kwargs}
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(settings))
         model.config.use_cache = False
     if settings.finetuning_type == "full":
         model.requires_grad_(True)
@@ -220,8 +224,10 @@ def apply_lora(model: Any, settings: FinetuningSettings) -> Any:
             raise ConfigError(f"lora_target: {','.join(missing)} not found in the model; "
                               f"linear modules are: {','.join(available)}")
     if settings.is_quantized:
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=settings.gradient_checkpointing)
+        # peft enables checkpointing again: with our arguments, not with its own (it would drop use_reentrant: false
+        # and the user's gradient_checkpointing_kwargs).
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=settings.gradient_checkpointing,
+                                                gradient_checkpointing_kwargs=checkpointing_kwargs(settings))
     config = LoraConfig(
         # SEQ_CLS: peft trains and saves the score layer in full beside the adapter (modules_to_save).
         task_type="SEQ_CLS" if settings.score_head else "CAUSAL_LM",

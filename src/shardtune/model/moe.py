@@ -117,3 +117,43 @@ def targets_fused_experts(config_json: dict, lora_target: list[str]) -> bool:
     includes them; GPT-OSS-style ``gate_up_proj`` exists only fused). A ``down_proj`` that is also a Linear elsewhere
     in the model is decided on the ranks, where the modules are known."""
     return expert_count(config_json) > 1 and bool({"all", "gate_up_proj"} & set(lora_target))
+
+
+# ---- how the fused experts compute (transformers 5.23's experts_implementation) ----
+
+def experts_implementation(device_type: str, weight_dtype: str) -> tuple[str, str]:
+    """The experts implementation for weights of ``weight_dtype`` ("bfloat16", "float32", ...) as the experts see
+    them in forward, on ``device_type``, and why.
+
+    transformers 5.23 picks ``grouped_mm`` for every model that allows it, and its ``_grouped_mm`` casts the tokens
+    to the weights' dtype before ``torch.nn.functional.grouped_mm``, which autocast does not cover. On CUDA, torch
+    2.13 runs that op through its fused CUTLASS kernel only for bf16 operands (SM90/SM100); any other dtype takes
+    its fallback, a loop over the experts that copies the group offsets to the host on every call. So with fp32
+    weights (DDP or one process with bf16 autocast, and fp32 training) the experts would run unfused and in fp32,
+    not in the bf16 that autocast gives every other matmul. ``eager`` (transformers' loop over the experts that
+    received tokens, plain matmuls) is then chosen: autocast covers it. bf16 weights (FSDP's mixed precision,
+    DeepSpeed's bf16, pure_bf16) keep ``grouped_mm``. On the CPU transformers' own choice stays: torch's grouped_mm
+    has a CPU kernel for every dtype there (and the CPU tests compare engines on it).
+    """
+    if device_type != "cuda":
+        return "grouped_mm", "transformers' default (torch's grouped_mm has a CPU kernel for every dtype)"
+    if weight_dtype == "bfloat16":
+        return "grouped_mm", "bf16 expert weights: torch's fused grouped GEMM"
+    return "eager", (f"{weight_dtype} expert weights: torch's grouped_mm fuses bf16 only and autocast does not "
+                     "cover it, so the experts run as plain matmuls that autocast covers")
+
+
+def apply_experts_implementation(model: torch.nn.Module, device_type: str, weight_dtype: str) -> str | None:
+    """Set the choice on the model (transformers passes it on to its sub-models); the line that says what the experts
+    run, None for a model without fused experts."""
+    if not fused_expert_parameters(model):
+        return None
+    choice, reason = experts_implementation(device_type, weight_dtype)
+    outer = next((m for m in model.modules() if hasattr(m, "set_experts_implementation")), None)
+    if outer is None:
+        return None
+    outer.set_experts_implementation(choice)  # type: ignore[operator]  # a PreTrainedModel method
+    kept = getattr(getattr(outer, "config", None), "_experts_implementation", choice)
+    if kept != choice:  # a model class whose experts cannot be switched
+        return f"mixture of experts: experts_implementation {kept} (the model's class fixes it)"
+    return f"mixture of experts: experts_implementation {choice} ({reason})"

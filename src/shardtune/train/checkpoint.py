@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import secrets
 import shutil
 import warnings
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 from shardtune import run_files
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.base import Engine
+from shardtune.errors import ConfigError
 from shardtune.model.pretrained_adapters import plan_adapters
 from shardtune.train.checkpoint_folders import (  # noqa: F401 - discovery lives there, torch-free
     COMPLETE_MARKER,
@@ -60,6 +62,52 @@ def save_checkpoint(engine: Engine, output_dir: Path, state: TrainState, save_to
         rotate_checkpoints(output_dir, save_total_limit)
     engine.barrier()
     return path
+
+
+def agreed_resume_source(engine: Engine, config: TrainConfig, output_dir: Path) -> Path | None:
+    """The checkpoint every rank resumes from, as rank 0 finds it, once every rank has shown it sees rank 0's
+    output_dir (after rank 0 created it).
+
+    Ranks on nodes with a folder of their own (a pod's own disk) would crash at the first checkpoint, whose folder
+    only rank 0 creates, and choose other checkpoints on resume: every rank refuses them together instead (the
+    node check refuses them before launch where it runs, launch/nodes.py).
+    """
+    token, step_plus_one = 0, 0  # every rank but 0 adds zeros: the sums are rank 0's values
+    if engine.is_main:
+        token = secrets.randbits(52) + 1
+        path = output_dir / run_files.RUN_TOKEN
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(str(token))
+        step_plus_one = _checkpoint_step(resume_source(config), output_dir) + 1
+    agreed = engine.all_reduce_sum(torch.tensor([token, step_plus_one], dtype=torch.int64, device=engine.device))
+    token, step = int(agreed[0]), int(agreed[1]) - 1
+    unseen = engine.all_reduce_sum(torch.tensor([0 if _run_token(output_dir) == str(token) else 1],
+                                                dtype=torch.int64, device=engine.device))
+    if int(unseen[0]):
+        raise ConfigError(f"output_dir {output_dir} is not shared by every rank: {int(unseen[0])} of "
+                          f"{engine.world_size} ranks cannot see the file rank 0 wrote there (a folder of each "
+                          "node's own?); every rank writes its part of each checkpoint into output_dir and resumes "
+                          "from it: put output_dir on storage every node mounts (NFS, Lustre, a ReadWriteMany "
+                          "volume in every pod)")
+    if config.resume_from_checkpoint:
+        return Path(config.resume_from_checkpoint)
+    return checkpoint_dir(output_dir, step) if step >= 0 else None
+
+
+def _checkpoint_step(source: Path | None, output_dir: Path) -> int:
+    """The step of rank 0's checkpoint-<step> in output_dir; -1 for none (or one named by
+    resume_from_checkpoint, which every rank reads itself)."""
+    if source is None or source.parent != output_dir or not source.name.startswith("checkpoint-"):
+        return -1
+    step = source.name.removeprefix("checkpoint-")
+    return int(step) if step.isdigit() else -1
+
+
+def _run_token(output_dir: Path) -> str | None:
+    try:
+        return (output_dir / run_files.RUN_TOKEN).read_text().strip()
+    except OSError:
+        return None
 
 
 def rotate_checkpoints(output_dir: Path, save_total_limit: int | None) -> None:

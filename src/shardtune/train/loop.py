@@ -205,20 +205,20 @@ def evaluate(engine: Engine, batches: Iterable[Batch], loss_chunk_size: int = DE
     return float(total / torch.clamp(tokens, min=1.0))
 
 
-def run_loop(engine: Engine, epoch_batches: Callable[[int], Iterable[Batch]], s: LoopSettings,
+def run_loop(engine: Engine, epoch_batches: Callable[[int, int], Iterable[Batch]], s: LoopSettings,
              state: TrainState, hooks: LoopHooks) -> TrainState:
-    """Train until ``s.total_steps``; resumes mid-epoch by skipping the windows already done."""
+    """Train until ``s.total_steps``. ``epoch_batches(epoch, skip)``: that epoch's micro-batches from number
+    ``skip`` on; a run resumed mid-epoch asks for the ones after the windows already done (every window but an
+    epoch's last holds gradient_accumulation_steps micro-batches)."""
     engine.model.train()
     interval: list[dict[str, float]] = []
     while state.global_step < s.total_steps:
         epoch = state.global_step // s.steps_per_epoch
         done_in_epoch = state.global_step - epoch * s.steps_per_epoch
-        windows = accumulation_windows(epoch_batches(epoch), s.gradient_accumulation_steps)
+        batches = epoch_batches(epoch, done_in_epoch * s.gradient_accumulation_steps)
+        windows = accumulation_windows(batches, s.gradient_accumulation_steps)
         fetch_started = time.perf_counter()
-        for index, window in enumerate(windows):
-            if index < done_in_epoch:
-                fetch_started = time.perf_counter()
-                continue
+        for index, window in enumerate(windows, start=done_in_epoch):
             data_seconds = time.perf_counter() - fetch_started
             if s.objective is not None:
                 metrics = s.objective.train_step(engine, window, s.max_grad_norm)

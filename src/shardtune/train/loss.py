@@ -30,7 +30,8 @@ Why this shape:
   the reason; a model that changes the returned value anyway is caught by comparing it with the loss computed.
 * Mixed precision follows what autocast does to ``nn.Linear`` in the plain path: chunk logits are computed in
   the autocast dtype, then the loss in fp32; the logits' gradient is rounded to that dtype before both
-  matmuls. The weight gradient is summed over chunks in the weight's dtype (fp32 under autocast).
+  matmuls. The weight gradient is summed over chunks in fp32 (also for a bf16 weight, as FSDP's mixed
+  precision and DeepSpeed's bf16 hand the head) and rounded to the weight's dtype once.
 """
 
 from __future__ import annotations
@@ -241,7 +242,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         need_rows, need_weight, need_bias = (grads_wanted and flag for flag in ctx.needs_input_grad[:3])
         grads = _HeadGrads(
             rows=torch.empty_like(rows) if need_rows else None,
-            weight=torch.zeros_like(weight) if need_weight else None,
+            # Summed over the chunks in fp32 and rounded once, as the plain head's single matmul does: a bf16
+            # weight (FSDP's mixed precision, DeepSpeed's bf16) would otherwise lose each chunk's share.
+            weight=torch.zeros(weight.shape, dtype=_loss_dtype(weight.dtype), device=weight.device)
+            if need_weight else None,
             bias=torch.zeros(weight.size(0), dtype=_loss_dtype(dtype), device=weight.device) if need_bias else None)
         total = torch.zeros((), dtype=_loss_dtype(dtype), device=rows.device)
         with torch.autocast(rows.device.type, enabled=False):
@@ -252,6 +256,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                                                grads.chunk(start, end))
         ctx.grads = grads
         ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.weight_dtype = weight.dtype
         return total
 
     @staticmethod
@@ -264,8 +269,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # and a head-sized buffer must not live that long.
         ctx.grads = None
         scaled = [g.mul_(grad_total) if g is not None else None for g in (grads.rows, grads.weight, grads.bias)]
+        grad_weight = scaled[1].to(ctx.weight_dtype) if scaled[1] is not None else None  # rounded once
         grad_bias = scaled[2].to(ctx.bias_dtype) if scaled[2] is not None else None
-        return scaled[0], scaled[1], grad_bias, None, None, None, None, None
+        return scaled[0], grad_weight, grad_bias, None, None, None, None, None
 
 
 @dataclass

@@ -148,7 +148,7 @@ def build_loader(dataset: Any, tokenizer: Any, batch_size: int, engine: Engine, 
     if is_stream(dataset):  # already this rank's share, shuffled by its buffer
         return DataLoader(dataset, batch_size=batch_size, collate_fn=collator,
                           **loader_options(c, torch.cuda.is_available()))
-    sampler = make_sampler(dataset, batch_size, engine, c, shuffle)
+    sampler = ResumableSampler(make_sampler(dataset, batch_size, engine, c, shuffle))
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collator,
                       **loader_options(c, torch.cuda.is_available()))
 
@@ -217,21 +217,47 @@ def train_micro_batches(loader: DataLoader, c: TrainConfig) -> int:
     return len(loader)
 
 
-def epoch_batches_for(loader: DataLoader) -> Callable[[int], Iterable[Any]]:
-    """The loop's batches of epoch ``n``: the sampler reshuffled for that epoch, or for a stream, the stream read
-    again and again (each pass reshuffled by ``set_epoch``) until the loop has its steps.
+def epoch_batches_for(loader: DataLoader) -> Callable[[int, int], Iterable[Any]]:
+    """The loop's batches of epoch ``n`` from micro-batch ``skip`` on: the sampler reshuffled for that epoch, or for
+    a stream, the stream read again and again (each pass reshuffled by ``set_epoch``) until the loop has its steps.
 
-    Resuming skips the windows already trained by reading them again: the buffer shuffle and the tokenisation
-    depend only on the seed and the pass number, so the same samples come back in the same order.
+    A resumed run starts mid-epoch: the sampler skips the samples of the micro-batches already trained by index,
+    so they are neither loaded nor collated. A stream has no index: its skipped batches are read again (the buffer
+    shuffle and the tokenisation depend only on the seed and the pass number, so the same samples come back in
+    the same order).
     """
     if is_stream(loader.dataset):
-        return lambda _epoch: stream_passes(loader)
+        def stream_from(_epoch: int, skip: int = 0) -> Iterable[Any]:
+            return itertools.islice(stream_passes(loader), skip, None)
 
-    def for_epoch(epoch: int) -> DataLoader:
+        return stream_from
+
+    def for_epoch(epoch: int, skip: int = 0) -> DataLoader:
         set_epoch_of(loader.sampler, epoch)
+        if not isinstance(loader.sampler, ResumableSampler):
+            raise RuntimeError("the loader's sampler cannot skip; the loader was not built by build_loader")
+        loader.sampler.start = skip * (loader.batch_size or 1)
         return loader
 
     return for_epoch
+
+
+class ResumableSampler(torch.utils.data.Sampler[int]):
+    """A sampler's indices from ``start`` on (``start`` samples skipped without being read)."""
+
+    def __init__(self, sampler: DistributedSampler) -> None:
+        self.sampler = sampler
+        self.start = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(iter(self.sampler), self.start, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.sampler) - self.start)
+
 
 class Reshuffles(Protocol):
     """A sampler or a streamed dataset whose order depends on the pass number."""

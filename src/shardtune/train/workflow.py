@@ -105,6 +105,7 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
                                     warmup_steps_for(loop.total_steps, config.warmup_steps, config.warmup_ratio)),
     )
     engine.verify()
+    choose_experts_implementation(engine)
     if memory is not None:
         memory.mark_setup_done()
     if config.precompute_ref_log_probs:  # validated: only for dpo/kto losses that have a reference
@@ -310,6 +311,21 @@ def with_reference_logps(engine: Engine, tokenizer: Any, c: TrainConfig, train_s
     return scored[0], scored[1]
 
 
+def choose_experts_implementation(engine: Engine) -> None:
+    """How fused MoE experts compute, decided from the dtype their weights have in forward (model/moe.py)."""
+    from shardtune.model.moe import apply_experts_implementation, fused_expert_parameters
+
+    model = engine.unwrapped_model()
+    names = fused_expert_parameters(model)
+    if not names:
+        return
+    stored = dict(model.named_parameters()).get(names[0])
+    dtype = engine.forward_weight_dtype(stored.dtype if stored is not None else torch.float32)
+    line = apply_experts_implementation(model, engine.device.type, str(dtype).removeprefix("torch."))
+    if line and engine.is_main:
+        print(f"[shardtune] {line}", flush=True)
+
+
 def router_aux_setting(model: torch.nn.Module, c: TrainConfig, is_main: bool) -> float | None:
     """The router auxiliary loss coefficient training adds (MoE models), said in the run log."""
     from shardtune.model.moe import has_router_aux_loss, preference_aux_loss_problem, router_aux_loss_coef
@@ -335,7 +351,7 @@ def start_state(engine: Engine, c: TrainConfig, output_dir: Path) -> TrainState:
             clear_previous_run(output_dir)
         (output_dir / RESOLVED_CONFIG_FILE).write_text(json.dumps(config_to_dict(c), indent=2))
     engine.barrier()
-    source = resume_source(c)
+    source = checkpoint.agreed_resume_source(engine, c, output_dir)
     if source is None:
         return TrainState()
     if engine.is_main:
