@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import cli_env, crash_after_checkpoint, run_and_kill_a_worker, run_cli
+from tests.conftest import cli_env, crash_after_checkpoint, overrides_merged, run_and_kill_a_worker, run_cli
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -110,8 +110,9 @@ def test_a_run_killed_while_saving_resumes_from_the_previous_checkpoint(tiny_mod
 
 def test_sigkill_of_a_rank_is_recovered_by_torchrun(tiny_model_dir, tmp_path):
     env = cli_env(NPROC_PER_NODE="2", MAX_RESTARTS="1", MASTER_PORT=str(_free_port()), GLOO_SOCKET_IFNAME="lo")
-    argv = [sys.executable, "-m", "shardtune", "train", *RUN, f"model_name_or_path={tiny_model_dir}",
-            f"output_dir={tmp_path}", "max_steps=120", "save_steps=10", "per_device_train_batch_size=2"]
+    argv = [sys.executable, "-m", "shardtune", "train", *overrides_merged([
+        *RUN, f"model_name_or_path={tiny_model_dir}", f"output_dir={tmp_path}", "max_steps=120", "save_steps=10",
+        "per_device_train_batch_size=2"])]
     code, stdout, stderr = run_and_kill_a_worker(argv, env, tmp_path / "checkpoint-20", is_torchrun_worker,
                                                  finish_timeout=600, start_timeout=300)
     assert code == 0, stderr[-4000:]

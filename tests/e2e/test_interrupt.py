@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, cli_env, overrides_merged
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -22,8 +22,8 @@ ARGS = ("examples/tiny/sft_full.yaml", "max_steps=400", "save_steps=5", "logging
 
 
 def start(model: Path, out: Path, *extra: str, **env: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "shardtune", "train", *ARGS, f"model_name_or_path={model}",
-            f"output_dir={out}", *extra]
+    argv = [sys.executable, "-m", "shardtune", "train", *overrides_merged([*ARGS, f"model_name_or_path={model}",
+                                                                        f"output_dir={out}", *extra])]
     return subprocess.Popen(argv, cwd=REPO, env=cli_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 
