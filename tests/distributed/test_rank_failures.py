@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, cli_env, overrides_merged
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
@@ -63,8 +63,8 @@ def faulty_model(base: Path, where: Path, fault: str) -> Path:
 
 def train_2_processes(model: Path, out: Path, *extra: str) -> tuple[subprocess.CompletedProcess, float]:
     """`shardtune train` with 2 processes; also checks that no rank outlives the command."""
-    argv = [sys.executable, "-m", "shardtune", "train", *ARGS, f"model_name_or_path={model}",
-            f"output_dir={out}", *extra]
+    argv = [sys.executable, "-m", "shardtune", "train",
+            *overrides_merged([*ARGS, f"model_name_or_path={model}", f"output_dir={out}", *extra])]
     env = cli_env(NPROC_PER_NODE="2", HF_MODULES_CACHE=str(out.parent / "hf_modules"))
     start = time.monotonic()
     try:

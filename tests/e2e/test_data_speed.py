@@ -30,15 +30,20 @@ def throughput(out: Path) -> dict:
 
 def test_packed_grouped_and_padded_epochs_train_the_same_tokens(tiny_model_dir, tmp_path):
     runs = {}
-    for name, extra in {"padded": ["packing=false"], "grouped": ["packing=false", "group_by_length=true"],
+    for name, extra in {"padded": ["packing=false", "padding_free=false"],
+                        "grouped": ["packing=false", "padding_free=false", "group_by_length=true"],
+                        "padding_free": ["packing=false", "padding_free=true"],
                         "packed": ["packing=true"]}.items():
         train(tiny_model_dir, tmp_path / name, *FROZEN_EPOCH, *extra)
         runs[name] = throughput(tmp_path / name)
     base = runs["padded"]["loss_per_token"]
     assert runs["packed"]["loss_per_token"] == pytest.approx(base, rel=1e-5)
     assert runs["grouped"]["loss_per_token"] == pytest.approx(base, rel=1e-5)
+    assert runs["padding_free"]["loss_per_token"] == pytest.approx(base, rel=1e-5)
     padding = {name: tp["padding_fraction"] for name, tp in runs.items()}
-    assert padding["packed"] < 0.1 and padding["grouped"] < padding["padded"] / 2, padding
+    assert padding["packed"] < 0.1, padding
+    # padding_free fills rows no longer than the micro-batch's longest sample: fewer rows, not none padded
+    assert padding["grouped"] < padding["padded"] / 2 and padding["padding_free"] < padding["padded"] / 2, padding
     for tp in runs.values():
         assert tp["effective_tokens_per_second"] > 0 and tp["step_time_median_seconds"] > 0
         assert tp["first_step_unix_time"] > 0 and tp["measured_steps"] >= 1
