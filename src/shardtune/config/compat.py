@@ -131,6 +131,10 @@ MAPPED: dict[str, Mapped] = {
     "use_fast_tokenizer": Mapped("nothing: the fast (Rust) tokenizer is always used", _refuse_unless(
         True, "shardtune loads the fast tokenizer only (tokenizer.json); remove the key or set it to true")(
         "use_fast_tokenizer")),
+    "use_v1_kernels": Mapped("nothing while false; refused when true", _refuse_unless(
+        False, "LLaMA-Factory's v1 kernel plugins are not used by shardtune, which picks the attention kernel "
+               "itself (attn_implementation: auto) and computes the loss head in chunks (loss_chunk_size); set it "
+               "to false or remove it")("use_v1_kernels")),
     "disable_shuffling": Mapped("nothing: the training order is shuffled with the run's seed", _refuse_unless(
         False, "shardtune always shuffles the training data with `seed` (group_by_length keeps lengths together); "
                "remove the key")("disable_shuffling")),

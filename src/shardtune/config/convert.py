@@ -17,10 +17,11 @@ from shardtune.config.compat import MAPPED, Refused, translate_keys
 from shardtune.config.load import build_config, load_yaml_file, unknown_key_message
 from shardtune.config.refused import REFUSED_REASONS
 from shardtune.config.schema import UNSUPPORTED_KEYS, key_names
+from shardtune.config.v1_format import v1_format_problem, v1_key_problem, v1_keys
 from shardtune.errors import ConfigError
 from shardtune.paths import output_file_problem
 
-HONOURED, MAPPED_STATUS, REFUSED, UNKNOWN = "honoured", "mapped", "refused", "unknown"
+HONOURED, MAPPED_STATUS, REFUSED, UNKNOWN, V1 = "honoured", "mapped", "refused", "unknown", "v1"
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,12 @@ class KeyReport:
 def key_reports(values: dict[str, Any]) -> list[KeyReport]:
     """One report per key of ``values``, in file order."""
     known = key_names()
+    v1 = v1_keys(values)
     reports = []
     for key in values:
-        if key in MAPPED:
+        if key in v1:  # LLaMA-Factory's v1 format: the flat key that does its work
+            reports.append(KeyReport(key, V1, v1_key_problem(str(key))))
+        elif key in MAPPED:
             reports.append(mapped_report(key, values))
         elif key in known:
             reports.append(KeyReport(key, HONOURED))
@@ -78,14 +82,17 @@ def convert_config(path: Path, out: Path | None) -> tuple[list[str], bool]:
         if problem:
             raise ConfigError(problem)
     reports = key_reports(values)
-    lines = [report.line() for report in reports]
+    v1 = v1_keys(values)
+    lines = [v1_format_problem(str(path), v1)] if v1 else []
+    lines += [report.line() for report in reports]
     translated, _ = translate_keys(values)
     problems = validation_problems(values, str(path))
-    blocked = [r for r in reports if r.status in (REFUSED, UNKNOWN)]
-    counts = {status: sum(r.status == status for r in reports) for status in (HONOURED, MAPPED_STATUS, REFUSED,
-                                                                                 UNKNOWN)}
+    blocked = [r for r in reports if r.status in (REFUSED, UNKNOWN, V1)]
+    counts = {status: sum(r.status == status for r in reports)
+              for status in (HONOURED, MAPPED_STATUS, REFUSED, UNKNOWN, V1) if status != V1 or v1}
     lines.append(", ".join(f"{n} {status}" for status, n in counts.items()))
-    lines += [f"problem: {p}" for p in problems if not any(f"'{r.key}'" in p for r in blocked)]
+    lines += [f"problem: {p}" for p in problems
+              if not any(f"'{r.key}'" in p for r in blocked) and not (v1 and p == lines[0])]
     if out is not None:
         kept = {k: v for k, v in translated.items() if k not in {r.key for r in blocked}}
         header = f"# Written by `shardtune convert-config` from {path.name}: its keys in shardtune's spelling.\n"

@@ -58,7 +58,7 @@ REFUSED_REASONS: dict[str, str] = {
              "remove it and point ray_storage_path at a folder every Ray node reaches", "ray_storage_filesystem"),
     **_group("set the launch address with the MASTER_ADDR / MASTER_PORT environment variables and remove it",
              "master_addr master_port"),
-    **_group("Unsloth kernels are not used by shardtune; remove it", "use_unsloth_gc use_v1_kernels"),
+    **_group("Unsloth kernels are not used by shardtune; remove it", "use_unsloth_gc"),
     **_group("a training variant shardtune does not implement (LLaMA-Pro block expansion, mixture of depths, "
              "OFT, alternative SFT losses, accuracy metrics, early stopping); remove it",
              """use_llama_pro mixture_of_depths oft_block_size oft_rank oft_target module_dropout use_asft_loss
