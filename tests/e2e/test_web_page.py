@@ -199,6 +199,7 @@ save_steps: 10
 save_total_limit: 3
 logging_steps: 2
 dataloader_num_workers: 1
+dataloader_persistent_workers: true
 """
 
 
@@ -239,7 +240,8 @@ def test_form_launch_is_live_flags_a_straggler_reattaches_and_stops(driver, web_
 
     # A rank whose data loader is held back makes the other wait: it is flagged as the straggler.
     rank1 = json.loads((out / "ranks" / "rank_1.jsonl").read_text().splitlines()[0])
-    assert loader_workers(rank1["pid"]), "rank 1 has no data loader worker"
+    # Persistent workers: the same worker stays for the whole run, so there is no gap between epochs without one.
+    wait_for(lambda: loader_workers(rank1["pid"]), 30, "rank 1's data loader worker")
     with Throttle(lambda: loader_workers(rank1["pid"])):
         rows = wait_for(lambda: (r := rank_rows(driver)) and "straggler" in r.get(1, "") and r, 60,
                         "rank 1 flagged as a straggler")
