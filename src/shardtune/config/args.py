@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.config.compat import translate_keys
+from shardtune.config.lf_v1 import translate_file_values
 from shardtune.config.load import KeyProblem, build_config_collecting, load_yaml_file, parse_override, yaml_key_lines
 from shardtune.config.schema import TrainConfig, config_fields
 from shardtune.errors import ConfigError
@@ -101,7 +102,7 @@ def read_config(argv: list[str], defaults: dict[str, Any] | None = None
             raise ConfigError(f"command line: '{path}' is not a .yaml/.yml/.json config file")
         if Path(path).is_dir():
             raise ConfigError(f"command line: {path} is a folder; give the config file")
-        file_values, file_problems = translate_keys(load_yaml_file(path))
+        file_values, file_problems = translate_file_values(load_yaml_file(path))  # v1 or v0 spelling
         values.update(file_values)
         spelling_problems += [KeyProblem(None, f"{path}: {p}") for p in file_problems]
         where.update({key: f"{path}:{line}" for key, line in yaml_key_lines(path).items()})

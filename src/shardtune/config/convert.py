@@ -13,7 +13,8 @@ from typing import Any
 
 import yaml
 
-from shardtune.config.compat import MAPPED, Refused, translate_keys
+from shardtune.config.compat import MAPPED, Refused
+from shardtune.config.lf_v1 import V1_DEFAULTS, V1_PREFIX, describe_v1_key, is_v1_file, translate_file_values
 from shardtune.config.load import build_config, load_yaml_file, unknown_key_message
 from shardtune.config.refused import REFUSED_REASONS
 from shardtune.config.schema import UNSUPPORTED_KEYS, key_names
@@ -37,8 +38,13 @@ def key_reports(values: dict[str, Any]) -> list[KeyReport]:
     """One report per key of ``values``, in file order."""
     known = key_names()
     reports = []
+    v1 = is_v1_file(values)
     for key in values:
-        if key in MAPPED:
+        described = describe_v1_key(str(key), values) if v1 else None
+        if described is not None:
+            refused, detail = described
+            reports.append(KeyReport(key, REFUSED if refused else MAPPED_STATUS, detail))
+        elif key in MAPPED:
             reports.append(mapped_report(key, values))
         elif key in known:
             reports.append(KeyReport(key, HONOURED))
@@ -79,8 +85,11 @@ def convert_config(path: Path, out: Path | None) -> tuple[list[str], bool]:
             raise ConfigError(problem)
     reports = key_reports(values)
     lines = [report.line() for report in reports]
-    translated, _ = translate_keys(values)
-    problems = validation_problems(values, str(path))
+    if is_v1_file(values):
+        defaults = ", ".join(f"{k}: {v}" for k, v in V1_DEFAULTS.items() if k not in values)
+        lines.insert(0, f"{V1_PREFIX}: read as v1 reads it, with v1's defaults for the keys it leaves out ({defaults})")
+    translated, _ = translate_file_values(values)
+    problems = validation_problems(translated, str(path))
     blocked = [r for r in reports if r.status in (REFUSED, UNKNOWN)]
     counts = {status: sum(r.status == status for r in reports) for status in (HONOURED, MAPPED_STATUS, REFUSED,
                                                                                  UNKNOWN)}
