@@ -13,6 +13,7 @@ from typing import Any
 from shardtune.config.compat import translate_keys
 from shardtune.config.lf_v1 import translate_file_values
 from shardtune.config.load import KeyProblem, build_config_collecting, load_yaml_file, parse_override, yaml_key_lines
+from shardtune.config.refused import names_other_backend
 from shardtune.config.schema import TrainConfig, config_fields
 from shardtune.errors import ConfigError
 
@@ -113,4 +114,6 @@ def read_config(argv: list[str], defaults: dict[str, Any] | None = None
     values.update(command_line)
     where.update({key: "command line" for key in command_line})
     config, key_problems = build_config_collecting(values, source=source, where=where)
-    return config, cmd, spelling_problems + key_problems
+    problems = spelling_problems + key_problems
+    # A file written for another back-end says so first; its other keys' problems would only distract.
+    return config, cmd, sorted(problems, key=lambda problem: not names_other_backend(problem.text))

@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from shardtune.config.refused import V1_KERNELS_REASON
+
 Translate = Callable[[Any, Mapping[str, Any]], dict[str, Any]]
 
 
@@ -214,6 +216,11 @@ def _pref_loss(value: Any, _values: Mapping[str, Any]) -> dict[str, Any]:
 
 
 MAPPED["pref_loss"] = Mapped("pref_loss (kto_pair and bco_pair refused with what to use)", _pref_loss)
+
+
+# --- LLaMA-Factory's v1 kernel plugins, switched on with a value (lfex) ---
+MAPPED["use_v1_kernels"] = Mapped("nothing while false; refused when true (LLaMA-Factory's v1 kernel plugins)",
+                                  _refuse_unless(False, V1_KERNELS_REASON)("use_v1_kernels"))
 
 
 def translate_keys(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:

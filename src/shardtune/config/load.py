@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from shardtune.config.compat import translate_keys
-from shardtune.config.refused import REFUSED_REASONS
+from shardtune.config.refused import REFUSED_REASONS, REFUSED_VALUES
 from shardtune.config.schema import UNSUPPORTED_KEYS, TrainConfig, config_fields
 from shardtune.errors import ConfigError
 from shardtune.paths import ascii_lookalike, expand_user_path, shown, unusual_characters
@@ -169,6 +169,8 @@ def coerce_value(key: str, raw: Any, hint: Any, meta: typing.Mapping[str, Any]) 
     if isinstance(raw, bool) and choices and "no" in choices:
         raw = "yes" if raw else "no"  # YAML 1.1 reads `save_strategy: no` as false
     value = _convert(key, raw, hint)
+    if isinstance(value, str) and value in REFUSED_VALUES.get(key, {}):
+        raise ValueError(f"{key}: {value!r} is not supported by shardtune: {REFUSED_VALUES[key][value]}")
     if choices is not None and value not in choices:
         allowed = ", ".join("null" if c is None else str(c) for c in choices)
         raise ValueError(f"{key}: {shown(raw) if isinstance(raw, str) else repr(raw)} is not allowed; choose one of: "
