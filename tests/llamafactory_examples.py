@@ -3,7 +3,9 @@
 ``tests/fixtures/llamafactory_examples/`` holds, for every training file of LLaMA-Factory's ``examples/`` folder, a
 file of ours at the same relative path with the same keys and values; only the model, data and output paths are
 placeholders (``MODEL``, ``OUTPUT``, ``DATA_DIR`` below). ``manifest.yaml`` gives each example file (training or
-not) its verdict: ``runs``, ``refused: <what the first error line says>`` or ``not training: <what it is>``.
+not) its verdict: ``runs``, ``refused: <what the first error line says>``, ``needs a GPU: <what check says on a
+CPU-only machine>``, ``runs on a GPU: <why it trains only there>`` (check passes anywhere) or ``not training: <what
+it is>``.
 The files are run from a work folder that holds ``data/`` (our data in LLaMA-Factory's layout) and ``examples/``
 (shardtune's DeepSpeed configs under LLaMA-Factory's names), since LLaMA-Factory resolves those from the cwd.
 """
@@ -19,6 +21,7 @@ FIXTURES = REPO / "tests" / "fixtures" / "llamafactory_examples"
 MANIFEST = FIXTURES / "manifest.yaml"
 MODEL, OUTPUT, DATA_DIR = "__MODEL__", "__OUTPUT__", "__DATA_DIR__"
 RUNS, REFUSED, NOT_TRAINING = "runs", "refused: ", "not training: "
+NEEDS_GPU, RUNS_ON_GPU = "needs a GPU: ", "runs on a GPU: "
 
 
 def load_manifest() -> dict[str, str]:

@@ -2,7 +2,8 @@
 
 The fixtures and their verdicts are tests/fixtures/llamafactory_examples/ (see tests/llamafactory_examples.py);
 `make test` checks every verdict with `shardtune check`, this matrix test trains the ``runs`` ones unchanged but for
-the tiny model, our data folder and ``max_steps=2``, under the engine each file names.
+the tiny model, our data folder and ``max_steps=2``, under the engine each file names (the files that need a GPU
+where two CUDA GPUs are visible).
 """
 
 from __future__ import annotations
@@ -13,16 +14,21 @@ import math
 import pytest
 
 from tests.conftest import run_cli
-from tests.llamafactory_examples import RUNS, filled_in, load_manifest, make_work_folder
+from tests.llamafactory_examples import NEEDS_GPU, RUNS, RUNS_ON_GPU, filled_in, load_manifest, make_work_folder
 
 MANIFEST = load_manifest()
-RUNNING = [path for path, verdict in MANIFEST.items() if verdict == RUNS]
+RUNNING = [path for path, verdict in MANIFEST.items() if verdict == RUNS or verdict.startswith((RUNS_ON_GPU,
+                                                                                                  NEEDS_GPU))]
 
 pytestmark = [pytest.mark.distributed, pytest.mark.matrix, pytest.mark.timeout(900)]
 
 
 @pytest.mark.parametrize("relative", RUNNING)
 def test_example_file_trains_two_steps_on_two_processes(relative, tiny_model_dir, tmp_path):
+    import torch
+
+    if MANIFEST[relative] != RUNS and torch.cuda.device_count() < 2:
+        pytest.skip(MANIFEST[relative])
     work = make_work_folder(tmp_path / "work")
     out = tmp_path / "out"
     path = filled_in(relative, work, tiny_model_dir, out)

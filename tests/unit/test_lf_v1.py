@@ -56,12 +56,22 @@ def test_a_v0_file_is_not_read_as_v1():
     ("optim_config", {"name": "muon", "momentum": 0.9}, "optim_config.momentum"),
     ("peft_config", {"name": "lora", "use_dora": True}, "peft_config.use_dora"),
     ("lr_scheduler_config", {"name": "cosine"}, "lr_scheduler_type"),
-    ("train_dataset", "data/v1_sft_demo.yaml", "dataset_info.json"),
+    ("eval_dataset", "data/v1_sft_demo.yaml", "val_size"),
+    ("train_dataset", "data/v1_sft_demo.jsonl", "v1 dataset file"),
 ])
 def test_a_v1_setting_without_counterpart_is_refused_naming_v1(key, value, reason):
     _, problems = translate_v1({"model": "m", key: value})
     assert len(problems) == 1 and problems[0].startswith(f"{V1_PREFIX}: key '{key}")
     assert reason in problems[0]
+
+
+def test_train_dataset_names_every_dataset_of_its_v1_file(tmp_path):
+    data = tmp_path / "sft.yaml"
+    data.write_text("first:\n  path: a.jsonl\n  source: local\nsecond:\n  path: b.jsonl\n  source: local\n")
+    values, problems = translate_v1({"model": "m", "train_dataset": str(data)})
+    assert problems == [] and values["dataset_dir"] == str(data) and values["dataset"] == ["first", "second"]
+    _, problems = translate_v1({"model": "m", "train_dataset": str(tmp_path / "missing.yaml")})
+    assert problems[0].startswith(f"{V1_PREFIX}: train_dataset") and "cannot be read" in problems[0]
 
 
 def test_v1_values_shardtune_does_anyway_are_accepted():
@@ -90,10 +100,10 @@ def test_check_reads_a_v1_file_with_use_v1_set(tmp_path, tiny_model_dir, monkeyp
 
 
 def test_check_refusal_of_a_v1_file_starts_with_the_v1_format(tmp_path, tiny_model_dir, capsys):
-    path = write_v1(tmp_path, tiny_model_dir, train_dataset="data/v1_sft_demo.yaml")
-    assert main(["check", path]) == 2
+    path = write_v1(tmp_path, tiny_model_dir, cp_size=2, lora_rnak=8)
+    assert main(["check", path, "dataset=demo", f"dataset_dir={REPO / 'data'}"]) == 2
     first = capsys.readouterr().err.splitlines()[0]
-    assert f"{V1_PREFIX}: key 'train_dataset'" in first
+    assert f"{V1_PREFIX}: key 'cp_size'" in first
 
 
 def test_convert_config_reports_a_v1_file(tmp_path, capsys):

@@ -16,9 +16,11 @@ import pytest
 from shardtune.cli import main
 from tests.llamafactory_examples import (
     FIXTURES,
+    NEEDS_GPU,
     NOT_TRAINING,
     REFUSED,
     RUNS,
+    RUNS_ON_GPU,
     filled_in,
     first_error,
     load_manifest,
@@ -27,7 +29,6 @@ from tests.llamafactory_examples import (
 )
 
 MANIFEST = load_manifest()
-NEEDS_GPU = "needs a GPU: "
 
 
 def cuda_visible() -> bool:
@@ -44,7 +45,7 @@ def test_example_file_gets_its_verdict(relative, tiny_model_dir, tmp_path, monke
     code = main(["check", str(path)])
     captured = capsys.readouterr()
     verdict = MANIFEST[relative]
-    if verdict == RUNS or (verdict.startswith(NEEDS_GPU) and cuda_visible()):
+    if verdict == RUNS or verdict.startswith(RUNS_ON_GPU) or (verdict.startswith(NEEDS_GPU) and cuda_visible()):
         assert code == 0, captured.err
         assert captured.out.startswith("ok: ") or "\nok: " in captured.out
         return
@@ -57,7 +58,7 @@ def test_every_training_file_has_a_fixture_and_every_fixture_a_verdict():
                 if p.name != "manifest.yaml" and p.parent != FIXTURES / "data"}
     assert fixtures == set(training_files(MANIFEST))
     verdicts = {verdict.split(":")[0] for verdict in MANIFEST.values()}
-    assert verdicts <= {RUNS, REFUSED.rstrip(": "), NEEDS_GPU.rstrip(": "), NOT_TRAINING.rstrip(": ")}
+    assert verdicts <= {RUNS, *(kind.rstrip(": ") for kind in (REFUSED, NEEDS_GPU, RUNS_ON_GPU, NOT_TRAINING))}
 
 
 def test_the_docs_table_is_current(repo):

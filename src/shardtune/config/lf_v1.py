@@ -15,7 +15,10 @@ and the plugins they name; ``docs/from-llamafactory.md`` has the table for users
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from shardtune.config.compat import Refused, translate_keys
 
@@ -173,8 +176,25 @@ def _save_epochs(value: Any, _values: Section) -> dict[str, Any]:
     raise v1_problem("save_epochs", value, "shardtune saves every epoch (save_epochs: 1) or every save_steps steps")
 
 
+def _train_dataset(value: Any, _values: Section) -> dict[str, Any]:
+    """A v1 dataset file is the registry (``dataset_dir``; data/lf_v1_data.py reads it); every dataset it names
+    is trained on, as v1 does."""
+    path = Path(str(value))
+    if path.suffix.lower() not in (".yaml", ".yml"):
+        raise v1_problem("train_dataset", value, "shardtune reads a v1 dataset file (YAML naming local jsonl files); "
+                                                 "a data file or hub id given directly is not read: list it in one")
+    try:
+        names = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise ValueError(f"{V1_PREFIX}: train_dataset {str(value)!r} cannot be read: {err}") from None
+    if not isinstance(names, dict) or not names:
+        raise ValueError(f"{V1_PREFIX}: train_dataset {str(value)!r} must map dataset names to entries")
+    return {"dataset_dir": str(value), "dataset": [str(name) for name in names]}
+
+
 FLAT: dict[str, Callable[[Any, Section], dict[str, Any]]] = {
     "model": _rename("model_name_or_path"),
+    "train_dataset": _train_dataset,
     "model_class": _model_class,
     "flash_attn": _flash_attn,
     "micro_batch_size": _rename("per_device_train_batch_size"),
@@ -206,11 +226,8 @@ V1_PLAIN_REFUSED = {
                             "templates; put the jinja text into tokenizer_config.json's chat_template instead",
     "global_batch_size": "shardtune's global batch is per_device_train_batch_size x gradient_accumulation_steps x "
                          "processes; give gradient_accumulation_steps instead",
-    "train_dataset": "a v1 dataset file (its own YAML listing jsonl files of typed message parts with loss_weight) "
-                     "is not read by shardtune; register the data in a dataset_info.json and give `dataset` (its "
-                     "names) and `dataset_dir` (its folder)",
-    "eval_dataset": "a v1 dataset file is not read by shardtune; register the data in a dataset_info.json and give "
-                    "eval_dataset as its names",
+    "eval_dataset": "evaluation on a second v1 dataset file is not read by shardtune; hold out part of the training "
+                    "data with val_size, or register both in a dataset_info.json (dataset, eval_dataset)",
 }
 
 
