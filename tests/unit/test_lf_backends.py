@@ -44,3 +44,15 @@ def test_oft_names_the_variant_and_what_to_use():
 def test_each_unimplemented_variant_is_named(key, variant):
     with pytest.raises(ConfigError, match=f"key '{key}' is not supported by shardtune: .*{variant}"):
         build_config({**BASE, key: True})
+
+
+@pytest.mark.parametrize(("optim", "instead"), [("paged_adamw_8bit", "adamw_8bit"), ("paged_lion_32bit", "offload"),
+                                                ("lion_8bit", "adamw_torch")])
+def test_paged_and_lion_optimizers_name_what_to_use(optim, instead):
+    with pytest.raises(ConfigError, match=f"optim: '{optim}' is not supported by shardtune: .*{instead}"):
+        build_config({**BASE, "optim": optim})
+
+
+def test_fp8_names_bf16_instead():
+    with pytest.raises(ConfigError, match=r"key 'fp8' is not supported by shardtune: fp8 training .*bf16: true"):
+        build_config({**BASE, "fp8": True})

@@ -67,7 +67,16 @@ VARIANT_REASONS = {
 
 # Values of honoured keys that name a variant shardtune does not implement: refused with the reason, not only as
 # "not allowed" (load.coerce_value).
-REFUSED_VALUES: dict[str, dict[str, str]] = {"finetuning_type": {"oft": _OFT}}
+_PAGED = ("paged optimizers (bitsandbytes moves their state to CPU memory under pressure) are not offered; use "
+          "optim: adamw_8bit for 8-bit state, or a DeepSpeed offload config (examples/deepspeed/ds_z3_offload_config"
+          ".json) to keep optimizer state in CPU memory")
+_LION = "Lion is not offered; use optim: adamw_torch or adamw_8bit (or use_muon / use_adam_mini)"
+REFUSED_VALUES: dict[str, dict[str, str]] = {
+    "finetuning_type": {"oft": _OFT},
+    "optim": {**_group(_PAGED, "paged_adamw_8bit paged_adamw_32bit paged_ademamix_8bit paged_ademamix_32bit"),
+              **_group(_PAGED + "; Lion itself is not offered either", "paged_lion_8bit paged_lion_32bit"),
+              **_group(_LION, "lion_8bit lion_32bit")},
+}
 
 
 def names_other_backend(problem: str) -> bool:
@@ -112,7 +121,8 @@ REFUSED_REASONS: dict[str, str] = {
              """enable_torch_profiler profile_modules profiler_active_steps profiler_output_dir
              profiler_profile_memory profiler_record_shapes profiler_repeat profiler_wait_steps
              profiler_warmup_steps profiler_with_stack"""),
-    **_group("fp8 training is not supported (bf16 is the lowest training precision); remove it",
+    **_group("fp8 training is not supported (torchao or Transformer Engine float8 layers and FSDP's float8 "
+             "all-gather); train in bf16 (bf16: true), the lowest precision shardtune trains in, and remove it",
              "fp8 fp8_backend fp8_enable_fsdp_float8_all_gather"),
     **_group("Ray's cloud storage (s3, gs) is not wired into shardtune, whose checkpoints live in output_dir; "
              "remove it and point ray_storage_path at a folder every Ray node reaches", "ray_storage_filesystem"),
