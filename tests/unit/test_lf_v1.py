@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from shardtune.cli import main
-from shardtune.config.lf_v1 import V1_PREFIX, is_v1_file, translate_v1
+from shardtune.config.lf_v1 import V1_PREFIX, is_v1_file, translate_v1, v1_defaults_for_file
 from shardtune.config.load import build_config
 from tests.conftest import REPO
 
@@ -41,6 +41,9 @@ def test_keys_a_v1_file_leaves_out_take_v1_defaults():
         "auto", True, 2048, "no")
     given, _ = translate_v1({"model": "m", "bf16": False, "save_steps": 5})
     assert given["bf16"] is False and given["save_strategy"] == "steps"
+    # A default is only named where the file leaves it to v1 (muon's own weight decay is not AdamW's).
+    left = v1_defaults_for_file({"model": "m", "optim_config": {"name": "muon"}, "cutoff_len": 64})
+    assert "weight_decay" not in left and "cutoff_len" not in left and left["finetuning_type"] == "full"
 
 
 def test_a_v0_file_is_not_read_as_v1():

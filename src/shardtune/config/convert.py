@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from shardtune.config.compat import MAPPED, Refused
-from shardtune.config.lf_v1 import V1_DEFAULTS, V1_PREFIX, describe_v1_key, is_v1_file, translate_file_values
+from shardtune.config.lf_v1 import V1_PREFIX, describe_v1_key, is_v1_file, translate_file_values, v1_defaults_for_file
 from shardtune.config.load import build_config, load_yaml_file, unknown_key_message
 from shardtune.config.refused import REFUSED_REASONS
 from shardtune.config.schema import UNSUPPORTED_KEYS, key_names
@@ -86,7 +86,7 @@ def convert_config(path: Path, out: Path | None) -> tuple[list[str], bool]:
     reports = key_reports(values)
     lines = [report.line() for report in reports]
     if is_v1_file(values):
-        defaults = ", ".join(f"{k}: {v}" for k, v in V1_DEFAULTS.items() if k not in values)
+        defaults = ", ".join(f"{k}: {v}" for k, v in v1_defaults_for_file(values).items())
         lines.insert(0, f"{V1_PREFIX}: read as v1 reads it, with v1's defaults for the keys it leaves out ({defaults})")
     translated, _ = translate_file_values(values)
     problems = validation_problems(translated, str(path))

@@ -65,6 +65,16 @@ def v1_problem(key: str, value: Any, reason: str) -> Refused:
 def translate_v1(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """A v1 file's values in shardtune's (and LLaMA-Factory v0's) spelling, with v1's defaults; (values, problems).
     Keys that are not v1 keys pass through unchanged for the usual checks."""
+    given, problems = _translate_given(values)
+    return {**v1_defaults_left(given), **given}, problems
+
+
+def v1_defaults_left(given: Mapping[str, Any]) -> dict[str, Any]:
+    """v1's defaults for the shardtune keys that a v1 file's translated values (``given``) do not set."""
+    return {key: value for key, value in V1_DEFAULTS.items() if key not in given}
+
+
+def _translate_given(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     result: dict[str, Any] = {}
     problems: list[str] = []
     for key, value in values.items():
@@ -80,7 +90,7 @@ def translate_v1(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
             result[target] = new
     if "save_steps" in result:
         result.setdefault("save_strategy", "steps")
-    return {**V1_DEFAULTS, **result}, problems
+    return result, problems
 
 
 def _translate_key(key: str, value: Any, values: Mapping[str, Any]) -> dict[str, Any]:
@@ -314,6 +324,11 @@ def translate_file_values(values: Mapping[str, Any]) -> tuple[dict[str, Any], li
     flat, v1_problems = translate_v1(values)
     translated, problems = translate_keys(flat)
     return translated, v1_problems + problems
+
+
+def v1_defaults_for_file(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The v1 defaults a v1 file relies on (for ``convert-config``'s first line)."""
+    return v1_defaults_left(_translate_given(values)[0])
 
 
 def describe_v1_key(key: str, values: Mapping[str, Any]) -> tuple[bool, str] | None:
