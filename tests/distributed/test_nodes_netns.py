@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, cli_env, overrides_merged
 from tests.distributed.helpers import COMMON, losses
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
@@ -55,7 +56,8 @@ class Node:
         suffix, side, _ = host
         self.proc = subprocess.Popen(["bash", str(SCRIPT), "run", suffix, side, *prefix, sys.executable, "-m",
                                       "shardtune", *args],
-                                     cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
         self.out: list[str] = []
         self.err: list[str] = []
         self.readers = [threading.Thread(target=self._read, args=(stream, lines), daemon=True)
@@ -71,7 +73,12 @@ class Node:
 
     def finish(self, timeout: float = 500) -> tuple[int, str, str, float]:
         """Exit code, stdout, stderr and the time it ended."""
-        code = self.proc.wait(timeout=timeout)
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # The whole session: a node left running would hold the next test's ports.
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise
         ended = time.monotonic()
         for reader in self.readers:
             reader.join(timeout=5)
@@ -128,7 +135,7 @@ def test_a_node_that_differs_stops_both_nodes_with_one_line(difference, pair, ti
     args = training_args(tiny_model_dir, tmp_path / "out")
     other = ({"PYTHONPATH": f"{edited_copy(tmp_path)}{os.pathsep}{REPO}"} if difference == "version" else {})
     nodes = [Node(pair[0], args, cli_env(GLOO_SOCKET_IFNAME=pair[0][2], **static_env(0))),
-             Node(pair[1], args + (["learning_rate=2e-3"] if difference == "config" else []),
+             Node(pair[1], overrides_merged(args + (["learning_rate=2e-3"] if difference == "config" else [])),
                   cli_env(GLOO_SOCKET_IFNAME=pair[1][2], **static_env(1), **other))]
     results = [n.finish(timeout=300) for n in nodes]
     expected = ("in config key learning_rate: 0.001 on node 0, 0.002 on node 1" if difference == "config"

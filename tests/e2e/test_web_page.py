@@ -150,10 +150,12 @@ def loader_workers(rank_pid: int) -> list[int]:
 
 
 class Throttle:
-    """Holds a process back: SIGSTOP for ``stopped`` seconds, then SIGCONT for ``running``, until stopped."""
+    """Holds processes back: SIGSTOP for ``stopped`` seconds, then SIGCONT for ``running``, until stopped. The
+    processes are looked up again each round: a new epoch's loader starts new workers."""
 
-    def __init__(self, pids: list[int], stopped: float = 1.5, running: float = 0.05) -> None:
-        self.pids, self.stopped, self.running = pids, stopped, running
+    def __init__(self, find_pids, stopped: float = 1.5, running: float = 0.05) -> None:
+        self.find_pids, self.stopped, self.running = find_pids, stopped, running
+        self.pids: list[int] = []
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -166,6 +168,7 @@ class Throttle:
 
     def _run(self) -> None:
         while not self.done.is_set():
+            self.pids = self.find_pids()
             self._signal(signal.SIGSTOP)
             self.done.wait(self.stopped)
             self._signal(signal.SIGCONT)
@@ -236,9 +239,8 @@ def test_form_launch_is_live_flags_a_straggler_reattaches_and_stops(driver, web_
 
     # A rank whose data loader is held back makes the other wait: it is flagged as the straggler.
     rank1 = json.loads((out / "ranks" / "rank_1.jsonl").read_text().splitlines()[0])
-    workers = loader_workers(rank1["pid"])
-    assert workers, "rank 1 has no data loader worker"
-    with Throttle(workers):
+    assert loader_workers(rank1["pid"]), "rank 1 has no data loader worker"
+    with Throttle(lambda: loader_workers(rank1["pid"])):
         rows = wait_for(lambda: (r := rank_rows(driver)) and "straggler" in r.get(1, "") and r, 60,
                         "rank 1 flagged as a straggler")
         assert "straggler" not in rows[0]

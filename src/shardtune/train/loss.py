@@ -37,6 +37,7 @@ Why this shape:
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -116,9 +117,17 @@ def _aux_loss(output: Any, wanted: bool) -> torch.Tensor | None:
         return None
     aux = getattr(output, "aux_loss", None)
     if aux is None:
-        raise ModelError("the model returned no router aux_loss with output_router_logits=True; set "
-                         "moe_aux_loss_coef: 0 to train without it")
+        # Its config has a coefficient the modelling code never uses (Llama 4 in transformers 5.23): what the
+        # model defines is trained, as transformers' own loss would be; said once per process.
+        if not _NO_AUX_LOSS_SAID:
+            _NO_AUX_LOSS_SAID.append(True)
+            print("[shardtune] the model returns no router aux_loss although its config has router_aux_loss_coef: "
+                  "training without the auxiliary term", file=sys.stderr, flush=True)
+        return None
     return aux.reshape(()).float()
+
+
+_NO_AUX_LOSS_SAID: list[bool] = []
 
 
 # --- which heads can be chunked ---
