@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.config.compat import translate_keys
+from shardtune.config.lf_v1 import translate_file_values
 from shardtune.config.load import KeyProblem, build_config_collecting, load_yaml_file, parse_override, yaml_key_lines
+from shardtune.config.refused import names_other_backend
 from shardtune.config.schema import TrainConfig, config_fields
 from shardtune.errors import ConfigError
 
@@ -101,7 +103,7 @@ def read_config(argv: list[str], defaults: dict[str, Any] | None = None
             raise ConfigError(f"command line: '{path}' is not a .yaml/.yml/.json config file")
         if Path(path).is_dir():
             raise ConfigError(f"command line: {path} is a folder; give the config file")
-        file_values, file_problems = translate_keys(load_yaml_file(path))
+        file_values, file_problems = translate_file_values(load_yaml_file(path))  # v1 or v0 spelling
         values.update(file_values)
         spelling_problems += [KeyProblem(None, f"{path}: {p}") for p in file_problems]
         where.update({key: f"{path}:{line}" for key, line in yaml_key_lines(path).items()})
@@ -112,4 +114,6 @@ def read_config(argv: list[str], defaults: dict[str, Any] | None = None
     values.update(command_line)
     where.update({key: "command line" for key in command_line})
     config, key_problems = build_config_collecting(values, source=source, where=where)
-    return config, cmd, spelling_problems + key_problems
+    problems = spelling_problems + key_problems
+    # A file written for another back-end says so first; its other keys' problems would only distract.
+    return config, cmd, sorted(problems, key=lambda problem: not names_other_backend(problem.text))

@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from shardtune.config.refused import V1_KERNELS_REASON
+
 Translate = Callable[[Any, Mapping[str, Any]], dict[str, Any]]
 
 
@@ -131,10 +133,6 @@ MAPPED: dict[str, Mapped] = {
     "use_fast_tokenizer": Mapped("nothing: the fast (Rust) tokenizer is always used", _refuse_unless(
         True, "shardtune loads the fast tokenizer only (tokenizer.json); remove the key or set it to true")(
         "use_fast_tokenizer")),
-    "use_v1_kernels": Mapped("nothing while false; refused when true", _refuse_unless(
-        False, "LLaMA-Factory's v1 kernel plugins are not used by shardtune, which picks the attention kernel "
-               "itself (attn_implementation: auto) and computes the loss head in chunks (loss_chunk_size); set it "
-               "to false or remove it")("use_v1_kernels")),
     "disable_shuffling": Mapped("nothing: the training order is shuffled with the run's seed", _refuse_unless(
         False, "shardtune always shuffles the training data with `seed` (group_by_length keeps lengths together); "
                "remove the key")("disable_shuffling")),
@@ -218,6 +216,11 @@ def _pref_loss(value: Any, _values: Mapping[str, Any]) -> dict[str, Any]:
 
 
 MAPPED["pref_loss"] = Mapped("pref_loss (kto_pair and bco_pair refused with what to use)", _pref_loss)
+
+
+# --- LLaMA-Factory's v1 kernel plugins, switched on with a value (lfex) ---
+MAPPED["use_v1_kernels"] = Mapped("nothing while false; refused when true (LLaMA-Factory's v1 kernel plugins)",
+                                  _refuse_unless(False, V1_KERNELS_REASON)("use_v1_kernels"))
 
 
 def translate_keys(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:

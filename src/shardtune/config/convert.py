@@ -13,15 +13,15 @@ from typing import Any
 
 import yaml
 
-from shardtune.config.compat import MAPPED, Refused, translate_keys
+from shardtune.config.compat import MAPPED, Refused
+from shardtune.config.lf_v1 import V1_PREFIX, describe_v1_key, is_v1_file, translate_file_values, v1_defaults_for_file
 from shardtune.config.load import build_config, load_yaml_file, unknown_key_message
 from shardtune.config.refused import REFUSED_REASONS
 from shardtune.config.schema import UNSUPPORTED_KEYS, key_names
-from shardtune.config.v1_format import v1_format_problem, v1_key_problem, v1_keys
 from shardtune.errors import ConfigError
 from shardtune.paths import output_file_problem
 
-HONOURED, MAPPED_STATUS, REFUSED, UNKNOWN, V1 = "honoured", "mapped", "refused", "unknown", "v1"
+HONOURED, MAPPED_STATUS, REFUSED, UNKNOWN = "honoured", "mapped", "refused", "unknown"
 
 
 @dataclass(frozen=True)
@@ -37,11 +37,13 @@ class KeyReport:
 def key_reports(values: dict[str, Any]) -> list[KeyReport]:
     """One report per key of ``values``, in file order."""
     known = key_names()
-    v1 = v1_keys(values)
     reports = []
+    v1 = is_v1_file(values)
     for key in values:
-        if key in v1:  # LLaMA-Factory's v1 format: the flat key that does its work
-            reports.append(KeyReport(key, V1, v1_key_problem(str(key))))
+        described = describe_v1_key(str(key), values) if v1 else None
+        if described is not None:
+            refused, detail = described
+            reports.append(KeyReport(key, REFUSED if refused else MAPPED_STATUS, detail))
         elif key in MAPPED:
             reports.append(mapped_report(key, values))
         elif key in known:
@@ -82,17 +84,17 @@ def convert_config(path: Path, out: Path | None) -> tuple[list[str], bool]:
         if problem:
             raise ConfigError(problem)
     reports = key_reports(values)
-    v1 = v1_keys(values)
-    lines = [v1_format_problem(str(path), v1)] if v1 else []
-    lines += [report.line() for report in reports]
-    translated, _ = translate_keys(values)
-    problems = validation_problems(values, str(path))
-    blocked = [r for r in reports if r.status in (REFUSED, UNKNOWN, V1)]
-    counts = {status: sum(r.status == status for r in reports)
-              for status in (HONOURED, MAPPED_STATUS, REFUSED, UNKNOWN, V1) if status != V1 or v1}
+    lines = [report.line() for report in reports]
+    if is_v1_file(values):
+        defaults = ", ".join(f"{k}: {v}" for k, v in v1_defaults_for_file(values).items())
+        lines.insert(0, f"{V1_PREFIX}: read as v1 reads it, with v1's defaults for the keys it leaves out ({defaults})")
+    translated, _ = translate_file_values(values)
+    problems = validation_problems(translated, str(path))
+    blocked = [r for r in reports if r.status in (REFUSED, UNKNOWN)]
+    counts = {status: sum(r.status == status for r in reports) for status in (HONOURED, MAPPED_STATUS, REFUSED,
+                                                                                 UNKNOWN)}
     lines.append(", ".join(f"{n} {status}" for status, n in counts.items()))
-    lines += [f"problem: {p}" for p in problems
-              if not any(f"'{r.key}'" in p for r in blocked) and not (v1 and p == lines[0])]
+    lines += [f"problem: {p}" for p in problems if not any(f"'{r.key}'" in p for r in blocked)]
     if out is not None:
         kept = {k: v for k, v in translated.items() if k not in {r.key for r in blocked}}
         header = f"# Written by `shardtune convert-config` from {path.name}: its keys in shardtune's spelling.\n"

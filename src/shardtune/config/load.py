@@ -18,9 +18,8 @@ from typing import Any
 import yaml
 
 from shardtune.config.compat import translate_keys
-from shardtune.config.refused import REFUSED_REASONS
+from shardtune.config.refused import REFUSED_REASONS, REFUSED_VALUES
 from shardtune.config.schema import UNSUPPORTED_KEYS, TrainConfig, config_fields
-from shardtune.config.v1_format import v1_format_problem, v1_key_problem, v1_keys
 from shardtune.errors import ConfigError
 from shardtune.paths import ascii_lookalike, expand_user_path, shown, unusual_characters
 
@@ -121,15 +120,9 @@ def build_config_collecting(values: dict[str, Any], source: str = "config",
     hints = typing.get_type_hints(TrainConfig)
     values, translation = translate_keys(values)  # LLaMA-Factory and Trainer spellings -> shardtune keys
     problems = [KeyProblem(None, f"{source}: {p}") for p in translation]
-    v1 = v1_keys(values)
-    if v1:  # the format is the cause: said first, then each v1 key with the flat key that does its work
-        problems.insert(0, KeyProblem(None, v1_format_problem(source, v1)))
     converted: dict[str, Any] = {}
     for key, raw in values.items():
         place = (where or {}).get(str(key), source)
-        if key in v1:
-            problems.append(KeyProblem(str(key), f"{place}: {v1_key_problem(str(key))}"))
-            continue
         if key not in fields:
             problems.append(KeyProblem(str(key), f"{place}: {unknown_key_message(str(key), list(fields))}"))
             continue
@@ -176,6 +169,8 @@ def coerce_value(key: str, raw: Any, hint: Any, meta: typing.Mapping[str, Any]) 
     if isinstance(raw, bool) and choices and "no" in choices:
         raw = "yes" if raw else "no"  # YAML 1.1 reads `save_strategy: no` as false
     value = _convert(key, raw, hint)
+    if isinstance(value, str) and value in REFUSED_VALUES.get(key, {}):
+        raise ValueError(f"{key}: {value!r} is not supported by shardtune: {REFUSED_VALUES[key][value]}")
     if choices is not None and value not in choices:
         allowed = ", ".join("null" if c is None else str(c) for c in choices)
         raise ValueError(f"{key}: {shown(raw) if isinstance(raw, str) else repr(raw)} is not allowed; choose one of: "

@@ -8,9 +8,80 @@ spelling); a unit test keeps the three sets apart. ``docs/llamafactory.md`` list
 
 from __future__ import annotations
 
+import re
+
 
 def _group(reason: str, keys: str) -> dict[str, str]:
     return dict.fromkeys(keys.split(), reason)
+
+
+# Back-ends shardtune does not run. A file written for one says so in the first line of its refusal
+# (``names_other_backend``): its other keys' problems would only distract.
+KTRANSFORMERS_REASON = ("this file is for KTransformers (use_kt: MoE experts computed on the CPU), a back-end "
+                        "shardtune does not run; its engines are DDP, FSDP and DeepSpeed: train the model with "
+                        "`deepspeed:` (ZeRO-3, offload) or `fsdp:` and remove it")
+KTRANSFORMERS_KEYS = """_kt_adapter_artifact_path _kt_config_handle _kt_inference_config kt_cpu_activation
+    kt_expert_checkpoint_path kt_lora_expert_intermediate_size kt_lora_expert_num kt_non_expert_weight_path
+    kt_use_lora_experts kt_weight_path use_kt"""
+MEGATRON_REASON = ("this file is for Megatron-Core (LLaMA-Factory's USE_MCA=1 back-end) or Megatron Bridge: tensor, "
+                   "pipeline, context and expert parallelism are not in shardtune, whose engines are DDP, FSDP and "
+                   "DeepSpeed (every rank holds whole layers, sharded): remove the Megatron settings and choose "
+                   "`fsdp:` or `deepspeed:`")
+MEGATRON_KEYS = """use_mca use_megatron_bridge megatron_bridge_args tensor_model_parallel_size
+    pipeline_model_parallel_size virtual_pipeline_model_parallel_size context_parallel_size expert_model_parallel_size
+    expert_tensor_parallel_size sequence_parallel use_distributed_optimizer overlap_param_gather overlap_grad_reduce
+    bias_activation_fusion apply_rope_fusion moe_grouped_gemm moe_token_dispatcher_type recompute_granularity
+    recompute_method recompute_num_layers mixed_precision use_packed_sequences export_hf_on_finish"""
+# LLaMA-Factory's `use_v1_kernels` (its v1 kernel plugins, written for Ascend NPUs): false is what shardtune does.
+V1_KERNELS_REASON = ("LLaMA-Factory's v1 kernel plugins (fused RMSNorm, RoPE, SwiGLU and MoE kernels for Ascend NPUs) "
+                     "are not used by shardtune, which runs on CUDA GPUs and CPUs with the model's own modules; set it "
+                     "to false or remove it")
+OTHER_BACKEND_KEYS = frozenset((KTRANSFORMERS_KEYS + " " + MEGATRON_KEYS + " use_v1_kernels").split())
+
+# Training variants of LLaMA-Factory that shardtune does not implement, each with what to use instead.
+_DFT = ("the DFT loss (use_dft_loss: each token's loss scaled by its probability) is not implemented; train with the "
+        "standard cross-entropy (remove it), or label_smoothing_factor to soften overconfident tokens")
+_ASFT = ("the ASFT loss (use_asft_loss: DFT with a KL anchor to the reference model, asft_alpha) is not implemented; "
+         "train with the standard cross-entropy (remove it), or stage: dpo with a reference model to stay near it")
+_EAFT = ("the EAFT loss (use_eaft_loss: tokens weighted by the model's entropy, eaft_alpha) is not implemented; train "
+         "with the standard cross-entropy (remove it)")
+_LLAMA_PRO = ("LLaMA-Pro (use_llama_pro: train only blocks added by LLaMA-Factory's expand script) is not implemented; "
+              "use finetuning_type: freeze with freeze_trainable_layers, or lora")
+_MOD = ("mixture of depths (tokens routed past layers, which changes the model's architecture) is not implemented; "
+        "remove it")
+_OFT = ("OFT (orthogonal fine-tuning) is not implemented; use finetuning_type: lora (use_dora: true for a "
+        "magnitude-and-direction update)")
+VARIANT_REASONS = {
+    **_group(_DFT, "use_dft_loss"), **_group(_ASFT, "use_asft_loss asft_alpha"),
+    **_group(_EAFT, "use_eaft_loss eaft_alpha"),
+    **_group(_LLAMA_PRO, "use_llama_pro"), **_group(_MOD, "mixture_of_depths"),
+    **_group(_OFT, "oft_block_size oft_rank oft_target module_dropout"),
+    **_group("accuracy during evaluation (compute_accuracy) is not computed by shardtune, which reports eval_loss; "
+             "remove it", "compute_accuracy"),
+    **_group("early stopping is not in shardtune; pick max_steps from a run's eval_loss curve and remove it",
+             "early_stopping_steps"),
+    **_group("extra trainable modules beside the last layers (freeze_extra_modules) are not offered; use "
+             "freeze_trainable_modules, or lora with additional_target", "freeze_extra_modules"),
+}
+
+
+# Values of honoured keys that name a variant shardtune does not implement: refused with the reason, not only as
+# "not allowed" (load.coerce_value).
+_PAGED = ("paged optimizers (bitsandbytes moves their state to CPU memory under pressure) are not offered; use "
+          "optim: adamw_8bit for 8-bit state, or a DeepSpeed offload config (examples/deepspeed/ds_z3_offload_config"
+          ".json) to keep optimizer state in CPU memory")
+_LION = "Lion is not offered; use optim: adamw_torch or adamw_8bit (or use_muon / use_adam_mini)"
+REFUSED_VALUES: dict[str, dict[str, str]] = {
+    "finetuning_type": {"oft": _OFT},
+    "optim": {**_group(_PAGED, "paged_adamw_8bit paged_adamw_32bit paged_ademamix_8bit paged_ademamix_32bit"),
+              **_group(_PAGED + "; Lion itself is not offered either", "paged_lion_8bit paged_lion_32bit"),
+              **_group(_LION, "lion_8bit lion_32bit")},
+}
+
+
+def names_other_backend(problem: str) -> bool:
+    """True when ``problem`` refuses a key that only another back-end (Megatron, KTransformers, NPU kernels) reads."""
+    return any(key in OTHER_BACKEND_KEYS for key in re.findall(r"key '(\w+)'", problem))
 
 
 REFUSED_REASONS: dict[str, str] = {
@@ -38,12 +109,10 @@ REFUSED_REASONS: dict[str, str] = {
     **_group("this machine reads models from local folders only; download the model once, point "
              "model_name_or_path at the folder and remove it",
              "cache_dir hf_hub_token model_revision ms_hub_token om_hub_token data_shared_file_system"),
-    **_group("KTransformers, Megatron and HyperParallel back-ends are not used by shardtune; its engines are DDP, "
-             "FSDP and DeepSpeed (`fsdp:` or `deepspeed:`): remove it",
-             """_kt_adapter_artifact_path _kt_config_handle _kt_inference_config kt_cpu_activation
-             kt_expert_checkpoint_path kt_lora_expert_intermediate_size kt_lora_expert_num kt_non_expert_weight_path
-             kt_use_lora_experts kt_weight_path use_kt use_mca use_megatron_bridge megatron_bridge_args
-             use_hyper_parallel hyper_parallel_args hyper_parallel_cp_size"""),
+    **_group(KTRANSFORMERS_REASON, KTRANSFORMERS_KEYS),
+    **_group(MEGATRON_REASON, MEGATRON_KEYS),
+    **_group("HyperParallel is a back-end shardtune does not run; its engines are DDP, FSDP and DeepSpeed (`fsdp:` or "
+             "`deepspeed:`): remove it", "use_hyper_parallel hyper_parallel_args hyper_parallel_cp_size"),
     **_group("SwanLab tracking is not supported; use report_to: tensorboard and remove it",
              """swanlab_api_key swanlab_lark_secret swanlab_lark_webhook_url swanlab_logdir swanlab_mode
              swanlab_project swanlab_run_name swanlab_workspace use_swanlab"""),
@@ -52,18 +121,15 @@ REFUSED_REASONS: dict[str, str] = {
              """enable_torch_profiler profile_modules profiler_active_steps profiler_output_dir
              profiler_profile_memory profiler_record_shapes profiler_repeat profiler_wait_steps
              profiler_warmup_steps profiler_with_stack"""),
-    **_group("fp8 training is not supported (bf16 is the lowest training precision); remove it",
+    **_group("fp8 training is not supported (torchao or Transformer Engine float8 layers and FSDP's float8 "
+             "all-gather); train in bf16 (bf16: true), the lowest precision shardtune trains in, and remove it",
              "fp8 fp8_backend fp8_enable_fsdp_float8_all_gather"),
     **_group("Ray's cloud storage (s3, gs) is not wired into shardtune, whose checkpoints live in output_dir; "
              "remove it and point ray_storage_path at a folder every Ray node reaches", "ray_storage_filesystem"),
     **_group("set the launch address with the MASTER_ADDR / MASTER_PORT environment variables and remove it",
              "master_addr master_port"),
     **_group("Unsloth kernels are not used by shardtune; remove it", "use_unsloth_gc"),
-    **_group("a training variant shardtune does not implement (LLaMA-Pro block expansion, mixture of depths, "
-             "OFT, alternative SFT losses, accuracy metrics, early stopping); remove it",
-             """use_llama_pro mixture_of_depths oft_block_size oft_rank oft_target module_dropout use_asft_loss
-             asft_alpha use_dft_loss use_eaft_loss eaft_alpha compute_accuracy early_stopping_steps
-             freeze_extra_modules"""),
+    **VARIANT_REASONS,
     **_group("models load with shardtune's own device placement (sharded by the engine); remove it",
              "device_map low_cpu_mem_usage offload_folder quantization_device_map"),
     **_group("an internal or tokenizer detail of LLaMA-Factory that shardtune sets itself (the tokenizer's "

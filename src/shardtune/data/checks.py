@@ -14,6 +14,7 @@ from shardtune.data.columns import (
     preference_columns,
     preference_entry_problems,
 )
+from shardtune.data.lf_v1_data import V1_FORMATTING, first_record_problems
 from shardtune.data.peek import peek_columns
 from shardtune.data.registry import DatasetEntry, did_you_mean, resolve_entries
 from shardtune.data.settings import MIX_STRATEGIES, STAGES, DataSettings, dataset_names
@@ -126,6 +127,8 @@ def entry_stage_problems(entry: DatasetEntry, stage: str) -> list[str]:
                 "entry whose columns.prompt names the text column"]
     if stage not in STAGES:
         return []
+    if entry.formatting == V1_FORMATTING:
+        return first_record_problems(entry.data_files[0], entry.name)
     columns, problems = peek_columns(entry.data_files[0])
     if columns is not None:
         problems += missing_column_problems(columns, entry, stage)

@@ -24,6 +24,7 @@ from datasets import Dataset, Features, List, Value
 
 from shardtune.data.caching import step_fingerprint
 from shardtune.data.columns import missing_column_problems, required_columns  # noqa: F401 - re-exported
+from shardtune.data.lf_v1_data import V1_FORMATTING, v1_turns
 from shardtune.data.record_places import record_lines
 from shardtune.data.registry import DatasetEntry
 from shardtune.errors import DataError
@@ -59,7 +60,7 @@ def batch_converter(entry: DatasetEntry, stage: str) -> tuple[Callable[..., dict
     """The batched map function for ``entry`` and the columns it produces."""
     if stage == "pt":
         return partial(convert_text_batch, column=entry.columns["prompt"]), TEXT_FEATURES
-    converters = {"sharegpt": sharegpt_to_chat, "openai": openai_to_chat}
+    converters = {"sharegpt": sharegpt_to_chat, "openai": openai_to_chat, V1_FORMATTING: lf_v1_to_chat}
     if entry.formatting in converters:
         to_chat = partial(converters[entry.formatting], columns=entry.columns, tags=entry.tags)
     else:
@@ -229,6 +230,16 @@ def openai_to_chat(record: Mapping[str, Any], columns: Mapping[str, str], tags: 
         results = []
     check_alternation(messages + observation_turn(results), tags)
     return system, messages + observation_turn(results)
+
+
+def lf_v1_to_chat(record: Mapping[str, Any], columns: Mapping[str, str], tags: Mapping[str, str]
+                  ) -> tuple[str, list[Message]]:
+    """LLaMA-Factory v1's own records: typed content parts and loss weights read into plain turns first."""
+    try:
+        turns = v1_turns(record.get(columns["messages"]))
+    except ValueError as err:
+        raise RecordError(str(err)) from None
+    return openai_to_chat({**record, columns["messages"]: turns}, columns, tags)
 
 
 def tool_calls_text(calls: Any, number: int) -> str:

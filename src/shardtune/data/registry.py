@@ -21,11 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.data.datafiles import pick_data_files
+from shardtune.data.lf_v1_data import V1_FORMATTING, is_v1_dataset_file, load_v1_registry
 from shardtune.paths import ascii_lookalike, shown
 
 INFO_FILE = "dataset_info.json"
 LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-FORMATTINGS = ("alpaca", "sharegpt", "openai")
+FORMATTINGS = ("alpaca", "sharegpt", "openai", V1_FORMATTING)
 # Columns every formatting may map; preference (chosen, rejected) and KTO (kto_tag) columns are validated
 # now and read by preference stages, which refuse them for sft (see checks.entry_stage_problems).
 COMMON_COLUMNS = ("system", "tools", "chosen", "rejected", "kto_tag")
@@ -42,6 +43,9 @@ DEFAULT_TAGS: dict[str, dict[str, str]] = {
                "observation_tag": "tool", "function_tag": "function_call", "system_tag": "system"},
 }
 DEFAULT_TAGS["alpaca"] = DEFAULT_TAGS["sharegpt"]
+# LLaMA-Factory v1's own records: OpenAI-style turns whose content is a list of typed parts (data/lf_v1_data.py).
+DEFAULT_COLUMNS[V1_FORMATTING] = DEFAULT_COLUMNS["openai"]
+DEFAULT_TAGS[V1_FORMATTING] = DEFAULT_TAGS["openai"]
 # LLaMA-Factory's multimodal columns: refused by name, shardtune trains text models only.
 MEDIA_COLUMNS = ("images", "videos", "audios")
 ENTRY_KEYS = ("file_name", "formatting", "columns", "tags", "ranking", "subset", "split", "folder", "num_samples")
@@ -84,11 +88,15 @@ def did_you_mean(word: str, options: Iterable[str]) -> str:
 
 
 def info_path(dataset_dir: str | Path) -> Path:
-    return Path(dataset_dir) / INFO_FILE
+    """The registry file: ``dataset_info.json`` in the folder, or the folder itself when it is a LLaMA-Factory v1
+    dataset file (YAML)."""
+    return Path(dataset_dir) if is_v1_dataset_file(dataset_dir) else Path(dataset_dir) / INFO_FILE
 
 
 def load_registry(dataset_dir: str | Path) -> tuple[dict[str, Any], list[str]]:
     """Read ``dataset_info.json``; returns (entries, problems) and never raises for user mistakes."""
+    if is_v1_dataset_file(dataset_dir):
+        return load_v1_registry(Path(dataset_dir))
     directory = Path(dataset_dir)
     path = info_path(directory)
     if not directory.is_dir():

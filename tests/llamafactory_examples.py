@@ -1,0 +1,58 @@
+"""LLaMA-Factory's example files as our fixtures: the manifest of verdicts, and a file made ready to run here.
+
+``tests/fixtures/llamafactory_examples/`` holds, for every training file of LLaMA-Factory's ``examples/`` folder, a
+file of ours at the same relative path with the same keys and values; only the model, data and output paths are
+placeholders (``MODEL``, ``OUTPUT``, ``DATA_DIR`` below). ``manifest.yaml`` gives each example file (training or
+not) its verdict: ``runs``, ``refused: <what the first error line says>``, ``needs a GPU: <what check says on a
+CPU-only machine>``, ``runs on a GPU: <why it trains only there>`` (check passes anywhere) or ``not training: <what
+it is>``.
+The files are run from a work folder that holds ``data/`` (our data in LLaMA-Factory's layout) and ``examples/``
+(shardtune's DeepSpeed configs under LLaMA-Factory's names), since LLaMA-Factory resolves those from the cwd.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures" / "llamafactory_examples"
+MANIFEST = FIXTURES / "manifest.yaml"
+MODEL, OUTPUT, DATA_DIR = "__MODEL__", "__OUTPUT__", "__DATA_DIR__"
+RUNS, REFUSED, NOT_TRAINING = "runs", "refused: ", "not training: "
+NEEDS_GPU, RUNS_ON_GPU = "needs a GPU: ", "runs on a GPU: "
+
+
+def load_manifest() -> dict[str, str]:
+    """Example path (relative to LLaMA-Factory's examples/) -> verdict."""
+    return yaml.safe_load(MANIFEST.read_text(encoding="utf-8"))["files"]
+
+
+def training_files(manifest: dict[str, str]) -> list[str]:
+    return [path for path, verdict in manifest.items() if not verdict.startswith(NOT_TRAINING)]
+
+
+def make_work_folder(work: Path) -> Path:
+    """A folder laid out as LLaMA-Factory's repository root is: data/ and examples/ beside the config files."""
+    work.mkdir(parents=True, exist_ok=True)
+    for name, target in (("data", FIXTURES / "data"), ("examples", REPO / "examples")):
+        if not (work / name).exists():
+            (work / name).symlink_to(target, target_is_directory=True)
+    return work
+
+
+def filled_in(relative: str, work: Path, model: Path, output: Path) -> Path:
+    """The fixture mirroring ``relative``, its placeholders replaced, written under ``work`` (same relative path)."""
+    text = (FIXTURES / relative).read_text(encoding="utf-8")
+    text = text.replace(MODEL, str(model)).replace(OUTPUT, str(output)).replace(DATA_DIR, str(work / "data"))
+    path = work / "configs" / relative
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def first_error(stderr: str) -> str:
+    """The first ``shardtune: error:`` line, without that prefix ('' when there is none)."""
+    prefix = "shardtune: error: "
+    return next((line[len(prefix):] for line in stderr.splitlines() if line.startswith(prefix)), "")

@@ -1,0 +1,58 @@
+"""A LLaMA-Factory file for a back-end or variant shardtune does not run says so, in the first line for back-ends."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from shardtune.config.args import read_config
+from shardtune.config.load import build_config
+from shardtune.errors import ConfigError
+
+BASE = {"model_name_or_path": "org/model", "dataset": "demo", "output_dir": "out"}
+
+
+def test_use_v1_kernels_false_is_accepted_and_true_names_the_npu_kernels():
+    build_config({**BASE, "use_v1_kernels": False})
+    with pytest.raises(ConfigError, match=r"use_v1_kernels' \(True\): LLaMA-Factory's v1 kernel plugins .* Ascend"):
+        build_config({**BASE, "use_v1_kernels": True})
+
+
+@pytest.mark.parametrize(("key", "value", "backend"), [
+    ("tensor_model_parallel_size", 2, "Megatron-Core"),
+    ("use_kt", True, "KTransformers"),
+    ("use_v1_kernels", True, "Ascend NPUs"),
+])
+def test_the_first_problem_of_a_file_for_another_backend_names_it(tmp_path, key, value, backend):
+    # Problems listed before it in the file (an image key, an unknown key) come after it in the refusal.
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "image_max_pixels": 262144, "lora_rnak": 8, key: value},
+                                   sort_keys=False))
+    _, _, problems = read_config([str(path)])
+    assert backend in problems[0].text and len(problems) == 3
+
+
+def test_oft_names_the_variant_and_what_to_use():
+    with pytest.raises(ConfigError, match="finetuning_type: 'oft' is not supported by shardtune: OFT .* use "
+                                          "finetuning_type: lora"):
+        build_config({**BASE, "finetuning_type": "oft"})
+
+
+@pytest.mark.parametrize(("key", "variant"), [("use_dft_loss", "DFT loss"), ("use_asft_loss", "ASFT loss"),
+                                              ("use_eaft_loss", "EAFT loss"), ("use_llama_pro", "LLaMA-Pro"),
+                                              ("mixture_of_depths", "mixture of depths")])
+def test_each_unimplemented_variant_is_named(key, variant):
+    with pytest.raises(ConfigError, match=f"key '{key}' is not supported by shardtune: .*{variant}"):
+        build_config({**BASE, key: True})
+
+
+@pytest.mark.parametrize(("optim", "instead"), [("paged_adamw_8bit", "adamw_8bit"), ("paged_lion_32bit", "offload"),
+                                                ("lion_8bit", "adamw_torch")])
+def test_paged_and_lion_optimizers_name_what_to_use(optim, instead):
+    with pytest.raises(ConfigError, match=f"optim: '{optim}' is not supported by shardtune: .*{instead}"):
+        build_config({**BASE, "optim": optim})
+
+
+def test_fp8_names_bf16_instead():
+    with pytest.raises(ConfigError, match=r"key 'fp8' is not supported by shardtune: fp8 training .*bf16: true"):
+        build_config({**BASE, "fp8": True})
