@@ -147,10 +147,17 @@ def _make_tiny_model(args: list[str]) -> int:
     import argparse
 
     from shardtune.model.architectures import FAMILIES
+    from shardtune.model.registry import decoder_families
 
     parser = argparse.ArgumentParser(prog="shardtune make-tiny-model")
     parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--arch", default="llama", choices=list(FAMILIES), help="model family (default: llama)")
+    parser.add_argument("--arch", default="llama", choices=sorted({*FAMILIES, *decoder_families()}),
+                        metavar="NAME", help=f"model family (default: llama): {', '.join(FAMILIES)}, or any model type "
+                        "transformers builds a causal LM for (then at the registry's tiny sizes: --layers, --hidden, "
+                        "... apply to the families above)")
+    parser.add_argument("--registry", action="store_true",
+                        help="build --arch as transformers' registry builds that model type even where a family above "
+                        "has the name (gemma3: the image-text model)")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
@@ -172,7 +179,8 @@ def _make_tiny_model(args: list[str]) -> int:
     from shardtune.model.tiny import build_tiny_model
 
     out = build_tiny_model(ns.out, arch=ns.arch, layers=ns.layers, hidden=ns.hidden, heads=ns.heads,
-                           kv_heads=ns.kv_heads, intermediate=ns.intermediate, vocab_size=ns.vocab_size, seed=ns.seed)
+                           kv_heads=ns.kv_heads, intermediate=ns.intermediate, vocab_size=ns.vocab_size, seed=ns.seed,
+                           from_registry=ns.registry)
     print(f"tiny {ns.arch} model written to {out}")
     return 0
 

@@ -162,12 +162,12 @@ def test_fused_expert_weight_by_name_is_adapted_as_a_parameter(arch_model_dir):
 
 @pytest.mark.parametrize("name", MOE_FAMILIES)
 def test_fused_expert_tensors_read_from_the_files_equal_from_pretrained(name, arch_model_dir):
-    from shardtune.model.expert_layout import with_fused_experts
+    from shardtune.model.conversion import converted_weights
     from shardtune.model.weights import open_weights
 
     folder = arch_model_dir(name)
     model = load(arch_model_dir, name)
-    reader = with_fused_experts(open_weights(folder), model.config.model_type)
+    reader = converted_weights(open_weights(folder), model)
     for key, value in model.state_dict().items():
         assert key in reader, key
         torch.testing.assert_close(reader.read(key), value, rtol=0, atol=0, msg=key)

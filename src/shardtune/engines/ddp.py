@@ -45,8 +45,31 @@ class DDPEngine(DistributedMixin, TorchEngine):
           ranks; the ``ddp-find_unused`` cell of tests/distributed/test_engines_cli.py covers that combination).
         """
         device_ids = [self.device.index] if self.device.type == "cuda" else None
+        if not self.find_unused_parameters:
+            self.find_unused_parameters = self._freeze_unreached(model)
         return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=self.find_unused_parameters,
                                        gradient_as_bucket_view=True, forward_sync_buffers=False)
+
+    def _freeze_unreached(self, model: torch.nn.Module) -> bool:
+        """Freeze the parameters the LM loss never reaches (model/gradient_probe.py): DDP then waits for none of
+        them. True when some expert weight got none in the probe: routing may reach it later, so DDP searches
+        for unused parameters instead (its cost per step is the price of not hanging)."""
+        from shardtune.model.gradient_probe import is_expert_parameter, parameters_without_gradient
+
+        unreached = parameters_without_gradient(model, self.device)
+        experts = [name for name in unreached if is_expert_parameter(name)]
+        frozen = [name for name in unreached if not is_expert_parameter(name)]
+        parameters = dict(model.named_parameters())
+        for name in frozen:
+            parameters[name].requires_grad_(False)
+        if self.ctx.rank == 0 and frozen:
+            print(f"[shardtune] ddp: {len(frozen)} parameters get no gradient from the language-model loss and are "
+                  f"frozen (the optimizer would never move them; DDP would wait for them), e.g. {frozen[0]}",
+                  flush=True)
+        if self.ctx.rank == 0 and experts:
+            print(f"[shardtune] ddp: {len(experts)} expert weights got no gradient in a probe step (e.g. "
+                  f"{experts[0]}); ddp_find_unused_parameters is turned on", flush=True)
+        return bool(experts)
 
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if is_last_micro_batch else self.wrapped().no_sync()

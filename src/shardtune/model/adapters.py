@@ -156,15 +156,22 @@ def lora_targets(model: Any, requested: tuple[str, ...]) -> LoraTargets:
     routers = router_module_names(model)
     fused = sorted({name.rsplit(".", 1)[-1] for name in fused_expert_parameters(model)})
     linear = linear_module_names(model)
+    unadaptable = unadaptable_linears(model, linear)
     if "all" not in requested:
         _refuse_router_targets(model, requested, routers, linear)
+        _refuse_unadaptable_targets(requested, unadaptable)
         chosen = [t for t in requested if t in linear or t not in fused]
         experts = [f"experts.{t}" for t in requested if t in fused and t not in linear]
         return LoraTargets(chosen, experts or None)
-    if not routers:
+    if unadaptable:
+        print("[shardtune] lora_target (all): not adapted: "
+              + "; ".join(f"{name} ({why})" for name, why in sorted(unadaptable.items())), flush=True)
+    if not routers and not unadaptable:
         return LoraTargets("all-linear")
+    if not routers:
+        return LoraTargets([name for name in linear if name not in unadaptable])
     router_names = {name.rsplit(".", 1)[-1] for name in routers}
-    chosen = [name for name in linear if name not in router_names]
+    chosen = [name for name in linear if name not in router_names and name not in unadaptable]
     print(f"[shardtune] lora_target (all) on a mixture-of-experts model: Linear layers {','.join(chosen)}"
           + (f", fused expert weights {','.join(fused)}" if fused else "")
           + f"; routers ({','.join(sorted(router_names))}) are not adapted", flush=True)
@@ -179,6 +186,52 @@ def _refuse_router_targets(model: Any, requested: tuple[str, ...], routers: set[
             raise ConfigError(f"lora_target ({target}): it is the mixture-of-experts router, a "
                               f"{_module_class(model, routers, target)} rather than a Linear layer, which LoRA "
                               "cannot adapt; remove it (routers train with finetuning_type: full)")
+
+
+def unadaptable_linears(model: Any, linear: list[str]) -> dict[str, str]:
+    """Short names of Linear layers LoRA cannot adapt, with the reason: a Linear subclass whose weight is not one
+    in -> out map (a modelling file's subclass with its own forward and state: DeepSeek-V4's grouped output
+    projection, whose input is wider than its weight, so LoRA's matrices would not fit it; Falcon's plain
+    re-implementation is adaptable, quantized Linear layers are peft's to wrap), and the modules
+    peft itself refuses for the model type (Mamba's out_proj and conv1d, by peft's own check)."""
+    found = {name.rsplit(".", 1)[-1]: f"{type(module).__name__} is a grouped Linear with its own forward"
+             for name, module in model.named_modules() if _reshapes_its_weight(module) and "lm_head" not in name}
+    for name in linear:
+        reason = _peft_refusal(model, name)
+        if reason and name not in found:
+            found[name] = reason
+    return found
+
+
+def _reshapes_its_weight(module: Any) -> bool:
+    import torch
+
+    if not isinstance(module, torch.nn.Linear) or type(module).forward is torch.nn.Linear.forward:
+        return False
+    if not type(module).__module__.startswith("transformers.models."):
+        return False  # a quantized Linear (bitsandbytes' Linear4bit) is peft's to wrap; only a model's own layers
+    own_state = {key for key in vars(module) if not key.startswith("_")} - {"training", "in_features", "out_features"}
+    return bool(own_state)
+
+
+def _peft_refusal(model: Any, name: str) -> str | None:
+    try:
+        from peft import LoraConfig
+        from peft.tuners.tuners_utils import _check_lora_target_modules_mamba
+    except ImportError:  # another peft release: its own check then speaks when the adapter is built
+        return None
+    try:
+        _check_lora_target_modules_mamba(LoraConfig(target_modules=[name]), model, name)
+    except ValueError:
+        return f"peft refuses it for {getattr(model.config, 'model_type', 'this model')}"
+    return None
+
+
+def _refuse_unadaptable_targets(requested: tuple[str, ...], unadaptable: dict[str, str]) -> None:
+    for target in requested:
+        if target in unadaptable:
+            raise ConfigError(f"lora_target ({target}): LoRA cannot adapt it: {unadaptable[target]}; remove it "
+                              "(lora_target: all leaves it out)")
 
 
 def report_unadapted_linears(model: Any, requested: LoraTargets) -> None:

@@ -147,8 +147,41 @@ def layer_windows(config: Any) -> dict[str, int | None]:
     return {SLIDING: window} if window else {FULL: None}
 
 
+# Per-layer descriptions in configs of hybrid models (Qwen3-Next, Nemotron-H, RecurrentGemma, ...).
+LAYER_KIND_KEYS = ("layer_types", "layers_block_type", "block_types")
+# Config keys that only models with state-space or linear-attention layers have (pure Mamba/RWKV configs list no
+# layer kinds).
+STATE_SIZE_KEYS = ("ssm_state_size", "state_size", "mamba_d_state", "linear_key_head_dim", "conv_L_cache",
+                   "attention_hidden_size")
+
+
+def stateful_layer_kinds(config: Any) -> list[str]:
+    """The model's layer kinds that carry a state along the sequence (linear attention, Mamba, recurrent, short
+    convolutions): no attention mask bounds them, so samples packed in one row would leak into each other."""
+    config = _get(config, "text_config") or config
+    kinds: dict[str, None] = {}
+    for key in LAYER_KIND_KEYS:
+        values = _get(config, key)
+        if isinstance(values, (list, tuple)):
+            kinds.update({str(v): None for v in values if _carries_state(str(v))})
+    if not kinds and any(_get(config, key) for key in STATE_SIZE_KEYS):
+        kinds["state-space"] = None
+    return list(kinds)
+
+
+def _carries_state(kind: str) -> bool:
+    if kind in ("mlp", "moe", "dense", "none"):
+        return False
+    return "linear" in kind or "attention" not in kind
+
+
 def packing_problem(config: Mapping[str, Any], support: KernelSupport | None, kernel: str, model: str) -> str | None:
     """Why packed rows of ``model`` cannot stay isolated under ``kernel`` (None when they can)."""
+    stateful = stateful_layer_kinds(config)
+    if stateful:
+        return (f"packing: {model or 'the model'} has {', '.join(stateful)} layers, whose state runs along the "
+                "row with no mask to stop it, so packed samples would leak into each other; set packing: false "
+                "(padding_free is off for it)")
     if kernel.startswith("flash"):
         return None  # varlen offsets bound every layer, and flash applies each layer's own window
     kinds = layer_windows(config)

@@ -121,7 +121,7 @@ def _no_causal_lm_problems(path: Path, model_type: str) -> list[str]:
                 f"with no text-only causal-LM class in transformers {_transformers_version()}; shardtune fine-tunes "
                 "causal LMs, so this folder cannot be loaded: use a text-only checkpoint of the family"]
     return [f"{path}: model_type {model_type!r} has no causal-LM class in transformers {_transformers_version()} "
-            "(it is not a decoder language model); shardtune fine-tunes causal LMs: use a decoder LM checkpoint"]
+            "(AutoModelForCausalLM cannot build it); shardtune fine-tunes causal LMs: use a decoder LM checkpoint"]
 
 
 def _is_known_model_type(model_type: str) -> bool:

@@ -23,7 +23,7 @@ import torch
 
 from shardtune.errors import ModelError
 from shardtune.model.adapters import FinetuningSettings, apply_finetuning, count_parameters
-from shardtune.model.expert_layout import with_fused_experts
+from shardtune.model.conversion import converted_weights
 from shardtune.model.load import Quantization, load_model_config
 from shardtune.model.pretrained_adapters import AdapterPlan, merge_adapters
 from shardtune.model.reward_head import RewardHead, to_reward_model
@@ -88,9 +88,9 @@ class ModelSource:
         if weights is None:
             raise ModelError(f"model_name_or_path: {self.name_or_path} has no safetensors weights "
                              "(model.safetensors or model.safetensors.index.json) to load shard by shard")
-        weights = with_fused_experts(weights, getattr(self._config(), "model_type", ""))
         with torch.random.fork_rng(devices=[]):
             model = self._empty_model(construction)
+        weights = converted_weights(weights, model)  # transformers' own checkpoint conversion, as from_pretrained
         checkpoint_names = checkpoint_names_by_parameter(model, weights)
         grown = self._grown_names(model, checkpoint_names)
         model = self._finish(model)

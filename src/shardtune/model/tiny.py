@@ -69,25 +69,34 @@ def build_tiny_model(
     vocab_size: int = 2048,
     max_positions: int = 2048,
     seed: int = 0,
+    from_registry: bool = False,
 ) -> Path:
-    """Write a random-weight model of family ``arch`` (see model/architectures.py) and its tokenizer, with the
-    family's chat template and special tokens, to ``out_dir`` (safetensors)."""
+    """Write a random-weight model of family ``arch`` and its tokenizer to ``out_dir`` (safetensors): a family of
+    model/architectures.py with its chat template and special tokens at the sizes given, or (``from_registry``, or
+    a model type not listed there) the class transformers' causal-LM registry builds for the model type ``arch``,
+    at model/registry.py's tiny sizes, with chatml (``gemma3`` there is the image-text model)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from shardtune.data.templates import get_template
     from shardtune.data.templates.jinja import chat_template_jinja
-    from shardtune.model.architectures import family, tiny_config
+    from shardtune.model.architectures import FAMILIES, family, tiny_config
+    from shardtune.model.registry import tiny_registry_config
 
-    spec = family(arch)
-    template = get_template(spec.template)
     out = Path(out_dir)
-    tokenizer = build_tiny_tokenizer(bundled_corpus(), vocab_size=vocab_size,
-                                     extra_special=sorted(template.literal_special_tokens()))
-    if arch != "llama":  # the llama default keeps chatml, which `make demo` and most tests render
-        tokenizer.chat_template = chat_template_jinja(template, tokenizer)
-    config = tiny_config(arch, tokenizer=tokenizer, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                         intermediate=intermediate, max_positions=max_positions)
+    if arch in FAMILIES and not from_registry:
+        template = get_template(family(arch).template)
+        tokenizer = build_tiny_tokenizer(bundled_corpus(), vocab_size=vocab_size,
+                                         extra_special=sorted(template.literal_special_tokens()))
+        if arch != "llama":  # the llama default keeps chatml, which `make demo` and most tests render
+            tokenizer.chat_template = chat_template_jinja(template, tokenizer)
+        config = tiny_config(arch, tokenizer=tokenizer, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                             intermediate=intermediate, max_positions=max_positions)
+    else:  # any other family of transformers' registry: its own config at the registry's tiny sizes, chatml
+        tokenizer = build_tiny_tokenizer(bundled_corpus(), vocab_size=vocab_size)
+        config = tiny_registry_config(arch, len(tokenizer), {"pad_token_id": tokenizer.pad_token_id,
+                                                            "bos_token_id": tokenizer.bos_token_id,
+                                                            "eos_token_id": tokenizer.eos_token_id})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,140 @@
+"""Every decoder family the installed transformers ships, read from its own registry, and a tiny config of each.
+
+``model/architectures.py`` lists the families the engine matrix was written for, with hand-chosen sizes. This
+module is the other half: the families transformers itself maps to a causal-LM class (``AutoModelForCausalLM``),
+so that a new transformers release brings its new families into the tests without anyone writing their names.
+A tiny config keeps each family's structure (its layer kinds, experts, latent attention) and shrinks its sizes:
+the per-layer lists (``layer_types``, hybrid patterns) keep one layer of each kind.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Sizes set wherever a config has the attribute (read from its own fields: aliases such as n_embd resolve through
+# attribute_map when the config is built again with them).
+TINY_SIZES: dict[str, int] = {
+    "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+    "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 16,
+    "mamba_d_state": 16, "n_groups": 1, "sliding_window": 16, "rotary_dim": 8, "hidden_size_per_layer_input": 16,
+    "d_model": 64, "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128, "encoder_layers": 2, "decoder_layers": 2,
+    # Jamba-style periods: an attention layer and an expert layer among the two kept
+    "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
+}
+# Per-layer descriptions: a list (or a string, one character per layer) as long as the layer count.
+PER_LAYER_HINTS = ("layer_types", "layers_block_type", "hybrid_override_pattern", "block_types")
+# Lists of layer indices (the layers of one kind): renumbered onto the layers kept.
+LAYER_INDEX_LISTS = ("mlp_only_layers", "attn_layer_indices", "full_attn_idxs", "global_attn_layers")
+SUB_CONFIGS = ("text_config", "vision_config")
+
+
+def decoder_families() -> list[str]:
+    """Model types the installed transformers builds a causal LM for, from its own auto table."""
+    from shardtune.model.transformers_tables import table
+
+    return sorted(table("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"))
+
+
+def tiny_registry_config(model_type: str, vocab_size: int, special_ids: dict[str, int] | None = None) -> Any:
+    """The family's default config built again with tiny sizes (so derived fields follow), sub-configs
+    (``text_config``, ``vision_config``) shrunk the same way."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    kwargs = tiny_kwargs(default, vocab_size, special_ids or {})
+    for name in SUB_CONFIGS:
+        sub = vars(default).get(name)
+        if sub is not None and hasattr(sub, "to_dict"):
+            fields = sub.to_dict()
+            fields.pop("per_layer_config", None)  # derived from the full-size layers; rebuilt from the kept ones
+            kwargs[name] = {**fields, **tiny_kwargs(sub, vocab_size, special_ids or {})}
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def tiny_kwargs(config: Any, vocab_size: int, special_ids: dict[str, int]) -> dict[str, Any]:
+    """The fields to change: tiny sizes, the tokenizer's vocabulary and special ids, one layer of each kind."""
+    aliases = getattr(config, "attribute_map", {}) or {}
+    own = {key: value for key, value in vars(config).items() if not key.startswith("_")}
+    own.update({name: own[field] for name, field in aliases.items() if field in own})  # n_embd read as hidden_size
+    kwargs: dict[str, Any] = {aliases.get(key, key): value for key, value in TINY_SIZES.items()
+                              if key in own and (type(own[key]) is int or own[key] is None and key == "head_dim")}
+    expand = own.get("expand", own.get("mamba_expand"))
+    if type(expand) is int:  # Mamba: the inner width (expand x hidden) is heads x head size
+        inner = expand * TINY_SIZES["hidden_size"]
+        for heads, size in (("num_heads", "head_dim"), ("mamba_n_heads", "mamba_d_head"),
+                            ("mamba_num_heads", "mamba_head_dim")):
+            if heads in own and size in own:
+                kwargs[heads] = inner // TINY_SIZES[size] if size in TINY_SIZES else own[heads]
+                kwargs[size] = TINY_SIZES.get(size, 16)
+    if "kv_lora_rank" in own:  # latent attention: one kv head per head, head sizes derived from the ranks
+        kwargs.pop("head_dim", None)
+        kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", 4)
+    if "vocab_size" in own:
+        kwargs["vocab_size"] = vocab_size
+        if type(own.get("vocab_size_per_layer_input")) is int:  # Gemma 3n/4's per-layer embeddings
+            kwargs["vocab_size_per_layer_input"] = vocab_size
+        kwargs.update({key: value for key, value in special_ids.items() if key in own})
+    layers = own.get("num_hidden_layers")
+    if isinstance(layers, int) and layers > 0:
+        kwargs.update({aliases.get(k, k): v for k, v in layer_kwargs(config, own, layers).items()})
+    return kwargs
+
+
+def layer_kwargs(config: Any, own: dict[str, Any], layers: int) -> dict[str, Any]:
+    kept = kept_layers(config, layers)
+    found: dict[str, Any] = {"num_hidden_layers": len(kept)}
+    for key in (*PER_LAYER_HINTS, *_per_layer_keys(own, layers)):
+        value = own.get(key)
+        if isinstance(value, (list, str)) and len(value) == layers:
+            picked = [value[i] for i in kept]
+            found[key] = "".join(picked) if isinstance(value, str) else picked
+    for key in LAYER_INDEX_LISTS:
+        if isinstance(own.get(key), list):
+            found[key] = [new for new, old in enumerate(kept) if old in own[key]]
+    if isinstance(own.get("per_layer_config"), dict):  # Gemma 4: overrides by layer index
+        found["per_layer_config"] = {new: own["per_layer_config"][old] for new, old in enumerate(kept)
+                                     if old in own["per_layer_config"]}
+    if key_kinds := found.get("layer_types"):
+        found["layer_types"] = _with_attention(key_kinds)
+    if "attn_layer_indices" in own and not found.get("attn_layer_indices"):
+        found["attn_layer_indices"] = [len(kept) - 1]  # hybrid defaults with no attention layer at all
+    return found
+
+
+def _with_attention(kinds: list[Any]) -> list[Any]:
+    """A hybrid whose default pattern has only linear-attention layers (Granite 4.0's) gets one attention layer:
+    real checkpoints mix both, and the model's cache needs one."""
+    if kinds and all(kind == "linear_attention" for kind in kinds):
+        return [*kinds[:-1], "full_attention"]
+    return kinds
+
+
+def kept_layers(config: Any, layers: int) -> list[int]:
+    """Indices of the first layer of each kind (by every per-layer description), padded to two layers."""
+    kinds = [tuple(_layer_kind(config, key, i, layers) for key in (*PER_LAYER_HINTS, *LAYER_INDEX_LISTS))
+             for i in range(layers)]
+    first = sorted({kind: i for i, kind in reversed(list(enumerate(kinds)))}.values())
+    extra = [i for i in range(layers) if i not in first]
+    return sorted(first + extra[:max(0, 2 - len(first))])
+
+
+def _layer_kind(config: Any, key: str, index: int, layers: int) -> Any:
+    try:
+        value = getattr(config, key, None)  # properties too: Nemotron-H's pattern is derived
+    except Exception:  # a per-layer attribute that refuses a global read (Gemma 4)
+        value = vars(config).get(key)
+    if key in LAYER_INDEX_LISTS:
+        return index in value if isinstance(value, list) else None
+    return value[index] if isinstance(value, (list, str)) and len(value) == layers else None
+
+
+def _per_layer_keys(own: dict[str, Any], layers: int) -> list[str]:
+    """Other list fields with one entry per layer (window sizes, rope kinds): cut with the layers."""
+    return [key for key, value in own.items() if key not in PER_LAYER_HINTS and key not in LAYER_INDEX_LISTS
+            and isinstance(value, list) and len(value) == layers and layers > 2]
