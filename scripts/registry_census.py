@@ -42,12 +42,12 @@ SEQUENCE = 24
 def run_family(model_type: str, tokenizer, folder: Path) -> dict:
     import torch
 
+    from shardtune.model.registry import special_token_ids
+
     record: dict = {"family": model_type}
     ids = torch.randint(5, len(tokenizer), (1, SEQUENCE), generator=torch.Generator().manual_seed(0))
     try:
-        special_ids = {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
-                       "eos_token_id": tokenizer.eos_token_id}
-        model = build(model_type, len(tokenizer), special_ids, record)
+        model = build(model_type, len(tokenizer), special_token_ids(tokenizer), record)
         with torch.no_grad():
             reference = logits(model, ids)
         model.save_pretrained(folder)

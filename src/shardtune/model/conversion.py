@@ -31,7 +31,6 @@ class Converted:
     converter: Any  # transformers' WeightConverter (a template: each run uses a copy)
     layer_name: str  # the first target's full name, as transformers passes it to ``convert``
     sources: list[tuple[str, str]] = field(default_factory=list)  # (source pattern, stored name), in load order
-    targets: list[str] = field(default_factory=list)  # full names of the model tensors it produces
 
 
 @dataclass
@@ -42,6 +41,9 @@ class ConvertedReader(WeightsReader):
     renamed: dict[str, str] = field(default_factory=dict)  # model name -> stored name
     converted: dict[str, Converted] = field(default_factory=dict)  # model name -> its converter run
     model: Any = None  # the empty model (converters may read its config)
+    # The last run's outputs: a converter that splits one stored tensor in several (HRM's fused q/k/v) is read
+    # once for all of them, as the engines read a layer's tensors one after the other.
+    _last: tuple[int, tuple[int, int] | None, dict[str, torch.Tensor]] | None = field(default=None, repr=False)
 
     def __contains__(self, name: str) -> bool:
         return name in self.renamed or name in self.converted or name in self.files
@@ -63,6 +65,8 @@ class ConvertedReader(WeightsReader):
 
     def _convert(self, run: Converted, rows: tuple[int, int] | None) -> dict[str, torch.Tensor]:
         """Run a copy of the converter on its sources (only list items ``rows`` = (first, count) when given)."""
+        if self._last is not None and self._last[:2] == (id(run), rows):
+            return self._last[2]
         converter = copy.deepcopy(run.converter)
         position: dict[str, int] = {}
         for pattern, stored in run.sources:
@@ -71,7 +75,8 @@ class ConvertedReader(WeightsReader):
                 converter.add_tensor(run.layer_name, stored, pattern, _reading(super().read, stored))
         config = getattr(self.model, "config", None)
         produced = converter.convert(run.layer_name, model=self.model, config=config)
-        return {key: value for key, value in produced.items()}
+        self._last = (id(run), rows, produced)
+        return produced
 
 
 def _reading(read: Any, stored: str) -> Any:
@@ -125,5 +130,4 @@ def _targets(run: Converted) -> list[str]:
     if first is None:
         return [run.layer_name]
     before, _, after = run.layer_name.partition(first)
-    run.targets = [before + pattern + after for pattern in patterns]
-    return run.targets
+    return [before + pattern + after for pattern in patterns]

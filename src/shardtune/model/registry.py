@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardtune.model.attention import LAYER_KIND_KEYS
+
 # Sizes set wherever a config has the attribute (read from its own fields: aliases such as n_embd resolve through
 # attribute_map when the config is built again with them).
 TINY_SIZES: dict[str, int] = {
@@ -28,7 +30,7 @@ TINY_SIZES: dict[str, int] = {
     "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
 }
 # Per-layer descriptions: a list (or a string, one character per layer) as long as the layer count.
-PER_LAYER_HINTS = ("layer_types", "layers_block_type", "hybrid_override_pattern", "block_types")
+PER_LAYER_HINTS = (*LAYER_KIND_KEYS, "hybrid_override_pattern")
 # Lists of layer indices (the layers of one kind): renumbered onto the layers kept.
 LAYER_INDEX_LISTS = ("mlp_only_layers", "attn_layer_indices", "full_attn_idxs", "global_attn_layers")
 SUB_CONFIGS = ("text_config", "vision_config")
@@ -39,6 +41,12 @@ def decoder_families() -> list[str]:
     from shardtune.model.transformers_tables import table
 
     return sorted(table("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"))
+
+
+def special_token_ids(tokenizer: Any) -> dict[str, int]:
+    """The config fields a tiny model takes from its tokenizer's special tokens."""
+    return {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id}
 
 
 def tiny_registry_config(model_type: str, vocab_size: int, special_ids: dict[str, int] | None = None) -> Any:

@@ -81,7 +81,7 @@ def build_tiny_model(
     from shardtune.data.templates import get_template
     from shardtune.data.templates.jinja import chat_template_jinja
     from shardtune.model.architectures import FAMILIES, family, tiny_config
-    from shardtune.model.registry import tiny_registry_config
+    from shardtune.model.registry import special_token_ids, tiny_registry_config
 
     out = Path(out_dir)
     if arch in FAMILIES and not from_registry:
@@ -94,9 +94,7 @@ def build_tiny_model(
                              intermediate=intermediate, max_positions=max_positions)
     else:  # any other family of transformers' registry: its own config at the registry's tiny sizes, chatml
         tokenizer = build_tiny_tokenizer(bundled_corpus(), vocab_size=vocab_size)
-        config = tiny_registry_config(arch, len(tokenizer), {"pad_token_id": tokenizer.pad_token_id,
-                                                            "bos_token_id": tokenizer.bos_token_id,
-                                                            "eos_token_id": tokenizer.eos_token_id})
+        config = tiny_registry_config(arch, len(tokenizer), special_token_ids(tokenizer))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     out.mkdir(parents=True, exist_ok=True)
