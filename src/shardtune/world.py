@@ -3,7 +3,9 @@
 ``WorldLayout`` is decided once on the launching host (nodes x processes per node, batch sizes) and asked by
 everyone else: the launcher (world size), the engines (DeepSpeed's train_batch_size, FSDP's hybrid groups), the
 estimate (nodes x ranks per node) and the dry-run report. ``RankEnv`` is one rank's place in a running job.
-shardtune has no tensor or pipeline parallelism, so every rank is a data-parallel rank.
+shardtune has no tensor or pipeline parallelism. With sequence parallelism (``sequence_parallel``, N) each run of N
+consecutive ranks shares one sequence (its *sequence group*, inside one node) and the data-parallel ranks are the
+world / N sequence groups; otherwise every rank is a data-parallel rank.
 """
 
 from __future__ import annotations
@@ -39,10 +41,12 @@ class WorldLayout:
     micro_batch: int = 1  # per_device_train_batch_size
     grad_accum: int = 1  # gradient_accumulation_steps
     uneven_ranks: int | None = None
+    sequence_parallel: int = 1  # ranks that split one sequence
 
     def __post_init__(self) -> None:
         named = {"nodes": self.nodes, "processes per node": self.procs_per_node,
-                 "per_device_train_batch_size": self.micro_batch, "gradient_accumulation_steps": self.grad_accum}
+                 "per_device_train_batch_size": self.micro_batch, "gradient_accumulation_steps": self.grad_accum,
+                 "sequence_parallel_size": self.sequence_parallel}
         bad = [f"{name} ({value})" for name, value in named.items() if value < 1]
         if bad:
             raise ValueError(f"world layout: {', '.join(bad)} must be at least 1")
@@ -77,15 +81,45 @@ class WorldLayout:
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size
+        """Ranks that see different data: one per sequence group."""
+        return max(1, self.world_size // self.sequence_parallel)
+
+    def sequence_parallel_problems(self) -> list[str]:
+        """Why this world cannot be split into sequence groups of ``sequence_parallel`` ranks (empty: it can).
+        A group stays inside one node: its all-to-all runs on every attention layer, forward and backward."""
+        n, world = self.sequence_parallel, self.world_size
+        if n == 1:
+            return []
+        if world % n:
+            return [f"sequence_parallel_size ({n}) does not divide the world size ({world}); use a divisor of it or "
+                    f"{-(-world // n) * n} processes"]
+        if self.uneven_ranks is not None or self.procs_per_node % n:
+            return [f"sequence_parallel_size ({n}) does not divide the processes per node ({self.procs_per_node}): "
+                    "a sequence group must stay inside one node; use a divisor of the processes per node"]
+        return []
+
+    def sequence_group_of(self, rank: int) -> tuple[int, ...]:
+        """The ranks that share ``rank``'s sequences, in shard order (consecutive ranks, inside one node)."""
+        first = rank - rank % self.sequence_parallel
+        return tuple(range(first, first + self.sequence_parallel))
+
+    def sequence_groups(self) -> list[tuple[int, ...]]:
+        """Every sequence group, in the order each rank must create them (process groups are made collectively)."""
+        return [self.sequence_group_of(first) for first in range(0, self.world_size, self.sequence_parallel)]
+
+    def data_parallel_rank(self, rank: int) -> int:
+        """Which share of the data ``rank`` reads: every rank of a sequence group reads the same."""
+        return rank // self.sequence_parallel
 
     @property
     def global_batch(self) -> int:
         return self.micro_batch * self.grad_accum * self.data_parallel_size
 
     def describe_global_batch(self) -> str:
+        split = (f" (world {self.world_size} / sequence_parallel_size {self.sequence_parallel})"
+                 if self.sequence_parallel > 1 else "")
         return (f"{self.micro_batch} (per_device_train_batch_size) x {self.grad_accum} "
-                f"(gradient_accumulation_steps) x {self.data_parallel_size} (data-parallel size) = "
+                f"(gradient_accumulation_steps) x {self.data_parallel_size} (data-parallel size{split}) = "
                 f"{self.global_batch}")
 
     def hybrid_groups(self, strategy: str, shard_size: int | None) -> tuple[int, int]:

@@ -326,6 +326,13 @@ class TrainConfig:
     ddp_timeout: int = _key(1800, "seconds a collective may wait before the job fails", ENGINE, minimum=1)
     ddp_find_unused_parameters: bool | None = _key(
         None, "DDP unused-parameter search (default: off, LoRA included)", ENGINE)
+    sequence_parallel_size: int = _key(
+        1, "split each sequence over this many ranks (long context); data parallelism runs over world / N "
+           "(LLaMA-Factory: cp_size; axolotl: context_parallel_size)", ENGINE, minimum=1)
+    sequence_parallel_mode: str = _key(
+        "auto", "how the ranks of a sequence exchange attention inputs: ulysses (all-to-all of heads; the heads and "
+                "KV heads must divide by N), allgather (every rank gathers K and V; any head count), auto: ulysses "
+                "where the heads divide, else allgather", ENGINE, choices=("auto", "ulysses", "allgather"))
 
     # --- generation (LLaMA-Factory's generating_args; do_predict, chat, eval) ---
     do_predict: bool = _key(False, "generate answers for the eval data (eval_dataset, the val_size hold-out, or "

@@ -35,6 +35,7 @@ makes SDPA return NaN, which would then leak into real tokens through 0 * NaN).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -56,12 +57,16 @@ class DataCollator:
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None,
                  attn_implementation: str | None = None,
-                 window_by_layer_type: Mapping[str, int | None] | None = None, padding_free: bool = False) -> None:
+                 window_by_layer_type: Mapping[str, int | None] | None = None, padding_free: bool = False,
+                 sequence_parallel: int = 1) -> None:
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
         self.attn_implementation = attn_implementation
         self.window_by_layer_type = dict(window_by_layer_type or {"full_attention": None})
         self.padding_free = padding_free
+        # Sequence parallelism: rows padded to a multiple of the group size, and the segment ids handed over in place
+        # of a mask (each rank builds the whole row's mask itself: train/sequence_shards.py).
+        self.sequence_parallel = sequence_parallel
 
     def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if self.padding_free and not any("segment_ids" in f for f in features):
@@ -77,7 +82,9 @@ class DataCollator:
         segments = torch.stack([padded_segments(f, length) for f in features])
         # Real (non-padding) tokens, for throughput: packed rows carry no 2-D mask to count them from.
         batch["num_tokens"] = (segments > 0).sum()
-        if not any("segment_ids" in f for f in features):
+        if self.sequence_parallel > 1:
+            batch["segment_ids"] = segments
+        elif not any("segment_ids" in f for f in features):
             if not bool((segments > 0).all()):  # rows without padding need no mask (see the module docstring)
                 batch["attention_mask"] = (segments > 0).long()
         elif "flash" in (self.attn_implementation or ""):
@@ -93,8 +100,8 @@ class DataCollator:
         return next(iter(masks.values())) if len(masks) == 1 else masks
 
     def padded_length(self, longest: int) -> int:
-        multiple = self.pad_to_multiple_of
-        return -(-longest // multiple) * multiple if multiple else longest
+        multiple = math.lcm(self.pad_to_multiple_of or 1, self.sequence_parallel)
+        return -(-longest // multiple) * multiple
 
 
 class PairCollator:

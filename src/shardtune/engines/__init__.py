@@ -24,6 +24,7 @@ def build_engine(config: TrainConfig, plan: EnginePlan, rank_env: RankEnv | None
 
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         return LocalEngine(precision, device)
+    import dataclasses
     import importlib
 
     from shardtune.engines.distributed import init_distributed
@@ -31,4 +32,12 @@ def build_engine(config: TrainConfig, plan: EnginePlan, rank_env: RankEnv | None
 
     module, name = spec_for(plan.kind).engine.split(":")
     engine_class = getattr(importlib.import_module(module), name)
-    return engine_class.from_plan(config, plan, init_distributed(rank_env, config.ddp_timeout), precision)
+    engine = engine_class.from_plan(config, plan, init_distributed(rank_env, config.ddp_timeout), precision)
+    if config.sequence_parallel_size > 1:
+        from shardtune.engines.sequence_parallel import join_sequence_groups
+        from shardtune.world import WorldLayout
+
+        layout = WorldLayout.of_ranks(engine.world_size, rank_env.local_world_size)
+        layout = dataclasses.replace(layout, sequence_parallel=config.sequence_parallel_size)
+        engine.sequence = join_sequence_groups(layout, engine.rank, config.sequence_parallel_mode)
+    return engine

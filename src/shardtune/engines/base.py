@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 import torch
 
 if TYPE_CHECKING:
+    from shardtune.engines.sequence_parallel import SequenceParallel
     from shardtune.engines.sharded_loading import ShardedLoad
     from shardtune.model.source import ModelSource
 
@@ -62,6 +63,8 @@ class Engine(ABC):
         self.precision = precision
         self.device = device
         self.loading: ShardedLoad | None = None  # set by sharding engines that fill a skeleton
+        # This rank's sequence group when sequence_parallel_size > 1 (set by build_engine); None: whole rows.
+        self.sequence: SequenceParallel | None = None
 
     # --- topology ---
     @property
@@ -79,6 +82,15 @@ class Engine(ABC):
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that read different data: the ranks of a sequence group read the same rows."""
+        return self.world_size // (self.sequence.size if self.sequence is not None else 1)
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.rank // (self.sequence.size if self.sequence is not None else 1)
 
     @property
     def loss_scale_for_mean_reduction(self) -> float:

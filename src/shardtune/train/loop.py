@@ -7,6 +7,7 @@ across all ranks, so accumulation gives exactly the update of one big batch (no 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -16,7 +17,8 @@ from typing import Any, Protocol
 import torch
 
 from shardtune.engines.base import Engine
-from shardtune.train.loss import DEFAULT_LOSS_CHUNK_SIZE, causal_lm_loss_sum, causal_lm_loss_terms
+from shardtune.train.loss import DEFAULT_LOSS_CHUNK_SIZE, causal_lm_loss_terms
+from shardtune.train.sequence_shards import sequence_shard
 
 IGNORE_INDEX = -100
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
@@ -89,13 +91,18 @@ def token_loss_sum(model: torch.nn.Module, batch: Batch, chunk_size: int = DEFAU
 
     ``chunk_size`` > 0 never builds the full logits (shardtune.train.loss); 0 computes them whole.
     """
-    inputs = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
-    loss = causal_lm_loss_sum(model, inputs, batch["labels"], chunk_size, label_smoothing)
-    return loss, (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+    loss, _ = micro_batch_losses(model, batch, chunk_size, label_smoothing, False)
+    return loss, (targets_of(batch) != IGNORE_INDEX).sum()
+
+
+def targets_of(batch: Batch) -> torch.Tensor:
+    """Each position's next token: the labels shifted, or a sequence-parallel slice's ``shift_labels`` (shifted
+    over the whole row before slicing)."""
+    return batch["shift_labels"] if "shift_labels" in batch else batch["labels"][:, 1:]
 
 
 def count_trainable_tokens(batch: Batch) -> int:
-    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    return int((targets_of(batch) != IGNORE_INDEX).sum())
 
 
 def count_input_tokens(batch: Batch) -> int:
@@ -106,6 +113,20 @@ def count_input_tokens(batch: Batch) -> int:
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         return int(mask.sum())
     return batch["input_ids"].numel()
+
+
+def rank_rows(engine: Engine, batch: Batch) -> Batch:
+    """The micro-batch as this rank computes it: its slice of every row under sequence parallelism."""
+    if engine.sequence is None:
+        return batch
+    return sequence_shard(batch, engine.sequence.size, engine.sequence.index)
+
+
+def sequence_scope(engine: Engine, batch: Batch) -> contextlib.AbstractContextManager:
+    """Around one micro-batch's forward and backward: the whole rows' segment ids for the split attention."""
+    if engine.sequence is None:
+        return contextlib.nullcontext()
+    return engine.sequence.scope(batch["segment_ids"])
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -139,6 +160,7 @@ def train_step(engine: Engine, window: list[Batch], max_grad_norm: float,
     one reduction after the step of everything the step reports, with whether any rank was asked to stop
     (``stop`` in the result). The numbers are read from the device once, at the end.
     """
+    window = [rank_rows(engine, b) for b in window]
     local_tokens = sum(count_trainable_tokens(b) for b in window)
     arrived = time.perf_counter()
     global_tokens = engine.all_reduce_sum(torch.tensor(float(local_tokens), device=engine.device))
@@ -153,14 +175,15 @@ def train_step(engine: Engine, window: list[Batch], max_grad_norm: float,
     aux_total = torch.zeros((), device=engine.device)
     for i, batch in enumerate(window):
         batch = to_device(batch, engine.device)
-        with engine.accumulation_context(is_last_micro_batch=i == len(window) - 1), engine.autocast():
-            loss_sum, aux = micro_batch_losses(engine.model, batch, loss_chunk_size, label_smoothing,
-                                               router_aux_loss_coef is not None)
-        loss = loss_sum * engine.loss_scale_for_mean_reduction / denominator
-        if aux is not None and router_aux_loss_coef is not None:
-            loss = loss + aux * (router_aux_loss_coef * aux_share * engine.loss_scale_for_mean_reduction)
-            aux_total += aux.detach() * aux_share
-        engine.backward(loss)
+        with sequence_scope(engine, batch):
+            with engine.accumulation_context(is_last_micro_batch=i == len(window) - 1), engine.autocast():
+                loss_sum, aux = micro_batch_losses(engine.model, batch, loss_chunk_size, label_smoothing,
+                                                   router_aux_loss_coef is not None)
+            loss = loss_sum * engine.loss_scale_for_mean_reduction / denominator
+            if aux is not None and router_aux_loss_coef is not None:
+                loss = loss + aux * (router_aux_loss_coef * aux_share * engine.loss_scale_for_mean_reduction)
+                aux_total += aux.detach() * aux_share
+            engine.backward(loss)
         loss_total += loss_sum.detach()
         del loss, loss_sum, aux  # the graph (and the loss head's gradient buffers) goes before the next forward
     grad_norm = engine.step_on_device(max_grad_norm)
@@ -184,7 +207,9 @@ def micro_batch_losses(model: torch.nn.Module, batch: Batch, chunk_size: int, la
                        router_aux: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The summed token loss of one micro-batch and, for an MoE model, its router auxiliary loss."""
     inputs = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
-    return causal_lm_loss_terms(model, inputs, batch["labels"], chunk_size, label_smoothing, router_aux)
+    shifted = "shift_labels" in batch
+    labels = batch["shift_labels"] if shifted else batch["labels"]
+    return causal_lm_loss_terms(model, inputs, labels, chunk_size, label_smoothing, router_aux, shifted)
 
 
 @torch.no_grad()
@@ -195,8 +220,8 @@ def evaluate(engine: Engine, batches: Iterable[Batch], loss_chunk_size: int = DE
     total = torch.zeros((), device=engine.device)
     tokens = torch.zeros((), device=engine.device)
     for batch in batches:
-        batch = to_device(batch, engine.device)
-        with engine.autocast():
+        batch = to_device(rank_rows(engine, batch), engine.device)
+        with sequence_scope(engine, batch), engine.autocast():
             loss_sum, n = token_loss_sum(engine.model, batch, loss_chunk_size, label_smoothing)
         total += loss_sum.float()
         tokens += n

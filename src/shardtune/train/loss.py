@@ -67,10 +67,12 @@ def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
     return targets
 
 
-def plain_loss_sum(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
-    """Summed fp32 cross entropy over the full logits (the reference the chunked path must match)."""
-    shift_logits = logits[:, :-1, :].float()
-    shift_labels = labels[:, 1:]
+def plain_loss_sum(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0,
+                   shifted: bool = False) -> torch.Tensor:
+    """Summed fp32 cross entropy over the full logits (the reference the chunked path must match). ``shifted``:
+    ``labels`` are already each position's next token (a sequence-parallel slice, shifted over the whole row)."""
+    shift_logits = logits.float() if shifted else logits[:, :-1, :].float()
+    shift_labels = labels if shifted else labels[:, 1:]
     return F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=label_smoothing)
 
@@ -87,10 +89,11 @@ def causal_lm_loss_sum(model: torch.nn.Module, inputs: dict[str, Any], labels: t
 
 
 def causal_lm_loss_terms(model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor, chunk_size: int,
-                         label_smoothing: float = 0.0, router_aux: bool = False
+                         label_smoothing: float = 0.0, router_aux: bool = False, shifted: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``causal_lm_loss_sum`` and, with ``router_aux``, the router's auxiliary loss of the same forward (the
-    model's ``aux_loss`` with ``output_router_logits=True``; unscaled, a mean over this batch's tokens)."""
+    model's ``aux_loss`` with ``output_router_logits=True``; unscaled, a mean over this batch's tokens).
+    ``shifted``: ``labels`` are already the next-token targets (``plain_loss_sum``)."""
     mask = inputs.get("attention_mask")
     if router_aux and mask is not None and (not isinstance(mask, torch.Tensor) or mask.ndim != 2):
         raise ModelError(packed_aux_loss_problem())
@@ -98,13 +101,14 @@ def causal_lm_loss_terms(model: torch.nn.Module, inputs: dict[str, Any], labels:
     head = chunkable_output_layer(model) if chunk_size > 0 else None
     if head is None:
         output = model(**call_inputs)
-        return plain_loss_sum(output.logits, labels, label_smoothing), _aux_loss(output, router_aux)
-    with _head_computes_loss(head, next_token_targets(labels), chunk_size, label_smoothing) as call:
+        return plain_loss_sum(output.logits, labels, label_smoothing, shifted), _aux_loss(output, router_aux)
+    targets = labels if shifted else next_token_targets(labels)
+    with _head_computes_loss(head, targets, chunk_size, label_smoothing) as call:
         output = model(**call_inputs)
     logits, aux = output.logits, _aux_loss(output, router_aux)
     if not call.ran:
         # The model never called its output layer: it produced the logits some other way.
-        return plain_loss_sum(logits, labels, label_smoothing), aux
+        return plain_loss_sum(logits, labels, label_smoothing, shifted), aux
     assert call.loss is not None
     if logits.shape != (1, 1, 1) or not torch.equal(logits.detach().reshape(()), call.loss.detach()):
         raise ModelError(f"loss_chunk_size ({chunk_size}): the model changed what its output layer returned (a "

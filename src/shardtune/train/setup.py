@@ -62,7 +62,7 @@ def prepare_datasets(tokenizer: Any, c: TrainConfig, engine: Engine) -> tuple[An
         from shardtune.data.streaming import build_streams
 
         # Nothing is cached on disk, so every rank opens its own share at once.
-        return build_streams(tokenizer, data_settings(c), engine.rank, engine.world_size)
+        return build_streams(tokenizer, data_settings(c), engine.data_parallel_rank, engine.data_parallel_size)
     # Rank 0 tokenises first and fills the datasets cache; the other ranks then read it.
     if not engine.is_main:
         engine.barrier()
@@ -162,7 +162,8 @@ def build_collator(tokenizer: Any, c: TrainConfig) -> Any:
     padding_free = padding_free_rows(c)
     windows = model_layer_windows(c) if resolved_packing(c) or padding_free else None
     collator = DataCollator(tokenizer.pad_token_id, attn_implementation=c.attn_implementation,
-                            window_by_layer_type=windows, padding_free=padding_free)
+                            window_by_layer_type=windows, padding_free=padding_free,
+                            sequence_parallel=c.sequence_parallel_size)
     if c.stage in ("dpo", "kto", "rm"):  # chosen and rejected rows (kto: answers and KL rows) in one batch
         return PairCollator(collator)
     return collator
@@ -301,10 +302,13 @@ def sample_lengths(dataset: Any) -> list[int]:
 
 
 def make_sampler(dataset: Any, batch_size: int, engine: Engine, c: TrainConfig, shuffle: bool) -> DistributedSampler:
-    """This rank's share of the data; the seed keeps every rank's view of the order the same."""
+    """This rank's share of the data (the ranks of a sequence group share one); the seed keeps every rank's view
+    of the order the same."""
     if shuffle and c.group_by_length:
         from shardtune.data.sampling import LengthGroupedSampler
 
-        return LengthGroupedSampler(sample_lengths(dataset), batch_size, engine.world_size, engine.rank, c.seed)
-    return DistributedSampler(dataset, num_replicas=engine.world_size, rank=engine.rank, shuffle=shuffle,
+        return LengthGroupedSampler(sample_lengths(dataset), batch_size, engine.data_parallel_size,
+                                    engine.data_parallel_rank, c.seed)
+    return DistributedSampler(dataset, num_replicas=engine.data_parallel_size, rank=engine.data_parallel_rank,
+                              shuffle=shuffle,
                               seed=c.seed, drop_last=False)

@@ -106,6 +106,11 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     )
     engine.verify()
     choose_experts_implementation(engine)
+    if engine.sequence is not None:  # after the engine's setup forwards (DDP's probe), which take whole rows
+        mode = engine.sequence.attach(engine.unwrapped_model())
+        if engine.is_main:
+            print(f"[shardtune] sequence parallel: {engine.sequence.size} ranks per sequence ({mode}) x "
+                  f"{engine.data_parallel_size} data parallel", flush=True)
     if memory is not None:
         memory.mark_setup_done()
     if config.precompute_ref_log_probs:  # validated: only for dpo/kto losses that have a reference
@@ -516,6 +521,9 @@ def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path,
         "throughput": hooks.meter.summary(),
         "trainable_parameter_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in engine.iter_trainable()}),
     }
+    if engine.sequence is not None:
+        results["sequence_parallel"] = {"size": engine.sequence.size, "mode": engine.sequence.mode,
+                                        "data_parallel_size": engine.data_parallel_size}
     if hooks.eval_loader is not None:
         results.update(hooks.eval_metrics())
     if state.input_tokens_seen(c.include_num_input_tokens_seen) is not None:

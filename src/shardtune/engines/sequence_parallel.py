@@ -1,0 +1,199 @@
+"""Sequence parallelism: N consecutive ranks (a *sequence group*) share each sequence, every rank computing N-th of
+its tokens through every layer; only attention needs the other ranks' tokens.
+
+How the split stays exact (the data side is train/sequence_shards.py):
+
+* Each rank gets its slice of the input ids, of the row's *global* position ids (so RoPE sees the true positions,
+  restarting per packed sample) and of the labels shifted *before* slicing (the last token of a slice is scored on
+  the first token of the next). The row's segment ids (1.. per packed sample, 0 for padding) stay whole on every
+  rank: the attention mask is built from them, never from the slice alone.
+* Attention runs through a function registered in transformers' ``AttentionInterface`` under ``ATTENTION_NAME``;
+  the model's own mask builders skip unknown implementations (transformers 5.23 ``masking_utils``: no mask is
+  built), and this function builds the block-causal mask of the whole row from the segment ids and global indices
+  (plus the layer's sliding window), then calls transformers' ``sdpa_attention_forward``:
+  - ``ulysses``: an all-to-all turns [heads, local tokens] into [heads / N, all tokens]; attention runs over the
+    whole row for N-th of the heads; a second all-to-all turns the output back. Needs heads and KV heads divisible
+    by N. Two exchanges of one layer's q, k, v and output per layer.
+  - ``allgather``: every rank gathers K and V of the whole row and attends its own queries to them (any head
+    count); the backward sums each rank's K/V gradients back to their owner (a reduce-scatter, built from an
+    all-to-all so it runs on gloo too).
+* Every engine sees all ranks as data parallel: it sums (after its averaging is undone by the loop's
+  ``loss_scale_for_mean_reduction``) the gradients of all ranks, which for the ranks of one sequence group are the
+  parts of one sequence's gradient; the loss is normalised by the trainable tokens of all ranks, each counted once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.nn.functional import all_to_all_single
+
+from shardtune.errors import ConfigError, ModelError
+from shardtune.world import WorldLayout
+
+ATTENTION_NAME = "shardtune_sequence_parallel"
+MODES = ("ulysses", "allgather")
+
+
+@dataclass
+class SequenceParallel:
+    """This rank's sequence group: ``size`` ranks, this one holding slice ``index`` of every row."""
+
+    size: int
+    index: int
+    group: Any  # the ProcessGroup of the sequence group
+    mode: str = "auto"
+
+    def attach(self, model: torch.nn.Module) -> str:
+        """Route the model's attention through the split (after the engine's setup forwards, which run whole rows);
+        returns the mode used (auto resolved from the model's head counts)."""
+        from transformers import AttentionInterface, PreTrainedModel
+
+        found = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+        if found is None:
+            raise ModelError("sequence_parallel_size: the model is not a transformers model; sequence parallelism "
+                             "works through transformers' attention interface")
+        self.mode = resolve_mode(self.mode, found.config.get_text_config(), self.size)
+        AttentionInterface.register(ATTENTION_NAME, split_attention)
+        found.set_attn_implementation(ATTENTION_NAME)
+        return self.mode
+
+    @contextlib.contextmanager
+    def scope(self, segment_ids: torch.Tensor) -> Iterator[None]:
+        """One micro-batch's forward and backward (activation checkpointing recomputes in the backward): the row's
+        segment ids that every attention call of it reads."""
+        previous = _ACTIVE.get("batch")
+        _ACTIVE["batch"] = _Batch(self, segment_ids)
+        try:
+            yield
+        finally:
+            _ACTIVE["batch"] = previous
+
+
+@dataclass(frozen=True)
+class _Batch:
+    split: SequenceParallel
+    segment_ids: torch.Tensor  # [rows, whole length]
+
+
+# The micro-batch being computed; set by SequenceParallel.scope (one per process: ranks are processes).
+_ACTIVE: dict[str, _Batch | None] = {"batch": None}
+
+
+def join_sequence_groups(layout: WorldLayout, rank: int, mode: str) -> SequenceParallel:
+    """Create every sequence group's process group (a collective: every rank creates all of them, in one order)
+    and return this rank's."""
+    problems = layout.sequence_parallel_problems()
+    if problems:
+        raise ConfigError(problems[0])
+    mine: Any = None
+    for ranks in layout.sequence_groups():
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            mine = group
+    members = layout.sequence_group_of(rank)
+    return SequenceParallel(layout.sequence_parallel, members.index(rank), mine, mode)
+
+
+def resolve_mode(mode: str, config: Any, size: int) -> str:
+    """``auto``: ulysses when the query and KV heads divide by ``size``, else allgather; a forced ulysses whose
+    heads do not divide is refused (check refuses it before launch; this is the rank's own guard)."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    divides = isinstance(heads, int) and isinstance(kv_heads, int) and heads % size == 0 and kv_heads % size == 0
+    if mode == "auto":
+        return "ulysses" if divides else "allgather"
+    if mode == "ulysses" and not divides:
+        raise ConfigError(f"sequence_parallel_mode (ulysses): the model's {heads} attention heads and {kv_heads} KV "
+                          f"heads must divide by sequence_parallel_size ({size}); use allgather or auto")
+    return mode
+
+
+def split_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
+                    sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: ``query`` [rows, heads, local tokens, head dim], ``key``/``value`` with
+    the KV heads; returns [rows, local tokens, heads, head dim]. ``attention_mask`` is ignored: the whole row's mask
+    comes from the segment ids of the micro-batch in scope."""
+    batch = _ACTIVE["batch"]
+    if batch is None:
+        raise ModelError("sequence parallelism: attention ran outside a split micro-batch (generation and other "
+                         "whole-row forwards are not split); set sequence_parallel_size: 1 for them")
+    for name in ("softcap", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise ModelError(f"sequence parallelism: this model's attention uses {name}, which the split attention "
+                             "(sdpa) does not compute; set sequence_parallel_size: 1")
+    split, segments = batch.split, batch.segment_ids.to(query.device)
+    local = query.shape[2]
+    common = {"dropout": dropout, "scaling": scaling, "is_causal": False}
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if split.mode == "ulysses":
+        q, k, v = (heads_to_sequence(t, split.group, split.size) for t in (query, key, value))
+        mask = row_mask(segments, 0, segments.shape[1], sliding_window)
+        out, _ = sdpa_attention_forward(module, q, k, v, mask, **common)
+        return sequence_to_heads(out, split.group, split.size), None
+    k, v = (gather_sequence(t, split.group, split.size) for t in (key, value))
+    mask = row_mask(segments, split.index * local, local, sliding_window)
+    out, _ = sdpa_attention_forward(module, query, k, v, mask, **common)
+    return out, None
+
+
+def row_mask(segments: torch.Tensor, first_query: int, queries: int, window: int | None) -> torch.Tensor:
+    """``[rows, 1, queries, length]`` boolean (True = attend) for the queries at global indices ``first_query``..:
+    earlier tokens of the same segment, within the sliding window (transformers' ``sliding_window_overlay``)."""
+    length = segments.shape[1]
+    q_index = torch.arange(first_query, first_query + queries, device=segments.device)[:, None]
+    k_index = torch.arange(length, device=segments.device)[None, :]
+    allowed = k_index <= q_index
+    if window is not None:
+        allowed = allowed & (q_index - k_index < window)
+    same = segments[:, first_query:first_query + queries, None] == segments[:, None, :]
+    return (same & allowed)[:, None]
+
+
+def heads_to_sequence(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    """[rows, heads, local, dim] -> [rows, heads / size, size x local, dim]: rank j receives head chunk j of every
+    rank's tokens (in rank order, which is token order)."""
+    rows, heads, local, dim = x.shape
+    send = x.reshape(rows, size, heads // size, local, dim).transpose(0, 1).contiguous()
+    received = all_to_all_single(torch.empty_like(send), send, group=group)  # [size (token chunk), rows, h/size, ...]
+    return received.permute(1, 2, 0, 3, 4).reshape(rows, heads // size, size * local, dim)
+
+
+def sequence_to_heads(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    """[rows, size x local, heads / size, dim] (attention's output) -> [rows, local, heads, dim]: the inverse
+    exchange, each rank getting its own tokens of every head chunk."""
+    rows, length, part, dim = x.shape
+    local = length // size
+    send = x.reshape(rows, size, local, part, dim).transpose(0, 1).contiguous()
+    received = all_to_all_single(torch.empty_like(send), send, group=group)  # [size (head chunk), rows, local, ...]
+    return received.permute(1, 2, 0, 3, 4).reshape(rows, local, size * part, dim)
+
+
+def gather_sequence(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    """[rows, heads, local, dim] -> [rows, heads, size x local, dim], every rank's tokens in rank order."""
+    return _GatherSequence.apply(x, group, size)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along the tokens; the backward hands each rank the sum of every rank's gradient of its tokens."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+        ctx.group, ctx.size = group, size
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        chunks = torch.stack(grad.chunk(ctx.size, dim=2)).contiguous()  # [size, rows, heads, local, dim]
+        received = torch.empty_like(chunks)
+        dist.all_to_all_single(received, chunks, group=ctx.group)  # every rank's gradient of my tokens
+        return received.sum(0), None, None

@@ -1,0 +1,82 @@
+"""Sequence parallelism through the real CLI: each sequence split over 2 or 4 CPU processes, under every engine,
+gives the losses and gradient norms of one process on the whole rows (fp32).
+
+The reference is one process with micro-batch 4 x accumulation 2; a split run with D data-parallel groups uses
+micro-batch 4 / D, so every optimizer step sees the same samples. Gradient norms catch a gradient scaled by the
+number of ranks (AdamW's update would hide it from the losses); the plain-SGD cells catch it in the losses too.
+Packed rows (``packing: true``, cutoff 64) put several samples in a row, and samples cross the slice boundary.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.helpers import ENGINE_KEYS, logged, losses, train
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+PACKED = ("packing=true", "cutoff_len=64")
+PADDED = ("cutoff_len=64",)
+SGD = ("optim=sgd", "learning_rate=0.5")
+ROWS = {"packed": PACKED, "padded": PADDED, "packed-sgd": PACKED + SGD}
+
+# (engine, finetuning, rows, processes, sequence_parallel_size, mode)
+SLICE = [
+    ("ddp", "full", "packed", 2, 2, "ulysses"),
+    ("zero3", "lora", "packed-sgd", 2, 2, "allgather"),
+    ("fsdp2", "full", "padded", 4, 2, "auto"),
+]
+MATRIX = [
+    ("ddp", "lora", "padded", 2, 2, "allgather"),
+    ("ddp", "full", "packed-sgd", 2, 2, "ulysses"),
+    ("ddp", "full", "packed", 4, 4, "auto"),  # 2 KV heads: auto takes allgather at 4
+    ("zero1", "full", "packed", 2, 2, "ulysses"),
+    ("zero2", "full", "packed-sgd", 2, 2, "ulysses"),
+    ("zero2", "lora", "packed", 4, 2, "allgather"),
+    ("zero3", "full", "packed", 2, 2, "ulysses"),
+    ("zero3", "full", "padded", 4, 4, "allgather"),
+    ("fsdp2", "lora", "packed", 2, 2, "ulysses"),
+    ("fsdp2", "full", "packed-sgd", 2, 2, "allgather"),
+    ("hsdp", "full", "packed", 4, 2, "ulysses"),
+    ("fsdp1", "full", "packed", 2, 2, "ulysses"),
+]
+EXTRA_ENGINES = {"zero1": ("deepspeed=z1",),
+                 "hsdp": ("fsdp=hybrid_shard auto_wrap", "fsdp_config={'hsdp_shard_size': 2}")}
+
+
+def _cell_id(cell: tuple) -> str:
+    engine, finetuning, rows, nproc, size, mode = cell
+    return f"{engine}-{finetuning}-{rows}-{nproc}procs-sp{size}-{mode}"
+
+
+CELLS = [pytest.param(*cell, id=_cell_id(cell)) for cell in SLICE]
+CELLS += [pytest.param(*cell, id=_cell_id(cell), marks=pytest.mark.matrix) for cell in MATRIX]
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_model_dir, tmp_path_factory):
+    """Losses and gradient norms of one process on whole rows, per (finetuning, rows)."""
+    found: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
+
+    def reference(finetuning: str, rows: str) -> tuple[list[float], list[float]]:
+        if (finetuning, rows) not in found:
+            out = tmp_path_factory.mktemp(f"one-{finetuning}-{rows}")
+            train(tiny_model_dir, out, finetuning, 1, 4, *ROWS[rows])
+            found[finetuning, rows] = losses(out), logged(out, "grad_norm")
+        return found[finetuning, rows]
+
+    return reference
+
+
+@pytest.mark.parametrize("engine,finetuning,rows,nproc,size,mode", CELLS)
+def test_split_sequences_match_one_process(engine, finetuning, rows, nproc, size, mode, one_process,
+                                           tiny_model_dir, tmp_path):
+    expected_losses, expected_norms = one_process(finetuning, rows)
+    data_parallel = nproc // size
+    keys = {**ENGINE_KEYS, **EXTRA_ENGINES}[engine]
+    result = train(tiny_model_dir, tmp_path, finetuning, nproc, 4 // data_parallel, *keys, *ROWS[rows],
+                   f"sequence_parallel_size={size}", f"sequence_parallel_mode={mode}")
+    resolved = {"auto": "ulysses" if 2 % size == 0 else "allgather"}.get(mode, mode)  # 4 heads, 2 KV heads
+    assert result["sequence_parallel"] == {"size": size, "mode": resolved, "data_parallel_size": data_parallel}
+    assert losses(tmp_path) == pytest.approx(expected_losses, rel=1e-4)
+    assert logged(tmp_path, "grad_norm") == pytest.approx(expected_norms, rel=1e-3)
