@@ -464,6 +464,28 @@ CATALOGUE = [
     Case("estimate-model-config-zero", "hidden_size (0) must be a whole number of at least 1", command="estimate",
          damage=lambda m: edit_json(m / "config.json", hidden_size=0),
          argv=lambda t, cfg: [str(cfg), "--gpu-memory", "80GiB"]),
+    # --- sequence parallelism: what the split cannot run is refused before launch (engines/sequence_parallel_plan) ---
+    Case("sequence-parallel-two-spellings", "'cp_size' (2) contradicts 'sequence_parallel_size' (4)",
+         {"cp_size": 2, "sequence_parallel_size": 4}, env={"NPROC_PER_NODE": "4"}),
+    Case("sequence-parallel-deepspeed-disagrees", "sequence_parallel_size (2) in ", {"sequence_parallel_size": 4},
+         env={"NPROC_PER_NODE": "4"}, prepare=lambda t: ds_json(t, '{"sequence_parallel_size": 2}')),
+    Case("sequence-parallel-world-size", "sequence_parallel_size (2) does not divide the world size (3)",
+         {"sequence_parallel_size": 2}, env={"NPROC_PER_NODE": "3"}),
+    Case("sequence-parallel-stage", "stage (dpo) with sequence_parallel_size (2): splitting sequences over ranks is "
+         "built for stage sft and pt only", {"sequence_parallel_size": 2, "stage": "dpo", "dataset": "demo_dpo"},
+         env={"NPROC_PER_NODE": "2"}),
+    Case("sequence-parallel-flash", "attn_implementation (flash_attention_2) with sequence_parallel_size (2)",
+         {"sequence_parallel_size": 2, "flash_attn": "fa2"}, env={"NPROC_PER_NODE": "2"}),
+    Case("sequence-parallel-ulysses-heads", "sequence_parallel_mode (ulysses): ", {
+        "sequence_parallel_size": 4, "sequence_parallel_mode": "ulysses"}, env={"NPROC_PER_NODE": "4"}),
+    Case("sequence-parallel-stateful-layers", "has linear_attention layers, whose state runs along the whole "
+         "sequence", {"sequence_parallel_size": 2}, env={"NPROC_PER_NODE": "2"},
+         damage=lambda m: edit_json(m / "config.json", layer_types=["linear_attention", "full_attention"])),
+    Case("sequence-parallel-predict", "do_predict (true) with sequence_parallel_size (2)", {
+        "sequence_parallel_size": 2, "do_predict": True, "predict_with_generate": True, "eval_dataset": "demo"},
+         env={"NPROC_PER_NODE": "2"}),
+    Case("sequence-parallel-cutoff-len", "cutoff_len (3) is below sequence_parallel_size (4)",
+         {"sequence_parallel_size": 4, "cutoff_len": 3}, env={"NPROC_PER_NODE": "4"}),
     # --- the other commands ---
     Case("export-source-missing", "export: /no/such/run is not a folder", command="export",
          argv=lambda t, cfg: ["/no/such/run", "--out", str(t / "x")]),

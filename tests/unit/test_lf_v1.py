@@ -53,7 +53,7 @@ def test_a_v0_file_is_not_read_as_v1():
 
 @pytest.mark.parametrize(("key", "value", "reason"), [
     ("dist_config", {"name": "fsdpturbo", "ep_size": 16}, "expert parallelism"),
-    ("cp_size", 2, "context parallelism"),
+    ("mp_replicate_size", 2, "fsdp: hybrid_shard"),
     ("batching_strategy", "dynamic_batching", "token-budget batches"),
     ("kernel_config", {"name": "liger_kernel"}, "Liger kernels"),
     ("optim_config", {"name": "muon", "momentum": 0.9}, "optim_config.momentum"),
@@ -103,20 +103,20 @@ def test_check_reads_a_v1_file_with_use_v1_set(tmp_path, tiny_model_dir, monkeyp
 
 
 def test_check_refusal_of_a_v1_file_starts_with_the_v1_format(tmp_path, tiny_model_dir, capsys):
-    path = write_v1(tmp_path, tiny_model_dir, cp_size=2, lora_rnak=8)
+    path = write_v1(tmp_path, tiny_model_dir, mp_replicate_size=2, lora_rnak=8)
     assert main(["check", path, "dataset=demo", f"dataset_dir={REPO / 'data'}"]) == 2
     first = capsys.readouterr().err.splitlines()[0]
-    assert f"{V1_PREFIX}: key 'cp_size'" in first
+    assert f"{V1_PREFIX}: key 'mp_replicate_size'" in first
 
 
 def test_convert_config_reports_a_v1_file(tmp_path, capsys):
     path = tmp_path / "v1.yaml"
-    path.write_text(yaml.safe_dump({**V1_LORA, "cp_size": 2}, sort_keys=False))
+    path.write_text(yaml.safe_dump({**V1_LORA, "mp_replicate_size": 2}, sort_keys=False))
     assert main(["convert-config", str(path)]) == 2
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0].startswith(f"{V1_PREFIX}: read as v1 reads it") and "bf16: True" in lines[0]
     assert "mapped    model: -> model_name_or_path: 'org/model'" in lines
     assert any(line.startswith("mapped    peft_config: -> finetuning_type: 'lora', lora_rank: 16") for line in lines)
-    assert any(line.startswith("refused   cp_size:") and V1_PREFIX in line for line in lines)
+    assert any(line.startswith("refused   mp_replicate_size:") and V1_PREFIX in line for line in lines)
     assert "did you mean" not in out and "unknown   " not in out

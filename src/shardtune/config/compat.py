@@ -218,6 +218,26 @@ def _pref_loss(value: Any, _values: Mapping[str, Any]) -> dict[str, Any]:
 MAPPED["pref_loss"] = Mapped("pref_loss (kto_pair and bco_pair refused with what to use)", _pref_loss)
 
 
+# --- sequence parallelism (engines/sequence_parallel_plan.py) ---
+# LLaMA-Factory v1's context parallelism has the one mode ulysses (its default); shardtune's mode also gathers K/V.
+def _cp_mode(value: Any, _values: Mapping[str, Any]) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if str(value).strip().lower() == "ulysses":
+        return {"sequence_parallel_mode": "ulysses"}
+    raise Refused("cp_mode", value, "LLaMA-Factory's context parallelism has the mode ulysses only; write "
+                                    "sequence_parallel_mode: ulysses, allgather or auto")
+
+
+MAPPED.update({
+    "cp_size": Mapped("sequence_parallel_size (LLaMA-Factory v1's context-parallel size)",
+                      _rename("sequence_parallel_size")),
+    "cp_mode": Mapped("sequence_parallel_mode (ulysses; LLaMA-Factory v1 has no other)", _cp_mode),
+    "context_parallel_size": Mapped("sequence_parallel_size (axolotl's and Megatron's context-parallel size)",
+                                    _rename("sequence_parallel_size")),
+})
+
+
 # --- LLaMA-Factory's v1 kernel plugins, switched on with a value (lfex) ---
 MAPPED["use_v1_kernels"] = Mapped("nothing while false; refused when true (LLaMA-Factory's v1 kernel plugins)",
                                   _refuse_unless(False, V1_KERNELS_REASON)("use_v1_kernels"))

@@ -26,11 +26,12 @@ V1_PREFIX = "LLaMA-Factory v1 format"
 Section = Mapping[str, Any]
 SectionTranslate = Callable[[Section], dict[str, Any]]
 
-# Keys that only a v1 file has: one of them makes the file a v1 file.
+# Keys that only a v1 file has: one of them makes the file a v1 file. (cp_size and cp_mode are v1's too, but a v0
+# file may borrow them for sequence parallelism: config/compat.py maps them in either format.)
 V1_ONLY_KEYS = frozenset({
     "model", "model_class", "custom_chat_template", "init_config", "peft_config", "kernel_config", "quant_config",
     "train_dataset", "micro_batch_size", "global_batch_size", "batching_strategy", "batching_workers",
-    "enable_activation_checkpointing", "dist_config", "dp_size", "cp_size", "cp_mode", "mp_replicate_size",
+    "enable_activation_checkpointing", "dist_config", "dp_size", "mp_replicate_size",
     "mp_shard_size", "dist_timeout", "optim_config", "lr_scheduler_config", "save_epochs", "save_ckpt_as_hf",
     "sample_backend",
 })
@@ -214,10 +215,7 @@ FLAT: dict[str, Callable[[Any, Section], dict[str, Any]]] = {
     "dist_timeout": _rename("ddp_timeout"),
     "save_epochs": _save_epochs,
     "dp_size": _off_at(None, "dp_size", "shardtune's data-parallel size is the number of processes (NNODES x "
-                                        "NPROC_PER_NODE); remove it"),
-    "cp_size": _off_at(1, "cp_size", "context parallelism (Ulysses) is not in shardtune: every rank holds whole "
-                                     "sequences; remove it or set it to 1 and shorten cutoff_len if memory is short"),
-    "cp_mode": lambda _value, _values: {},  # read only with cp_size > 1, which is refused above
+                                        "NPROC_PER_NODE) divided by sequence_parallel_size (cp_size); remove it"),
     "mp_replicate_size": _off_at(1, "mp_replicate_size", "replicated shard groups are fsdp: hybrid_shard in "
                                                          "shardtune; remove it and use that"),
     "mp_shard_size": _off_at(None, "mp_shard_size", "FSDP shards over all processes (or one node with fsdp: "

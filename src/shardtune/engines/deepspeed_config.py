@@ -66,6 +66,9 @@ REMOVED_TOP_LEVEL_KEYS = frozenset({"eigenvalue", "sparse_attention", "elasticit
 # LLaMA-Factory's recent example files carry these; DeepSpeed never reads them (its keys are comms_logger and
 # tensorboard/wandb/csv_monitor), so they are accepted for compatibility and dropped from the resolved config.
 IGNORED_FOREIGN_KEYS = frozenset({"comms_config", "monitor_config"})
+# DeepSpeed's own Ulysses size: shardtune splits sequences itself (sequence_parallel_size), so the value becomes
+# that key (engines/sequence_parallel_plan.py) and DeepSpeed, which would shrink its data-parallel size, never sees it.
+SEQUENCE_PARALLEL_KEY = "sequence_parallel_size"
 
 # Optimizer types DeepSpeed can run on the CPU when the optimizer is offloaded.
 CPU_OFFLOAD_OPTIMIZER_TYPES = frozenset({"adam", "adamw", "adagrad", "lion"})
@@ -95,7 +98,9 @@ class DeepSpeedInputs:
 
     @property
     def train_batch_size(self) -> int:
-        return self.layout.global_batch
+        # DeepSpeed counts every rank as data parallel: shardtune splits sequences itself (engines/sequence_parallel)
+        # and DeepSpeed never hears of it, so with sequence_parallel_size N its number is N x the samples per step.
+        return self.layout.micro_batch * self.layout.grad_accum * self.layout.world_size
 
 
 def deepspeed_inputs(config: TrainConfig, layout: WorldLayout) -> DeepSpeedInputs:
@@ -164,6 +169,22 @@ def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
             raise _DuplicateKey(key)
         result[key] = val
     return result
+
+
+def sequence_parallel_in(raw: dict, source: str, configured: int) -> tuple[int, list[str]]:
+    """The sequence-parallel size to run with, given the JSON's ``sequence_parallel_size`` and the top-level key's
+    ``configured`` value (1, its default, defers to the JSON; "auto" in the JSON defers to the key); and the
+    problems: a value that is no size, or two sizes that disagree."""
+    value = raw.get(SEQUENCE_PARALLEL_KEY)
+    if value is None or value == AUTO:
+        return configured, []
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        return configured, [f"{SEQUENCE_PARALLEL_KEY} in {source}: must be a whole number of at least 1, got "
+                            f"{_show(value)}"]
+    if configured not in (1, value):
+        return configured, [f"{SEQUENCE_PARALLEL_KEY} ({value}) in {source} contradicts sequence_parallel_size "
+                            f"({configured}); keep one (shardtune splits the sequences either way)"]
+    return value, []
 
 
 # --- queries on a (raw or resolved) config ---
@@ -304,7 +325,7 @@ def resolve_deepspeed_config(raw: dict, inputs: DeepSpeedInputs) -> dict:
     Call after ``deepspeed_problems`` came back empty; an "auto" left over is an internal error.
     """
     cfg = json.loads(json.dumps(raw))  # deep copy that also proves the mapping is plain JSON
-    for key in IGNORED_FOREIGN_KEYS:
+    for key in (*IGNORED_FOREIGN_KEYS, SEQUENCE_PARALLEL_KEY):
         cfg.pop(key, None)
     if "bfloat16" in cfg and "bf16" not in cfg:
         cfg["bf16"] = cfg.pop("bfloat16")
@@ -366,7 +387,7 @@ def _auto_problems(raw: dict, inputs: DeepSpeedInputs, source: str) -> list[str]
         if path == ("scheduler", "params", "total_num_steps") and inputs.total_steps is None:
             problems.append(f"{dotted} in {source}: \"auto\" needs the number of training steps, "
                             "which is not known here; set it explicitly")
-        elif path not in resolvable and path not in DEEPSPEED_NATIVE_AUTO:
+        elif path not in resolvable and path not in DEEPSPEED_NATIVE_AUTO and path != (SEQUENCE_PARALLEL_KEY,):
             problems.append(f"{dotted} in {source}: shardtune has no value for \"auto\" here; set it explicitly")
     return problems
 
@@ -389,7 +410,7 @@ def _batch_problems(raw: dict, inputs: DeepSpeedInputs, source: str) -> list[str
          f"gradient_accumulation_steps ({inputs.layout.grad_accum})"),
         ("train_batch_size", inputs.train_batch_size,
          f"per_device_train_batch_size ({inputs.layout.micro_batch}) x gradient_accumulation_steps "
-         f"({inputs.layout.grad_accum}) x world size ({inputs.layout.data_parallel_size}) = {inputs.train_batch_size}"),
+         f"({inputs.layout.grad_accum}) x world size ({inputs.layout.world_size}) = {inputs.train_batch_size}"),
         ("gradient_clipping", inputs.max_grad_norm, f"max_grad_norm ({_show(inputs.max_grad_norm)})"),
     )
     problems = []

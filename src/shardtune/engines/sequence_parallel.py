@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -75,10 +75,19 @@ class SequenceParallel:
             _ACTIVE["batch"] = previous
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Batch:
     split: SequenceParallel
     segment_ids: torch.Tensor  # [rows, whole length]
+    # One mask per (device, first query, queries, window), shared by every layer: each layer's attention keeps its
+    # mask for the backward, and one shared tensor costs rows x queries x length bytes once, not once per layer.
+    masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, device: torch.device, first_query: int, queries: int, window: int | None) -> torch.Tensor:
+        key = (device, first_query, queries, window)
+        if key not in self.masks:
+            self.masks[key] = row_mask(self.segment_ids.to(device), first_query, queries, window)
+        return self.masks[key]
 
 
 # The micro-batch being computed; set by SequenceParallel.scope (one per process: ranks are processes).
@@ -101,17 +110,21 @@ def join_sequence_groups(layout: WorldLayout, rank: int, mode: str) -> SequenceP
 
 
 def resolve_mode(mode: str, config: Any, size: int) -> str:
-    """``auto``: ulysses when the query and KV heads divide by ``size``, else allgather; a forced ulysses whose
-    heads do not divide is refused (check refuses it before launch; this is the rank's own guard)."""
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    divides = isinstance(heads, int) and isinstance(kv_heads, int) and heads % size == 0 and kv_heads % size == 0
-    if mode == "auto":
-        return "ulysses" if divides else "allgather"
-    if mode == "ulysses" and not divides:
-        raise ConfigError(f"sequence_parallel_mode (ulysses): the model's {heads} attention heads and {kv_heads} KV "
-                          f"heads must divide by sequence_parallel_size ({size}); use allgather or auto")
-    return mode
+    """The mode to run (the launching host's rule: engines/sequence_parallel_plan.py ``resolved_mode``), from the
+    loaded model's text config; a forced ulysses whose heads do not divide is refused (check refuses it before
+    launch; this is the rank's own guard)."""
+    from shardtune.engines.sequence_parallel_plan import head_counts, resolved_mode
+
+    fields = config.to_dict()
+    resolved = resolved_mode(mode, fields, size)
+    counts = head_counts(fields)
+    if counts is None:
+        raise ModelError("sequence parallelism: the model's config names no num_attention_heads; "
+                         "set sequence_parallel_size: 1")
+    if resolved == "ulysses" and any(count % size for count in counts):
+        raise ConfigError(f"sequence_parallel_mode (ulysses): the model's {counts[0]} attention heads and {counts[1]} "
+                          f"KV heads must divide by sequence_parallel_size ({size}); use allgather or auto")
+    return resolved
 
 
 def split_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -128,19 +141,17 @@ def split_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         if kwargs.get(name) is not None:
             raise ModelError(f"sequence parallelism: this model's attention uses {name}, which the split attention "
                              "(sdpa) does not compute; set sequence_parallel_size: 1")
-    split, segments = batch.split, batch.segment_ids.to(query.device)
-    local = query.shape[2]
-    common = {"dropout": dropout, "scaling": scaling, "is_causal": False}
+    split, local = batch.split, query.shape[2]
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if split.mode == "ulysses":
         q, k, v = (heads_to_sequence(t, split.group, split.size) for t in (query, key, value))
-        mask = row_mask(segments, 0, segments.shape[1], sliding_window)
-        out, _ = sdpa_attention_forward(module, q, k, v, mask, **common)
+        mask = batch.mask(query.device, 0, local * split.size, sliding_window)
+        out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling, is_causal=False)
         return sequence_to_heads(out, split.group, split.size), None
     k, v = (gather_sequence(t, split.group, split.size) for t in (key, value))
-    mask = row_mask(segments, split.index * local, local, sliding_window)
-    out, _ = sdpa_attention_forward(module, query, k, v, mask, **common)
+    mask = batch.mask(query.device, split.index * local, local, sliding_window)
+    out, _ = sdpa_attention_forward(module, query, k, v, mask, dropout=dropout, scaling=scaling, is_causal=False)
     return out, None
 
 

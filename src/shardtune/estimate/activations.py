@@ -8,6 +8,7 @@ weights: 4 when shardtune keeps fp32 weights and autocasts, 2 when DeepSpeed cas
 
 from __future__ import annotations
 
+from shardtune.engines.sequence_parallel_plan import resolved_mode
 from shardtune.estimate.shape import ModelShape
 from shardtune.estimate.workload import Workload, grad_path_indices, grad_path_layers, lora_module_count
 
@@ -49,11 +50,14 @@ def attention_bytes(shape: ModelShape, w: Workload, seq_len: int) -> int:
     cb = w.compute_bytes
     kernel = attention_kernel(shape, w)
     flash = kernel.startswith("flash")
+    mode = sequence_mode(shape, w)
     if shape.mla:
         size = cb * mla_projection_width(shape) + FP32 * shape.num_heads
     else:
         q = shape.q_width
         kv = 2 * (shape.kv_width if flash or shape.num_kv_heads == shape.num_heads else q)
+        if mode == "allgather":  # SDPA keeps the gathered K and V: the whole row's, for each of this rank's tokens
+            kv *= w.sequence_parallel
         size = cb * (q + kv + q) + FP32 * shape.num_heads
     if kernel == "eager":
         columns = seq_len + (1 if shape.attention_sinks else 0)
@@ -61,13 +65,40 @@ def attention_bytes(shape: ModelShape, w: Workload, seq_len: int) -> int:
         return size + shape.num_heads * columns * (FP32 + (cb if cb != FP32 else 0) + softcap)
     if flash:
         return size
-    return size + seq_len * cb
+    # The mask's rows: this rank's queries (allgather), or every query of the row for its heads (ulysses).
+    mask_rows = w.sequence_parallel if mode == "ulysses" else 1
+    return size + mask_rows * seq_len * cb
+
+
+def sequence_mode(shape: ModelShape, w: Workload) -> str | None:
+    """How the ranks of a split row exchange attention inputs (None: rows are not split); ``auto`` is decided from
+    the shape's heads as the ranks decide it."""
+    if not w.splits_sequences:
+        return None
+    heads = {"num_attention_heads": shape.num_heads, "num_key_value_heads": shape.num_kv_heads}
+    return resolved_mode(w.sequence_parallel_mode, heads, w.sequence_parallel)
+
+
+def exchange_bytes(shape: ModelShape, w: Workload) -> int:
+    """The buffers one layer's attention exchange holds for a moment under sequence parallelism (one layer at a
+    time): ulysses sends and receives q, k, v and the output (about 2 x those activations of the rank's tokens);
+    allgather gathers K and V of the whole row ([batch, kv heads, cutoff_len, head dim] x 2)."""
+    mode = sequence_mode(shape, w)
+    if mode is None:
+        return 0
+    cb, q, k = w.compute_bytes, shape.q_width, shape.kv_width
+    if mode == "ulysses":
+        return 2 * w.tokens * cb * (q + 2 * k + q)
+    return 2 * w.micro_batch * w.rows_per_sample * w.seq_len * k * cb
 
 
 def attention_kernel(shape: ModelShape, w: Workload) -> str:
     """The kernel that runs: GPT-OSS's attention sinks have no SDPA path in transformers, so sdpa means eager.
     ``auto`` is estimated as what it picks without flash-attn (flash keeps less, so this is the safe side): sdpa,
-    or eager for models with sinks or Gemma 2's soft-capping, which have no SDPA path (model/attention.py)."""
+    or eager for models with sinks or Gemma 2's soft-capping, which have no SDPA path (model/attention.py). A split
+    row's attention always runs sdpa (engines/sequence_parallel.py)."""
+    if w.splits_sequences:
+        return "sdpa"
     if w.attn_implementation == "auto":
         return "eager" if shape.attention_sinks or shape.attn_softcapping else "sdpa"
     if shape.attention_sinks and w.attn_implementation == "sdpa":
@@ -190,13 +221,15 @@ def input_bytes(w: Workload, shape: ModelShape | None = None) -> int:
     mask that packed rows carry (transformers builds the same from a padding mask). A model with both local and
     global layers (Gemma 2/3, GPT-OSS) gets two masks, a full one and a sliding one."""
     masks = 2 if shape is not None and 0 < shape.sliding_layers < shape.num_layers else 1
+    if w.splits_sequences:  # whole rows of ids, labels, positions and segment ids; each layer builds its own mask
+        return w.micro_batch * w.rows_per_sample * w.seq_len * 4 * 8
     mask = 0 if w.attn_implementation.startswith("flash") else masks * w.seq_len
     return w.tokens * (3 * 8 + mask)
 
 
 def activation_bytes(shape: ModelShape, w: Workload, stream_bytes: int) -> int:
     return (decoder_activation_bytes(shape, w, stream_bytes) + logits_bytes(shape, w, stream_bytes)
-            + input_bytes(w, shape))
+            + input_bytes(w, shape) + exchange_bytes(shape, w))
 
 
 def autocast_weight_copy_bytes(shape: ModelShape, w: Workload) -> int:

@@ -97,6 +97,7 @@ def resolve_hardware(values: dict[str, str], launch_nodes: int = 1, launch_procs
 def estimate_command(argv: list[str], launch_nodes: int = 1, launch_procs: int | None = None) -> int:
     """Print the estimate table (or JSON) for a training config; exit code 0 even when nothing fits."""
     from shardtune.config.args import load_config
+    from shardtune.engines.sequence_parallel_plan import with_deepspeed_sequence_parallel
     from shardtune.estimate.config import model_shape_for, workload_from_config
     from shardtune.estimate.options import build_options
     from shardtune.estimate.recommend import checkpointing_note, recommend
@@ -107,6 +108,7 @@ def estimate_command(argv: list[str], launch_nodes: int = 1, launch_procs: int |
         return 0
     args = split_estimate_args(argv)
     config, _ = load_config(args.config_argv)
+    config, _ = with_deepspeed_sequence_parallel(config)  # its problems are `shardtune check`'s to report
     shape = model_shape_for(config, args.values.get("--model-config"))
     hardware = resolve_hardware(args.values, launch_nodes, launch_procs)
     workload = workload_from_config(config)

@@ -40,7 +40,8 @@ def model_shape_for(c: TrainConfig, model_config: str | None = None) -> ModelSha
 
 
 def workload_from_config(c: TrainConfig) -> Workload:
-    """The estimate's view of a config: micro batch x cutoff_len tokens per device (the longest batch); a
+    """The estimate's view of a config: micro batch x cutoff_len tokens per device (the longest batch; cutoff_len /
+    sequence_parallel_size of them computed per rank under sequence parallelism); a
     dpo/kto/rm micro-batch runs two rows per sample in one forward from the full logits (loss_chunk_size does not
     apply) and a dpo/kto run may hold a frozen reference (``holds_reference_copy``)."""
     finetuning = "qlora" if c.finetuning_type == "lora" and c.quantization_bit is not None else c.finetuning_type
@@ -62,6 +63,8 @@ def workload_from_config(c: TrainConfig) -> Workload:
         loss_chunk_size=0 if preference else c.loss_chunk_size,
         rows_per_sample=2 if preference else 1,
         reference_copy=holds_reference_copy(c),
+        sequence_parallel=c.sequence_parallel_size,
+        sequence_parallel_mode=c.sequence_parallel_mode,
     )
 
 

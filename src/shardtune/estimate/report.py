@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from shardtune.estimate.activations import sequence_mode
 from shardtune.estimate.hardware import GiB, Hardware
 from shardtune.estimate.options import Option
 from shardtune.estimate.recommend import Recommendation
 from shardtune.estimate.shape import ModelShape
 from shardtune.estimate.workload import Workload, trainable_params
+from shardtune.world import WorldLayout
 
 
 @dataclass(frozen=True)
@@ -94,11 +96,21 @@ def _header(e: Estimate) -> str:
         f"run: {w.precision}, micro batch {w.micro_batch} x {w.seq_len} tokens, gradient checkpointing "
         f"{checkpointing}, {w.attn_implementation} attention, {w.optim}",
         *_preference_lines(w, e.shape),
+        *_sequence_parallel_lines(e),
         f"hardware: {e.hardware.describe()} (world size {e.hardware.world_size})",
         "memory per device in GiB; 'buffers' are transient copies (gathered weights, autocast casts, unreduced "
         "gradients, buckets); 'setup' is the peak while the model loads and the engine shards it; 'CPU/node' adds "
         "every rank of a node (the copies loaded, offloaded states, 1 GiB runtime each)",
     ])
+
+
+def _sequence_parallel_lines(e: Estimate) -> list[str]:
+    w = e.workload
+    if not w.splits_sequences:
+        return []
+    layout = WorldLayout(e.hardware.nodes, e.hardware.gpus_per_node, sequence_parallel=w.sequence_parallel)
+    return [f"sequence parallel: {w.sequence_parallel} ranks per sequence (mode {sequence_mode(e.shape, w)}), "
+            f"{w.local_seq_len} of {w.seq_len} tokens per rank; data parallel: {layout.data_parallel_size}"]
 
 
 def _preference_lines(w: Workload, s: ModelShape) -> list[str]:

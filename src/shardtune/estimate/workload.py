@@ -47,10 +47,25 @@ class Workload:
     rows_per_sample: int = 1
     # dpo/kto full/freeze with a live reference: a frozen copy of the weights, placed as the policy's weights.
     reference_copy: bool = False
+    # sequence_parallel_size: ranks that split each row (each computes seq_len / N of its tokens); the mode as
+    # configured (auto: ulysses where the heads divide, see engines/sequence_parallel_plan.py).
+    sequence_parallel: int = 1
+    sequence_parallel_mode: str = "auto"
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of a row this rank computes: all of them, or its slice of a split row (rows are padded to a
+        multiple of the split)."""
+        return -(-self.seq_len // self.sequence_parallel)
 
     @property
     def tokens(self) -> int:
-        return self.micro_batch * self.rows_per_sample * self.seq_len
+        """Tokens this rank computes per micro-batch (its slices under sequence parallelism)."""
+        return self.micro_batch * self.rows_per_sample * self.local_seq_len
+
+    @property
+    def splits_sequences(self) -> bool:
+        return self.sequence_parallel > 1
 
     @property
     def is_loss_chunked(self) -> bool:

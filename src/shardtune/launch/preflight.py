@@ -21,6 +21,7 @@ from shardtune.config.generation import prediction_datasets, predicts_only
 from shardtune.config.load import KeyProblem, build_config, config_to_dict
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.plan import EnginePlan, plan_engine
+from shardtune.engines.sequence_parallel_plan import sequence_parallel_problems, with_deepspeed_sequence_parallel
 from shardtune.errors import ConfigError, ShardtuneError
 from shardtune.host import cuda_visible_devices, local_cpu_memory, local_gpu_memory, visible_gpu_count
 from shardtune.launch import env as launch_env
@@ -58,6 +59,7 @@ def plan_run(argv: list[str]) -> RunPlan:
         env = launch_env.read_launch_env()
     except ConfigError as launch_error:
         config, _, key_problems, later = read_checked_config(argv)
+        later += sequence_parallel_problems(config)
         if launch_env.ray_requested():
             from shardtune.launch.ray_plan import ray_init_function, ray_problems
 
@@ -83,7 +85,7 @@ def preflight(argv: list[str], nodes: int, procs_per_node: int, *, defaults: dic
     if launch is not None:
         later += device_problems(launch, visible_gpu_count(), cuda_visible_devices(), scheduler)
     layout = WorldLayout(nodes, procs_per_node, config.per_device_train_batch_size,
-                         config.gradient_accumulation_steps)
+                         config.gradient_accumulation_steps, sequence_parallel=config.sequence_parallel_size)
     has_cuda = visible_gpu_count() > 0
     attention_was_auto = config.attn_implementation == "auto"
     try:  # the steps below read the model's config.json: a damaged one is already among the file problems
@@ -99,6 +101,7 @@ def preflight(argv: list[str], nodes: int, procs_per_node: int, *, defaults: dic
     except ShardtuneError as err:
         later += [p for p in err.problems if p not in later]
         engine = EnginePlan("local")
+    later += sequence_parallel_problems(config, layout)  # after the attention kernel is decided
     problems = problem_lines(key_problems, later)
     if problems:
         raise ConfigError(*problems)
@@ -108,9 +111,11 @@ def preflight(argv: list[str], nodes: int, procs_per_node: int, *, defaults: dic
 def read_checked_config(argv: list[str], defaults: dict[str, Any] | None = None
                         ) -> tuple[TrainConfig, CommandLine, list[KeyProblem], list[str]]:
     """The config, its command line, the keys whose values cannot be used, and the problems of the rules between
-    keys and on files (those need no world size)."""
+    keys and on files (those need no world size). A DeepSpeed JSON's ``sequence_parallel_size`` is read into the
+    config here, before anything depends on it (the attention kernel, the world layout)."""
     config, cmd, key_problems = read_config(argv, defaults)
-    return config, cmd, key_problems, cross_key_problems(config) + file_problems(config)
+    config, sequence_problems = with_deepspeed_sequence_parallel(config)
+    return config, cmd, key_problems, sequence_problems + cross_key_problems(config) + file_problems(config)
 
 
 def problem_lines(key_problems: list[KeyProblem], later: list[str]) -> list[str]:
@@ -160,7 +165,7 @@ def apply_attention_auto(config: TrainConfig, has_cuda: bool, announce_choice: b
     if known is None:
         print(f"[shardtune] attention: auto, decided on each rank once it has loaded {name}'s config", flush=True)
         return config
-    choice = auto_choice(known, has_cuda=has_cuda, model=name)
+    choice = auto_choice(known, has_cuda=has_cuda, model=name, splits_sequences=config.sequence_parallel_size > 1)
     print(f"[shardtune] attention: {choice.kernel} ({choice.reason})", flush=True)
     return replace(config, attn_implementation=choice.kernel)
 
@@ -207,8 +212,9 @@ def check_command(argv: list[str]) -> int:
         print(f"shardtune: warning: {warning}", file=sys.stderr)
     task = (f"predictions of {c.model_name_or_path} for {','.join(prediction_datasets(c))}" if predicts_only(c)
             else f"{c.stage} / {c.finetuning_type} of {c.model_name_or_path} on {','.join(c.dataset)}")
+    split = f" ({plan.layout.sequence_parallel} ranks per sequence)" if plan.layout.sequence_parallel > 1 else ""
     print(f"ok: {task}; "
-          f"engine {plan.engine.kind}, world size {plan.layout.world_size}, global batch "
+          f"engine {plan.engine.kind}, world size {plan.layout.world_size}{split}, global batch "
           f"{plan.layout.global_batch} -> {c.output_dir}")
     return 0
 

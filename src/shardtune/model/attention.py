@@ -91,8 +91,10 @@ def flash_available(has_cuda: bool) -> bool:
 
 
 def choose_attention(requested: str, support: KernelSupport | None, *, flash_usable: bool,
-                     model: str) -> AttentionChoice:
-    """The kernel for ``requested`` (``auto`` or an explicit one); a ModelError when the model cannot run it."""
+                     model: str, splits_sequences: bool = False) -> AttentionChoice:
+    """The kernel for ``requested`` (``auto`` or an explicit one); a ModelError when the model cannot run it.
+    ``splits_sequences``: sequence_parallel_size > 1, whose split attention runs sdpa, so ``auto`` takes no flash
+    kernel."""
     if requested != AUTO:
         problem = kernel_problem(requested, support, model)
         if problem:
@@ -101,19 +103,23 @@ def choose_attention(requested: str, support: KernelSupport | None, *, flash_usa
     if support is None:
         return AttentionChoice("eager", "auto: the model class is unknown before loading (remote code), and eager "
                                         "is the kernel every model runs")
-    if support.flash and flash_usable and not support.sinks:
+    if support.flash and flash_usable and not support.sinks and not splits_sequences:
         return AttentionChoice("flash_attention_2", f"auto: {support.model_class} supports flash attention, "
                                                     "flash-attn is installed and a CUDA GPU is used")
-    why_not_flash = ("flash-attn 2 would drop its attention sinks" if support.sinks
+    why_not_flash = ("sequence_parallel_size splits attention with sdpa" if splits_sequences
+                     else "flash-attn 2 would drop its attention sinks" if support.sinks
                      else "flash-attn is not usable here (needs the package and a CUDA GPU)")
     if support.sdpa:
         return AttentionChoice("sdpa", f"auto: {support.model_class} supports sdpa; {why_not_flash}")
     return AttentionChoice("eager", f"auto: {support.model_class} does not support sdpa; {why_not_flash}")
 
 
-def auto_choice(config: Mapping[str, Any], *, has_cuda: bool, model: str) -> AttentionChoice:
-    """What ``auto`` picks for the model whose config.json is ``config`` (the launching host and a rank alike)."""
-    return choose_attention(AUTO, kernel_support(config), flash_usable=flash_available(has_cuda), model=model)
+def auto_choice(config: Mapping[str, Any], *, has_cuda: bool, model: str,
+                splits_sequences: bool = False) -> AttentionChoice:
+    """What ``auto`` picks for the model whose config.json is ``config`` (the launching host and a rank alike);
+    ``splits_sequences``: sequence_parallel_size > 1 (no flash kernel then)."""
+    return choose_attention(AUTO, kernel_support(config), flash_usable=flash_available(has_cuda), model=model,
+                            splits_sequences=splits_sequences)
 
 
 def kernel_problem(kernel: str, support: KernelSupport | None, model: str) -> str | None:

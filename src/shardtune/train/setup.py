@@ -42,7 +42,8 @@ def with_attention_resolved(c: TrainConfig, is_main: bool) -> TrainConfig:
         return c
     name = c.model_name_or_path or ""
     config = load_model_config(name, trust_remote_code=c.trust_remote_code).to_dict()
-    choice = auto_choice(config, has_cuda=torch.cuda.is_available(), model=name)
+    choice = auto_choice(config, has_cuda=torch.cuda.is_available(), model=name,
+                         splits_sequences=c.sequence_parallel_size > 1)
     problem = packing_problem(config, kernel_support(config), choice.kernel, name) if resolved_packing(c) else None
     if problem:
         raise ConfigError(problem)

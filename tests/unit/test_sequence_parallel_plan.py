@@ -1,0 +1,240 @@
+"""Sequence parallelism planned before anything is spent: other spellings of the size (LLaMA-Factory's cp_size,
+axolotl's context_parallel_size, a DeepSpeed JSON's own key), every refusal of `shardtune check` in one round, the
+dry run's layout line and the estimate's activations per rank."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardtune.cli import main
+from shardtune.config.lf_v1 import is_v1_file, translate_file_values
+from shardtune.config.load import build_config
+from shardtune.errors import ConfigError
+from tests.conftest import REPO
+
+BASE = {"model_name_or_path": "org/model", "dataset": "demo", "output_dir": "out"}
+LAUNCH_VARIABLES = ("NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_PORT", "MASTER_ADDR", "FORCE_TORCHRUN", "RANK",
+                    "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "RDZV_ID", "USE_RAY")
+
+
+# --- spellings ---
+
+@pytest.mark.parametrize("key", ["cp_size", "context_parallel_size"])
+def test_other_spellings_set_sequence_parallel_size(key):
+    assert build_config({**BASE, key: 2}).sequence_parallel_size == 2
+
+
+@pytest.mark.parametrize(("values", "named"), [
+    ({"cp_size": 2, "sequence_parallel_size": 4}, "'cp_size' (2) contradicts 'sequence_parallel_size' (4)"),
+    ({"sequence_parallel_size": 4, "context_parallel_size": 2},
+     "'context_parallel_size' (2) contradicts 'sequence_parallel_size' (4)"),
+    ({"cp_size": 2, "context_parallel_size": 4}, "'context_parallel_size' (4) contradicts 'sequence_parallel_size'"),
+])
+def test_two_spellings_that_disagree_are_refused(values, named):
+    with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace(")", r"\)")):
+        build_config({**BASE, **values})
+    same = {key: 2 for key in values}
+    assert build_config({**BASE, **same}).sequence_parallel_size == 2
+
+
+def test_llamafactory_v1_context_parallel_keys_are_read():
+    """LLaMA-Factory v1's cp_size and cp_mode (ulysses, its only mode); a v0 file that borrows cp_size stays v0."""
+    values, problems = translate_file_values({"model": "m", "cp_size": 2, "cp_mode": "ulysses", "output_dir": "o"})
+    assert problems == []
+    assert (values["sequence_parallel_size"], values["sequence_parallel_mode"]) == (2, "ulysses")
+    assert not is_v1_file({"model_name_or_path": "m", "cp_size": 2})
+    _, problems = translate_file_values({"model": "m", "cp_size": 2, "cp_mode": "ring"})
+    assert len(problems) == 1 and "key 'cp_mode' ('ring')" in problems[0]
+
+
+# --- the DeepSpeed JSON's own sequence_parallel_size ---
+
+def ds_file(tmp_path: Path, **extra) -> Path:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+                                "train_batch_size": "auto", "gradient_accumulation_steps": "auto", **extra}))
+    return path
+
+
+def test_deepspeed_json_size_becomes_the_key_and_deepspeed_never_sees_it(tmp_path):
+    from shardtune.engines.deepspeed_config import deepspeed_inputs, load_deepspeed_setting, resolve_deepspeed_config
+    from shardtune.engines.sequence_parallel_plan import with_deepspeed_sequence_parallel
+    from shardtune.world import WorldLayout
+
+    for setting in (str(ds_file(tmp_path, sequence_parallel_size=2)), {"sequence_parallel_size": 2}):
+        config, problems = with_deepspeed_sequence_parallel(build_config({**BASE, "deepspeed": setting}))
+        assert problems == [] and config.sequence_parallel_size == 2
+    config = build_config({**BASE, "deepspeed": str(ds_file(tmp_path, sequence_parallel_size=2))})
+    raw, _ = load_deepspeed_setting(str(tmp_path / "ds.json"))
+    resolved = resolve_deepspeed_config(raw, deepspeed_inputs(config, WorldLayout(1, 2, sequence_parallel=2)))
+    assert "sequence_parallel_size" not in resolved
+    assert resolved["train_batch_size"] == 2  # every rank counted as data parallel by DeepSpeed
+
+
+def test_deepspeed_json_size_that_is_no_size_is_refused_and_auto_defers_to_the_key():
+    from shardtune.engines.deepspeed_config import sequence_parallel_in
+
+    assert sequence_parallel_in({"sequence_parallel_size": "auto"}, "ds.json", 4) == (4, [])
+    assert sequence_parallel_in({}, "ds.json", 4) == (4, [])
+    size, problems = sequence_parallel_in({"sequence_parallel_size": 0}, "ds.json", 1)
+    assert size == 1 and problems == ["sequence_parallel_size in ds.json: must be a whole number of at least 1, got 0"]
+
+
+def check_lines(monkeypatch, capsys, tmp_path: Path, model: Path, values: dict, nproc: int | str = 1,
+                argv: tuple[str, ...] = ()) -> tuple[int, list[str], str]:
+    """`shardtune check` in this process on the tiny model with ``values`` over a sound config, ``nproc`` ranks;
+    (exit code, error lines, stdout)."""
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NPROC_PER_NODE", str(nproc))
+    path = tmp_path / "cfg.yaml"
+    config = {"model_name_or_path": str(model), "dataset": "demo", "dataset_dir": str(REPO / "data"),
+              "template": "chatml", "output_dir": str(tmp_path / "run"), "max_steps": 2, "cutoff_len": 128, **values}
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    code = main(["check", str(path), *argv])
+    out, err = capsys.readouterr()
+    return code, [line for line in err.splitlines() if line.startswith("shardtune: error:")], out
+
+
+def test_deepspeed_json_size_disagreeing_with_the_key_is_refused_naming_both(tiny_model_dir, tmp_path, monkeypatch,
+                                                                             capsys):
+    ds = ds_file(tmp_path, sequence_parallel_size=2)
+    code, lines, _ = check_lines(monkeypatch, capsys, tmp_path, tiny_model_dir,
+                                 {"deepspeed": str(ds), "sequence_parallel_size": 4}, nproc=4)
+    assert code == 2 and len(lines) == 1, lines
+    assert f"sequence_parallel_size (2) in {ds} contradicts sequence_parallel_size (4)" in lines[0]
+    code, lines, out = check_lines(monkeypatch, capsys, tmp_path, tiny_model_dir, {"deepspeed": str(ds)}, nproc=2)
+    assert code == 0, lines
+    assert "world size 2 (2 ranks per sequence), global batch 1 " in out  # 1 x 1 x 2 / 2: one sequence per step
+
+
+# --- refusals of `shardtune check`: one line each, naming the key and the fix, all in one round ---
+
+def stateful_model(tmp_path: Path, tiny: Path) -> Path:
+    model = Path(shutil.copytree(tiny, tmp_path / "stateful"))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "layer_types": ["linear_attention", "full_attention"]}))
+    return model
+
+
+@pytest.mark.parametrize(("values", "nproc", "fragment"), [
+    ({"stage": "dpo"}, 2, "stage (dpo) with sequence_parallel_size (2): splitting sequences over ranks is built for "
+                          "stage sft and pt only, not yet for dpo; set sequence_parallel_size: 1"),
+    ({"stage": "rm"}, 2, "stage (rm) with sequence_parallel_size (2)"),
+    ({"flash_attn": "fa2"}, 2, "attn_implementation (flash_attention_2) with sequence_parallel_size (2): the split "
+                               "attention runs sdpa; use attn_implementation: sdpa"),
+    ({"sequence_parallel_mode": "ulysses", "sequence_parallel_size": 4}, 4,
+     "has 4 attention heads and 2 KV heads, which must both divide by sequence_parallel_size (4); use "
+     "sequence_parallel_mode: allgather (any head count) or auto"),
+    ({"do_predict": True, "predict_with_generate": True, "eval_dataset": "demo"}, 2,
+     "do_predict (true) with sequence_parallel_size (2): generation runs whole sequences on each rank"),
+    ({"cutoff_len": 3, "sequence_parallel_size": 4}, 4, "cutoff_len (3) is below sequence_parallel_size (4)"),
+    ({}, 3, "sequence_parallel_size (2) does not divide the world size (3)"),
+    ({"model": "stateful"}, 2, "has linear_attention layers, whose state runs along the whole sequence and cannot "
+                               "be split over ranks; set sequence_parallel_size: 1"),
+], ids=["dpo", "rm", "flash", "ulysses-heads", "do-predict", "cutoff-len", "world-size", "stateful-layers"])
+def test_check_refuses_what_the_split_cannot_run(values, nproc, fragment, tiny_model_dir, tmp_path, monkeypatch,
+                                                 capsys):
+    values = {"sequence_parallel_size": 2, **values}
+    model = stateful_model(tmp_path, tiny_model_dir) if values.pop("model", None) else tiny_model_dir
+    code, lines, _ = check_lines(monkeypatch, capsys, tmp_path, model, values, nproc=nproc)
+    assert code == 2
+    assert sum(fragment in line for line in lines) == 1, lines
+
+
+def test_a_split_that_can_run_passes_check(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    code, lines, out = check_lines(monkeypatch, capsys, tmp_path, tiny_model_dir,
+                                   {"stage": "pt", "sequence_parallel_size": 2, "sequence_parallel_mode": "ulysses",
+                                    "attn_implementation": "eager"}, nproc=2)
+    assert code == 0, lines
+    assert "(2 ranks per sequence)" in out
+
+
+def test_two_problems_of_one_config_are_two_lines_in_one_round(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    code, lines, _ = check_lines(monkeypatch, capsys, tmp_path, tiny_model_dir,
+                                 {"sequence_parallel_size": 4, "sequence_parallel_mode": "ulysses",
+                                  "flash_attn": "fa2"}, nproc=4)
+    assert code == 2 and len(lines) == 2, lines
+    assert "attn_implementation (flash_attention_2)" in lines[0] and "sequence_parallel_mode (ulysses)" in lines[1]
+
+
+def test_a_bad_launch_variable_does_not_hide_the_split_refusals(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    code, lines, _ = check_lines(monkeypatch, capsys, tmp_path, tiny_model_dir,
+                                 {"sequence_parallel_size": 2, "stage": "kto"}, nproc="two")
+    assert code == 2
+    assert "NPROC_PER_NODE='two' is not an integer" in lines[0]
+    assert any("stage (kto) with sequence_parallel_size (2)" in line for line in lines[1:]), lines
+
+
+def test_auto_attention_takes_no_flash_kernel_under_a_split():
+    from shardtune.model.attention import AUTO, KernelSupport, choose_attention
+
+    support = KernelSupport("LlamaForCausalLM", flash=True, sdpa=True, sinks=False, mask_per_layer_type=False)
+    assert choose_attention(AUTO, support, flash_usable=True, model="m").kernel == "flash_attention_2"
+    split = choose_attention(AUTO, support, flash_usable=True, model="m", splits_sequences=True)
+    assert split.kernel == "sdpa" and "sequence_parallel_size" in split.reason
+
+
+# --- the dry run ---
+
+def test_dry_run_names_the_split_and_its_data_parallel_size(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NPROC_PER_NODE", "4")
+    ds = ds_file(tmp_path, sequence_parallel_size=2)
+    assert main(["train", str(REPO / "examples/tiny/sft_full.yaml"), "--dry-run",
+                 f"model_name_or_path={tiny_model_dir}", f"output_dir={tmp_path / 'o'}", f"deepspeed={ds}"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert "sequence parallel: 2 ranks per sequence (mode auto: ulysses) x data parallel: 2" in lines
+    assert ("global batch: 4 (per_device_train_batch_size) x 2 (gradient_accumulation_steps) x 2 (data-parallel size "
+            "(world 4 / sequence_parallel_size 2)) = 16") in lines
+    settings = json.loads(out[out.index("engine settings:\n") + len("engine settings:\n"):])
+    assert "sequence_parallel_size" not in settings
+    assert not (tmp_path / "o").exists()
+
+
+# --- the estimate ---
+
+LLAMA3_8B_CONFIG = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                    "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256}
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "allgather"])
+def test_activations_per_rank_shrink_with_the_split(mode):
+    from shardtune.estimate import Workload
+    from shardtune.estimate.activations import activation_bytes, exchange_bytes
+    from shardtune.estimate.shape import shape_from_config
+
+    shape = shape_from_config(LLAMA3_8B_CONFIG)
+
+    def activations(n: int) -> int:
+        w = Workload(1, 32768, precision="bf16", gradient_checkpointing=True, sequence_parallel=n,
+                     sequence_parallel_mode=mode)
+        return activation_bytes(shape, w, 4)
+
+    whole, split = activations(1), activations(2)
+    assert split < 0.75 * whole, (whole, split)
+    w = Workload(1, 32768, precision="bf16", sequence_parallel=2, sequence_parallel_mode=mode)
+    kv = 8 * 128  # KV heads x head dim
+    expected = 2 * 32768 * kv * 2 if mode == "allgather" else 2 * 16384 * 2 * (2 * 4096 + 2 * kv)
+    assert exchange_bytes(shape, w) == expected
+
+
+def test_estimate_command_counts_the_split(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B_CONFIG))
+
+    def ddp_activations(n: int) -> int:
+        argv = [str(REPO / "examples/tiny/sft_full.yaml"), f"model_name_or_path={tmp_path}", "cutoff_len=32768",
+                "per_device_train_batch_size=1", f"sequence_parallel_size={n}", "--gpus-per-node", "2",
+                "--gpu-memory", "80GiB", "--cpu-memory", "512GiB", "--json"]
+        assert main(["estimate", *argv]) == 0
+        data = json.loads(capsys.readouterr().out)
+        return next(o for o in data["options"] if o["name"] == "DDP")["device_bytes"]["activations"]
+
+    assert ddp_activations(2) < 0.75 * ddp_activations(1)
