@@ -101,8 +101,12 @@ def _compare(rank: int, model_dir: str, case: str) -> str:
     for grad in grads.values():
         dist.all_reduce(grad)
     loss_ok = abs(float(total) - expected_loss) <= 1e-4 * abs(expected_loss)
-    grads_ok = all(torch.allclose(grads[n], expected[n], rtol=1e-4, atol=1e-6) for n in expected)
-    return f"{loss_ok} {grads_ok} {float(total)} {expected_loss}"
+    # Per tensor, the largest difference against the tensor's largest entry: fp32 rounding of the per-segment
+    # attention is about 1e-6 of it; each pitfall is off by more than 1e-2.
+    worst = max(float((grads[n] - expected[n]).abs().max() / expected[n].abs().max().clamp(min=1e-12))
+                for n in expected)
+    grads_ok = worst < 1e-5
+    return f"{loss_ok} {grads_ok} {float(total)} {expected_loss} {worst}"
 
 
 ALL_CASES = ["exact+allgather", *CASES]
@@ -128,7 +132,7 @@ def _matched(results: Path, case: str) -> tuple[bool, bool]:
 
 @pytest.mark.parametrize("case", ["exact", "exact+allgather"])
 def test_split_row_gives_the_whole_rows_loss_and_gradients(case, outcomes):
-    assert _matched(outcomes, case) == (True, True)
+    assert _matched(outcomes, case) == (True, True), Path(outcomes, f"{case}.rank0").read_text()
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c != "exact"])

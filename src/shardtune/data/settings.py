@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shardtune.config.schema import TrainConfig
 
 STAGES = ("sft", "pt", "dpo", "kto", "rm")  # dpo, kto, rm: preference data (data.preference)
 # How several datasets become one, as LLaMA-Factory names it -> datasets' interleave stopping strategy.
@@ -58,3 +62,11 @@ def dataset_names(settings: DataSettings) -> list[str]:
     raw = settings.dataset
     parts = raw.split(",") if isinstance(raw, str) else list(raw)
     return [name.strip() for name in parts if name.strip()]
+
+
+def resolved_packing(c: TrainConfig) -> bool:
+    """Whether a run packs samples into rows (default: on for pt, off for sft); neat_packing turns packing on:
+    shardtune's sft packing always keeps samples apart."""
+    if c.neat_packing:
+        return True
+    return c.packing if c.packing is not None else c.stage == "pt"

@@ -6,11 +6,13 @@ How the split stays exact (the data side is train/sequence_shards.py):
 * Each rank gets its slice of the input ids, of the row's *global* position ids (so RoPE sees the true positions,
   restarting per packed sample) and of the labels shifted *before* slicing (the last token of a slice is scored on
   the first token of the next). The row's segment ids (1.. per packed sample, 0 for padding) stay whole on every
-  rank: the attention mask is built from them, never from the slice alone.
+  rank: what each query may see is decided from them, never from the slice alone.
 * Attention runs through a function registered in transformers' ``AttentionInterface`` under ``ATTENTION_NAME``;
   the model's own mask builders skip unknown implementations (transformers 5.23 ``masking_utils``: no mask is
-  built), and this function builds the block-causal mask of the whole row from the segment ids and global indices
-  (plus the layer's sliding window), then calls transformers' ``sdpa_attention_forward``:
+  built), and this function attends each query to the earlier tokens of its own segment (from the whole row's
+  segment ids and global indices; plus the layer's sliding window) with transformers' ``sdpa_attention_forward``,
+  one call per segment with sdpa's causal flag, so no [tokens, tokens] mask is built (a mask only where queries and
+  keys do not line up: a segment that began on an earlier rank's slice under allgather, or a sliding window):
   - ``ulysses``: an all-to-all turns [heads, local tokens] into [heads / N, all tokens]; attention runs over the
     whole row for N-th of the heads; a second all-to-all turns the output back. Needs heads and KV heads divisible
     by N. Two exchanges of one layer's q, k, v and output per layer.
@@ -25,8 +27,9 @@ How the split stays exact (the data side is train/sequence_shards.py):
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,6 +66,15 @@ class SequenceParallel:
         found.set_attn_implementation(ATTENTION_NAME)
         return self.mode
 
+    def sum_over_group(self, partial: torch.Tensor) -> torch.Tensor:
+        """Per-row quantities a whole row is needed for (a preference row's log-probability, a reward model's score):
+        each rank's ``partial`` from its slice, summed over the sequence group, the same on every rank of it.
+
+        The backward hands each rank's partial the upstream gradient unchanged, not summed: every rank of the group
+        computes the same loss from the sum, and the engines sum the ranks' parameter gradients, so each slice's share
+        of the gradient is counted once (an all-reduced backward would count it N times)."""
+        return _SumOverGroup.apply(partial, self.group)
+
     @contextlib.contextmanager
     def scope(self, segment_ids: torch.Tensor) -> Iterator[None]:
         """One micro-batch's forward and backward (activation checkpointing recomputes in the backward): the row's
@@ -79,15 +91,15 @@ class SequenceParallel:
 class _Batch:
     split: SequenceParallel
     segment_ids: torch.Tensor  # [rows, whole length]
-    # One mask per (device, first query, queries, window), shared by every layer: each layer's attention keeps its
-    # mask for the backward, and one shared tensor costs rows x queries x length bytes once, not once per layer.
-    masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    _spans: list[list[tuple[int, int]]] | None = None
 
-    def mask(self, device: torch.device, first_query: int, queries: int, window: int | None) -> torch.Tensor:
-        key = (device, first_query, queries, window)
-        if key not in self.masks:
-            self.masks[key] = row_mask(self.segment_ids.to(device), first_query, queries, window)
-        return self.masks[key]
+    @property
+    def spans(self) -> list[list[tuple[int, int]]]:
+        """Per row, the [start, end) of each segment (a sample, or the padding), in global token indices; computed
+        once per micro-batch and shared by every layer."""
+        if self._spans is None:
+            self._spans = [segment_spans(row) for row in self.segment_ids.cpu()]
+        return self._spans
 
 
 # The micro-batch being computed; set by SequenceParallel.scope (one per process: ranks are processes).
@@ -131,8 +143,8 @@ def split_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                     attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
                     sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: ``query`` [rows, heads, local tokens, head dim], ``key``/``value`` with
-    the KV heads; returns [rows, local tokens, heads, head dim]. ``attention_mask`` is ignored: the whole row's mask
-    comes from the segment ids of the micro-batch in scope."""
+    the KV heads; returns [rows, local tokens, heads, head dim]. ``attention_mask`` is ignored: which tokens a query
+    sees comes from the segment ids of the micro-batch in scope."""
     batch = _ACTIVE["batch"]
     if batch is None:
         raise ModelError("sequence parallelism: attention ran outside a split micro-batch (generation and other "
@@ -142,30 +154,63 @@ def split_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
             raise ModelError(f"sequence parallelism: this model's attention uses {name}, which the split attention "
                              "(sdpa) does not compute; set sequence_parallel_size: 1")
     split, local = batch.split, query.shape[2]
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if split.mode == "ulysses":
         q, k, v = (heads_to_sequence(t, split.group, split.size) for t in (query, key, value))
-        mask = batch.mask(query.device, 0, local * split.size, sliding_window)
-        out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling, is_causal=False)
+        out = segment_attention(module, q, k, v, batch.spans, 0, dropout, scaling, sliding_window)
         return sequence_to_heads(out, split.group, split.size), None
     k, v = (gather_sequence(t, split.group, split.size) for t in (key, value))
-    mask = batch.mask(query.device, split.index * local, local, sliding_window)
-    out, _ = sdpa_attention_forward(module, query, k, v, mask, dropout=dropout, scaling=scaling, is_causal=False)
-    return out, None
+    first = split.index * local
+    return segment_attention(module, query, k, v, batch.spans, first, dropout, scaling, sliding_window), None
 
 
-def row_mask(segments: torch.Tensor, first_query: int, queries: int, window: int | None) -> torch.Tensor:
-    """``[rows, 1, queries, length]`` boolean (True = attend) for the queries at global indices ``first_query``..:
-    earlier tokens of the same segment, within the sliding window (transformers' ``sliding_window_overlay``)."""
-    length = segments.shape[1]
-    q_index = torch.arange(first_query, first_query + queries, device=segments.device)[:, None]
-    k_index = torch.arange(length, device=segments.device)[None, :]
+def segment_spans(segments: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of each run of equal segment ids in one row."""
+    counts = torch.unique_consecutive(segments, return_counts=True)[1].tolist()
+    ends = list(itertools.accumulate(counts))
+    return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
+def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      spans: list[list[tuple[int, int]]], first_query: int, dropout: float, scaling: float | None,
+                      window: int | None) -> torch.Tensor:
+    """Causal attention of the queries at global indices ``first_query``.. (``query`` [rows, heads, queries, dim])
+    over the whole row's ``key``/``value``, each query seeing the earlier tokens of its own segment only: one sdpa
+    call per segment, so no [queries, length] mask exists (a flash-varlen kernel does the same on a GPU).
+    Returns [rows, queries, heads, dim]."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    queries = query.shape[2]
+    last_query = first_query + queries
+    rows = []
+    for row, row_spans in enumerate(spans):
+        parts = []
+        for start, end in row_spans:
+            q_start, q_end = max(start, first_query), min(end, last_query)
+            if q_start >= q_end:
+                continue  # no query of this slice in the segment
+            # Keys: the segment's tokens up to the last query; the queries are the last q_end - q_start of them.
+            q = query[row:row + 1, :, q_start - first_query:q_end - first_query]
+            k, v = key[row:row + 1, :, start:q_end], value[row:row + 1, :, start:q_end]
+            mask = causal_tail_mask(q.shape[2], k.shape[2], window, query.device)
+            out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling,
+                                            is_causal=mask is None)
+            parts.append(out)
+        rows.append(torch.cat(parts, dim=1))
+    return torch.cat(rows, dim=0)
+
+
+def causal_tail_mask(queries: int, keys: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """None where sdpa's own causal flag is exact (as many queries as keys, no window reaching past them);
+    otherwise a [queries, keys] boolean mask for queries that are the last ``queries`` of the ``keys`` tokens
+    (causal aligned at the bottom right), within the sliding window (transformers' ``sliding_window_overlay``)."""
+    if queries == keys and (window is None or window >= keys):
+        return None
+    q_index = torch.arange(keys - queries, keys, device=device)[:, None]
+    k_index = torch.arange(keys, device=device)[None, :]
     allowed = k_index <= q_index
     if window is not None:
         allowed = allowed & (q_index - k_index < window)
-    same = segments[:, first_query:first_query + queries, None] == segments[:, None, :]
-    return (same & allowed)[:, None]
+    return allowed[None, None]
 
 
 def heads_to_sequence(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
@@ -208,3 +253,17 @@ class _GatherSequence(torch.autograd.Function):
         received = torch.empty_like(chunks)
         dist.all_to_all_single(received, chunks, group=ctx.group)  # every rank's gradient of my tokens
         return received.sum(0), None, None
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) over the sequence group; the identity backward (see ``SequenceParallel.sum_over_group``)."""
+
+    @staticmethod
+    def forward(ctx: Any, partial: torch.Tensor, group: Any) -> torch.Tensor:
+        total = partial.detach().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None

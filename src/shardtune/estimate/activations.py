@@ -63,11 +63,11 @@ def attention_bytes(shape: ModelShape, w: Workload, seq_len: int) -> int:
         columns = seq_len + (1 if shape.attention_sinks else 0)
         softcap = cb if shape.attn_softcapping else 0  # tanh(scores / cap) is kept for its backward
         return size + shape.num_heads * columns * (FP32 + (cb if cb != FP32 else 0) + softcap)
-    if flash:
-        return size
-    # The mask's rows: this rank's queries (allgather), or every query of the row for its heads (ulysses).
-    mask_rows = w.sequence_parallel if mode == "ulysses" else 1
-    return size + mask_rows * seq_len * cb
+    if flash or mode == "ulysses" or (mode is None and not w.dense_mask):
+        return size  # ulysses attends each segment with sdpa's causal flag: no mask (engines/sequence_parallel.py)
+    if mode == "allgather":  # a segment begun on an earlier slice: a boolean mask and SDPA's floating copy of it
+        return size + seq_len * (cb + 1)
+    return size + seq_len * cb
 
 
 def sequence_mode(shape: ModelShape, w: Workload) -> str | None:
@@ -223,7 +223,7 @@ def input_bytes(w: Workload, shape: ModelShape | None = None) -> int:
     masks = 2 if shape is not None and 0 < shape.sliding_layers < shape.num_layers else 1
     if w.splits_sequences:  # whole rows of ids, labels, positions and segment ids; each layer builds its own mask
         return w.micro_batch * w.rows_per_sample * w.seq_len * 4 * 8
-    mask = 0 if w.attn_implementation.startswith("flash") else masks * w.seq_len
+    mask = 0 if w.attn_implementation.startswith("flash") or not w.dense_mask else masks * w.seq_len
     return w.tokens * (3 * 8 + mask)
 
 

@@ -65,7 +65,15 @@ def workload_from_config(c: TrainConfig) -> Workload:
         reference_copy=holds_reference_copy(c),
         sequence_parallel=c.sequence_parallel_size,
         sequence_parallel_mode=c.sequence_parallel_mode,
+        dense_mask=not concatenated_rows(c),
     )
+
+
+def concatenated_rows(c: TrainConfig) -> bool:
+    """pt with packing: texts concatenated and cut into full rows, which attend causally without a mask."""
+    from shardtune.data.settings import resolved_packing
+
+    return c.stage == "pt" and resolved_packing(c) and not c.neat_packing
 
 
 def options_for_config(c: TrainConfig, hardware: Hardware, model_config: str | None = None) -> list[Option]:

@@ -51,6 +51,9 @@ class Workload:
     # configured (auto: ulysses where the heads divide, see engines/sequence_parallel_plan.py).
     sequence_parallel: int = 1
     sequence_parallel_mode: str = "auto"
+    # Whether rows carry a [S, S] attention mask (padded or packed sft rows); pt's packing concatenates texts into
+    # full rows that need none (data/processing.py), and causal attention then builds no mask.
+    dense_mask: bool = True
 
     @property
     def local_seq_len(self) -> int:

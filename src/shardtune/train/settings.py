@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from shardtune.config.schema import TrainConfig
-from shardtune.data.settings import DataSettings
+from shardtune.data.settings import DataSettings, resolved_packing
 from shardtune.model.adapters import FinetuningSettings
 from shardtune.model.pretrained_adapters import AdapterPlan, plan_adapters
 
@@ -34,13 +34,6 @@ def data_settings(c: TrainConfig) -> DataSettings:
         streaming=c.streaming,
         buffer_size=c.buffer_size,
     )
-
-
-def resolved_packing(c: TrainConfig) -> bool:
-    """neat_packing turns packing on: shardtune's sft packing always keeps samples apart."""
-    if c.neat_packing:
-        return True
-    return c.packing if c.packing is not None else c.stage == "pt"
 
 
 def as_probability(text: str) -> float:
