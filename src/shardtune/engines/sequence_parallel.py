@@ -11,8 +11,8 @@ How the split stays exact (the data side is train/sequence_shards.py):
   the model's own mask builders skip unknown implementations (transformers 5.23 ``masking_utils``: no mask is
   built), and this function attends each query to the earlier tokens of its own segment (from the whole row's
   segment ids and global indices; plus the layer's sliding window) with transformers' ``sdpa_attention_forward``,
-  one call per segment with sdpa's causal flag, so no [tokens, tokens] mask is built (a mask only where queries and
-  keys do not line up: a segment that began on an earlier rank's slice under allgather, or a sliding window):
+  one call per segment with sdpa's causal flag, so no [tokens, tokens] mask is built (a mask only where a sliding
+  window is shorter than the segment; a segment begun on an earlier slice gets stand-in queries instead):
   - ``ulysses``: an all-to-all turns [heads, local tokens] into [heads / N, all tokens]; attention runs over the
     whole row for N-th of the heads; a second all-to-all turns the output back. Needs heads and KV heads divisible
     by N. Two exchanges of one layer's q, k, v and output per layer.
@@ -50,18 +50,24 @@ class SequenceParallel:
     size: int
     index: int
     group: Any  # the ProcessGroup of the sequence group
-    mode: str = "auto"
+    mode: str = "auto"  # as asked for until a model is attached, then the mode every attached model runs
+    requested: str = ""  # the mode asked for (``mode`` when not given)
+
+    def __post_init__(self) -> None:
+        self.requested = self.requested or self.mode
 
     def attach(self, model: torch.nn.Module) -> str:
         """Route the model's attention through the split (after the engine's setup forwards, which run whole rows);
-        returns the mode used (auto resolved from the model's head counts)."""
+        returns the mode used (auto resolved from the model's head counts). A second model (a preference run's
+        frozen reference) shares the mode: where auto resolves differently for the two, allgather runs both."""
         from transformers import AttentionInterface, PreTrainedModel
 
         found = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
         if found is None:
             raise ModelError("sequence_parallel_size: the model is not a transformers model; sequence parallelism "
                              "works through transformers' attention interface")
-        self.mode = resolve_mode(self.mode, found.config.get_text_config(), self.size)
+        mode = resolve_mode(self.requested, found.config.get_text_config(), self.size)
+        self.mode = mode if self.mode in (self.requested, mode) else "allgather"
         AttentionInterface.register(ATTENTION_NAME, split_attention)
         found.set_attn_implementation(ATTENTION_NAME)
         return self.mode
@@ -191,10 +197,16 @@ def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             # Keys: the segment's tokens up to the last query; the queries are the last q_end - q_start of them.
             q = query[row:row + 1, :, q_start - first_query:q_end - first_query]
             k, v = key[row:row + 1, :, start:q_end], value[row:row + 1, :, start:q_end]
+            lead = q_start - start  # the segment's tokens on earlier slices (allgather)
+            if lead and (window is None or window >= k.shape[2]):
+                # Stand-in queries for those tokens, computed and dropped, so that sdpa's causal flag (aligned at
+                # the top left) fits without a mask: a [queries, keys] mask and SDPA's floating copy of it would be
+                # kept per layer; the stand-ins cost compute and a [tokens, heads, dim] output only.
+                q = torch.cat([q.new_zeros(q.shape[0], q.shape[1], lead, q.shape[3]), q], dim=2)
             mask = causal_tail_mask(q.shape[2], k.shape[2], window, query.device)
             out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling,
                                             is_causal=mask is None)
-            parts.append(out)
+            parts.append(out[:, out.shape[1] - (q_end - q_start):])
         rows.append(torch.cat(parts, dim=1))
     return torch.cat(rows, dim=0)
 

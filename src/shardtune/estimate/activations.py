@@ -65,8 +65,10 @@ def attention_bytes(shape: ModelShape, w: Workload, seq_len: int) -> int:
         return size + shape.num_heads * columns * (FP32 + (cb if cb != FP32 else 0) + softcap)
     if flash or mode == "ulysses" or (mode is None and not w.dense_mask):
         return size  # ulysses attends each segment with sdpa's causal flag: no mask (engines/sequence_parallel.py)
-    if mode == "allgather":  # a segment begun on an earlier slice: a boolean mask and SDPA's floating copy of it
-        return size + seq_len * (cb + 1)
+    if mode == "allgather":
+        # A segment begun on earlier slices gets stand-in queries for those tokens (the last rank's: the whole row
+        # before its slice): their queries, outputs and log-sum-exp, (N - 1) per token of this rank's slice.
+        return size + (w.sequence_parallel - 1) * (2 * cb * shape.q_width + FP32 * shape.num_heads)
     return size + seq_len * cb
 
 
