@@ -471,9 +471,6 @@ CATALOGUE = [
          env={"NPROC_PER_NODE": "4"}, prepare=lambda t: ds_json(t, '{"sequence_parallel_size": 2}')),
     Case("sequence-parallel-world-size", "sequence_parallel_size (2) does not divide the world size (3)",
          {"sequence_parallel_size": 2}, env={"NPROC_PER_NODE": "3"}),
-    Case("sequence-parallel-stage", "stage (dpo) with sequence_parallel_size (2): splitting sequences over ranks is "
-         "built for stage sft and pt only", {"sequence_parallel_size": 2, "stage": "dpo", "dataset": "demo_dpo"},
-         env={"NPROC_PER_NODE": "2"}),
     Case("sequence-parallel-flash", "attn_implementation (flash_attention_2) with sequence_parallel_size (2)",
          {"sequence_parallel_size": 2, "flash_attn": "fa2"}, env={"NPROC_PER_NODE": "2"}),
     Case("sequence-parallel-ulysses-heads", "sequence_parallel_mode (ulysses): ", {

@@ -123,9 +123,6 @@ def stateful_model(tmp_path: Path, tiny: Path) -> Path:
 
 
 @pytest.mark.parametrize(("values", "nproc", "fragment"), [
-    ({"stage": "dpo"}, 2, "stage (dpo) with sequence_parallel_size (2): splitting sequences over ranks is built for "
-                          "stage sft and pt only, not yet for dpo; set sequence_parallel_size: 1"),
-    ({"stage": "rm"}, 2, "stage (rm) with sequence_parallel_size (2)"),
     ({"flash_attn": "fa2"}, 2, "attn_implementation (flash_attention_2) with sequence_parallel_size (2): the split "
                                "attention runs sdpa; use attn_implementation: sdpa"),
     ({"sequence_parallel_mode": "ulysses", "sequence_parallel_size": 4}, 4,
@@ -137,7 +134,7 @@ def stateful_model(tmp_path: Path, tiny: Path) -> Path:
     ({}, 3, "sequence_parallel_size (2) does not divide the world size (3)"),
     ({"model": "stateful"}, 2, "has linear_attention layers, whose state runs along the whole sequence and cannot "
                                "be split over ranks; set sequence_parallel_size: 1"),
-], ids=["dpo", "rm", "flash", "ulysses-heads", "do-predict", "cutoff-len", "world-size", "stateful-layers"])
+], ids=["flash", "ulysses-heads", "do-predict", "cutoff-len", "world-size", "stateful-layers"])
 def test_check_refuses_what_the_split_cannot_run(values, nproc, fragment, tiny_model_dir, tmp_path, monkeypatch,
                                                  capsys):
     values = {"sequence_parallel_size": 2, **values}
@@ -147,12 +144,29 @@ def test_check_refuses_what_the_split_cannot_run(values, nproc, fragment, tiny_m
     assert sum(fragment in line for line in lines) == 1, lines
 
 
-def test_a_split_that_can_run_passes_check(tiny_model_dir, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("stage", [
+    {"stage": "pt"},
+    {"stage": "dpo", "dataset": "demo_dpo", "finetuning_type": "full"},  # a frozen reference, split too
+    {"stage": "dpo", "dataset": "demo_dpo", "pref_loss": "orpo"},
+    {"stage": "kto", "dataset": "demo_kto"},
+    {"stage": "rm", "dataset": "demo_dpo"},
+], ids=["pt", "dpo", "orpo", "kto", "rm"])
+def test_a_split_that_can_run_passes_check(stage, tiny_model_dir, tmp_path, monkeypatch, capsys):
     code, lines, out = check_lines(monkeypatch, capsys, tmp_path, tiny_model_dir,
-                                   {"stage": "pt", "sequence_parallel_size": 2, "sequence_parallel_mode": "ulysses",
+                                   {**stage, "sequence_parallel_size": 2, "sequence_parallel_mode": "ulysses",
                                     "attn_implementation": "eager"}, nproc=2)
     assert code == 0, lines
     assert "(2 ranks per sequence)" in out
+
+
+def test_a_reference_model_the_split_cannot_run_is_refused(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """ref_model's forwards are split as the policy's: its layers are checked as the policy's are."""
+    reference = stateful_model(tmp_path, tiny_model_dir)
+    code, lines, _ = check_lines(monkeypatch, capsys, tmp_path, tiny_model_dir,
+                                 {"stage": "dpo", "dataset": "demo_dpo", "ref_model": str(reference),
+                                  "sequence_parallel_size": 2}, nproc=2)
+    assert code == 2
+    assert sum(f"{reference} has linear_attention layers" in line for line in lines) == 1, lines
 
 
 def test_two_problems_of_one_config_are_two_lines_in_one_round(tiny_model_dir, tmp_path, monkeypatch, capsys):
@@ -165,10 +179,11 @@ def test_two_problems_of_one_config_are_two_lines_in_one_round(tiny_model_dir, t
 
 def test_a_bad_launch_variable_does_not_hide_the_split_refusals(tiny_model_dir, tmp_path, monkeypatch, capsys):
     code, lines, _ = check_lines(monkeypatch, capsys, tmp_path, tiny_model_dir,
-                                 {"sequence_parallel_size": 2, "stage": "kto"}, nproc="two")
+                                 {"sequence_parallel_size": 2, "flash_attn": "fa2"}, nproc="two")
     assert code == 2
     assert "NPROC_PER_NODE='two' is not an integer" in lines[0]
-    assert any("stage (kto) with sequence_parallel_size (2)" in line for line in lines[1:]), lines
+    assert any("attn_implementation (flash_attention_2) with sequence_parallel_size (2)" in line
+               for line in lines[1:]), lines
 
 
 def test_auto_attention_takes_no_flash_kernel_under_a_split():

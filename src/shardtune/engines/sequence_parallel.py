@@ -22,6 +22,9 @@ How the split stays exact (the data side is train/sequence_shards.py):
 * Every engine sees all ranks as data parallel: it sums (after its averaging is undone by the loop's
   ``loss_scale_for_mean_reduction``) the gradients of all ranks, which for the ranks of one sequence group are the
   parts of one sequence's gradient; the loss is normalised by the trainable tokens of all ranks, each counted once.
+* The preference stages and reward models need numbers of whole rows (a row's log-probability, the score at its
+  last token): each rank computes its slice's share and ``sum_over_group`` adds them up, the same on every rank of
+  the group (train/preference_step.py, train/reward.py).
 """
 
 from __future__ import annotations

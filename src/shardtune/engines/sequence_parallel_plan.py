@@ -1,6 +1,7 @@
 """What sequence parallelism (``sequence_parallel_size`` N > 1) needs, decided on the launching host before any rank
-starts: the stages, kernels, models and layouts it is built for, the mode ``auto`` becomes, the size a DeepSpeed
-JSON asks for, and the dry run's line. Pure: it reads config.json files, never torch (the split itself is
+starts: the kernels, models and layouts it is built for (every stage splits: sft and pt in the loop's token loss,
+dpo/kto/rm in train/preference_step.py and train/reward.py), the mode ``auto`` becomes, the size a DeepSpeed JSON
+asks for, and the dry run's line. Pure: it reads config.json files, never torch (the split itself is
 engines/sequence_parallel.py, which runs on the ranks).
 """
 
@@ -15,7 +16,6 @@ from shardtune.errors import ConfigError, ModelError
 from shardtune.model.folder import model_config_json
 from shardtune.world import WorldLayout
 
-SPLIT_STAGES = ("sft", "pt")  # the stages whose loop splits rows (preference pairs are not split yet)
 SPLIT_KERNELS = ("auto", "sdpa", "eager")  # auto never picks flash under a split (model/attention.py)
 FIX = "set sequence_parallel_size: 1"
 
@@ -50,9 +50,6 @@ def sequence_parallel_problems(c: TrainConfig, layout: WorldLayout | None = None
         return []
     key = f"sequence_parallel_size ({n})"
     problems = []
-    if c.stage not in SPLIT_STAGES:
-        problems.append(f"stage ({c.stage}) with {key}: splitting sequences over ranks is built for stage sft and "
-                        f"pt only, not yet for {c.stage}; {FIX}")
     if c.do_predict:
         problems.append(f"do_predict (true) with {key}: generation runs whole sequences on each rank and is not "
                         f"split; predict in a run of its own with sequence_parallel_size: 1")
@@ -69,10 +66,17 @@ def sequence_parallel_problems(c: TrainConfig, layout: WorldLayout | None = None
 
 
 def model_problems(c: TrainConfig) -> list[str]:
-    """What of the model (its config.json, where this machine has it) the split cannot run."""
+    """What of the model, and of a preference run's ``ref_model`` (its forwards are split too), the split cannot run
+    (their config.json, where this machine has them)."""
+    models = dict.fromkeys(m for m in (c.model_name_or_path, c.ref_model) if m)
+    return [problem for model in models for problem in one_model_problems(c, model)]
+
+
+def one_model_problems(c: TrainConfig, model: str) -> list[str]:
+    """What of ``model`` (a folder or hub id) the split cannot run."""
     from shardtune.model.attention import kernel_support, stateful_layer_kinds
 
-    n, model = c.sequence_parallel_size, c.model_name_or_path
+    n = c.sequence_parallel_size
     try:
         config = model_config_json(model)
     except ModelError:

@@ -76,9 +76,14 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     Position i predicts token i + 1; labels of -100 (prompt, padding) count for nothing. fp32 whatever the
     logits' dtype, as the SFT loss.
     """
-    targets = labels[:, 1:]
+    return target_logps(logits[:, :-1, :], labels[:, 1:])
+
+
+def target_logps(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sequence_logps`` with the targets already shifted (``targets[:, i]`` is the token position i predicts), as a
+    sequence-parallel slice holds them (train/sequence_shards.py): the slice's share of each row's sum and count."""
     mask = targets != IGNORE_INDEX
-    logprobs = torch.log_softmax(logits[:, :-1, :].float(), dim=-1)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
     picked = torch.gather(logprobs, 2, targets.masked_fill(~mask, 0).unsqueeze(-1)).squeeze(-1)
     return (picked * mask).sum(-1), mask.sum(-1)
 

@@ -19,6 +19,12 @@ ranks (times the engine's factor that undoes its gradient averaging), so accumul
 the update of one big batch, as the SFT loop does with tokens. KTO's KL reference point is estimated once per
 window over every rank's KL rows (TRL and LLaMA-Factory estimate it per micro-batch, the same when a window is one
 micro-batch per rank of equal size), so the step does not depend on how the window is split.
+
+Under sequence parallelism every rank of a sequence group holds the same pairs (the sampler deals batches over the
+data-parallel groups), so a pair never leaves its group: each rank scores its slice of every row, policy and
+reference alike (a frozen reference routes its attention through the split too), and a row's log-probability is
+the sum of its slices' (``SequenceParallel.sum_over_group``). Every rank of the group then computes the same pair
+losses, so the window's pair count is divided by the group size: the group contributes each pair once.
 """
 
 from __future__ import annotations
@@ -36,14 +42,14 @@ from shardtune.errors import ModelError
 from shardtune.model.adapters import FinetuningSettings
 from shardtune.model.pretrained_adapters import AdapterPlan
 from shardtune.model.source import ModelSource
-from shardtune.train.loop import MODEL_INPUTS, Batch, count_input_tokens, to_device
+from shardtune.train.loop import MODEL_INPUTS, Batch, count_input_tokens, rank_rows, targets_of, to_device
 from shardtune.train.preference import (
     LossOutput,
     PairLogps,
     PreferenceSettings,
     kto_losses,
     preference_loss,
-    sequence_logps,
+    target_logps,
 )
 
 PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -62,8 +68,9 @@ class Reference:
     kind: str
     model: torch.nn.Module | None = None
 
-    def logps(self, engine: Engine, inputs: dict[str, Any], labels: torch.Tensor
+    def logps(self, engine: Engine, inputs: dict[str, Any], targets: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's summed log-probability of ``targets`` (the shifted labels) and their count."""
         if self.kind == "copy":
             self._match_policy_dtype(engine)
         assert self.kind in ("adapters_off", "copy", "sharded", "policy"), self.kind
@@ -71,7 +78,7 @@ class Reference:
             model = self.model if self.kind in ("copy", "sharded") else engine.model
             assert model is not None
             logits = model(**inputs, use_cache=False).logits
-            return sequence_logps(logits, labels)
+            return row_logps(engine, logits, targets)
 
     def _match_policy_dtype(self, engine: Engine) -> None:
         """Engines may cast the policy after the copy was made (DeepSpeed bf16 holds bf16 weights): the copy follows,
@@ -104,6 +111,8 @@ def build_reference(engine: Engine, source: ModelSource, finetuning_type: str, s
     if finetuning_type == "lora" and not separate:
         return Reference("adapters_off")
     frozen = engine.load_frozen(source)
+    if engine.sequence is not None:  # its forwards take this rank's slices, as the policy's
+        engine.sequence.attach(frozen)
     return Reference("sharded" if engine.shards_weights else "copy", frozen)
 
 
@@ -125,6 +134,30 @@ def rows(batch: Batch, start: int, stop: int) -> dict[str, Any]:
     return {k: v[start:stop] for k, v in batch.items() if k in MODEL_INPUTS and isinstance(v, torch.Tensor)}
 
 
+def rows_scope(engine: Engine, batch: Batch, start: int, stop: int) -> contextlib.AbstractContextManager:
+    """Around a forward of rows [start, stop) and its backward under sequence parallelism: those rows' segment ids,
+    which the split attention reads to know what each token attends to (nothing without a split)."""
+    if engine.sequence is None:
+        return contextlib.nullcontext()
+    return engine.sequence.scope(batch["segment_ids"][start:stop])
+
+
+def row_logps(engine: Engine, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's summed log-probability of ``targets`` (shifted labels, -100 for none) and their count; under
+    sequence parallelism the sums over the group's slices, the same on each of its ranks."""
+    summed, lengths = target_logps(logits, targets)
+    if engine.sequence is None:
+        return summed, lengths
+    return engine.sequence.sum_over_group(summed), engine.sequence.sum_over_group(lengths)
+
+
+def global_pairs(engine: Engine, window: list[Batch]) -> torch.Tensor:
+    """The pairs (kto: answers) of the window over all ranks, each counted once: the ranks of a sequence group hold
+    the same pairs."""
+    summed = engine.all_reduce_sum(torch.tensor(float(sum(b["pairs"] for b in window)), device=engine.device))
+    return summed / engine.sequence.size if engine.sequence is not None else summed
+
+
 @dataclass
 class PreferenceObjective:
     """The dpo or kto objective the loop calls instead of the token loss."""
@@ -141,16 +174,17 @@ class PreferenceObjective:
 
     def train_step(self, engine: Engine, window: list[Batch], max_grad_norm: float) -> dict[str, float]:
         """Forward/backward every micro-batch of one window, one optimizer step; metrics averaged over all pairs."""
-        window = [to_device(b, engine.device) for b in window]
-        pairs = engine.all_reduce_sum(torch.tensor(float(sum(b["pairs"] for b in window)), device=engine.device))
+        window = [to_device(rank_rows(engine, b), engine.device) for b in window]
+        pairs = global_pairs(engine, window)
         denominator = torch.clamp(pairs, min=1.0)
         kl = self.window_kl(engine, window) if self.stage == "kto" else None
         totals = MetricTotals(self.metric_keys, engine.device)
         for i, batch in enumerate(window):
-            reference = self.reference_logps(engine, batch)
-            with engine.accumulation_context(is_last_micro_batch=i == len(window) - 1), engine.autocast():
-                out = self.batch_losses(engine.model, batch, reference, kl)
-            engine.backward(out.losses.sum() * engine.loss_scale_for_mean_reduction / denominator)
+            with rows_scope(engine, batch, 0, self.scored_rows(batch)):
+                reference = self.reference_logps(engine, batch)
+                with engine.accumulation_context(is_last_micro_batch=i == len(window) - 1), engine.autocast():
+                    out = self.batch_losses(engine, batch, reference, kl)
+                engine.backward(out.losses.sum() * engine.loss_scale_for_mean_reduction / denominator)
             totals.add(out)
         grad_norm = engine.step(max_grad_norm)
         found = totals.reduced(engine)
@@ -166,10 +200,10 @@ class PreferenceObjective:
         engine.model.eval()
         totals = MetricTotals(self.metric_keys, engine.device)
         for batch in batches:
-            batch = to_device(batch, engine.device)
+            batch = to_device(rank_rows(engine, batch), engine.device)
             kl = self.window_kl(engine, [batch]) if self.stage == "kto" else None
-            with engine.autocast():
-                totals.add(self.batch_losses(engine.model, batch, self.reference_logps(engine, batch), kl))
+            with rows_scope(engine, batch, 0, self.scored_rows(batch)), engine.autocast():
+                totals.add(self.batch_losses(engine, batch, self.reference_logps(engine, batch), kl))
         engine.model.train()
         return totals.reduced(engine)
 
@@ -181,15 +215,19 @@ class PreferenceObjective:
             table = batch["ref_logps"].to(torch.float32)
             summed = table[:, 0] if self.stage == "kto" else torch.cat([table[:, 0], table[:, 1]])
             return summed, summed.new_zeros(summed.shape)  # lengths: the policy's are the same rows'
-        stop = int(batch["pairs"]) if self.stage == "kto" else batch["input_ids"].shape[0]
-        return self.reference.logps(engine, rows(batch, 0, stop), batch["labels"][:stop])
+        stop = self.scored_rows(batch)
+        return self.reference.logps(engine, rows(batch, 0, stop), targets_of(batch)[:stop])
 
-    def batch_losses(self, model: torch.nn.Module, batch: Batch, reference: tuple[torch.Tensor, torch.Tensor] | None,
+    def scored_rows(self, batch: Batch) -> int:
+        """How many rows, from the first, the loss compares: both rows of each pair (dpo), the answers (kto)."""
+        return int(batch["pairs"]) * (1 if self.stage == "kto" else 2)
+
+    def batch_losses(self, engine: Engine, batch: Batch, reference: tuple[torch.Tensor, torch.Tensor] | None,
                      kl: torch.Tensor | None) -> LossOutput:
         n = int(batch["pairs"])  # the collator's count of pairs (an int in the batch dict)
-        stop = n if self.stage == "kto" else 2 * n
-        logits = model(**rows(batch, 0, stop), use_cache=False).logits
-        summed, lengths = sequence_logps(logits, batch["labels"][:stop])
+        stop = self.scored_rows(batch)
+        logits = engine.model(**rows(batch, 0, stop), use_cache=False).logits
+        summed, lengths = row_logps(engine, logits, targets_of(batch)[:stop])
         if self.stage == "kto":
             assert reference is not None and kl is not None
             return kto_losses(self.settings, summed, reference[0], batch["kto_tag"], kl)
@@ -198,17 +236,20 @@ class PreferenceObjective:
         return preference_loss(self.settings, policy, ref)
 
     def window_kl(self, engine: Engine, window: list[Batch]) -> torch.Tensor:
-        """KTO's reference point: the mean log-ratio of every rank's KL rows in the window, clamped at 0."""
+        """KTO's reference point: the mean log-ratio of every rank's KL rows in the window, clamped at 0 (under
+        sequence parallelism each rank of a group adds the whole rows' values and their count: the mean is the
+        same)."""
         total = torch.zeros(2, device=engine.device, dtype=torch.float64)
         for batch in window:
             n, end = int(batch["pairs"]), batch["input_ids"].shape[0]
-            inputs, labels = rows(batch, n, end), batch["labels"][n:end]
-            with torch.no_grad(), engine.autocast():
-                policy, _ = sequence_logps(engine.model(**inputs, use_cache=False).logits, labels)
-            if self.reference.kind == "precomputed":
-                reference = batch["ref_logps"][:, 1].to(policy.dtype)
-            else:
-                reference, _ = self.reference.logps(engine, inputs, labels)
+            inputs, targets = rows(batch, n, end), targets_of(batch)[n:end]
+            with torch.no_grad(), rows_scope(engine, batch, n, end):
+                with engine.autocast():
+                    policy, _ = row_logps(engine, engine.model(**inputs, use_cache=False).logits, targets)
+                if self.reference.kind == "precomputed":
+                    reference = batch["ref_logps"][:, 1].to(policy.dtype)
+                else:
+                    reference, _ = self.reference.logps(engine, inputs, targets)
             total += torch.stack([(policy - reference).sum().double(), torch.tensor(float(n), device=engine.device,
                                                                                     dtype=torch.float64)])
         total = engine.all_reduce_sum(total)
@@ -239,25 +280,29 @@ def precomputed_reference_logps(engine: Engine, dataset: Any, collate: Any,
     """The reference's log-probabilities of both rows of every sample of ``dataset`` ([chosen, rejected], kto:
     [answer, KL row]), scored by the policy before its first step (LoRA: with its adapters off).
 
-    Rank r scores samples r, r + world, ...; every rank runs the same number of forwards (a sharding engine
+    Data-parallel group g scores samples g, g + groups, ... (the ranks of a sequence group each their slice of the
+    same rows, the first of them writing the sums); every rank runs the same number of forwards (a sharding engine
     gathers weights collectively), the last ones on a repeated sample whose result is dropped; one reduction
     gives every rank the whole table.
     """
     scorer = Reference("adapters_off" if finetuning_type == "lora" else "policy")
-    size, world = len(dataset), engine.world_size
-    mine = list(range(engine.rank, size, world))
-    per_rank = -(-size // world)
+    size, groups = len(dataset), engine.data_parallel_size
+    mine = list(range(engine.data_parallel_rank, size, groups))
+    per_rank = -(-size // groups)
+    writes = engine.sequence is None or engine.sequence.index == 0
     table = torch.zeros(size, 2, dtype=torch.float64, device=engine.device)
     engine.model.eval()
     for start in range(0, per_rank, batch_size):
         chunk = mine[start:start + batch_size]
         real = len(chunk)
         chunk = chunk + [0] * (min(batch_size, per_rank - start) - real)  # same number of rows on every rank
-        batch = to_device(collate([dataset[i] for i in chunk]), engine.device)
-        summed, _ = scorer.logps(engine, rows(batch, 0, batch["input_ids"].shape[0]), batch["labels"])
+        batch = to_device(rank_rows(engine, collate([dataset[i] for i in chunk])), engine.device)
+        end = batch["input_ids"].shape[0]
+        with rows_scope(engine, batch, 0, end):
+            summed, _ = scorer.logps(engine, rows(batch, 0, end), targets_of(batch))
         n = batch["pairs"]
         pairs = torch.stack([summed[:n], summed[n:2 * n]], dim=1).double()
-        if real:
+        if real and writes:
             table[torch.tensor(chunk[:real], device=engine.device)] = pairs[:real]
     engine.model.train()
     return engine.all_reduce_sum(table).tolist()

@@ -263,7 +263,8 @@ def stage_objective(c: TrainConfig, source: ModelSource, engine: Engine) -> Obje
         if engine.is_main:
             print("[shardtune] stage rm: a one-label sequence-classification model (score at the last token), "
                   "pairwise loss", flush=True)
-        return RewardObjective()
+        assert source.reward_head is not None  # model_source gives stage rm its score head
+        return RewardObjective(source.reward_head.pad_token_id)
     if c.stage not in ("dpo", "kto"):
         return None
     from shardtune.config.preference import split_paths
