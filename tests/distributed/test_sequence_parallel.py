@@ -80,3 +80,31 @@ def test_split_sequences_match_one_process(engine, finetuning, rows, nproc, size
     assert result["sequence_parallel"] == {"size": size, "mode": resolved, "data_parallel_size": data_parallel}
     assert losses(tmp_path) == pytest.approx(expected_losses, rel=1e-4)
     assert logged(tmp_path, "grad_norm") == pytest.approx(expected_norms, rel=1e-3)
+
+
+RESUMED = [pytest.param("ddp", 2, 1, id="ddp-sp2-then-sp1"),
+           pytest.param("zero3", 1, 2, id="zero3-sp1-then-sp2"),
+           pytest.param("fsdp2", 2, 1, id="fsdp2-sp2-then-sp1", marks=pytest.mark.matrix),
+           pytest.param("zero2", 2, 1, id="zero2-sp2-then-sp1", marks=pytest.mark.matrix)]
+
+
+@pytest.mark.parametrize("engine,written,resumed", RESUMED)
+def test_resume_across_sequence_parallel_sizes(engine, written, resumed, tiny_model_dir, tmp_path):
+    """A checkpoint written with one split resumes with another on the same 2 processes and the same global batch
+    (4 rows per micro-step): the loss curve continues as the uninterrupted run's."""
+    from tests.conftest import crash_after_checkpoint
+
+    keys = {**ENGINE_KEYS, **EXTRA_ENGINES}[engine]
+    finished, crashed = tmp_path / "finished", tmp_path / "crashed"
+    settings = ("max_steps=6", "save_steps=3", "save_strategy=steps", *PACKED)
+
+    def run(out, size, *extra):
+        return train(tiny_model_dir, out, "full", 2, 4 // (2 // size), *keys, *settings,
+                     f"sequence_parallel_size={size}", *extra)
+
+    run(finished, written)
+    crash_after_checkpoint(finished, crashed, 3)
+    run(crashed, resumed, "overwrite_output_dir=false")
+    expected, found = losses(finished), losses(crashed)
+    assert len(found) == len(expected) == 6
+    assert found[3:] == pytest.approx(expected[3:], rel=2e-3)
