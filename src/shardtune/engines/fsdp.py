@@ -48,7 +48,13 @@ from shardtune.engines.torch_native import SCHEDULER_FILE, TorchEngine
 from shardtune.errors import ConfigError, ModelError
 from shardtune.model.adapters import parametrized_lora_weights, save_lora_adapter
 from shardtune.model.moe import fsdp1_fused_lora_problem
-from shardtune.model.saved import as_saves_pretrained, expected_saved_parameters, share_tied_tensors, verify_saved
+from shardtune.model.saved import (
+    as_saves_pretrained,
+    expected_saved_parameters,
+    share_tied_tensors,
+    verify_saved,
+    without_deepspeed_lookup,
+)
 from shardtune.world import WorldLayout
 
 if TYPE_CHECKING:
@@ -253,7 +259,9 @@ class FSDPEngine(DistributedMixin, TorchEngine):
             if hasattr(self.inner, "peft_config"):
                 save_lora_adapter(self.inner, state, out_dir)
             else:
-                as_saves_pretrained(self.inner).save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+                with without_deepspeed_lookup():
+                    as_saves_pretrained(self.inner).save_pretrained(out_dir, state_dict=state,
+                                                                    safe_serialization=True)
             verify_saved(out_dir, expected)
         self.barrier()
 

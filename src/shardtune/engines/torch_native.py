@@ -61,12 +61,18 @@ class TorchEngine(Engine):
 
     def save_model(self, out_dir: Path) -> None:
         if self.is_main:
-            from shardtune.model.saved import as_saves_pretrained, expected_saved_parameters, verify_saved
+            from shardtune.model.saved import (
+                as_saves_pretrained,
+                expected_saved_parameters,
+                verify_saved,
+                without_deepspeed_lookup,
+            )
 
             model = as_saves_pretrained(self.unwrapped_model())
             # peft would add whole embedding layers once the vocabulary grew; modules_to_save already holds them.
             extra = {"save_embedding_layers": False} if hasattr(model, "peft_config") else {}
-            model.save_pretrained(out_dir, safe_serialization=True, **extra)
+            with without_deepspeed_lookup():
+                model.save_pretrained(out_dir, safe_serialization=True, **extra)
             verify_saved(out_dir, expected_saved_parameters(model))
 
     # Resume state: trainable weights as safetensors, optimizer/scheduler as tensor-only pickles

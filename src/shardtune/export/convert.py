@@ -291,14 +291,15 @@ def save_exported(model: torch.nn.Module, out: Path, tokenizer_from: str, settin
     """Save weights (a full model in the dtype asked for, in shards of at most ``settings.max_shard_bytes``) and
     the tokenizer ready to serve, then check the written parameter count against the model's."""
     from shardtune.model.load import load_tokenizer
-    from shardtune.model.saved import as_saves_pretrained
+    from shardtune.model.saved import as_saves_pretrained, without_deepspeed_lookup
 
     is_adapter = hasattr(model, "peft_config")
     dtype = resolve_save_dtype(settings.save_dtype, settings.base_model)
     if not is_adapter:
         model = model.to(getattr(torch, dtype))
     shards = {"max_shard_size": settings.max_shard_bytes} if settings.max_shard_bytes and not is_adapter else {}
-    as_saves_pretrained(model).save_pretrained(out, safe_serialization=True, **shards)
+    with without_deepspeed_lookup():
+        as_saves_pretrained(model).save_pretrained(out, safe_serialization=True, **shards)
     check_saved_count(model, out)
     return finish_servable(out, load_tokenizer(tokenizer_from, trust_remote_code=trust_remote_code), settings)
 

@@ -33,6 +33,8 @@ def plan_adapters(paths: tuple[str, ...], create_new_adapter: bool) -> AdapterPl
 
 def merge_adapters(model: Any, paths: tuple[str, ...]) -> Any:
     """``model`` with each adapter's low-rank update added into its weights, in order."""
+    if not paths:
+        return model  # importing peft costs seconds on every rank of a run that merges nothing
     from peft import PeftModel
 
     for path in paths:

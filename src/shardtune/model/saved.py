@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
@@ -30,6 +33,28 @@ def as_saves_pretrained(model: object) -> SavesPretrained:
         raise ModelError(f"{type(model).__name__} has no save_pretrained: only Hugging Face (transformers or peft) "
                          "models can be saved")
     return model
+
+
+@contextlib.contextmanager
+def without_deepspeed_lookup() -> Iterator[None]:
+    """Around ``save_pretrained`` of a model no DeepSpeed engine wraps: transformers unwraps the model with
+    accelerate's ``extract_model_from_parallel``, which imports DeepSpeed whenever it is installed only to test for
+    a ``DeepSpeedEngine``; that import costs 3 s (a busy 2-core machine) on every save of a DDP, FSDP or
+    one-process run. Where DeepSpeed is already imported the test is free and nothing changes."""
+    try:
+        from accelerate.utils import other
+    except ImportError:
+        yield
+        return
+    if "deepspeed" in sys.modules or not hasattr(other, "is_deepspeed_available"):
+        yield
+        return
+    lookup = other.is_deepspeed_available
+    other.is_deepspeed_available = lambda: False
+    try:
+        yield
+    finally:
+        other.is_deepspeed_available = lookup
 
 
 def as_pretrained_model(model: object) -> PreTrainedModel:

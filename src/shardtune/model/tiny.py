@@ -82,6 +82,7 @@ def build_tiny_model(
     from shardtune.data.templates.jinja import chat_template_jinja
     from shardtune.model.architectures import FAMILIES, family, tiny_config
     from shardtune.model.registry import special_token_ids, tiny_registry_config
+    from shardtune.model.saved import without_deepspeed_lookup
 
     out = Path(out_dir)
     if arch in FAMILIES and not from_registry:
@@ -98,6 +99,7 @@ def build_tiny_model(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    with without_deepspeed_lookup():
+        model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
