@@ -253,3 +253,28 @@ def test_estimate_command_counts_the_split(tmp_path, capsys):
         return next(o for o in data["options"] if o["name"] == "DDP")["device_bytes"]["activations"]
 
     assert ddp_activations(2) < 0.75 * ddp_activations(1)
+
+
+def test_engine_auto_splits_rows_only_when_nothing_fits_them_whole():
+    """Llama-3-8B full, gradient checkpointing, 8 x 80 GiB: ZeRO-2 fits 64k-token rows whole; at 128k no option
+    does, and engine auto proposes the smallest split that fits (a divisor of the GPUs per node)."""
+    from tests.unit.test_estimate import GiB, LLAMA3_FULL
+
+    from shardtune.config.args import load_config
+    from shardtune.estimate.config import recommend_for_config
+
+    def chosen(cutoff: int, *extra: str, kernel_open: bool = True) -> dict:
+        config, _ = load_config([LLAMA3_FULL, f"cutoff_len={cutoff}", "gradient_checkpointing=true", *extra])
+        return recommend_for_config(config, 8, 8, 80 * GiB, 1024 * GiB, kernel_open)[0]
+
+    assert "sequence_parallel_size" not in chosen(65536)
+    assert chosen(131072)["sequence_parallel_size"] == 2
+    # flash_attention_2 keeps less: 128k fits whole (ZeRO-3 with offload), 256k does not. A kernel the user named,
+    # which the split cannot run: the error says nothing fits (no silent switch of kernel).
+    flash = "attn_implementation=flash_attention_2"
+    assert "sequence_parallel_size" not in chosen(131072, flash)
+    with pytest.raises(ConfigError, match="engine \\(auto\\)"):
+        chosen(262144, flash, kernel_open=False)
+    # The kernel was auto (flash where it runs): the split takes sdpa in its place.
+    assert chosen(262144, flash) == {"deepspeed": "z3_offload", "sequence_parallel_size": 2,
+                                     "attn_implementation": "sdpa"}

@@ -91,8 +91,9 @@ def preflight(argv: list[str], nodes: int, procs_per_node: int, *, defaults: dic
     try:  # the steps below read the model's config.json: a damaged one is already among the file problems
         config = apply_attention_auto(config, has_cuda=has_cuda, announce_choice=announce)
         if config.engine == "auto" and not key_problems and not later:  # the estimate needs a sound config
-            config, auto_problems = apply_engine_auto(config, layout)
+            config, auto_problems = apply_engine_auto(config, layout, kernel_open=attention_was_auto)
             later += auto_problems
+            layout = replace(layout, sequence_parallel=config.sequence_parallel_size)
         engine, engine_problems = plan_engine(config, layout.world_size, has_cuda=has_cuda)
         later += engine_problems + data_problems(config) + layout_problems(config, engine, layout)
         later += resume_problems(config, engine)
@@ -132,13 +133,16 @@ def without_keys(problems: list[str], keys: set[str]) -> list[str]:
     return [p for p in problems if not pattern.search(p)]
 
 
-def apply_engine_auto(config: TrainConfig, layout: WorldLayout) -> tuple[TrainConfig, list[str]]:
-    """`engine: auto`: the fastest engine option the memory estimate says fits, decided here, once."""
+def apply_engine_auto(config: TrainConfig, layout: WorldLayout,
+                      kernel_open: bool = False) -> tuple[TrainConfig, list[str]]:
+    """`engine: auto`: the fastest engine option the memory estimate says fits, decided here, once; when none fits
+    whole rows, with each row split over ranks (sequence parallelism; ``kernel_open``: the attention kernel was
+    auto, so sdpa may replace it for the split)."""
     from shardtune.estimate.config import recommend_for_config
 
     try:
         values, reason = recommend_for_config(config, layout.world_size, layout.procs_per_node, local_gpu_memory(),
-                                              local_cpu_memory())
+                                              local_cpu_memory(), kernel_open)
     except ConfigError as err:
         return config, err.problems
     chosen = ", ".join(f"{k}: {v}" for k, v in values.items()) or "DDP (no deepspeed/fsdp)"
