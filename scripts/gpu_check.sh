@@ -6,7 +6,8 @@
 #
 # Steps:
 #   env            nvidia-smi, versions, imports, a 4-bit bitsandbytes product on the GPU      (~1 min)
-#   tests-engines  tests/gpu/test_engines.py: local, DDP, FSDP2, FSDP1, ZeRO-2, ZeRO-3 in bf16  (~6 min)
+#   tests-engines  tests/gpu/test_engines.py: local, DDP, FSDP2, FSDP1, ZeRO-2, ZeRO-3 in bf16, and the
+#                  split attention on the flash kernel (test_sequence_parallel_gpu.py)            (~6 min)
 #   tests-qlora    tests/gpu/test_qlora.py + tests/unit/test_fsdp_qlora.py (bitsandbytes)       (~4 min)
 #   bench-local    benchmarks/gpu.py --engines local,ddp                                       (~4 min)
 #   bench-fsdp     benchmarks/gpu.py --engines fsdp2                                           (~3 min)
@@ -132,7 +133,7 @@ install_wheels
 status=0
 case "$STEP" in
   env)           run_step env env_report || status=$? ;;
-  tests-engines) run_step tests-engines run_pytest -m gpu tests/gpu/test_engines.py || status=$? ;;
+  tests-engines) run_step tests-engines run_pytest -m gpu tests/gpu/test_engines.py tests/gpu/test_sequence_parallel_gpu.py || status=$? ;;
   tests-qlora)   run_step tests-qlora run_pytest tests/gpu/test_qlora.py tests/unit/test_fsdp_qlora.py || status=$? ;;
   bench-local)   run_step bench-local bench local,ddp || status=$? ;;
   bench-fsdp)    run_step bench-fsdp bench fsdp2 || status=$? ;;
