@@ -18,15 +18,18 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 PACKED = ("packing=true", "cutoff_len=64")
 PADDED = ("cutoff_len=64",)
 SGD = ("optim=sgd", "learning_rate=0.5")
-ROWS = {"packed": PACKED, "padded": PADDED, "packed-sgd": PACKED + SGD}
+ROWS = {"packed": PACKED, "padded": PADDED, "packed-sgd": PACKED + SGD,
+        # activation checkpointing recomputes each layer's attention in the backward, outside the forward's scope
+        "packed-checkpointed": PACKED + ("gradient_checkpointing=true",)}
 
 # (engine, finetuning, rows, processes, sequence_parallel_size, mode)
 SLICE = [
-    ("ddp", "full", "packed", 2, 2, "ulysses"),
+    ("ddp", "full", "packed-checkpointed", 2, 2, "ulysses"),
     ("zero3", "lora", "packed-sgd", 2, 2, "allgather"),
     ("fsdp2", "full", "padded", 4, 2, "auto"),
 ]
 MATRIX = [
+    ("ddp", "full", "packed", 2, 2, "ulysses"),
     ("ddp", "lora", "padded", 2, 2, "allgather"),
     ("ddp", "full", "packed-sgd", 2, 2, "ulysses"),
     ("ddp", "full", "packed", 4, 4, "auto"),  # 2 KV heads: auto takes allgather at 4
@@ -39,6 +42,7 @@ MATRIX = [
     ("fsdp2", "full", "packed-sgd", 2, 2, "allgather"),
     ("hsdp", "full", "packed", 4, 2, "ulysses"),
     ("fsdp1", "full", "packed", 2, 2, "ulysses"),
+    ("fsdp2", "full", "packed-checkpointed", 2, 2, "allgather"),
 ]
 EXTRA_ENGINES = {"zero1": ("deepspeed=z1",),
                  "hsdp": ("fsdp=hybrid_shard auto_wrap", "fsdp_config={'hsdp_shard_size': 2}")}
