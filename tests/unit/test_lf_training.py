@@ -149,6 +149,7 @@ def test_tf32_sets_the_cuda_flags():
 
 class _Engine:
     world_size, rank = 1, 0
+    data_parallel_size, data_parallel_rank = 1, 0
 
 
 class _Tokenizer:
