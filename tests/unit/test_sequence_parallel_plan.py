@@ -258,10 +258,9 @@ def test_estimate_command_counts_the_split(tmp_path, capsys):
 def test_engine_auto_splits_rows_only_when_nothing_fits_them_whole():
     """Llama-3-8B full, gradient checkpointing, 8 x 80 GiB: ZeRO-2 fits 64k-token rows whole; at 128k no option
     does, and engine auto proposes the smallest split that fits (a divisor of the GPUs per node)."""
-    from tests.unit.test_estimate import GiB, LLAMA3_FULL
-
     from shardtune.config.args import load_config
     from shardtune.estimate.config import recommend_for_config
+    from tests.unit.test_estimate import LLAMA3_FULL, GiB
 
     def chosen(cutoff: int, *extra: str, kernel_open: bool = True) -> dict:
         config, _ = load_config([LLAMA3_FULL, f"cutoff_len={cutoff}", "gradient_checkpointing=true", *extra])
