@@ -89,7 +89,9 @@ def test_split_sequences_match_one_process(engine, finetuning, rows, nproc, size
 RESUMED = [pytest.param("ddp", 2, 1, id="ddp-sp2-then-sp1"),
            pytest.param("zero3", 1, 2, id="zero3-sp1-then-sp2"),
            pytest.param("fsdp2", 2, 1, id="fsdp2-sp2-then-sp1", marks=pytest.mark.matrix),
-           pytest.param("zero2", 2, 1, id="zero2-sp2-then-sp1", marks=pytest.mark.matrix)]
+           pytest.param("zero2", 2, 1, id="zero2-sp2-then-sp1", marks=pytest.mark.matrix),
+           pytest.param("zero1", 1, 2, id="zero1-sp1-then-sp2", marks=pytest.mark.matrix),
+           pytest.param("fsdp1", 2, 1, id="fsdp1-sp2-then-sp1", marks=pytest.mark.matrix)]
 
 
 @pytest.mark.parametrize("engine,written,resumed", RESUMED)
