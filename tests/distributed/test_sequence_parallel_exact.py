@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from shardtune.data.collator import DataCollator
 from shardtune.engines.sequence_parallel import SequenceParallel
 from shardtune.train.loop import micro_batch_losses
-from shardtune.train.sequence_shards import sequence_shard
+from shardtune.train.sequence_shards import segment_spans, sequence_shard
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -56,7 +56,7 @@ def _variant(batch: dict, case: str, index: int) -> dict:
     if case == "local-positions":
         shard["position_ids"] = torch.arange(15)[None]
     if case == "unsplit-segments":
-        shard["segment_ids"] = (batch["segment_ids"] > 0).long()
+        shard["segment_spans"] = [segment_spans(row) for row in (batch["segment_ids"] > 0).long()]
     return shard
 
 
@@ -92,7 +92,7 @@ def _compare(rank: int, model_dir: str, case: str) -> str:
     if case != "slice-local-mask":
         split.attach(model)
     shard = _variant(batch, case.removesuffix("+allgather"), rank)
-    with split.scope(shard["segment_ids"]):
+    with split.scope(shard["segment_spans"]):
         loss, _ = micro_batch_losses(model, shard, 0, 0.0, False)
         loss.backward()
     total = loss.detach().clone()

@@ -25,7 +25,8 @@ def test_segments_take_the_flash_kernel_and_equal_the_block_causal_row():
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from shardtune.data.collator import block_causal_mask
-    from shardtune.engines.sequence_parallel import segment_attention, segment_spans
+    from shardtune.engines.sequence_parallel import segment_attention
+    from shardtune.train.sequence_shards import segment_spans
 
     torch.manual_seed(0)
     segments = torch.tensor([[1] * 700 + [2] * 1200 + [3] * 96 + [0] * 52])  # three samples and padding

@@ -5,12 +5,12 @@ How the split stays exact (the data side is train/sequence_shards.py):
 
 * Each rank gets its slice of the input ids, of the row's *global* position ids (so RoPE sees the true positions,
   restarting per packed sample) and of the labels shifted *before* slicing (the last token of a slice is scored on
-  the first token of the next). The row's segment ids (1.. per packed sample, 0 for padding) stay whole on every
-  rank: what each query may see is decided from them, never from the slice alone.
+  the first token of the next). The row's segments (each packed sample, and the padding) stay whole on every rank,
+  as [start, end) spans: what each query may see is decided from them, never from the slice alone.
 * Attention runs through a function registered in transformers' ``AttentionInterface`` under ``ATTENTION_NAME``;
   the model's own mask builders skip unknown implementations (transformers 5.23 ``masking_utils``: no mask is
   built), and this function attends each query to the earlier tokens of its own segment (from the whole row's
-  segment ids and global indices; plus the layer's sliding window) with transformers' ``sdpa_attention_forward``,
+  segment spans and global indices; plus the layer's sliding window) with transformers' ``sdpa_attention_forward``,
   one call per segment with sdpa's causal flag, so no [tokens, tokens] mask is built (a mask only where a sliding
   window is shorter than the segment; a segment begun on an earlier slice gets stand-in queries instead):
   - ``ulysses``: an all-to-all turns [heads, local tokens] into [heads / N, all tokens]; attention runs over the
@@ -30,7 +30,6 @@ How the split stays exact (the data side is train/sequence_shards.py):
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +42,6 @@ from shardtune.errors import ConfigError, ModelError
 from shardtune.world import WorldLayout
 
 ATTENTION_NAME = "shardtune_sequence_parallel"
-MODES = ("ulysses", "allgather")
 
 
 @dataclass
@@ -85,30 +83,21 @@ class SequenceParallel:
         return _SumOverGroup.apply(partial, self.group)
 
     @contextlib.contextmanager
-    def scope(self, segment_ids: torch.Tensor) -> Iterator[None]:
-        """One micro-batch's forward and backward (activation checkpointing recomputes in the backward): the row's
-        segment ids that every attention call of it reads."""
+    def scope(self, spans: list[list[tuple[int, int]]]) -> Iterator[None]:
+        """One micro-batch's forward and backward (activation checkpointing recomputes in the backward): per row, the
+        [start, end) of each segment of the whole row (train/sequence_shards.py), which every attention call reads."""
         previous = _ACTIVE.get("batch")
-        _ACTIVE["batch"] = _Batch(self, segment_ids)
+        _ACTIVE["batch"] = _Batch(self, spans)
         try:
             yield
         finally:
             _ACTIVE["batch"] = previous
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Batch:
     split: SequenceParallel
-    segment_ids: torch.Tensor  # [rows, whole length]
-    _spans: list[list[tuple[int, int]]] | None = None
-
-    @property
-    def spans(self) -> list[list[tuple[int, int]]]:
-        """Per row, the [start, end) of each segment (a sample, or the padding), in global token indices; computed
-        once per micro-batch and shared by every layer."""
-        if self._spans is None:
-            self._spans = [segment_spans(row) for row in self.segment_ids.cpu()]
-        return self._spans
+    spans: list[list[tuple[int, int]]]  # per row, [start, end) of each segment, in global token indices
 
 
 # The micro-batch being computed; set by SequenceParallel.scope (one per process: ranks are processes).
@@ -153,7 +142,7 @@ def split_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                     sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: ``query`` [rows, heads, local tokens, head dim], ``key``/``value`` with
     the KV heads; returns [rows, local tokens, heads, head dim]. ``attention_mask`` is ignored: which tokens a query
-    sees comes from the segment ids of the micro-batch in scope."""
+    sees comes from the segment spans of the micro-batch in scope."""
     batch = _ACTIVE["batch"]
     if batch is None:
         raise ModelError("sequence parallelism: attention ran outside a split micro-batch (generation and other "
@@ -170,13 +159,6 @@ def split_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     k, v = (gather_sequence(t, split.group, split.size) for t in (key, value))
     first = split.index * local
     return segment_attention(module, query, k, v, batch.spans, first, dropout, scaling, sliding_window), None
-
-
-def segment_spans(segments: torch.Tensor) -> list[tuple[int, int]]:
-    """[start, end) of each run of equal segment ids in one row."""
-    counts = torch.unique_consecutive(segments, return_counts=True)[1].tolist()
-    ends = list(itertools.accumulate(counts))
-    return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
 def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -223,7 +223,7 @@ def input_bytes(w: Workload, shape: ModelShape | None = None) -> int:
     mask that packed rows carry (transformers builds the same from a padding mask). A model with both local and
     global layers (Gemma 2/3, GPT-OSS) gets two masks, a full one and a sliding one."""
     masks = 2 if shape is not None and 0 < shape.sliding_layers < shape.num_layers else 1
-    if w.splits_sequences:  # whole rows of ids, labels, positions and segment ids; each layer builds its own mask
+    if w.splits_sequences:  # whole rows of ids, labels, positions and segment ids; no mask (segment spans instead)
         return w.micro_batch * w.rows_per_sample * w.seq_len * 4 * 8
     mask = 0 if w.attn_implementation.startswith("flash") or not w.dense_mask else masks * w.seq_len
     return w.tokens * (3 * 8 + mask)

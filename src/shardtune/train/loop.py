@@ -18,7 +18,7 @@ import torch
 
 from shardtune.engines.base import Engine
 from shardtune.train.loss import DEFAULT_LOSS_CHUNK_SIZE, causal_lm_loss_terms
-from shardtune.train.sequence_shards import sequence_shard
+from shardtune.train.sequence_shards import sequence_shard, spans_of
 
 IGNORE_INDEX = -100
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
@@ -123,10 +123,10 @@ def rank_rows(engine: Engine, batch: Batch) -> Batch:
 
 
 def sequence_scope(engine: Engine, batch: Batch) -> contextlib.AbstractContextManager:
-    """Around one micro-batch's forward and backward: the whole rows' segment ids for the split attention."""
+    """Around one micro-batch's forward and backward: the whole rows' segment spans for the split attention."""
     if engine.sequence is None:
         return contextlib.nullcontext()
-    return engine.sequence.scope(batch["segment_ids"])
+    return engine.sequence.scope(spans_of(batch))
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:

@@ -51,6 +51,7 @@ from shardtune.train.preference import (
     preference_loss,
     target_logps,
 )
+from shardtune.train.sequence_shards import spans_of
 
 PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected")
@@ -135,11 +136,11 @@ def rows(batch: Batch, start: int, stop: int) -> dict[str, Any]:
 
 
 def rows_scope(engine: Engine, batch: Batch, start: int, stop: int) -> contextlib.AbstractContextManager:
-    """Around a forward of rows [start, stop) and its backward under sequence parallelism: those rows' segment ids,
+    """Around a forward of rows [start, stop) and its backward under sequence parallelism: those rows' segment spans,
     which the split attention reads to know what each token attends to (nothing without a split)."""
     if engine.sequence is None:
         return contextlib.nullcontext()
-    return engine.sequence.scope(batch["segment_ids"][start:stop])
+    return engine.sequence.scope(spans_of(batch, start, stop))
 
 
 def row_logps(engine: Engine, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
