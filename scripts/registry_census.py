@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Every decoder family of the installed transformers, tried on one process through shardtune's loading code.
 
-  python scripts/registry_census.py [--out FILE.md] [--json FILE.jsonl] [--timeout S] [FAMILY ...]
+  python scripts/registry_census.py [--image-text] [--out FILE.md] [--json FILE.jsonl] [--timeout S] [FAMILY ...]
 
-The families are transformers' own (``AutoModelForCausalLM``'s table, model/registry.py), none named here. For each:
+The families are transformers' own (``AutoModelForCausalLM``'s table, model/registry.py), none named here;
+``--image-text`` takes ``AutoModelForImageTextToText``'s table instead (families named ``image-text:TYPE``, built as
+the image-text class with a vision tower, as such checkpoints are downloaded, and trained on text). For each:
 a tiny random model from its own config class (sizes shrunk, one layer of each kind kept) is saved with a tokenizer,
 then
 
@@ -35,19 +37,20 @@ import traceback
 from pathlib import Path
 
 STEPS = ("check", "load", "skeleton", "full", "lora")
+IMAGE_TEXT = "image-text:"
 MAX_PARAMETERS = 30_000_000  # a config that does not shrink below this is reported, not built
 SEQUENCE = 24
 
 
-def run_family(model_type: str, tokenizer, folder: Path) -> dict:
+def run_family(family: str, tokenizer, folder: Path) -> dict:
     import torch
 
     from shardtune.model.registry import special_token_ids
 
-    record: dict = {"family": model_type}
+    record: dict = {"family": family}
     ids = torch.randint(5, len(tokenizer), (1, SEQUENCE), generator=torch.Generator().manual_seed(0))
     try:
-        model = build(model_type, len(tokenizer), special_token_ids(tokenizer), record)
+        model = build(family, len(tokenizer), special_token_ids(tokenizer), record)
         with torch.no_grad():
             reference = logits(model, ids)
         model.save_pretrained(folder)
@@ -66,21 +69,24 @@ def run_family(model_type: str, tokenizer, folder: Path) -> dict:
     return record
 
 
-def build(model_type: str, vocab_size: int, special_ids: dict[str, int], record: dict):
+def build(family: str, vocab_size: int, special_ids: dict[str, int], record: dict):
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from shardtune.model.registry import tiny_registry_config
+    from shardtune.model.registry import tiny_image_text_config, tiny_registry_config
 
-    config = tiny_registry_config(model_type, vocab_size, special_ids)
-    record["class"] = AutoModelForCausalLM._model_mapping[type(config)].__name__
+    image_text = family.startswith(IMAGE_TEXT)
+    tiny = tiny_image_text_config if image_text else tiny_registry_config
+    config = tiny(family.removeprefix(IMAGE_TEXT), vocab_size, special_ids)
+    auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+    record["class"] = auto._model_mapping[type(config)].__name__
     with torch.device("meta"):
-        count = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        count = sum(p.numel() for p in auto.from_config(config).parameters())
     record["parameters"] = count
     if count > MAX_PARAMETERS:
         raise ValueError(f"{count:,} parameters after shrinking (the tiny sizes do not reach this config)")
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return auto.from_config(config, dtype=torch.float32).eval()
 
 
 def logits(model, ids):
@@ -236,10 +242,13 @@ def markdown(records: list[dict]) -> str:
     import transformers
 
     every = [r for r in records if all(passed(r, s) for s in ("build", *STEPS))]
+    image_text = any(r["family"].startswith(IMAGE_TEXT) for r in records)
+    table = "AutoModelForImageTextToText" if image_text else "AutoModelForCausalLM"
     counts = ", ".join(f"{step} {sum(passed(r, step) for r in records)}" for step in ("build", *STEPS))
     lines = [f"# Registry census: {datetime.date.today()}, transformers {transformers.__version__}, CPU, one process",
-             "", f"`python scripts/registry_census.py --out ...`: {len(records)} decoder families "
-             f"(AutoModelForCausalLM's table); all steps pass for {len(every)}. Passed per step: {counts}.", "",
+             "", f"`python scripts/registry_census.py{' --image-text' if image_text else ''} --out ...`: "
+             f"{len(records)} {'image-text' if image_text else 'decoder'} families ({table}'s table); all steps "
+             f"pass for {len(every)}. Passed per step: {counts}.", "",
              "| family | class | parameters | " + " | ".join(STEPS) + " |",
              "|---|---|---|" + "---|" * len(STEPS)]
     for r in records:
@@ -262,14 +271,16 @@ def main() -> int:
     parser.add_argument("--out")
     parser.add_argument("--json")
     parser.add_argument("--timeout", type=float, default=180.0)
+    parser.add_argument("--image-text", action="store_true", help="AutoModelForImageTextToText's families")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.families)
         return 0
-    from shardtune.model.registry import decoder_families
+    from shardtune.model.registry import decoder_families, image_text_families
 
-    records = census(args.families or decoder_families(), args.timeout)
+    every = [IMAGE_TEXT + f for f in image_text_families()] if args.image_text else decoder_families()
+    records = census(args.families or every, args.timeout)
     if args.json:
         Path(args.json).write_text("".join(json.dumps(r) + "\n" for r in records))
     if args.out:

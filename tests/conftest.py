@@ -42,17 +42,18 @@ def wider_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def arch_model_dir(tmp_path_factory):
     """``arch_model_dir(name)``: the tiny model of family ``name`` (model/architectures.py, or any model type of
-    transformers' causal-LM registry; ``registry:NAME`` for the registry's class where a family has the name),
-    built once per session."""
+    transformers' causal-LM registry; ``registry:NAME`` for the registry's class where a family has the name;
+    ``image-text:NAME`` for the image-text class with its vision tower), built once per session."""
     from shardtune.model.tiny import build_tiny_model
 
     built: dict[str, Path] = {}
 
     def build(name: str) -> Path:
         if name not in built:
-            arch = name.removeprefix("registry:")
-            built[name] = build_tiny_model(tmp_path_factory.mktemp("models") / f"tiny-{arch}", arch=arch,
-                                           from_registry=name.startswith("registry:"))
+            arch = name.split(":")[-1]
+            built[name] = build_tiny_model(tmp_path_factory.mktemp("models") / f"tiny-{name.replace(':', '-')}",
+                                           arch=arch, from_registry=name.startswith("registry:"),
+                                           image_text=name.startswith("image-text:"))
         return built[name]
 
     return build

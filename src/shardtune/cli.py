@@ -147,17 +147,21 @@ def _make_tiny_model(args: list[str]) -> int:
     import argparse
 
     from shardtune.model.architectures import FAMILIES
-    from shardtune.model.registry import decoder_families
+    from shardtune.model.registry import decoder_families, image_text_families
 
     parser = argparse.ArgumentParser(prog="shardtune make-tiny-model")
     parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--arch", default="llama", choices=sorted({*FAMILIES, *decoder_families()}),
+    parser.add_argument("--arch", default="llama",
+                        choices=sorted({*FAMILIES, *decoder_families(), *image_text_families()}),
                         metavar="NAME", help=f"model family (default: llama): {', '.join(FAMILIES)}, or any model type "
                         "transformers builds a causal LM for (then at the registry's tiny sizes: --layers, --hidden, "
                         "... apply to the families above)")
     parser.add_argument("--registry", action="store_true",
                         help="build --arch as transformers' registry builds that model type even where a family above "
                         "has the name (gemma3: the image-text model)")
+    parser.add_argument("--image-text", action="store_true",
+                        help="build --arch as transformers' image-text class with its vision tower, as such "
+                        "checkpoints are downloaded (qwen3_5, gemma4, mistral3, ...)")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
@@ -180,7 +184,7 @@ def _make_tiny_model(args: list[str]) -> int:
 
     out = build_tiny_model(ns.out, arch=ns.arch, layers=ns.layers, hidden=ns.hidden, heads=ns.heads,
                            kv_heads=ns.kv_heads, intermediate=ns.intermediate, vocab_size=ns.vocab_size, seed=ns.seed,
-                           from_registry=ns.registry)
+                           from_registry=ns.registry, image_text=ns.image_text)
     print(f"tiny {ns.arch} model written to {out}")
     return 0
 

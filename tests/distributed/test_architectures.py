@@ -125,13 +125,18 @@ def logits(model: torch.nn.Module) -> torch.Tensor:
 
 
 def reloaded(out: Path, base: Path, finetuning: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+    """The saved output in plain transformers (peft for LoRA), as the class the folder declares (an image-text
+    folder as its image-text class)."""
+    from transformers import AutoConfig
+
+    from shardtune.model.composite import auto_model_class
 
     if finetuning == "lora":
         from peft import PeftModel
 
-        return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out)
-    return AutoModelForCausalLM.from_pretrained(out)
+        base_class = auto_model_class(AutoConfig.from_pretrained(base))
+        return PeftModel.from_pretrained(base_class.from_pretrained(base), out)
+    return auto_model_class(AutoConfig.from_pretrained(out)).from_pretrained(out)
 
 
 def assert_tied_as_configured(model: torch.nn.Module, folder: Path) -> None:

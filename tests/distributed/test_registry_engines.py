@@ -32,10 +32,19 @@ CELLS = {
     ("kimi_linear", "zero3", "lora"): "q/k/v short convolutions concatenated by transformers' converter",
     ("olmo_hybrid", "zero3", "full"): "renamed norms, concatenated convolutions",
     ("registry:gemma3", "fsdp2", "full"): "image-text folder: vision tower kept, trained on text",
+    # Image-text folders whose model type transformers' causal-LM table maps to a text-only class (Qwen3.5) or to
+    # none (Mistral 3): loaded, trained on text and saved as the image-text class, the vision tower kept.
+    ("image-text:qwen3_5", "zero3", "full"): "image-text class with a text-only twin: vision tower kept",
+    ("image-text:qwen3_5", "fsdp2", "full"): "image-text class with a text-only twin: vision tower kept",
+    ("image-text:qwen3_5", "ddp", "lora"): "image-text class: LoRA leaves the frozen vision tower alone",
+    ("image-text:gemma4", "zero3", "full"): "image-text folder with its tower: kept and frozen",
+    ("image-text:gemma4", "fsdp2", "full"): "image-text folder with its tower: kept and frozen",
+    ("image-text:gemma4", "ddp", "lora"): "image-text folder with its tower: LoRA on the language model",
+    ("image-text:mistral3", "fsdp2", "lora"): "no causal-LM class in transformers: the image-text class",
     ("nemotron_h", "ddp", "lora"): "Mamba out_proj/conv1d left out of lora_target: all",
     ("lfm3", "fsdp2", "lora"): "regex-renamed attention gate",
 }
-SLICE = {("deepseek_v32", "ddp", "lora"), ("olmo_hybrid", "zero3", "full")}
+SLICE = {("deepseek_v32", "ddp", "lora"), ("olmo_hybrid", "zero3", "full"), ("image-text:qwen3_5", "zero3", "full")}
 
 
 def cells() -> list:
@@ -61,10 +70,18 @@ def test_registry_family_under_engine_matches_one_process(family, engine, finetu
 
 
 def assert_same_model_as_download(trained: torch.nn.Module, download: torch.nn.Module) -> None:
-    """The saved folder loads as the download's class with every one of its tensors; those the text never reaches
-    (a vision tower) are the download's own."""
+    """The saved folder loads as the download's class with every one of its tensors; those of the frozen vision
+    tower and projector are the download's own, and the language model trained."""
+    from shardtune.model.composite import FrozenParts, model_parts
+
     trained_tensors, download_tensors = dict(trained.named_parameters()), dict(download.named_parameters())
     assert type(trained) is type(download) and trained_tensors.keys() == download_tensors.keys()
-    untouched = [name for name in download_tensors if "vision" in name]
-    for name in untouched:
+    parts = model_parts(download)
+    if parts is None:
+        return
+    frozen = [name for name in download_tensors if parts.frozen(name, FrozenParts())]
+    assert frozen, "an image-text model without a vision tower"
+    for name in frozen:
         torch.testing.assert_close(trained_tensors[name], download_tensors[name], rtol=0, atol=0, msg=name)
+    assert any(not torch.equal(trained_tensors[name], tensor) for name, tensor in download_tensors.items()
+               if parts.part_of(name) == "language")

@@ -330,9 +330,6 @@ CATALOGUE = [
     Case("model-type-unknown", "model_type 'llama9' is not known to the installed transformers",
          damage=lambda m: edit_json(m / "config.json", model_type="llama9")),
     # Known to transformers, but no causal LM: every rank would fail at load (issue 29: check said ok).
-    Case("model-type-image-text-only", "model_type 'mistral3' is an image-text model (transformers builds "
-         "Mistral3ForConditionalGeneration for it)",
-         damage=lambda m: edit_json(m / "config.json", model_type="mistral3")),
     Case("model-type-not-a-decoder", "model_type 'vit' has no causal-LM class",
          damage=lambda m: edit_json(m / "config.json", model_type="vit")),
     Case("tokenizer-json-not-a-tokenizer", "tokenizer.json is not a tokenizer the tokenizers library can read",

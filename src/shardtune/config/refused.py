@@ -86,9 +86,9 @@ def names_other_backend(problem: str) -> bool:
 
 
 REFUSED_REASONS: dict[str, str] = {
-    **_group("shardtune trains text-only models; remove it (multimodal data and towers are not supported)",
-             """audio_sampling_rate crop_to_patches freeze_language_model freeze_multi_modal_projector
-             freeze_vision_tower image_do_pan_and_scan image_max_pixels image_min_pixels media_dir
+    **_group("image, video and audio inputs are not supported (shardtune fine-tunes image-text models on text, "
+             "their vision tower kept); remove it",
+             """audio_sampling_rate crop_to_patches image_do_pan_and_scan image_max_pixels image_min_pixels media_dir
              use_audio_in_video video_fps video_max_pixels video_maxlen video_min_pixels"""),
     **_group("an inference setting of LLaMA-Factory's vLLM/SGLang back-ends or one shardtune's chat does not "
              "read (generation length is max_new_tokens): remove it (serve the exported model with your inference "

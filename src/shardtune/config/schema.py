@@ -119,6 +119,11 @@ class TrainConfig:
         2, "freeze: train the last N decoder layers (negative: the first -N)", FINETUNE)
     freeze_trainable_modules: list[str] = _key(
         ["all"], "freeze: module names inside the trainable layers, or 'all'", FINETUNE)
+    freeze_vision_tower: bool = _key(True, "image-text models: do not train the vision tower (LoRA leaves it "
+                                           "unadapted)", FINETUNE)
+    freeze_multi_modal_projector: bool = _key(True, "image-text models: do not train the projector between the "
+                                                    "vision tower and the language model", FINETUNE)
+    freeze_language_model: bool = _key(False, "image-text models: do not train the language model", FINETUNE)
     quantization_bit: int | None = _key(None, "load the base model in 4 or 8 bits (bitsandbytes, CUDA only)",
                                         FINETUNE, choices=(4, 8, None))
 

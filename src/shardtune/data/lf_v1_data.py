@@ -86,8 +86,8 @@ def plain_turn(number: int, turn: Any) -> dict[str, str]:
     for part in turn["content"]:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text":
-            raise ValueError(f"turn {number} has a '{kind}' part: shardtune trains text-only models (multimodal "
-                             "data is not read)")
+            raise ValueError(f"turn {number} has a '{kind}' part: image, video and audio inputs are not supported "
+                             "(multimodal data is not read)")
         texts.append(str(part.get("value", "")))
     trained = turn["role"] in ANSWER_ROLES
     weight = turn.get("loss_weight", 1.0 if trained else 0.0)

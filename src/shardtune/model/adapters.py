@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardtune.errors import ConfigError
+from shardtune.model.composite import FrozenParts, excluded_modules, freeze_parts, model_parts
 from shardtune.model.moe import fused_expert_parameters, router_module_names
 from shardtune.model.pretrained_adapters import load_adapter_weights, resumed_lora_config
 from shardtune.model.reward_head import SCORE_LAYER
@@ -36,6 +37,7 @@ class FinetuningSettings:
     neftune_noise_alpha: float | None = None
     train_embeddings: bool = False  # resize_vocab: LoRA trains and saves the embedding and output layer in full
     score_head: bool = False  # stage rm (set by ModelSource): the score layer trains in full under freeze and LoRA too
+    frozen_parts: FrozenParts = FrozenParts()  # image-text models: the freeze_* keys (model/composite.py)
 
     @property
     def init_lora_weights(self) -> bool | str:
@@ -68,9 +70,17 @@ def apply_finetuning(model: Any, settings: FinetuningSettings) -> Any:
             model.enable_input_require_grads()
     else:
         model = apply_lora(model, settings)
+    if settings.finetuning_type != "frozen":
+        _freeze_image_text_parts(model, settings.frozen_parts)
     if settings.neftune_noise_alpha is not None:
         apply_neftune(model, settings.neftune_noise_alpha)  # after peft: on the embedding the model really calls
     return model
+
+
+def _freeze_image_text_parts(model: Any, frozen: FrozenParts) -> None:
+    named = freeze_parts(model, frozen)
+    if named:
+        print(f"[shardtune] image-text model: not trained: {', '.join(named)}", flush=True)
 
 
 def modules_to_save(model: Any, settings: FinetuningSettings) -> list[str] | None:
@@ -100,12 +110,14 @@ def apply_neftune(model: Any, alpha: float) -> Any:
 
 
 def decoder_layer_prefixes(model: Any) -> list[str]:
-    """Names like ``model.layers.3`` of each decoder layer, in order."""
+    """Names like ``model.layers.3`` of each decoder layer, in order (an image-text model's language model only:
+    its vision tower has layers too)."""
     pattern = re.compile(r"^(.*\.layers\.\d+)\.")
+    parts = model_parts(model)
     seen: dict[str, None] = {}
     for name, _ in model.named_parameters():
         match = pattern.match(name)
-        if match:
+        if match and (parts is None or parts.part_of(match.group(1)) == "language"):
             seen.setdefault(match.group(1), None)
     return list(seen)
 
@@ -130,12 +142,15 @@ def apply_freeze(model: Any, trainable_layers: int, modules: tuple[str, ...]) ->
                           "matches; use 'all' or names such as mlp, self_attn")
 
 
-def linear_module_names(model: Any) -> list[str]:
-    """Short names of the Linear layers LoRA can adapt (the output head or a reward model's score excluded)."""
+def linear_module_names(model: Any, frozen: FrozenParts | None = None) -> list[str]:
+    """Short names of the Linear layers LoRA can adapt (the output head or a reward model's score excluded; with
+    ``frozen``, those of an image-text model's frozen parts too)."""
     import torch
 
+    left_out = set(excluded_modules(model, frozen)) if frozen is not None else set()
     names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-             if isinstance(module, torch.nn.Linear) and "lm_head" not in name and name != SCORE_LAYER}
+             if isinstance(module, torch.nn.Linear) and "lm_head" not in name and name != SCORE_LAYER
+             and name not in left_out}
     return sorted(names)
 
 
@@ -147,7 +162,7 @@ class LoraTargets:
     parameters: list[str] | None = None  # like "experts.gate_up_proj"
 
 
-def lora_targets(model: Any, requested: tuple[str, ...]) -> LoraTargets:
+def lora_targets(model: Any, requested: tuple[str, ...], frozen: FrozenParts | None = None) -> LoraTargets:
     """What ``lora_target`` adapts. A dense model's ``all`` is peft's "all-linear". On a mixture-of-experts model
     ``all`` is every Linear but the routers (attention, dense and shared-expert MLPs) plus the fused expert weights
     (3-D parameters, adapted with peft's ``target_parameters``), said in the run log; a router named explicitly is
@@ -155,7 +170,7 @@ def lora_targets(model: Any, requested: tuple[str, ...]) -> LoraTargets:
     """
     routers = router_module_names(model)
     fused = sorted({name.rsplit(".", 1)[-1] for name in fused_expert_parameters(model)})
-    linear = linear_module_names(model)
+    linear = linear_module_names(model, frozen)
     unadaptable = unadaptable_linears(model, linear)
     if "all" not in requested:
         _refuse_router_targets(model, requested, routers, linear)
@@ -234,7 +249,7 @@ def _refuse_unadaptable_targets(requested: tuple[str, ...], unadaptable: dict[st
                               "(lora_target: all leaves it out)")
 
 
-def report_unadapted_linears(model: Any, requested: LoraTargets) -> None:
+def report_unadapted_linears(model: Any, requested: LoraTargets, left_out: list[str]) -> None:
     """peft 0.21 rewrites the names of transformers v4's per-expert layers (``gate_proj``, ``up_proj``,
     ``down_proj``, ``w1``...) into the fused experts of MoE families it knows, so Linear layers of those names
     outside the experts (DeepSeek-V3's dense first layer and shared experts) lose their adapter: say which."""
@@ -242,9 +257,10 @@ def report_unadapted_linears(model: Any, requested: LoraTargets) -> None:
         return
     import torch
 
-    wanted = set(requested.modules)
+    wanted, frozen = set(requested.modules), tuple(left_out)  # frozen: full names, under peft's prefix now
+    # an adapted layer is a peft module, not a Linear
     missed = sorted({name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
-                     and name.rsplit(".", 1)[-1] in wanted})  # an adapted layer is a peft module, not a Linear
+                     and name.rsplit(".", 1)[-1] in wanted and not name.endswith(frozen)})
     if missed:
         print(f"[shardtune] lora_target: peft maps {','.join(sorted({n.rsplit('.', 1)[-1] for n in missed}))} to "
               f"the fused experts of this model type; {len(missed)} Linear layers of those names are not adapted "
@@ -269,13 +285,14 @@ def apply_lora(model: Any, settings: FinetuningSettings) -> Any:
     """Wrap with peft LoRA; an unknown ``lora_target`` is an error listing the real module names."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    available = linear_module_names(model)
-    targets = lora_targets(model, settings.lora_target)
+    available = linear_module_names(model, settings.frozen_parts)
+    targets = lora_targets(model, settings.lora_target, settings.frozen_parts)
     if targets.modules != "all-linear":
         missing = [t for t in targets.modules if t not in available]
         if missing:
             raise ConfigError(f"lora_target: {','.join(missing)} not found in the model; "
                               f"linear modules are: {','.join(available)}")
+    left_out = _frozen_targets(model, targets, settings.frozen_parts)
     if settings.is_quantized:
         # peft enables checkpointing again: with our arguments, not with its own (it would drop use_reentrant: false
         # and the user's gradient_checkpointing_kwargs).
@@ -289,6 +306,7 @@ def apply_lora(model: Any, settings: FinetuningSettings) -> Any:
         lora_dropout=settings.lora_dropout,
         target_modules=targets.modules,
         target_parameters=targets.parameters,
+        exclude_modules=left_out or None,
         use_dora=settings.use_dora,
         use_rslora=settings.use_rslora,
         modules_to_save=modules_to_save(model, settings),
@@ -299,7 +317,7 @@ def apply_lora(model: Any, settings: FinetuningSettings) -> Any:
         config = resumed_lora_config(settings.resume_adapter)
     _check_additional_target(model, settings.additional_target)
     model = get_peft_model(model, config)
-    report_unadapted_linears(model, targets)
+    report_unadapted_linears(model, targets, left_out)
     if not settings.pissa_init:  # PiSSA's matrices come from the base weights' SVD: keep them
         initialize_adapter_weights(model)
     if settings.resume_adapter:
@@ -308,6 +326,13 @@ def apply_lora(model: Any, settings: FinetuningSettings) -> Any:
         # Frozen embeddings give inputs without grad; checkpointed blocks then see no grad path.
         model.enable_input_require_grads()
     return model
+
+
+def _frozen_targets(model: Any, targets: LoraTargets, frozen: FrozenParts) -> list[str]:
+    """The targeted Linear layers of an image-text model's frozen parts (its vision tower), which keep no adapter
+    (as LLaMA-Factory leaves them out of every lora_target)."""
+    return [name for name in excluded_modules(model, frozen)
+            if targets.modules == "all-linear" or name.rsplit(".", 1)[-1] in targets.modules]
 
 
 def _check_additional_target(model: Any, names: tuple[str, ...] | None) -> None:

@@ -66,8 +66,10 @@ def kernel_support(config: Mapping[str, Any]) -> KernelSupport | None:
 def causal_lm_class_file(config: Mapping[str, Any]) -> tuple[str, Path] | None:
     """(class name, modelling file) of the causal LM class for this config.json: the auto table's class for its
     model_type, else a class its ``architectures`` name, defined in that model type's modelling file."""
+    from shardtune.model.composite import image_text_class_name
+
     model_type = str(config.get("model_type"))
-    names = [causal_lm_class_name(model_type), *(config.get("architectures") or [])]
+    names = [image_text_class_name(config) or causal_lm_class_name(model_type), *(config.get("architectures") or [])]
     for name in names:
         path = find_class_file(model_type, str(name)) if name else None
         if path is not None:

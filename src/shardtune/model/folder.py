@@ -104,22 +104,20 @@ def _config_problems(path: Path) -> list[str]:
                 f"{_transformers_version()}{_closest_model_type(str(model_type))}; fix config.json, or install the "
                 "transformers release that added it"]
     if "auto_map" not in data:
-        return _no_causal_lm_problems(path, str(model_type))
+        return _no_causal_lm_problems(path, str(model_type), data)
     return []
 
 
-def _no_causal_lm_problems(path: Path, model_type: str) -> list[str]:
-    """A model type transformers knows but builds no causal LM for (an image-text model such as ``mistral3``, an
-    encoder such as ``bert``): every rank would fail at load with "cannot load a causal LM", so say it here."""
+def _no_causal_lm_problems(path: Path, model_type: str, data: dict[str, Any]) -> list[str]:
+    """A model type transformers knows but builds no causal LM for (an encoder such as ``bert``): every rank would
+    fail at load with "cannot load a causal LM", so say it here. Image-text folders load as their image-text class
+    (model/composite.py)."""
+    from shardtune.model.composite import image_text_class_name
     from shardtune.model.transformers_tables import causal_lm_class_name, table
 
-    if not table("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES") or causal_lm_class_name(model_type):
+    if not table("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES") or causal_lm_class_name(model_type) \
+            or image_text_class_name(data):
         return []  # an unreadable table decides nothing
-    image_text = table("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES").get(model_type)
-    if image_text:
-        return [f"{path}: model_type {model_type!r} is an image-text model (transformers builds {image_text} for it) "
-                f"with no text-only causal-LM class in transformers {_transformers_version()}; shardtune fine-tunes "
-                "causal LMs, so this folder cannot be loaded: use a text-only checkpoint of the family"]
     return [f"{path}: model_type {model_type!r} has no causal-LM class in transformers {_transformers_version()} "
             "(AutoModelForCausalLM cannot build it); shardtune fine-tunes causal LMs: use a decoder LM checkpoint"]
 

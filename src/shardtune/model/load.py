@@ -129,20 +129,23 @@ def load_causal_lm(
 ) -> Any:
     """Load weights in float32 (mixed precision autocasts); quantized loads go through bitsandbytes.
     ``auto`` (export, reload; training resolves it before) leaves the kernel to transformers' default: sdpa where
-    the model supports it, else eager (Gemma 2, GPT-OSS)."""
+    the model supports it, else eager (Gemma 2, GPT-OSS). An image-text folder loads as its image-text class, vision
+    tower included (model/composite.py)."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from shardtune.model.composite import auto_model_class
 
     check_attention(attn_implementation)
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "dtype": torch.float32,
                               "attn_implementation": None if attn_implementation == "auto" else attn_implementation}
-    if config is not None:
-        kwargs["config"] = config
+    if config is None:
+        config = load_model_config(name_or_path, trust_remote_code=trust_remote_code)
+    kwargs["config"] = config
     if quantization is not None:
         kwargs["quantization_config"] = quantization_config(quantization, compute_dtype or torch.bfloat16)
         kwargs["dtype"] = compute_dtype or torch.bfloat16
     try:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+        model = auto_model_class(config).from_pretrained(name_or_path, **kwargs)
     except (OSError, ValueError, ImportError) as err:
         raise ModelError(f"model_name_or_path: cannot load a causal LM from {name_or_path}: {err}") from None
     return model

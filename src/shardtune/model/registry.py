@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardtune.model.attention import LAYER_KIND_KEYS
+from shardtune.model.composite import IMAGE_TEXT_TABLE
 
 # Sizes set wherever a config has the attribute (read from its own fields: aliases such as n_embd resolve through
 # attribute_map when the config is built again with them).
@@ -26,6 +27,8 @@ TINY_SIZES: dict[str, int] = {
     "mamba_d_state": 16, "n_groups": 1, "sliding_window": 16, "rotary_dim": 8, "hidden_size_per_layer_input": 16,
     "d_model": 64, "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 128,
     "decoder_ffn_dim": 128, "encoder_layers": 2, "decoder_layers": 2,
+    # image-text towers: the vision features' width where it is its own field (the projector maps it onward)
+    "vision_output_dim": 64, "projector_input_dim": 64, "projector_output_dim": 64,
     # Jamba-style periods: an attention layer and an expert layer among the two kept
     "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
 }
@@ -41,6 +44,13 @@ def decoder_families() -> list[str]:
     from shardtune.model.transformers_tables import table
 
     return sorted(table("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"))
+
+
+def image_text_families() -> list[str]:
+    """Model types the installed transformers builds an image-text-to-text model for, from its own auto table."""
+    from shardtune.model.transformers_tables import table
+
+    return sorted(table(IMAGE_TEXT_TABLE))
 
 
 def special_token_ids(tokenizer: Any) -> dict[str, int]:
@@ -63,6 +73,47 @@ def tiny_registry_config(model_type: str, vocab_size: int, special_ids: dict[str
             fields.pop("per_layer_config", None)  # derived from the full-size layers; rebuilt from the kept ones
             kwargs[name] = {**fields, **tiny_kwargs(sub, vocab_size, special_ids or {})}
     return AutoConfig.for_model(model_type, **kwargs)
+
+
+def tiny_image_text_config(model_type: str, vocab_size: int, special_ids: dict[str, int] | None = None) -> Any:
+    """An image-text family's tiny config with a vision tower (a family whose default has none, Gemma 4, gets its
+    own default tower), the tower's output width that of the language model, and multimodal RoPE sections that fit
+    the tiny heads."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    vision_class = (getattr(type(default), "sub_configs", None) or {}).get("vision_config")
+    tower = getattr(default, "vision_config", None) or (vision_class() if vision_class else None)
+    tiny = tiny_registry_config(model_type, vocab_size, special_ids)
+    text = tiny.get_text_config()
+    if tower is not None and getattr(tiny, "vision_config", None) is None:
+        fields = {**tower.to_dict(), **tiny_kwargs(tower, vocab_size, special_ids or {})}
+        rebuilt = {key: value for key, value in tiny.to_dict().items() if key != "model_type"}
+        tiny = AutoConfig.for_model(model_type, **{**rebuilt, "vision_config": fields})
+        text = tiny.get_text_config()
+    vision = getattr(tiny, "vision_config", None)
+    if vision is not None and type(getattr(vision, "out_hidden_size", None)) is int:
+        vision.out_hidden_size = text.hidden_size  # Qwen's merger projects straight into the language model
+    if vision is not None and type(vars(vision).get("embed_dim")) is int:
+        vision.embed_dim = TINY_SIZES["d_model"]  # Qwen2-VL's tower width (a text config's embed_dim is an alias)
+    _fit_mrope_sections(text)
+    return tiny
+
+
+def _fit_mrope_sections(text: Any) -> None:
+    """Multimodal RoPE splits each head's rotary half into (time, height, width) sections whose sizes the modelling
+    file defaults for the full-size heads; scale them to the tiny heads (kept where they cannot all be non-zero)."""
+    if "mrope_section" not in getattr(type(text), "ignore_keys_at_rope_validation", ()):
+        return
+    rope = dict(getattr(text, "rope_parameters", None) or {})
+    sections = rope.get("mrope_section") or [16, 24, 24]  # Qwen2-VL .. Qwen3.5's modelling default
+    head_dim = vars(text).get("head_dim") or text.hidden_size // text.num_attention_heads
+    half = int(head_dim * rope.get("partial_rotary_factor", 1.0)) // 2
+    if half < len(sections) or sum(sections) == half:
+        return
+    scaled = [max(1, section * half // sum(sections)) for section in sections]
+    scaled[-1] += half - sum(scaled)
+    text.rope_parameters = {**rope, "mrope_section": scaled}
 
 
 def tiny_kwargs(config: Any, vocab_size: int, special_ids: dict[str, int]) -> dict[str, Any]:

@@ -106,9 +106,9 @@ class ModelSource:
 
     def _empty_model(self, construction: contextlib.AbstractContextManager | None) -> torch.nn.Module:
         from accelerate import init_empty_weights
-        from transformers import AutoModelForCausalLM
         from transformers.initialization import no_init_weights
 
+        from shardtune.model.composite import auto_model_class
         from shardtune.model.load import check_attention
 
         check_attention(self.attn_implementation)
@@ -118,7 +118,7 @@ class ModelSource:
         # Buffers (rotary frequencies) are computed at construction and are not in the checkpoint: keep them real.
         context = construction or init_empty_weights(include_buffers=False)
         with no_init_weights(), context:
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+            model = auto_model_class(config).from_config(config, dtype=torch.float32,
                                                      attn_implementation=self.attn_implementation,
                                                      trust_remote_code=self.trust_remote_code)
         # Tying ran inside the contexts, which give every assigned parameter a new tensor: tie again.

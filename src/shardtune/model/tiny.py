@@ -70,22 +70,28 @@ def build_tiny_model(
     max_positions: int = 2048,
     seed: int = 0,
     from_registry: bool = False,
+    image_text: bool = False,
 ) -> Path:
     """Write a random-weight model of family ``arch`` and its tokenizer to ``out_dir`` (safetensors): a family of
     model/architectures.py with its chat template and special tokens at the sizes given, or (``from_registry``, or
     a model type not listed there) the class transformers' causal-LM registry builds for the model type ``arch``,
-    at model/registry.py's tiny sizes, with chatml (``gemma3`` there is the image-text model)."""
+    at model/registry.py's tiny sizes, with chatml (``gemma3`` there is the image-text model); ``image_text``: the
+    image-text class of transformers' image-text registry, with its vision tower, as such checkpoints are
+    downloaded."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from shardtune.data.templates import get_template
     from shardtune.data.templates.jinja import chat_template_jinja
     from shardtune.model.architectures import FAMILIES, family, tiny_config
-    from shardtune.model.registry import special_token_ids, tiny_registry_config
+    from shardtune.model.registry import special_token_ids, tiny_image_text_config, tiny_registry_config
     from shardtune.model.saved import without_deepspeed_lookup
 
     out = Path(out_dir)
-    if arch in FAMILIES and not from_registry:
+    if image_text:
+        tokenizer = build_tiny_tokenizer(bundled_corpus(), vocab_size=vocab_size)
+        config = tiny_image_text_config(arch, len(tokenizer), special_token_ids(tokenizer))
+    elif arch in FAMILIES and not from_registry:
         template = get_template(family(arch).template)
         tokenizer = build_tiny_tokenizer(bundled_corpus(), vocab_size=vocab_size,
                                          extra_special=sorted(template.literal_special_tokens()))
@@ -97,7 +103,7 @@ def build_tiny_model(
         tokenizer = build_tiny_tokenizer(bundled_corpus(), vocab_size=vocab_size)
         config = tiny_registry_config(arch, len(tokenizer), special_token_ids(tokenizer))
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    model = (AutoModelForImageTextToText if image_text else AutoModelForCausalLM).from_config(config)
     out.mkdir(parents=True, exist_ok=True)
     with without_deepspeed_lookup():
         model.save_pretrained(out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from shardtune.config.schema import TrainConfig
 from shardtune.data.settings import DataSettings, resolved_packing
 from shardtune.model.adapters import FinetuningSettings
+from shardtune.model.composite import FrozenParts
 from shardtune.model.pretrained_adapters import AdapterPlan, plan_adapters
 
 
@@ -64,6 +65,7 @@ def finetuning_settings(c: TrainConfig) -> FinetuningSettings:
         additional_target=tuple(c.additional_target) if c.additional_target else None,
         neftune_noise_alpha=c.neftune_noise_alpha,
         train_embeddings=c.resize_vocab,
+        frozen_parts=FrozenParts(c.freeze_vision_tower, c.freeze_multi_modal_projector, c.freeze_language_model),
     )
 
 
