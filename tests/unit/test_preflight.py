@@ -147,3 +147,34 @@ def test_the_same_moe_model_passes_where_its_limits_do_not_apply(arch_model_dir,
                    {"packing": True, "attn_implementation": "sdpa", "moe_aux_loss_coef": 0},
                    {"stage": "dpo", "dataset": "demo_dpo", "finetuning_type": "lora", "moe_aux_loss_coef": 0}):
         assert main(["check", str(write_config(tmp_path, model, template="qwen3", **values))]) == 0, values
+
+
+@pytest.mark.parametrize(("overrides", "needed"), [
+    ([], False),
+    (["optim=adamw_8bit"], True),
+    (["quantization_bit=4"], True),
+    (["use_galore=true"], True),
+])
+def test_a_rank_leaves_bitsandbytes_out_unless_the_run_uses_it(overrides, needed):
+    """peft imports bitsandbytes (and with it torch's inductor) whenever it is installed; a rank that never calls
+    it marks it absent, so that import is skipped."""
+    import importlib.util
+    import sys
+
+    from shardtune.config.args import load_config
+
+    config, _ = load_config([str(REPO / "examples" / "tiny" / "sft_lora.yaml"), *overrides])
+    assert worker.needs_bitsandbytes(config) is needed
+    before = sys.modules.pop("bitsandbytes", None)
+    try:
+        worker.leave_out_bitsandbytes(config)
+        if needed:
+            assert "bitsandbytes" not in sys.modules
+        else:
+            assert sys.modules["bitsandbytes"] is None and importlib.util.find_spec("bitsandbytes") is None
+            with pytest.raises(ImportError):
+                import bitsandbytes  # noqa: F401
+    finally:  # the rest of this session imports it as usual
+        sys.modules.pop("bitsandbytes", None)
+        if before is not None:
+            sys.modules["bitsandbytes"] = before

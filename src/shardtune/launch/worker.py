@@ -110,6 +110,7 @@ def run_worker(plan: RunPlan, rank_env: RankEnv | None = None) -> int:
     from shardtune.train.workflow import StopRequest, run_training
 
     started = time.time()
+    leave_out_bitsandbytes(plan.config)
     engine = build_engine(plan.config, plan.engine, rank_env)
     if not engine.is_main:
         quiet_this_rank()
@@ -133,6 +134,22 @@ def run_worker(plan: RunPlan, rank_env: RankEnv | None = None) -> int:
               f"({results['engine']}, world size {results['world_size']}); outputs in {plan.config.output_dir}",
               flush=True)
     return 0
+
+
+def needs_bitsandbytes(config) -> bool:
+    """Quantized loads and the 8-bit optimizers (adamw_8bit; GaLore's and APOLLO's packages import it)."""
+    return bool(config.quantization_bit or config.ref_model_quantization_bit or config.optim == "adamw_8bit"
+                or config.use_galore or config.use_apollo or config.use_adam_mini)
+
+
+def leave_out_bitsandbytes(config) -> None:
+    """Why: peft imports bitsandbytes whenever it is installed, and bitsandbytes imports torch's inductor at import
+    (1.3-1.7 s per rank on this CPU before anything trains; benchmarks/README.md). A run that quantizes nothing and
+    uses no 8-bit optimizer never calls it, so this rank records it as absent (``sys.modules[name] = None``, which
+    Python's import system and ``importlib.util.find_spec`` read as not installed) and peft's optional import skips
+    it. A rank that already imported it keeps it."""
+    if not needs_bitsandbytes(config):
+        sys.modules.setdefault("bitsandbytes", None)  # type: ignore[arg-type]
 
 
 def memory_probe(plan: RunPlan, engine, rank_env: RankEnv | None):
