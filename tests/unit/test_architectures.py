@@ -58,3 +58,14 @@ def test_chat_template_renders_as_shardtunes_template(name, built):
     assert tokenizer.apply_chat_template(CONVERSATION, tokenize=False) == expected
     for token in template.literal_special_tokens():
         assert len(tokenizer(token, add_special_tokens=False)["input_ids"]) == 1, token
+
+
+def test_building_a_tiny_model_leaves_the_callers_random_stream_alone(tmp_path):
+    """build_tiny_model_if_missing builds on the main rank inside the run: the run's LoRA initialisation and
+    dropout must be those of every later run of the same config (the first `make demo` once ended at another
+    loss than the second)."""
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    build_tiny_model(tmp_path / "tiny", arch="llama")
+    torch.testing.assert_close(torch.rand(3), expected, rtol=0, atol=0)

@@ -102,8 +102,11 @@ def build_tiny_model(
     else:  # any other family of transformers' registry: its own config at the registry's tiny sizes, chatml
         tokenizer = build_tiny_tokenizer(bundled_corpus(), vocab_size=vocab_size)
         config = tiny_registry_config(arch, len(tokenizer), special_token_ids(tokenizer))
-    torch.manual_seed(seed)
-    model = (AutoModelForImageTextToText if image_text else AutoModelForCausalLM).from_config(config)
+    # Its own random stream: a run that builds its demo model first (build_tiny_model_if_missing, main rank only)
+    # must draw the same LoRA initialisation and dropout as every later run of the same config.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = (AutoModelForImageTextToText if image_text else AutoModelForCausalLM).from_config(config)
     out.mkdir(parents=True, exist_ok=True)
     with without_deepspeed_lookup():
         model.save_pretrained(out)
