@@ -44,6 +44,12 @@ CELLS = {
     ("nemotron_h", "ddp", "lora"): "Mamba out_proj/conv1d left out of lora_target: all",
     ("lfm3", "fsdp2", "lora"): "regex-renamed attention gate",
 }
+# Keys a cell adds to both runs. The tiny Gemma 4 at learning rate 1e-3 is chaotic under full fine-tuning: the
+# gradient norm of step 4 moves by 1% when only the micro-batch split changes (one process, 4 x 2 against 2 x 4
+# rows: 8.34 against 8.40), so two runs agree to the losses but not to 2e-3 in the logits; at 1e-4 one and two
+# processes agree to 3e-5 while training moves the logits by 0.3 (measured 2026-11-27).
+CELL_KEYS = {(family, engine, "full"): ("learning_rate=1e-4",)
+             for family, engine, finetuning in CELLS if family == "image-text:gemma4" and finetuning == "full"}
 SLICE = {("deepseek_v32", "ddp", "lora"), ("olmo_hybrid", "zero3", "full"), ("image-text:qwen3_5", "zero3", "full")}
 
 
@@ -57,8 +63,9 @@ def cells() -> list:
 def test_registry_family_under_engine_matches_one_process(family, engine, finetuning, arch_model_dir, tmp_path):
     base = arch_model_dir(family)
     one, two = tmp_path / "one", tmp_path / "two"
-    train(base, one, finetuning, 1, 4)
-    results = train(base, two, finetuning, 2, 2, *ENGINE_KEYS[engine])
+    keys = CELL_KEYS.get((family, engine, finetuning), ())
+    train(base, one, finetuning, 1, 4, *keys)
+    results = train(base, two, finetuning, 2, 2, *keys, *ENGINE_KEYS[engine])
     assert results["world_size"] == 2
     assert losses(two) == pytest.approx(losses(one), rel=2e-3)
     model = reloaded(two, base, finetuning)
