@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -316,7 +317,9 @@ def apply_lora(model: Any, settings: FinetuningSettings) -> Any:
     if settings.resume_adapter:
         config = resumed_lora_config(settings.resume_adapter)
     _check_additional_target(model, settings.additional_target)
-    model = get_peft_model(model, config)
+    with warnings.catch_warnings():  # peft 0.21 reads transformers' deprecated alias: noise in every LoRA run's log
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        model = get_peft_model(model, config)
     report_unadapted_linears(model, targets, left_out)
     if not settings.pissa_init:  # PiSSA's matrices come from the base weights' SVD: keep them
         initialize_adapter_weights(model)
