@@ -1,4 +1,5 @@
-"""label_smoothing_factor and neftune_noise_alpha under the sharding engines, 2 processes on CPU.
+"""label_smoothing_factor, the DFT and EAFT token weightings and neftune_noise_alpha under the sharding engines,
+2 processes on CPU.
 
 The smoothed loss is computed inside the output layer's forward (the chunked loss), where FSDP and ZeRO-3 have
 gathered the head's weight: the same losses as one process. NEFTune draws its noise per rank, so its runs are
@@ -39,3 +40,20 @@ def test_neftune_trains_under_zero3(tiny_model_dir, tmp_path):
     train(tiny_model_dir, tmp_path, "lora", 2, 2, "deepspeed=z3", "neftune_noise_alpha=5", "max_steps=6")
     found = losses(tmp_path)
     assert all(math.isfinite(x) for x in found) and found[-1] < found[0]
+
+
+# The token weightings (DFT; EAFT at alpha 2) are computed in the same place: one process against the sharding
+# engines, LoRA under ZeRO-3 (its head is not sharded there, the gathered path is the full fine-tune's).
+WEIGHTINGS = {"dft": ("use_dft_loss=true",), "eaft": ("use_eaft_loss=true", "eaft_alpha=2")}
+
+
+@pytest.mark.parametrize(("weighting", "engine", "finetuning"), [
+    ("eaft", "fsdp2", "full"),
+    pytest.param("dft", "zero3", "full", marks=pytest.mark.matrix),
+    pytest.param("eaft", "zero3", "lora", marks=pytest.mark.matrix),
+])
+def test_token_weighting_matches_one_process(weighting, engine, finetuning, tiny_model_dir, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    train(tiny_model_dir, one, finetuning, 1, 4, *WEIGHTINGS[weighting])
+    train(tiny_model_dir, two, finetuning, 2, 2, *ENGINES[engine], *WEIGHTINGS[weighting])
+    assert losses(two) == pytest.approx(losses(one), rel=2e-3)

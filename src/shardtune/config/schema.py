@@ -309,6 +309,11 @@ class TrainConfig:
         minimum=0, exclusive_minimum=True)
     label_smoothing_factor: float = _key(0.0, "label smoothing of the cross entropy (0: none)", TRAIN,
                                          minimum=0, maximum=1)
+    use_dft_loss: bool = _key(False, "sft/pt: DFT loss, each token's cross entropy scaled by its probability (taken as "
+                              "a constant), as LLaMA-Factory's use_dft_loss", TRAIN)
+    use_eaft_loss: bool = _key(False, "sft/pt: EAFT loss, each token's cross entropy scaled by (entropy of its top-20 "
+                               "logits / 3) ^ eaft_alpha (a constant), as LLaMA-Factory's use_eaft_loss", TRAIN)
+    eaft_alpha: float = _key(1.0, "use_eaft_loss: the power of the entropy weight", TRAIN, minimum=0)
     moe_aux_loss_coef: float | None = _key(
         None, "mixture-of-experts: coefficient of the router's load-balancing loss added to the loss (null: the "
               "model's router_aux_loss_coef; 0: none)", TRAIN, minimum=0)

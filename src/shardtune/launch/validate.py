@@ -72,6 +72,25 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
     problems += streaming_key_problems(c)
     problems += optimizer_key_problems(c)
     problems += preference_key_problems(c)
+    problems += token_weighting_problems(c)
+    return problems
+
+
+def token_weighting_problems(c: TrainConfig) -> list[str]:
+    """use_dft_loss / use_eaft_loss reweight the sft/pt token loss; one at a time, and not on smoothed targets."""
+    chosen = [key for key in ("use_dft_loss", "use_eaft_loss") if getattr(c, key)]
+    problems = []
+    if len(chosen) > 1:
+        problems.append("use_dft_loss (true) and use_eaft_loss (true) each reweight the token loss; choose one")
+    if chosen and c.stage not in ("sft", "pt"):
+        problems.append(f"{chosen[0]} (true) reweights the sft/pt token loss; stage {c.stage} has its own loss: "
+                        "remove it")
+    if chosen and c.label_smoothing_factor > 0:
+        problems.append(f"{chosen[0]} (true) with label_smoothing_factor ({c.label_smoothing_factor}): the weight is "
+                        "the target's own probability or entropy, not a smoothed target's; remove one")
+    if c.eaft_alpha != TrainConfig.eaft_alpha and not c.use_eaft_loss:
+        problems.append(f"eaft_alpha ({c.eaft_alpha}) is read with use_eaft_loss: true only; set it or remove "
+                        "eaft_alpha")
     return problems
 
 

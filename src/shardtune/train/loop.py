@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from shardtune.engines.base import Engine
-from shardtune.train.loss import DEFAULT_LOSS_CHUNK_SIZE, causal_lm_loss_terms
+from shardtune.train.loss import DEFAULT_LOSS_CHUNK_SIZE, TokenWeighting, causal_lm_loss_terms
 from shardtune.train.sequence_shards import sequence_shard, spans_of
 
 IGNORE_INDEX = -100
@@ -40,6 +40,7 @@ class LoopSettings:
     eval_each_epoch: bool = False
     loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
     label_smoothing: float = 0.0
+    token_weighting: TokenWeighting | None = None  # use_dft_loss / use_eaft_loss (train/loss.py)
     router_aux_loss_coef: float | None = None  # MoE: add coef x the router's auxiliary loss (model/moe.py)
     # A preference stage's step (train/preference_step.py) in place of the token loss; None for sft and pt.
     objective: Objective | None = None
@@ -153,7 +154,8 @@ def accumulation_windows(batches: Iterable[Batch], size: int) -> Iterator[list[B
 
 def train_step(engine: Engine, window: list[Batch], max_grad_norm: float,
                loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE, label_smoothing: float = 0.0,
-               router_aux_loss_coef: float | None = None, stop_requested: bool = False) -> dict[str, float]:
+               router_aux_loss_coef: float | None = None, stop_requested: bool = False,
+               token_weighting: TokenWeighting | None = None) -> dict[str, float]:
     """Forward/backward every micro-batch of one window, then one optimizer step.
 
     Two collectives besides the engine's own: the window's trainable-token count before the first backward, and
@@ -178,7 +180,7 @@ def train_step(engine: Engine, window: list[Batch], max_grad_norm: float,
         with sequence_scope(engine, batch):
             with engine.accumulation_context(is_last_micro_batch=i == len(window) - 1), engine.autocast():
                 loss_sum, aux = micro_batch_losses(engine.model, batch, loss_chunk_size, label_smoothing,
-                                                   router_aux_loss_coef is not None)
+                                                   router_aux_loss_coef is not None, token_weighting)
             loss = loss_sum * engine.loss_scale_for_mean_reduction / denominator
             if aux is not None and router_aux_loss_coef is not None:
                 loss = loss + aux * (router_aux_loss_coef * aux_share * engine.loss_scale_for_mean_reduction)
@@ -204,12 +206,13 @@ def train_step(engine: Engine, window: list[Batch], max_grad_norm: float,
 
 
 def micro_batch_losses(model: torch.nn.Module, batch: Batch, chunk_size: int, label_smoothing: float,
-                       router_aux: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       router_aux: bool, weighting: TokenWeighting | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The summed token loss of one micro-batch and, for an MoE model, its router auxiliary loss."""
     inputs = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
     shifted = "shift_labels" in batch
     labels = batch["shift_labels"] if shifted else batch["labels"]
-    return causal_lm_loss_terms(model, inputs, labels, chunk_size, label_smoothing, router_aux, shifted)
+    return causal_lm_loss_terms(model, inputs, labels, chunk_size, label_smoothing, router_aux, shifted, weighting)
 
 
 @torch.no_grad()
@@ -250,7 +253,7 @@ def run_loop(engine: Engine, epoch_batches: Callable[[int, int], Iterable[Batch]
                 stop = hooks.should_stop()
             else:
                 metrics = train_step(engine, window, s.max_grad_norm, s.loss_chunk_size, s.label_smoothing,
-                                     s.router_aux_loss_coef, hooks.stop_requested())
+                                     s.router_aux_loss_coef, hooks.stop_requested(), s.token_weighting)
                 stop = metrics.pop("stop") > 0
             metrics["data_seconds"] = data_seconds  # waiting for this window's batches
             state.global_step += 1

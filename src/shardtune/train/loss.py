@@ -28,6 +28,10 @@ Why this shape:
 * Heads whose logits the model changes after the head (Gemma's soft-cap, Cohere's and Granite's scales) or
   that are not a plain ``nn.Linear`` (quantized, LoRA on the head) use the plain path, with a warning naming
   the reason; a model that changes the returned value anyway is caught by comparing it with the loss computed.
+* LLaMA-Factory's token weightings (``TokenWeighting``): DFT scales each token's cross entropy by its target's
+  probability and EAFT by a power of the model's entropy over its 20 largest logits, both weights taken as
+  constants (no gradient through them), as LLaMA-Factory's ``dft_loss_func`` / ``eaft_loss_func`` define them. The
+  weight is a per-row factor on the row's loss and on its logits' gradient, so both paths apply it the same way.
 * Mixed precision follows what autocast does to ``nn.Linear`` in the plain path: chunk logits are computed in
   the autocast dtype, then the loss in fp32; the logits' gradient is rounded to that dtype before both
   matmuls. The weight gradient is summed over chunks in fp32 (also for a bf16 weight, as FSDP's mixed
@@ -60,6 +64,28 @@ LOGIT_POSTPROCESSING_KEYS = ("final_logit_softcapping", "logit_scale", "logits_s
                              "output_multiplier_scale")
 
 
+EAFT_TOP_K = 20  # the logits EAFT's entropy is taken over (LLaMA-Factory's _eaft_cross_entropy)
+EAFT_ENTROPY_SCALE = 3.0  # and the entropy's divisor there
+
+
+@dataclass(frozen=True)
+class TokenWeighting:
+    """``use_dft_loss`` (``kind="dft"``) or ``use_eaft_loss`` with ``eaft_alpha`` (``kind="eaft"``)."""
+
+    kind: str
+    alpha: float = 1.0
+
+    def weights(self, logits: torch.Tensor, token_loss: torch.Tensor) -> torch.Tensor:
+        """Each row's weight (no gradient) from its fp32 logits and its cross entropy."""
+        with torch.no_grad():
+            if self.kind == "dft":
+                return torch.exp(-token_loss)
+            top = logits.topk(min(EAFT_TOP_K, logits.size(-1)), dim=-1).values
+            log_probs = top - top.logsumexp(dim=-1, keepdim=True)
+            entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
+            return (entropy / EAFT_ENTROPY_SCALE).pow(self.alpha)
+
+
 def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
     """``labels`` shifted left by one: position i is scored on token i + 1; the last position on nothing."""
     targets = torch.full_like(labels, IGNORE_INDEX)
@@ -68,13 +94,18 @@ def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
 
 
 def plain_loss_sum(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0,
-                   shifted: bool = False) -> torch.Tensor:
+                   shifted: bool = False, weighting: TokenWeighting | None = None) -> torch.Tensor:
     """Summed fp32 cross entropy over the full logits (the reference the chunked path must match). ``shifted``:
     ``labels`` are already each position's next token (a sequence-parallel slice, shifted over the whole row)."""
     shift_logits = logits.float() if shifted else logits[:, :-1, :].float()
     shift_labels = labels if shifted else labels[:, 1:]
-    return F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=label_smoothing)
+    flat_logits, flat_labels = shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1)
+    if weighting is None:
+        return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum",
+                               label_smoothing=label_smoothing)
+    kept = flat_labels != IGNORE_INDEX
+    token_loss = F.cross_entropy(flat_logits[kept], flat_labels[kept], reduction="none")
+    return (token_loss * weighting.weights(flat_logits[kept], token_loss)).sum()
 
 
 def causal_lm_loss_sum(model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor,
@@ -89,8 +120,8 @@ def causal_lm_loss_sum(model: torch.nn.Module, inputs: dict[str, Any], labels: t
 
 
 def causal_lm_loss_terms(model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor, chunk_size: int,
-                         label_smoothing: float = 0.0, router_aux: bool = False, shifted: bool = False
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         label_smoothing: float = 0.0, router_aux: bool = False, shifted: bool = False,
+                         weighting: TokenWeighting | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``causal_lm_loss_sum`` and, with ``router_aux``, the router's auxiliary loss of the same forward (the
     model's ``aux_loss`` with ``output_router_logits=True``; unscaled, a mean over this batch's tokens).
     ``shifted``: ``labels`` are already the next-token targets (``plain_loss_sum``)."""
@@ -101,14 +132,15 @@ def causal_lm_loss_terms(model: torch.nn.Module, inputs: dict[str, Any], labels:
     head = chunkable_output_layer(model) if chunk_size > 0 else None
     if head is None:
         output = model(**call_inputs)
-        return plain_loss_sum(output.logits, labels, label_smoothing, shifted), _aux_loss(output, router_aux)
+        return (plain_loss_sum(output.logits, labels, label_smoothing, shifted, weighting),
+                _aux_loss(output, router_aux))
     targets = labels if shifted else next_token_targets(labels)
-    with _head_computes_loss(head, targets, chunk_size, label_smoothing) as call:
+    with _head_computes_loss(head, targets, chunk_size, label_smoothing, weighting) as call:
         output = model(**call_inputs)
     logits, aux = output.logits, _aux_loss(output, router_aux)
     if not call.ran:
         # The model never called its output layer: it produced the logits some other way.
-        return plain_loss_sum(logits, labels, label_smoothing, shifted), aux
+        return plain_loss_sum(logits, labels, label_smoothing, shifted, weighting), aux
     assert call.loss is not None
     if logits.shape != (1, 1, 1) or not torch.equal(logits.detach().reshape(()), call.loss.detach()):
         raise ModelError(f"loss_chunk_size ({chunk_size}): the model changed what its output layer returned (a "
@@ -195,7 +227,8 @@ class _HeadCall:
 
 @contextlib.contextmanager
 def _head_computes_loss(head: torch.nn.Linear, targets: torch.Tensor, chunk_size: int,
-                        label_smoothing: float = 0.0) -> Iterator[_HeadCall]:
+                        label_smoothing: float = 0.0, weighting: TokenWeighting | None = None
+                        ) -> Iterator[_HeadCall]:
     call = _HeadCall()
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
@@ -206,7 +239,8 @@ def _head_computes_loss(head: torch.nn.Linear, targets: torch.Tensor, chunk_size
             raise ModelError(f"loss_chunk_size ({chunk_size}): the output layer's input {tuple(hidden.shape)} does "
                              f"not match the labels {tuple(targets.shape)}; set loss_chunk_size: 0")
         call.ran = True
-        call.loss = linear_cross_entropy_sum(hidden, head.weight, head.bias, targets, chunk_size, label_smoothing)
+        call.loss = linear_cross_entropy_sum(hidden, head.weight, head.bias, targets, chunk_size, label_smoothing,
+                                             weighting)
         return call.loss.reshape(1, 1, 1)
 
     # An instance attribute: nn.Module.__call__ still runs every hook around it (mypy models only methods here).
@@ -218,7 +252,8 @@ def _head_computes_loss(head: torch.nn.Linear, targets: torch.Tensor, chunk_size
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                             targets: torch.Tensor, chunk_size: int, label_smoothing: float = 0.0) -> torch.Tensor:
+                             targets: torch.Tensor, chunk_size: int, label_smoothing: float = 0.0,
+                             weighting: TokenWeighting | None = None) -> torch.Tensor:
     """``cross_entropy(hidden @ weight.T + bias, targets, reduction="sum", label_smoothing=...)`` over rows whose
     target is not IGNORE_INDEX, ``chunk_size`` rows at a time, in the dtype autocast would give the head."""
     rows = hidden.reshape(-1, hidden.size(-1))
@@ -228,7 +263,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: t
     # collectives and every parameter gets a (zero) gradient.
     return _ChunkedLinearCrossEntropy.apply(rows.index_select(0, kept), weight, bias, flat.index_select(0, kept),
                                             chunk_size, _compute_dtype(hidden, weight), label_smoothing,
-                                            torch.is_grad_enabled())
+                                            torch.is_grad_enabled(), weighting)
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -251,7 +286,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 targets: torch.Tensor, chunk_size: int, dtype: torch.dtype, smoothing: float,
-                grads_wanted: bool) -> torch.Tensor:
+                grads_wanted: bool, weighting: TokenWeighting | None) -> torch.Tensor:
         need_rows, need_weight, need_bias = (grads_wanted and flag for flag in ctx.needs_input_grad[:3])
         grads = _HeadGrads(
             rows=torch.empty_like(rows) if need_rows else None,
@@ -266,7 +301,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             for start in range(0, rows.size(0), chunk_size):
                 end = min(start + chunk_size, rows.size(0))
                 total += _chunk_loss_and_grads(rows[start:end], w, b, targets[start:end], dtype, smoothing,
-                                               grads.chunk(start, end))
+                                               grads.chunk(start, end), weighting)
         ctx.grads = grads
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.weight_dtype = weight.dtype
@@ -284,7 +319,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         scaled = [g.mul_(grad_total) if g is not None else None for g in (grads.rows, grads.weight, grads.bias)]
         grad_weight = scaled[1].to(ctx.weight_dtype) if scaled[1] is not None else None  # rounded once
         grad_bias = scaled[2].to(ctx.bias_dtype) if scaled[2] is not None else None
-        return scaled[0], grad_weight, grad_bias, None, None, None, None, None
+        return scaled[0], grad_weight, grad_bias, None, None, None, None, None, None
 
 
 @dataclass
@@ -311,29 +346,36 @@ def _chunk_logits(chunk: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, 
 
 
 def _chunk_loss_and_grads(chunk: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, targets: torch.Tensor,
-                          dtype: torch.dtype, smoothing: float, grads: _HeadGrads) -> torch.Tensor:
+                          dtype: torch.dtype, smoothing: float, grads: _HeadGrads,
+                          weighting: TokenWeighting | None = None) -> torch.Tensor:
     """Summed cross entropy of one chunk, and its share of the gradients added into ``grads``.
 
     The softmax is formed in place from the logits (one fp32 ``[chunk, vocab]`` tensor alive). With label
     smoothing a row's loss is ``lse - (1 - eps) * z_target - eps * mean(z)`` (the mean over the vocabulary of
     ``-log p`` is ``lse - mean(z)``) and its logits' gradient is the softmax minus ``1 - eps`` on the target and
     ``eps / V`` everywhere. The logits' gradient is rounded to ``dtype`` before both matmuls, as autocast's
-    backward of ``nn.Linear`` does.
+    backward of ``nn.Linear`` does. A token weighting multiplies each row's loss and logits' gradient by the row's
+    weight (read from the logits before the softmax overwrites them).
     """
     logits = _chunk_logits(chunk, w, b, dtype)
     picked = logits.gather(1, targets[:, None]).squeeze(1)
     spread = logits.mean(dim=1) if smoothing else None
+    top = logits.topk(min(EAFT_TOP_K, logits.size(1)), dim=1).values if weighting is not None else None
     peak = logits.amax(dim=1, keepdim=True)
     probs = logits.sub_(peak).exp_()
     sums = probs.sum(dim=1)
     lse = sums.log().add_(peak.squeeze(1))
-    loss = (lse - picked).sum() if spread is None else (lse - (1.0 - smoothing) * picked - smoothing * spread).sum()
+    token_loss = lse - picked if spread is None else lse - (1.0 - smoothing) * picked - smoothing * spread
+    row_weights = weighting.weights(top, token_loss) if weighting is not None and top is not None else None
+    loss = (token_loss if row_weights is None else token_loss * row_weights).sum()
     if grads.rows is None and grads.weight is None and grads.bias is None:
         return loss
     probs.div_(sums[:, None])
     if smoothing:
         probs.sub_(smoothing / probs.size(1))
     probs[torch.arange(probs.size(0), device=probs.device), targets] -= 1.0 - smoothing
+    if row_weights is not None:
+        probs.mul_(row_weights[:, None])
     grad_logits = probs.to(w.dtype)
     del logits, probs  # the fp32 copy is freed before the products when the compute dtype is narrower
     if grads.rows is not None:
