@@ -20,6 +20,9 @@ REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "llamafactory_examples"
 MANIFEST = FIXTURES / "manifest.yaml"
 MODEL, OUTPUT, DATA_DIR = "__MODEL__", "__OUTPUT__", "__DATA_DIR__"
+# A file written for a LLaMA-Pro expanded model (its freeze_trainable_layers is the number of blocks added): the tiny
+# model at 8 layers, expanded by 8 blocks with `shardtune expand-model`, built once under the model's folder.
+LLAMA_PRO_MODEL, LLAMA_PRO_BLOCKS = "__LLAMA_PRO_MODEL__", 8
 RUNS, REFUSED, NOT_TRAINING = "runs", "refused: ", "not training: "
 NEEDS_GPU, RUNS_ON_GPU = "needs a GPU: ", "runs on a GPU: "
 
@@ -45,11 +48,24 @@ def make_work_folder(work: Path) -> Path:
 def filled_in(relative: str, work: Path, model: Path, output: Path) -> Path:
     """The fixture mirroring ``relative``, its placeholders replaced, written under ``work`` (same relative path)."""
     text = (FIXTURES / relative).read_text(encoding="utf-8")
+    if LLAMA_PRO_MODEL in text:
+        text = text.replace(LLAMA_PRO_MODEL, str(llama_pro_model(model.parent / "llama-pro-expanded")))
     text = text.replace(MODEL, str(model)).replace(OUTPUT, str(output)).replace(DATA_DIR, str(work / "data"))
     path = work / "configs" / relative
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
     return path
+
+
+def llama_pro_model(folder: Path) -> Path:
+    """The tiny model at 8 layers expanded by ``LLAMA_PRO_BLOCKS`` blocks (written once)."""
+    if not (folder / "config.json").is_file():
+        from shardtune.model.llama_pro import expand_model
+        from shardtune.model.tiny import build_tiny_model
+
+        base = build_tiny_model(folder.with_name(folder.name + "-base"), layers=LLAMA_PRO_BLOCKS)
+        expand_model(str(base), str(folder), LLAMA_PRO_BLOCKS)
+    return folder
 
 
 def first_error(stderr: str) -> str:

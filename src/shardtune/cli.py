@@ -18,6 +18,8 @@ commands:
                                                          talk to a trained model (interactive, or one-shot)
   eval OUTPUT [CONFIG.yaml] [key=value ...]              generate for eval_dataset and score it (BLEU, ROUGE)
   make-tiny-model --out DIR [--arch NAME --layers N ...]  write a random tiny model + local tokenizer
+  expand-model MODEL --out DIR --num-expand N            LLaMA-Pro: insert N zero-output copies of decoder layers
+                                                         (then train them with use_llama_pro: true)
   slurm CONFIG.yaml --nodes N --gpus-per-node G [--partition P --time T --account A --submit]
                                                          write (and submit) an sbatch script for the config
   k8s CONFIG.yaml --nodes N --gpus-per-node G --image IMG [--kind pytorchjob|trainjob --namespace NS]
@@ -43,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     handlers = {"train": _train, "check": _check, "estimate": _estimate, "export": _export, "chat": _chat,
-                "eval": _eval, "make-tiny-model": _make_tiny_model, "keys": _keys, "convert-config": _convert_config,
+                "eval": _eval, "make-tiny-model": _make_tiny_model, "expand-model": _expand_model, "keys": _keys,
+                "convert-config": _convert_config,
                 "slurm": _slurm, "k8s": _k8s, "doctor": _doctor, "status": _status, "web": _web}
     if command not in handlers:
         print(f"shardtune: unknown command '{command}'\n\n{USAGE}", file=sys.stderr)
@@ -141,6 +144,33 @@ def _eval(args: list[str]) -> int:
     from shardtune.launch.evaluate import eval_command
 
     return eval_command(args)
+
+
+def _expand_model(args: list[str]) -> int:
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="shardtune expand-model",
+                                     description="LLaMA-Pro block expansion (LLaMA-Factory's scripts/llama_pro.py)")
+    parser.add_argument("model", help="the model folder to expand")
+    parser.add_argument("--out", required=True, help="output folder (new or empty)")
+    parser.add_argument("--num-expand", type=int, required=True,
+                        help="blocks to insert; must divide the layers (train with freeze_trainable_layers: N)")
+    ns = parser.parse_args(args)
+    from shardtune.errors import ModelError
+    from shardtune.paths import listed, user_entries
+
+    if not (Path(ns.model) / "config.json").is_file():
+        raise ModelError(f"expand-model: {ns.model} is not a model folder (no config.json)")
+    entries = user_entries(Path(ns.out))
+    if entries:
+        raise ModelError(f"expand-model: --out {ns.out} is not empty ({listed(entries)}); give a new or empty folder")
+    from shardtune.model.llama_pro import expand_model
+
+    out = expand_model(ns.model, ns.out, ns.num_expand)
+    print(f"expanded model written to {out}: train the new blocks with use_llama_pro: true and "
+          f"freeze_trainable_layers: {ns.num_expand}")
+    return 0
 
 
 def _make_tiny_model(args: list[str]) -> int:

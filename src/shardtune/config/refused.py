@@ -42,15 +42,13 @@ OTHER_BACKEND_KEYS = frozenset((KTRANSFORMERS_KEYS + " " + MEGATRON_KEYS + " use
 # Training variants of LLaMA-Factory that shardtune does not implement, each with what to use instead.
 _ASFT = ("the ASFT loss (use_asft_loss: DFT with a KL anchor to the reference model, asft_alpha) is not implemented; "
          "use use_dft_loss: true (DFT without the anchor), or stage: dpo with a reference model to stay near it")
-_LLAMA_PRO = ("LLaMA-Pro (use_llama_pro: train only blocks added by LLaMA-Factory's expand script) is not implemented; "
-              "use finetuning_type: freeze with freeze_trainable_layers, or lora")
 _MOD = ("mixture of depths (tokens routed past layers, which changes the model's architecture) is not implemented; "
         "remove it")
 _OFT = ("OFT (orthogonal fine-tuning) is not implemented; use finetuning_type: lora (use_dora: true for a "
         "magnitude-and-direction update)")
 VARIANT_REASONS = {
     **_group(_ASFT, "use_asft_loss asft_alpha"),
-    **_group(_LLAMA_PRO, "use_llama_pro"), **_group(_MOD, "mixture_of_depths"),
+    **_group(_MOD, "mixture_of_depths"),
     **_group(_OFT, "oft_block_size oft_rank oft_target module_dropout"),
     **_group("accuracy during evaluation (compute_accuracy) is not computed by shardtune, which reports eval_loss; "
              "remove it", "compute_accuracy"),

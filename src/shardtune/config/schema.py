@@ -119,6 +119,9 @@ class TrainConfig:
         2, "freeze: train the last N decoder layers (negative: the first -N)", FINETUNE)
     freeze_trainable_modules: list[str] = _key(
         ["all"], "freeze: module names inside the trainable layers, or 'all'", FINETUNE)
+    use_llama_pro: bool = _key(False, "freeze / lora: train only the blocks a LLaMA-Pro expansion added (every "
+                               "(layers / freeze_trainable_layers)-th layer; `shardtune expand-model` adds them)",
+                               FINETUNE)
     freeze_vision_tower: bool = _key(True, "image-text models: do not train the vision tower (LoRA leaves it "
                                            "unadapted)", FINETUNE)
     freeze_multi_modal_projector: bool = _key(True, "image-text models: do not train the projector between the "

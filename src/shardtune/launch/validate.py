@@ -101,6 +101,9 @@ def schedule_problems(c: TrainConfig) -> list[str]:
     if 0 < c.max_steps <= c.warmup_steps:
         problems.append(f"warmup_steps ({c.warmup_steps}) is not below max_steps ({c.max_steps}): the learning rate "
                         "would never reach learning_rate; lower warmup_steps")
+    if c.use_llama_pro and c.finetuning_type not in ("freeze", "lora"):
+        problems.append(f"use_llama_pro (true) trains the expanded blocks under finetuning_type freeze or lora, not "
+                        f"{c.finetuning_type}; choose one of those")
     if c.finetuning_type == "freeze" and c.freeze_trainable_layers == 0:
         problems.append("freeze_trainable_layers (0) selects no layer to train; give N > 0 (the last N decoder "
                         "layers) or -N (the first N)")
@@ -342,7 +345,8 @@ def file_problems(c: TrainConfig) -> list[str]:
     model = c.model_name_or_path
     if model is not None and not (c.build_tiny_model_if_missing and not Path(model).exists()):
         model_problems = model_path_problems(model)
-        problems += model_problems or attention_problems(c) + moe_problems(c) + mistyped_target_problems(c)
+        problems += model_problems or (attention_problems(c) + moe_problems(c) + mistyped_target_problems(c)
+                                       + layer_problems(c))
     if c.output_dir is not None:
         problems += output_dir_problems(c)
     problems += write_problems(c)
@@ -354,6 +358,23 @@ def file_problems(c: TrainConfig) -> list[str]:
         key = "resume_from_checkpoint" if c.resume_from_checkpoint else f"output_dir (resuming from {resume})"
         problems += checkpoint_problems(resume, key)
     return problems
+
+
+def layer_problems(c: TrainConfig) -> list[str]:
+    """freeze_trainable_layers against the model's decoder layers (config.json), as freeze tuning and LLaMA-Pro
+    will choose them on the ranks."""
+    if c.finetuning_type != "freeze" and not c.use_llama_pro:
+        return []
+    from shardtune.model.adapters import layer_count_problem
+    from shardtune.model.attention import known_model_config
+
+    known = known_model_config(c.model_name_or_path or "", builds_tiny_model=c.build_tiny_model_if_missing) or {}
+    nested = known.get("text_config")
+    layers = (nested if isinstance(nested, dict) else known).get("num_hidden_layers")
+    if type(layers) is not int:
+        return []
+    problem = layer_count_problem(layers, c.freeze_trainable_layers, c.use_llama_pro)
+    return [problem] if problem else []
 
 
 def attention_problems(c: TrainConfig) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shardtune.errors import ConfigError
@@ -26,6 +26,7 @@ class FinetuningSettings:
     lora_target: tuple[str, ...] = ("all",)
     freeze_trainable_layers: int = 2
     freeze_trainable_modules: tuple[str, ...] = ("all",)
+    llama_pro: bool = False  # use_llama_pro: only the expanded blocks train (freeze) or get adapters (lora)
     gradient_checkpointing: bool = False
     checkpointing_kwargs: dict[str, Any] = field(default_factory=dict)  # torch.utils.checkpoint arguments
     is_quantized: bool = False
@@ -63,7 +64,7 @@ def apply_finetuning(model: Any, settings: FinetuningSettings) -> Any:
     elif settings.finetuning_type == "frozen":  # a model that is never trained (a preference run's reference)
         model.requires_grad_(False)
     elif settings.finetuning_type == "freeze":
-        apply_freeze(model, settings.freeze_trainable_layers, settings.freeze_trainable_modules)
+        apply_freeze(model, settings.freeze_trainable_layers, settings.freeze_trainable_modules, settings.llama_pro)
         if settings.score_head:
             model.get_submodule(SCORE_LAYER).requires_grad_(True)
         if settings.gradient_checkpointing:
@@ -123,14 +124,40 @@ def decoder_layer_prefixes(model: Any) -> list[str]:
     return list(seen)
 
 
-def apply_freeze(model: Any, trainable_layers: int, modules: tuple[str, ...]) -> None:
-    """Train only the last ``trainable_layers`` decoder layers (the first ``-n`` when negative)."""
-    layers = decoder_layer_prefixes(model)
+def trainable_layer_ids(num_layers: int, trainable_layers: int, llama_pro: bool = False) -> list[int]:
+    """The decoder layers freeze tuning trains: the last ``trainable_layers`` (the first ``-n`` when negative); with
+    LLaMA-Pro the blocks its expansion inserted, the last of every ``num_layers / trainable_layers`` (LLaMA-Factory's
+    rule). A ConfigError when the numbers do not fit the model."""
+    problem = layer_count_problem(num_layers, trainable_layers, llama_pro)
+    if problem:
+        raise ConfigError(problem)
+    if llama_pro:
+        stride = num_layers // trainable_layers
+        return list(range(stride - 1, num_layers, stride))
     count = abs(trainable_layers)
-    if count == 0 or count > len(layers):
-        raise ConfigError(f"freeze_trainable_layers ({trainable_layers}): the model has {len(layers)} layers; "
-                          f"use 1..{len(layers)} (or a negative number for the first layers)")
-    chosen = layers[-count:] if trainable_layers > 0 else layers[:count]
+    return list(range(num_layers - count, num_layers)) if trainable_layers > 0 else list(range(count))
+
+
+def layer_count_problem(num_layers: int, trainable_layers: int, llama_pro: bool) -> str | None:
+    """What is wrong with ``freeze_trainable_layers`` for a model of ``num_layers`` decoder layers (also checked on
+    the launching host from config.json)."""
+    if llama_pro:
+        if trainable_layers <= 0 or num_layers % trainable_layers:
+            return (f"use_llama_pro: freeze_trainable_layers ({trainable_layers}) must be the number of blocks the "
+                    f"expansion added, which divides the model's {num_layers} layers; `shardtune expand-model` "
+                    "writes such a model")
+        return None
+    count = abs(trainable_layers)
+    if count == 0 or count > num_layers:
+        return (f"freeze_trainable_layers ({trainable_layers}): the model has {num_layers} layers; use "
+                f"1..{num_layers} (or a negative number for the first layers)")
+    return None
+
+
+def apply_freeze(model: Any, trainable_layers: int, modules: tuple[str, ...], llama_pro: bool = False) -> None:
+    """Train only the decoder layers ``trainable_layer_ids`` chooses, and in them ``modules`` (or all)."""
+    layers = decoder_layer_prefixes(model)
+    chosen = [layers[i] for i in trainable_layer_ids(len(layers), trainable_layers, llama_pro)]
     wanted = set(modules)
     matched = False
     for name, param in model.named_parameters():
@@ -293,6 +320,8 @@ def apply_lora(model: Any, settings: FinetuningSettings) -> Any:
         if missing:
             raise ConfigError(f"lora_target: {','.join(missing)} not found in the model; "
                               f"linear modules are: {','.join(available)}")
+    if settings.llama_pro:
+        targets = expanded_block_targets(model, targets, settings.freeze_trainable_layers)
     left_out = _frozen_targets(model, targets, settings.frozen_parts)
     if settings.is_quantized:
         # peft enables checkpointing again: with our arguments, not with its own (it would drop use_reentrant: false
@@ -329,6 +358,18 @@ def apply_lora(model: Any, settings: FinetuningSettings) -> Any:
         # Frozen embeddings give inputs without grad; checkpointed blocks then see no grad path.
         model.enable_input_require_grads()
     return model
+
+
+def expanded_block_targets(model: Any, targets: LoraTargets, trainable_layers: int) -> LoraTargets:
+    """LLaMA-Pro under LoRA: the targeted Linear layers of the expanded blocks only, by their full names."""
+    import torch
+
+    layers = decoder_layer_prefixes(model)
+    blocks = tuple(layers[i] + "." for i in trainable_layer_ids(len(layers), trainable_layers, llama_pro=True))
+    wanted = None if targets.modules == "all-linear" else set(targets.modules)
+    names = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
+             and name.startswith(blocks) and (wanted is None or name.rsplit(".", 1)[-1] in wanted)]
+    return replace(targets, modules=names)
 
 
 def _frozen_targets(model: Any, targets: LoraTargets, frozen: FrozenParts) -> list[str]:

@@ -54,6 +54,7 @@ def finetuning_settings(c: TrainConfig) -> FinetuningSettings:
         lora_target=tuple(c.lora_target),
         freeze_trainable_layers=c.freeze_trainable_layers,
         freeze_trainable_modules=tuple(c.freeze_trainable_modules),
+        llama_pro=c.use_llama_pro,
         gradient_checkpointing=c.gradient_checkpointing,
         checkpointing_kwargs=dict(c.gradient_checkpointing_kwargs or {}),
         is_quantized=c.quantization_bit is not None,
