@@ -235,8 +235,11 @@ def test_padding_free_rows_give_the_padded_loss_and_gradients(finetuning, attn) 
         found.append((float(loss), int(count), {n: p.grad for n, p in copy_.named_parameters() if p.requires_grad}))
     assert found[0][1] == found[1][1]
     assert found[1][0] == pytest.approx(found[0][0], rel=1e-5)
+    # Relative to each gradient's norm: an element near zero differs by fp32 summation order alone (2e-6 here on
+    # a gradient whose largest element is 7.6; the kernels' order depends on the CPU's vector width).
     for name, grad in found[0][2].items():
-        torch.testing.assert_close(found[1][2][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+        difference = float((found[1][2][name] - grad).norm() / grad.norm().clamp(min=1e-30))
+        assert difference < 1e-5, f"{name}: relative difference {difference:.2e}"
 
 
 def test_padding_free_keeps_rows_that_cannot_share() -> None:
