@@ -50,7 +50,7 @@ CELLS = {
 # processes agree to 3e-5 while training moves the logits by 0.3 (measured 2026-11-27).
 CELL_KEYS = {(family, engine, "full"): ("learning_rate=1e-4",)
              for family, engine, finetuning in CELLS if family == "image-text:gemma4" and finetuning == "full"}
-SLICE = {("deepseek_v32", "ddp", "lora"), ("olmo_hybrid", "zero3", "full"), ("image-text:qwen3_5", "zero3", "full")}
+SLICE = {("deepseek_v32", "ddp", "lora"), ("olmo_hybrid", "zero3", "full"), ("image-text:qwen3_5", "fsdp2", "full")}
 
 
 def cells() -> list:
