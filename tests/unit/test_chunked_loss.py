@@ -233,16 +233,22 @@ def test_a_head_that_sees_only_some_positions_is_refused():
         causal_lm_loss_sum(tiny_llama(), inputs, batch["labels"], 4)
 
 
-@pytest.mark.parametrize("smoothing", [0.0, 0.1])
-def test_the_function_matches_cross_entropy_directly(smoothing):
-    """Loss and the gradients of hidden states, weight and bias against autograd through F.cross_entropy (fp64),
-    with an incoming gradient other than 1 (the loop scales the loss before its backward)."""
+def random_head_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp64 hidden states [2, 9, 16], a head's weight and bias (VOCAB rows) and targets with three masked."""
     torch.manual_seed(0)
     hidden = torch.randn(2, 9, 16, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(VOCAB, 16, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(VOCAB, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, VOCAB, (2, 9))
     targets[0, :3] = M
+    return hidden, weight, bias, targets
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_the_function_matches_cross_entropy_directly(smoothing):
+    """Loss and the gradients of hidden states, weight and bias against autograd through F.cross_entropy (fp64),
+    with an incoming gradient other than 1 (the loop scales the loss before its backward)."""
+    hidden, weight, bias, targets = random_head_inputs()
     expected = torch.nn.functional.cross_entropy((hidden @ weight.t() + bias).reshape(-1, VOCAB),
                                                  targets.reshape(-1), ignore_index=M, reduction="sum",
                                                  label_smoothing=smoothing)

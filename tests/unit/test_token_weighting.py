@@ -15,8 +15,9 @@ import torch.nn.functional as F
 
 from shardtune.train.loss import TokenWeighting, linear_cross_entropy_sum, plain_loss_sum
 from tests.conftest import REPO, run_cli
+from tests.unit.test_chunked_loss import VOCAB, random_head_inputs
 
-VOCAB, M = 50, -100
+M = -100
 
 
 def reference_weighted_sum(logits: torch.Tensor, targets: torch.Tensor, weighting: TokenWeighting) -> torch.Tensor:
@@ -35,12 +36,7 @@ def reference_weighted_sum(logits: torch.Tensor, targets: torch.Tensor, weightin
 @pytest.mark.parametrize("weighting", [TokenWeighting("dft"), TokenWeighting("eaft", 1.0),
                                        TokenWeighting("eaft", 0.5)], ids=["dft", "eaft", "eaft-0.5"])
 def test_the_chunked_head_matches_the_definition(weighting):
-    torch.manual_seed(0)
-    hidden = torch.randn(2, 9, 16, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(VOCAB, 16, dtype=torch.float64, requires_grad=True)
-    bias = torch.randn(VOCAB, dtype=torch.float64, requires_grad=True)
-    targets = torch.randint(0, VOCAB, (2, 9))
-    targets[0, :3] = M
+    hidden, weight, bias, targets = random_head_inputs()
     expected = reference_weighted_sum((hidden @ weight.t() + bias).reshape(-1, VOCAB), targets.reshape(-1),
                                       weighting)
     reference = torch.autograd.grad(expected * 0.37, (hidden, weight, bias))
