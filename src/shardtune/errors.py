@@ -34,10 +34,22 @@ class ModelError(ShardtuneError):
 def report_error(err: ShardtuneError) -> int:
     """Print one line per problem on stderr; return the exit code for it."""
     for problem in err.problems:
-        # One line each, whatever a value in the message holds (a path ending in "\r" from a Windows file).
-        line = problem.replace("\r", "\\r").replace("\n", "\\n")
-        write_stderr_line(f"shardtune: error: {line}")
+        write_stderr_line(f"shardtune: error: {one_line(problem)}")
     return err.exit_code
+
+
+# Characters that end a line for str.splitlines() (and for readers that split as it does) or that a terminal does
+# not show: a value holding one would break the message into lines or hide its culprit.
+_LINE_BREAKING = {"\r": "\\r", "\n": "\\n", "\t": "\t"}
+
+
+def one_line(text: str) -> str:
+    """``text`` on one visible line, whatever a value in it holds (a path ending in "\\r" from a Windows file, a
+    control character in a key's value): line breaks and other control characters are written as escapes."""
+    if text.isprintable():
+        return text
+    return "".join(_LINE_BREAKING.get(char, char if char.isprintable() else f"\\x{ord(char):02x}"
+                                       if ord(char) < 0x100 else f"\\u{ord(char):04x}") for char in text)
 
 
 def write_stderr_line(line: str) -> None:

@@ -38,6 +38,7 @@ def run_check(config: str | bytes) -> tuple[int, str]:
           suppress_health_check=[HealthCheck.too_slow])
 @given(st.dictionaries(KEYS, VALUES, max_size=4))
 @example({"model_name_or_path": "0\r"})  # found by hypothesis: a value's line break must not split the message
+@example({"fsdp": ["\x1e"]})  # found by hypothesis: str.splitlines() also breaks at the record separator
 def test_mutated_configs_pass_or_exit_2(mutation):
     code, err = run_check(json.dumps({**VALID, **mutation}, default=str))
     assert code in (0, 2), err

@@ -46,6 +46,20 @@ def test_a_rank_the_others_wait_for_is_the_straggler(tmp_path):
     assert rows[1]["own_s"] == pytest.approx(0.5) and rows[0]["own_s"] == pytest.approx(0.1)
 
 
+def test_a_rank_that_stalls_every_few_steps_is_the_straggler(tmp_path):
+    # Rank 1's loader stalls one step in three (1.2 s of its own), its other steps are as fast as rank 0's.
+    write_rank(tmp_path, 0, 6, step_s=0.1)
+    write_rank(tmp_path, 1, 6, step_s=0.1)
+    path = rank_log_path(tmp_path, 1)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    for record in records:
+        if record.get("step") in (3, 6) and record["event"] == "step":
+            record["step_s"] = 1.2
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    rows = run_summary(tmp_path, read_rank_logs(tmp_path / "ranks"))["ranks"]
+    assert [r["straggler"] for r in rows] == [False, True]
+
+
 def test_even_ranks_have_no_straggler_and_a_silent_rank_is_stalled(tmp_path):
     write_rank(tmp_path, 0, 5, step_s=0.2, start_time=time.time() - 1)
     write_rank(tmp_path, 1, 5, step_s=0.2, start_time=time.time() - 100)  # its last record is 99 s old

@@ -1,9 +1,9 @@
 """Each rank's row, read from its ``ranks/rank_<R>.jsonl`` (train/rank_log.py), and the rules that flag one.
 
 A straggler is a rank whose own time per step (step time less the time it waited for the others at the loop's
-reductions), over its last steps, is more than ``STRAGGLER_RATIO`` x the median of all ranks. A stalled rank has
-written nothing for ``STALL_FACTOR`` x the median step time (and at least ``STALL_MIN_SECONDS``) while its run is
-not over; while it saves or evaluates the allowance is ``BUSY_PHASE_SECONDS``.
+reductions), averaged over its last steps, is more than ``STRAGGLER_RATIO`` x the median of all ranks. A stalled
+rank has written nothing for ``STALL_FACTOR`` x the median step time (and at least ``STALL_MIN_SECONDS``) while its
+run is not over; while it saves or evaluates the allowance is ``BUSY_PHASE_SECONDS``.
 """
 
 from __future__ import annotations
@@ -90,9 +90,11 @@ class RankLogReader:
         return bool(self.last and self.last.get("event") == "end")
 
     def own_seconds(self) -> float | None:
-        """Median over the recent steps of step time less waiting for other ranks."""
+        """Mean over the recent steps of step time less waiting for other ranks. The mean, not the median: a rank
+        whose data loader stalls one step in three holds the others back by its whole stall, which a median of the
+        recent steps would hide (the web page's straggler test missed such a rank one run in three)."""
         values = [r["step_s"] - r.get("wait_s", 0.0) for r in self.recent if "step_s" in r]
-        return statistics.median(values) if values else None
+        return statistics.fmean(values) if values else None
 
     def step_seconds(self) -> float | None:
         values = [r["step_s"] for r in self.recent if "step_s" in r]
