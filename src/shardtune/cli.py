@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     handlers = {"train": _train, "check": _check, "estimate": _estimate, "export": _export, "chat": _chat,
                 "eval": _eval, "make-tiny-model": _make_tiny_model, "expand-model": _expand_model, "keys": _keys,
-                "convert-config": _convert_config,
-                "slurm": _slurm, "k8s": _k8s, "doctor": _doctor, "status": _status, "web": _web}
+                "convert-config": _convert_config, "slurm": _slurm, "k8s": _k8s, "doctor": _doctor,
+                "status": _status, "web": _web}
     if command not in handlers:
         print(f"shardtune: unknown command '{command}'\n\n{USAGE}", file=sys.stderr)
         return 2

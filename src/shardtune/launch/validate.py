@@ -363,8 +363,7 @@ def file_problems(c: TrainConfig) -> list[str]:
 def layer_problems(c: TrainConfig) -> list[str]:
     """freeze_trainable_layers against the model's decoder layers (config.json), as freeze tuning and LLaMA-Pro
     will choose them on the ranks."""
-    if (c.finetuning_type != "freeze" and not c.use_llama_pro) or (c.freeze_trainable_layers == 0
-                                                                   and not c.use_llama_pro):
+    if not c.use_llama_pro and (c.finetuning_type != "freeze" or c.freeze_trainable_layers == 0):
         return []  # 0 without LLaMA-Pro: said by schedule_problems already
     from shardtune.model.adapters import layer_count_problem
     from shardtune.model.attention import known_model_config

@@ -72,8 +72,7 @@ def apply_finetuning(model: Any, settings: FinetuningSettings) -> Any:
             model.enable_input_require_grads()
     else:
         model = apply_lora(model, settings)
-    if settings.finetuning_type != "frozen":
-        _freeze_image_text_parts(model, settings.frozen_parts)
+    _freeze_image_text_parts(model, settings.frozen_parts)
     if settings.neftune_noise_alpha is not None:
         apply_neftune(model, settings.neftune_noise_alpha)  # after peft: on the embedding the model really calls
     return model

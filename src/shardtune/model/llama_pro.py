@@ -20,7 +20,8 @@ OUTPUT_PROJECTIONS = ("o_proj", "down_proj")
 LAYER_KEY = re.compile(r"^(?P<head>.*\.layers\.)(?P<index>\d+)(?P<tail>\..*)$")
 # Per-layer lists of a config (one entry per decoder layer): an inserted block repeats its source's entry.
 PER_LAYER_LISTS = ("layer_types",)
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "config.json")
+# Written for the expanded model by save_pretrained; every other file of the source folder is copied.
+WRITTEN_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "config.json")
 
 
 def expansion_sources(num_layers: int, num_expand: int) -> list[int]:
@@ -83,6 +84,6 @@ def expand_model(source: str, out: str, num_expand: int) -> Path:
     target.mkdir(parents=True, exist_ok=True)
     expanded.save_pretrained(target)
     for entry in Path(source).iterdir():
-        if entry.is_file() and entry.name not in WEIGHT_FILES and not entry.name.endswith(".safetensors"):
+        if entry.is_file() and entry.name not in WRITTEN_FILES and not entry.name.endswith(".safetensors"):
             shutil.copy2(entry, target / entry.name)
     return target

@@ -119,8 +119,8 @@ class ModelSource:
         context = construction or init_empty_weights(include_buffers=False)
         with no_init_weights(), context:
             model = auto_model_class(config).from_config(config, dtype=torch.float32,
-                                                     attn_implementation=self.attn_implementation,
-                                                     trust_remote_code=self.trust_remote_code)
+                                                         attn_implementation=self.attn_implementation,
+                                                         trust_remote_code=self.trust_remote_code)
         # Tying ran inside the contexts, which give every assigned parameter a new tensor: tie again.
         model.tie_weights()
         return model

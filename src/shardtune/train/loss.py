@@ -75,11 +75,17 @@ class TokenWeighting:
     kind: str
     alpha: float = 1.0
 
-    def weights(self, logits: torch.Tensor, token_loss: torch.Tensor) -> torch.Tensor:
-        """Each row's weight (no gradient) from its fp32 logits and its cross entropy."""
+    @property
+    def reads_logits(self) -> bool:
+        return self.kind == "eaft"
+
+    def weights(self, logits: torch.Tensor | None, token_loss: torch.Tensor) -> torch.Tensor:
+        """Each row's weight (no gradient) from its fp32 logits (EAFT only: the largest are enough) and its cross
+        entropy."""
         with torch.no_grad():
-            if self.kind == "dft":
+            if not self.reads_logits:
                 return torch.exp(-token_loss)
+            assert logits is not None, "EAFT weighs by the logits"
             top = logits.topk(min(EAFT_TOP_K, logits.size(-1)), dim=-1).values
             log_probs = top - top.logsumexp(dim=-1, keepdim=True)
             entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
@@ -360,13 +366,14 @@ def _chunk_loss_and_grads(chunk: torch.Tensor, w: torch.Tensor, b: torch.Tensor 
     logits = _chunk_logits(chunk, w, b, dtype)
     picked = logits.gather(1, targets[:, None]).squeeze(1)
     spread = logits.mean(dim=1) if smoothing else None
-    top = logits.topk(min(EAFT_TOP_K, logits.size(1)), dim=1).values if weighting is not None else None
+    top = (logits.topk(min(EAFT_TOP_K, logits.size(1)), dim=1).values
+           if weighting is not None and weighting.reads_logits else None)
     peak = logits.amax(dim=1, keepdim=True)
     probs = logits.sub_(peak).exp_()
     sums = probs.sum(dim=1)
     lse = sums.log().add_(peak.squeeze(1))
     token_loss = lse - picked if spread is None else lse - (1.0 - smoothing) * picked - smoothing * spread
-    row_weights = weighting.weights(top, token_loss) if weighting is not None and top is not None else None
+    row_weights = weighting.weights(top, token_loss) if weighting is not None else None
     loss = (token_loss if row_weights is None else token_loss * row_weights).sum()
     if grads.rows is None and grads.weight is None and grads.bias is None:
         return loss

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from shardtune.config.schema import TrainConfig
 from shardtune.data.settings import DataSettings, resolved_packing
 from shardtune.model.adapters import FinetuningSettings
 from shardtune.model.composite import FrozenParts
 from shardtune.model.pretrained_adapters import AdapterPlan, plan_adapters
+
+if TYPE_CHECKING:
+    from shardtune.train.loss import TokenWeighting
 
 
 def data_settings(c: TrainConfig) -> DataSettings:
@@ -68,6 +73,15 @@ def finetuning_settings(c: TrainConfig) -> FinetuningSettings:
         train_embeddings=c.resize_vocab,
         frozen_parts=FrozenParts(c.freeze_vision_tower, c.freeze_multi_modal_projector, c.freeze_language_model),
     )
+
+
+def token_weighting(c: TrainConfig) -> TokenWeighting | None:
+    """LLaMA-Factory's DFT and EAFT losses (train/loss.py); eval_loss stays the plain cross entropy."""
+    from shardtune.train.loss import TokenWeighting  # torch: not for the launching host's checks
+
+    if c.use_dft_loss:
+        return TokenWeighting("dft")
+    return TokenWeighting("eaft", c.eaft_alpha) if c.use_eaft_loss else None
 
 
 def adapter_plan(c: TrainConfig) -> AdapterPlan:

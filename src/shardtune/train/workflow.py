@@ -35,11 +35,10 @@ from shardtune.train.loop import (
     steps_per_epoch,
     total_training_steps,
 )
-from shardtune.train.loss import TokenWeighting
 from shardtune.train.pissa import PissaConversion
 from shardtune.train.rank_log import RankLog, rank_log_path
 from shardtune.train.reporting import LOG_FILE, Reporter, plot_loss
-from shardtune.train.settings import finetuning_settings
+from shardtune.train.settings import finetuning_settings, token_weighting
 from shardtune.train.setup import (
     build_collator,
     build_loader,
@@ -254,13 +253,6 @@ def loop_settings(c: TrainConfig, micro_batches: int, has_eval: bool) -> LoopSet
         label_smoothing=c.label_smoothing_factor,
         token_weighting=token_weighting(c),
     )
-
-
-def token_weighting(c: TrainConfig) -> TokenWeighting | None:
-    """LLaMA-Factory's DFT and EAFT losses (train/loss.py); eval_loss stays the plain cross entropy."""
-    if c.use_dft_loss:
-        return TokenWeighting("dft")
-    return TokenWeighting("eaft", c.eaft_alpha) if c.use_eaft_loss else None
 
 
 def stage_objective(c: TrainConfig, source: ModelSource, engine: Engine) -> Objective | None:
