@@ -23,6 +23,9 @@ MODEL, OUTPUT, DATA_DIR = "__MODEL__", "__OUTPUT__", "__DATA_DIR__"
 # A file written for a LLaMA-Pro expanded model (its freeze_trainable_layers is the number of blocks added): the tiny
 # model at 8 layers, expanded by 8 blocks with `shardtune expand-model`, built once under the model's folder.
 LLAMA_PRO_MODEL, LLAMA_PRO_BLOCKS = "__LLAMA_PRO_MODEL__", 8
+# A file written for OFT with oft_block_size 32, which must divide each adapted layer's in_features (a real model's
+# widths are multiples of 32; the tiny model's MLP, 172 wide, is not): the tiny model with a 192-wide MLP.
+OFT_MODEL, OFT_MLP_WIDTH = "__OFT_MODEL__", 192
 RUNS, REFUSED, NOT_TRAINING = "runs", "refused: ", "not training: "
 NEEDS_GPU, RUNS_ON_GPU = "needs a GPU: ", "runs on a GPU: "
 
@@ -50,6 +53,8 @@ def filled_in(relative: str, work: Path, model: Path, output: Path) -> Path:
     text = (FIXTURES / relative).read_text(encoding="utf-8")
     if LLAMA_PRO_MODEL in text:
         text = text.replace(LLAMA_PRO_MODEL, str(llama_pro_model(model.parent / "llama-pro-expanded")))
+    if OFT_MODEL in text:
+        text = text.replace(OFT_MODEL, str(oft_model(model.parent / "tiny-llama-mlp-192")))
     text = text.replace(MODEL, str(model)).replace(OUTPUT, str(output)).replace(DATA_DIR, str(work / "data"))
     path = work / "configs" / relative
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -65,6 +70,15 @@ def llama_pro_model(folder: Path) -> Path:
 
         base = build_tiny_model(folder.with_name(folder.name + "-base"), layers=LLAMA_PRO_BLOCKS)
         expand_model(str(base), str(folder), LLAMA_PRO_BLOCKS)
+    return folder
+
+
+def oft_model(folder: Path) -> Path:
+    """The tiny model with an MLP ``OFT_MLP_WIDTH`` wide (written once)."""
+    if not (folder / "config.json").is_file():
+        from shardtune.model.tiny import build_tiny_model
+
+        build_tiny_model(folder, intermediate=OFT_MLP_WIDTH)
     return folder
 
 

@@ -106,4 +106,4 @@ def test_a_folder_without_adapter_config_is_refused_before_work(tiny_model_dir, 
 
     c = build_config({"model_name_or_path": str(tiny_model_dir), "dataset": "demo", "output_dir": str(tmp_path),
                       "adapter_name_or_path": f"{tiny_model_dir}"})
-    assert any("not a LoRA adapter folder" in p for p in file_problems(c))
+    assert any("not a peft adapter folder" in p for p in file_problems(c))

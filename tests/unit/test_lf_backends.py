@@ -32,13 +32,8 @@ def test_the_first_problem_of_a_file_for_another_backend_names_it(tmp_path, key,
     assert backend in problems[0].text and len(problems) == 3
 
 
-def test_oft_names_the_variant_and_what_to_use():
-    with pytest.raises(ConfigError, match="finetuning_type: 'oft' is not supported by shardtune: OFT .* use "
-                                          "finetuning_type: lora"):
-        build_config({**BASE, "finetuning_type": "oft"})
-
-
-# DFT, EAFT and LLaMA-Pro are built (tests/unit/test_token_weighting.py, tests/unit/test_llama_pro.py).
+# DFT, EAFT, LLaMA-Pro and OFT are built (tests/unit/test_token_weighting.py, tests/unit/test_llama_pro.py,
+# tests/unit/test_oft.py).
 @pytest.mark.parametrize(("key", "variant"), [("use_asft_loss", "ASFT loss"),
                                               ("mixture_of_depths", "mixture of depths")])
 def test_each_unimplemented_variant_is_named(key, variant):

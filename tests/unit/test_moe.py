@@ -14,7 +14,7 @@ from shardtune.engines.base import PrecisionSettings
 from shardtune.engines.local import LocalEngine
 from shardtune.errors import ConfigError
 from shardtune.model import moe
-from shardtune.model.adapters import FinetuningSettings, LoraTargets, apply_lora, lora_targets
+from shardtune.model.adapters import FinetuningSettings, LoraTargets, apply_adapter, lora_targets
 from shardtune.optim.build import OptimizerSettings, build_optimizer, build_scheduler
 from shardtune.train.loop import train_step
 
@@ -120,7 +120,7 @@ def test_lora_all_on_moe_adapts_attention_and_fused_experts_never_the_router(nam
     assert moe.fused_expert_parameters(model)  # 3-D expert weights in transformers 5.23
     assert lora_targets(model, ("all",)) == LoraTargets(EXPECTED_ALL[name], FUSED)
     assert "fused expert weights down_proj,gate_up_proj; routers" in capsys.readouterr().out
-    wrapped = apply_lora(model, FinetuningSettings(lora_target=("all",), lora_rank=4))
+    wrapped = apply_adapter(model, FinetuningSettings(lora_target=("all",), lora_rank=4))
     adapted = {n for n, _ in wrapped.named_parameters() if ".lora_A." in n}
     assert any(".self_attn." in n for n in adapted)
     assert not any(".gate." in n or ".router." in n for n in adapted)

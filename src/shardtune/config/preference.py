@@ -3,6 +3,7 @@ all ask here)."""
 
 from __future__ import annotations
 
+from shardtune.config.adapter_method import is_adapter_type
 from shardtune.config.schema import TrainConfig
 
 PREFERENCE_STAGES = ("dpo", "kto", "rm")
@@ -17,8 +18,9 @@ def uses_reference(c: TrainConfig) -> bool:
 
 def holds_reference_copy(c: TrainConfig) -> bool:
     """A frozen model beside the policy while training: a full/freeze run's live reference, or ``ref_model`` (a
-    LoRA run's own reference is the policy with its adapters off; precomputed log-probabilities keep no model)."""
-    separate = c.finetuning_type != "lora" or c.ref_model is not None
+    LoRA or OFT run's own reference is the policy with its adapter off; precomputed log-probabilities keep no
+    model)."""
+    separate = not is_adapter_type(c.finetuning_type) or c.ref_model is not None
     return uses_reference(c) and separate and not c.precompute_ref_log_probs
 
 

@@ -44,12 +44,9 @@ _ASFT = ("the ASFT loss (use_asft_loss: DFT with a KL anchor to the reference mo
          "use use_dft_loss: true (DFT without the anchor), or stage: dpo with a reference model to stay near it")
 _MOD = ("mixture of depths (tokens routed past layers, which changes the model's architecture) is not implemented; "
         "remove it")
-_OFT = ("OFT (orthogonal fine-tuning) is not implemented; use finetuning_type: lora (use_dora: true for a "
-        "magnitude-and-direction update)")
 VARIANT_REASONS = {
     **_group(_ASFT, "use_asft_loss asft_alpha"),
     **_group(_MOD, "mixture_of_depths"),
-    **_group(_OFT, "oft_block_size oft_rank oft_target module_dropout"),
     **_group("accuracy during evaluation (compute_accuracy) is not computed by shardtune, which reports eval_loss; "
              "remove it", "compute_accuracy"),
     **_group("early stopping is not in shardtune; pick max_steps from a run's eval_loss curve and remove it",
@@ -66,7 +63,6 @@ _PAGED = ("paged optimizers (bitsandbytes moves their state to CPU memory under 
           ".json) to keep optimizer state in CPU memory")
 _LION = "Lion is not offered; use optim: adamw_torch or adamw_8bit (or use_muon / use_adam_mini)"
 REFUSED_VALUES: dict[str, dict[str, str]] = {
-    "finetuning_type": {"oft": _OFT},
     "optim": {**_group(_PAGED, "paged_adamw_8bit paged_adamw_32bit paged_ademamix_8bit paged_ademamix_32bit"),
               **_group(_PAGED + "; Lion itself is not offered either", "paged_lion_8bit paged_lion_32bit"),
               **_group(_LION, "lion_8bit lion_32bit")},

@@ -109,12 +109,21 @@ class TrainConfig:
                       choices=("sft", "pt", "dpo", "kto", "rm"))
     do_train: bool = _key(True, "run training (false only with do_predict: generate with the model as it is)",
                           FINETUNE)
-    finetuning_type: str = _key("lora", "which parameters train", FINETUNE, choices=("lora", "full", "freeze"))
+    finetuning_type: str = _key("lora", "which parameters train (lora and oft train a peft adapter)", FINETUNE,
+                                choices=("lora", "full", "freeze", "oft"))
     lora_rank: int = _key(8, "LoRA rank r", FINETUNE, minimum=1)
     lora_alpha: int | None = _key(None, "LoRA scaling alpha (default: 2 x lora_rank)", FINETUNE, minimum=1)
     lora_dropout: float = _key(0.0, "dropout on the LoRA path", FINETUNE, minimum=0, maximum=1)
     lora_target: list[str] = _key(["all"], "module names to adapt, comma separated, or 'all' linear layers",
                                   FINETUNE)
+    oft_rank: int = _key(0, "OFT: rotation blocks per adapted layer (r); 0: in_features / oft_block_size. Set "
+                            "this or oft_block_size, not both", FINETUNE, minimum=0)
+    oft_block_size: int = _key(32, "OFT: size of each orthogonal block, a divisor of every target's in_features; "
+                                   "0: in_features / oft_rank", FINETUNE, minimum=0)
+    oft_target: list[str] = _key(["all"], "OFT: module names to adapt, comma separated, or 'all' linear layers",
+                                 FINETUNE)
+    module_dropout: float = _key(0.0, "OFT: multiplicative dropout that swaps whole rotation blocks for the identity "
+                                      "while training", FINETUNE, minimum=0, maximum=1)
     freeze_trainable_layers: int = _key(
         2, "freeze: train the last N decoder layers (negative: the first -N)", FINETUNE)
     freeze_trainable_modules: list[str] = _key(

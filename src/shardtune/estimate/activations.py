@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from shardtune.engines.sequence_parallel_plan import resolved_mode
 from shardtune.estimate.shape import ModelShape
-from shardtune.estimate.workload import Workload, grad_path_indices, grad_path_layers, lora_module_count
+from shardtune.estimate.workload import Workload, adapter_activation_width, grad_path_indices, grad_path_layers
 
 FP32 = 4
 # Autocast casts the fp32 input of each of q/k/v/gate/up_proj to bf16 separately (it caches casts of weights
@@ -174,9 +174,9 @@ def layer_activation_bytes(shape: ModelShape, w: Workload, stream_bytes: int, se
     cb = w.compute_bytes
     autocast = stream_bytes == FP32 and cb != FP32
     casts = cast_width(shape, index) * cb if autocast else 0
-    lora = lora_module_count(w, shape, index) * w.lora_rank * cb  # the output of each lora_A, kept by lora_B
+    adapters = adapter_activation_width(w, shape, index) * cb
     return (norms_bytes(shape, w, stream_bytes) + casts + attention_bytes(shape, w, seq_len)
-            + mlp_bytes(shape, w, index, stream_bytes) + lora)
+            + mlp_bytes(shape, w, index, stream_bytes) + adapters)
 
 
 def final_bytes(shape: ModelShape, w: Workload, stream_bytes: int) -> int:

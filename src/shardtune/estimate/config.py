@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from shardtune.config.adapter_method import adapter_targets
 from shardtune.config.preference import PREFERENCE_STAGES, holds_reference_copy
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.plan import EnginePlan, plan_engine, spec_for
@@ -27,6 +28,7 @@ from shardtune.estimate.options import (
 from shardtune.estimate.recommend import recommend
 from shardtune.estimate.shape import ModelShape, load_model_shape
 from shardtune.estimate.workload import Workload
+from shardtune.model.oft import OftSettings
 from shardtune.world import WorldLayout
 
 if TYPE_CHECKING:
@@ -53,7 +55,8 @@ def workload_from_config(c: TrainConfig) -> Workload:
         finetuning_type=finetuning,
         gradient_checkpointing=c.gradient_checkpointing,
         lora_rank=c.lora_rank,
-        lora_targets=tuple(c.lora_target),
+        lora_targets=tuple(adapter_targets(c)[1]),
+        oft=OftSettings(c.oft_rank, c.oft_block_size, c.module_dropout),
         freeze_trainable_layers=c.freeze_trainable_layers,
         freeze_trainable_modules=tuple(c.freeze_trainable_modules),
         quantization_bit=c.quantization_bit,

@@ -61,7 +61,7 @@ def remedies(workload: Workload | None) -> list[str]:
     if workload is None or not workload.gradient_checkpointing:
         items.append("enable gradient_checkpointing")
     items.append("lower per_device_train_batch_size or cutoff_len")
-    if workload is None or not workload.is_lora:
+    if workload is None or not workload.is_adapter:
         items.append("use LoRA")
     items.append("or add GPUs")
     if workload is not None and workload.gradient_checkpointing:

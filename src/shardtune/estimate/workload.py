@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardtune.config.schema import TrainConfig
+from shardtune.estimate.adapter_shape import adapted_widths, oft_params
 from shardtune.estimate.shape import ModelShape, freeze_trainable_params, lora_params, lora_target_modules
+from shardtune.model.oft import OftSettings
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-FINETUNING_TYPES = ("full", "freeze", "lora", "qlora")
+FINETUNING_TYPES = ("full", "freeze", "lora", "qlora", "oft")
 
 # Optimizer state bytes per trainable parameter (all fp32 unless noted).
 OPTIMIZER_STATE_BYTES = {
@@ -35,7 +37,8 @@ class Workload:
     finetuning_type: str = "full"
     gradient_checkpointing: bool = False
     lora_rank: int = 8
-    lora_targets: tuple[str, ...] = ("all",)
+    lora_targets: tuple[str, ...] = ("all",)  # the adapter's targets (oft_target under OFT)
+    oft: OftSettings = OftSettings()
     freeze_trainable_layers: int = 2
     freeze_trainable_modules: tuple[str, ...] = ("all",)
     quantization_bit: int | None = None
@@ -88,6 +91,11 @@ class Workload:
         return self.finetuning_type in ("lora", "qlora")
 
     @property
+    def is_adapter(self) -> bool:
+        """A peft adapter trains over frozen base weights (LoRA, QLoRA or OFT)."""
+        return self.is_lora or self.finetuning_type == "oft"
+
+    @property
     def optimizer_state_bytes(self) -> int:
         return OPTIMIZER_STATE_BYTES.get(self.optim, 8)
 
@@ -96,8 +104,8 @@ def trainable_params(shape: ModelShape, w: Workload) -> int:
     """Parameters that get gradients and optimizer states (a reward model's score row trains under every
     method)."""
     score = shape.head_params if shape.score_head else 0
-    if w.is_lora:
-        return lora_params(shape, w.lora_rank, w.lora_targets) + score
+    if w.is_adapter:
+        return adapter_params(shape, w) + score
     if w.finetuning_type == "freeze":
         return freeze_trainable_params(shape, w.freeze_trainable_layers, w.freeze_trainable_modules) + score
     return shape.total_params
@@ -134,9 +142,24 @@ def weight_bytes(shape: ModelShape, w: Workload, module_bytes: int) -> float:
     """
     quantized = quantized_linear_params(shape, w)
     per_quantized = NF4_BYTES_PER_PARAM if w.quantization_bit == 4 else INT8_BYTES_PER_PARAM
-    adapters = lora_params(shape, w.lora_rank, w.lora_targets) if w.is_lora else 0
+    adapters = adapter_params(shape, w) if w.is_adapter else 0
     plain = shape.total_params - quantized + adapters
     return plain * module_bytes + quantized * per_quantized
+
+
+def adapter_params(shape: ModelShape, w: Workload) -> int:
+    """Trainable parameters of the adapter: LoRA's two matrices or OFT's rotation blocks per adapted layer."""
+    if w.finetuning_type == "oft":
+        return oft_params(shape, w.oft, w.lora_targets)
+    return lora_params(shape, w.lora_rank, w.lora_targets)
+
+
+def adapter_activation_width(w: Workload, shape: ModelShape, index: int | None = None) -> int:
+    """Values per token decoder layer ``index``'s adapters keep for the backward: each lora_A's output (r, kept by
+    lora_B), or each OFT layer's rotated input (in_features, kept by the frozen weight's matmul)."""
+    if w.finetuning_type == "oft":
+        return sum(adapted_widths(shape, w.lora_targets, index).values())
+    return lora_module_count(w, shape, index) * w.lora_rank
 
 
 def lora_module_count(w: Workload, shape: ModelShape | None = None, index: int | None = None) -> int:

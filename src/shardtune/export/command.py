@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "only when it is an earlier export (or with --overwrite)")
     parser.add_argument("--merge-lora", action="store_true", help="merge LoRA weights into the base model")
     parser.add_argument("--model", help="base model (default: model_name_or_path of the run)")
-    parser.add_argument("--finetuning-type", choices=("full", "freeze", "lora"), help="default: that of the run")
+    parser.add_argument("--finetuning-type", choices=("full", "freeze", "lora", "oft"),
+                        help="default: that of the run")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                         help="dtype of a full model (default: the run's save_dtype; auto: the base checkpoint's)")
     parser.add_argument("--max-shard-size", help="largest safetensors file, e.g. 5GB (default: transformers')")

@@ -15,6 +15,7 @@ from typing import Any, Protocol, TypeGuard
 import torch
 
 from shardtune import run_files
+from shardtune.config.adapter_method import is_adapter_type, target_key
 from shardtune.engines.replicated import WEIGHTS_FILE
 from shardtune.engines.spec import CheckpointLayout
 from shardtune.errors import ModelError
@@ -68,10 +69,11 @@ def merges_adapter(model: object) -> TypeGuard[MergesAdapter]:
 
 
 def build_trained_model(base: str, finetuning: dict[str, Any], reward: RewardHead | None) -> torch.nn.Module:
-    """The model structure that was trained: base weights (under the score head of a reward model), plus LoRA
-    modules when LoRA was used; under freeze, the layers that trained are the trainable ones."""
+    """The model structure that was trained: base weights (under the score head of a reward model), plus the
+    adapter's modules when LoRA or OFT was used; under freeze, the layers that trained are the trainable ones."""
     from shardtune.model.adapters import FinetuningSettings, apply_finetuning
     from shardtune.model.load import load_causal_lm
+    from shardtune.model.oft import OftSettings
 
     model = load_causal_lm(base)
     if reward is not None:
@@ -81,10 +83,13 @@ def build_trained_model(base: str, finetuning: dict[str, Any], reward: RewardHea
             finetuning_type="freeze", freeze_trainable_layers=int(finetuning.get("freeze_trainable_layers", 2)),
             freeze_trainable_modules=tuple(finetuning.get("freeze_trainable_modules") or ("all",)),
             score_head=reward is not None))
-    if finetuning.get("finetuning_type") != "lora":
+    method = finetuning.get("finetuning_type")
+    if not is_adapter_type(method):
         return model
-    settings = FinetuningSettings(finetuning_type="lora", lora_rank=finetuning["lora_rank"],
-                                  lora_alpha=finetuning.get("lora_alpha"), lora_target=tuple(finetuning["lora_target"]),
+    settings = FinetuningSettings(finetuning_type=str(method), lora_rank=finetuning.get("lora_rank", 8),
+                                  lora_alpha=finetuning.get("lora_alpha"),
+                                  lora_target=tuple(finetuning.get(target_key(str(method))) or ("all",)),
+                                  oft=OftSettings(finetuning.get("oft_rank", 0), finetuning.get("oft_block_size", 32)),
                                   score_head=reward is not None)
     return apply_finetuning(model, settings)
 
@@ -127,13 +132,14 @@ def read_checkpoint_state(model: torch.nn.Module, source: Path, kind: str) -> di
     raise ModelError(f"export: cannot read weights of kind {kind}")
 
 
-def _lora_run_config(source: Path) -> dict[str, Any]:
-    """LoRA's rank and target modules are known only from the run's config."""
+def _adapter_run_config(source: Path, method: str) -> dict[str, Any]:
+    """An adapter's size (LoRA's rank, OFT's blocks) and target modules are known only from the run's config."""
     try:
         return find_run_config(source)
     except ModelError:
-        raise ModelError(f"export: --finetuning-type lora needs the run's {RUN_CONFIG} (its lora_rank and "
-                         f"lora_target) in {source} or its parent; copy it there from the run's output_dir") from None
+        raise ModelError(f"export: --finetuning-type {method} needs the run's {RUN_CONFIG} (its adapter size and "
+                         f"{target_key(method)}) in {source} or its parent; copy it there from the run's "
+                         "output_dir") from None
 
 
 def check_export_inputs(source: Path, base: str) -> None:
@@ -189,8 +195,8 @@ def resolve_trained(source: Path, base: str | None = None, finetuning_type: str 
     if kind not in ("model", "adapter") and not run:
         if base is None or finetuning_type is None:
             find_run_config(source)  # raises: say what is missing
-        if finetuning_type == "lora":
-            run = _lora_run_config(source)
+        if is_adapter_type(finetuning_type):
+            run = _adapter_run_config(source, str(finetuning_type))
     base = base or run.get("model_name_or_path") or _own_base(source, kind)
     if not base:
         raise ModelError(f"the base model of {source} is unknown; pass --model")

@@ -15,6 +15,7 @@ from typing import Any
 
 from shardtune import run_files
 from shardtune.errors import ConfigError
+from shardtune.model.pretrained_adapters import adapter_method
 
 USAGE = ("usage: shardtune eval OUTPUT [CONFIG.yaml] [key=value ...] [--dry-run]\n\n"
          "Generates answers for eval_dataset (else dataset) with the model in OUTPUT (a full model folder or a LoRA "
@@ -64,9 +65,10 @@ def model_overrides(output: Path) -> list[str]:
         base = json.loads((output / "adapter_config.json").read_text()).get("base_model_name_or_path")
         base = run_config(output).get("model_name_or_path") or base
         if not base:
-            raise ConfigError(f"eval: {output} is a LoRA adapter whose base model is unknown; pass "
+            raise ConfigError(f"eval: {output} is a peft adapter whose base model is unknown; pass "
                               "model_name_or_path=BASE")
-        return [f"model_name_or_path={base}", f"adapter_name_or_path={output}", "finetuning_type=lora"]
+        return [f"model_name_or_path={base}", f"adapter_name_or_path={output}",
+                f"finetuning_type={adapter_method(output)}"]
     if (output / "config.json").is_file():
         return [f"model_name_or_path={output}", "adapter_name_or_path=", "finetuning_type=full"]
     raise ConfigError(f"eval: {output} holds no model (no config.json or adapter_config.json); a checkpoint-<step> "

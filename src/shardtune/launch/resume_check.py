@@ -19,7 +19,8 @@ from shardtune.model.folder import model_config_json
 from shardtune.train.checkpoint_folders import MODEL_ONLY_MARKER
 
 # Keys whose value decides which tensors a checkpoint holds and their shapes.
-WEIGHT_KEYS = ("stage", "finetuning_type", "lora_rank", "lora_target", "additional_target", "use_dora",
+WEIGHT_KEYS = ("stage", "finetuning_type", "lora_rank", "lora_target", "oft_rank", "oft_block_size", "oft_target",
+               "additional_target", "use_dora",
                "freeze_trainable_layers", "freeze_trainable_modules", "add_tokens", "add_special_tokens",
                "resize_vocab", "quantization_bit")
 # Keys whose value decides the optimizer state's layout (not read from a model-only checkpoint).

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from shardtune import run_files
+from shardtune.config.adapter_method import adapter_targets, is_adapter_type
 from shardtune.config.generation import generation_key_problems, predicts_only
 from shardtune.config.preference import PREFERENCE_STAGES, split_paths, uses_reference
 from shardtune.config.schema import REPORT_TO, TrainConfig
@@ -16,6 +17,7 @@ from shardtune.errors import ConfigError, ModelError
 from shardtune.launch.write_guard import write_problems
 from shardtune.model.folder import is_reward_model_config, model_config_json, model_folder_problems
 from shardtune.model.moe import configured_router_aux_coef, packed_aux_loss_problem, preference_aux_loss_problem
+from shardtune.model.oft import size_problem
 from shardtune.paths import shown
 from shardtune.train.checkpoint_folders import checkpoint_problems, resume_source
 from shardtune.train.settings import resolved_packing
@@ -51,8 +53,8 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
                         f"({c.quantization_bit}): pure_bf16 trains every weight in bfloat16; remove the others")
     if c.max_steps <= 0 and c.num_train_epochs <= 0:
         problems.append(f"max_steps ({c.max_steps}) and num_train_epochs ({c.num_train_epochs}): one must be > 0")
-    if c.quantization_bit is not None and c.finetuning_type != "lora":
-        problems.append(f"quantization_bit ({c.quantization_bit}) needs finetuning_type: lora "
+    if c.quantization_bit is not None and not is_adapter_type(c.finetuning_type):
+        problems.append(f"quantization_bit ({c.quantization_bit}) needs finetuning_type: lora or oft "
                         f"(got '{c.finetuning_type}'); quantized weights cannot be trained directly")
     if (c.do_eval or c.eval_strategy != "no") and c.val_size <= 0 and not c.eval_dataset:
         problems.append(f"do_eval/eval_strategy ({c.eval_strategy}) needs val_size > 0 to hold out eval data, or "
@@ -67,6 +69,7 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
         problems.append("engine (auto) with deepspeed/fsdp set: let the estimate choose, or remove engine: auto")
     problems += schedule_problems(c)
     problems += _lora_target_problems(c)
+    problems += oft_key_problems(c)
     problems += model_key_problems(c)
     problems += _adapter_problems(c)
     problems += streaming_key_problems(c)
@@ -276,8 +279,8 @@ def model_key_problems(c: TrainConfig) -> list[str]:
     """Adapters, quantization and checkpointing keys that cannot work together (LLaMA-Factory's rules)."""
     problems: list[str] = []
     adapters = c.adapter_name_or_path
-    if adapters and c.finetuning_type != "lora":
-        problems.append(f"adapter_name_or_path ({','.join(adapters)}) needs finetuning_type: lora (got "
+    if adapters and not is_adapter_type(c.finetuning_type):
+        problems.append(f"adapter_name_or_path ({','.join(adapters)}) needs finetuning_type: lora or oft (got "
                         f"'{c.finetuning_type}'); merge the adapters into the model first (shardtune export)")
     if adapters and c.quantization_bit is not None and (len(adapters) > 1 or c.create_new_adapter):
         problems.append(f"adapter_name_or_path ({len(adapters)} adapter(s), create_new_adapter: "
@@ -304,10 +307,13 @@ def _adapter_problems(c: TrainConfig) -> list[str]:
     """LoRA-only keys, PiSSA's needs and the loader's worker rules (as LLaMA-Factory and torch refuse them)."""
     problems = []
     lora_only = {"use_dora": c.use_dora, "use_rslora": c.use_rslora, "pissa_init": c.pissa_init,
-                 "loraplus_lr_ratio": c.loraplus_lr_ratio, "additional_target": c.additional_target}
+                 "loraplus_lr_ratio": c.loraplus_lr_ratio}
     if c.finetuning_type != "lora":
         problems += [f"{key} ({value}) is only valid with finetuning_type: lora (got '{c.finetuning_type}')"
                      for key, value in lora_only.items() if value not in (False, None)]
+    if c.additional_target is not None and not is_adapter_type(c.finetuning_type):
+        problems.append(f"additional_target ({','.join(c.additional_target)}) is only valid with finetuning_type: "
+                        f"lora or oft (got '{c.finetuning_type}')")
     if c.pissa_convert and not c.pissa_init:
         problems.append("pissa_convert (true) needs pissa_init: true (there is no PiSSA adapter to convert)")
     if c.pissa_init and c.quantization_bit is not None:
@@ -319,19 +325,51 @@ def _adapter_problems(c: TrainConfig) -> list[str]:
 
 
 def _lora_target_problems(c: TrainConfig) -> list[str]:
-    if "all" in c.lora_target and len(c.lora_target) > 1:
-        return [f"lora_target ({','.join(c.lora_target)}): 'all' cannot be combined with module names"]
+    key, targets = adapter_targets(c)
+    if "all" in targets and len(targets) > 1:
+        return [f"{key} ({','.join(targets)}): 'all' cannot be combined with module names"]
     return []
 
 
+def oft_key_problems(c: TrainConfig) -> list[str]:
+    """OFT's sizes (one of oft_rank / oft_block_size), and its keys set for another method."""
+    if c.finetuning_type == "oft":
+        problem = size_problem(c.oft_rank, c.oft_block_size)
+        return [problem] if problem else []
+    defaults = TrainConfig()
+    return [f"{key} ({getattr(c, key)}) is only valid with finetuning_type: oft (got '{c.finetuning_type}')"
+            for key in ("oft_rank", "oft_block_size", "oft_target", "module_dropout")
+            if getattr(c, key) != getattr(defaults, key)]
+
+
+def oft_size_problems(c: TrainConfig) -> list[str]:
+    """The block size (or rank) against the in_features of each adapted layer, from config.json, as the ranks will
+    build them; a model the estimate cannot read is left to the ranks' own check."""
+    if c.finetuning_type != "oft" or size_problem(c.oft_rank, c.oft_block_size):
+        return []
+    from shardtune.estimate.adapter_shape import all_adapted_widths
+    from shardtune.estimate.shape import shape_from_config
+    from shardtune.model.attention import known_model_config
+    from shardtune.model.oft import OftSettings, divisor_problems
+
+    known = known_model_config(c.model_name_or_path or "", builds_tiny_model=c.build_tiny_model_if_missing)
+    try:
+        widths = all_adapted_widths(shape_from_config(known or {}), c.oft_target)
+    except ConfigError:
+        return []  # no config.json here, or names the estimate does not know: the ranks check the built model
+    return divisor_problems(widths, OftSettings(c.oft_rank, c.oft_block_size, c.module_dropout))
+
+
 def mistyped_target_problems(c: TrainConfig) -> list[str]:
-    """lora_target / additional_target names the model's weights lack, where a close name is present (a typo)."""
+    """lora_target (oft_target) / additional_target names the model's weights lack, where a close name is present
+    (a typo)."""
     from shardtune.model.weight_names import mistyped_modules
 
     folder = Path(c.model_name_or_path or "")
     problems = []
-    for key, wanted in (("lora_target", c.lora_target), ("additional_target", c.additional_target or [])):
-        if key == "lora_target" and (c.finetuning_type != "lora" or "all" in wanted):
+    target_key, targets = adapter_targets(c)
+    for key, wanted in ((target_key, targets), ("additional_target", c.additional_target or [])):
+        if key == target_key and (not is_adapter_type(c.finetuning_type) or "all" in wanted):
             continue
         typos = mistyped_modules(list(wanted), folder) if folder.is_dir() else {}
         problems += [f"{key}: {typed} not found in the model (did you mean '{close}'?)"
@@ -346,13 +384,13 @@ def file_problems(c: TrainConfig) -> list[str]:
     if model is not None and not (c.build_tiny_model_if_missing and not Path(model).exists()):
         model_problems = model_path_problems(model)
         problems += model_problems or (attention_problems(c) + moe_problems(c) + mistyped_target_problems(c)
-                                       + layer_problems(c))
+                                       + layer_problems(c) + oft_size_problems(c))
     if c.output_dir is not None:
         problems += output_dir_problems(c)
     problems += write_problems(c)
     for adapter in c.adapter_name_or_path:
         if not (Path(adapter) / "adapter_config.json").is_file():
-            problems.append(f"adapter_name_or_path: {adapter} is not a LoRA adapter folder (no adapter_config.json)")
+            problems.append(f"adapter_name_or_path: {adapter} is not a peft adapter folder (no adapter_config.json)")
     resume = resume_source(c)
     if resume is not None:
         key = "resume_from_checkpoint" if c.resume_from_checkpoint else f"output_dir (resuming from {resume})"

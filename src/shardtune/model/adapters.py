@@ -1,4 +1,4 @@
-"""Choose which parameters train: full, freeze (last N layers) or LoRA adapters (peft)."""
+"""Choose which parameters train: full, freeze (last N layers) or a peft adapter (LoRA, or OFT: model/oft.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from shardtune.config.adapter_method import METHOD_OF_TARGET_KEY, target_key
 from shardtune.errors import ConfigError
 from shardtune.model.composite import FrozenParts, excluded_modules, freeze_parts, model_parts
 from shardtune.model.moe import fused_expert_parameters, router_module_names
-from shardtune.model.pretrained_adapters import load_adapter_weights, resumed_lora_config
+from shardtune.model.oft import OftSettings, build_oft_config, check_adapted_sizes, materialize_oft_weights
+from shardtune.model.pretrained_adapters import load_adapter_weights, resumed_adapter_config
 from shardtune.model.reward_head import SCORE_LAYER
 from shardtune.model.vocab import embedding_module_names
 
@@ -23,14 +25,15 @@ class FinetuningSettings:
     lora_rank: int = 8
     lora_alpha: int | None = None
     lora_dropout: float = 0.0
-    lora_target: tuple[str, ...] = ("all",)
+    lora_target: tuple[str, ...] = ("all",)  # the adapter's targets: lora_target, or oft_target under OFT
+    oft: OftSettings = OftSettings()
     freeze_trainable_layers: int = 2
     freeze_trainable_modules: tuple[str, ...] = ("all",)
     llama_pro: bool = False  # use_llama_pro: only the expanded blocks train (freeze) or get adapters (lora)
     gradient_checkpointing: bool = False
     checkpointing_kwargs: dict[str, Any] = field(default_factory=dict)  # torch.utils.checkpoint arguments
     is_quantized: bool = False
-    resume_adapter: str | None = None  # a saved LoRA adapter that trains on (its own rank, alpha and targets)
+    resume_adapter: str | None = None  # a saved adapter that trains on (its own rank, alpha and targets)
     use_dora: bool = False
     use_rslora: bool = False
     pissa_init: bool = False
@@ -40,6 +43,11 @@ class FinetuningSettings:
     train_embeddings: bool = False  # resize_vocab: LoRA trains and saves the embedding and output layer in full
     score_head: bool = False  # stage rm (set by ModelSource): the score layer trains in full under freeze and LoRA too
     frozen_parts: FrozenParts = FrozenParts()  # image-text models: the freeze_* keys (model/composite.py)
+
+    @property
+    def target_key(self) -> str:
+        """The key that named the adapter's targets, for messages."""
+        return target_key(self.finetuning_type)
 
     @property
     def init_lora_weights(self) -> bool | str:
@@ -71,7 +79,7 @@ def apply_finetuning(model: Any, settings: FinetuningSettings) -> Any:
             # Reentrant checkpointing drops the gradients of a block whose inputs need none (frozen layers before).
             model.enable_input_require_grads()
     else:
-        model = apply_lora(model, settings)
+        model = apply_adapter(model, settings)
     _freeze_image_text_parts(model, settings.frozen_parts)
     if settings.neftune_noise_alpha is not None:
         apply_neftune(model, settings.neftune_noise_alpha)  # after peft: on the embedding the model really calls
@@ -189,7 +197,8 @@ class LoraTargets:
     parameters: list[str] | None = None  # like "experts.gate_up_proj"
 
 
-def lora_targets(model: Any, requested: tuple[str, ...], frozen: FrozenParts | None = None) -> LoraTargets:
+def lora_targets(model: Any, requested: tuple[str, ...], frozen: FrozenParts | None = None,
+                 key: str = "lora_target") -> LoraTargets:
     """What ``lora_target`` adapts. A dense model's ``all`` is peft's "all-linear". On a mixture-of-experts model
     ``all`` is every Linear but the routers (attention, dense and shared-expert MLPs) plus the fused expert weights
     (3-D parameters, adapted with peft's ``target_parameters``), said in the run log; a router named explicitly is
@@ -200,13 +209,13 @@ def lora_targets(model: Any, requested: tuple[str, ...], frozen: FrozenParts | N
     linear = linear_module_names(model, frozen)
     unadaptable = unadaptable_linears(model, linear)
     if "all" not in requested:
-        _refuse_router_targets(model, requested, routers, linear)
-        _refuse_unadaptable_targets(requested, unadaptable)
+        _refuse_router_targets(model, requested, routers, linear, key)
+        _refuse_unadaptable_targets(requested, unadaptable, key)
         chosen = [t for t in requested if t in linear or t not in fused]
         experts = [f"experts.{t}" for t in requested if t in fused and t not in linear]
         return LoraTargets(chosen, experts or None)
     if unadaptable:
-        print("[shardtune] lora_target (all): not adapted: "
+        print(f"[shardtune] {key} (all): not adapted: "
               + "; ".join(f"{name} ({why})" for name, why in sorted(unadaptable.items())), flush=True)
     if not routers and not unadaptable:
         return LoraTargets("all-linear")
@@ -214,20 +223,22 @@ def lora_targets(model: Any, requested: tuple[str, ...], frozen: FrozenParts | N
         return LoraTargets([name for name in linear if name not in unadaptable])
     router_names = {name.rsplit(".", 1)[-1] for name in routers}
     chosen = [name for name in linear if name not in router_names and name not in unadaptable]
-    print(f"[shardtune] lora_target (all) on a mixture-of-experts model: Linear layers {','.join(chosen)}"
+    print(f"[shardtune] {key} (all) on a mixture-of-experts model: Linear layers {','.join(chosen)}"
           + (f", fused expert weights {','.join(fused)}" if fused else "")
           + f"; routers ({','.join(sorted(router_names))}) are not adapted", flush=True)
     return LoraTargets(chosen, [f"experts.{name}" for name in fused] or None)
 
 
-def _refuse_router_targets(model: Any, requested: tuple[str, ...], routers: set[str], linear: list[str]) -> None:
+def _refuse_router_targets(model: Any, requested: tuple[str, ...], routers: set[str], linear: list[str],
+                           key: str) -> None:
     """A router named in ``lora_target`` that is not a Linear layer cannot be adapted: say so, by name."""
     router_names = {name.rsplit(".", 1)[-1] for name in routers}
     for target in requested:
         if target in router_names and target not in linear:
-            raise ConfigError(f"lora_target ({target}): it is the mixture-of-experts router, a "
-                              f"{_module_class(model, routers, target)} rather than a Linear layer, which LoRA "
-                              "cannot adapt; remove it (routers train with finetuning_type: full)")
+            raise ConfigError(f"{key} ({target}): it is the mixture-of-experts router, a "
+                              f"{_module_class(model, routers, target)} rather than a Linear layer, which "
+                              f"{METHOD_OF_TARGET_KEY[key]} cannot adapt; remove it (routers train with "
+                              "finetuning_type: full)")
 
 
 def unadaptable_linears(model: Any, linear: list[str]) -> dict[str, str]:
@@ -269,11 +280,11 @@ def _peft_refusal(model: Any, name: str) -> str | None:
     return None
 
 
-def _refuse_unadaptable_targets(requested: tuple[str, ...], unadaptable: dict[str, str]) -> None:
+def _refuse_unadaptable_targets(requested: tuple[str, ...], unadaptable: dict[str, str], key: str) -> None:
     for target in requested:
         if target in unadaptable:
-            raise ConfigError(f"lora_target ({target}): LoRA cannot adapt it: {unadaptable[target]}; remove it "
-                              "(lora_target: all leaves it out)")
+            raise ConfigError(f"{key} ({target}): {METHOD_OF_TARGET_KEY[key]} cannot adapt it: "
+                              f"{unadaptable[target]}; remove it ({key}: all leaves it out)")
 
 
 def report_unadapted_linears(model: Any, requested: LoraTargets, left_out: list[str]) -> None:
@@ -308,28 +319,68 @@ def _module_class(model: Any, names: set[str], short: str) -> str:
     return next(type(modules[n]).__name__ for n in sorted(names) if n.rsplit(".", 1)[-1] == short)
 
 
-def apply_lora(model: Any, settings: FinetuningSettings) -> Any:
-    """Wrap with peft LoRA; an unknown ``lora_target`` is an error listing the real module names."""
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+def apply_adapter(model: Any, settings: FinetuningSettings) -> Any:
+    """Wrap with a peft adapter (LoRA or OFT); an unknown target is an error listing the real module names."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
 
-    available = linear_module_names(model, settings.frozen_parts)
-    targets = lora_targets(model, settings.lora_target, settings.frozen_parts)
-    if targets.modules != "all-linear":
-        missing = [t for t in targets.modules if t not in available]
-        if missing:
-            raise ConfigError(f"lora_target: {','.join(missing)} not found in the model; "
-                              f"linear modules are: {','.join(available)}")
-    if settings.llama_pro:
-        targets = expanded_block_targets(model, targets, settings.freeze_trainable_layers)
+    targets = resolved_targets(model, settings)
     left_out = _frozen_targets(model, targets, settings.frozen_parts)
     if settings.is_quantized:
         # peft enables checkpointing again: with our arguments, not with its own (it would drop use_reentrant: false
         # and the user's gradient_checkpointing_kwargs).
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=settings.gradient_checkpointing,
                                                 gradient_checkpointing_kwargs=checkpointing_kwargs(settings))
-    config = LoraConfig(
-        # SEQ_CLS: peft trains and saves the score layer in full beside the adapter (modules_to_save).
-        task_type="SEQ_CLS" if settings.score_head else "CAUSAL_LM",
+    config = _adapter_config(model, settings, targets, left_out)
+    if settings.resume_adapter:
+        config = resumed_adapter_config(settings.resume_adapter, settings.finetuning_type)
+    _check_additional_target(model, settings.additional_target)
+    with warnings.catch_warnings():  # peft 0.21 reads transformers' deprecated alias: noise in every LoRA run's log
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        model = get_peft_model(model, config)
+    report_unadapted_linears(model, targets, left_out)
+    _initialize_new_adapter(model, settings)
+    if settings.resume_adapter:
+        load_adapter_weights(model, settings.resume_adapter)
+    if settings.gradient_checkpointing:
+        # Frozen embeddings give inputs without grad; checkpointed blocks then see no grad path.
+        model.enable_input_require_grads()
+    return model
+
+
+def resolved_targets(model: Any, settings: FinetuningSettings) -> LoraTargets:
+    """What the adapter wraps: ``lora_targets`` of the target key, checked against the model, LLaMA-Pro's blocks
+    only when expanded; OFT wraps Linear layers only (no fused expert weights)."""
+    key = settings.target_key
+    available = linear_module_names(model, settings.frozen_parts)
+    targets = lora_targets(model, settings.lora_target, settings.frozen_parts, key)
+    if targets.modules != "all-linear":
+        missing = [t for t in targets.modules if t not in available]
+        if missing:
+            raise ConfigError(f"{key}: {','.join(missing)} not found in the model; "
+                              f"linear modules are: {','.join(available)}")
+    if settings.finetuning_type == "oft" and targets.parameters:
+        if "all" not in settings.lora_target:
+            raise ConfigError(f"oft_target ({','.join(settings.lora_target)}): fused expert weights are no Linear "
+                              "layers, which OFT rotates the input of; remove them (or use finetuning_type: lora)")
+        print(f"[shardtune] oft_target (all): fused expert weights ({','.join(targets.parameters)}) are not "
+              "adapted (OFT wraps Linear layers only)", flush=True)
+        targets = replace(targets, parameters=None)
+    if settings.llama_pro:
+        targets = expanded_block_targets(model, targets, settings.freeze_trainable_layers)
+    return targets
+
+
+def _adapter_config(model: Any, settings: FinetuningSettings, targets: LoraTargets, left_out: list[str]) -> Any:
+    """peft's config of a new adapter; SEQ_CLS (stage rm) makes peft train and save the score layer in full beside
+    the adapter (modules_to_save)."""
+    task_type = "SEQ_CLS" if settings.score_head else "CAUSAL_LM"
+    if settings.finetuning_type == "oft":
+        return build_oft_config(settings.oft, targets.modules, exclude=left_out or None,
+                                modules_to_save=modules_to_save(model, settings), task_type=task_type)
+    from peft import LoraConfig
+
+    return LoraConfig(
+        task_type=task_type,
         r=settings.lora_rank,
         lora_alpha=settings.lora_alpha or 2 * settings.lora_rank,
         lora_dropout=settings.lora_dropout,
@@ -342,21 +393,15 @@ def apply_lora(model: Any, settings: FinetuningSettings) -> Any:
         # peft's Literal cannot spell "pissa_niter_<N>", which it accepts (built by the init_lora_weights property).
         init_lora_weights=settings.init_lora_weights,  # type: ignore[arg-type]
     )
-    if settings.resume_adapter:
-        config = resumed_lora_config(settings.resume_adapter)
-    _check_additional_target(model, settings.additional_target)
-    with warnings.catch_warnings():  # peft 0.21 reads transformers' deprecated alias: noise in every LoRA run's log
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        model = get_peft_model(model, config)
-    report_unadapted_linears(model, targets, left_out)
-    if not settings.pissa_init:  # PiSSA's matrices come from the base weights' SVD: keep them
+
+
+def _initialize_new_adapter(model: Any, settings: FinetuningSettings) -> None:
+    """Host values for the new adapter, the same whether the base was loaded whole or left empty."""
+    if settings.finetuning_type == "oft":
+        check_adapted_sizes(model, settings.oft)
+        materialize_oft_weights(model)
+    elif not settings.pissa_init:  # PiSSA's matrices come from the base weights' SVD: keep them
         initialize_adapter_weights(model)
-    if settings.resume_adapter:
-        load_adapter_weights(model, settings.resume_adapter)
-    if settings.gradient_checkpointing:
-        # Frozen embeddings give inputs without grad; checkpointed blocks then see no grad path.
-        model.enable_input_require_grads()
-    return model
 
 
 def expanded_block_targets(model: Any, targets: LoraTargets, trainable_layers: int) -> LoraTargets:
@@ -425,9 +470,9 @@ def count_parameters(model: Any) -> tuple[int, int]:
 
 
 def is_adapter_tensor(name: str) -> bool:
-    """A tensor an adapter save holds: LoRA matrices, DoRA magnitudes, and the full copies of ``additional_target``
-    modules (peft's ``modules_to_save``)."""
-    return ".lora_" in name or ".modules_to_save." in name
+    """A tensor an adapter save holds: LoRA matrices, DoRA magnitudes, OFT rotations, and the full copies of
+    ``additional_target`` modules (peft's ``modules_to_save``)."""
+    return ".lora_" in name or ".oft_" in name or ".modules_to_save." in name
 
 
 def adapter_saved_name(name: str, adapter: str = "default") -> str | None:
@@ -439,11 +484,11 @@ def adapter_saved_name(name: str, adapter: str = "default") -> str | None:
     if name.endswith(magnitude):
         return name[: -len(magnitude)] + ".lora_magnitude_vector"
     marker = f".{adapter}"
-    return name.replace(marker, "") if ".lora_" in name and f"{marker}." in name else None
+    return name.replace(marker, "") if (".lora_" in name or ".oft_" in name) and f"{marker}." in name else None
 
 
 def save_lora_adapter(model: Any, state_dict: dict[str, Any], out_dir: Any, adapter: str = "default") -> int:
-    """Write a LoRA adapter from a full state dict, in peft's layout; returns the number of tensors.
+    """Write a peft adapter (LoRA or OFT) from a full state dict, in peft's layout; returns the number of tensors.
 
     peft's own ``save_pretrained(state_dict=...)`` matches keys against the live module tree, which FSDP1
     rewrites in place (``_fsdp_wrapped_module``), so it would find nothing and write an empty adapter.

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from shardtune import run_files
+from shardtune.config.adapter_method import is_adapter_type
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.base import Engine
 from shardtune.errors import ConfigError
@@ -151,9 +152,9 @@ def fast_forward_schedule(scheduler: Any, steps: int) -> None:
 
 
 def model_only_config(config: TrainConfig, path: Path) -> TrainConfig:
-    """The config that builds the model from a model-only checkpoint: a LoRA run trains the saved adapter on
-    (earlier adapters still merged first), other runs start from the saved full weights."""
-    if config.finetuning_type == "lora":
+    """The config that builds the model from a model-only checkpoint: an adapter (LoRA, OFT) run trains the saved
+    adapter on (earlier adapters still merged first), other runs start from the saved full weights."""
+    if is_adapter_type(config.finetuning_type):
         merged = plan_adapters(tuple(config.adapter_name_or_path), config.create_new_adapter).to_merge
         return dataclasses.replace(config, adapter_name_or_path=[*merged, str(path)], create_new_adapter=False)
     return dataclasses.replace(config, model_name_or_path=str(path), adapter_name_or_path=[])

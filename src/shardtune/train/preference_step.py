@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from shardtune.config.adapter_method import is_adapter_type
 from shardtune.engines.base import Engine
 from shardtune.errors import ModelError
 from shardtune.model.adapters import FinetuningSettings
@@ -109,7 +110,7 @@ def build_reference(engine: Engine, source: ModelSource, finetuning_type: str, s
         return Reference("none")
     if precompute:
         return Reference("precomputed")
-    if finetuning_type == "lora" and not separate:
+    if is_adapter_type(finetuning_type) and not separate:
         return Reference("adapters_off")
     frozen = engine.load_frozen(source)
     if engine.sequence is not None:  # its forwards take this rank's slices, as the policy's
@@ -286,7 +287,7 @@ def precomputed_reference_logps(engine: Engine, dataset: Any, collate: Any,
     gathers weights collectively), the last ones on a repeated sample whose result is dropped; one reduction
     gives every rank the whole table.
     """
-    scorer = Reference("adapters_off" if finetuning_type == "lora" else "policy")
+    scorer = Reference("adapters_off" if is_adapter_type(finetuning_type) else "policy")
     size, groups = len(dataset), engine.data_parallel_size
     mine = list(range(engine.data_parallel_rank, size, groups))
     per_rank = -(-size // groups)

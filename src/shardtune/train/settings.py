@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from shardtune.config.adapter_method import adapter_targets
 from shardtune.config.schema import TrainConfig
 from shardtune.data.settings import DataSettings, resolved_packing
 from shardtune.model.adapters import FinetuningSettings
 from shardtune.model.composite import FrozenParts
+from shardtune.model.oft import OftSettings
 from shardtune.model.pretrained_adapters import AdapterPlan, plan_adapters
 
 if TYPE_CHECKING:
@@ -56,7 +58,8 @@ def finetuning_settings(c: TrainConfig) -> FinetuningSettings:
         lora_rank=c.lora_rank,
         lora_alpha=c.lora_alpha,
         lora_dropout=c.lora_dropout,
-        lora_target=tuple(c.lora_target),
+        lora_target=tuple(adapter_targets(c)[1]),
+        oft=OftSettings(c.oft_rank, c.oft_block_size, c.module_dropout),
         freeze_trainable_layers=c.freeze_trainable_layers,
         freeze_trainable_modules=tuple(c.freeze_trainable_modules),
         llama_pro=c.use_llama_pro,

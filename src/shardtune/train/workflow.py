@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from shardtune import run_files
+from shardtune.config.adapter_method import is_adapter_type
 from shardtune.config.generation import predicts_only
 from shardtune.config.load import config_to_dict
 from shardtune.config.schema import TrainConfig
@@ -276,8 +277,8 @@ def stage_objective(c: TrainConfig, source: ModelSource, engine: Engine) -> Obje
                                   label_smoothing=c.dpo_label_smoothing, kto_chosen_weight=c.kto_chosen_weight,
                                   kto_rejected_weight=c.kto_rejected_weight)
     resumed = resume_source(c)
-    if settings.needs_reference and c.finetuning_type != "lora" and c.ref_model is None and resumed is not None \
-            and checkpoint.is_model_only(resumed):
+    if settings.needs_reference and not is_adapter_type(c.finetuning_type) and c.ref_model is None \
+            and resumed is not None and checkpoint.is_model_only(resumed):
         raise ConfigError(f"resuming stage {c.stage} ({c.finetuning_type}) from {resumed}, a model-only checkpoint "
                           "(save_only_model): the model is built from its trained weights, so the reference would be "
                           "the trained model, not the original; resume from a full checkpoint")
