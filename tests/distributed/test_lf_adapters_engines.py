@@ -1,4 +1,4 @@
-"""DoRA and additional_target (peft modules_to_save) under the engines, 2 processes on CPU, against one process.
+"""DoRA, additional_target (peft modules_to_save), LoRA+, PiSSA and OFT under the engines, 2 processes on CPU, against one process.
 
 The risky parts: a sharding engine builds the model without its weights, so DoRA's magnitude vector (the norm of
 each base row) and the full copy of an additional_target module must come from the files; and the saved adapter
@@ -19,6 +19,9 @@ DORA = ("use_dora=true", "additional_target=embed_tokens", "lora_target=q_proj,v
 TARGET_ONLY = ("additional_target=embed_tokens", "lora_target=q_proj,v_proj")
 LORAPLUS = ("loraplus_lr_ratio=16", "lora_target=q_proj,v_proj")  # parameter groups found after sharding
 PISSA = ("pissa_init=true", "pissa_convert=true", "lora_target=q_proj,v_proj")  # replicating engines only
+# OFT: the rotation blocks are new host tensors beside a skeleton's empty base (their index buffers too); 4 divides
+# the tiny model's widths (64, and 172 for down_proj).
+OFT = ("finetuning_type=oft", "oft_block_size=4")
 RUNS = {
     "ddp-dora": ((), DORA),
     "fsdp2-dora": (("fsdp=full_shard auto_wrap",), DORA),
@@ -28,17 +31,30 @@ RUNS = {
     "zero3-loraplus": (("deepspeed=z3",), LORAPLUS),
     "ddp-pissa": ((), PISSA),
     "zero2-pissa": (("deepspeed=z2",), PISSA),
+    "ddp-oft": ((), OFT),
+    "fsdp2-oft": (("fsdp=full_shard auto_wrap",), OFT),
+    "fsdp1-oft": (("fsdp=full_shard auto_wrap", "fsdp_config={'fsdp_version': 1}"), OFT),
+    "zero3-oft": (("deepspeed=z3",), OFT),
 }
+
+
+class References(dict):
+    """One-process runs of each adapter variant, trained when a cell first asks for one."""
+
+    def __init__(self, model, tmp_path_factory):
+        super().__init__()
+        self.model, self.tmp_path_factory = model, tmp_path_factory
+
+    def __missing__(self, adapter):
+        out = self.tmp_path_factory.mktemp("ref")
+        train(self.model, out, "lora", 1, 4, *adapter)
+        self[adapter] = out
+        return out
 
 
 @pytest.fixture(scope="module")
 def references(tiny_model_dir, tmp_path_factory):
-    found = {}
-    for name, adapter in (("dora", DORA), ("target", TARGET_ONLY), ("loraplus", LORAPLUS), ("pissa", PISSA)):
-        out = tmp_path_factory.mktemp(f"ref-{name}")
-        train(tiny_model_dir, out, "lora", 1, 4, *adapter)
-        found[adapter] = out
-    return found
+    return References(tiny_model_dir, tmp_path_factory)
 
 
 def _adapter(out):
@@ -60,6 +76,9 @@ def test_adapter_variant_matches_one_process(run, references, tiny_model_dir, tm
         assert "base_model.model.model.embed_tokens.weight" in saved
     if "use_dora=true" in adapter:
         assert any(k.endswith("lora_magnitude_vector") for k in saved)
+    if adapter == OFT:
+        assert len(saved) == 14 and all(k.endswith(".oft_R.weight") for k in saved)
+        assert all(value.abs().sum() > 0 for value in saved.values()), "a rotation did not train"
     for key, value in expected.items():
         torch.testing.assert_close(saved[key], value, rtol=2e-3, atol=2e-4, msg=key)
     if "pissa_convert=true" in adapter:
