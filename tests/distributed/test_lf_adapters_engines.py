@@ -1,4 +1,5 @@
-"""DoRA, additional_target (peft modules_to_save), LoRA+, PiSSA and OFT under the engines, 2 processes on CPU, against one process.
+"""DoRA, additional_target (peft modules_to_save), LoRA+, PiSSA and OFT under the engines, 2 processes on CPU,
+against one process.
 
 The risky parts: a sharding engine builds the model without its weights, so DoRA's magnitude vector (the norm of
 each base row) and the full copy of an additional_target module must come from the files; and the saved adapter
