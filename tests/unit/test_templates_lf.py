@@ -39,9 +39,15 @@ OFFICIAL = [("qwen", "qwen2_5", "text"), ("qwen3", "qwen3", "text"), ("llama3", 
             ("phi", "phi3", "text"), ("phi4", "phi4", "text"), ("deepseek", "deepseek", "text"),
             ("deepseek3", "deepseek3", "text"), ("glm4", "glm4", "text"), ("cohere", "cohere", "text"),
             ("intern2", "intern2", "text"), ("yi", "yi", "text"), ("llama4", "llama4", "text"),
-            ("gpt_oss", "gpt_oss", "text")]
-# Keyword arguments that pin what an official template would take from the clock.
-FIXED_INPUTS: dict[str, dict[str, Any]] = {"llama3_1": {"date_string": "26 Jul 2024"}}
+            ("gpt_oss", "gpt_oss", "text"), ("qwen3_5", "qwen3_5", "text"), ("qwen2_vl", "qwen2_vl", "text"),
+            ("glm4_moe", "glm4_moe", "text"), ("gemma4", "gemma4", "text")]
+# Keyword arguments that pin what an official template would take from the clock, and Gemma 4's thinking switch
+# (on, as shardtune's enable_thinking default; the model's own default is off).
+FIXED_INPUTS: dict[str, dict[str, Any]] = {"llama3_1": {"date_string": "26 Jul 2024"},
+                                           "gemma4": {"enable_thinking": True}}
+# Families whose official history drops the think block that their generation prompt opens: only the prompt of
+# an answer after the last user query is the generation prompt (earlier ones are what the full rendering shows).
+OPENER_ONLY_AFTER_QUERY = {"qwen3_5"}
 
 
 class PinnedClock(datetime):
@@ -72,7 +78,7 @@ def official(fixture: str, messages: list[dict[str, Any]], tokenizer: Any, syste
     content: Any = [{"type": "text", "text": system}] if system_as == "parts" else system
     head = [{"role": "system", "content": content}] if system else []
     text = tokenizer.apply_chat_template(head + messages, chat_template=(FIXTURES / f"{fixture}.jinja").read_text(),
-                                         tokenize=False, **FIXED_INPUTS.get(fixture, {}), **kwargs)
+                                         tokenize=False, **{**FIXED_INPUTS.get(fixture, {}), **kwargs})
     assert isinstance(text, str)
     return text
 
@@ -83,7 +89,7 @@ def joined(turns: list[tuple[str, str]]) -> str:
 
 def deliberate(name: str, official_text: str) -> str:
     """The official text with the differences documented on the template (see families.py)."""
-    if name == "glm4":  # GLM-4 ends the last answer with eos so that training teaches stopping
+    if name in ("glm4", "glm4_moe"):  # GLM ends the last answer with eos so that training teaches stopping
         return official_text + EOS
     return official_text
 
@@ -107,7 +113,7 @@ def test_every_prompt_piece_is_the_official_generation_prompt(tokenizer: Any, na
                                                               system_as: str | None) -> None:
     """The masked/trained boundary sits where the official template ends its generation prompt."""
     turns = ours(name, MULTI, tokenizer)
-    for k in range(len(turns)):
+    for k in range(len(turns) - 1 if name in OPENER_ONLY_AFTER_QUERY else 0, len(turns)):
         prompt_text = joined(turns[:k]) + turns[k][0]
         assert prompt_text == official(fixture, MULTI[: 2 * k + 1], tokenizer, add_generation_prompt=True)
 
@@ -140,15 +146,33 @@ def openai_messages(chat: list[dict[str, str]], call_ids: list[str] | None = Non
     return converted
 
 
-@pytest.mark.parametrize(("name", "fixture"), [("qwen", "qwen2_5"), ("qwen3", "qwen3"), ("qwen3_nothink", "qwen2_5")])
+@pytest.mark.parametrize(("name", "fixture"), [("qwen", "qwen2_5"), ("qwen3", "qwen3"), ("qwen3_nothink", "qwen2_5"),
+                                             ("qwen3_5", "qwen3_5"), ("qwen3_5_nothink", "qwen3_5")])
 @pytest.mark.parametrize("system", ["", SYSTEM])
 def test_tool_calls_and_results_equal_the_official_template(tokenizer: Any, name: str, fixture: str,
                                                             system: str) -> None:
     tools = [{"type": "function", "function": tool} for tool in TOOLS]
-    expected = official(fixture, openai_messages(TOOL_CHAT), tokenizer, system, tools=tools)
+    thinking = {"enable_thinking": False} if name == "qwen3_5_nothink" else {}
+    expected = official(fixture, openai_messages(TOOL_CHAT), tokenizer, system, tools=tools, **thinking)
     if name == "qwen3_nothink":  # Qwen2.5's layout without its default system prompt
         expected = expected.replace("You are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n", "")
     assert joined(ours(name, TOOL_CHAT, tokenizer, system, json.dumps(TOOLS))) == expected
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_nothink"])
+def test_qwen3_5_tool_prompt_pieces_are_the_official_generation_prompts(tokenizer: Any, name: str) -> None:
+    tools = [{"type": "function", "function": tool} for tool in TOOLS]
+    turns = ours(name, TOOL_CHAT, tokenizer, SYSTEM, json.dumps(TOOLS))
+    thinking = {"enable_thinking": False} if name == "qwen3_5_nothink" else {}
+    for k in range(len(turns)):
+        assert joined(turns[:k]) + turns[k][0] == official(
+            "qwen3_5", openai_messages(TOOL_CHAT[: 2 * k + 1]), tokenizer, SYSTEM, tools=tools,
+            add_generation_prompt=True, **thinking)
+    assert turns[0][1] == ("\n</think>\n\n<tool_call>\n<function=add>\n<parameter=a>\n3\n</parameter>\n"
+                           "<parameter=b>\n3\n</parameter>\n</function>\n</tool_call><|im_end|>\n"
+                           if name == "qwen3_5" else
+                           "<tool_call>\n<function=add>\n<parameter=a>\n3\n</parameter>\n<parameter=b>\n3\n"
+                           "</parameter>\n</function>\n</tool_call><|im_end|>\n")
 
 
 def test_qwen_tool_call_text_by_hand(tokenizer: Any) -> None:
@@ -256,7 +280,8 @@ def test_parallel_calls_are_refused_where_the_official_template_has_one_call_per
 @pytest.mark.parametrize(("name", "reason"), [
     ("llama2", "its official chat template defines no tool calling"),
     ("deepseek3", "writes no tool definitions"), ("gpt_oss", "TypeScript namespace"),
-    ("llama4", "Llama 4's tool layout is not implemented")])
+    ("llama4", "Llama 4's tool layout is not implemented"), ("gemma4", "Gemma 4's tool layout is not implemented"),
+    ("glm4_moe", "GLM-4.5's XML tool layout is not implemented"), ("qwen2_vl", "set tool_format: qwen")])
 def test_templates_without_a_tool_format_refuse_tool_data_with_the_reason(tokenizer: Any, name: str,
                                                                           reason: str) -> None:
     with pytest.raises(DataError, match=f"template '{name}' has no tool-call format \\(.*{reason}"):
@@ -283,6 +308,46 @@ def test_qwen3_enable_thinking_false_masks_an_empty_think_block(tokenizer: Any) 
                                                       enable_thinking=False)
 
 
+@pytest.mark.parametrize("name", ["qwen3_5", "glm4_moe"])
+def test_reasoning_is_kept_only_after_the_last_query_as_the_official_template(tokenizer: Any, name: str) -> None:
+    turns = ours(name, REASONED, tokenizer)
+    assert joined(turns) == deliberate(name, official(name, REASONED, tokenizer))
+    if name == "qwen3_5":  # the generation prompt opens the block: the opener is masked
+        assert turns[0][1] == "4<|im_end|>\n"
+        assert turns[1] == (f"<|im_start|>user\n{Q2}<|im_end|>\n<|im_start|>assistant\n<think>\n",
+                            "add again\n</think>\n\n6<|im_end|>\n")
+    else:  # every GLM answer opens with a block, empty before the last query
+        assert turns[0][1] == "\n<think></think>\n4"
+        assert turns[1] == (f"<|user|>\n{Q2}<|assistant|>", f"\n<think>add again</think>\n6{EOS}")
+
+
+@pytest.mark.parametrize(("name", "options"), [("qwen3_5", {"enable_thinking": False}), ("qwen3_5_nothink", {}),
+                                               ("glm4_moe", {"enable_thinking": False}),
+                                               ("gemma4", {"enable_thinking": False})])
+def test_thinking_off_masks_the_empty_block_of_the_official_no_think_prompt(tokenizer: Any, name: str,
+                                                                            options: dict[str, bool]) -> None:
+    fixture = name.removesuffix("_nothink")
+    turns = ours(name, REASONED, tokenizer, **options)
+    assert joined(turns[:1]) + turns[1][0] == official(fixture, REASONED[:3], tokenizer, add_generation_prompt=True,
+                                                      enable_thinking=False)
+    # Gemma 4's reasoning markers are its thought channel: "<think>" is answer text to it
+    assert turns[1][1] == {"glm4_moe": f"\n6{EOS}", "gemma4": f"{REASONED[3]['content']}<turn|>\n"}.get(
+        name, "6<|im_end|>\n")
+    if name != "gemma4":  # the official full rendering of Gemma 4 omits the empty thought channel the prompt ends with
+        # (reasoning in the data is dropped with thinking off, so the whole text is compared on a chat without it)
+        assert joined(ours(name, MULTI, tokenizer, **options)) == deliberate(
+            fixture, official(fixture, MULTI, tokenizer, enable_thinking=False))
+
+
+def test_gemma4_keeps_the_last_thought_channel_and_opens_the_system_turn_with_think(tokenizer: Any) -> None:
+    reasoned = [{"role": "user", "content": Q1}, {"role": "assistant", "content": "<|channel>thought\nadd<channel|>4"}]
+    turns = ours("gemma4", reasoned, tokenizer)
+    assert turns == [(f"{BOS}<|turn>system\n<|think|><turn|>\n<|turn>user\n{Q1}<turn|>\n<|turn>model\n",
+                      "<|channel>thought\nadd<channel|>4<turn|>\n")]
+    # the official template drops the thought channel from every answer; the text around it is the same
+    assert joined(turns).replace("<|channel>thought\nadd<channel|>", "") == official("gemma4", reasoned, tokenizer)
+
+
 def test_qwen3_nothink_has_no_think_block(tokenizer: Any) -> None:
     assert ours("qwen3_nothink", SINGLE, tokenizer) == [
         (f"<|im_start|>user\n{Q1}<|im_end|>\n<|im_start|>assistant\n", f"{A1}<|im_end|>\n")]
@@ -300,11 +365,19 @@ HAND = {
     "chatml": [f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{Q1}<|im_end|>\n<|im_start|>assistant\n",
                f"{A1}<|im_end|>\n", f"<|im_start|>user\n{Q2}<|im_end|>\n<|im_start|>assistant\n", f"{A2}<|im_end|>\n"],
     "mistral": [f"{BOS}[INST] {Q1}[/INST]", f" {A1}{EOS}", f"[INST] {SYSTEM}\n\n{Q2}[/INST]", f" {A2}{EOS}"],
+    # Qwen3-VL-Thinking / -Instruct (no official copy found): Qwen3's layout; the thinking one's generation prompt
+    # opens the block, so the final answer's "<think>\n" is masked.
+    "qwen3_vl": [f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{Q1}<|im_end|>\n<|im_start|>assistant\n",
+                 f"{A1}<|im_end|>\n", f"<|im_start|>user\n{Q2}<|im_end|>\n<|im_start|>assistant\n<think>\n",
+                 f"\n</think>\n\n{A2}<|im_end|>\n"],
+    "qwen3_vl_nothink": [f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{Q1}<|im_end|>\n"
+                         "<|im_start|>assistant\n", f"{A1}<|im_end|>\n",
+                         f"<|im_start|>user\n{Q2}<|im_end|>\n<|im_start|>assistant\n", f"{A2}<|im_end|>\n"],
 }
 
 
 def test_every_named_template_is_checked() -> None:
-    checked = set(HAND) | {name for name, _, _ in OFFICIAL} | {"qwen3_nothink", "auto"}
+    checked = set(HAND) | {name for name, _, _ in OFFICIAL} | {"qwen3_nothink", "qwen3_5_nothink", "auto"}
     assert checked == set(TEMPLATES)
 
 
@@ -312,6 +385,13 @@ def test_every_named_template_is_checked() -> None:
 def test_hand_checked_text(tokenizer: Any, name: str) -> None:
     turns = ours(name, MULTI, tokenizer, SYSTEM)
     assert [piece for turn in turns for piece in turn] == HAND[name]
+
+
+@pytest.mark.parametrize(("name", "fixture"), [("llama3", "llama3"), ("cohere", "cohere"), ("qwen3_5", "qwen3_5"),
+                                             ("gemma4", "gemma4"), ("glm4_moe", "glm4_moe")])
+def test_system_prompt_is_trimmed_where_the_official_template_trims_it(tokenizer: Any, name: str, fixture: str) -> None:
+    expected = official(fixture, SINGLE, tokenizer, f" {SYSTEM}\n")
+    assert joined(ours(name, SINGLE, tokenizer, f" {SYSTEM}\n")) == deliberate(name, expected)
 
 
 def test_default_system_replaces_the_templates_default(tokenizer: Any) -> None:
@@ -329,8 +409,8 @@ def test_tools_on_a_template_without_a_tool_format_is_refused(tokenizer: Any) ->
 
 
 def test_unknown_template_suggests_the_closest_and_auto() -> None:
-    with pytest.raises(DataError, match=r"unknown template 'qwen2_5' \(did you mean 'qwen'\?\); or use 'auto'"):
-        get_template("qwen2_5")
+    with pytest.raises(DataError, match=r"unknown template 'llama_3' \(did you mean 'llama3'\?\); or use 'auto'"):
+        get_template("llama_3")
     with pytest.raises(DataError, match="tool_format 'gemma4' is not supported"):
         get_template("gemma3", tool_format="gemma4")
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from shardtune.data.templates.thinking import ThinkingStyle
 from shardtune.data.templates.tools import ToolStyle, parse_tool_calls, parse_tools
 from shardtune.errors import DataError
 
@@ -29,7 +30,8 @@ Turn = tuple[str, str]  # (prompt text, response text)
 ASK_ROLES = {"user": "user", "observation": "observation", "tool": "observation"}
 ANSWER_ROLES = {"assistant": "assistant", "function": "function", "function_call": "function"}
 SYSTEM_PLACEMENTS = ("block", "first_user", "last_user")
-_SPECIAL_LITERAL = re.compile(r"<\|[A-Za-z_]+\|>|<｜[^｜<>]+｜>")
+# <|im_end|>, DeepSeek's full-width <｜User｜>, Gemma 4's one-sided <|turn> and <turn|>
+_SPECIAL_LITERAL = re.compile(r"<\|[A-Za-z_]+\|?>|<[A-Za-z_]+\|>|<｜[^｜<>]+｜>")
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,8 @@ class Template:
     ``last_assistant_format``, when set, replaces ``assistant_format`` for the last answer (gpt-oss ends
     it with ``<|return|>`` instead of ``<|end|>``).
     ``tool_style`` writes tool definitions, calls and results (see ``tools``); ``no_tools_reason`` says
-    why a template has none. ``thinking`` applies Qwen3's reasoning rules: ``<think>`` blocks are kept
-    only after the last user query, and the final answer always carries one (empty when the data has none).
+    why a template has none. ``thinking`` writes the family's reasoning blocks (see ``thinking``): kept only
+    after the last user query, with the family's rule for empty blocks and for where the prompt ends.
     """
 
     name: str
@@ -55,11 +57,12 @@ class Template:
     default_system: str = ""
     stop_word: str = "{eos}"
     strip_content: bool = False
+    strip_system: bool = False  # the system prompt trimmed too (Llama 3, Qwen3.5, Gemma 4; Command-R keeps it)
     final_suffix: str = ""
     last_assistant_format: str = ""
     tool_style: ToolStyle | None = None
     no_tools_reason: str = ""  # why there is no tool_style, shown when data with tools is refused
-    thinking: bool = False
+    thinking: ThinkingStyle | None = None
     enable_thinking: bool = True
 
     def render_turns(self, system: str, messages: Sequence[Message], tokenizer: Any, tools: str = ""
@@ -75,15 +78,11 @@ class Template:
         for k, (ask, answer) in enumerate(pairs):
             head = self.render_head(system, tool_list, specials) if k == 0 else ""
             prompt = head + self.render_ask(ask, system, k, pairs, tool_list, specials)
-            think, content = self.split_thinking(answer, k, k >= last_query, k == len(pairs) - 1)
-            response = fill(self.answer_format(answer, k == len(pairs) - 1), content, specials)
+            masked, think, content = self.split_thinking(answer, k, k >= last_query, k == len(pairs) - 1)
+            response = think + fill(self.answer_format(answer, k == len(pairs) - 1), content, specials)
             if k == len(pairs) - 1:
                 response += fill(self.final_suffix, "", specials)
-            if think and not self.enable_thinking:
-                prompt += think  # the no-think generation prompt already holds the empty block
-            else:
-                response = think + response
-            turns.append((prompt, response))
+            turns.append((prompt + masked, response))
         return turns
 
     def answer_format(self, answer: Message, is_last: bool) -> str:
@@ -96,6 +95,9 @@ class Template:
         block = self.tool_style.system_block(system, tools) if tools and self.tool_style is not None else None
         if block is not None:
             return head + block
+        system = system.strip() if self.strip_system else system
+        if self.thinking is not None and self.thinking.think_system and self.enable_thinking:
+            return head + fill(self.system_format, self.thinking.think_system + system, specials)
         if system and self.system_placement == "block":
             head += fill(self.system_format, system, specials)
         return head
@@ -113,6 +115,9 @@ class Template:
         target = user_indices[0] if self.system_placement == "first_user" else user_indices[-1]
         if system and self.system_placement != "block" and index == target:
             content = fill(self.system_format, system, specials) + content
+        if self.thinking is not None and not self.enable_thinking:
+            suffix = self.thinking.no_think_user_suffix
+            content += "" if content.endswith(suffix) else suffix
         before = ""
         if tools and self.tool_style is not None:
             is_first, is_last = index == user_indices[0], index == user_indices[-1]
@@ -120,28 +125,19 @@ class Template:
             before = self.tool_style.before_user(tools, is_first, is_last)
         return before + fill(self.user_format, content, specials)
 
-    def split_thinking(self, answer: Message, turn: int, after_query: bool, is_last: bool) -> tuple[str, str]:
-        """(think block, answer text) for one answer; the think block is empty unless ``thinking``.
+    def split_thinking(self, answer: Message, turn: int, after_query: bool, is_last: bool) -> tuple[str, str, str]:
+        """(masked text after the assistant header, trained reasoning block, answer text) for one answer.
 
-        As Qwen3's template: reasoning before the last user query is dropped; after it, an answer shows
-        its reasoning, and the final answer shows a (possibly empty) block.
+        Without ``thinking`` the first two are empty; with it, the family's rule applies (``thinking``).
         """
         if answer["role"] == "function":
             assert self.tool_style is not None, "require_tool_support runs first"
             content = self.tool_style.calls(parse_tool_calls(answer["content"]), turn)
         else:
             content = answer["content"].strip() if self.strip_content else answer["content"]
-        if not self.thinking:
-            return "", content
-        reasoning = ""
-        if "</think>" in content:
-            reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
-            content = content.split("</think>")[-1].lstrip("\n")
-        if not self.enable_thinking:
-            reasoning = ""
-        if not after_query or not (is_last or reasoning):
-            return "", content
-        return f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n", content.lstrip("\n")
+        if self.thinking is None:
+            return "", "", content
+        return self.thinking.pieces(content, after_query, is_last, self.enable_thinking)
 
     def require_tool_support(self, pairs: list[tuple[Message, Message]], tools: list[dict[str, Any]]) -> None:
         uses_tools = bool(tools) or any(ask["role"] == "observation" or answer["role"] == "function"
@@ -150,12 +146,13 @@ class Template:
             reason = self.no_tools_reason or "its official chat template defines no tool calling"
             raise DataError(f"template '{self.name}' has no tool-call format ({reason}), but the data has tools, "
                             "tool calls or tool results; use a template with tools (qwen, qwen3, qwen3_nothink, "
-                            "llama3, mistral, glm4), set tool_format, or drop the tool columns")
+                            "qwen3_5, llama3, mistral, glm4), set tool_format, or drop the tool columns")
 
     def with_options(self, default_system: str | None = None, enable_thinking: bool = True,
                      tool_style: ToolStyle | None = None) -> Template:
-        """This template with the config's ``default_system``, ``enable_thinking`` and ``tool_format``."""
-        changes: dict[str, Any] = {"enable_thinking": enable_thinking}
+        """This template with the config's ``default_system``, ``enable_thinking`` and ``tool_format`` (a template
+        fixed to no thinking, e.g. ``qwen3_5_nothink``, stays so)."""
+        changes: dict[str, Any] = {"enable_thinking": enable_thinking and self.enable_thinking}
         if default_system is not None:
             changes["default_system"] = default_system
         if tool_style is not None:
@@ -174,6 +171,8 @@ class Template:
         """Special tokens such as ``<|im_end|>`` written literally in the formats."""
         text = (self.prefix + self.system_format + self.user_format + self.assistant_format + self.stop_word
                 + self.final_suffix + self.last_assistant_format)
+        if self.thinking is not None:
+            text += self.thinking.block + self.thinking.think_system
         return set(_SPECIAL_LITERAL.findall(text))
 
 

@@ -10,7 +10,14 @@ from typing import TypedDict
 
 from shardtune.data.templates.auto import TokenizerChatTemplate
 from shardtune.data.templates.base import Template
-from shardtune.data.templates.tools import GLM4_TOOLS, LLAMA3_TOOLS, MISTRAL_TOOLS, QWEN_TOOLS
+from shardtune.data.templates.thinking import (
+    GEMMA4_THINKING,
+    GLM4_MOE_THINKING,
+    QWEN3_5_THINKING,
+    QWEN3_THINKING,
+    QWEN3_VL_THINKING,
+)
+from shardtune.data.templates.tools import GLM4_TOOLS, LLAMA3_TOOLS, MISTRAL_TOOLS, QWEN3_5_TOOLS, QWEN_TOOLS
 
 
 class _TurnFormats(TypedDict):
@@ -99,10 +106,10 @@ TEMPLATES: dict[str, Template] = {
         assistant_format=" {content} {eos}",
         strip_content=True,
     ),
-    # Meta-Llama-3-Instruct: every content is trimmed (LLaMA-Factory does not trim). Llama 3.1+ official
-    # templates also add a "Cutting Knowledge Date" system block; LLaMA-Factory and this one do not, except
-    # in a conversation with tool definitions, which is written in the Llama 3.1 tool layout (tools.py).
-    "llama3": Template(name="llama3", prefix="{bos}", strip_content=True, tool_style=LLAMA3_TOOLS,
+    # Meta-Llama-3-Instruct: every content is trimmed, the system prompt too (LLaMA-Factory does not trim).
+    # Llama 3.1+ official templates also add a "Cutting Knowledge Date" system block; LLaMA-Factory and this one do
+    # not, except in a conversation with tool definitions, which is written in the Llama 3.1 tool layout (tools.py).
+    "llama3": Template(name="llama3", prefix="{bos}", strip_content=True, strip_system=True, tool_style=LLAMA3_TOOLS,
                        **_llama3_turns(_LLAMA3_HEADER, "<|eot_id|>")),
     "llama4": Template(name="llama4", prefix="{bos}", **_llama3_turns(_LLAMA4_HEADER, "<|eot|>"),
                        no_tools_reason="Llama 4's tool layout is not implemented in shardtune"),
@@ -121,13 +128,49 @@ TEMPLATES: dict[str, Template] = {
                      "assistant.", tool_style=QWEN_TOOLS, **_CHATML),
     # Qwen3 (hybrid thinking): reasoning kept only after the last user query, the final answer always
     # has a think block. LLaMA-Factory keeps every turn's reasoning and adds empty blocks to all turns.
-    "qwen3": Template(name="qwen3", thinking=True, tool_style=QWEN_TOOLS, **_CHATML),
+    "qwen3": Template(name="qwen3", thinking=QWEN3_THINKING, tool_style=QWEN_TOOLS, **_CHATML),
     # Qwen3-Instruct-2507 (no thinking).
     "qwen3_nothink": Template(name="qwen3_nothink", tool_style=QWEN_TOOLS, **_CHATML),
+    # Qwen3.5 (Qwen/Qwen3.5-4B): every content trimmed; each answer after the last query has a think block and
+    # the generation prompt opens it ("<think>\n", masked). Tools in Qwen3.5's XML layout (tools.py).
+    # LLaMA-Factory keeps every turn's reasoning, adds empty blocks to all turns and trains the opener.
+    "qwen3_5": Template(name="qwen3_5", thinking=QWEN3_5_THINKING, strip_content=True, strip_system=True,
+                        tool_style=QWEN3_5_TOOLS, **_CHATML),
+    # The same official template with enable_thinking=false, which is fixed here: the empty block after the last
+    # query is masked with the prompt (LLaMA-Factory's qwen3_5_nothink writes no block at all).
+    "qwen3_5_nothink": Template(name="qwen3_5_nothink", thinking=QWEN3_5_THINKING, enable_thinking=False,
+                                strip_content=True, strip_system=True, tool_style=QWEN3_5_TOOLS, **_CHATML),
+    # Qwen2-VL / Qwen2.5-VL-Instruct, text turns (images are expanded by the data layer): chatml with Qwen's
+    # default system prompt. The official template has no tool layout (LLaMA-Factory: qwen's).
+    "qwen2_vl": Template(name="qwen2_vl", default_system="You are a helpful assistant.",
+                         no_tools_reason="Qwen2-VL's official template has none; set tool_format: qwen", **_CHATML),
+    # Qwen3-VL-Thinking, text turns: Qwen3's reasoning rule, the generation prompt opens the think block
+    # (defined from LLaMA-Factory and Qwen3-Thinking-2507's layout: no official copy was found).
+    "qwen3_vl": Template(name="qwen3_vl", thinking=QWEN3_VL_THINKING, tool_style=QWEN_TOOLS, **_CHATML),
+    # Qwen3-VL-Instruct, text turns: as qwen3_nothink.
+    "qwen3_vl_nothink": Template(name="qwen3_vl_nothink", tool_style=QWEN_TOOLS, **_CHATML),
     # Gemma 1/2 reject a system role; Gemma 3 prepends it to the first user turn, used for all three.
     # Contents are trimmed (LLaMA-Factory does not trim).
     "gemma": Template(name="gemma", strip_content=True, **_GEMMA),
     "gemma3": Template(name="gemma3", strip_content=True, **_GEMMA),
+    # Gemma 4: its own turn markers and a system turn. Thinking on (shardtune's default; the model's default is
+    # off) opens the system turn with "<|think|>"; off, the answer after the last query follows the empty thought
+    # channel the official generation prompt ends with (masked; the official full rendering omits it). Reasoning
+    # in the data is written "<|channel>thought\n...<channel|>" (LLaMA-Factory's thought words); the official
+    # template drops it everywhere, shardtune keeps it after the last query (as the model writes it).
+    # LLaMA-Factory always writes "<|think|>" and "You are a helpful assistant." as the system prompt.
+    "gemma4": Template(
+        name="gemma4",
+        prefix="{bos}",
+        system_format="<|turn>system\n{content}<turn|>\n",
+        user_format="<|turn>user\n{content}<turn|>\n<|turn>model\n",
+        assistant_format="{content}<turn|>\n",
+        stop_word="<turn|>",
+        strip_content=True,
+        strip_system=True,
+        thinking=GEMMA4_THINKING,
+        no_tools_reason="Gemma 4's tool layout is not implemented in shardtune",
+    ),
     # Phi-3-mini-instruct: the rendered chat ends with eos after the last "<|end|>\n" (LLaMA-Factory: no eos).
     "phi": Template(
         name="phi",
@@ -174,6 +217,20 @@ TEMPLATES: dict[str, Template] = {
         final_suffix="{eos}",
         stop_word="<|user|>",
         tool_style=GLM4_TOOLS,
+    ),
+    # GLM-4.5/4.6 (zai-org/GLM-4.6's template): GLM-4's markers, every answer opens with a think block (empty
+    # before the last query), answers trimmed; thinking off masks the empty block and appends "/nothink" to each
+    # user message, as the official template does. eos after the final answer as glm4 (LLaMA-Factory: same).
+    "glm4_moe": Template(
+        name="glm4_moe",
+        prefix="[gMASK]<sop>",
+        system_format="<|system|>\n{content}",
+        user_format="<|user|>\n{content}<|assistant|>",
+        assistant_format="\n{content}",
+        final_suffix="{eos}",
+        stop_word="<|user|>",
+        thinking=GLM4_MOE_THINKING,
+        no_tools_reason="GLM-4.5's XML tool layout is not implemented in shardtune",
     ),
     # Yi-1.5-chat: the system text is written as is, before the first turn (no chatml block).
     "yi": Template(name="yi", **_YI_TURNS),

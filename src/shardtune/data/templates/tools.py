@@ -6,7 +6,7 @@ A tool-call answer is the JSON ``{"name", "arguments"}`` or a list of them (LLaM
 JSON is written as jinja's ``tojson`` in transformers writes it: ``json.dumps`` with non-ASCII kept.
 
 Each ``ToolStyle`` names LLaMA-Factory's ``tool_format`` and writes its family's own turn markers, so
-it belongs with a template of the same layout (``qwen`` with chatml templates, ``llama3`` with llama3,
+it belongs with a template of the same layout (``qwen`` and ``qwen3_5`` with chatml templates, ``llama3`` with llama3,
 ``mistral`` with mistral, ``glm4`` with glm4).
 """
 
@@ -29,6 +29,18 @@ QWEN_TOOLS_OUTRO = (
     "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
     '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
     "<args-json-object>}\n</tool_call>"
+)
+QWEN3_5_TOOLS_INTRO = "# Tools\n\nYou have access to the following functions:\n\n<tools>"
+QWEN3_5_TOOLS_OUTRO = (
+    "\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n"
+    "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n"
+    "<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\nmultiple lines\n"
+    "</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n"
+    "- Function calls MUST follow the specified format: an inner <function=...></function> block must be nested "
+    "within <tool_call></tool_call> XML tags\n- Required parameters MUST be specified\n"
+    "- You may provide optional reasoning for your function call in natural language BEFORE the function call, "
+    "but NOT after\n- If there is no function call available, answer the question like normal with your current "
+    "knowledge and do not tell the user about function calls\n</IMPORTANT>"
 )
 # The official Llama 3.1 template's default date_string: a training text cannot follow the clock.
 LLAMA3_DATE = "26 Jul 2024"
@@ -144,6 +156,41 @@ class QwenTools(ToolStyle):
 
 
 @dataclass(frozen=True)
+class Qwen35Tools(QwenTools):
+    """Qwen3.5 (Qwen/Qwen3.5-4B): the tool list first in the system turn, the system prompt after it; calls as
+    ``<function=name>`` with one ``<parameter=key>`` block per argument (objects and lists as JSON, other values
+    as text); results as Qwen's, trimmed.
+    """
+
+    def system_block(self, system: str, tools: ToolList) -> str:
+        listed = "".join("\n" + to_json(tool) for tool in tools)
+        tail = "\n\n" + system.strip() if system.strip() else ""
+        return f"<|im_start|>system\n{QWEN3_5_TOOLS_INTRO}{listed}{QWEN3_5_TOOLS_OUTRO}{tail}<|im_end|>\n"
+
+    def calls(self, calls: list[Call], turn: int) -> str:
+        blocks = []
+        for call in calls:
+            arguments = arguments_object(call)
+            if not isinstance(arguments, dict):
+                raise DataError(f"tool call '{call['name']}': Qwen3.5 writes arguments as named parameters, so they "
+                                f"must be a JSON object, got {to_json(arguments)}")
+            written = "".join(f"<parameter={key}>\n{qwen35_value(value)}\n</parameter>\n"
+                              for key, value in arguments.items())
+            blocks.append(f"<tool_call>\n<function={call['name']}>\n{written}</function>\n</tool_call>")
+        return "\n".join(blocks)
+
+    def result(self, content: str, turn: int, call_count: int) -> str:
+        return super().result(content.strip(), turn, call_count)
+
+
+def qwen35_value(value: Any) -> str:
+    """An argument as Qwen3.5's template writes it: objects and lists with ``tojson``, the rest with ``string``."""
+    if isinstance(value, dict | list):
+        return to_json(value)
+    return value if isinstance(value, str) else str(value)
+
+
+@dataclass(frozen=True)
 class Llama3Tools(ToolStyle):
     """Llama 3.1+ (meta-llama/Llama-3.1-8B-Instruct): an "Environment: ipython" system block with the
     knowledge/today dates, the tool list in the first user message, calls as JSON with "parameters",
@@ -239,8 +286,9 @@ class Glm4Tools(ToolStyle):
 
 
 QWEN_TOOLS = QwenTools("qwen")
+QWEN3_5_TOOLS = Qwen35Tools("qwen3_5")
 LLAMA3_TOOLS = Llama3Tools("llama3")
 MISTRAL_TOOLS = MistralTools("mistral", call_format="{content}{eos}")
 GLM4_TOOLS = Glm4Tools("glm4", call_format="{content}")
 TOOL_FORMATS: dict[str, ToolStyle] = {style.name: style for style in
-                                      (QWEN_TOOLS, LLAMA3_TOOLS, MISTRAL_TOOLS, GLM4_TOOLS)}
+                                      (QWEN_TOOLS, QWEN3_5_TOOLS, LLAMA3_TOOLS, MISTRAL_TOOLS, GLM4_TOOLS)}
