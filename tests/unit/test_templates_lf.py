@@ -387,8 +387,9 @@ def test_hand_checked_text(tokenizer: Any, name: str) -> None:
     assert [piece for turn in turns for piece in turn] == HAND[name]
 
 
-@pytest.mark.parametrize(("name", "fixture"), [("llama3", "llama3"), ("cohere", "cohere"), ("qwen3_5", "qwen3_5"),
-                                             ("gemma4", "gemma4"), ("glm4_moe", "glm4_moe")])
+@pytest.mark.parametrize(("name", "fixture"), [("llama3", "llama3"), ("llama4", "llama4"), ("cohere", "cohere"),
+                                             ("qwen3_5", "qwen3_5"), ("gemma4", "gemma4"), ("glm4_moe", "glm4_moe"),
+                                             ("deepseek3", "deepseek3")])
 def test_system_prompt_is_trimmed_where_the_official_template_trims_it(tokenizer: Any, name: str, fixture: str) -> None:
     expected = official(fixture, SINGLE, tokenizer, f" {SYSTEM}\n")
     assert joined(ours(name, SINGLE, tokenizer, f" {SYSTEM}\n")) == deliberate(name, expected)

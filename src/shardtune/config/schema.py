@@ -184,16 +184,16 @@ class TrainConfig:
     dataset: list[str] = _key([], "dataset names from dataset_info.json, comma separated", DATA)
     dataset_dir: str = _key("data", "folder holding dataset_info.json and the data files", DATA, path=True)
     template: str = _key("default", "chat template under LLaMA-Factory's name (default, empty, alpaca, vicuna, chatml, "
-                         "llama2, llama3, llama4, mistral, qwen, qwen3, qwen3_nothink, gemma, gemma3, phi, phi4, "
-                         "deepseek, deepseek3, glm4, yi, cohere, intern2, gpt_oss) or auto (the tokenizer's own)",
-                         DATA)
+                         "llama2, llama3, llama4, mistral, qwen, qwen3, qwen3_nothink, qwen3_5, qwen3_5_nothink, "
+                         "qwen2_vl, qwen3_vl, qwen3_vl_nothink, gemma, gemma3, gemma4, phi, phi4, deepseek, deepseek3, "
+                         "glm4, glm4_moe, yi, cohere, intern2, gpt_oss) or auto (the tokenizer's own)", DATA)
     default_system: str | None = _key(None, "system prompt for samples without one (replaces the template's default)",
                                       DATA)
-    enable_thinking: bool = _key(True, "reasoning templates (qwen3): train the think block; false masks an empty one",
-                                 DATA)
-    tool_format: str | None = _key(None, "tool-call format overriding the template's own (qwen, llama3, mistral, "
-                                   "glm4: each writes its family's turn markers, so pair it with that layout)", DATA,
-                                   choices=("qwen", "llama3", "mistral", "glm4", None))
+    enable_thinking: bool = _key(True, "reasoning templates (qwen3, qwen3_5, qwen3_vl, glm4_moe, gemma4): train the "
+                                 "think block; false masks an empty one", DATA)
+    tool_format: str | None = _key(None, "tool-call format overriding the template's own (qwen, qwen3_5, llama3, "
+                                   "mistral, glm4: each writes its family's turn markers, so pair it with that "
+                                   "layout)", DATA, choices=("qwen", "qwen3_5", "llama3", "mistral", "glm4", None))
     cutoff_len: int = _key(1024, "maximum tokens per training sequence", DATA, minimum=2)
     max_samples: int | None = _key(None, "use at most this many samples per dataset", DATA, minimum=1)
     val_size: float = _key(0.0, "held-out eval split: a fraction (< 1) or a sample count", DATA, minimum=0)

@@ -57,7 +57,7 @@ class Template:
     default_system: str = ""
     stop_word: str = "{eos}"
     strip_content: bool = False
-    strip_system: bool = False  # the system prompt trimmed too (Llama 3, Qwen3.5, Gemma 4; Command-R keeps it)
+    strip_system: bool = False  # the system prompt trimmed (Llama 3/4, Qwen3.5, Gemma 4; Command-R keeps it)
     final_suffix: str = ""
     last_assistant_format: str = ""
     tool_style: ToolStyle | None = None

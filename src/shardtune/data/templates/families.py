@@ -1,7 +1,7 @@
 """The named templates, under LLaMA-Factory's names, each following its family's official chat_template.
 
 Where LLaMA-Factory's own template renders different text, the official one is followed and the
-difference is noted on the entry (docs: docs/templates.md lists them all).
+difference is noted on the entry (docs/from-llamafactory.md, "Templates", lists them all).
 """
 
 from __future__ import annotations
@@ -111,7 +111,8 @@ TEMPLATES: dict[str, Template] = {
     # not, except in a conversation with tool definitions, which is written in the Llama 3.1 tool layout (tools.py).
     "llama3": Template(name="llama3", prefix="{bos}", strip_content=True, strip_system=True, tool_style=LLAMA3_TOOLS,
                        **_llama3_turns(_LLAMA3_HEADER, "<|eot_id|>")),
-    "llama4": Template(name="llama4", prefix="{bos}", **_llama3_turns(_LLAMA4_HEADER, "<|eot|>"),
+    # Llama 4 trims the system prompt only (LLaMA-Factory does not trim).
+    "llama4": Template(name="llama4", prefix="{bos}", strip_system=True, **_llama3_turns(_LLAMA4_HEADER, "<|eot|>"),
                        no_tools_reason="Llama 4's tool layout is not implemented in shardtune"),
     # Mistral-7B-Instruct-v0.3: the system prompt goes into the LAST user message (LLaMA-Factory: first).
     "mistral": Template(
