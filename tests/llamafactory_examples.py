@@ -12,6 +12,7 @@ The files are run from a work folder that holds ``data/`` (our data in LLaMA-Fac
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
@@ -26,6 +27,9 @@ LLAMA_PRO_MODEL, LLAMA_PRO_BLOCKS = "__LLAMA_PRO_MODEL__", 8
 # A file written for OFT with oft_block_size 32, which must divide each adapted layer's in_features (a real model's
 # widths are multiples of 32; the tiny model's MLP, 172 wide, is not): the tiny model with a 192-wide MLP.
 OFT_MODEL, OFT_MLP_WIDTH = "__OFT_MODEL__", 192
+# A file for an image-text model: ``__IMAGE_TEXT_MODEL_<model type>__`` is that family's tiny image-text folder
+# (with its image processor), built once beside the tiny model.
+IMAGE_TEXT_MODEL = re.compile(r"__IMAGE_TEXT_MODEL_(\w+?)__")
 RUNS, REFUSED, NOT_TRAINING = "runs", "refused: ", "not training: "
 NEEDS_GPU, RUNS_ON_GPU = "needs a GPU: ", "runs on a GPU: "
 
@@ -55,6 +59,7 @@ def filled_in(relative: str, work: Path, model: Path, output: Path) -> Path:
         text = text.replace(LLAMA_PRO_MODEL, str(llama_pro_model(model.parent / "llama-pro-expanded")))
     if OFT_MODEL in text:
         text = text.replace(OFT_MODEL, str(oft_model(model.parent / "tiny-llama-mlp-192")))
+    text = IMAGE_TEXT_MODEL.sub(lambda found: str(image_text_model(model.parent, found.group(1))), text)
     text = text.replace(MODEL, str(model)).replace(OUTPUT, str(output)).replace(DATA_DIR, str(work / "data"))
     path = work / "configs" / relative
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -79,6 +84,16 @@ def oft_model(folder: Path) -> Path:
         from shardtune.model.tiny import build_tiny_model
 
         build_tiny_model(folder, intermediate=OFT_MLP_WIDTH)
+    return folder
+
+
+def image_text_model(parent: Path, model_type: str) -> Path:
+    """The tiny image-text model of ``model_type`` (written once)."""
+    folder = parent / f"tiny-image-text-{model_type}"
+    if not (folder / "config.json").is_file():
+        from shardtune.model.tiny import build_tiny_model
+
+        build_tiny_model(folder, arch=model_type, image_text=True)
     return folder
 
 

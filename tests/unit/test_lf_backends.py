@@ -24,9 +24,9 @@ def test_use_v1_kernels_false_is_accepted_and_true_names_the_npu_kernels():
     ("use_v1_kernels", True, "Ascend NPUs"),
 ])
 def test_the_first_problem_of_a_file_for_another_backend_names_it(tmp_path, key, value, backend):
-    # Problems listed before it in the file (an image key, an unknown key) come after it in the refusal.
+    # Problems listed before it in the file (an audio key, an unknown key) come after it in the refusal.
     path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump({**BASE, "image_max_pixels": 262144, "lora_rnak": 8, key: value},
+    path.write_text(yaml.safe_dump({**BASE, "audio_sampling_rate": 16000, "lora_rnak": 8, key: value},
                                    sort_keys=False))
     _, _, problems = read_config([str(path)])
     assert backend in problems[0].text and len(problems) == 3

@@ -28,11 +28,21 @@ def test_v1_records_become_conversations():
                         {"role": "user", "content": "And 4?"}, {"role": "assistant", "content": "9."}]
 
 
+def test_an_image_part_becomes_a_marker_and_its_path_an_image():
+    from shardtune.data.lf_v1_data import v1_image_paths, v1_turns
+
+    messages = [{"role": "user", "content": [{"type": "image_url", "value": "a.png"},
+                                             {"type": "text", "value": "What is it?"}], "loss_weight": 0.0},
+                turn("assistant", "red", 1.0)]
+    assert v1_turns(messages)[0]["content"] == "<image>What is it?"
+    assert v1_image_paths(messages) == ["a.png"]
+
+
 @pytest.mark.parametrize(("messages", "reason"), [
     ([turn("user", "hi", 0.0), turn("assistant", "hello", 0.5)], "loss_weight 0.5"),
     ([turn("user", "hi", 1.0), turn("assistant", "hello", 1.0)], r"turn 0 \(user\) has loss_weight 1.0"),
-    ([{"role": "user", "content": [{"type": "image_url", "value": "a.png"}], "loss_weight": 0.0},
-      turn("assistant", "red", 1.0)], "multimodal"),
+    ([{"role": "user", "content": [{"type": "video_url", "value": "a.mp4"}], "loss_weight": 0.0},
+      turn("assistant", "red", 1.0)], "video and audio inputs are not read"),
 ])
 def test_what_shardtune_would_train_differently_is_refused(messages, reason):
     with pytest.raises(RecordError, match=reason):

@@ -238,6 +238,11 @@ MAPPED.update({
 })
 
 
+# --- video settings: read only with a videos column, which shardtune refuses (data/registry.py) ---
+MAPPED.update({key: Mapped("nothing: only read with videos, whose column is refused by name", _inert_setting)
+               for key in ("video_fps", "video_max_pixels", "video_maxlen", "video_min_pixels")})
+
+
 # --- LLaMA-Factory's v1 kernel plugins, switched on with a value (lfex) ---
 MAPPED["use_v1_kernels"] = Mapped("nothing while false; refused when true (LLaMA-Factory's v1 kernel plugins)",
                                   _refuse_unless(False, V1_KERNELS_REASON)("use_v1_kernels"))

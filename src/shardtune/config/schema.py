@@ -223,6 +223,10 @@ class TrainConfig:
                            "max_steps; val_size must be a count)", DATA)
     buffer_size: int = _key(16384, "streaming: records in the shuffle buffer (1 keeps the file order)", DATA,
                             minimum=1)
+    image_max_pixels: int = _key(768 * 768, "images: the most pixels an image keeps (larger ones are scaled down, "
+                                 "aspect ratio kept; each merged patch is one token)", DATA, minimum=1)
+    image_min_pixels: int = _key(32 * 32, "images: the fewest pixels an image keeps (smaller ones are scaled up)",
+                                 DATA, minimum=1)
     tokenized_path: str | None = _key(
         None, "folder for the tokenised datasets: built by one rank once, then loaded by later runs and ranks", DATA,
         path=True)

@@ -17,6 +17,7 @@ from datasets import Dataset, concatenate_datasets, interleave_datasets
 
 from shardtune.data.checks import check_data_settings
 from shardtune.data.formats import normalize_records
+from shardtune.data.images import ImageProcessor, ImageSettings, load_image_processor
 from shardtune.data.loading import load_records
 from shardtune.data.packing import pack_dataset
 from shardtune.data.preference import (
@@ -45,9 +46,11 @@ def build_datasets(tokenizer: Any, settings: DataSettings) -> tuple[Dataset, Dat
     if problems:
         raise DataError(*problems)
     with fresh_cache(settings.overwrite_cache):
-        tokenized = tokenize(load_mixed(dataset_names(settings), settings, tokenizer), tokenizer, settings)
-        named_eval = (tokenize(load_mixed(list(settings.eval_dataset), settings, tokenizer), tokenizer, settings)
-                      if settings.eval_dataset else None)
+        mixed = load_mixed(dataset_names(settings), settings, tokenizer)
+        named = load_mixed(list(settings.eval_dataset), settings, tokenizer) if settings.eval_dataset else None
+        images = image_processor_for([part for part in (mixed, named) if part is not None], tokenizer, settings)
+        tokenized = tokenize(mixed, tokenizer, settings, images)
+        named_eval = tokenize(named, tokenizer, settings, images) if named is not None else None
     if len(tokenized) == 0:
         raise DataError(f"datasets {', '.join(dataset_names(settings))} produced no samples (all texts are empty)")
     if named_eval is not None:
@@ -118,7 +121,19 @@ def mix_datasets(parts: list[Dataset], strategy: str, probabilities: tuple[float
                                stopping_strategy=stopping)
 
 
-def tokenize(records: Dataset, tokenizer: Any, settings: DataSettings) -> Dataset:
+def image_processor_for(parts: list[Dataset], tokenizer: Any, settings: DataSettings) -> ImageProcessor | None:
+    """The model's image processor when any sample has images (None otherwise)."""
+    if not any("_images" in part.column_names and any(part["_images"]) for part in parts):
+        return None
+    return load_image_processor(settings.model_dir, tokenizer, image_settings(settings))
+
+
+def image_settings(settings: DataSettings) -> ImageSettings:
+    return ImageSettings(settings.image_max_pixels, settings.image_min_pixels)
+
+
+def tokenize(records: Dataset, tokenizer: Any, settings: DataSettings, images: ImageProcessor | None = None
+             ) -> Dataset:
     workers, batch_size = settings.preprocessing_num_workers, settings.preprocessing_batch_size
     if settings.stage == "pt":
         return tokenize_pt(records, tokenizer, settings.cutoff_len, settings.packing, workers, batch_size)
@@ -126,7 +141,7 @@ def tokenize(records: Dataset, tokenizer: Any, settings: DataSettings) -> Datase
         return tokenize_preference(records, tokenizer, prepared_template(tokenizer, settings), settings.stage,
                                    settings.cutoff_len, workers, batch_size)
     return tokenize_sft(records, tokenizer, prepared_template(tokenizer, settings), sft_options(settings), workers,
-                        batch_size)
+                        batch_size, images)
 
 
 def prepared_template(tokenizer: Any, settings: DataSettings) -> Template:

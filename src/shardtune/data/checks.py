@@ -6,7 +6,9 @@ columns, and the template name. Everything found is returned together.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 from shardtune.data.columns import (
     is_preference_stage,
@@ -14,6 +16,7 @@ from shardtune.data.columns import (
     preference_columns,
     preference_entry_problems,
 )
+from shardtune.data.images import image_support_problem
 from shardtune.data.lf_v1_data import V1_FORMATTING, first_record_problems
 from shardtune.data.peek import peek_columns
 from shardtune.data.registry import DatasetEntry, did_you_mean, resolve_entries
@@ -38,11 +41,37 @@ def check_data_settings(settings: DataSettings) -> list[str]:
     problems += entry_problems
     for entry in entries:
         problems += entry_stage_problems(entry, settings.stage)
+        if "images" in entry.columns:
+            problems += image_problems(entry, settings)
         if settings.streaming and entry.num_samples is not None:
             problems.append(f"dataset '{entry.name}' sets num_samples ({entry.num_samples}) in dataset_info.json, "
                             "which streaming (true) cannot draw (it needs the dataset's length up front); remove "
                             "num_samples from the entry or set streaming: false")
     return problems
+
+
+def image_problems(entry: DatasetEntry, settings: DataSettings) -> list[str]:
+    """What stops the images of ``entry`` from being trained with ``settings`` (data/images.py)."""
+    where = f"dataset '{entry.name}' has images (columns.images)"
+    if settings.stage != "sft":
+        return [f"{where}: images in {settings.stage} data are not read yet; images train with stage sft"]
+    if settings.packing:
+        return [f"{where}: packing (true) with images: a packed row would need each sample's multimodal positions "
+                "(mRoPE) restarted, which shardtune does not build; set packing: false"]
+    if settings.streaming:
+        return [f"{where}: streaming (true) reads text only; set streaming: false to train on the images"]
+    model_type = model_type_of(settings.model_dir)
+    problem = image_support_problem(model_type) if model_type else None
+    return [f"{where}, but {problem}"] if problem else []
+
+
+def model_type_of(model_dir: str) -> str | None:
+    """``model_type`` of the folder's config.json (None when there is none to read: other checks name that)."""
+    try:
+        found = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) else None
 
 
 def setting_problems(settings: DataSettings) -> list[str]:

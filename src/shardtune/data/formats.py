@@ -16,6 +16,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,8 @@ from datasets import Dataset, Features, List, Value
 
 from shardtune.data.caching import step_fingerprint
 from shardtune.data.columns import missing_column_problems, required_columns  # noqa: F401 - re-exported
-from shardtune.data.lf_v1_data import V1_FORMATTING, v1_turns
+from shardtune.data.images import marker_problem, resolve_image_paths
+from shardtune.data.lf_v1_data import V1_FORMATTING, v1_image_paths, v1_turns
 from shardtune.data.record_places import record_lines
 from shardtune.data.registry import DatasetEntry
 from shardtune.errors import DataError
@@ -34,6 +36,7 @@ CHAT_FEATURES = Features({
     "_system": Value("string"),
     "_messages": List({"role": Value("string"), "content": Value("string")}),
     "tools": Value("string"),
+    "_images": List(Value("string")),
     "_problem": Value("string"),
 })
 TEXT_FEATURES = Features({"_text": Value("string"), "_problem": Value("string")})
@@ -65,7 +68,11 @@ def batch_converter(entry: DatasetEntry, stage: str) -> tuple[Callable[..., dict
         to_chat = partial(converters[entry.formatting], columns=entry.columns, tags=entry.tags)
     else:
         to_chat = partial(alpaca_to_chat, columns=entry.columns)
-    return partial(convert_chat_batch, to_chat=to_chat, tools_column=entry.columns["tools"]), CHAT_FEATURES
+    images = ImageColumn(entry.columns["images"], entry.media_dir) if "images" in entry.columns else None
+    if entry.formatting == V1_FORMATTING:  # v1 records hold their images as parts of their turns
+        images = V1ImageParts(entry.columns["messages"], entry.media_dir)
+    return partial(convert_chat_batch, to_chat=to_chat, tools_column=entry.columns["tools"], images=images), \
+        CHAT_FEATURES
 
 
 def require_columns(found: list[str], entry: DatasetEntry, stage: str) -> None:
@@ -103,22 +110,53 @@ def rows(batch: Mapping[str, list[Any]]) -> list[dict[str, Any]]:
     return [{key: values[i] for key, values in batch.items()} for i in range(size)]
 
 
+@dataclass(frozen=True)
+class ImageColumn:
+    """A dataset's images column and the folder its relative paths start from."""
+
+    name: str
+    media_dir: Path
+
+    def paths(self, record: Mapping[str, Any], messages: list[Message]) -> list[str]:
+        try:
+            paths = resolve_image_paths(self.values(record), self.name, self.media_dir)
+        except ValueError as err:
+            raise RecordError(str(err)) from None
+        problem = marker_problem(messages, paths)
+        if problem:
+            raise RecordError(problem)
+        return paths
+
+
+    def values(self, record: Mapping[str, Any]) -> Any:
+        return record.get(self.name)
+
+
+class V1ImageParts(ImageColumn):
+    """LLaMA-Factory v1's images: the ``image_url`` parts of the turns in the messages column ``name``."""
+
+    def values(self, record: Mapping[str, Any]) -> Any:
+        return v1_image_paths(record.get(self.name))
+
+
 def convert_chat_batch(batch: Mapping[str, list[Any]], indices: list[int],
-                       to_chat: Callable[[Mapping[str, Any]], tuple[str, list[Message]]], tools_column: str
-                       ) -> dict[str, list[Any]]:
+                       to_chat: Callable[[Mapping[str, Any]], tuple[str, list[Message]]], tools_column: str,
+                       images: ImageColumn | None = None) -> dict[str, list[Any]]:
     """Apply ``to_chat`` to every record of a batch, recording a problem line instead of raising."""
-    out: dict[str, list[Any]] = {"_system": [], "_messages": [], "tools": [], "_problem": []}
+    out: dict[str, list[Any]] = {"_system": [], "_messages": [], "tools": [], "_images": [], "_problem": []}
     for index, record in zip(indices, rows(batch), strict=True):
         try:
             system, messages = to_chat(record)
             tools = tools_text(record.get(tools_column), tools_column)
+            paths = images.paths(record, messages) if images is not None else []
             out["_problem"].append("")
         except RecordError as err:
-            system, messages, tools = "", [], ""
+            system, messages, tools, paths = "", [], "", []
             out["_problem"].append(f"record {index + 1}: {err}")
         out["_system"].append(system)
         out["_messages"].append(messages)
         out["tools"].append(tools)
+        out["_images"].append(paths)
     return out
 
 

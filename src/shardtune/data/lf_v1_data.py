@@ -19,10 +19,13 @@ from typing import Any
 
 import yaml
 
+from shardtune.data.images import IMAGE_MARKER
+
 V1_FORMATTING = "lf_v1"
 CONVERTERS = {"alpaca": "alpaca", "sharegpt": "sharegpt"}
 ENTRY_KEYS = ("path", "source", "converter", "size", "split")
 ANSWER_ROLES = ("assistant",)
+IMAGE_PART = "image_url"  # v1's image part; its value is the image's path
 
 
 def is_v1_dataset_file(dataset_dir: str | Path) -> bool:
@@ -85,16 +88,24 @@ def plain_turn(number: int, turn: Any) -> dict[str, str]:
     texts = []
     for part in turn["content"]:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text":
-            raise ValueError(f"turn {number} has a '{kind}' part: image, video and audio inputs are not supported "
-                             "(multimodal data is not read)")
-        texts.append(str(part.get("value", "")))
+        if kind not in ("text", IMAGE_PART):
+            raise ValueError(f"turn {number} has a '{kind}' part: video and audio inputs are not read (text and "
+                             f"{IMAGE_PART} parts are)")
+        texts.append(IMAGE_MARKER if kind == IMAGE_PART else str(part.get("value", "")))
     trained = turn["role"] in ANSWER_ROLES
     weight = turn.get("loss_weight", 1.0 if trained else 0.0)
     if weight != (1.0 if trained else 0.0):
         raise ValueError(f"turn {number} ({turn['role']}) has loss_weight {weight}: shardtune trains every answer "
                          "(1) and no prompt turn (0); other weights are not read")
     return {"role": str(turn["role"]), "content": "".join(texts)}
+
+
+def v1_image_paths(messages: Any) -> list[str]:
+    """The values of a v1 record's image parts, in order (each became an ``<image>`` marker in its turn's text)."""
+    if not isinstance(messages, list):
+        return []
+    return [str(part.get("value", "")) for turn in messages if isinstance(turn, dict)
+            for part in turn.get("content") or [] if isinstance(part, dict) and part.get("type") == IMAGE_PART]
 
 
 def first_record_problems(path: Path, name: str) -> list[str]:

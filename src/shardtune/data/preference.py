@@ -50,8 +50,9 @@ from shardtune.errors import DataError
 
 logger = logging.getLogger(__name__)
 
-PAIR_RECORD_FEATURES = Features({**CHAT_FEATURES, "_rejected": Value("string")})
-KTO_RECORD_FEATURES = Features({**CHAT_FEATURES, "_kto_tag": Value("bool")})
+_TEXT_CHAT = {key: value for key, value in CHAT_FEATURES.items() if key != "_images"}
+PAIR_RECORD_FEATURES = Features({**_TEXT_CHAT, "_rejected": Value("string")})
+KTO_RECORD_FEATURES = Features({**_TEXT_CHAT, "_kto_tag": Value("bool")})
 IDS = List(Value("int32"))
 PAIR_FEATURES = Features({"chosen_input_ids": IDS, "chosen_labels": IDS, "rejected_input_ids": IDS,
                           "rejected_labels": IDS})

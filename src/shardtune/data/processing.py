@@ -16,6 +16,7 @@ from typing import Any
 from datasets import Dataset, Features, List, Value
 
 from shardtune.data.caching import step_fingerprint
+from shardtune.data.images import IMAGE_MARKER, ImageProcessor
 from shardtune.data.settings import IGNORE_INDEX
 from shardtune.data.templates import Template, special_token_strings
 from shardtune.errors import DataError
@@ -38,11 +39,14 @@ class SftOptions:
 
 
 def tokenize_sft(dataset: Dataset, tokenizer: Any, template: Template, options: SftOptions,
-                 num_proc: int | None = None, batch_size: int = 1000) -> Dataset:
-    """Encode normalised chats; samples with nothing trainable within ``cutoff_len`` are dropped."""
+                 num_proc: int | None = None, batch_size: int = 1000, images: ImageProcessor | None = None
+                 ) -> Dataset:
+    """Encode normalised chats; samples with nothing trainable within ``cutoff_len`` are dropped. With ``images``
+    (the model's processor) the rows also keep the paths of the images whose tokens they hold."""
     cutoff_len = options.cutoff_len
-    encode = partial(encode_sft_batch, tokenizer=tokenizer, template=template, options=options)
-    encoded = dataset.map(encode, batched=True, remove_columns=dataset.column_names, features=SFT_FEATURES,
+    encode = partial(encode_sft_batch, tokenizer=tokenizer, template=template, options=options, images=images)
+    features = SFT_FEATURES if images is None else Features({**SFT_FEATURES, "images": List(Value("string"))})
+    encoded = dataset.map(encode, batched=True, remove_columns=dataset.column_names, features=features,
                           num_proc=num_proc, batch_size=batch_size, desc="Tokenizing",
                           new_fingerprint=step_fingerprint(dataset, "sft", encode))
     kept = encoded.filter(has_tokens, batched=True, input_columns="_length", num_proc=num_proc, desc="Truncating",
@@ -72,17 +76,22 @@ def has_tokens(lengths: list[int]) -> list[bool]:
     return [length > 0 for length in lengths]
 
 
-def encode_sft_batch(batch: Mapping[str, list[Any]], tokenizer: Any, template: Template, options: SftOptions
-                     ) -> dict[str, list[Any]]:
+def encode_sft_batch(batch: Mapping[str, list[Any]], tokenizer: Any, template: Template, options: SftOptions,
+                     images: ImageProcessor | None = None) -> dict[str, list[Any]]:
     """Batched map function: render every sample's turns, encode all pieces at once, then assemble."""
     tools = batch.get("tools") or [""] * len(batch["_messages"])
     rendered = [template.render_turns(system, messages, tokenizer, sample_tools or "")
                 for system, messages, sample_tools in zip(batch["_system"], batch["_messages"], tools, strict=True)]
     pieces = [piece for turns in rendered for turn in turns for piece in turn]
     ids = tokenizer(pieces, add_special_tokens=False)["input_ids"] if pieces else []
+    sample_images = batch.get("_images") or [[] for _ in rendered]
+    if images is not None:
+        ids = with_image_tokens(pieces, ids, [path for paths in sample_images for path in paths], images)
     out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "_length": [], "_needed": []}
+    if images is not None:
+        out["images"] = []
     start = 0
-    for turns in rendered:
+    for turns, paths in zip(rendered, sample_images, strict=True):
         pairs = [(ids[start + 2 * k], ids[start + 2 * k + 1]) for k in range(len(turns))]
         start += 2 * len(turns)
         if options.mask_history:
@@ -91,10 +100,35 @@ def encode_sft_batch(batch: Mapping[str, list[Any]], tokenizer: Any, template: T
             input_ids, labels = assemble_sft_sample(pairs, options.cutoff_len, options.train_on_prompt)
         out["input_ids"].append(input_ids)
         out["labels"].append(labels)
+        if images is not None:
+            out["images"].append(kept_images(input_ids, paths, images.image_token_id, options.mask_history))
         out["_length"].append(len(input_ids))
         trained: tuple[TokenIds, TokenIds] = pairs[-1] if options.mask_history else pairs[0] if pairs else ([], [])
         out["_needed"].append(len(trained[0]) + 1 if pairs else 0)
     return out
+
+
+def with_image_tokens(pieces: list[str], ids: list[TokenIds], paths: list[str], images: ImageProcessor
+                      ) -> list[TokenIds]:
+    """``ids`` with every piece that holds ``<image>`` markers encoded again by the processor, which expands each
+    marker to its image's tokens; ``paths`` are the batch's images in the order their markers appear."""
+    out, taken = list(ids), 0
+    for number, piece in enumerate(pieces):
+        count = piece.count(IMAGE_MARKER)
+        if count:
+            out[number] = images.encode_piece(piece, paths[taken:taken + count])
+            taken += count
+    return out
+
+
+def kept_images(input_ids: TokenIds, paths: list[str], image_token_id: int, last_turns: bool) -> list[str]:
+    """The images whose tokens a sample kept: cutoff_len drops whole turns at the end (or, with mask_history, at
+    the start), so the kept ones are the first (or last) as many images as runs of image tokens remain."""
+    runs = sum(1 for k, token in enumerate(input_ids)
+               if token == image_token_id and (k == 0 or input_ids[k - 1] != image_token_id))
+    if runs == 0:
+        return []
+    return paths[-runs:] if last_turns else paths[:runs]
 
 
 def assemble_sft_sample(pairs: list[tuple[TokenIds, TokenIds]], cutoff_len: int, train_on_prompt: bool

@@ -29,7 +29,7 @@ LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parque
 FORMATTINGS = ("alpaca", "sharegpt", "openai", V1_FORMATTING)
 # Columns every formatting may map; preference (chosen, rejected) and KTO (kto_tag) columns are validated
 # now and read by preference stages, which refuse them for sft (see checks.entry_stage_problems).
-COMMON_COLUMNS = ("system", "tools", "chosen", "rejected", "kto_tag")
+COMMON_COLUMNS = ("system", "tools", "chosen", "rejected", "kto_tag", "images")
 DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
     "alpaca": {"prompt": "instruction", "query": "input", "response": "output", "system": "system",
                "history": "history", "tools": "tools"},
@@ -46,8 +46,8 @@ DEFAULT_TAGS["alpaca"] = DEFAULT_TAGS["sharegpt"]
 # LLaMA-Factory v1's own records: OpenAI-style turns whose content is a list of typed parts (data/lf_v1_data.py).
 DEFAULT_COLUMNS[V1_FORMATTING] = DEFAULT_COLUMNS["openai"]
 DEFAULT_TAGS[V1_FORMATTING] = DEFAULT_TAGS["openai"]
-# LLaMA-Factory's multimodal columns: refused by name, shardtune trains text models only.
-MEDIA_COLUMNS = ("images", "videos", "audios")
+# LLaMA-Factory's video and audio columns: refused by name (images are read: data/images.py).
+MEDIA_COLUMNS = ("videos", "audios")
 ENTRY_KEYS = ("file_name", "formatting", "columns", "tags", "ranking", "subset", "split", "folder", "num_samples")
 # Keys of entries whose data lives on a hub or in a bucket; this machine cannot download.
 HUB_KEYS = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
@@ -70,6 +70,7 @@ class DatasetEntry:
     ranking: bool = False
     num_samples: int | None = None
     split: str = "train"
+    media_dir: Path = Path()  # the folder relative image paths start from (dataset_dir, as in LLaMA-Factory)
 
     @property
     def loader(self) -> str:
@@ -183,7 +184,8 @@ def resolve_entry(name: str, raw: Any, dataset_dir: Path, path: Path) -> tuple[D
     files, file_problems = pick_data_files(file_path, raw.get("folder"), raw.get("subset"), split, where)
     if file_problems:
         return None, file_problems
-    return DatasetEntry(name, file_path, formatting, columns, tags, files, ranking, num_samples, split), []
+    media_dir = dataset_dir.parent if dataset_dir.is_file() else dataset_dir  # a v1 dataset file: its folder
+    return DatasetEntry(name, file_path, formatting, columns, tags, files, ranking, num_samples, split, media_dir), []
 
 
 def hub_problem(raw: dict[str, Any], where: str, dataset_dir: Path) -> str:
@@ -232,8 +234,8 @@ def mapping_field(raw: dict[str, Any], key: str, defaults: dict[str, str], extra
     allowed = tuple(dict.fromkeys((*defaults, *extra)))
     for sub_key, value in given.items():
         if sub_key in MEDIA_COLUMNS:
-            problems.append(f"{where}: columns.{sub_key} (multimodal data) is not supported; shardtune trains "
-                            "text-only models, remove the column")
+            problems.append(f"{where}: columns.{sub_key}: {sub_key[:-1]} inputs are not read by shardtune (images "
+                            "are); remove the column")
         elif sub_key not in allowed:
             problems.append(f"{where}: unknown {key} key '{sub_key}'{did_you_mean(sub_key, allowed)}; "
                             f"allowed: {', '.join(allowed)}")

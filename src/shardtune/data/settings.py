@@ -55,6 +55,9 @@ class DataSettings:
     preprocessing_batch_size: int = 1000
     streaming: bool = False
     buffer_size: int = 16384
+    model_dir: str = ""  # the model's folder, whose processor reads the images of samples that have them
+    image_max_pixels: int = 768 * 768
+    image_min_pixels: int = 32 * 32
 
 
 def dataset_names(settings: DataSettings) -> list[str]:

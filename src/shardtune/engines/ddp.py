@@ -15,6 +15,7 @@ from shardtune.engines.torch_native import TorchEngine
 if TYPE_CHECKING:
     from shardtune.config.schema import TrainConfig
     from shardtune.engines.plan import EnginePlan
+    from shardtune.model.source import ModelSource
 
 
 class DDPEngine(DistributedMixin, TorchEngine):
@@ -29,6 +30,11 @@ class DDPEngine(DistributedMixin, TorchEngine):
         super().__init__(precision, ctx.device)
         self.ctx = ctx
         self.find_unused_parameters = find_unused_parameters
+        self.image_model = ""  # the data has images: the model folder, whose processor the probe step reads
+
+    def build_model(self, source: ModelSource) -> torch.nn.Module:
+        self.image_model = source.name_or_path if source.reads_images else ""
+        return super().build_model(source)
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """DistributedDataParallel, set for a causal LM:
@@ -54,9 +60,11 @@ class DDPEngine(DistributedMixin, TorchEngine):
         """Freeze the parameters the LM loss never reaches (model/gradient_probe.py): DDP then waits for none of
         them. True when some expert weight got none in the probe: routing may reach it later, so DDP searches
         for unused parameters instead (its cost per step is the price of not hanging)."""
+        from shardtune.data.images import blank_image_inputs
         from shardtune.model.gradient_probe import is_expert_parameter, parameters_without_gradient
 
-        unreached = parameters_without_gradient(model, self.device)
+        image = blank_image_inputs(self.image_model) if self.image_model else None
+        unreached = parameters_without_gradient(model, self.device, image)
         experts = [name for name in unreached if is_expert_parameter(name)]
         frozen = [name for name in unreached if not is_expert_parameter(name)]
         parameters = dict(model.named_parameters())

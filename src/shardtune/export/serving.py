@@ -56,7 +56,7 @@ def settings_from_run(run: dict[str, Any], base_model: str, **overrides: Any) ->
 def finish_servable(folder: Path, tokenizer: Any, settings: ServingSettings) -> list[str]:
     """Write the tokenizer and fix dtype and generation config of the model folder ``folder``; returns what was
     changed, one line each, for the run log. An adapter folder gets the tokenizer only."""
-    notes = save_serving_tokenizer(tokenizer, settings, folder)
+    notes = save_serving_tokenizer(tokenizer, settings, folder) + copy_processor_files(settings.base_model, folder)
     if not is_model_folder(folder):
         return notes
     dtype = resolve_save_dtype(settings.save_dtype, settings.base_model)
@@ -64,6 +64,18 @@ def finish_servable(folder: Path, tokenizer: Any, settings: ServingSettings) -> 
         notes.append(f"weights saved in {dtype} (save_dtype: {settings.save_dtype})")
     notes += update_generation_config(folder, tokenizer)
     return notes
+
+
+# The processor's files of an image-text checkpoint: a saved model (or adapter) reads images as the download did.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+
+
+def copy_processor_files(base_model: str, folder: Path) -> list[str]:
+    copied = [name for name in PROCESSOR_FILES
+              if (Path(base_model) / name).is_file() and not (folder / name).exists()]
+    for name in copied:
+        shutil.copyfile(Path(base_model) / name, folder / name)
+    return [f"copied {', '.join(copied)} from the base model (the image processor)"] if copied else []
 
 
 def is_model_folder(folder: Path) -> bool:

@@ -18,8 +18,10 @@ import torch
 PROBE_TOKENS = 16
 
 
-def parameters_without_gradient(model: torch.nn.Module, device: torch.device) -> list[str]:
-    """Names of the trainable parameters the logits of a few tokens do not depend on.
+def parameters_without_gradient(model: torch.nn.Module, device: torch.device,
+                                image: dict[str, torch.Tensor] | None = None) -> list[str]:
+    """Names of the trainable parameters the logits of a few tokens (and ``image``, when the data has images: the
+    token ids that stand for one image and its pixel inputs, data/images.py's blank image) do not depend on.
 
     The autograd graph of one forward is walked from the logits to its leaves (as DDP's unused-parameter search
     does), so no backward runs and no gradient is allocated. In eval mode: no dropout (no random numbers drawn)
@@ -32,7 +34,15 @@ def parameters_without_gradient(model: torch.nn.Module, device: torch.device) ->
     model.eval()
     try:
         ids = (torch.arange(PROBE_TOKENS, device=device) % max(2, _vocab_size(model))).unsqueeze(0)
-        reached = graph_leaves(model(input_ids=ids).logits)
+        inputs: dict[str, torch.Tensor] = {}
+        if image is not None:  # text tokens other than the image's own, then the image
+            own = set(image["input_ids"].flatten().tolist())
+            text = [token for token in range(PROBE_TOKENS + len(own)) if token not in own][:PROBE_TOKENS]
+            ids = torch.cat([torch.tensor([text], device=device), image["input_ids"].to(device)], dim=1)
+            inputs = {key: value.to(device) for key, value in image.items() if key != "input_ids"}
+            inputs["mm_token_type_ids"] = torch.cat([torch.zeros(1, PROBE_TOKENS, dtype=torch.int, device=device),
+                                                     inputs["mm_token_type_ids"]], dim=1)
+        reached = graph_leaves(model(input_ids=ids, **inputs).logits)
     except Exception:  # noqa: BLE001 - the probe only spares DDP a search; training reports a forward that fails
         return []
     finally:
@@ -66,3 +76,4 @@ def _vocab_size(model: Any) -> int:
 def is_expert_parameter(name: str) -> bool:
     """An expert's weight can miss a gradient in one batch and get one in the next (routing): never frozen."""
     return ".experts." in name or name.endswith(".experts")
+

@@ -52,6 +52,7 @@ class ModelSource:
     vocab: VocabGrowth | None = None  # new tokens outgrew the embedding: rows to add (resize_vocab)
     pure_bf16: bool = False  # every weight, adapters included, in bfloat16 (LLaMA-Factory's pure_bf16)
     reward_head: RewardHead | None = None  # stage rm: the body under a one-label score head (model/reward_head.py)
+    reads_images: bool = False  # the data has images: the loss reaches the vision tower through pixel inputs
 
     def load_full(self) -> torch.nn.Module:
         """The whole model in float32 on the host (quantised loads through bitsandbytes), fine-tuning applied."""

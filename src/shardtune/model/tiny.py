@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 SPECIAL_TOKENS = (
     "<|begin_of_text|>",
@@ -89,8 +90,11 @@ def build_tiny_model(
 
     out = Path(out_dir)
     if image_text:
-        tokenizer = build_tiny_tokenizer(bundled_corpus(), vocab_size=vocab_size)
+        tokens = vision_tokens(arch)
+        tokenizer = build_tiny_tokenizer(bundled_corpus(), vocab_size=vocab_size, extra_special=tokens.values())
         config = tiny_image_text_config(arch, len(tokenizer), special_token_ids(tokenizer))
+        for field, token in tokens.items():
+            setattr(config, field, tokenizer.convert_tokens_to_ids(token))
     elif arch in FAMILIES and not from_registry:
         template = get_template(family(arch).template)
         tokenizer = build_tiny_tokenizer(bundled_corpus(), vocab_size=vocab_size,
@@ -111,4 +115,34 @@ def build_tiny_model(
     with without_deepspeed_lookup():
         model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    if image_text and vision_tokens(arch):
+        save_tiny_processor(out, config)
     return out
+
+
+def vision_tokens(model_type: str) -> dict[str, str]:
+    """The config's image token fields and their tokens, for a family whose images shardtune reads ({} otherwise)."""
+    from shardtune.data.images import VISION_TOKENS, processor_class_name
+
+    return VISION_TOKENS.get(processor_class_name(model_type) or "", {})
+
+
+def save_tiny_processor(out: Path, config: Any) -> None:
+    """The family's image processor for the tiny tower (its patch sizes) with small default image bounds, saved as
+    checkpoints keep it (preprocessor_config.json beside the weights)."""
+    import transformers
+    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+
+    from shardtune.data.images import processor_class_name
+
+    # A family without its own entry (Qwen3-VL-MoE) uses the image processor of one with the same processor class.
+    processor = processor_class_name(config.model_type)
+    names = IMAGE_PROCESSOR_MAPPING_NAMES.get(config.model_type) or next(
+        names for model_type, names in IMAGE_PROCESSOR_MAPPING_NAMES.items()
+        if names and processor_class_name(model_type) == processor)
+    vision = config.vision_config
+    image_class = getattr(transformers, names["pil"])
+    image_processor = image_class(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
+                                  temporal_patch_size=vision.temporal_patch_size,
+                                  size={"shortest_edge": 32 * 32, "longest_edge": 64 * 64})
+    image_processor.save_pretrained(out)

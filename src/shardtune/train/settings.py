@@ -41,6 +41,9 @@ def data_settings(c: TrainConfig) -> DataSettings:
         preprocessing_batch_size=c.preprocessing_batch_size,
         streaming=c.streaming,
         buffer_size=c.buffer_size,
+        model_dir=c.model_name_or_path or "",
+        image_max_pixels=c.image_max_pixels,
+        image_min_pixels=c.image_min_pixels,
     )
 
 

@@ -105,7 +105,7 @@ def build_tokenized(tokenizer: Any, settings: Any, path: str, key: dict[str, Any
 
 
 def model_source(c: TrainConfig, settings: FinetuningSettings, tokenizer_size: int | None = None,
-                 pad_token_id: int | None = None) -> ModelSource:
+                 pad_token_id: int | None = None, reads_images: bool = False) -> ModelSource:
     """Where the model comes from and how it is set up for training; each engine decides how to load it.
 
     With resize_vocab, ``tokenizer_size`` (the tokenizer with its added tokens) says how far the vocabulary grows;
@@ -119,7 +119,7 @@ def model_source(c: TrainConfig, settings: FinetuningSettings, tokenizer_size: i
                        quantization_type=c.quantization_type, double_quantization=c.double_quantization,
                        compute_dtype=compute_dtype, adapters=adapter_plan(c), rope_scaling=c.rope_scaling,
                        max_length=c.cutoff_len, vocab=vocab_growth(c, tokenizer_size), pure_bf16=c.pure_bf16,
-                       reward_head=reward_head(c, pad_token_id))
+                       reward_head=reward_head(c, pad_token_id), reads_images=reads_images)
 
 
 def reward_head(c: TrainConfig, pad_token_id: int | None) -> RewardHead | None:
@@ -145,7 +145,7 @@ def build_loader(dataset: Any, tokenizer: Any, batch_size: int, engine: Engine, 
     """A loader over this rank's share of the data; the sampler's seed keeps ranks' orders consistent."""
     if dataset is None:
         return None
-    collator = build_collator(tokenizer, c)
+    collator = build_collator(tokenizer, c, has_images(dataset))
     if is_stream(dataset):  # already this rank's share, shuffled by its buffer
         return DataLoader(dataset, batch_size=batch_size, collate_fn=collator,
                           **loader_options(c, torch.cuda.is_available()))
@@ -154,19 +154,33 @@ def build_loader(dataset: Any, tokenizer: Any, batch_size: int, engine: Engine, 
                       **loader_options(c, torch.cuda.is_available()))
 
 
-def build_collator(tokenizer: Any, c: TrainConfig) -> Any:
-    """The batch builder: padded (or packed) rows; preference stages put both rows of a pair in one batch."""
+def has_images(dataset: Any) -> bool:
+    """Whether the tokenised rows keep image paths (data/images.py): the data has images."""
+    return "images" in (getattr(dataset, "column_names", None) or ())
+
+
+def build_collator(tokenizer: Any, c: TrainConfig, has_images: bool = False) -> Any:
+    """The batch builder: padded (or packed) rows; preference stages put both rows of a pair in one batch; rows
+    with images get their pixel inputs (data/images.py)."""
     from shardtune.data import DataCollator
     from shardtune.data.collator import PairCollator
     from shardtune.train.settings import resolved_packing
 
-    padding_free = padding_free_rows(c)
+    padding_free = padding_free_rows(c) and not has_images
     windows = model_layer_windows(c) if resolved_packing(c) or padding_free else None
     collator = DataCollator(tokenizer.pad_token_id, attn_implementation=c.attn_implementation,
                             window_by_layer_type=windows, padding_free=padding_free,
                             sequence_parallel=c.sequence_parallel_size)
     if c.stage in ("dpo", "kto", "rm"):  # chosen and rejected rows (kto: answers and KL rows) in one batch
         return PairCollator(collator)
+    if has_images:
+        from shardtune.data.build import image_settings
+        from shardtune.data.images import VisionCollator, load_image_processor
+        from shardtune.train.settings import data_settings
+
+        processor = load_image_processor(c.model_name_or_path or "", tokenizer, image_settings(data_settings(c)),
+                                         c.trust_remote_code)
+        return VisionCollator(collator, processor)
     return collator
 
 

@@ -44,6 +44,7 @@ from shardtune.train.setup import (
     build_collator,
     build_loader,
     epoch_batches_for,
+    has_images,
     is_stream,
     model_source,
     prepare_datasets,
@@ -92,7 +93,8 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
                           "use more data")
     warn_dense_packed_masks(config, engine.is_main)
     loop = loop_settings(config, train_micro_batches(train_loader, config), eval_loader is not None)
-    source = model_source(*model_config(config), tokenizer_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    source = model_source(*model_config(config), tokenizer_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                          reads_images=has_images(train_set))
     model = engine.build_model(source)
     compiling = start_compile(model, config)
     loop = dataclasses.replace(loop, router_aux_loss_coef=router_aux_setting(model, config, engine.is_main),

@@ -12,9 +12,19 @@ from shardtune.data.templates.tools import TOOL_FORMATS
 from shardtune.errors import DataError
 from shardtune.paths import shown
 
+# LLaMA-Factory template names of models shardtune cannot train, each with the reason.
+REFUSED_TEMPLATES = {
+    "moss_vl": "MOSS-VL is remote code (trust_remote_code) that transformers 5.23 does not include, so shardtune "
+               "neither loads it nor reads its images; shardtune trains images with Qwen2-VL, Qwen2.5-VL, Qwen3-VL "
+               "and Qwen3.5 models (templates qwen2_vl, qwen3_vl, qwen3_5)",
+}
+
 
 def unknown_template_message(name: str) -> str:
-    """The line shown for an unknown template name: the closest name, ``auto``, and every choice."""
+    """The line shown for an unknown template name: the closest name, ``auto``, and every choice (or why a
+    LLaMA-Factory name is not offered)."""
+    if name in REFUSED_TEMPLATES:
+        return f"template '{name}' is not offered: {REFUSED_TEMPLATES[name]}"
     return (f"unknown template {shown(name)}{did_you_mean(name, TEMPLATES)}; or use 'auto' for the tokenizer's own "
             f"chat_template; choose one of {', '.join(TEMPLATES)}")
 

@@ -1,0 +1,209 @@
+"""Images in sft samples: LLaMA-Factory's ``images`` column, read through the model's own image processor.
+
+A record names its images (paths relative to dataset_dir) and marks where each one goes with ``<image>`` in its
+turns, as LLaMA-Factory's ``mllm_demo`` does. The chat template renders the text; each marker becomes the tokens
+that stand for one image in the family's layout (``ImageProcessor.image_ids``: one token per merged patch of the
+grid the image processor, saved beside the weights, cuts the image into). The collator turns the kept image paths
+into the pixel inputs of the batch (``VisionCollator``).
+
+Every micro-batch of a run with images runs the vision tower, also one without images: a rank that skipped it would
+skip the collectives ZeRO-3 and FSDP run inside it, and under DDP a trainable tower would miss gradients there. Such
+a batch gets one blank image whose tokens are appended to its first row with no label: in a causal model no earlier
+token attends to them, so no trained token's loss changes (tests/distributed/test_image_training.py checks 2
+processes, one given only text, against 1). transformers' towers cannot run on zero patches (Qwen3-VL's position
+interpolation fails on an empty grid), which would have been the exact way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardtune.errors import DataError
+
+IMAGE_MARKER = "<image>"
+# Processor class (transformers' pairing for the model type) -> the config's image token fields and their tokens.
+_QWEN_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+                "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
+VISION_TOKENS = {"Qwen2VLProcessor": _QWEN_TOKENS, "Qwen2_5_VLProcessor": _QWEN_TOKENS,
+                 "Qwen3VLProcessor": _QWEN_TOKENS}
+BLANK_SIDE = 32  # the blank image's side in pixels; the processor scales it up to image_min_pixels
+
+
+def supported_processors() -> str:
+    return ", ".join(sorted({name.removesuffix("Processor") for name in VISION_TOKENS}))
+
+
+def processor_class_name(model_type: str) -> str | None:
+    """The processor class transformers pairs with ``model_type`` (None when it has none)."""
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    return PROCESSOR_MAPPING_NAMES.get(model_type)
+
+
+def image_support_problem(model_type: str) -> str | None:
+    """Why a model of ``model_type`` cannot train on images here (None when it can)."""
+    name = processor_class_name(model_type)
+    if name in VISION_TOKENS:
+        return None
+    if name is None:
+        return (f"model type '{model_type}' has no image processor in transformers: it is a text-only model; use an "
+                "image-text checkpoint (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) or remove the images column")
+    return (f"images for model type '{model_type}' ({name}) are not read yet; shardtune trains images with "
+            f"{supported_processors()} models")
+
+
+@dataclass(frozen=True)
+class ImageSettings:
+    """LLaMA-Factory's image keys: the pixel bounds every image is scaled into (keeping its aspect ratio)."""
+
+    max_pixels: int = 768 * 768
+    min_pixels: int = 32 * 32
+
+
+class ImageProcessor:
+    """The model's image processor and image tokens, set up for training: expands image markers and builds pixel
+    inputs. Qwen's layout: each image is ``vision_start``, one ``image_pad`` per merged patch, ``vision_end``.
+
+    Only the image processor is loaded (preprocessor_config.json), not transformers' whole processor: that one
+    also builds a video processor, which needs torchvision."""
+
+    def __init__(self, image_processor: Any, tokenizer: Any, token_ids: Mapping[str, int],
+                 settings: ImageSettings) -> None:
+        self.image_processor = image_processor
+        self.tokenizer = tokenizer
+        self.image_token_id = token_ids["image_token_id"]
+        self.start_id, self.end_id = token_ids["vision_start_token_id"], token_ids["vision_end_token_id"]
+        self.pixel_options = {"size": {"shortest_edge": settings.min_pixels, "longest_edge": settings.max_pixels}}
+        self._blank: tuple[list[int], dict[str, Any]] | None = None
+
+    def image_ids(self, grid: Any) -> list[int]:
+        """The tokens that stand for one image of patch grid ``grid`` (time, height, width)."""
+        merged = int(grid.prod()) // int(self.image_processor.merge_size) ** 2
+        return [self.start_id] + [self.image_token_id] * merged + [self.end_id]
+
+    def encode_piece(self, text: str, images: Sequence[str]) -> list[int]:
+        """Token ids of one prompt piece whose ``<image>`` markers stand for ``images`` (in order)."""
+        grids = self.pixel_inputs(images)["image_grid_thw"]
+        parts = text.split(IMAGE_MARKER)
+        encoded = self.tokenizer(parts, add_special_tokens=False)["input_ids"]
+        ids = list(encoded[0])
+        for grid, part in zip(grids, encoded[1:], strict=True):
+            ids += self.image_ids(grid) + list(part)
+        return ids
+
+    def pixel_inputs(self, paths: Sequence[str]) -> dict[str, Any]:
+        """The model's pixel inputs (pixel_values, image_grid_thw) for ``paths``, in order."""
+        return self.pixels(open_images(paths))
+
+    def pixels(self, images: list[Any]) -> dict[str, Any]:
+        return dict(self.image_processor(images=images, return_tensors="pt", **self.pixel_options))
+
+    def blank(self) -> tuple[list[int], dict[str, Any]]:
+        """One blank image: the token ids that stand for it and its pixel inputs (see the module docstring)."""
+        if self._blank is None:
+            from PIL import Image
+
+            pixels = self.pixels([Image.new("RGB", (BLANK_SIDE, BLANK_SIDE))])
+            self._blank = self.image_ids(pixels["image_grid_thw"][0]), pixels
+        return self._blank
+
+
+def open_images(paths: Sequence[str]) -> list[Any]:
+    from PIL import Image, UnidentifiedImageError
+
+    images = []
+    for path in paths:
+        try:
+            with Image.open(path) as image:
+                images.append(image.convert("RGB"))
+        except (OSError, UnidentifiedImageError) as err:
+            raise DataError(f"image {path}: cannot be read ({err}); fix or remove it") from None
+    return images
+
+
+def load_image_processor(model_dir: str, tokenizer: Any, settings: ImageSettings, trust_remote_code: bool = False
+                         ) -> ImageProcessor:
+    """The image processor saved beside the model (preprocessor_config.json), as transformers loads it, and the
+    image token ids of the model's config."""
+    from transformers import AutoConfig, AutoImageProcessor
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    problem = image_support_problem(config.model_type)
+    if problem:
+        raise DataError(f"images: {problem}")
+    try:
+        image_processor = AutoImageProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise DataError(f"images: the image processor of {model_dir} cannot be loaded ({err}); an image-text "
+                        "checkpoint keeps preprocessor_config.json beside its weights") from None
+    fields = VISION_TOKENS[processor_class_name(config.model_type) or ""]
+    return ImageProcessor(image_processor, tokenizer, {field: int(getattr(config, field)) for field in fields},
+                          settings)
+
+
+def blank_image_inputs(model_dir: str) -> dict[str, Any]:
+    """One row of the blank image alone, as a batch: ``input_ids``, ``mm_token_type_ids`` and its pixel inputs."""
+    import torch
+
+    processor = load_image_processor(model_dir, None, ImageSettings())
+    ids, pixels = processor.blank()
+    input_ids = torch.tensor([ids])
+    return {"input_ids": input_ids, "mm_token_type_ids": (input_ids == processor.image_token_id).int(), **pixels}
+
+
+def resolve_image_paths(value: Any, column: str, media_dir: Path) -> list[str]:
+    """A record's images column as absolute paths (relative ones are under ``media_dir``), each an existing file."""
+    if value is None:
+        return []
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise ValueError(f"'{column}' must be a list of image paths, got {type(value).__name__}")
+    paths = [Path(name) if Path(name).is_absolute() else media_dir / name for name in names]
+    missing = [str(path) for path in paths if not path.is_file()]
+    if missing:
+        raise ValueError(f"'{column}': image {missing[0]} does not exist (paths are relative to dataset_dir)")
+    return [str(path) for path in paths]
+
+
+def marker_problem(messages: Sequence[Mapping[str, str]], images: Sequence[str]) -> str | None:
+    """Why the ``<image>`` markers of a chat do not match its images (None when they do)."""
+    answers = [message["content"] for message in messages if message["role"] not in ("user", "observation")]
+    if any(IMAGE_MARKER in content for content in answers):
+        return f"'{IMAGE_MARKER}' in an answer: images go in prompts (user turns)"
+    markers = sum(message["content"].count(IMAGE_MARKER) for message in messages)
+    if markers != len(images):
+        return (f"{markers} '{IMAGE_MARKER}' markers for {len(images)} images: put one '{IMAGE_MARKER}' in the "
+                "prompt where each image goes")
+    return None
+
+
+class VisionCollator:
+    """A text collator's batch plus the pixel inputs of its rows' images (``images`` paths in each feature).
+
+    Positions are left to the model, which builds multimodal ones (mRoPE) from ``mm_token_type_ids`` and the image
+    grids; a batch without images gets the blank image (see the module docstring)."""
+
+    def __init__(self, text_collator: Any, images: ImageProcessor) -> None:
+        self.text_collator = text_collator
+        self.images = images
+
+    def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        from shardtune.data.settings import IGNORE_INDEX
+
+        paths = [path for feature in features for path in feature.get("images") or []]
+        rows = [{key: value for key, value in feature.items() if key != "images"} for feature in features]
+        if paths:
+            pixels = self.images.pixel_inputs(paths)
+        else:
+            blank_ids, pixels = self.images.blank()
+            first = rows[0]
+            rows[0] = {**first, "input_ids": list(first["input_ids"]) + blank_ids,
+                       "labels": list(first["labels"]) + [IGNORE_INDEX] * len(blank_ids)}
+        batch = self.text_collator(rows)
+        batch.pop("position_ids", None)
+        batch.update(pixels)
+        batch["mm_token_type_ids"] = (batch["input_ids"] == self.images.image_token_id).int()
+        return batch
