@@ -1,4 +1,4 @@
-"""Image + text sft on 2 processes against 1, with one rank given only text and the other only images.
+"""Image + text sft and dpo on 2 processes against 1, with one rank given only text and the other only images.
 
 The data holds image records (LLaMA-Factory's ``images`` column, ``<image>`` markers) and text records, placed so
 that the sampler's shuffled order gives every image to rank 1 and every text to rank 0: rank 0's micro-batches
@@ -23,13 +23,20 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 SEED, RECORDS = 42, 16  # the config's seed (examples/tiny/sft_full.yaml) and the number of records
 COLOURS = {"red": (255, 0, 0), "blue": (0, 0, 255), "green": (0, 160, 0), "yellow": (255, 220, 0)}
 IMAGE_KEYS = ("dataset=split_demo", "template=qwen3_nothink", "cutoff_len=128")
-CELLS = [("ddp", "lora", ()), ("zero3", "full", ()), ("fsdp2", "full", ()),
-         ("ddp", "full", ("freeze_vision_tower=false", "freeze_multi_modal_projector=false"))]
-SLICE = {("ddp", "lora")}
+TOWER = ("freeze_vision_tower=false", "freeze_multi_modal_projector=false")
+DPO = ("stage=dpo", "pref_beta=0.1")
+CELLS = [("ddp", "lora", ()), ("zero3", "full", ()), ("fsdp2", "full", ()), ("ddp", "full", TOWER),
+         ("zero3", "full", TOWER), ("ddp", "lora", DPO), ("zero3", "full", DPO), ("fsdp2", "full", DPO)]
+SLICE = {("ddp", "lora", ()), ("fsdp2", "full", DPO)}
 
 
-def rank_split_data(folder: Path) -> Path:
-    """A dataset folder whose records the sampler deals out as: rank 0 text only, rank 1 images only."""
+def cell_id(engine: str, finetuning: str, keys: tuple[str, ...]) -> str:
+    return f"{engine}-{finetuning}" + ("-tower" if keys == TOWER else "-dpo" if keys == DPO else "")
+
+
+def rank_split_data(folder: Path, pairs: bool = False) -> Path:
+    """A dataset folder whose records the sampler deals out as: rank 0 text only, rank 1 images only (``pairs``:
+    dpo pairs, a chosen and a rejected answer to each prompt)."""
     from PIL import Image
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -41,19 +48,26 @@ def rank_split_data(folder: Path) -> Path:
     names = list(COLOURS)
     records = []
     for index in range(RECORDS):
-        name = names[index % len(names)]
+        name, other = names[index % len(names)], names[(index + 1) % len(names)]
         if index in image_slots:
-            records.append({"messages": [{"role": "user", "content": "<image>What colour is this?"},
-                                         {"role": "assistant", "content": f"It is {name}."}],
-                            "images": [f"images/{name}.png"]})
+            prompt, answer, wrong = "<image>What colour is this?", f"It is {name}.", f"It is {other}."
         else:
-            records.append({"messages": [{"role": "user", "content": f"Name a colour like {name}."},
-                                         {"role": "assistant", "content": f"{name.title()} is one."}]})
+            prompt, answer, wrong = f"Name a colour like {name}.", f"{name.title()} is one.", "No."
+        record: dict = {"messages": [{"role": "user", "content": prompt}]}
+        if pairs:
+            record.update(chosen={"role": "assistant", "content": answer},
+                          rejected={"role": "assistant", "content": wrong})
+        else:
+            record["messages"].append({"role": "assistant", "content": answer})
+        if index in image_slots:
+            record["images"] = [f"images/{name}.png"]
+        records.append(record)
     (folder / "split.json").write_text(json.dumps(records), encoding="utf-8")
-    info = {"split_demo": {"file_name": "split.json", "formatting": "sharegpt",
-                           "columns": {"messages": "messages", "images": "images"},
-                           "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
-                                    "assistant_tag": "assistant"}}}
+    columns = {"messages": "messages", "images": "images",
+               **({"chosen": "chosen", "rejected": "rejected"} if pairs else {})}
+    info = {"split_demo": {"file_name": "split.json", "formatting": "sharegpt", "ranking": pairs,
+                           "columns": columns, "tags": {"role_tag": "role", "content_tag": "content",
+                                                        "user_tag": "user", "assistant_tag": "assistant"}}}
     (folder / "dataset_info.json").write_text(json.dumps(info), encoding="utf-8")
     return folder
 
@@ -66,11 +80,11 @@ def image_model(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize(("engine", "finetuning", "keys"), [
-    pytest.param(engine, finetuning, keys, id=f"{engine}-{finetuning}{'-tower' if keys else ''}",
-                 marks=() if (engine, finetuning) in SLICE and not keys else pytest.mark.matrix)
+    pytest.param(engine, finetuning, keys, id=cell_id(engine, finetuning, keys),
+                 marks=() if (engine, finetuning, keys) in SLICE else pytest.mark.matrix)
     for engine, finetuning, keys in CELLS])
 def test_images_on_one_rank_text_on_the_other_match_one_process(engine, finetuning, keys, image_model, tmp_path):
-    data = rank_split_data(tmp_path / "data")
+    data = rank_split_data(tmp_path / "data", pairs=keys == DPO)
     common = (*IMAGE_KEYS, f"dataset_dir={data}", *keys)
     one, two = tmp_path / "one", tmp_path / "two"
     train(image_model, one, finetuning, 1, 4, *common)

@@ -98,7 +98,7 @@ def test_packing_with_images_is_refused(image_model, tmp_path):
         build_datasets(tokenizer_of(image_model), settings(data, image_model, packing=True))
 
 
-def test_images_in_preference_pairs_are_refused_by_dataset(image_model, tmp_path):
+def test_images_in_reward_model_pairs_are_refused_by_dataset(image_model, tmp_path):
     data = write_data(tmp_path / "data", [], {"a.png": (32, 32)})
     pair = {"conversations": [{"from": "human", "value": "<image>Describe it."}], "chosen": {"from": "gpt",
             "value": "A square."}, "rejected": {"from": "gpt", "value": "A circle."}, "images": ["a.png"]}
@@ -107,8 +107,8 @@ def test_images_in_preference_pairs_are_refused_by_dataset(image_model, tmp_path
                       "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected",
                                   "images": "images"}}}
     (data / "dataset_info.json").write_text(json.dumps(info), encoding="utf-8")
-    with pytest.raises(DataError, match=r"dataset .chats. has images \(columns.images\): images in dpo data"):
-        build_datasets(tokenizer_of(image_model), settings(data, image_model, stage="dpo"))
+    with pytest.raises(DataError, match=r"dataset .chats. has images \(columns.images\): images in rm data"):
+        build_datasets(tokenizer_of(image_model), settings(data, image_model, stage="rm"))
 
 
 def test_turns_cut_by_cutoff_len_take_their_images_with_them(image_model, tmp_path):
@@ -170,3 +170,30 @@ def test_each_family_trains_a_step_on_an_image_batch(family, arch_model_dir, tmp
     loss.backward()
     tower = [p for name, p in model.named_parameters() if "visual.patch_embed" in name]
     assert torch.isfinite(loss) and tower and all(p.grad is not None and p.grad.abs().sum() > 0 for p in tower)
+
+
+def test_a_pair_puts_its_images_in_both_rows_and_rows_take_their_own_pixels(image_model, tmp_path):
+    from shardtune.data.collator import PairCollator
+    from shardtune.data.images import image_inputs_of_rows
+
+    data = write_data(tmp_path / "data", [], {"a.png": (32, 32), "b.png": (64, 64)})
+    pairs = [{"messages": [{"role": "user", "content": question}], "images": images,
+              "chosen": {"role": "assistant", "content": "Yes."}, "rejected": {"role": "assistant", "content": "No."}}
+             for question, images in (("<image>Red?", ["a.png"]), ("Plain?", []),
+                                      ("<image><image>Both?", ["a.png", "b.png"]))]
+    (data / "chats.json").write_text(json.dumps(pairs), encoding="utf-8")
+    info = {"chats": {"file_name": "chats.json", "formatting": "sharegpt", "ranking": True, "tags": CHAT_TAGS,
+                      "columns": {"messages": "messages", "chosen": "chosen", "rejected": "rejected",
+                                  "images": "images"}}}
+    (data / "dataset_info.json").write_text(json.dumps(info), encoding="utf-8")
+    tokenizer = tokenizer_of(image_model)
+    train, _ = build_datasets(tokenizer, settings(data, image_model, stage="dpo"))
+    processor = load_image_processor(str(image_model), tokenizer, ImageSettings())
+    batch = PairCollator(VisionCollator(DataCollator(tokenizer.pad_token_id), processor))([dict(r) for r in train])
+    assert batch["image_grid_thw"].shape[0] == 6  # 3 images, each in the chosen and the rejected row
+    for side in (0, 3):  # the chosen rows, then the rejected rows
+        own = image_inputs_of_rows(batch, side, side + 3)
+        torch.testing.assert_close(own["image_grid_thw"], processor.pixel_inputs(
+            [str(data / name) for name in ("a.png", "a.png", "b.png")])["image_grid_thw"])
+    last = image_inputs_of_rows(batch, 5, 6)
+    assert last["pixel_values"].shape[0] == int(last["image_grid_thw"].prod(dim=-1).sum()) > 0

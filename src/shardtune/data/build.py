@@ -139,7 +139,7 @@ def tokenize(records: Dataset, tokenizer: Any, settings: DataSettings, images: I
         return tokenize_pt(records, tokenizer, settings.cutoff_len, settings.packing, workers, batch_size)
     if is_preference_stage(settings.stage):
         return tokenize_preference(records, tokenizer, prepared_template(tokenizer, settings), settings.stage,
-                                   settings.cutoff_len, workers, batch_size)
+                                   settings.cutoff_len, workers, batch_size, images)
     return tokenize_sft(records, tokenizer, prepared_template(tokenizer, settings), sft_options(settings), workers,
                         batch_size, images)
 

@@ -50,11 +50,15 @@ def check_data_settings(settings: DataSettings) -> list[str]:
     return problems
 
 
+IMAGE_STAGES = ("sft", "dpo")  # dpo: pairs whose shared prompt holds the images (orpo/simpo are dpo's losses)
+
+
 def image_problems(entry: DatasetEntry, settings: DataSettings) -> list[str]:
     """What stops the images of ``entry`` from being trained with ``settings`` (data/images.py)."""
     where = f"dataset '{entry.name}' has images (columns.images)"
-    if settings.stage != "sft":
-        return [f"{where}: images in {settings.stage} data are not read yet; images train with stage sft"]
+    if settings.stage not in IMAGE_STAGES:
+        return [f"{where}: images in {settings.stage} data are not read yet; images train with stage "
+                f"{' or '.join(IMAGE_STAGES)}"]
     if settings.packing:
         return [f"{where}: packing (true) with images: a packed row would need each sample's multimodal positions "
                 "(mRoPE) restarted, which shardtune does not build; set packing: false"]

@@ -110,7 +110,7 @@ class PairCollator:
     answer rows, and ``kto_tag``. Features with ``ref_logps`` (the reference's log-probabilities of both rows of
     each pair, precomputed) carry them as a ``[pairs, 2]`` tensor."""
 
-    def __init__(self, collator: DataCollator) -> None:
+    def __init__(self, collator: DataCollator | Any) -> None:  # Any: data/images.py's VisionCollator around one
         self.collator = collator
 
     def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -119,8 +119,9 @@ class PairCollator:
             rows += [{"input_ids": f["kl_input_ids"], "labels": f["kl_labels"]} for f in features]
             batch = self.collator(rows)
             batch["kto_tag"] = torch.tensor([bool(f["kto_tag"]) for f in features])
-        else:
-            rows = [{"input_ids": f[f"{side}_input_ids"], "labels": f[f"{side}_labels"]}
+        else:  # both rows of a pair hold its prompt, and so its images (data/images.py reads "images")
+            rows = [{"input_ids": f[f"{side}_input_ids"], "labels": f[f"{side}_labels"],
+                     **({"images": f["images"]} if "images" in f else {})}
                     for side in ("chosen", "rejected") for f in features]
             batch = self.collator(rows)
         if "ref_logps" in features[0]:  # precomputed reference log-probabilities: [pairs, 2]

@@ -207,3 +207,22 @@ class VisionCollator:
         batch.update(pixels)
         batch["mm_token_type_ids"] = (batch["input_ids"] == self.images.image_token_id).int()
         return batch
+
+
+def image_inputs_of_rows(batch: Mapping[str, Any], start: int, stop: int) -> dict[str, Any]:
+    """The pixel inputs of the images in rows [start, stop) of a batch: images are in row order, a row's images are
+    its runs of image tokens (``mm_token_type_ids``), and each image has grid-product patches in ``pixel_values``."""
+    image = batch["mm_token_type_ids"] == 1
+    starts = image & ~torch_roll_right(image)
+    per_row = starts.sum(dim=1).tolist()
+    first, last = sum(per_row[:start]), sum(per_row[:stop])
+    patches = [0, *batch["image_grid_thw"].prod(dim=-1).cumsum(0).tolist()]
+    return {"pixel_values": batch["pixel_values"][patches[first]:patches[last]],
+            "image_grid_thw": batch["image_grid_thw"][first:last]}
+
+
+def torch_roll_right(flags: Any) -> Any:
+    """Each row's flags shifted one place right, False entering at the left."""
+    import torch
+
+    return torch.cat([torch.zeros_like(flags[:, :1]), flags[:, :-1]], dim=1)

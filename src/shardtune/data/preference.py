@@ -31,6 +31,7 @@ from shardtune.data.columns import (  # noqa: F401 - re-exported: the stage rule
 )
 from shardtune.data.formats import (
     CHAT_FEATURES,
+    ImageColumn,
     Message,
     RecordError,
     alpaca_to_chat,
@@ -43,6 +44,8 @@ from shardtune.data.formats import (
     tools_text,
     turn_role_and_content,
 )
+from shardtune.data.images import ImageProcessor
+from shardtune.data.processing import with_image_tokens
 from shardtune.data.registry import DatasetEntry
 from shardtune.data.settings import IGNORE_INDEX
 from shardtune.data.templates import Template
@@ -51,7 +54,7 @@ from shardtune.errors import DataError
 logger = logging.getLogger(__name__)
 
 _TEXT_CHAT = {key: value for key, value in CHAT_FEATURES.items() if key != "_images"}
-PAIR_RECORD_FEATURES = Features({**_TEXT_CHAT, "_rejected": Value("string")})
+PAIR_RECORD_FEATURES = Features({**CHAT_FEATURES, "_rejected": Value("string")})  # pairs may have images
 KTO_RECORD_FEATURES = Features({**_TEXT_CHAT, "_kto_tag": Value("bool")})
 IDS = List(Value("int32"))
 PAIR_FEATURES = Features({"chosen_input_ids": IDS, "chosen_labels": IDS, "rejected_input_ids": IDS,
@@ -124,16 +127,19 @@ def answer_text(value: Any, column: str, entry: DatasetEntry) -> str:
 
 def convert_pair_batch(batch: Mapping[str, list[Any]], indices: list[int], entry: DatasetEntry
                        ) -> dict[str, list[Any]]:
-    out: dict[str, list[Any]] = {"_system": [], "_messages": [], "tools": [], "_rejected": [], "_problem": []}
+    out: dict[str, list[Any]] = {"_system": [], "_messages": [], "tools": [], "_rejected": [], "_images": [],
+                                 "_problem": []}
+    images = ImageColumn(entry.columns["images"], entry.media_dir) if "images" in entry.columns else None
     for index, record in zip(indices, rows(batch), strict=True):
         try:
             system, messages, rejected = pair_to_chat(record, entry)
             tools, problem = tools_text(record.get(entry.columns["tools"]), entry.columns["tools"]), ""
+            paths = images.paths(record, messages) if images is not None else []
         except RecordError as err:
-            system, messages, rejected, tools = "", [], "", ""
+            system, messages, rejected, tools, paths = "", [], "", "", []
             problem = f"record {index + 1}: {err}"
         for key, value in (("_system", system), ("_messages", messages), ("tools", tools), ("_rejected", rejected),
-                           ("_problem", problem)):
+                           ("_images", paths), ("_problem", problem)):
             out[key].append(value)
     return out
 
@@ -165,11 +171,18 @@ def convert_kto_batch(batch: Mapping[str, list[Any]], indices: list[int], entry:
 # --- tokenisation ---
 
 def tokenize_preference(dataset: Dataset, tokenizer: Any, template: Template, stage: str, cutoff_len: int,
-                        num_proc: int | None = None, batch_size: int = 1000) -> Dataset:
-    """Encode normalised preference records; samples whose prompt leaves no room for an answer are dropped."""
-    encoder = encode_kto_batch if stage == "kto" else encode_pair_batch
-    encode = partial(encoder, tokenizer=tokenizer, template=template, cutoff_len=cutoff_len)
+                        num_proc: int | None = None, batch_size: int = 1000, images: ImageProcessor | None = None
+                        ) -> Dataset:
+    """Encode normalised preference records; samples whose prompt leaves no room for an answer are dropped. With
+    ``images`` (pairs only) each pair keeps its images' paths: both rows hold the prompt and so the images."""
+    if stage == "kto":
+        encode = partial(encode_kto_batch, tokenizer=tokenizer, template=template, cutoff_len=cutoff_len)
+    else:
+        encode = partial(encode_pair_batch, tokenizer=tokenizer, template=template, cutoff_len=cutoff_len,
+                         images=images)
     features = KTO_FEATURES if stage == "kto" else PAIR_FEATURES
+    if images is not None:
+        features = Features({**features, "images": List(Value("string"))})
     first = "input_ids" if stage == "kto" else "chosen_input_ids"
     encoded = dataset.map(encode, batched=True, remove_columns=dataset.column_names, features=features,
                           num_proc=num_proc, batch_size=batch_size, desc="Tokenizing",
@@ -198,7 +211,8 @@ def preference_sample_fits(dataset: Dataset, tokenizer: Any, template: Template,
 
 
 def encode_answer_sets(tokenizer: Any, template: Template, samples: Sequence[tuple[str, list[Message], list[str], str]],
-                       cutoff_len: int) -> list[list[tuple[list[int], list[int]]]]:
+                       cutoff_len: int, images: ImageProcessor | None = None,
+                       sample_images: Sequence[list[str]] = ()) -> list[list[tuple[list[int], list[int]]]]:
     """For each (system, prompt turns, answers, tools): (input_ids, labels) of the prompt followed by each answer.
 
     Every answer is rendered as the conversation's last turn, so all answers of a sample share its prompt tokens;
@@ -209,7 +223,11 @@ def encode_answer_sets(tokenizer: Any, template: Template, samples: Sequence[tup
                                                           tokenizer, tools) for piece in turn] for answer in answers]
                 for system, prompt, answers, tools in samples]
     flat = [piece for sample in rendered for answer in sample for piece in answer]
-    ids = iter(tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else [])
+    flat_ids = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
+    if images is not None:  # every answer repeats the prompt, and so its images
+        paths = [path for sample, own in zip(rendered, sample_images, strict=True) for _ in sample for path in own]
+        flat_ids = with_image_tokens(flat, flat_ids, paths, images)
+    ids = iter(flat_ids)
     encoded = []
     for sample in rendered:
         answers = [assemble_answer([next(ids) for _ in pieces], cutoff_len) for pieces in sample]
@@ -232,19 +250,23 @@ def split_prompt(messages: Sequence[Message]) -> tuple[list[Message], str]:
     return list(messages[:-1]), messages[-1]["content"]
 
 
-def encode_pair_batch(batch: Mapping[str, list[Any]], tokenizer: Any, template: Template, cutoff_len: int
-                      ) -> dict[str, list[Any]]:
+def encode_pair_batch(batch: Mapping[str, list[Any]], tokenizer: Any, template: Template, cutoff_len: int,
+                      images: ImageProcessor | None = None) -> dict[str, list[Any]]:
     tools = batch.get("tools") or [""] * len(batch["_messages"])
     samples = []
     for system, messages, rejected, sample_tools in zip(batch["_system"], batch["_messages"], batch["_rejected"],
                                                          tools, strict=True):
         prompt, chosen = split_prompt(messages)
         samples.append((system, prompt, [chosen, rejected], sample_tools or ""))
+    sample_images = batch.get("_images") or [[] for _ in samples]
     out: dict[str, list[Any]] = {key: [] for key in PAIR_FEATURES}
-    for (c_ids, c_labels), (r_ids, r_labels) in encode_answer_sets(tokenizer, template, samples, cutoff_len):
+    encoded = encode_answer_sets(tokenizer, template, samples, cutoff_len, images, sample_images)
+    for (c_ids, c_labels), (r_ids, r_labels) in encoded:
         for key, value in (("chosen_input_ids", c_ids), ("chosen_labels", c_labels), ("rejected_input_ids", r_ids),
                            ("rejected_labels", r_labels)):
             out[key].append(value)
+    if images is not None:  # a prompt is never cut, so a kept pair keeps every image
+        out["images"] = [list(paths) for paths in sample_images]
     return out
 
 

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from shardtune.config.adapter_method import is_adapter_type
+from shardtune.data.images import image_inputs_of_rows
 from shardtune.engines.base import Engine
 from shardtune.errors import ModelError
 from shardtune.model.adapters import FinetuningSettings
@@ -73,14 +74,17 @@ class Reference:
     def logps(self, engine: Engine, inputs: dict[str, Any], targets: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's summed log-probability of ``targets`` (the shifted labels) and their count."""
+        return row_logps(engine, self.logits(engine, inputs), targets)
+
+    def logits(self, engine: Engine, inputs: dict[str, Any]) -> torch.Tensor:
+        """The reference's logits for ``inputs``, without gradients (ASFT's anchor reads them whole)."""
         if self.kind == "copy":
             self._match_policy_dtype(engine)
         assert self.kind in ("adapters_off", "copy", "sharded", "policy"), self.kind
         with torch.no_grad(), self._switched(engine), engine.autocast():
             model = self.model if self.kind in ("copy", "sharded") else engine.model
             assert model is not None
-            logits = model(**inputs, use_cache=False).logits
-            return row_logps(engine, logits, targets)
+            return model(**inputs, use_cache=False).logits
 
     def _match_policy_dtype(self, engine: Engine) -> None:
         """Engines may cast the policy after the copy was made (DeepSpeed bf16 holds bf16 weights): the copy follows,
@@ -110,6 +114,12 @@ def build_reference(engine: Engine, source: ModelSource, finetuning_type: str, s
         return Reference("none")
     if precompute:
         return Reference("precomputed")
+    return live_reference(engine, source, finetuning_type, separate)
+
+
+def live_reference(engine: Engine, source: ModelSource, finetuning_type: str, separate: bool = False) -> Reference:
+    """A reference computed during training: the adapters-off policy of a LoRA/OFT run (unless ``separate``), else a
+    frozen model from ``source`` that the engine places as it places the policy."""
     if is_adapter_type(finetuning_type) and not separate:
         return Reference("adapters_off")
     frozen = engine.load_frozen(source)
@@ -132,8 +142,10 @@ def reference_source(policy: ModelSource, ref_model: str | None = None, ref_adap
 
 
 def rows(batch: Batch, start: int, stop: int) -> dict[str, Any]:
-    """The model inputs of rows [start, stop) of a padded batch."""
-    return {k: v[start:stop] for k, v in batch.items() if k in MODEL_INPUTS and isinstance(v, torch.Tensor)}
+    """The model inputs of rows [start, stop) of a padded batch (with the pixel inputs of those rows' images)."""
+    pixels = image_inputs_of_rows(batch, start, stop) if "pixel_values" in batch else {}
+    return {**{k: v[start:stop] for k, v in batch.items()
+               if k in MODEL_INPUTS and k not in pixels and isinstance(v, torch.Tensor)}, **pixels}
 
 
 def rows_scope(engine: Engine, batch: Batch, start: int, stop: int) -> contextlib.AbstractContextManager:

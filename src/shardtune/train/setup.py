@@ -171,8 +171,6 @@ def build_collator(tokenizer: Any, c: TrainConfig, has_images: bool = False) -> 
     collator = DataCollator(tokenizer.pad_token_id, attn_implementation=c.attn_implementation,
                             window_by_layer_type=windows, padding_free=padding_free,
                             sequence_parallel=c.sequence_parallel_size)
-    if c.stage in ("dpo", "kto", "rm"):  # chosen and rejected rows (kto: answers and KL rows) in one batch
-        return PairCollator(collator)
     if has_images:
         from shardtune.data.build import image_settings
         from shardtune.data.images import VisionCollator, load_image_processor
@@ -180,7 +178,9 @@ def build_collator(tokenizer: Any, c: TrainConfig, has_images: bool = False) -> 
 
         processor = load_image_processor(c.model_name_or_path or "", tokenizer, image_settings(data_settings(c)),
                                          c.trust_remote_code)
-        return VisionCollator(collator, processor)
+        collator = VisionCollator(collator, processor)
+    if c.stage in ("dpo", "kto", "rm"):  # chosen and rejected rows (kto: answers and KL rows) in one batch
+        return PairCollator(collator)
     return collator
 
 
