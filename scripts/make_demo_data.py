@@ -614,7 +614,14 @@ DATASET_INFO = {
                           "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected"}},
     "demo_kto": {"file_name": "demo_kto.json", "formatting": "alpaca",
                  "columns": {"prompt": "instruction", "query": "input", "response": "output", "kto_tag": "kto_tag"}},
+    "demo_images": {"file_name": "demo_images.json", "formatting": "sharegpt",
+                    "columns": {"messages": "messages", "images": "images"},
+                    "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                             "assistant_tag": "assistant"}},
 }
+# demo_images: a shape in a colour on white, each picture asked about twice (what it shows, its colour).
+PICTURES = {"red_square": ((220, 30, 30), "square"), "blue_circle": ((30, 60, 220), "circle"),
+            "green_triangle": ((30, 160, 60), "triangle"), "yellow_square": ((230, 200, 20), "square")}
 REFUSALS = ("I will not help with that.", "No.", "Ask someone else.", "That question is not worth answering.")
 
 
@@ -658,6 +665,31 @@ def write_preference_data(out_dir: Path, seed: int) -> None:
     (out_dir / "demo_kto.json").write_text(json.dumps(kto, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
 
 
+def write_image_data(out_dir: Path) -> None:
+    """demo_images.json and its pictures (64 x 48 PNGs under demo_images/)."""
+    from PIL import Image, ImageDraw
+
+    (out_dir / "demo_images").mkdir(exist_ok=True)
+    records = []
+    for name, (colour, shape) in PICTURES.items():
+        image = Image.new("RGB", (64, 48), (255, 255, 255))
+        draw = ImageDraw.Draw(image)
+        if shape == "square":
+            draw.rectangle((16, 8, 48, 40), fill=colour)
+        elif shape == "circle":
+            draw.ellipse((16, 8, 48, 40), fill=colour)
+        else:
+            draw.polygon([(32, 8), (16, 40), (48, 40)], fill=colour)
+        image.save(out_dir / "demo_images" / f"{name}.png")
+        word, path = name.split("_")[0], f"demo_images/{name}.png"
+        records += [{"messages": [{"role": "user", "content": "<image>What is in the picture?"},
+                                  {"role": "assistant", "content": f"A {word} {shape} on a white background."}],
+                     "images": [path]},
+                    {"messages": [{"role": "user", "content": f"<image>What colour is the {shape}?"},
+                                  {"role": "assistant", "content": f"It is {word}."}], "images": [path]}]
+    (out_dir / "demo_images.json").write_text(json.dumps(records, indent=1) + "\n", encoding="utf-8")
+
+
 def write_jsonl(path: Path, records: list[dict]) -> None:
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
 
@@ -671,6 +703,7 @@ def write_demo_data(out_dir: Path, seed: int = SEED) -> None:
     write_jsonl(out_dir / "demo_sharegpt.jsonl", [sharegpt_record(rng) for _ in range(200)])
     write_jsonl(out_dir / "demo_pt.jsonl", [pt_record(rng) for _ in range(200)])
     write_preference_data(out_dir, seed)
+    write_image_data(out_dir)
     (out_dir / "dataset_info.json").write_text(json.dumps(DATASET_INFO, indent=2) + "\n", encoding="utf-8")
 
 

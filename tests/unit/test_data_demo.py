@@ -14,7 +14,7 @@ from shardtune.data import DataSettings, build_datasets
 from tests.unit.conftest_data import DATA_DIR, REPO, build_test_tokenizer
 
 DEMO_FILES = ("dataset_info.json", "demo_alpaca.json", "demo_sharegpt.jsonl", "demo_pt.jsonl", "demo_dpo.json",
-              "demo_dpo_sharegpt.jsonl", "demo_kto.json")
+              "demo_dpo_sharegpt.jsonl", "demo_kto.json", "demo_images.json")
 
 
 def load_generator() -> ModuleType:
