@@ -10,7 +10,17 @@ from __future__ import annotations
 
 from shardtune.engines.sequence_parallel_plan import resolved_mode
 from shardtune.estimate.shape import ModelShape
-from shardtune.estimate.workload import Workload, adapter_activation_width, grad_path_indices, grad_path_layers
+from shardtune.estimate.vision_shape import VisionShape
+from shardtune.estimate.workload import (
+    Workload,
+    adapted_vision_linears,
+    adapter_activation_width,
+    grad_path_indices,
+    grad_path_layers,
+    language_trained,
+    projector_trains,
+    tower_trains,
+)
 
 FP32 = 4
 # Autocast casts the fp32 input of each of q/k/v/gate/up_proj to bf16 separately (it caches casts of weights
@@ -231,7 +241,58 @@ def input_bytes(w: Workload, shape: ModelShape | None = None) -> int:
 
 def activation_bytes(shape: ModelShape, w: Workload, stream_bytes: int) -> int:
     return (decoder_activation_bytes(shape, w, stream_bytes) + logits_bytes(shape, w, stream_bytes)
-            + input_bytes(w, shape) + exchange_bytes(shape, w))
+            + input_bytes(w, shape) + exchange_bytes(shape, w) + vision_activation_bytes(shape, w, stream_bytes))
+
+
+def vision_activation_bytes(shape: ModelShape, w: Workload, stream_bytes: int) -> int:
+    """The vision tower's share of a micro-batch with images: an upper bound, every image at image_max_pixels.
+
+    The pixel inputs (fp32, one row of channels x frames x patch^2 per patch) and the image features the projector
+    hands to the language model; then per patch: a tower that trains keeps every block (with gradient checkpointing
+    each block's input and one recomputed block), a frozen one keeps nothing and holds one block's tensors at a
+    time; the projector's mergers keep their inputs when the tower or the projector trains. The image tokens are
+    part of cutoff_len and counted with the language model's tokens.
+    """
+    v = shape.vision
+    if v is None or not w.images_per_sample:
+        return 0
+    images = w.micro_batch * w.rows_per_sample * w.images_per_sample
+    patches = images * v.patches_per_image(w.image_max_pixels)
+    features = images * v.tokens_per_image(w.image_max_pixels) * v.text_hidden * w.compute_bytes
+    trains = tower_trains(shape, w)
+    block = tower_block_bytes(v, w, stream_bytes, shape)
+    if not trains:
+        kept = block
+    elif w.gradient_checkpointing:
+        kept = v.depth * v.width * stream_bytes + block
+    else:
+        kept = v.depth * block
+    mergers = (1 + v.deepstack) * merger_bytes(v, w, stream_bytes) if trains or projector_trains(shape, w) else 0
+    return patches * (v.patch_values * FP32 + kept + mergers) + features
+
+
+def tower_block_bytes(v: VisionShape, w: Workload, stream_bytes: int, shape: ModelShape) -> int:
+    """Bytes per patch one tower block keeps for its backward, as a decoder layer does (activations of the same
+    kinds): two norms, q/k/v and the output of attention with its log-sum-exp (eager attention: the probabilities
+    over the image's patches), the MLP (gated: 4i, else 2i), autocast's casts of the linear inputs, the adapters'."""
+    cb = w.compute_bytes
+    autocast = stream_bytes == FP32 and cb != FP32
+    mlp_inputs = 2 if v.is_gated else 1
+    casts = (1 + mlp_inputs) * v.width * cb if autocast else 0
+    attention = cb * 4 * v.width + FP32 * v.heads
+    if w.attn_implementation == "eager":
+        attention += v.heads * v.patches_per_image(w.image_max_pixels) * (FP32 + (cb if cb != FP32 else 0))
+    mlp = (4 if v.is_gated else 2) * v.intermediate * cb
+    full = w.finetuning_type == "full" and tower_trains(shape, w)
+    per_block = [linear for linear in adapted_vision_linears(shape, w, "tower") if linear[4] >= v.depth]
+    adapters = sum(a if w.finetuning_type == "oft" else w.lora_rank for _, a, _, _, _ in per_block) * cb
+    return 2 * norm_bytes(v.width, stream_bytes, full) + casts + attention + mlp + adapters
+
+
+def merger_bytes(v: VisionShape, w: Workload, stream_bytes: int) -> int:
+    """Bytes per patch one merger keeps: its norm, and the inputs of its two linears and of the activation between
+    them (merge^2 patches side by side make one row of merge^2 x width)."""
+    return norm_bytes(v.width, stream_bytes, True) + 3 * v.width * w.compute_bytes
 
 
 def autocast_weight_copy_bytes(shape: ModelShape, w: Workload) -> int:
@@ -246,7 +307,7 @@ def autocast_weight_copy_bytes(shape: ModelShape, w: Workload) -> int:
     if not w.mixed_precision:
         return 0
     trainable_layers = 0
-    if w.finetuning_type == "full":
+    if w.finetuning_type == "full" and language_trained(shape, w):
         trainable_layers = shape.num_layers
     elif w.finetuning_type == "freeze":
         trainable_layers = min(abs(w.freeze_trainable_layers), shape.num_layers)
@@ -255,7 +316,19 @@ def autocast_weight_copy_bytes(shape: ModelShape, w: Workload) -> int:
         frozen_on_path = 0
     layers = range(shape.num_layers - trainable_layers - frozen_on_path, shape.num_layers)
     head = shape.output_rows * shape.hidden_size
-    return w.compute_bytes * (sum(cast_weight_params(shape, i) for i in layers) + head)
+    return w.compute_bytes * (sum(cast_weight_params(shape, i) for i in layers) + head
+                              + trained_vision_linear_params(shape, w))
+
+
+def trained_vision_linear_params(shape: ModelShape, w: Workload) -> int:
+    """Linear weights of the tower and the projector that train in full (their autocast casts are cached); only when
+    a micro-batch has images does the tower run."""
+    v = shape.vision
+    if v is None or not w.images_per_sample or w.finetuning_type != "full":
+        return 0
+    linears = (v.tower_linears() if tower_trains(shape, w) else []) + \
+        (v.projector_linears() if projector_trains(shape, w) else [])
+    return sum(count * a * b for _, a, b, _, count in linears)
 
 
 def cast_weight_params(shape: ModelShape, index: int) -> int:

@@ -28,11 +28,16 @@ from shardtune.estimate.options import (
 from shardtune.estimate.recommend import recommend
 from shardtune.estimate.shape import ModelShape, load_model_shape
 from shardtune.estimate.workload import Workload
+from shardtune.model.composite import FrozenParts
 from shardtune.model.oft import OftSettings
 from shardtune.world import WorldLayout
 
 if TYPE_CHECKING:
     from shardtune.engines.fsdp_config import FsdpSettings
+
+# Images per sample when the data has an images column: the estimate reads dataset_info.json, not the records, so it
+# assumes one image per sample (each at image_max_pixels); the report says so.
+IMAGES_PER_SAMPLE = 1
 
 
 def model_shape_for(c: TrainConfig, model_config: str | None = None) -> ModelShape:
@@ -45,7 +50,8 @@ def workload_from_config(c: TrainConfig) -> Workload:
     """The estimate's view of a config: micro batch x cutoff_len tokens per device (the longest batch; cutoff_len /
     sequence_parallel_size of them computed per rank under sequence parallelism); a
     dpo/kto/rm micro-batch runs two rows per sample in one forward from the full logits (loss_chunk_size does not
-    apply) and a dpo/kto run may hold a frozen reference (``holds_reference_copy``)."""
+    apply) and a dpo/kto run may hold a frozen reference (``holds_reference_copy``). Data with an images column is
+    read as ``IMAGES_PER_SAMPLE`` images per sample, each at image_max_pixels."""
     finetuning = "qlora" if c.finetuning_type == "lora" and c.quantization_bit is not None else c.finetuning_type
     preference = c.stage in PREFERENCE_STAGES
     return Workload(
@@ -69,7 +75,21 @@ def workload_from_config(c: TrainConfig) -> Workload:
         sequence_parallel=c.sequence_parallel_size,
         sequence_parallel_mode=c.sequence_parallel_mode,
         dense_mask=not concatenated_rows(c),
+        frozen_parts=FrozenParts(c.freeze_vision_tower, c.freeze_multi_modal_projector, c.freeze_language_model),
+        images_per_sample=IMAGES_PER_SAMPLE if data_has_images(c) else 0,
+        image_max_pixels=c.image_max_pixels,
     )
+
+
+def data_has_images(c: TrainConfig) -> bool:
+    """Whether a training dataset maps an images column in dataset_info.json (the data itself is not read; a
+    registry the checks refuse counts as none)."""
+    from shardtune.data.registry import resolve_entries
+
+    if not c.dataset:
+        return False
+    entries, _ = resolve_entries(list(c.dataset), c.dataset_dir)
+    return any("images" in entry.columns for entry in entries)
 
 
 def concatenated_rows(c: TrainConfig) -> bool:

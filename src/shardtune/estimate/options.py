@@ -238,10 +238,12 @@ def ddp_states(c: Context) -> tuple[Components, float, Setup]:
 
 
 def fsdp_units(c: Context) -> tuple[float, float]:
-    """fp32 bytes of the root unit (embeddings, final norm, lm_head) and of one decoder-layer unit."""
+    """fp32 bytes of the root unit (embeddings, final norm, lm_head; a vision tower's patch embedding and mergers:
+    its blocks are units of their own) and of one decoder-layer unit."""
     s = c.shape
-    root = FP32 * (s.embedding_params + s.head_params + s.hidden_size)
-    decoder = s.total_params - s.embedding_params - s.head_params - s.hidden_size
+    root_params = s.embedding_params + s.head_params + s.hidden_size + (s.vision.unwrapped_params if s.vision else 0)
+    root = FP32 * root_params
+    decoder = s.total_params - root_params
     # The largest unit (an MoE layer with every expert, where layers differ): its share of the decoder's bytes.
     layer = (weight_bytes(s, c.workload, FP32) - root) * s.layer_params / decoder
     return root, layer

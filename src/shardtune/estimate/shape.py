@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shardtune.errors import ConfigError, ModelError
+from shardtune.estimate.vision_shape import VisionShape, vision_from_config
 from shardtune.model.folder import model_config_json
 from shardtune.model.moe import expert_count
 
@@ -25,13 +26,13 @@ MLA_MODULES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_pro
 MLA_NO_Q_LORA_MODULES = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
 # Model types whose q/k/v projections always carry a bias, whatever `attention_bias` says.
-QKV_BIAS_MODEL_TYPES = frozenset({"qwen2", "qwen2_moe"})
+QKV_BIAS_MODEL_TYPES = frozenset({"qwen2", "qwen2_moe", "qwen2_vl_text", "qwen2_5_vl_text"})
 # GLM-4's attention_bias gives q/k/v a bias but never o_proj.
 NO_O_BIAS_MODEL_TYPES = frozenset({"glm4"})
 # Four RMSNorms per layer (around attention and around the MLP) instead of two.
 FOUR_NORM_MODEL_TYPES = frozenset({"gemma2", "gemma3_text", "glm4"})
 # RMSNorm over each head's q and k (head_dim weights each).
-QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe", "gemma3_text"})
+QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text", "qwen3_vl_moe_text"})
 FUSED_QKV_MODEL_TYPES = frozenset({"phi3"})
 FUSED_GATE_UP_MODEL_TYPES = frozenset({"phi3", "glm4"})
 # One learned attention-sink logit per head and layer (GPT-OSS).
@@ -39,11 +40,13 @@ SINK_MODEL_TYPES = frozenset({"gpt_oss"})
 # Families whose transformers config ties the embedding and the head when config.json does not say.
 TIED_BY_DEFAULT_MODEL_TYPES = frozenset({"gemma", "gemma2", "gemma3_text"})
 # Families whose counts were checked equal to the model transformers builds (tests/unit/test_estimate_architectures.py
-# at real sizes; qwen2_moe, deepseek_v2 and glm4_moe at tiny sizes). Others are read as LLaMA-style decoders with
+# at real sizes; qwen2_moe, deepseek_v2 and glm4_moe at tiny sizes; the Qwen VL language models at tiny sizes in
+# tests/unit/test_estimate_vision.py). Others are read as LLaMA-style decoders with
 # the keys above, and the report says their counts are approximate (OLMoE's full-width q/k norms, Llama 4's
 # interleaved MoE, Qwen3-Next's linear attention are not modelled).
 CHECKED_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma2",
-                                 "gemma3_text", "phi3", "deepseek_v2", "deepseek_v3", "gpt_oss", "glm4", "glm4_moe"})
+                                 "gemma3_text", "phi3", "deepseek_v2", "deepseek_v3", "gpt_oss", "glm4", "glm4_moe",
+                                 "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text"})
 # Checkpoint dtypes by their config.json name; anything else counts as 4 bytes (an upper bound).
 CHECKPOINT_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -121,6 +124,7 @@ class ModelShape:
     sliding_window: int | None = None
     sliding_layers: int = 0  # layers that attend within the window (the others attend globally)
     score_head: bool = False  # stage rm: a one-row score layer replaces the output projection (model/reward_head.py)
+    vision: VisionShape | None = None  # an image-text checkpoint's vision tower and projector (vision_shape.py)
 
     def as_reward_model(self) -> ModelShape:
         """The same body under a reward model's one-row score head (no vocabulary logits, no output matrix)."""
@@ -267,17 +271,27 @@ class ModelShape:
         return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
 
     @property
-    def total_params(self) -> int:
+    def language_params(self) -> int:
         """Embeddings + layers + final norm + output head (a tied head counted once), as transformers builds it."""
         return (self.embedding_params + self.layers_params(range(self.num_layers)) + self.hidden_size
                 + self.head_params)
+
+    @property
+    def vision_params(self) -> int:
+        """An image-text checkpoint's vision tower and projector (0 for a text model)."""
+        return self.vision.total_params if self.vision else 0
+
+    @property
+    def total_params(self) -> int:
+        """Every weight the model holds: the language model, and an image-text checkpoint's tower and projector."""
+        return self.language_params + self.vision_params
 
     @property
     def active_params(self) -> int:
         """Parameters one token runs through: every expert layer counts its top-k experts, the router and the
         shared experts. The embedding counts (as Mixtral's 12.9B and DeepSeek-V3's 37B do)."""
         return (self.embedding_params + self.layers_params(range(self.num_layers), active=True) + self.hidden_size
-                + self.head_params)
+                + self.head_params + self.vision_params)
 
     @property
     def counts_checked(self) -> bool:
@@ -383,6 +397,8 @@ def shape_from_config(data: dict, source: str = "") -> ModelShape:
     model_type = str(config.get("model_type", "llama"))
     attention_bias = bool(config.get("attention_bias", False))
     tie_default = model_type in TIED_BY_DEFAULT_MODEL_TYPES
+    # An image-text wrapper's own flag ties its output layer (transformers 5), whatever text_config says.
+    tied = data.get("tie_word_embeddings") if config is not data else None
     window, sliding = sliding_layers_from_config(config, model_type, layers)
     return ModelShape(
         hidden_size=hidden,
@@ -391,7 +407,8 @@ def shape_from_config(data: dict, source: str = "") -> ModelShape:
         num_kv_heads=int(config.get("num_key_value_heads") or heads),
         intermediate_size=int(config.get("intermediate_size") or 4 * hidden),
         vocab_size=int(config["vocab_size"]),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", data.get("tie_word_embeddings", tie_default))),
+        tie_word_embeddings=bool(tied if tied is not None else
+                                 config.get("tie_word_embeddings", data.get("tie_word_embeddings", tie_default))),
         head_dim=int(config["head_dim"]) if config.get("head_dim") else None,
         qkv_bias=attention_bias or model_type in QKV_BIAS_MODEL_TYPES,
         o_bias=attention_bias and model_type not in NO_O_BIAS_MODEL_TYPES,
@@ -409,6 +426,7 @@ def shape_from_config(data: dict, source: str = "") -> ModelShape:
         mla=mla_from_config(config),
         sliding_window=window,
         sliding_layers=sliding,
+        vision=vision_from_config(data),
     )
 
 

@@ -7,7 +7,10 @@ from dataclasses import dataclass
 from shardtune.config.schema import TrainConfig
 from shardtune.estimate.adapter_shape import adapted_widths, oft_params
 from shardtune.estimate.shape import ModelShape, freeze_trainable_params, lora_params, lora_target_modules
+from shardtune.estimate.vision_shape import Linear
+from shardtune.model.composite import FrozenParts
 from shardtune.model.oft import OftSettings
+from shardtune.model.oft import trainable_params as oft_layer_params
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 FINETUNING_TYPES = ("full", "freeze", "lora", "qlora", "oft")
@@ -57,6 +60,11 @@ class Workload:
     # Whether rows carry a [S, S] attention mask (padded or packed sft rows); pt's packing concatenates texts into
     # full rows that need none (data/processing.py), and causal attention then builds no mask.
     dense_mask: bool = True
+    # Image-text models: LLaMA-Factory's freeze_* keys (model/composite.py), and the images of a sample: the data's
+    # images column read as this many images per sample, each at most image_max_pixels (0: the tower never runs).
+    frozen_parts: FrozenParts = FrozenParts()
+    images_per_sample: int = 0
+    image_max_pixels: int = 768 * 768
 
     @property
     def local_seq_len(self) -> int:
@@ -102,13 +110,56 @@ class Workload:
 
 def trainable_params(shape: ModelShape, w: Workload) -> int:
     """Parameters that get gradients and optimizer states (a reward model's score row trains under every
-    method)."""
+    method). An image-text model's frozen parts (freeze_* keys) train under no method; freeze tuning trains
+    decoder layers of the language model only."""
     score = shape.head_params if shape.score_head else 0
     if w.is_adapter:
         return adapter_params(shape, w) + score
     if w.finetuning_type == "freeze":
+        if w.frozen_parts.language_model:
+            return 0
         return freeze_trainable_params(shape, w.freeze_trainable_layers, w.freeze_trainable_modules) + score
-    return shape.total_params
+    return language_trained(shape, w) * shape.language_params + fully_trained_vision_params(shape, w)
+
+
+def language_trained(shape: ModelShape, w: Workload) -> bool:
+    """Whether the language model trains: always, but for an image-text model under freeze_language_model."""
+    return shape.vision is None or not w.frozen_parts.language_model
+
+
+def fully_trained_vision_params(shape: ModelShape, w: Workload) -> int:
+    """Tower and projector parameters full fine-tuning trains (the parts not frozen)."""
+    v, frozen = shape.vision, w.frozen_parts
+    if v is None or w.finetuning_type != "full":
+        return 0
+    return (0 if frozen.vision_tower else v.tower_params) + (0 if frozen.multi_modal_projector else v.projector_params)
+
+
+def tower_trains(shape: ModelShape, w: Workload) -> bool:
+    """Whether the vision tower has trainable parameters (full fine-tuning, or an adapter on its Linear layers)."""
+    if shape.vision is None or w.frozen_parts.vision_tower:
+        return False
+    return w.finetuning_type == "full" or (w.is_adapter and bool(adapted_vision_linears(shape, w, "tower")))
+
+
+def projector_trains(shape: ModelShape, w: Workload) -> bool:
+    """Whether the projector has trainable parameters."""
+    if shape.vision is None or w.frozen_parts.multi_modal_projector:
+        return False
+    return w.finetuning_type == "full" or (w.is_adapter and bool(adapted_vision_linears(shape, w, "projector")))
+
+
+def adapted_vision_linears(shape: ModelShape, w: Workload, part: str) -> list[Linear]:
+    """The Linear layers of the tower or the projector an adapter wraps: none of a frozen part (peft's
+    exclude_modules); of a part that is not, every one for 'all' (peft's all-linear), else those named in the
+    targets."""
+    v = shape.vision
+    frozen = w.frozen_parts.vision_tower if part == "tower" else w.frozen_parts.multi_modal_projector
+    if v is None or frozen or not w.is_adapter:
+        return []
+    linears = v.tower_linears() if part == "tower" else v.projector_linears()
+    names = {t.strip() for t in w.lora_targets}
+    return [linear for linear in linears if "all" in names or linear[0] in names]
 
 
 def grad_path_layers(shape: ModelShape, w: Workload) -> int:
@@ -148,10 +199,14 @@ def weight_bytes(shape: ModelShape, w: Workload, module_bytes: int) -> float:
 
 
 def adapter_params(shape: ModelShape, w: Workload) -> int:
-    """Trainable parameters of the adapter: LoRA's two matrices or OFT's rotation blocks per adapted layer."""
+    """Trainable parameters of the adapter: LoRA's two matrices or OFT's rotation blocks per adapted layer (of the
+    language model unless freeze_language_model, and of an image-text model's parts that are not frozen)."""
+    vision = [linear for part in ("tower", "projector") for linear in adapted_vision_linears(shape, w, part)]
     if w.finetuning_type == "oft":
-        return oft_params(shape, w.oft, w.lora_targets)
-    return lora_params(shape, w.lora_rank, w.lora_targets)
+        language = oft_params(shape, w.oft, w.lora_targets) if language_trained(shape, w) else 0
+        return language + sum(count * oft_layer_params(a, w.oft) for _, a, _, _, count in vision)
+    language = lora_params(shape, w.lora_rank, w.lora_targets) if language_trained(shape, w) else 0
+    return language + sum(count * w.lora_rank * (a + b) for _, a, b, _, count in vision)
 
 
 def adapter_activation_width(w: Workload, shape: ModelShape, index: int | None = None) -> int:
