@@ -1,4 +1,4 @@
-"""label_smoothing_factor, the DFT and EAFT token weightings and neftune_noise_alpha under the sharding engines,
+"""label_smoothing_factor, the DFT, EAFT and ASFT token losses and neftune_noise_alpha under the sharding engines,
 2 processes on CPU.
 
 The smoothed loss is computed inside the output layer's forward (the chunked loss), where FSDP and ZeRO-3 have
@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from tests.distributed.helpers import losses, train
+from tests.distributed.helpers import ENGINE_KEYS, losses, train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -57,3 +57,33 @@ def test_token_weighting_matches_one_process(weighting, engine, finetuning, tiny
     train(tiny_model_dir, one, finetuning, 1, 4, *WEIGHTINGS[weighting])
     train(tiny_model_dir, two, finetuning, 2, 2, *ENGINES[engine], *WEIGHTINGS[weighting])
     assert losses(two) == pytest.approx(losses(one), rel=2e-3)
+
+
+# ASFT (DFT plus asft_alpha x KL to the frozen reference): the reference scores every micro-batch first, a replica
+# under DDP, sharded under ZeRO-3 and FSDP2, the adapters-off policy under LoRA. At the first step the policy is its
+# reference (the KL is 0 up to rounding); after it the KL term is most of the loss.
+ASFT = ("use_asft_loss=true", "asft_alpha=1")
+
+
+@pytest.fixture(scope="module")
+def asft_reference(tiny_model_dir, tmp_path_factory):
+    found = {}
+    for finetuning in ("full", "lora"):
+        anchored, dft = tmp_path_factory.mktemp(f"asft-{finetuning}"), tmp_path_factory.mktemp(f"dft-{finetuning}")
+        train(tiny_model_dir, anchored, finetuning, 1, 4, *ASFT)
+        train(tiny_model_dir, dft, finetuning, 1, 4, *WEIGHTINGS["dft"])
+        assert losses(anchored)[0] == pytest.approx(losses(dft)[0], rel=1e-3)
+        assert losses(anchored)[1:] != pytest.approx(losses(dft)[1:], rel=1e-2), (losses(anchored), losses(dft))
+        found[finetuning] = losses(anchored)
+    return found
+
+
+@pytest.mark.parametrize(("engine", "finetuning"), [
+    ("ddp", "full"),
+    ("zero3", "full"),
+    pytest.param("fsdp2", "full", marks=pytest.mark.matrix),
+    pytest.param("zero3", "lora", marks=pytest.mark.matrix),
+])
+def test_asft_matches_one_process(engine, finetuning, asft_reference, tiny_model_dir, tmp_path):
+    train(tiny_model_dir, tmp_path, finetuning, 2, 2, *ENGINE_KEYS[engine], *ASFT)
+    assert losses(tmp_path) == pytest.approx(asft_reference[finetuning], rel=2e-3)

@@ -32,10 +32,9 @@ def test_the_first_problem_of_a_file_for_another_backend_names_it(tmp_path, key,
     assert backend in problems[0].text and len(problems) == 3
 
 
-# DFT, EAFT, LLaMA-Pro and OFT are built (tests/unit/test_token_weighting.py, tests/unit/test_llama_pro.py,
-# tests/unit/test_oft.py).
-@pytest.mark.parametrize(("key", "variant"), [("use_asft_loss", "ASFT loss"),
-                                              ("mixture_of_depths", "mixture of depths")])
+# DFT, EAFT, ASFT, LLaMA-Pro and OFT are built (tests/unit/test_token_weighting.py, tests/unit/test_asft_loss.py,
+# tests/unit/test_llama_pro.py, tests/unit/test_oft.py).
+@pytest.mark.parametrize(("key", "variant"), [("mixture_of_depths", "mixture of depths")])
 def test_each_unimplemented_variant_is_named(key, variant):
     with pytest.raises(ConfigError, match=f"key '{key}' is not supported by shardtune: .*{variant}"):
         build_config({**BASE, key: True})

@@ -40,12 +40,9 @@ V1_KERNELS_REASON = ("LLaMA-Factory's v1 kernel plugins (fused RMSNorm, RoPE, Sw
 OTHER_BACKEND_KEYS = frozenset((KTRANSFORMERS_KEYS + " " + MEGATRON_KEYS + " use_v1_kernels").split())
 
 # Training variants of LLaMA-Factory that shardtune does not implement, each with what to use instead.
-_ASFT = ("the ASFT loss (use_asft_loss: DFT with a KL anchor to the reference model, asft_alpha) is not implemented; "
-         "use use_dft_loss: true (DFT without the anchor), or stage: dpo with a reference model to stay near it")
 _MOD = ("mixture of depths (tokens routed past layers, which changes the model's architecture) is not implemented; "
         "remove it")
 VARIANT_REASONS = {
-    **_group(_ASFT, "use_asft_loss asft_alpha"),
     **_group(_MOD, "mixture_of_depths"),
     **_group("accuracy during evaluation (compute_accuracy) is not computed by shardtune, which reports eval_loss; "
              "remove it", "compute_accuracy"),

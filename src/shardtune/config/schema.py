@@ -156,13 +156,13 @@ class TrainConfig:
         False, "dpo/kto: score the data with the reference once before training and keep only those numbers, so no "
                "reference sits beside the policy (full fine-tuning: no frozen copy, so sharded engines work too)",
         PREFERENCE)
-    ref_model: str | None = _key(None, "dpo/kto: a separate reference model folder (default: the model being "
-                                       "trained as loaded: LoRA with its adapters off, full a frozen copy)",
-                                 PREFERENCE, path=True)
-    ref_model_adapters: str | None = _key(None, "dpo/kto: LoRA adapters merged into ref_model (comma-separated; "
-                                                "not under ZeRO-3/FSDP)", PREFERENCE, path=True)
-    ref_model_quantization_bit: int | None = _key(None, "dpo/kto: load ref_model in 4 or 8 bits (bitsandbytes: a "
-                                                        "CUDA GPU; not under ZeRO-3/FSDP)", PREFERENCE,
+    ref_model: str | None = _key(None, "dpo/kto/use_asft_loss: a separate reference model folder (default: the "
+                                       "model being trained as loaded: LoRA with its adapters off, full a frozen "
+                                       "copy)", PREFERENCE, path=True)
+    ref_model_adapters: str | None = _key(None, "dpo/kto/use_asft_loss: LoRA adapters merged into ref_model "
+                                                "(comma-separated; not under ZeRO-3/FSDP)", PREFERENCE, path=True)
+    ref_model_quantization_bit: int | None = _key(None, "dpo/kto/use_asft_loss: load ref_model in 4 or 8 bits "
+                                                        "(bitsandbytes: a CUDA GPU; not under ZeRO-3/FSDP)", PREFERENCE,
                                                   choices=(4, 8, None))
     use_dora: bool = _key(False, "LoRA: weight-decomposed LoRA (DoRA; a trained magnitude per output row)", FINETUNE)
     use_rslora: bool = _key(False, "LoRA: rank-stabilised scaling lora_alpha / sqrt(lora_rank)", FINETUNE)
@@ -330,6 +330,10 @@ class TrainConfig:
     use_eaft_loss: bool = _key(False, "sft/pt: EAFT loss, each token's cross entropy scaled by (entropy of its top-20 "
                                "logits / 3) ^ eaft_alpha (a constant), as LLaMA-Factory's use_eaft_loss", TRAIN)
     eaft_alpha: float = _key(1.0, "use_eaft_loss: the power of the entropy weight", TRAIN, minimum=0)
+    use_asft_loss: bool = _key(False, "sft/pt: ASFT loss, the DFT loss plus asft_alpha x each token's KL divergence "
+                               "of the policy from the model as loaded (a frozen reference, or ref_model), as "
+                               "LLaMA-Factory's use_asft_loss", TRAIN)
+    asft_alpha: float = _key(0.1, "use_asft_loss: the weight of the KL term", TRAIN, minimum=0)
     moe_aux_loss_coef: float | None = _key(
         None, "mixture-of-experts: coefficient of the router's load-balancing loss added to the loss (null: the "
               "model's router_aux_loss_coef; 0: none)", TRAIN, minimum=0)

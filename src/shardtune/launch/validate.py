@@ -80,20 +80,38 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
 
 
 def token_weighting_problems(c: TrainConfig) -> list[str]:
-    """use_dft_loss / use_eaft_loss reweight the sft/pt token loss; one at a time, and not on smoothed targets."""
-    chosen = [key for key in ("use_dft_loss", "use_eaft_loss") if getattr(c, key)]
+    """use_dft_loss / use_eaft_loss / use_asft_loss reweight the sft/pt token loss; one at a time, and not on smoothed
+    targets; ASFT's reference is the model as loaded (``asft_reference_problems``)."""
+    chosen = [key for key in ("use_dft_loss", "use_eaft_loss", "use_asft_loss") if getattr(c, key)]
     problems = []
     if len(chosen) > 1:
-        problems.append("use_dft_loss (true) and use_eaft_loss (true) each reweight the token loss; choose one")
+        problems.append(f"{' and '.join(f'{key} (true)' for key in chosen)} each reweight the token loss; choose one")
     if chosen and c.stage not in ("sft", "pt"):
         problems.append(f"{chosen[0]} (true) reweights the sft/pt token loss; stage {c.stage} has its own loss: "
                         "remove it")
     if chosen and c.label_smoothing_factor > 0:
         problems.append(f"{chosen[0]} (true) with label_smoothing_factor ({c.label_smoothing_factor}): the weight is "
                         "the target's own probability or entropy, not a smoothed target's; remove one")
-    if c.eaft_alpha != TrainConfig.eaft_alpha and not c.use_eaft_loss:
-        problems.append(f"eaft_alpha ({c.eaft_alpha}) is read with use_eaft_loss: true only; set it or remove "
-                        "eaft_alpha")
+    for key, switch in (("eaft_alpha", "use_eaft_loss"), ("asft_alpha", "use_asft_loss")):
+        if getattr(c, key) != getattr(TrainConfig, key) and not getattr(c, switch):
+            problems.append(f"{key} ({getattr(c, key)}) is read with {switch}: true only; set it or remove {key}")
+    return problems + asft_reference_problems(c)
+
+
+def asft_reference_problems(c: TrainConfig) -> list[str]:
+    """ASFT anchors to the model as loaded; a LoRA/OFT run's reference is the policy with its adapters off (unless
+    ref_model is given), so whatever changes that model's forward would move the anchor too."""
+    if not c.use_asft_loss or c.ref_model is not None or not is_adapter_type(c.finetuning_type):
+        return []
+    problems = []
+    if c.neftune_noise_alpha:
+        problems.append(f"neftune_noise_alpha ({c.neftune_noise_alpha}) with use_asft_loss (true) and finetuning_type "
+                        f"{c.finetuning_type}: the reference is the model with its adapters off, whose embeddings "
+                        "would get the noise too; remove neftune_noise_alpha")
+    if c.pissa_init and c.finetuning_type == "lora":
+        problems.append("pissa_init (true) with use_asft_loss (true): the reference is the model with its adapters "
+                        "off, which after PiSSA is the residual of the weights, not the original model; use plain "
+                        "LoRA initialisation")
     return problems
 
 
@@ -184,9 +202,9 @@ def ref_model_problems(c: TrainConfig) -> list[str]:
     if c.ref_model is None:
         return [f"{key} ({getattr(c, key)}) applies to ref_model, which is not set; set ref_model or remove it"
                 for key in ("ref_model_adapters", "ref_model_quantization_bit") if getattr(c, key) is not None]
-    if not uses_reference(c):
-        return [f"ref_model ({c.ref_model}) is read by stage dpo (a loss with a reference) or kto only "
-                f"(stage {c.stage}" + (f", pref_loss {c.pref_loss}" if c.stage == "dpo" else "") + "); remove it"]
+    if not uses_reference(c) and not c.use_asft_loss:
+        return [f"ref_model ({c.ref_model}) is read by stage dpo (a loss with a reference), kto or use_asft_loss "
+                f"only (stage {c.stage}" + (f", pref_loss {c.pref_loss}" if c.stage == "dpo" else "") + "); remove it"]
     problems = []
     if c.precompute_ref_log_probs:
         problems.append("precompute_ref_log_probs (true) with ref_model: the first pass scores the data with the "

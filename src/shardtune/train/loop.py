@@ -17,12 +17,13 @@ from typing import Any, Protocol
 import torch
 
 from shardtune.engines.base import Engine
-from shardtune.train.loss import DEFAULT_LOSS_CHUNK_SIZE, TokenWeighting, causal_lm_loss_terms
+from shardtune.train.loss import DEFAULT_LOSS_CHUNK_SIZE, Anchor, TokenWeighting, causal_lm_loss_terms
 from shardtune.train.sequence_shards import sequence_shard, spans_of
 
 IGNORE_INDEX = -100
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-                "max_length_k", "pixel_values", "image_grid_thw", "mm_token_type_ids")  # the last three: images
+                "max_length_k", "pixel_values", "image_grid_thw", "mm_token_type_ids",
+                "token_type_ids")  # the last four: images (data/images.py)
 Batch = dict[str, torch.Tensor]
 
 
@@ -40,7 +41,8 @@ class LoopSettings:
     eval_each_epoch: bool = False
     loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
     label_smoothing: float = 0.0
-    token_weighting: TokenWeighting | None = None  # use_dft_loss / use_eaft_loss (train/loss.py)
+    token_weighting: TokenWeighting | None = None  # use_dft_loss / use_eaft_loss / use_asft_loss (train/loss.py)
+    anchor: AnchorSource | None = None  # use_asft_loss: the frozen reference's KL term (train/anchor.py)
     router_aux_loss_coef: float | None = None  # MoE: add coef x the router's auxiliary loss (model/moe.py)
     # A preference stage's step (train/preference_step.py) in place of the token loss; None for sft and pt.
     objective: Objective | None = None
@@ -51,6 +53,12 @@ class Objective(Protocol):
 
     def train_step(self, engine: Engine, window: list[Batch], max_grad_norm: float) -> dict[str, float]: ...
     def evaluate(self, engine: Engine, batches: Iterable[Batch]) -> dict[str, float]: ...
+
+
+class AnchorSource(Protocol):
+    """ASFT's reference: its next-token distribution at a micro-batch's trainable positions (train/anchor.py)."""
+
+    def anchor(self, engine: Engine, batch: Batch) -> Anchor: ...
 
 
 @dataclass
@@ -155,8 +163,10 @@ def accumulation_windows(batches: Iterable[Batch], size: int) -> Iterator[list[B
 def train_step(engine: Engine, window: list[Batch], max_grad_norm: float,
                loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE, label_smoothing: float = 0.0,
                router_aux_loss_coef: float | None = None, stop_requested: bool = False,
-               token_weighting: TokenWeighting | None = None) -> dict[str, float]:
-    """Forward/backward every micro-batch of one window, then one optimizer step.
+               token_weighting: TokenWeighting | None = None, anchor: AnchorSource | None = None
+               ) -> dict[str, float]:
+    """Forward/backward every micro-batch of one window, then one optimizer step; ``anchor``: ASFT's reference
+    scores each micro-batch before the policy's forward.
 
     Two collectives besides the engine's own: the window's trainable-token count before the first backward, and
     one reduction after the step of everything the step reports, with whether any rank was asked to stop
@@ -178,16 +188,18 @@ def train_step(engine: Engine, window: list[Batch], max_grad_norm: float,
     for i, batch in enumerate(window):
         batch = to_device(batch, engine.device)
         with sequence_scope(engine, batch):
+            anchored = anchor.anchor(engine, batch) if anchor is not None else None
             with engine.accumulation_context(is_last_micro_batch=i == len(window) - 1), engine.autocast():
                 loss_sum, aux = micro_batch_losses(engine.model, batch, loss_chunk_size, label_smoothing,
-                                                   router_aux_loss_coef is not None, token_weighting)
+                                                   router_aux_loss_coef is not None, token_weighting, anchored)
             loss = loss_sum * engine.loss_scale_for_mean_reduction / denominator
             if aux is not None and router_aux_loss_coef is not None:
                 loss = loss + aux * (router_aux_loss_coef * aux_share * engine.loss_scale_for_mean_reduction)
                 aux_total += aux.detach() * aux_share
             engine.backward(loss)
         loss_total += loss_sum.detach()
-        del loss, loss_sum, aux  # the graph (and the loss head's gradient buffers) goes before the next forward
+        # The graph, the loss head's gradient buffers and the anchor go before the next forward.
+        del loss, loss_sum, aux, anchored
     grad_norm = engine.step_on_device(max_grad_norm)
     # The loss, non-padding tokens and computed token slots (rows x padded length) and the stop flags, summed over
     # ranks in one call; then everything read from the device at once.
@@ -206,13 +218,14 @@ def train_step(engine: Engine, window: list[Batch], max_grad_norm: float,
 
 
 def micro_batch_losses(model: torch.nn.Module, batch: Batch, chunk_size: int, label_smoothing: float,
-                       router_aux: bool, weighting: TokenWeighting | None = None
+                       router_aux: bool, weighting: TokenWeighting | None = None, anchor: Anchor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The summed token loss of one micro-batch and, for an MoE model, its router auxiliary loss."""
     inputs = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
     shifted = "shift_labels" in batch
     labels = batch["shift_labels"] if shifted else batch["labels"]
-    return causal_lm_loss_terms(model, inputs, labels, chunk_size, label_smoothing, router_aux, shifted, weighting)
+    return causal_lm_loss_terms(model, inputs, labels, chunk_size, label_smoothing, router_aux, shifted, weighting,
+                                anchor)
 
 
 @torch.no_grad()
@@ -253,7 +266,7 @@ def run_loop(engine: Engine, epoch_batches: Callable[[int, int], Iterable[Batch]
                 stop = hooks.should_stop()
             else:
                 metrics = train_step(engine, window, s.max_grad_norm, s.loss_chunk_size, s.label_smoothing,
-                                     s.router_aux_loss_coef, hooks.stop_requested(), s.token_weighting)
+                                     s.router_aux_loss_coef, hooks.stop_requested(), s.token_weighting, s.anchor)
                 stop = metrics.pop("stop") > 0
             metrics["data_seconds"] = data_seconds  # waiting for this window's batches
             state.global_step += 1

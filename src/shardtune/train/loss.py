@@ -32,6 +32,11 @@ Why this shape:
   probability and EAFT by a power of the model's entropy over its 20 largest logits, both weights taken as
   constants (no gradient through them), as LLaMA-Factory's ``dft_loss_func`` / ``eaft_loss_func`` define them. The
   weight is a per-row factor on the row's loss and on its logits' gradient, so both paths apply it the same way.
+* ASFT's anchor (``Anchor``, LLaMA-Factory's ``use_asft_loss``): DFT plus ``alpha`` times each token's
+  ``KL(reference || policy)`` over the whole vocabulary, the reference's distribution ``q`` given per trainable
+  row (train/anchor.py computes it). A row's KL is ``sum(q log q) - sum(q z) + lse(z) sum(q)`` from the policy's
+  logits ``z``, and its logits' gradient ``softmax(z) sum(q) - q``: the chunked path forms both from the logits
+  it already holds, as it does the cross entropy's.
 * Mixed precision follows what autocast does to ``nn.Linear`` in the plain path: chunk logits are computed in
   the autocast dtype, then the loss in fp32; the logits' gradient is rounded to that dtype before both
   matmuls. The weight gradient is summed over chunks in fp32 (also for a bf16 weight, as FSDP's mixed
@@ -92,6 +97,25 @@ class TokenWeighting:
             return (entropy / EAFT_ENTROPY_SCALE).pow(self.alpha)
 
 
+@dataclass(frozen=True)
+class Anchor:
+    """ASFT's KL term of one micro-batch: ``probs`` is the reference's next-token distribution at each trainable
+    position (``[rows, vocab]``, the rows in the order the loss keeps them: row-major over the shifted labels),
+    weighed by ``alpha`` (``asft_alpha``) against the token loss."""
+
+    probs: torch.Tensor
+    alpha: float
+
+    def rows(self, start: int, end: int) -> Anchor:
+        return Anchor(self.probs[start:end], self.alpha)
+
+    def kl_sum(self, log_probs: torch.Tensor) -> torch.Tensor:
+        """``alpha`` x the summed ``KL(q || p)`` of rows whose policy log-probabilities are ``log_probs`` (with
+        autograd: the full-logits path)."""
+        q = self.probs.to(log_probs.dtype)
+        return self.alpha * (torch.xlogy(q, q) - q * log_probs).sum()
+
+
 def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
     """``labels`` shifted left by one: position i is scored on token i + 1; the last position on nothing."""
     targets = torch.full_like(labels, IGNORE_INDEX)
@@ -100,18 +124,22 @@ def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
 
 
 def plain_loss_sum(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0,
-                   shifted: bool = False, weighting: TokenWeighting | None = None) -> torch.Tensor:
+                   shifted: bool = False, weighting: TokenWeighting | None = None,
+                   anchor: Anchor | None = None) -> torch.Tensor:
     """Summed fp32 cross entropy over the full logits (the reference the chunked path must match). ``shifted``:
     ``labels`` are already each position's next token (a sequence-parallel slice, shifted over the whole row)."""
     shift_logits = logits.float() if shifted else logits[:, :-1, :].float()
     shift_labels = labels if shifted else labels[:, 1:]
     flat_logits, flat_labels = shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1)
-    if weighting is None:
+    if weighting is None and anchor is None:
         return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum",
                                label_smoothing=label_smoothing)
     kept = flat_labels != IGNORE_INDEX
     token_loss = F.cross_entropy(flat_logits[kept], flat_labels[kept], reduction="none")
-    return (token_loss * weighting.weights(flat_logits[kept], token_loss)).sum()
+    weighted = token_loss if weighting is None else token_loss * weighting.weights(flat_logits[kept], token_loss)
+    if anchor is None:
+        return weighted.sum()
+    return weighted.sum() + anchor.kl_sum(flat_logits[kept].log_softmax(dim=-1))
 
 
 def causal_lm_loss_sum(model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor,
@@ -127,10 +155,12 @@ def causal_lm_loss_sum(model: torch.nn.Module, inputs: dict[str, Any], labels: t
 
 def causal_lm_loss_terms(model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor, chunk_size: int,
                          label_smoothing: float = 0.0, router_aux: bool = False, shifted: bool = False,
-                         weighting: TokenWeighting | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         weighting: TokenWeighting | None = None, anchor: Anchor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``causal_lm_loss_sum`` and, with ``router_aux``, the router's auxiliary loss of the same forward (the
     model's ``aux_loss`` with ``output_router_logits=True``; unscaled, a mean over this batch's tokens).
-    ``shifted``: ``labels`` are already the next-token targets (``plain_loss_sum``)."""
+    ``shifted``: ``labels`` are already the next-token targets (``plain_loss_sum``). ``anchor``: ASFT's KL term,
+    one row per trainable position."""
     mask = inputs.get("attention_mask")
     if router_aux and mask is not None and (not isinstance(mask, torch.Tensor) or mask.ndim != 2):
         raise ModelError(packed_aux_loss_problem())
@@ -138,15 +168,15 @@ def causal_lm_loss_terms(model: torch.nn.Module, inputs: dict[str, Any], labels:
     head = chunkable_output_layer(model) if chunk_size > 0 else None
     if head is None:
         output = model(**call_inputs)
-        return (plain_loss_sum(output.logits, labels, label_smoothing, shifted, weighting),
+        return (plain_loss_sum(output.logits, labels, label_smoothing, shifted, weighting, anchor),
                 _aux_loss(output, router_aux))
     targets = labels if shifted else next_token_targets(labels)
-    with _head_computes_loss(head, targets, chunk_size, label_smoothing, weighting) as call:
+    with _head_computes_loss(head, targets, chunk_size, label_smoothing, weighting, anchor) as call:
         output = model(**call_inputs)
     logits, aux = output.logits, _aux_loss(output, router_aux)
     if not call.ran:
         # The model never called its output layer: it produced the logits some other way.
-        return plain_loss_sum(logits, labels, label_smoothing, shifted, weighting), aux
+        return plain_loss_sum(logits, labels, label_smoothing, shifted, weighting, anchor), aux
     assert call.loss is not None
     if logits.shape != (1, 1, 1) or not torch.equal(logits.detach().reshape(()), call.loss.detach()):
         raise ModelError(f"loss_chunk_size ({chunk_size}): the model changed what its output layer returned (a "
@@ -233,8 +263,8 @@ class _HeadCall:
 
 @contextlib.contextmanager
 def _head_computes_loss(head: torch.nn.Linear, targets: torch.Tensor, chunk_size: int,
-                        label_smoothing: float = 0.0, weighting: TokenWeighting | None = None
-                        ) -> Iterator[_HeadCall]:
+                        label_smoothing: float = 0.0, weighting: TokenWeighting | None = None,
+                        anchor: Anchor | None = None) -> Iterator[_HeadCall]:
     call = _HeadCall()
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
@@ -246,7 +276,7 @@ def _head_computes_loss(head: torch.nn.Linear, targets: torch.Tensor, chunk_size
                              f"not match the labels {tuple(targets.shape)}; set loss_chunk_size: 0")
         call.ran = True
         call.loss = linear_cross_entropy_sum(hidden, head.weight, head.bias, targets, chunk_size, label_smoothing,
-                                             weighting)
+                                             weighting, anchor)
         return call.loss.reshape(1, 1, 1)
 
     # An instance attribute: nn.Module.__call__ still runs every hook around it (mypy models only methods here).
@@ -259,17 +289,20 @@ def _head_computes_loss(head: torch.nn.Linear, targets: torch.Tensor, chunk_size
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              targets: torch.Tensor, chunk_size: int, label_smoothing: float = 0.0,
-                             weighting: TokenWeighting | None = None) -> torch.Tensor:
+                             weighting: TokenWeighting | None = None, anchor: Anchor | None = None
+                             ) -> torch.Tensor:
     """``cross_entropy(hidden @ weight.T + bias, targets, reduction="sum", label_smoothing=...)`` over rows whose
     target is not IGNORE_INDEX, ``chunk_size`` rows at a time, in the dtype autocast would give the head."""
     rows = hidden.reshape(-1, hidden.size(-1))
     flat = targets.reshape(-1)
     kept = (flat != IGNORE_INDEX).nonzero().squeeze(1)
+    if anchor is not None and anchor.probs.size(0) != kept.numel():
+        raise RuntimeError(f"the anchor has {anchor.probs.size(0)} rows for {kept.numel()} trainable positions")
     # Even with no trainable token the call stays in the graph, so every rank runs the same hooks and
     # collectives and every parameter gets a (zero) gradient.
     return _ChunkedLinearCrossEntropy.apply(rows.index_select(0, kept), weight, bias, flat.index_select(0, kept),
                                             chunk_size, _compute_dtype(hidden, weight), label_smoothing,
-                                            torch.is_grad_enabled(), weighting)
+                                            torch.is_grad_enabled(), weighting, anchor)
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -292,7 +325,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 targets: torch.Tensor, chunk_size: int, dtype: torch.dtype, smoothing: float,
-                grads_wanted: bool, weighting: TokenWeighting | None) -> torch.Tensor:
+                grads_wanted: bool, weighting: TokenWeighting | None, anchor: Anchor | None) -> torch.Tensor:
         need_rows, need_weight, need_bias = (grads_wanted and flag for flag in ctx.needs_input_grad[:3])
         grads = _HeadGrads(
             rows=torch.empty_like(rows) if need_rows else None,
@@ -307,7 +340,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             for start in range(0, rows.size(0), chunk_size):
                 end = min(start + chunk_size, rows.size(0))
                 total += _chunk_loss_and_grads(rows[start:end], w, b, targets[start:end], dtype, smoothing,
-                                               grads.chunk(start, end), weighting)
+                                               grads.chunk(start, end), weighting,
+                                               anchor.rows(start, end) if anchor is not None else None)
         ctx.grads = grads
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.weight_dtype = weight.dtype
@@ -325,7 +359,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         scaled = [g.mul_(grad_total) if g is not None else None for g in (grads.rows, grads.weight, grads.bias)]
         grad_weight = scaled[1].to(ctx.weight_dtype) if scaled[1] is not None else None  # rounded once
         grad_bias = scaled[2].to(ctx.bias_dtype) if scaled[2] is not None else None
-        return scaled[0], grad_weight, grad_bias, None, None, None, None, None, None
+        return scaled[0], grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 @dataclass
@@ -353,7 +387,7 @@ def _chunk_logits(chunk: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, 
 
 def _chunk_loss_and_grads(chunk: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, targets: torch.Tensor,
                           dtype: torch.dtype, smoothing: float, grads: _HeadGrads,
-                          weighting: TokenWeighting | None = None) -> torch.Tensor:
+                          weighting: TokenWeighting | None = None, anchor: Anchor | None = None) -> torch.Tensor:
     """Summed cross entropy of one chunk, and its share of the gradients added into ``grads``.
 
     The softmax is formed in place from the logits (one fp32 ``[chunk, vocab]`` tensor alive). With label
@@ -361,13 +395,16 @@ def _chunk_loss_and_grads(chunk: torch.Tensor, w: torch.Tensor, b: torch.Tensor 
     ``-log p`` is ``lse - mean(z)``) and its logits' gradient is the softmax minus ``1 - eps`` on the target and
     ``eps / V`` everywhere. The logits' gradient is rounded to ``dtype`` before both matmuls, as autocast's
     backward of ``nn.Linear`` does. A token weighting multiplies each row's loss and logits' gradient by the row's
-    weight (read from the logits before the softmax overwrites them).
+    weight (read from the logits before the softmax overwrites them). An anchor adds ``alpha`` x each row's KL
+    to the loss and ``alpha`` x ``(p sum(q) - q)`` to its logits' gradient (see the module docstring).
     """
     logits = _chunk_logits(chunk, w, b, dtype)
     picked = logits.gather(1, targets[:, None]).squeeze(1)
     spread = logits.mean(dim=1) if smoothing else None
     top = (logits.topk(min(EAFT_TOP_K, logits.size(1)), dim=1).values
            if weighting is not None and weighting.reads_logits else None)
+    q = anchor.probs.to(logits.dtype) if anchor is not None else None
+    q_dot_logits = (q * logits).sum(dim=1) if q is not None else None  # before the softmax overwrites the logits
     peak = logits.amax(dim=1, keepdim=True)
     probs = logits.sub_(peak).exp_()
     sums = probs.sum(dim=1)
@@ -375,14 +412,24 @@ def _chunk_loss_and_grads(chunk: torch.Tensor, w: torch.Tensor, b: torch.Tensor 
     token_loss = lse - picked if spread is None else lse - (1.0 - smoothing) * picked - smoothing * spread
     row_weights = weighting.weights(top, token_loss) if weighting is not None else None
     loss = (token_loss if row_weights is None else token_loss * row_weights).sum()
+    if anchor is not None and q is not None and q_dot_logits is not None:
+        loss = loss + anchor.alpha * (torch.xlogy(q, q).sum(dim=1) - q_dot_logits + lse * q.sum(dim=1)).sum()
     if grads.rows is None and grads.weight is None and grads.bias is None:
         return loss
     probs.div_(sums[:, None])
-    if smoothing:
-        probs.sub_(smoothing / probs.size(1))
-    probs[torch.arange(probs.size(0), device=probs.device), targets] -= 1.0 - smoothing
-    if row_weights is not None:
-        probs.mul_(row_weights[:, None])
+    if anchor is None or q is None:
+        if smoothing:
+            probs.sub_(smoothing / probs.size(1))
+        probs[torch.arange(probs.size(0), device=probs.device), targets] -= 1.0 - smoothing
+        if row_weights is not None:
+            probs.mul_(row_weights[:, None])
+    else:  # w (p - smoothed target) + alpha (p sum(q) - q), without a second [chunk, vocab] temporary
+        weights = row_weights if row_weights is not None else torch.ones_like(lse)
+        probs.mul_((weights + anchor.alpha * q.sum(dim=1))[:, None])
+        if smoothing:
+            probs.sub_((weights * (smoothing / probs.size(1)))[:, None])
+        probs[torch.arange(probs.size(0), device=probs.device), targets] -= weights * (1.0 - smoothing)
+        probs.sub_(q, alpha=anchor.alpha)
     grad_logits = probs.to(w.dtype)
     del logits, probs  # the fp32 copy is freed before the products when the compute dtype is narrower
     if grads.rows is not None:

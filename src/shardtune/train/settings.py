@@ -82,10 +82,11 @@ def finetuning_settings(c: TrainConfig) -> FinetuningSettings:
 
 
 def token_weighting(c: TrainConfig) -> TokenWeighting | None:
-    """LLaMA-Factory's DFT and EAFT losses (train/loss.py); eval_loss stays the plain cross entropy."""
+    """LLaMA-Factory's DFT and EAFT losses (train/loss.py), and ASFT's, which weighs its tokens as DFT (its KL term:
+    train/anchor.py); eval_loss stays the plain cross entropy."""
     from shardtune.train.loss import TokenWeighting  # torch: not for the launching host's checks
 
-    if c.use_dft_loss:
+    if c.use_dft_loss or c.use_asft_loss:
         return TokenWeighting("dft")
     return TokenWeighting("eaft", c.eaft_alpha) if c.use_eaft_loss else None
 

@@ -28,6 +28,7 @@ from shardtune.train import checkpoint
 from shardtune.train.checkpoint import resume_source
 from shardtune.train.checkpoint_folders import checkpoint_folders, is_shardtune_checkpoint
 from shardtune.train.loop import (
+    AnchorSource,
     LoopSettings,
     Objective,
     TrainState,
@@ -98,7 +99,8 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     model = engine.build_model(source)
     compiling = start_compile(model, config)
     loop = dataclasses.replace(loop, router_aux_loss_coef=router_aux_setting(model, config, engine.is_main),
-                               objective=stage_objective(config, source, engine))
+                               objective=stage_objective(config, source, engine),
+                               anchor=asft_anchor(config, source, engine))
     # Before the engine touches the weights (ZeRO casts them to bf16): the adapter exactly as initialised.
     pissa = PissaConversion.start(model, output_dir, engine.is_main) if config.pissa_convert else None
     engine.prepare(
@@ -278,12 +280,8 @@ def stage_objective(c: TrainConfig, source: ModelSource, engine: Engine) -> Obje
     settings = PreferenceSettings(loss=c.pref_loss, beta=c.pref_beta, ftx=c.pref_ftx, simpo_gamma=c.simpo_gamma,
                                   label_smoothing=c.dpo_label_smoothing, kto_chosen_weight=c.kto_chosen_weight,
                                   kto_rejected_weight=c.kto_rejected_weight)
-    resumed = resume_source(c)
-    if settings.needs_reference and not is_adapter_type(c.finetuning_type) and c.ref_model is None \
-            and resumed is not None and checkpoint.is_model_only(resumed):
-        raise ConfigError(f"resuming stage {c.stage} ({c.finetuning_type}) from {resumed}, a model-only checkpoint "
-                          "(save_only_model): the model is built from its trained weights, so the reference would be "
-                          "the trained model, not the original; resume from a full checkpoint")
+    if settings.needs_reference:
+        refuse_trained_reference(c, f"stage {c.stage}")
     ref_source = reference_source(source, c.ref_model, split_paths(c.ref_model_adapters), c.ref_model_quantization_bit)
     reference = build_reference(engine, ref_source, c.finetuning_type, settings, c.precompute_ref_log_probs,
                                 separate=c.ref_model is not None)
@@ -298,6 +296,37 @@ def stage_objective(c: TrainConfig, source: ModelSource, engine: Engine) -> Obje
               + f"; reference model: {where}; log-probabilities from the full logits (loss_chunk_size does not "
               "apply)", flush=True)
     return PreferenceObjective(c.stage, settings, reference)
+
+
+def refuse_trained_reference(c: TrainConfig, user: str) -> None:
+    """A full-parameter run's reference is loaded from the model's source, which a model-only checkpoint replaces
+    with the trained weights on resume."""
+    resumed = resume_source(c)
+    if not is_adapter_type(c.finetuning_type) and c.ref_model is None and resumed is not None \
+            and checkpoint.is_model_only(resumed):
+        raise ConfigError(f"resuming {user} ({c.finetuning_type}) from {resumed}, a model-only checkpoint "
+                          "(save_only_model): the model is built from its trained weights, so the reference would be "
+                          "the trained model, not the original; resume from a full checkpoint")
+
+
+def asft_anchor(c: TrainConfig, source: ModelSource, engine: Engine) -> AnchorSource | None:
+    """use_asft_loss: the reference whose distribution anchors the policy (train/anchor.py); None otherwise."""
+    if not c.use_asft_loss:
+        return None
+    from shardtune.config.preference import split_paths
+    from shardtune.train.anchor import build_anchor
+    from shardtune.train.preference_step import reference_source
+
+    refuse_trained_reference(c, "use_asft_loss")
+    ref_source = reference_source(source, c.ref_model, split_paths(c.ref_model_adapters), c.ref_model_quantization_bit)
+    anchor = build_anchor(engine, ref_source, c.finetuning_type, c.asft_alpha, separate=c.ref_model is not None)
+    if engine.is_main:
+        frozen = f"ref_model {c.ref_model} (frozen)" if c.ref_model else "a frozen copy of the model"
+        where = {"adapters_off": "the model with its adapters off (no copy)", "copy": f"{frozen}, whole on every rank",
+                 "sharded": f"{frozen}, sharded as the policy ({engine.name})"}[anchor.reference.kind]
+        print(f"[shardtune] use_asft_loss: DFT plus {c.asft_alpha} x KL(reference || policy) per trainable token; "
+              f"reference model: {where}; its logits are computed whole", flush=True)
+    return anchor
 
 
 def with_reference_logps(engine: Engine, tokenizer: Any, c: TrainConfig, train_set: Any, eval_set: Any
