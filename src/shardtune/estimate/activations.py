@@ -247,10 +247,11 @@ def activation_bytes(shape: ModelShape, w: Workload, stream_bytes: int) -> int:
 def vision_activation_bytes(shape: ModelShape, w: Workload, stream_bytes: int) -> int:
     """The vision tower's share of a micro-batch with images: an upper bound, every image at image_max_pixels.
 
-    The pixel inputs (fp32, one row of channels x frames x patch^2 per patch) and the image features the projector
-    hands to the language model; then per patch: a tower that trains keeps every block (with gradient checkpointing
-    each block's input and one recomputed block), a frozen one keeps nothing and holds one block's tensors at a
-    time; the projector's mergers keep their inputs when the tower or the projector trains. The image tokens are
+    The pixel inputs (fp32, one row of channels x frames x patch^2 per patch, for each micro-batch of the step) and
+    the image features the projector hands to the language model; then per patch: a tower that trains keeps every
+    block (with gradient checkpointing each block's input and one recomputed block), a frozen one keeps nothing and
+    holds one block's tensors at a time; the projector's mergers keep their inputs when the tower or the projector
+    trains. The image tokens are
     part of cutoff_len and counted with the language model's tokens.
     """
     v = shape.vision
@@ -267,8 +268,10 @@ def vision_activation_bytes(shape: ModelShape, w: Workload, stream_bytes: int) -
         kept = v.depth * v.width * stream_bytes + block
     else:
         kept = v.depth * block
-    mergers = (1 + v.deepstack) * merger_bytes(v, w, stream_bytes) if trains or projector_trains(shape, w) else 0
-    return patches * (v.patch_values * FP32 + kept + mergers) + features
+    mergers = (1 + v.deepstack_run) * merger_bytes(v, w, stream_bytes) if trains or projector_trains(shape, w) else 0
+    # The loop holds a step's micro-batches together (train/loop.py, accumulation_windows): their pixels too.
+    pixels = w.gradient_accumulation_steps * v.patch_values * FP32
+    return patches * (pixels + kept + mergers) + features
 
 
 def tower_block_bytes(v: VisionShape, w: Workload, stream_bytes: int, shape: ModelShape) -> int:

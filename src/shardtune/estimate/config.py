@@ -82,14 +82,15 @@ def workload_from_config(c: TrainConfig) -> Workload:
 
 
 def data_has_images(c: TrainConfig) -> bool:
-    """Whether a training dataset maps an images column in dataset_info.json (the data itself is not read; a
-    registry the checks refuse counts as none)."""
-    from shardtune.data.registry import resolve_entries
+    """Whether a training dataset maps an images column in dataset_info.json (neither the records nor the images are
+    read, and need not be on this machine; a registry that cannot be read counts as none: the checks name it)."""
+    from shardtune.data.registry import load_registry
 
     if not c.dataset:
         return False
-    entries, _ = resolve_entries(list(c.dataset), c.dataset_dir)
-    return any("images" in entry.columns for entry in entries)
+    registry, _ = load_registry(c.dataset_dir)
+    entries = [registry.get(name) for name in c.dataset]
+    return any(isinstance(entry, dict) and "images" in (entry.get("columns") or {}) for entry in entries)
 
 
 def concatenated_rows(c: TrainConfig) -> bool:

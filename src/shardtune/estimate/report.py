@@ -96,6 +96,7 @@ def _header(e: Estimate) -> str:
         f"run: {w.precision}, micro batch {w.micro_batch} x {w.seq_len} tokens, gradient checkpointing "
         f"{checkpointing}, {w.attn_implementation} attention, {w.optim}",
         *_preference_lines(w, e.shape),
+        *image_text_lines(s, w),
         *_sequence_parallel_lines(e),
         f"hardware: {e.hardware.describe()} (world size {e.hardware.world_size})",
         "memory per device in GiB; 'buffers' are transient copies (gathered weights, autocast casts, unreduced "
@@ -111,6 +112,26 @@ def _sequence_parallel_lines(e: Estimate) -> list[str]:
     layout = WorldLayout(e.hardware.nodes, e.hardware.gpus_per_node, sequence_parallel=w.sequence_parallel)
     return [f"sequence parallel: {w.sequence_parallel} ranks per sequence (mode {sequence_mode(e.shape, w)}), "
             f"{w.local_seq_len} of {w.seq_len} tokens per rank; data parallel: {layout.data_parallel_size}"]
+
+
+def image_text_lines(s: ModelShape, w: Workload) -> list[str]:
+    """An image-text model's tower and projector (what trains), and what the estimate assumed of the images."""
+    v = s.vision
+    if v is None:
+        return []
+    frozen = w.frozen_parts
+    states = {"vision tower": frozen.vision_tower, "projector": frozen.multi_modal_projector,
+              "language model": frozen.language_model}
+    held = ", ".join(f"{part} {'frozen' if off else 'trained'}" for part, off in states.items())
+    lines = [f"image-text model: vision tower {v.tower_params / 1e6:.3g}M + projector {v.projector_params / 1e6:.3g}M "
+             f"params ({v.model_type}, {v.depth} blocks of width {v.width}), held by every engine as the other "
+             f"weights; {held}"]
+    if not w.images_per_sample:
+        return [*lines, "images: none in the data (no images column): the tower does not run"]
+    tokens = v.tokens_per_image(w.image_max_pixels)
+    return [*lines, f"images: assumed {w.images_per_sample} per sample at image_max_pixels ({w.image_max_pixels}): "
+            f"{v.patches_per_image(w.image_max_pixels)} patches through the tower and {tokens} tokens each; image "
+            f"tokens count toward cutoff_len ({w.seq_len}) as text tokens do"]
 
 
 def _preference_lines(w: Workload, s: ModelShape) -> list[str]:

@@ -51,6 +51,7 @@ class VisionShape:
     merger_out: int = 0  # Qwen's merger output width (out_hidden_size; Qwen2-VL's hidden_size)
     positions: int = 0  # rows of a learned position table (Qwen3-VL, SigLIP; Gemma 4: per axis)
     deepstack: int = 0  # Qwen3-VL: mergers that feed features of inner blocks to the first decoder layers
+    deepstack_run: int = 0  # those whose block exists (a tower shallower than its indexes builds them unused)
     pooled_head: bool = False  # SigLIP's attention-pooling head (vision_use_head)
     kv_heads: int = 0  # Gemma 4: grouped attention in the tower
     head_dim: int = 0
@@ -234,7 +235,8 @@ def _qwen_tower(vision: dict, base: VisionShape) -> VisionShape:
         width, intermediate = int(vision["hidden_size"]), int(vision["intermediate_size"])
         out = int(vision["out_hidden_size"])
     positions = int(vision.get("num_position_embeddings") or 0) if base.family == "qwen3_vl" else 0
-    return replace(base, width=width, depth=int(vision["depth"]), heads=int(vision["num_heads"]),
+    depth, deepstack = int(vision["depth"]), list(vision.get("deepstack_visual_indexes") or [])
+    return replace(base, width=width, depth=depth, heads=int(vision["num_heads"]),
                    intermediate=intermediate, temporal_patch=int(vision.get("temporal_patch_size") or 2),
                    merge=int(vision.get("spatial_merge_size") or 2), merger_out=out, positions=positions,
-                   deepstack=len(vision.get("deepstack_visual_indexes") or []))
+                   deepstack=len(deepstack), deepstack_run=sum(1 for index in deepstack if index < depth))
