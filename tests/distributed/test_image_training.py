@@ -22,16 +22,20 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 SEED, RECORDS = 42, 16  # the config's seed (examples/tiny/sft_full.yaml) and the number of records
 COLOURS = {"red": (255, 0, 0), "blue": (0, 0, 255), "green": (0, 160, 0), "yellow": (255, 220, 0)}
-IMAGE_KEYS = ("dataset=split_demo", "template=qwen3_nothink", "cutoff_len=128")
+IMAGE_KEYS = ("dataset=split_demo", "cutoff_len=128")
 TOWER = ("freeze_vision_tower=false", "freeze_multi_modal_projector=false")
 DPO = ("stage=dpo", "pref_beta=0.1")
-CELLS = [("ddp", "lora", ()), ("zero3", "full", ()), ("fsdp2", "full", ()), ("ddp", "full", TOWER),
-         ("zero3", "full", TOWER), ("ddp", "lora", DPO), ("zero3", "full", DPO), ("fsdp2", "full", DPO)]
-SLICE = {("ddp", "lora", ()), ("fsdp2", "full", DPO)}
+QWEN, GEMMA = "qwen3_vl", "gemma3"
+CELLS = [(QWEN, "ddp", "lora", ()), (QWEN, "zero3", "full", ()), (QWEN, "fsdp2", "full", ()),
+         (QWEN, "ddp", "full", TOWER), (QWEN, "zero3", "full", TOWER), (QWEN, "ddp", "lora", DPO),
+         (QWEN, "zero3", "full", DPO), (QWEN, "fsdp2", "full", DPO),
+         (GEMMA, "ddp", "lora", ()), (GEMMA, "zero3", "full", ()), (GEMMA, "fsdp2", "full", TOWER)]
+SLICE = {(QWEN, "ddp", "lora", ()), (QWEN, "fsdp2", "full", DPO), (GEMMA, "zero3", "full", ())}
+TEMPLATES = {QWEN: "qwen3_nothink", GEMMA: "gemma3"}
 
 
-def cell_id(engine: str, finetuning: str, keys: tuple[str, ...]) -> str:
-    return f"{engine}-{finetuning}" + ("-tower" if keys == TOWER else "-dpo" if keys == DPO else "")
+def cell_id(family: str, engine: str, finetuning: str, keys: tuple[str, ...]) -> str:
+    return f"{family}-{engine}-{finetuning}" + ("-tower" if keys == TOWER else "-dpo" if keys == DPO else "")
 
 
 def rank_split_data(folder: Path, pairs: bool = False) -> Path:
@@ -72,20 +76,13 @@ def rank_split_data(folder: Path, pairs: bool = False) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def image_model(tmp_path_factory) -> Path:
-    from shardtune.model.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3-vl", arch="qwen3_vl", image_text=True)
-
-
-@pytest.mark.parametrize(("engine", "finetuning", "keys"), [
-    pytest.param(engine, finetuning, keys, id=cell_id(engine, finetuning, keys),
-                 marks=() if (engine, finetuning, keys) in SLICE else pytest.mark.matrix)
-    for engine, finetuning, keys in CELLS])
-def test_images_on_one_rank_text_on_the_other_match_one_process(engine, finetuning, keys, image_model, tmp_path):
+@pytest.mark.parametrize(("family", "engine", "finetuning", "keys"), [
+    pytest.param(*cell, id=cell_id(*cell), marks=() if cell in SLICE else pytest.mark.matrix) for cell in CELLS])
+def test_images_on_one_rank_text_on_the_other_match_one_process(family, engine, finetuning, keys, arch_model_dir,
+                                                                tmp_path):
+    image_model = arch_model_dir(f"image-text:{family}")
     data = rank_split_data(tmp_path / "data", pairs=keys == DPO)
-    common = (*IMAGE_KEYS, f"dataset_dir={data}", *keys)
+    common = (*IMAGE_KEYS, f"template={TEMPLATES[family]}", f"dataset_dir={data}", *keys)
     one, two = tmp_path / "one", tmp_path / "two"
     train(image_model, one, finetuning, 1, 4, *common)
     results = train(image_model, two, finetuning, 2, 2, *common, *ENGINE_KEYS[engine])
@@ -121,5 +118,5 @@ def image_logits(model: torch.nn.Module, base: Path, data: Path) -> torch.Tensor
     input_ids = torch.tensor([ids])
     pixels = processor.pixel_inputs([str(data / "images" / "red.png")])
     with torch.no_grad():
-        return model(input_ids=input_ids, mm_token_type_ids=(input_ids == processor.image_token_id).int(),
+        return model(input_ids=input_ids, **{processor.layout.type_key: processor.type_ids(input_ids)},
                      **pixels).logits

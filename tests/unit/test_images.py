@@ -17,8 +17,9 @@ from shardtune.data.collator import DataCollator
 from shardtune.data.images import ImageSettings, VisionCollator, load_image_processor
 from shardtune.data.settings import IGNORE_INDEX, DataSettings
 from shardtune.errors import DataError
+from shardtune.model.composite import model_parts
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "gemma3"]
 CHAT_TAGS = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}
 
 
@@ -68,8 +69,8 @@ def test_each_image_becomes_one_token_per_merged_patch_between_its_markers(image
     merged = int(grid.prod()) // processor.image_processor.merge_size ** 2
     ids, labels = train[0]["input_ids"], train[0]["labels"]
     assert ids.count(processor.image_token_id) == merged > 1
-    start = ids.index(processor.start_id)
-    assert ids[start + 1 + merged] == processor.end_id  # the image's tokens are one run between its markers
+    start = ids.index(processor.before[-1])
+    assert ids[start + 1 + merged] == processor.after[0]  # the image's tokens are one run between its markers
     assert all(label == IGNORE_INDEX for label, token in zip(labels, ids, strict=True)
                if token == processor.image_token_id)
     assert train[0]["images"] == [str(data / "a.png")] and train[1]["images"] == []
@@ -139,6 +140,7 @@ def test_a_batch_without_images_runs_the_tower_without_changing_any_trained_toke
     batch = VisionCollator(text_collator, processor)([dict(row) for row in train])
     assert "position_ids" not in batch and batch["image_grid_thw"].shape == (1, 3)
     assert int(batch["mm_token_type_ids"].sum()) == int((batch["input_ids"] == processor.image_token_id).sum()) > 0
+    assert processor.before and processor.after  # vision_start / vision_end around the blank image's tokens
     assert bool((batch["labels"][batch["input_ids"] == processor.image_token_id] == IGNORE_INDEX).all())
     model = AutoModelForImageTextToText.from_pretrained(image_model).eval()
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "num_tokens")}
@@ -164,12 +166,17 @@ def test_each_family_trains_a_step_on_an_image_batch(family, arch_model_dir, tmp
     processor = load_image_processor(str(model_dir), tokenizer, ImageSettings())
     batch = VisionCollator(DataCollator(tokenizer.pad_token_id, attn_implementation="sdpa"), processor)(
         [dict(row) for row in train])
-    assert batch["image_grid_thw"].shape[0] == 3
+    images = batch["image_grid_thw"].shape[0] if "image_grid_thw" in batch else batch["pixel_values"].shape[0]
+    assert images == 3
     model = AutoModelForImageTextToText.from_pretrained(model_dir)
     loss = model(**{k: v for k, v in batch.items() if k != "num_tokens"}).loss
     loss.backward()
-    tower = [p for name, p in model.named_parameters() if "visual.patch_embed" in name]
-    assert torch.isfinite(loss) and tower and all(p.grad is not None and p.grad.abs().sum() > 0 for p in tower)
+    parts = model_parts(model)
+    assert parts is not None
+    # The images reach the loss: the tower's or the projector's weights get a gradient (a tiny Gemma 3's projection
+    # starts at zero, so its tower's gradient is zero until the projection moves).
+    image_parts = [p.grad for name, p in model.named_parameters() if parts.part_of(name) != "language"]
+    assert torch.isfinite(loss) and sum(float(grad.abs().sum()) for grad in image_parts if grad is not None) > 0
 
 
 def test_a_pair_puts_its_images_in_both_rows_and_rows_take_their_own_pixels(image_model, tmp_path):
@@ -197,3 +204,19 @@ def test_a_pair_puts_its_images_in_both_rows_and_rows_take_their_own_pixels(imag
             [str(data / name) for name in ("a.png", "a.png", "b.png")])["image_grid_thw"])
     last = image_inputs_of_rows(batch, 5, 6)
     assert last["pixel_values"].shape[0] == int(last["image_grid_thw"].prod(dim=-1).sum()) > 0
+
+
+def test_the_ddp_probe_with_an_image_keeps_the_tower_and_finds_what_no_image_reaches(image_model):
+    """DDP freezes what the loss never reaches (model/gradient_probe.py); with images in the data its probe feeds
+    the blank image, so the tower stays trainable and only the parts no input reaches are found (a tiny Qwen3-VL's
+    deepstack mergers read tower layers 8, 16 and 24 of its 2)."""
+    from transformers import AutoModelForImageTextToText
+
+    from shardtune.data.images import blank_image_inputs
+    from shardtune.model.gradient_probe import parameters_without_gradient
+
+    model = AutoModelForImageTextToText.from_pretrained(image_model)
+    unreached = parameters_without_gradient(model, torch.device("cpu"), blank_image_inputs(str(image_model)))
+    assert unreached and all(".deepstack_merger_list." in name for name in unreached)
+    text_only = parameters_without_gradient(model, torch.device("cpu"))
+    assert any(".patch_embed." in name for name in text_only)

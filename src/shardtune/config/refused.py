@@ -74,9 +74,9 @@ def names_other_backend(problem: str) -> bool:
 REFUSED_REASONS: dict[str, str] = {
     **_group("video and audio inputs are not read by shardtune (images are: columns.images, image_max_pixels, "
              "image_min_pixels); remove it", "audio_sampling_rate use_audio_in_video"),
-    **_group("an image setting of other processors (Gemma 3's pan and scan, Llama 4's patches): shardtune reads "
-             "images with Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 processors; remove it",
-             "crop_to_patches image_do_pan_and_scan"),
+    **_group("an image setting of processors shardtune does not run this way (Gemma 3's pan-and-scan crops, Llama "
+             "4's patches): Qwen images are scaled into image_max_pixels, Gemma 3 images resized to the tower's "
+             "size; remove it", "crop_to_patches image_do_pan_and_scan"),
     **_group("images are read relative to dataset_dir (as LLaMA-Factory's default media_dir); move them there or "
              "give absolute paths, and remove it", "media_dir"),
     **_group("an inference setting of LLaMA-Factory's vLLM/SGLang back-ends or one shardtune's chat does not "

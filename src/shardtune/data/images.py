@@ -24,16 +24,44 @@ from typing import Any
 from shardtune.errors import DataError
 
 IMAGE_MARKER = "<image>"
-# Processor class (transformers' pairing for the model type) -> the config's image token fields and their tokens.
-_QWEN_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
-                "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
-VISION_TOKENS = {"Qwen2VLProcessor": _QWEN_TOKENS, "Qwen2_5_VLProcessor": _QWEN_TOKENS,
-                 "Qwen3VLProcessor": _QWEN_TOKENS}
-BLANK_SIDE = 32  # the blank image's side in pixels; the processor scales it up to image_min_pixels
+BLANK_SIDE = 32  # the blank image's side in pixels; the processor scales it to its own bounds
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    """How a family writes one image into the token stream, from its processor: ``before`` and ``after`` the run
+    of image tokens (text, special tokens included), how many image tokens (one per merged patch of the image's
+    grid, or the config's fixed ``mm_tokens_per_image``), and the model input that flags image tokens.
+    ``tokens``: the config's token id fields and their tokens (for tiny models)."""
+
+    before: str
+    after: str
+    type_key: str
+    tokens: Mapping[str, str]
+    sized_by_grid: bool  # Qwen: tokens = grid product / merge_size^2; Gemma 3: a fixed count per image
+
+
+_QWEN = ImageLayout("<|vision_start|>", "<|vision_end|>", "mm_token_type_ids",
+                    {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+                     "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"},
+                    sized_by_grid=True)
+# Gemma 3's processor writes "\n\n<start_of_image>", the soft tokens, "<end_of_image>\n\n"; the model attends
+# bidirectionally within an image, flagged by token_type_ids.
+_GEMMA3 = ImageLayout("\n\n<start_of_image>", "<end_of_image>\n\n", "token_type_ids",
+                      {"image_token_id": "<image_soft_token>", "boi_token_id": "<start_of_image>",
+                       "eoi_token_id": "<end_of_image>"}, sized_by_grid=False)
+# Processor class (transformers' pairing for the model type) -> its image layout.
+LAYOUTS = {"Qwen2VLProcessor": _QWEN, "Qwen2_5_VLProcessor": _QWEN, "Qwen3VLProcessor": _QWEN,
+           "Gemma3Processor": _GEMMA3}
+IMAGE_KEYS = ("pixel_values", "image_grid_thw")  # the pixel inputs of a batch (not per row)
 
 
 def supported_processors() -> str:
-    return ", ".join(sorted({name.removesuffix("Processor") for name in VISION_TOKENS}))
+    return ", ".join(sorted({name.removesuffix("Processor") for name in LAYOUTS}))
+
+
+def layout_of(model_type: str) -> ImageLayout | None:
+    return LAYOUTS.get(processor_class_name(model_type) or "")
 
 
 def processor_class_name(model_type: str) -> str | None:
@@ -46,11 +74,11 @@ def processor_class_name(model_type: str) -> str | None:
 def image_support_problem(model_type: str) -> str | None:
     """Why a model of ``model_type`` cannot train on images here (None when it can)."""
     name = processor_class_name(model_type)
-    if name in VISION_TOKENS:
+    if name in LAYOUTS:
         return None
     if name is None:
         return (f"model type '{model_type}' has no image processor in transformers: it is a text-only model; use an "
-                "image-text checkpoint (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) or remove the images column")
+                f"image-text checkpoint ({supported_processors()}) or remove the images column")
     return (f"images for model type '{model_type}' ({name}) are not read yet; shardtune trains images with "
             f"{supported_processors()} models")
 
@@ -65,41 +93,54 @@ class ImageSettings:
 
 class ImageProcessor:
     """The model's image processor and image tokens, set up for training: expands image markers and builds pixel
-    inputs. Qwen's layout: each image is ``vision_start``, one ``image_pad`` per merged patch, ``vision_end``.
+    inputs (``ImageLayout`` says how the family writes an image).
 
     Only the image processor is loaded (preprocessor_config.json), not transformers' whole processor: that one
     also builds a video processor, which needs torchvision."""
 
-    def __init__(self, image_processor: Any, tokenizer: Any, token_ids: Mapping[str, int],
-                 settings: ImageSettings) -> None:
+    def __init__(self, image_processor: Any, tokenizer: Any, layout: ImageLayout, token_ids: Mapping[str, int],
+                 settings: ImageSettings, tokens_per_image: int | None = None) -> None:
         self.image_processor = image_processor
-        self.tokenizer = tokenizer
+        self.layout = layout
         self.image_token_id = token_ids["image_token_id"]
-        self.start_id, self.end_id = token_ids["vision_start_token_id"], token_ids["vision_end_token_id"]
-        self.pixel_options = {"size": {"shortest_edge": settings.min_pixels, "longest_edge": settings.max_pixels}}
+        self.tokens_per_image = tokens_per_image
+        self.before, self.after = (tokenizer([layout.before, layout.after], add_special_tokens=False)["input_ids"]
+                                   if tokenizer is not None else ([], []))
+        self.tokenizer = tokenizer
+        # Bounds for processors that scale each image by its pixels (Qwen); Gemma 3's is one fixed size.
+        self.pixel_options = ({"size": {"shortest_edge": settings.min_pixels, "longest_edge": settings.max_pixels}}
+                              if layout.sized_by_grid else {})
         self._blank: tuple[list[int], dict[str, Any]] | None = None
 
-    def image_ids(self, grid: Any) -> list[int]:
-        """The tokens that stand for one image of patch grid ``grid`` (time, height, width)."""
-        merged = int(grid.prod()) // int(self.image_processor.merge_size) ** 2
-        return [self.start_id] + [self.image_token_id] * merged + [self.end_id]
+    def image_ids(self, pixels: Mapping[str, Any], index: int) -> list[int]:
+        """The tokens that stand for image ``index`` of ``pixels``."""
+        if self.layout.sized_by_grid:
+            count = int(pixels["image_grid_thw"][index].prod()) // int(self.image_processor.merge_size) ** 2
+        else:
+            count = int(self.tokens_per_image or 0)
+        return list(self.before) + [self.image_token_id] * count + list(self.after)
 
     def encode_piece(self, text: str, images: Sequence[str]) -> list[int]:
         """Token ids of one prompt piece whose ``<image>`` markers stand for ``images`` (in order)."""
-        grids = self.pixel_inputs(images)["image_grid_thw"]
+        pixels = self.pixel_inputs(images)
         parts = text.split(IMAGE_MARKER)
         encoded = self.tokenizer(parts, add_special_tokens=False)["input_ids"]
         ids = list(encoded[0])
-        for grid, part in zip(grids, encoded[1:], strict=True):
-            ids += self.image_ids(grid) + list(part)
+        for index, part in enumerate(encoded[1:]):
+            ids += self.image_ids(pixels, index) + list(part)
         return ids
 
     def pixel_inputs(self, paths: Sequence[str]) -> dict[str, Any]:
-        """The model's pixel inputs (pixel_values, image_grid_thw) for ``paths``, in order."""
+        """The model's pixel inputs (pixel_values, and image_grid_thw where the family has grids) for ``paths``."""
         return self.pixels(open_images(paths))
 
     def pixels(self, images: list[Any]) -> dict[str, Any]:
-        return dict(self.image_processor(images=images, return_tensors="pt", **self.pixel_options))
+        out = self.image_processor(images=images, return_tensors="pt", **self.pixel_options)
+        return {key: out[key] for key in IMAGE_KEYS if key in out}
+
+    def type_ids(self, input_ids: Any) -> Any:
+        """The model's per-token image flags (1 on image tokens)."""
+        return (input_ids == self.image_token_id).long()
 
     def blank(self) -> tuple[list[int], dict[str, Any]]:
         """One blank image: the token ids that stand for it and its pixel inputs (see the module docstring)."""
@@ -107,7 +148,7 @@ class ImageProcessor:
             from PIL import Image
 
             pixels = self.pixels([Image.new("RGB", (BLANK_SIDE, BLANK_SIDE))])
-            self._blank = self.image_ids(pixels["image_grid_thw"][0]), pixels
+            self._blank = self.image_ids(pixels, 0), pixels
         return self._blank
 
 
@@ -131,27 +172,28 @@ def load_image_processor(model_dir: str, tokenizer: Any, settings: ImageSettings
     from transformers import AutoConfig, AutoImageProcessor
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    problem = image_support_problem(config.model_type)
-    if problem:
-        raise DataError(f"images: {problem}")
+    layout = layout_of(config.model_type)
+    if layout is None:
+        raise DataError(f"images: {image_support_problem(config.model_type)}")
     try:
         image_processor = AutoImageProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         raise DataError(f"images: the image processor of {model_dir} cannot be loaded ({err}); an image-text "
                         "checkpoint keeps preprocessor_config.json beside its weights") from None
-    fields = VISION_TOKENS[processor_class_name(config.model_type) or ""]
-    return ImageProcessor(image_processor, tokenizer, {field: int(getattr(config, field)) for field in fields},
-                          settings)
+    token_ids = {field: int(getattr(config, field)) for field in layout.tokens if hasattr(config, field)}
+    return ImageProcessor(image_processor, tokenizer, layout, token_ids, settings,
+                          getattr(config, "mm_tokens_per_image", None))
 
 
 def blank_image_inputs(model_dir: str) -> dict[str, Any]:
-    """One row of the blank image alone, as a batch: ``input_ids``, ``mm_token_type_ids`` and its pixel inputs."""
+    """One row of the blank image alone, as a batch: ``input_ids``, the image flags and its pixel inputs."""
     import torch
+    from transformers import AutoTokenizer
 
-    processor = load_image_processor(model_dir, None, ImageSettings())
+    processor = load_image_processor(model_dir, AutoTokenizer.from_pretrained(model_dir), ImageSettings())
     ids, pixels = processor.blank()
     input_ids = torch.tensor([ids])
-    return {"input_ids": input_ids, "mm_token_type_ids": (input_ids == processor.image_token_id).int(), **pixels}
+    return {"input_ids": input_ids, processor.layout.type_key: processor.type_ids(input_ids), **pixels}
 
 
 def resolve_image_paths(value: Any, column: str, media_dir: Path) -> list[str]:
@@ -205,24 +247,22 @@ class VisionCollator:
         batch = self.text_collator(rows)
         batch.pop("position_ids", None)
         batch.update(pixels)
-        batch["mm_token_type_ids"] = (batch["input_ids"] == self.images.image_token_id).int()
+        batch[self.images.layout.type_key] = self.images.type_ids(batch["input_ids"])
         return batch
 
 
 def image_inputs_of_rows(batch: Mapping[str, Any], start: int, stop: int) -> dict[str, Any]:
     """The pixel inputs of the images in rows [start, stop) of a batch: images are in row order, a row's images are
-    its runs of image tokens (``mm_token_type_ids``), and each image has grid-product patches in ``pixel_values``."""
-    image = batch["mm_token_type_ids"] == 1
-    starts = image & ~torch_roll_right(image)
+    its runs of flagged image tokens, and each image has its grid's product of patches in ``pixel_values`` (one
+    row each where the family has no grids)."""
+    import torch
+
+    flags = next(batch[key] for key in ("mm_token_type_ids", "token_type_ids") if key in batch) == 1
+    starts = flags & ~torch.cat([torch.zeros_like(flags[:, :1]), flags[:, :-1]], dim=1)
     per_row = starts.sum(dim=1).tolist()
     first, last = sum(per_row[:start]), sum(per_row[:stop])
+    if "image_grid_thw" not in batch:
+        return {"pixel_values": batch["pixel_values"][first:last]}
     patches = [0, *batch["image_grid_thw"].prod(dim=-1).cumsum(0).tolist()]
     return {"pixel_values": batch["pixel_values"][patches[first]:patches[last]],
             "image_grid_thw": batch["image_grid_thw"][first:last]}
-
-
-def torch_roll_right(flags: Any) -> Any:
-    """Each row's flags shifted one place right, False entering at the left."""
-    import torch
-
-    return torch.cat([torch.zeros_like(flags[:, :1]), flags[:, :-1]], dim=1)

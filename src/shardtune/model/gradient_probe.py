@@ -40,8 +40,10 @@ def parameters_without_gradient(model: torch.nn.Module, device: torch.device,
             text = [token for token in range(PROBE_TOKENS + len(own)) if token not in own][:PROBE_TOKENS]
             ids = torch.cat([torch.tensor([text], device=device), image["input_ids"].to(device)], dim=1)
             inputs = {key: value.to(device) for key, value in image.items() if key != "input_ids"}
-            inputs["mm_token_type_ids"] = torch.cat([torch.zeros(1, PROBE_TOKENS, dtype=torch.int, device=device),
-                                                     inputs["mm_token_type_ids"]], dim=1)
+            for key, value in inputs.items():  # per-token image flags (mm_token_type_ids, ...): none on the text
+                if key.endswith("type_ids"):
+                    inputs[key] = torch.cat([torch.zeros(1, PROBE_TOKENS, dtype=value.dtype, device=device), value],
+                                            dim=1)
         reached = graph_leaves(model(input_ids=ids, **inputs).logits)
     except Exception:  # noqa: BLE001 - the probe only spares DDP a search; training reports a forward that fails
         return []

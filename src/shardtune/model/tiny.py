@@ -95,6 +95,8 @@ def build_tiny_model(
         config = tiny_image_text_config(arch, len(tokenizer), special_token_ids(tokenizer))
         for field, token in tokens.items():
             setattr(config, field, tokenizer.convert_tokens_to_ids(token))
+        if tokens and type(getattr(config, "mm_tokens_per_image", None)) is int:
+            config.mm_tokens_per_image = TINY_IMAGE_TOKENS  # Gemma 3: a square, pooled from the tower's patches
     elif arch in FAMILIES and not from_registry:
         template = get_template(family(arch).template)
         tokenizer = build_tiny_tokenizer(bundled_corpus(), vocab_size=vocab_size,
@@ -120,11 +122,15 @@ def build_tiny_model(
     return out
 
 
+TINY_IMAGE_TOKENS = 16  # soft tokens per image of a tiny Gemma 3 (256 in the real ones)
+
+
 def vision_tokens(model_type: str) -> dict[str, str]:
     """The config's image token fields and their tokens, for a family whose images shardtune reads ({} otherwise)."""
-    from shardtune.data.images import VISION_TOKENS, processor_class_name
+    from shardtune.data.images import layout_of
 
-    return VISION_TOKENS.get(processor_class_name(model_type) or "", {})
+    layout = layout_of(model_type)
+    return dict(layout.tokens) if layout is not None else {}
 
 
 def save_tiny_processor(out: Path, config: Any) -> None:
@@ -142,7 +148,10 @@ def save_tiny_processor(out: Path, config: Any) -> None:
         if names and processor_class_name(model_type) == processor)
     vision = config.vision_config
     image_class = getattr(transformers, names["pil"])
-    image_processor = image_class(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
-                                  temporal_patch_size=vision.temporal_patch_size,
-                                  size={"shortest_edge": 32 * 32, "longest_edge": 64 * 64})
+    if hasattr(vision, "spatial_merge_size"):  # Qwen: images scaled by their pixels into patch grids
+        image_processor = image_class(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
+                                      temporal_patch_size=vision.temporal_patch_size,
+                                      size={"shortest_edge": 32 * 32, "longest_edge": 64 * 64})
+    else:  # Gemma 3: every image resized to the tower's one input size
+        image_processor = image_class(size={"height": vision.image_size, "width": vision.image_size})
     image_processor.save_pretrained(out)

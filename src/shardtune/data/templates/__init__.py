@@ -15,8 +15,8 @@ from shardtune.paths import shown
 # LLaMA-Factory template names of models shardtune cannot train, each with the reason.
 REFUSED_TEMPLATES = {
     "moss_vl": "MOSS-VL is remote code (trust_remote_code) that transformers 5.23 does not include, so shardtune "
-               "neither loads it nor reads its images; shardtune trains images with Qwen2-VL, Qwen2.5-VL, Qwen3-VL "
-               "and Qwen3.5 models (templates qwen2_vl, qwen3_vl, qwen3_5)",
+               "neither loads it nor reads its images; shardtune trains images with Qwen2-VL, Qwen2.5-VL, Qwen3-VL, "
+               "Qwen3.5 and Gemma 3 models (templates qwen2_vl, qwen3_vl, qwen3_5, gemma3)",
 }
 
 
