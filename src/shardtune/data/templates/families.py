@@ -43,6 +43,10 @@ _CHATML: _TurnFormats = {
     "stop_word": "<|im_end|>",
 }
 _YI_TURNS: _TurnFormats = {**_CHATML, "system_format": "{content}"}  # chatml turns, bare system text
+# GLM-4 and GLM-4.5/4.6: no end-of-turn token after answers (the next "<|user|>" stops generation).
+_GLM4_TURNS: _TurnFormats = {"system_format": "<|system|>\n{content}",
+                              "user_format": "<|user|>\n{content}<|assistant|>", "assistant_format": "\n{content}",
+                              "stop_word": "<|user|>"}
 GPT_OSS_DATE = "2025-08-05"  # gpt-oss's release date, pinned into its system block (see "gpt_oss")
 _LLAMA3_HEADER = "<|start_header_id|>{role}<|end_header_id|>\n\n"
 _LLAMA4_HEADER = "<|header_start|>{role}<|header_end|>\n\n"
@@ -209,30 +213,12 @@ TEMPLATES: dict[str, Template] = {
     ),
     # GLM-4-chat: no end-of-turn token after answers (the next "<|user|>" stops generation); the final
     # answer gets eos so that training teaches stopping, as LLaMA-Factory's efficient_eos does.
-    "glm4": Template(
-        name="glm4",
-        prefix="[gMASK]<sop>",
-        system_format="<|system|>\n{content}",
-        user_format="<|user|>\n{content}<|assistant|>",
-        assistant_format="\n{content}",
-        final_suffix="{eos}",
-        stop_word="<|user|>",
-        tool_style=GLM4_TOOLS,
-    ),
+    "glm4": Template(name="glm4", prefix="[gMASK]<sop>", final_suffix="{eos}", tool_style=GLM4_TOOLS, **_GLM4_TURNS),
     # GLM-4.5/4.6 (zai-org/GLM-4.6's template): GLM-4's markers, every answer opens with a think block (empty
     # before the last query), answers trimmed; thinking off masks the empty block and appends "/nothink" to each
     # user message, as the official template does. eos after the final answer as glm4 (LLaMA-Factory: same).
-    "glm4_moe": Template(
-        name="glm4_moe",
-        prefix="[gMASK]<sop>",
-        system_format="<|system|>\n{content}",
-        user_format="<|user|>\n{content}<|assistant|>",
-        assistant_format="\n{content}",
-        final_suffix="{eos}",
-        stop_word="<|user|>",
-        thinking=GLM4_MOE_THINKING,
-        no_tools_reason="GLM-4.5's XML tool layout is not implemented in shardtune",
-    ),
+    "glm4_moe": Template(name="glm4_moe", prefix="[gMASK]<sop>", final_suffix="{eos}", thinking=GLM4_MOE_THINKING,
+                         no_tools_reason="GLM-4.5's XML tool layout is not implemented in shardtune", **_GLM4_TURNS),
     # Yi-1.5-chat: the system text is written as is, before the first turn (no chatml block).
     "yi": Template(name="yi", **_YI_TURNS),
     # Command-R: contents stripped (LLaMA-Factory does not strip).
