@@ -110,6 +110,7 @@ class FSDPEngine(DistributedMixin, TorchEngine):
             self.model = shard_fsdp2(model, self.settings, self.mesh, self.device, self.param_cast_dtype)
             if self.loading is not None:
                 fill_fully_sharded(self.model, self.loading, self.storage_device)
+            settle_fsdp2_trainable(self.model)
         else:
             refuse_fsdp1_parametrized_lora(model)
             init = fsdp1_param_init(model, self.loading) if self.loading is not None else None
@@ -389,6 +390,16 @@ def shard_fsdp2(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, devic
         for current, following in zip(sharded, sharded[1:], strict=False):
             current.set_modules_to_forward_prefetch([following])
     return model
+
+
+def settle_fsdp2_trainable(model: torch.nn.Module) -> None:
+    """FSDP2 decides at its first forward which parameters are trained (their gradients then reach the weights' fp32
+    dtype); decided now, while the training flags hold: a reference forward with the LoRA adapters off (dpo, ASFT),
+    for which peft clears the adapters' requires_grad, would otherwise come first and leave bf16 gradients that FSDP
+    cannot assign to the fp32 shards."""
+    state = getattr(model, "_get_fsdp_state", None)
+    if state is not None:
+        state()._lazy_init()  # FSDP2 has no public call for its lazy initialisation
 
 
 def frozen_fsdp_settings(s: FsdpSettings) -> FsdpSettings:
