@@ -3,6 +3,8 @@ a v1 setting with no counterpart refused with a first line that names the v1 for
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 
@@ -75,6 +77,36 @@ def test_train_dataset_names_every_dataset_of_its_v1_file(tmp_path):
     assert problems == [] and values["dataset_dir"] == str(data) and values["dataset"] == ["first", "second"]
     _, problems = translate_v1({"model": "m", "train_dataset": str(tmp_path / "missing.yaml")})
     assert problems[0].startswith(f"{V1_PREFIX}: train_dataset") and "cannot be read" in problems[0]
+
+
+def write_v1_datasets(tmp_path, **first_records):
+    """A v1 dataset file naming one JSON-lines file per dataset, each holding ``first_records[name]``."""
+    entries = {}
+    for name, record in first_records.items():
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps(record) + "\n")
+        entries[name] = {"path": str(tmp_path / f"{name}.jsonl"), "source": "local"}
+    (tmp_path / "data.yaml").write_text(yaml.safe_dump(entries))
+    return str(tmp_path / "data.yaml")
+
+
+PAIR = {"chosen_messages": [], "rejected_messages": []}
+CONVERSATION = {"messages": []}
+
+
+def test_a_v1_file_of_pairs_trains_dpo_as_llamafactory_cli_dpo_would(tmp_path):
+    data = write_v1_datasets(tmp_path, a=PAIR, b=PAIR)
+    values, problems = translate_v1({"model": "m", "train_dataset": data})
+    assert problems == [] and values["stage"] == "dpo"
+    values, problems = translate_v1({"model": "m", "train_dataset": data, "stage": "rm"})
+    assert problems == [] and values["stage"] == "rm"
+    values, _ = translate_v1({"model": "m", "train_dataset": write_v1_datasets(tmp_path, c=CONVERSATION)})
+    assert "stage" not in values
+
+
+def test_a_v1_file_mixing_pairs_and_conversations_is_refused(tmp_path):
+    _, problems = translate_v1({"model": "m", "train_dataset": write_v1_datasets(tmp_path, a=PAIR,
+                                                                                 c=CONVERSATION)})
+    assert problems[0].startswith(f"{V1_PREFIX}: train_dataset") and "mixes preference pairs (a)" in problems[0]
 
 
 def test_v1_values_shardtune_does_anyway_are_accepted():

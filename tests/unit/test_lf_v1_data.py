@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from shardtune.data.formats import RecordError, lf_v1_to_chat
-from shardtune.data.lf_v1_data import V1_FORMATTING, first_record_problems
+from shardtune.data.formats import RecordError, lf_v1_pair_to_chat, lf_v1_to_chat
+from shardtune.data.lf_v1_data import PAIR_COLUMNS, V1_FORMATTING, first_record_problems
 from shardtune.data.registry import DEFAULT_COLUMNS, DEFAULT_TAGS, resolve_entries
 
 
@@ -71,6 +71,70 @@ def test_hub_and_pair_entries_are_refused_by_name(tmp_path):
     assert "does not download data" in problems[0] and "converter 'pair'" in problems[1]
 
 
-def test_check_names_v1_preference_pairs_before_training(tmp_path):
-    _, data = write_v1_data(tmp_path, [{"chosen_messages": [], "rejected_messages": []}])
-    assert "v1 preference pairs" in first_record_problems(data, "demo")[0]
+# --- v1's preference pairs (chosen_messages, rejected_messages: two whole conversations) ---
+
+def pair(prompt, chosen, rejected, rejected_prompt=None):
+    return {"chosen_messages": [*prompt, turn("assistant", chosen, 1.0)],
+            "rejected_messages": [*(prompt if rejected_prompt is None else rejected_prompt),
+                                  turn("assistant", rejected, 1.0)]}
+
+
+MULTI_TURN = [turn("system", "Be brief.", 0.0), turn("user", "Add 2 and 3.", 0.0), turn("assistant", "5.", 1.0),
+              turn("user", "And 4?", 0.0)]
+
+
+def test_a_v1_pair_file_is_a_ranking_entry_read_as_prompt_chosen_and_rejected(tmp_path):
+    registry, data = write_v1_data(tmp_path, [pair(MULTI_TURN, "9.", "10.")])
+    (entry,), problems = resolve_entries(["demo"], registry)
+    assert problems == [] and entry.ranking and entry.formatting == V1_FORMATTING
+    assert (entry.columns["chosen"], entry.columns["rejected"]) == ("chosen_messages", "rejected_messages")
+    system, messages, rejected = lf_v1_pair_to_chat(pair(MULTI_TURN, "9.", "10."), entry.columns, entry.tags)
+    assert system == "Be brief." and rejected == "10."
+    assert messages == [{"role": "user", "content": "Add 2 and 3."}, {"role": "assistant", "content": "5."},
+                        {"role": "user", "content": "And 4?"}, {"role": "assistant", "content": "9."}]
+    assert first_record_problems(data, "demo") == []
+
+
+@pytest.mark.parametrize(("record", "reason"), [
+    (pair([turn("user", "Add 2 and 3.", 0.0)], "5.", "6.", [turn("user", "Add 2 and 4.", 0.0)]),
+     r"differ before their answers \(turn 0\)"),
+    (pair(MULTI_TURN, "9.", "10.", MULTI_TURN[:2]), r"differ before their answers \(turn 2\)"),
+    ({"chosen_messages": [turn("user", "hi", 0.0)], "rejected_messages": [turn("user", "hi", 0.0)]},
+     "'chosen_messages' must end with the answer"),
+    ({"chosen_messages": [], "rejected_messages": [turn("assistant", "x", 1.0)]},
+     "'chosen_messages': must be a non-empty list"),
+    (pair([{"role": "user", "content": [{"type": "image_url", "value": "a.png"}], "loss_weight": 0.0}], "x", "y"),
+     "images in v1 pairs are not read"),
+])
+def test_a_pair_that_shardtune_cannot_read_as_one_prompt_is_refused(record, reason):
+    with pytest.raises(RecordError, match=reason):
+        lf_v1_pair_to_chat(record, {**DEFAULT_COLUMNS[V1_FORMATTING], **PAIR_COLUMNS}, DEFAULT_TAGS[V1_FORMATTING])
+
+
+def test_check_names_a_bad_first_pair_before_training(tmp_path):
+    _, data = write_v1_data(tmp_path, [pair([turn("user", "a", 0.0)], "x", "y", [turn("user", "b", 0.0)])])
+    assert "record 1: chosen_messages and rejected_messages differ" in first_record_problems(data, "demo")[0]
+
+
+def test_pairs_encode_with_one_prompt_and_a_bad_record_names_its_file_and_line(tmp_path):
+    from shardtune.data import DataSettings, build_datasets
+    from shardtune.errors import DataError
+    from tests.unit.conftest_data import build_test_tokenizer
+
+    tokenizer = build_test_tokenizer()
+    good = pair([turn("user", "Add 2 and 3.", 0.0)], "5.", "6.")
+    registry, data = write_v1_data(tmp_path, [good, good])
+    settings = DataSettings(dataset=("demo",), dataset_dir=str(registry), template="chatml", stage="dpo",
+                            cutoff_len=256)
+    train, _ = build_datasets(tokenizer, settings)
+    row = train[0]
+    prompt = [t for t, label in zip(row["chosen_input_ids"], row["chosen_labels"], strict=True) if label == -100]
+    assert prompt == [t for t, label in zip(row["rejected_input_ids"], row["rejected_labels"], strict=True)
+                      if label == -100]
+    assert "Add 2 and 3." in tokenizer.decode(prompt)
+    assert tokenizer.decode([t for t in row["rejected_labels"] if t != -100]).startswith("6.")
+    bad = pair([turn("user", "Add 2 and 3.", 0.0)], "5.", "6.", [turn("user", "Add 3 and 3.", 0.0)])
+    registry, data = write_v1_data(tmp_path, [good, bad])
+    with pytest.raises(DataError) as err:
+        build_datasets(tokenizer, settings)
+    assert str(data) in str(err.value) and "line 2" in str(err.value) and "differ before" in str(err.value)

@@ -14,6 +14,7 @@ and the plugins they name; ``docs/from-llamafactory.md`` has the table for users
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -187,7 +188,7 @@ def _save_epochs(value: Any, _values: Section) -> dict[str, Any]:
     raise v1_problem("save_epochs", value, "shardtune saves every epoch (save_epochs: 1) or every save_steps steps")
 
 
-def _train_dataset(value: Any, _values: Section) -> dict[str, Any]:
+def _train_dataset(value: Any, values: Section) -> dict[str, Any]:
     """A v1 dataset file is the registry (``dataset_dir``; data/lf_v1_data.py reads it); every dataset it names
     is trained on, as v1 does."""
     path = Path(str(value))
@@ -200,7 +201,39 @@ def _train_dataset(value: Any, _values: Section) -> dict[str, Any]:
         raise ValueError(f"{V1_PREFIX}: train_dataset {str(value)!r} cannot be read: {err}") from None
     if not isinstance(names, dict) or not names:
         raise ValueError(f"{V1_PREFIX}: train_dataset {str(value)!r} must map dataset names to entries")
-    return {"dataset_dir": str(value), "dataset": [str(name) for name in names]}
+    return {"dataset_dir": str(value), "dataset": [str(name) for name in names],
+            **_pair_stage(str(value), names, "stage" in values)}
+
+
+V1_PAIR_KEYS = frozenset({"chosen_messages", "rejected_messages"})  # v1's DPOSample (data/lf_v1_data.py reads it)
+
+
+def _pair_stage(where: str, entries: Mapping[Any, Any], stage_given: bool) -> dict[str, Any]:
+    """v1 picks the stage from its command (``llamafactory-cli dpo``), a file never names it: datasets of pairs
+    (``chosen_messages``/``rejected_messages``) are trained with stage dpo, as that command would, unless the file
+    sets ``stage`` (rm trains on the same pairs). data/lf_v1_data.py reads the pairs."""
+    pairs = {str(name): _first_record_is_pair(entry) for name, entry in entries.items()}
+    if stage_given or not any(pairs.values()):
+        return {}
+    if not all(pairs.values()):
+        raise ValueError(f"{V1_PREFIX}: train_dataset {where!r} mixes preference pairs "
+                         f"({', '.join(n for n, p in pairs.items() if p)}) with conversations "
+                         f"({', '.join(n for n, p in pairs.items() if not p)}); v1 trains one kind per command: "
+                         "list one kind in the file")
+    return {"stage": "dpo"}
+
+
+def _first_record_is_pair(entry: Any) -> bool:
+    """Whether a v1 dataset entry's file (JSON lines, relative to the working directory as v1 reads it) starts with
+    one of v1's pairs; a file that cannot be read is judged by the data checks."""
+    if not isinstance(entry, Mapping) or not isinstance(entry.get("path"), str) or entry.get("converter"):
+        return False
+    try:
+        with Path(entry["path"]).open(encoding="utf-8") as handle:
+            record = json.loads(next((line for line in handle if line.strip()), "null"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(record, dict) and "messages" not in record and V1_PAIR_KEYS <= set(record)
 
 
 FLAT: dict[str, Callable[[Any, Section], dict[str, Any]]] = {

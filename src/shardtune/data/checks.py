@@ -178,6 +178,8 @@ def preference_stage_problems(entry: DatasetEntry, stage: str) -> list[str]:
         problems += [f"{entry.path}: records have no '{column}' column (dataset '{entry.name}', stage {stage}); "
                      f"rename it or set columns.{key} in dataset_info.json"
                      for key, column in preference_columns(entry, stage).items() if column not in columns]
+    if entry.formatting == V1_FORMATTING and not problems:
+        problems += first_record_problems(entry.data_files[0], entry.name)
     return problems
 
 

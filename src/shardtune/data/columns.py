@@ -5,6 +5,7 @@ Import-light (no ``datasets``): the launching host checks these before any proce
 
 from __future__ import annotations
 
+from shardtune.data.lf_v1_data import V1_FORMATTING
 from shardtune.data.registry import DatasetEntry
 
 PREFERENCE_STAGES = ("dpo", "kto", "rm")
@@ -35,6 +36,8 @@ def preference_columns(entry: DatasetEntry, stage: str) -> dict[str, str]:
     if stage == "kto":
         keys: tuple[str, ...] = ("kto_tag",) + (("prompt", "response") if entry.formatting == "alpaca"
                                                 else ("messages",))
+    elif entry.formatting == V1_FORMATTING:  # v1's pairs: two whole conversations, no shared column
+        keys = ("chosen", "rejected")
     else:
         keys = ("prompt" if entry.formatting == "alpaca" else "messages", "chosen", "rejected")
     return {key: entry.columns[key] for key in keys}

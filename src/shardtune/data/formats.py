@@ -26,7 +26,7 @@ from datasets import Dataset, Features, List, Value
 from shardtune.data.caching import step_fingerprint
 from shardtune.data.columns import missing_column_problems, required_columns  # noqa: F401 - re-exported
 from shardtune.data.images import marker_problem, resolve_image_paths
-from shardtune.data.lf_v1_data import V1_FORMATTING, v1_image_paths, v1_turns
+from shardtune.data.lf_v1_data import V1_FORMATTING, v1_image_paths, v1_pair_turns, v1_turns
 from shardtune.data.record_places import record_lines
 from shardtune.data.registry import DatasetEntry
 from shardtune.errors import DataError
@@ -278,6 +278,17 @@ def lf_v1_to_chat(record: Mapping[str, Any], columns: Mapping[str, str], tags: M
     except ValueError as err:
         raise RecordError(str(err)) from None
     return openai_to_chat({**record, columns["messages"]: turns}, columns, tags)
+
+
+def lf_v1_pair_to_chat(record: Mapping[str, Any], columns: Mapping[str, str], tags: Mapping[str, str]
+                       ) -> tuple[str, list[Message], str]:
+    """One of v1's pairs: (system, prompt turns + the chosen answer, the rejected answer's text)."""
+    try:
+        turns, rejected = v1_pair_turns(record.get(columns["chosen"]), record.get(columns["rejected"]))
+    except ValueError as err:
+        raise RecordError(str(err)) from None
+    system, messages = openai_to_chat({**record, columns["messages"]: turns}, columns, tags)
+    return system, messages, rejected
 
 
 def tool_calls_text(calls: Any, number: int) -> str:

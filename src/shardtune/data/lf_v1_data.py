@@ -6,6 +6,11 @@ converter the records are v1's own: ``messages``, each turn ``{"role", "content"
 "loss_weight"}``. ``registry_entries`` turns the file into ``dataset_info.json`` entries (formatting ``lf_v1`` for
 v1's own records); ``v1_turns`` turns one record's messages into plain turns for ``formats.openai_to_chat``.
 
+v1's preference pairs (``llamafactory-cli dpo``) hold two whole conversations, ``chosen_messages`` and
+``rejected_messages``, which v1 renders one after the other. A file whose first record is such a pair becomes a
+ranking entry (columns chosen/rejected): ``v1_pair_turns`` reads a pair as shardtune's pairs are read, the prompt
+turns and the chosen answer, and the rejected answer's text; the turns before the two answers must be the same.
+
 shardtune trains every assistant turn and never a prompt turn, so a ``loss_weight`` must say the same (0 on a
 prompt turn, 1 on an answer); v1 also splits a multi-turn conversation into one sample per answer, where shardtune
 trains all answers of a conversation in one sample (the same tokens, weighted per conversation, not per turn).
@@ -26,6 +31,7 @@ CONVERTERS = {"alpaca": "alpaca", "sharegpt": "sharegpt"}
 ENTRY_KEYS = ("path", "source", "converter", "size", "split")
 ANSWER_ROLES = ("assistant",)
 IMAGE_PART = "image_url"  # v1's image part; its value is the image's path
+PAIR_COLUMNS = {"chosen": "chosen_messages", "rejected": "rejected_messages"}  # v1's DPOSample
 
 
 def is_v1_dataset_file(dataset_dir: str | Path) -> bool:
@@ -63,16 +69,58 @@ def registry_entry(where: str, entry: Any) -> tuple[dict[str, Any] | None, list[
                       "download it, point path at the local file and set source: local"]
     converter = entry.get("converter")
     if converter is not None and converter not in CONVERTERS:
-        return None, [f"{where}: converter '{converter}' is not read by shardtune (pair data: use a "
-                      "dataset_info.json ranking entry and stage: dpo); use alpaca, sharegpt or none (v1's "
-                      "own messages)"]
+        return None, [f"{where}: converter '{converter}' is not read by shardtune (pair data: v1's own "
+                      "chosen_messages/rejected_messages records, or a dataset_info.json ranking entry); use "
+                      "alpaca, sharegpt or none (v1's own records)"]
     converted: dict[str, Any] = {"file_name": str(Path(entry["path"]).absolute()),
                                  "formatting": CONVERTERS[converter] if converter else V1_FORMATTING}
     if entry.get("size") is not None:
         converted["num_samples"] = entry["size"]
     if entry.get("split") is not None:
         converted["split"] = entry["split"]
+    if converter is None and holds_pairs(first_record(Path(entry["path"]))):
+        converted.update(ranking=True, columns=dict(PAIR_COLUMNS))
     return converted, []
+
+
+def first_record(path: Path) -> Any:
+    """The first record of a JSON-lines file, or None when it cannot be read (the loader names the problem)."""
+    try:
+        with path.open(encoding="utf-8") as handle:
+            first = next((line for line in handle if line.strip()), "")
+        return json.loads(first) if first else None
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+
+
+def holds_pairs(record: Any) -> bool:
+    """Whether ``record`` is one of v1's preference pairs (and not a conversation)."""
+    return isinstance(record, dict) and "messages" not in record and set(PAIR_COLUMNS.values()) <= set(record)
+
+
+def v1_pair_turns(chosen: Any, rejected: Any) -> tuple[list[dict[str, str]], str]:
+    """A v1 pair as the chosen conversation's plain turns and the rejected answer's text; ValueError says why not.
+    Both conversations end with their answer and share every turn before it."""
+    sides = {}
+    for column, messages in ((PAIR_COLUMNS["chosen"], chosen), (PAIR_COLUMNS["rejected"], rejected)):
+        try:
+            turns = v1_turns(messages)
+        except ValueError as err:
+            raise ValueError(f"'{column}': {str(err).removeprefix(repr('messages') + ' ')}") from None
+        if turns[-1]["role"] not in ANSWER_ROLES:
+            raise ValueError(f"'{column}' must end with the answer (an assistant turn), got a '{turns[-1]['role']}' "
+                             "turn")
+        if v1_image_paths(messages):
+            raise ValueError(f"'{column}' has {IMAGE_PART} parts: images in v1 pairs are not read; give the pairs as "
+                             "a dataset_info.json ranking entry with an images column")
+        sides[column] = turns
+    prompt, other = sides[PAIR_COLUMNS["chosen"]][:-1], sides[PAIR_COLUMNS["rejected"]][:-1]
+    if prompt != other:
+        turn = next((n for n, (a, b) in enumerate(zip(prompt, other, strict=False)) if a != b),
+                    min(len(prompt), len(other)))
+        raise ValueError(f"chosen_messages and rejected_messages differ before their answers (turn {turn}): a pair "
+                         "shares its prompt turns and differs only in the last; make them the same")
+    return sides[PAIR_COLUMNS["chosen"]], sides[PAIR_COLUMNS["rejected"]][-1]["content"]
 
 
 def v1_turns(messages: Any) -> list[dict[str, str]]:
@@ -111,19 +159,14 @@ def v1_image_paths(messages: Any) -> list[str]:
 def first_record_problems(path: Path, name: str) -> list[str]:
     """What would stop v1's own records of dataset ``name`` from being read, judged on the first record (JSON
     lines), so that the launching host says it before any process starts."""
-    try:
-        with path.open(encoding="utf-8") as handle:
-            first = next((line for line in handle if line.strip()), "")
-        record = json.loads(first) if first else None
-    except (OSError, UnicodeDecodeError, ValueError):
-        return []  # the loader names an unreadable file with its line
+    record = first_record(path)
     if not isinstance(record, dict):
-        return []
-    if "messages" not in record and {"chosen_messages", "rejected_messages"} <= set(record):
-        return [f"{path}: dataset '{name}' holds v1 preference pairs (chosen_messages, rejected_messages), which "
-                "shardtune does not read; give the pairs as a dataset_info.json ranking entry with stage: dpo"]
+        return []  # the loader names an unreadable file with its line
     try:
-        v1_turns(record.get("messages"))
+        if holds_pairs(record):
+            v1_pair_turns(record[PAIR_COLUMNS["chosen"]], record[PAIR_COLUMNS["rejected"]])
+        else:
+            v1_turns(record.get("messages"))
     except ValueError as err:
         return [f"{path}: dataset '{name}', record 1: {err}"]
     return []

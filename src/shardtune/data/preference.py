@@ -35,6 +35,7 @@ from shardtune.data.formats import (
     Message,
     RecordError,
     alpaca_to_chat,
+    lf_v1_pair_to_chat,
     openai_to_chat,
     raise_record_problems,
     record_files,
@@ -45,6 +46,7 @@ from shardtune.data.formats import (
     turn_role_and_content,
 )
 from shardtune.data.images import ImageProcessor
+from shardtune.data.lf_v1_data import V1_FORMATTING
 from shardtune.data.processing import with_image_tokens
 from shardtune.data.registry import DatasetEntry
 from shardtune.data.settings import IGNORE_INDEX
@@ -102,6 +104,8 @@ def pair_to_chat(record: Mapping[str, Any], entry: DatasetEntry) -> tuple[str, l
     for key in ("chosen", "rejected"):
         if record.get(columns[key]) in (None, "", {}):
             raise RecordError(f"'{columns[key]}' is missing or empty: a pair needs a chosen and a rejected answer")
+    if entry.formatting == V1_FORMATTING:  # two whole conversations
+        return lf_v1_pair_to_chat(record, columns, entry.tags)
     if entry.formatting == "alpaca":
         system, messages = alpaca_to_chat(record, {**columns, "response": columns["chosen"]})
         return system, messages, answer_text(record[columns["rejected"]], columns["rejected"], entry)
