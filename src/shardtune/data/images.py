@@ -29,31 +29,35 @@ BLANK_SIDE = 32  # the blank image's side in pixels; the processor scales it to 
 
 @dataclass(frozen=True)
 class ImageLayout:
-    """How a family writes one image into the token stream, from its processor: ``before`` and ``after`` the run
-    of image tokens (text, special tokens included), how many image tokens (one per merged patch of the image's
-    grid, or the config's fixed ``mm_tokens_per_image``), and the model input that flags image tokens.
-    ``tokens``: the config's token id fields and their tokens (for tiny models)."""
+    """How a family writes one image into the token stream, as its processor does: the pieces ``before`` and
+    ``after`` the run of image tokens (text, or ``@field``: the token id in that config field), how many image
+    tokens (``count``: "grid", one per merged patch of the image's grid; "config", the config's fixed
+    ``mm_tokens_per_image``; "processor", the image processor's ``num_soft_tokens_per_image``), and the model input
+    that flags image tokens. ``tokens``: the config's token id fields and their tokens (for tiny models)."""
 
-    before: str
-    after: str
+    before: tuple[str, ...]
+    after: tuple[str, ...]
+    count: str
     type_key: str
     tokens: Mapping[str, str]
-    sized_by_grid: bool  # Qwen: tokens = grid product / merge_size^2; Gemma 3: a fixed count per image
 
 
-_QWEN = ImageLayout("<|vision_start|>", "<|vision_end|>", "mm_token_type_ids",
+_QWEN = ImageLayout(("@vision_start_token_id",), ("@vision_end_token_id",), "grid", "mm_token_type_ids",
                     {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
-                     "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"},
-                    sized_by_grid=True)
+                     "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"})
 # Gemma 3's processor writes "\n\n<start_of_image>", the soft tokens, "<end_of_image>\n\n"; the model attends
 # bidirectionally within an image, flagged by token_type_ids.
-_GEMMA3 = ImageLayout("\n\n<start_of_image>", "<end_of_image>\n\n", "token_type_ids",
+_GEMMA3 = ImageLayout(("\n\n", "@boi_token_id"), ("@eoi_token_id", "\n\n"), "config", "token_type_ids",
                       {"image_token_id": "<image_soft_token>", "boi_token_id": "<start_of_image>",
-                       "eoi_token_id": "<end_of_image>"}, sized_by_grid=False)
+                       "eoi_token_id": "<end_of_image>"})
+# Gemma 4: begin-of-image, as many soft tokens as the processor's budget gives the image's aspect ratio, end.
+_GEMMA4 = ImageLayout(("@boi_token_id",), ("@eoi_token_id",), "processor", "mm_token_type_ids",
+                      {"image_token_id": "<|image|>", "boi_token_id": "<|image>", "eoi_token_id": "<image|>"})
 # Processor class (transformers' pairing for the model type) -> its image layout.
 LAYOUTS = {"Qwen2VLProcessor": _QWEN, "Qwen2_5_VLProcessor": _QWEN, "Qwen3VLProcessor": _QWEN,
-           "Gemma3Processor": _GEMMA3}
-IMAGE_KEYS = ("pixel_values", "image_grid_thw")  # the pixel inputs of a batch (not per row)
+           "Gemma3Processor": _GEMMA3, "Gemma4Processor": _GEMMA4}
+# The pixel inputs of a batch (not per row): Qwen's patches and grids, Gemma 4's padded patches and positions.
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_position_ids")
 
 
 def supported_processors() -> str:
@@ -104,21 +108,28 @@ class ImageProcessor:
         self.layout = layout
         self.image_token_id = token_ids["image_token_id"]
         self.tokens_per_image = tokens_per_image
-        self.before, self.after = (tokenizer([layout.before, layout.after], add_special_tokens=False)["input_ids"]
-                                   if tokenizer is not None else ([], []))
         self.tokenizer = tokenizer
-        # Bounds for processors that scale each image by its pixels (Qwen); Gemma 3's is one fixed size.
+        self.before = self._piece_ids(layout.before, token_ids)
+        self.after = self._piece_ids(layout.after, token_ids)
+        # Bounds for processors that scale each image by its pixels (Qwen); Gemma's have their own size or budget.
         self.pixel_options = ({"size": {"shortest_edge": settings.min_pixels, "longest_edge": settings.max_pixels}}
-                              if layout.sized_by_grid else {})
+                              if layout.count == "grid" else {})
         self._blank: tuple[list[int], dict[str, Any]] | None = None
+
+    def _piece_ids(self, pieces: tuple[str, ...], token_ids: Mapping[str, int]) -> list[int]:
+        return [token for piece in pieces for token in
+                ([token_ids[piece[1:]]] if piece.startswith("@")
+                 else self.tokenizer(piece, add_special_tokens=False)["input_ids"])]
 
     def image_ids(self, pixels: Mapping[str, Any], index: int) -> list[int]:
         """The tokens that stand for image ``index`` of ``pixels``."""
-        if self.layout.sized_by_grid:
+        if self.layout.count == "grid":
             count = int(pixels["image_grid_thw"][index].prod()) // int(self.image_processor.merge_size) ** 2
+        elif self.layout.count == "processor":
+            count = int(pixels["num_soft_tokens_per_image"][index])
         else:
             count = int(self.tokens_per_image or 0)
-        return list(self.before) + [self.image_token_id] * count + list(self.after)
+        return self.before + [self.image_token_id] * count + self.after
 
     def encode_piece(self, text: str, images: Sequence[str]) -> list[int]:
         """Token ids of one prompt piece whose ``<image>`` markers stand for ``images`` (in order)."""
@@ -136,7 +147,7 @@ class ImageProcessor:
 
     def pixels(self, images: list[Any]) -> dict[str, Any]:
         out = self.image_processor(images=images, return_tensors="pt", **self.pixel_options)
-        return {key: out[key] for key in IMAGE_KEYS if key in out}
+        return {key: out[key] for key in (*IMAGE_KEYS, "num_soft_tokens_per_image") if key in out}
 
     def type_ids(self, input_ids: Any) -> Any:
         """The model's per-token image flags (1 on image tokens)."""
@@ -193,7 +204,8 @@ def blank_image_inputs(model_dir: str) -> dict[str, Any]:
     processor = load_image_processor(model_dir, AutoTokenizer.from_pretrained(model_dir), ImageSettings())
     ids, pixels = processor.blank()
     input_ids = torch.tensor([ids])
-    return {"input_ids": input_ids, processor.layout.type_key: processor.type_ids(input_ids), **pixels}
+    return {"input_ids": input_ids, processor.layout.type_key: processor.type_ids(input_ids),
+            **{key: value for key, value in pixels.items() if key in IMAGE_KEYS}}
 
 
 def resolve_image_paths(value: Any, column: str, media_dir: Path) -> list[str]:
@@ -246,7 +258,7 @@ class VisionCollator:
                        "labels": list(first["labels"]) + [IGNORE_INDEX] * len(blank_ids)}
         batch = self.text_collator(rows)
         batch.pop("position_ids", None)
-        batch.update(pixels)
+        batch.update({key: value for key, value in pixels.items() if key in IMAGE_KEYS})
         batch[self.images.layout.type_key] = self.images.type_ids(batch["input_ids"])
         return batch
 
@@ -261,8 +273,8 @@ def image_inputs_of_rows(batch: Mapping[str, Any], start: int, stop: int) -> dic
     starts = flags & ~torch.cat([torch.zeros_like(flags[:, :1]), flags[:, :-1]], dim=1)
     per_row = starts.sum(dim=1).tolist()
     first, last = sum(per_row[:start]), sum(per_row[:stop])
-    if "image_grid_thw" not in batch:
-        return {"pixel_values": batch["pixel_values"][first:last]}
+    if "image_grid_thw" not in batch:  # one entry per image (Gemma 3's pixels, Gemma 4's padded patches)
+        return {key: batch[key][first:last] for key in IMAGE_KEYS if key in batch}
     patches = [0, *batch["image_grid_thw"].prod(dim=-1).cumsum(0).tolist()]
     return {"pixel_values": batch["pixel_values"][patches[first]:patches[last]],
             "image_grid_thw": batch["image_grid_thw"][first:last]}

@@ -152,6 +152,9 @@ def save_tiny_processor(out: Path, config: Any) -> None:
         image_processor = image_class(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
                                       temporal_patch_size=vision.temporal_patch_size,
                                       size={"shortest_edge": 32 * 32, "longest_edge": 64 * 64})
+    elif hasattr(vision, "pooling_kernel_size"):  # Gemma 4: patches for its smallest soft-token budget
+        image_processor = image_class(patch_size=vision.patch_size, pooling_kernel_size=vision.pooling_kernel_size,
+                                      max_soft_tokens=70)
     else:  # Gemma 3: every image resized to the tower's one input size
         image_processor = image_class(size={"height": vision.image_size, "width": vision.image_size})
     image_processor.save_pretrained(out)

@@ -22,8 +22,8 @@ from shardtune.train.sequence_shards import sequence_shard, spans_of
 
 IGNORE_INDEX = -100
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-                "max_length_k", "pixel_values", "image_grid_thw", "mm_token_type_ids",
-                "token_type_ids")  # the last four: images (data/images.py)
+                "max_length_k", "pixel_values", "image_grid_thw", "image_position_ids", "mm_token_type_ids",
+                "token_type_ids")  # from pixel_values on: images (data/images.py)
 Batch = dict[str, torch.Tensor]
 
 

@@ -16,7 +16,7 @@ from shardtune.paths import shown
 REFUSED_TEMPLATES = {
     "moss_vl": "MOSS-VL is remote code (trust_remote_code) that transformers 5.23 does not include, so shardtune "
                "neither loads it nor reads its images; shardtune trains images with Qwen2-VL, Qwen2.5-VL, Qwen3-VL, "
-               "Qwen3.5 and Gemma 3 models (templates qwen2_vl, qwen3_vl, qwen3_5, gemma3)",
+               "Qwen3.5, Gemma 3 and Gemma 4 models (templates qwen2_vl, qwen3_vl, qwen3_5, gemma3, gemma4)",
 }
 
 
