@@ -106,3 +106,16 @@ def test_finished_output_dir_is_refused_before_work(tiny_model_dir, tmp_path):
                      f"output_dir={out}", "overwrite_output_dir=false")
     assert result.returncode == 2
     assert "already holds a finished run" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_overwriting_a_lora_run_with_a_full_run_leaves_only_the_full_model(tiny_model_dir, tmp_path):
+    """overwrite_output_dir into an earlier shardtune run's folder: its adapter does not stay beside the new full
+    model (the folder would be neither, and the saved-weights check would count both)."""
+    out = tmp_path / "run"
+    quick = ("max_steps=2", "save_strategy=no", "do_eval=false", "eval_strategy=no", "max_samples=16")
+    train("examples/tiny/sft_lora.yaml", tiny_model_dir, out, *quick)
+    assert (out / "adapter_config.json").is_file()
+    (out / "notes.txt").write_text("mine")  # not shardtune's: stays
+    train("examples/tiny/sft_full.yaml", tiny_model_dir, out, *quick, "overwrite_output_dir=true")
+    assert not (out / "adapter_config.json").exists() and not (out / "adapter_model.safetensors").exists()
+    assert (out / "model.safetensors").is_file() and (out / "notes.txt").read_text() == "mine"

@@ -400,10 +400,21 @@ def start_state(engine: Engine, c: TrainConfig, output_dir: Path) -> TrainState:
     return checkpoint.load_checkpoint(engine, source)
 
 
+# A final model's weight files as shardtune (through transformers / peft) saves them.
+SAVED_WEIGHTS = ("adapter_config.json", "adapter_model.safetensors", "model.safetensors",
+                 "model.safetensors.index.json", "model-*-of-*.safetensors")
+
+
 def clear_previous_run(output_dir: Path) -> None:
-    """overwrite_output_dir: drop our own logs and checkpoints so a later auto-resume cannot pick them up."""
+    """overwrite_output_dir: drop our own logs and checkpoints so a later auto-resume cannot pick them up, and the
+    final model of an earlier shardtune run there (its shardtune_config.json says it was one): a LoRA adapter left
+    beside a full model's weights would make the folder neither (and fail the saved-weights check)."""
     import shutil
 
+    if (output_dir / RESOLVED_CONFIG_FILE).is_file():
+        for pattern in SAVED_WEIGHTS:
+            for old_weights in output_dir.glob(pattern):
+                old_weights.unlink(missing_ok=True)
     (output_dir / LOG_FILE).unlink(missing_ok=True)
     (output_dir / RESULTS_FILE).unlink(missing_ok=True)
     for old_log in rank_log_path(output_dir, 0).parent.glob("rank_*.jsonl"):
