@@ -398,8 +398,9 @@ def settle_fsdp2_trainable(model: torch.nn.Module) -> None:
     for which peft clears the adapters' requires_grad, would otherwise come first and leave bf16 gradients that FSDP
     cannot assign to the fp32 shards."""
     state = getattr(model, "_get_fsdp_state", None)
-    if state is not None:
-        state()._lazy_init()  # FSDP2 has no public call for its lazy initialisation
+    if state is None or any(p.device.type == "meta" for p in model.parameters()):
+        return  # weights still on the meta device (only a test's engine device) cannot be initialised
+    state()._lazy_init()  # FSDP2 has no public call for its lazy initialisation
 
 
 def frozen_fsdp_settings(s: FsdpSettings) -> FsdpSettings:
