@@ -97,6 +97,10 @@ def overrides_merged(args: tuple[str, ...] | list[str]) -> list[str]:
 # feature under at least one sharded engine) and `make test-matrix` runs the rest. Both must pass before an issue is
 # called resolved (README, Tests).
 MATRIX_ONLY = {
+    # 2026-11-27 evening: make test had grown to 27 minutes (1,623 s); OFT keeps ZeRO-3 and FSDP2 here, ASFT ZeRO-3.
+    "tests/distributed/test_lf_adapters_engines.py::test_adapter_variant_matches_one_process[ddp-oft]",
+    "tests/distributed/test_lf_adapters_engines.py::test_adapter_variant_matches_one_process[fsdp1-oft]",
+    "tests/distributed/test_lf_training_engines.py::test_asft_matches_one_process[ddp-full]",
     "tests/distributed/test_lf_adapters_engines.py::test_adapter_variant_matches_one_process[ddp-dora]",
     "tests/distributed/test_lf_adapters_engines.py::test_adapter_variant_matches_one_process[fsdp1-dora]",
     "tests/distributed/test_lf_adapters_engines.py::test_adapter_variant_matches_one_process[fsdp2-loraplus]",
