@@ -68,11 +68,8 @@ def batch_converter(entry: DatasetEntry, stage: str) -> tuple[Callable[..., dict
         to_chat = partial(converters[entry.formatting], columns=entry.columns, tags=entry.tags)
     else:
         to_chat = partial(alpaca_to_chat, columns=entry.columns)
-    images = ImageColumn(entry.columns["images"], entry.media_dir) if "images" in entry.columns else None
-    if entry.formatting == V1_FORMATTING:  # v1 records hold their images as parts of their turns
-        images = V1ImageParts(entry.columns["messages"], entry.media_dir)
-    return partial(convert_chat_batch, to_chat=to_chat, tools_column=entry.columns["tools"], images=images), \
-        CHAT_FEATURES
+    return partial(convert_chat_batch, to_chat=to_chat, tools_column=entry.columns["tools"],
+                   images=image_column(entry)), CHAT_FEATURES
 
 
 def require_columns(found: list[str], entry: DatasetEntry, stage: str) -> None:
@@ -137,6 +134,13 @@ class V1ImageParts(ImageColumn):
 
     def values(self, record: Mapping[str, Any]) -> Any:
         return v1_image_paths(record.get(self.name))
+
+
+def image_column(entry: DatasetEntry) -> ImageColumn | None:
+    """Where ``entry``'s records name their images: the images column, or (v1) the image parts of their turns."""
+    if entry.formatting == V1_FORMATTING:
+        return V1ImageParts(entry.columns["messages"], entry.media_dir)
+    return ImageColumn(entry.columns["images"], entry.media_dir) if "images" in entry.columns else None
 
 
 def convert_chat_batch(batch: Mapping[str, list[Any]], indices: list[int],

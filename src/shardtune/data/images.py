@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardtune.data.settings import IGNORE_INDEX
 from shardtune.errors import DataError
 
 IMAGE_MARKER = "<image>"
@@ -56,6 +57,7 @@ _GEMMA4 = ImageLayout(("@boi_token_id",), ("@eoi_token_id",), "processor", "mm_t
 # Processor class (transformers' pairing for the model type) -> its image layout.
 LAYOUTS = {"Qwen2VLProcessor": _QWEN, "Qwen2_5_VLProcessor": _QWEN, "Qwen3VLProcessor": _QWEN,
            "Gemma3Processor": _GEMMA3, "Gemma4Processor": _GEMMA4}
+TYPE_KEYS = tuple(dict.fromkeys(layout.type_key for layout in LAYOUTS.values()))  # the per-token image flags
 # The pixel inputs of a batch (not per row): Qwen's patches and grids, Gemma 4's padded patches and positions.
 IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_position_ids")
 
@@ -146,6 +148,7 @@ class ImageProcessor:
         return self.pixels(open_images(paths))
 
     def pixels(self, images: list[Any]) -> dict[str, Any]:
+        """The image processor's output: the model's pixel inputs (``model_pixels``) and Gemma 4's token counts."""
         out = self.image_processor(images=images, return_tensors="pt", **self.pixel_options)
         return {key: out[key] for key in (*IMAGE_KEYS, "num_soft_tokens_per_image") if key in out}
 
@@ -161,6 +164,11 @@ class ImageProcessor:
             pixels = self.pixels([Image.new("RGB", (BLANK_SIDE, BLANK_SIDE))])
             self._blank = self.image_ids(pixels, 0), pixels
         return self._blank
+
+
+def model_pixels(pixels: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of an image processor's output that the model takes."""
+    return {key: value for key, value in pixels.items() if key in IMAGE_KEYS}
 
 
 def open_images(paths: Sequence[str]) -> list[Any]:
@@ -204,8 +212,7 @@ def blank_image_inputs(model_dir: str) -> dict[str, Any]:
     processor = load_image_processor(model_dir, AutoTokenizer.from_pretrained(model_dir), ImageSettings())
     ids, pixels = processor.blank()
     input_ids = torch.tensor([ids])
-    return {"input_ids": input_ids, processor.layout.type_key: processor.type_ids(input_ids),
-            **{key: value for key, value in pixels.items() if key in IMAGE_KEYS}}
+    return {"input_ids": input_ids, processor.layout.type_key: processor.type_ids(input_ids), **model_pixels(pixels)}
 
 
 def resolve_image_paths(value: Any, column: str, media_dir: Path) -> list[str]:
@@ -245,8 +252,6 @@ class VisionCollator:
         self.images = images
 
     def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        from shardtune.data.settings import IGNORE_INDEX
-
         paths = [path for feature in features for path in feature.get("images") or []]
         rows = [{key: value for key, value in feature.items() if key != "images"} for feature in features]
         if paths:
@@ -258,7 +263,7 @@ class VisionCollator:
                        "labels": list(first["labels"]) + [IGNORE_INDEX] * len(blank_ids)}
         batch = self.text_collator(rows)
         batch.pop("position_ids", None)
-        batch.update({key: value for key, value in pixels.items() if key in IMAGE_KEYS})
+        batch.update(model_pixels(pixels))
         batch[self.images.layout.type_key] = self.images.type_ids(batch["input_ids"])
         return batch
 
@@ -269,7 +274,7 @@ def image_inputs_of_rows(batch: Mapping[str, Any], start: int, stop: int) -> dic
     row each where the family has no grids)."""
     import torch
 
-    flags = next(batch[key] for key in ("mm_token_type_ids", "token_type_ids") if key in batch) == 1
+    flags = next(batch[key] for key in TYPE_KEYS if key in batch) == 1
     starts = flags & ~torch.cat([torch.zeros_like(flags[:, :1]), flags[:, :-1]], dim=1)
     per_row = starts.sum(dim=1).tolist()
     first, last = sum(per_row[:start]), sum(per_row[:stop])

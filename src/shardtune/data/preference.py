@@ -31,10 +31,10 @@ from shardtune.data.columns import (  # noqa: F401 - re-exported: the stage rule
 )
 from shardtune.data.formats import (
     CHAT_FEATURES,
-    ImageColumn,
     Message,
     RecordError,
     alpaca_to_chat,
+    image_column,
     lf_v1_pair_to_chat,
     openai_to_chat,
     raise_record_problems,
@@ -133,7 +133,7 @@ def convert_pair_batch(batch: Mapping[str, list[Any]], indices: list[int], entry
                        ) -> dict[str, list[Any]]:
     out: dict[str, list[Any]] = {"_system": [], "_messages": [], "tools": [], "_rejected": [], "_images": [],
                                  "_problem": []}
-    images = ImageColumn(entry.columns["images"], entry.media_dir) if "images" in entry.columns else None
+    images = image_column(entry)
     for index, record in zip(indices, rows(batch), strict=True):
         try:
             system, messages, rejected = pair_to_chat(record, entry)
