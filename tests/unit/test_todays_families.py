@@ -5,6 +5,8 @@ and packing is refused where layers carry a state along the row."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -85,6 +87,37 @@ def test_the_probe_draws_no_random_numbers(arch_model_dir):
     before = torch.random.get_rng_state()
     parameters_without_gradient(model, torch.device("cpu"))
     assert torch.equal(before, torch.random.get_rng_state())
+
+
+class ForwardThatFails(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(2))
+        self.config = types.SimpleNamespace(vocab_size=8)
+
+    def forward(self, input_ids, **inputs):
+        raise ValueError("needs pixel_values\nsecond line")
+
+
+def test_a_probe_whose_forward_fails_says_so_instead_of_reporting_nothing_unreached():
+    from shardtune.model.gradient_probe import ProbeFailed, parameters_without_gradient
+
+    with pytest.raises(ProbeFailed, match=r"^ValueError: needs pixel_values$"):
+        parameters_without_gradient(ForwardThatFails(), torch.device("cpu"))
+
+
+def test_ddp_searches_for_unused_parameters_when_the_probe_fails(capsys):
+    from shardtune.engines.base import PrecisionSettings
+    from shardtune.engines.ddp import DDPEngine
+    from shardtune.engines.distributed import DistContext
+
+    ctx = DistContext(rank=0, local_rank=0, world_size=2, local_world_size=2, device=torch.device("cpu"),
+                      backend="gloo")
+    model = ForwardThatFails()
+    assert DDPEngine(PrecisionSettings(), ctx)._freeze_unreached(model) is True
+    assert model.weight.requires_grad
+    assert "probe forward that finds parameters without a gradient failed (ValueError: needs pixel_values)" in \
+        capsys.readouterr().out
 
 
 # --- lora_target: all on modules LoRA cannot adapt ---

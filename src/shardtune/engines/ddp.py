@@ -61,10 +61,16 @@ class DDPEngine(DistributedMixin, TorchEngine):
         them. True when some expert weight got none in the probe: routing may reach it later, so DDP searches
         for unused parameters instead (its cost per step is the price of not hanging)."""
         from shardtune.data.images import blank_image_inputs
-        from shardtune.model.gradient_probe import is_expert_parameter, parameters_without_gradient
+        from shardtune.model.gradient_probe import ProbeFailed, is_expert_parameter, parameters_without_gradient
 
         image = blank_image_inputs(self.image_model) if self.image_model else None
-        unreached = parameters_without_gradient(model, self.device, image)
+        try:
+            unreached = parameters_without_gradient(model, self.device, image)
+        except ProbeFailed as failure:  # unknown which parameters get a gradient: let DDP search, never hang
+            if self.ctx.rank == 0:
+                print(f"[shardtune] ddp: the probe forward that finds parameters without a gradient failed "
+                      f"({failure}); ddp_find_unused_parameters is turned on", flush=True)
+            return True
         experts = [name for name in unreached if is_expert_parameter(name)]
         frozen = [name for name in unreached if not is_expert_parameter(name)]
         parameters = dict(model.named_parameters())

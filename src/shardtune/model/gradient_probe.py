@@ -18,6 +18,10 @@ import torch
 PROBE_TOKENS = 16
 
 
+class ProbeFailed(Exception):
+    """The probe's forward did not run; its message is the first line of the cause."""
+
+
 def parameters_without_gradient(model: torch.nn.Module, device: torch.device,
                                 image: dict[str, torch.Tensor] | None = None) -> list[str]:
     """Names of the trainable parameters the logits of a few tokens (and ``image``, when the data has images: the
@@ -25,8 +29,8 @@ def parameters_without_gradient(model: torch.nn.Module, device: torch.device,
 
     The autograd graph of one forward is walked from the logits to its leaves (as DDP's unused-parameter search
     does), so no backward runs and no gradient is allocated. In eval mode: no dropout (no random numbers drawn)
-    and no activation checkpointing (a reentrant checkpoint would hide its parameters from the graph). A model
-    whose forward cannot run on bare token ids is reported as having none."""
+    and no activation checkpointing (a reentrant checkpoint would hide its parameters from the graph). A forward
+    that cannot run on these inputs raises ``ProbeFailed`` with its reason: the caller cannot know what is unused."""
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if not trainable:
         return []
@@ -45,8 +49,8 @@ def parameters_without_gradient(model: torch.nn.Module, device: torch.device,
                     inputs[key] = torch.cat([torch.zeros(1, PROBE_TOKENS, dtype=value.dtype, device=device), value],
                                             dim=1)
         reached = graph_leaves(model(input_ids=ids, **inputs).logits)
-    except Exception:  # noqa: BLE001 - the probe only spares DDP a search; training reports a forward that fails
-        return []
+    except Exception as error:  # noqa: BLE001 - any failure of the probe leaves the answer unknown, said by the caller
+        raise ProbeFailed(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from error
     finally:
         model.train(was_training)
     return [name for name, p in trainable if id(p) not in reached]
