@@ -267,7 +267,8 @@ class TrainConfig:
     adam_beta2: float = _key(0.999, "Adam beta2", TRAIN, minimum=0, maximum=1)
     adam_epsilon: float = _key(1e-8, "Adam epsilon", TRAIN, minimum=0, exclusive_minimum=True)
     max_grad_norm: float = _key(1.0, "clip the global gradient norm (0 disables)", TRAIN, minimum=0)
-    optim: str = _key("adamw_torch", "optimizer", TRAIN, choices=OPTIMIZERS)
+    optim: str = _key("adamw_torch_fused", "optimizer (adamw_torch_fused: torch's fused AdamW kernel, the HF Trainer's "
+                                            "default)", TRAIN, choices=OPTIMIZERS)
     # LLaMA-Factory's optimizer replacements (one process and DDP; at most one on).
     use_muon: bool = _key(False, "Muon (torch.optim.Muon) for hidden 2-D weights, AdamW for embeddings, output head, "
                                  "norms and biases", TRAIN)

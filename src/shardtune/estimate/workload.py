@@ -46,7 +46,7 @@ class Workload:
     freeze_trainable_modules: tuple[str, ...] = ("all",)
     quantization_bit: int | None = None
     attn_implementation: str = "sdpa"
-    optim: str = "adamw_torch"
+    optim: str = "adamw_torch_fused"
     gradient_accumulation_steps: int = 1
     loss_chunk_size: int = TrainConfig.loss_chunk_size  # 0: the loss takes the full [tokens, vocab] logits
     # Preference stages: rows per sample in one forward (dpo: chosen + rejected; kto: the answer + its KL row).

@@ -25,7 +25,7 @@ class ExtraOptimizer:
 
 @dataclass(frozen=True)
 class OptimizerSettings:
-    optim: str = "adamw_torch"
+    optim: str = "adamw_torch_fused"
     learning_rate: float = 5e-5
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
