@@ -19,11 +19,12 @@ from shardtune.estimate.activations import (
     input_bytes,
     layer_activation_bytes,
 )
+from shardtune.estimate.adapter_shape import lora_params
 from shardtune.estimate.command import estimate_command
 from shardtune.estimate.hardware import GiB, Hardware
 from shardtune.estimate.options import build_options, moe_leaf_params
 from shardtune.estimate.recommend import recommend
-from shardtune.estimate.shape import ModelShape, load_model_shape, lora_params, shape_from_config
+from shardtune.estimate.shape import ModelShape, load_model_shape, shape_from_config
 from shardtune.estimate.workload import Workload, trainable_params
 
 REPO = Path(__file__).resolve().parents[2]

@@ -5,8 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardtune.config.schema import TrainConfig
-from shardtune.estimate.adapter_shape import adapted_widths, oft_params
-from shardtune.estimate.shape import ModelShape, freeze_trainable_params, lora_params, lora_target_modules
+from shardtune.estimate.adapter_shape import (
+    adapted_widths,
+    freeze_trainable_params,
+    lora_params,
+    lora_target_modules,
+    oft_params,
+)
+from shardtune.estimate.shape import ModelShape
 from shardtune.estimate.vision_shape import Linear
 from shardtune.model.composite import FrozenParts
 from shardtune.model.oft import OftSettings
