@@ -10,7 +10,8 @@ from shardtune.config.load import build_config
 from shardtune.engines.plan import plan_engine
 from shardtune.errors import ConfigError
 from shardtune.launch.validate import cross_key_problems
-from shardtune.model.adapters import FinetuningSettings, save_lora_adapter
+from shardtune.model.adapter_files import save_lora_adapter
+from shardtune.model.adapters import FinetuningSettings
 from shardtune.model.source import ModelSource
 from shardtune.optim.build import build_optimizer, parameter_names
 from shardtune.optim.settings import OptimizerSettings

@@ -13,7 +13,8 @@ from shardtune.config.compat import translate_keys
 from shardtune.config.load import build_config
 from shardtune.engines.sharded_loading import ShardedLoad, fill_fully_sharded
 from shardtune.launch.validate import cross_key_problems
-from shardtune.model.adapters import FinetuningSettings, save_lora_adapter
+from shardtune.model.adapter_files import save_lora_adapter
+from shardtune.model.adapters import FinetuningSettings
 from shardtune.model.load import load_tokenizer
 from shardtune.model.source import ModelSource
 from shardtune.model.vocab import (

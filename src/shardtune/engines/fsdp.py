@@ -46,7 +46,8 @@ from shardtune.engines.safe_load import load_dcp_weights_only
 from shardtune.engines.sharded_loading import ShardedLoad, fill_fully_sharded, fsdp1_param_init
 from shardtune.engines.torch_native import SCHEDULER_FILE, TorchEngine
 from shardtune.errors import ConfigError, ModelError
-from shardtune.model.adapters import parametrized_lora_weights, save_lora_adapter
+from shardtune.model.adapter_files import save_lora_adapter
+from shardtune.model.adapters import parametrized_lora_weights
 from shardtune.model.moe import fsdp1_fused_lora_problem
 from shardtune.model.saved import (
     as_saves_pretrained,

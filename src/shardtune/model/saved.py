@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 from shardtune.errors import ModelError
-from shardtune.model.adapters import is_adapter_tensor
+from shardtune.model.adapter_files import is_adapter_tensor
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
