@@ -1,8 +1,9 @@
-"""LLaMA-Factory's optimizer replacements through the real CLI: one process and 2-process DDP on CPU.
+"""LLaMA-Factory's optimizer replacements through the real CLI: one process, 2-process DDP and (Muon) FSDP2 on CPU.
 
 Each replacement changes the loss curve against plain AdamW, and DDP (2 x 2 samples) follows the one-process run
-(4 samples) because every rank steps the same whole weights with the averaged gradient. Resume from a checkpoint
-restores each child of Muon's ChainedOptimizer (and GaLore's projectors) exactly.
+(4 samples) because every rank steps the same whole weights with the averaged gradient; Muon under FSDP2 too, since
+each rank orthogonalises the gathered whole update of every sharded matrix. Resume from a checkpoint restores each
+child of Muon's ChainedOptimizer (and GaLore's projectors) exactly, also from FSDP2's sharded checkpoint.
 """
 
 from __future__ import annotations
@@ -43,12 +44,23 @@ def test_replacement_trains_and_ddp_matches_one_process(name, adamw_losses, tiny
     assert losses(two) == pytest.approx(single, rel=2e-3)
 
 
-@pytest.mark.parametrize("name", ["muon", "galore"])
+FSDP2 = ("fsdp=full_shard auto_wrap",)
+
+
+def test_muon_under_fsdp2_matches_one_process(tiny_model_dir, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "fsdp2"
+    train(tiny_model_dir, one, "full", 1, 4, *REPLACEMENTS["muon"])
+    train(tiny_model_dir, two, "full", 2, 2, *REPLACEMENTS["muon"], *FSDP2)
+    assert losses(two) == pytest.approx(losses(one), rel=2e-3)
+
+
+@pytest.mark.parametrize("name", ["muon", "galore", "muon-fsdp2"])
 def test_resume_matches_uninterrupted_run(name, tiny_model_dir, tmp_path):
     finished, crashed = tmp_path / "finished", tmp_path / "crashed"
-    train_with_checkpoints(tiny_model_dir, finished, 2, 2, *REPLACEMENTS[name])
+    keys = (*REPLACEMENTS["muon"], *FSDP2) if name == "muon-fsdp2" else REPLACEMENTS[name]
+    train_with_checkpoints(tiny_model_dir, finished, 2, 2, *keys)
     crash_after_first_checkpoint(finished, crashed)
-    result = train_with_checkpoints(tiny_model_dir, crashed, 2, 2, *REPLACEMENTS[name], overwrite=False)
+    result = train_with_checkpoints(tiny_model_dir, crashed, 2, 2, *keys, overwrite=False)
     assert "resuming from" in result.stdout
     assert_resumed_like_finished(finished, crashed, rel=1e-4)
 

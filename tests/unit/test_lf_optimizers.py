@@ -19,6 +19,7 @@ from shardtune.model.source import ModelSource
 from shardtune.optim.build import build_optimizer, build_scheduler
 from shardtune.optim.replacements import ChainedOptimizer, is_muon_matrix
 from shardtune.optim.settings import ExtraOptimizer, OptimizerSettings, optimizer_settings
+from shardtune.optim.sharded_muon import ShardedMuon
 
 LR, WD = 1e-2, 0.01
 
@@ -98,13 +99,27 @@ def test_a_missing_package_is_refused_before_launch(monkeypatch):
     assert any("pip install adam-mini" in p for p in problems)
 
 
+FSDP1 = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 1}}
+
+
 @pytest.mark.parametrize("key", ["use_muon", "use_galore", "use_apollo", "use_adam_mini"])
 def test_sharding_engines_are_refused_and_ddp_is_not(key):
-    for engine, label in (({"fsdp": "full_shard auto_wrap"}, "with fsdp"), ({"deepspeed": "z2"}, "with deepspeed")):
+    refused = [(FSDP1, "with fsdp"), ({"deepspeed": "z2"}, "with deepspeed")]
+    if key != "use_muon":  # Muon gathers FSDP2's row shards (optim/sharded_muon.py)
+        refused.append(({"fsdp": "full_shard auto_wrap"}, "with fsdp"))
+    for engine, label in refused:
         _, problems = plan_engine(build_config({key: True, **engine}), world_size=2, has_cuda=False)
         assert any(p.startswith(f"{key} (true) {label}") and "whole" in p for p in problems), problems
     plan, problems = plan_engine(build_config({key: True}), world_size=2, has_cuda=False)
     assert plan.kind == "ddp" and not problems
+
+
+def test_muon_runs_under_fsdp2_and_fsdp1_says_what_to_use():
+    plan, problems = plan_engine(build_config({"use_muon": True, "fsdp": "full_shard auto_wrap"}), world_size=2,
+                                 has_cuda=False)
+    assert plan.kind == "fsdp" and not problems
+    _, problems = plan_engine(build_config({"use_muon": True, **FSDP1}), world_size=2, has_cuda=False)
+    assert any("fsdp_version 1" in p and "train with fsdp_version: 2" in p for p in problems), problems
 
 
 # --- Muon ---
@@ -137,6 +152,19 @@ def test_muon_steps_as_torch_muon_and_adamw_do(full_model):
     _assert_same_and_moved(full_model, mine, theirs)
 
 
+def test_sharded_muon_steps_whole_weights_as_torch_muon(full_model):
+    """ShardedMuon's own step loop (torch's functions, the gather between them) on plain tensors is torch's Muon;
+    tests/distributed/test_sharded_muon.py checks the same on FSDP2 shards."""
+    def sharded(model: torch.nn.Module) -> ChainedOptimizer:
+        reference = _torch_muon(model)
+        muon, adamw = reference.optimizers
+        return ChainedOptimizer([ShardedMuon(muon.param_groups[0]["params"], lr=LR, weight_decay=WD,
+                                             adjust_lr_fn="match_rms_adamw"), adamw])
+
+    mine, theirs = _step_both(full_model, sharded, _torch_muon, steps=3)
+    _assert_same_and_moved(full_model, mine, theirs)
+
+
 def test_a_scheduler_drives_both_halves_of_muon_also_after_loading(full_model):
     optimizer = _ours(copy.deepcopy(full_model), "muon")
     scheduler = build_scheduler(optimizer, "linear", total_steps=10, warmup_steps=0)
@@ -147,6 +175,11 @@ def test_a_scheduler_drives_both_halves_of_muon_also_after_loading(full_model):
     optimizer.load_state_dict(optimizer.state_dict())  # as resume does: the children get new group dicts
     scheduler.step()
     assert [g["lr"] for o in optimizer.optimizers for g in o.param_groups] == [pytest.approx(LR * 0.8)] * len(
+        optimizer.param_groups)
+    for child in optimizer.optimizers:  # as FSDP's resume does (torch's set_state_dict loads each child)
+        child.load_state_dict(child.state_dict())
+    scheduler.step()
+    assert [g["lr"] for o in optimizer.optimizers for g in o.param_groups] == [pytest.approx(LR * 0.7)] * len(
         optimizer.param_groups)
 
 

@@ -271,7 +271,7 @@ class TrainConfig:
                                             "default)", TRAIN, choices=OPTIMIZERS)
     # LLaMA-Factory's optimizer replacements (one process and DDP; at most one on).
     use_muon: bool = _key(False, "Muon (torch.optim.Muon) for hidden 2-D weights, AdamW for embeddings, output head, "
-                                 "norms and biases", TRAIN)
+                                 "norms and biases; one process, DDP or FSDP2", TRAIN)
     use_adam_mini: bool = _key(False, "Adam-mini (adam-mini package): one second moment per block", TRAIN)
     use_galore: bool = _key(False, "GaLore (galore-torch): low-rank projected gradients for galore_target", TRAIN)
     galore_target: list[str] = _key(["all"], "GaLore: Linear module names, comma separated, or 'all' (not lm_head)",

@@ -56,6 +56,7 @@ from shardtune.model.saved import (
     verify_saved,
     without_deepspeed_lookup,
 )
+from shardtune.optim.replacements import optimizer_parts
 from shardtune.world import WorldLayout
 
 if TYPE_CHECKING:
@@ -269,7 +270,8 @@ class FSDPEngine(DistributedMixin, TorchEngine):
 
     def save_state(self, ckpt_dir: Path) -> None:
         if self.settings.state_dict_type == "FULL_STATE_DICT":
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.full_state_options())
+            model_sd, optim_sd = get_state_dict(self.model, optimizer_parts(self.optimizer),
+                                                options=self.full_state_options())
             if self.is_main:
                 torch.save({"model": model_sd, "optim": optim_sd}, ckpt_dir / FULL_STATE_FILE)
         else:
@@ -286,7 +288,7 @@ class FSDPEngine(DistributedMixin, TorchEngine):
             state = {"model": model_sd, "optim": optim_sd}
             load_dcp_weights_only(state, ckpt_dir / DCP_DIR)
             options = StateDictOptions(ignore_frozen_params=True, strict=False) if self.quantized else None
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+            set_state_dict(self.model, optimizer_parts(self.optimizer), model_state_dict=state["model"],
                            optim_state_dict=state["optim"], options=options)
         self.scheduler.load_state_dict(torch.load(ckpt_dir / SCHEDULER_FILE, map_location="cpu", weights_only=True))
 
@@ -294,8 +296,8 @@ class FSDPEngine(DistributedMixin, TorchEngine):
         """This rank's shards; QLoRA leaves out the frozen 4-bit base and bitsandbytes' quantisation-state entries,
         which the base model's files restore (FSDP1 refuses them on load)."""
         if not self.quantized:
-            return get_state_dict(self.model, self.optimizer)
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
+            return get_state_dict(self.model, optimizer_parts(self.optimizer))
+        model_sd, optim_sd = get_state_dict(self.model, optimizer_parts(self.optimizer),
                                             options=StateDictOptions(ignore_frozen_params=True))
         return drop_quant_state_entries(model_sd), optim_sd
 
@@ -308,7 +310,7 @@ class FSDPEngine(DistributedMixin, TorchEngine):
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         # Two calls: set_state_dict treats an empty model dict (every rank but 0) as "optimizer only", and
         # those ranks would then skip the model's broadcasts that rank 0 waits in (seen with torch 2.13).
-        set_optimizer_state_dict(self.model, self.optimizer, full["optim"], options=options)
+        set_optimizer_state_dict(self.model, optimizer_parts(self.optimizer), full["optim"], options=options)
         set_model_state_dict(self.model, full["model"], options=options)
 
 

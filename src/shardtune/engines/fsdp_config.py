@@ -251,7 +251,8 @@ def fsdp_refusals(c: TrainConfig, plan: EnginePlan, has_cuda: bool) -> list[str]
         problems += fsdp1_fused_lora_problems(c)
     fsdp1_compile = ("FSDP1 flattens each unit's parameters into one, which compiled layers would read as views; "
                      "use fsdp_version: 2 (compile, then fully_shard)") if settings.version == 1 else None
-    return (problems + pissa_problems(c, "fsdp") + whole_weight_optimizer_problems(c, "fsdp")
+    return (problems + pissa_problems(c, "fsdp")
+            + whole_weight_optimizer_problems(c, f"fsdp (fsdp_version {settings.version})", settings.version == 2)
             + preference_problems(c, "fsdp", shards_weights=True) + compile_problems(c, "fsdp", fsdp1_compile))
 
 

@@ -59,10 +59,11 @@ class EngineSpec:
     checkpoints: tuple[CheckpointLayout, ...] = ()
 
 
-# Why each LLaMA-Factory optimizer replacement needs whole (replicated) weights: one process or DDP.
+# Why each LLaMA-Factory optimizer replacement needs whole (replicated) weights: one process or DDP (Muon: FSDP2 too).
 _WHOLE_WEIGHTS = {
-    "use_muon": "Muon orthogonalises each weight's whole 2-D update (Newton-Schulz on the full matrix), and FSDP/ZeRO "
-                "give each rank a shard or a flattened slice",
+    "use_muon": "Muon orthogonalises each weight's whole 2-D update (Newton-Schulz on the full matrix), which "
+                "shardtune gathers from FSDP2's row shards, but FSDP1 and ZeRO flatten the weights into slices that "
+                "no longer hold a matrix",
     "use_galore": "GaLore projects each whole weight's gradient onto its top singular vectors, and FSDP/ZeRO give each "
                   "rank a shard (LLaMA-Factory refuses GaLore with DeepSpeed too)",
     "use_apollo": "APOLLO projects each whole weight's gradient, and FSDP/ZeRO give each rank a shard (LLaMA-Factory "
@@ -72,12 +73,15 @@ _WHOLE_WEIGHTS = {
 }
 
 
-def whole_weight_optimizer_problems(c: TrainConfig, label: str) -> list[str]:
-    """A sharding engine (``label``) refuses LLaMA-Factory's optimizer replacements: they work on whole weights."""
-    on = {"use_muon": c.use_muon, "use_galore": c.use_galore, "use_apollo": c.use_apollo,
+def whole_weight_optimizer_problems(c: TrainConfig, label: str, shards_rows: bool = False) -> list[str]:
+    """A sharding engine (``label``) refuses LLaMA-Factory's optimizer replacements: they work on whole weights.
+    An engine that ``shards_rows`` (FSDP2: DTensors split on dim 0) runs Muon (optim/sharded_muon.py)."""
+    on = {"use_muon": c.use_muon and not shards_rows, "use_galore": c.use_galore, "use_apollo": c.use_apollo,
           "use_adam_mini": c.use_adam_mini}
-    return [f"{key} (true) with {label}: {_WHOLE_WEIGHTS[key]}; train on one process or with DDP (no deepspeed/fsdp)"
-            for key, value in on.items() if value]
+    remedy = {"use_muon": "train with fsdp_version: 2, on one process or with DDP"}
+    return [f"{key} (true) with {label}: {_WHOLE_WEIGHTS[key]}; "
+            f"{remedy.get(key, 'train on one process or with DDP (no deepspeed/fsdp)')}" for key, value in on.items()
+            if value]
 
 
 def pissa_problems(c: TrainConfig, label: str) -> list[str]:

@@ -1,7 +1,8 @@
 """LLaMA-Factory's optimizer replacements (Muon, GaLore, APOLLO, Adam-mini), each through its own implementation.
 
 Which engines may use them is decided on the launching host (``engines.spec.whole_weight_optimizer_problems``);
-everything here sees whole, unsharded parameters (one process or DDP).
+everything here sees whole, unsharded parameters (one process or DDP), but Muon, which also takes FSDP2's
+DTensor shards (optim/sharded_muon.py).
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from shardtune.errors import ConfigError
 from shardtune.optim.settings import ExtraOptimizer
+from shardtune.optim.sharded_muon import ShardedMuon
 
 
 class ChainedOptimizer(torch.optim.Optimizer):
@@ -22,9 +25,22 @@ class ChainedOptimizer(torch.optim.Optimizer):
     object acts on every child; ``state_dict`` keeps each child's state apart, so resume restores them exactly."""
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        self.optimizers = optimizers
+        # torch's constructor checks the parameters and files them as one group of its own (kept apart, unused):
+        # the children are set after it, since their groups hold the same parameters and would fail that check.
         super().__init__([p for o in optimizers for g in o.param_groups for p in g["params"]], {})
-        self.param_groups = [group for o in optimizers for group in o.param_groups]
+        self.optimizers = optimizers
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The children's group dicts, read each time: torch's distributed state-dict loading calls each child's
+        load_state_dict, which replaces its dicts; a list kept here would leave a scheduler setting stale ones."""
+        if "optimizers" not in self.__dict__:
+            return self.__dict__.setdefault("_constructor_groups", [])
+        return [group for o in self.optimizers for group in o.param_groups]
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.__dict__["_constructor_groups"] = groups
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -49,8 +65,12 @@ class ChainedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"optimizer state holds {len(saved)} optimizers, this run builds {len(self.optimizers)}")
         for optimizer, state in zip(self.optimizers, saved, strict=True):
             optimizer.load_state_dict(state)
-        # Loading replaces each child's group dicts: share the new ones, or a scheduler would stop reaching them.
-        self.param_groups = [group for o in self.optimizers for group in o.param_groups]
+
+
+def optimizer_parts(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers torch's distributed state-dict functions should see: a ChainedOptimizer's children (their
+    state is keyed by parameter name one by one, and merged), any other optimizer itself."""
+    return list(optimizer.optimizers) if isinstance(optimizer, ChainedOptimizer) else [optimizer]
 
 
 def is_muon_matrix(name: str, param: torch.nn.Parameter) -> bool:
@@ -62,12 +82,14 @@ def build_muon(named: list[tuple[str, torch.nn.Parameter]], lr: float, weight_de
                betas: tuple[float, float], eps: float) -> ChainedOptimizer:
     """torch.optim.Muon for the hidden matrices, AdamW for the rest; both decay every weight, as LLaMA-Factory's
     Muon does. ``match_rms_adamw`` scales Muon's step by 0.2 x sqrt(max(rows, cols)) so one learning rate suits
-    both halves (LLaMA-Factory's rule)."""
+    both halves (LLaMA-Factory's rule). FSDP2's sharded matrices (DTensors) go to ShardedMuon, which orthogonalises
+    each gathered whole."""
     matrices = [p for name, p in named if is_muon_matrix(name, p)]
     others = [p for name, p in named if not is_muon_matrix(name, p)]
     optimizers: list[torch.optim.Optimizer] = []
     if matrices:
-        optimizers.append(torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"))
+        muon = ShardedMuon if any(isinstance(p, DTensor) for p in matrices) else torch.optim.Muon
+        optimizers.append(muon(matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"))
     if others:
         optimizers.append(torch.optim.AdamW(others, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
     return ChainedOptimizer(optimizers)
