@@ -73,6 +73,17 @@ def test_throughput_meter_leaves_out_warmup_and_counts_padding() -> None:
     assert summary["first_step_unix_time"] is not None
 
 
+def test_throughput_meter_leaves_out_the_profiled_steps() -> None:
+    meter = ThroughputMeter(warmup_steps=1)
+    for index, tokens in enumerate([100.0, 300.0, 300.0, 300.0]):
+        meter.record({"tokens": tokens, "loss": 1.0, "trainable_tokens": 5.0}, profiled=index in (1, 2))
+    meter.step_seconds = [5.0, 9.0, 9.0, 1.0]  # the profiler slowed steps 2 and 3
+    summary = meter.summary()
+    assert summary["effective_tokens_per_second"] == pytest.approx(300.0)
+    assert summary["measured_steps"] == 1 and summary["profiled_steps"] == 2
+    assert summary["step_time_median_seconds"] == pytest.approx(1.0)
+
+
 def test_throughput_meter_keeps_one_step_when_the_run_is_shorter_than_warmup() -> None:
     meter = ThroughputMeter(warmup_steps=5)
     meter.record({"tokens": 10.0, "loss": 1.0, "trainable_tokens": 5.0})
