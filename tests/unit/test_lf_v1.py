@@ -56,7 +56,7 @@ def test_a_v0_file_is_not_read_as_v1():
 @pytest.mark.parametrize(("key", "value", "reason"), [
     ("dist_config", {"name": "fsdpturbo", "ep_size": 16}, "expert parallelism"),
     ("mp_replicate_size", 2, "fsdp: hybrid_shard"),
-    ("batching_strategy", "dynamic_batching", "token-budget batches"),
+    ("batching_strategy", "bucketed", "dynamic_padding_free"),
     ("kernel_config", {"name": "liger_kernel"}, "Liger kernels"),
     ("optim_config", {"name": "muon", "momentum": 0.9}, "optim_config.momentum"),
     ("peft_config", {"name": "lora", "use_dora": True}, "peft_config.use_dora"),

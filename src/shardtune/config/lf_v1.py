@@ -169,15 +169,19 @@ def _rename(target: str) -> Callable[[Any, Section], dict[str, Any]]:
     return lambda value, _values: {target: value}
 
 
-def _batching(value: Any, _values: Section) -> dict[str, Any]:
+def _batching(value: Any, values: Section) -> dict[str, Any]:
+    """v1's dynamic strategies fill each micro-batch up to ``cutoff_len x micro_batch_size`` tokens (its
+    ``plugins/trainer_plugins/batching.py``): shardtune's ``micro_batch_tokens``, with padding-free rows for
+    ``dynamic_padding_free``."""
     choice = str(value).strip()
-    if choice == "normal":
-        return {}
-    if choice == "padding_free":
-        return {"padding_free": True}
-    raise v1_problem("batching_strategy", value, "token-budget batches (a varying number of samples per step) are "
-                     "not built by shardtune, whose steps hold per_device_train_batch_size samples; use "
-                     "batching_strategy: padding_free (or normal), or packing: true for a fixed number of tokens")
+    # v1's defaults: cutoff_len 2048, micro_batch_size 1
+    tokens = int(values.get("cutoff_len") or V1_DEFAULTS["cutoff_len"]) * int(values.get("micro_batch_size") or 1)
+    translations: dict[str, dict[str, Any]] = {
+        "normal": {}, "padding_free": {"padding_free": True}, "dynamic_batching": {"micro_batch_tokens": tokens},
+        "dynamic_padding_free": {"micro_batch_tokens": tokens, "padding_free": True}}
+    if choice not in translations:
+        raise v1_problem("batching_strategy", value, f"v1's strategies are {', '.join(translations)}")
+    return translations[choice]
 
 
 def _save_epochs(value: Any, _values: Section) -> dict[str, Any]:

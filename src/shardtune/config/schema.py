@@ -203,6 +203,11 @@ class TrainConfig:
               "are; same samples, same loss) instead of padding each to the longest, where packing keeps samples "
               "apart (sft, pt; not with the MoE router loss); null: on the CPU and with flash attention (varlen), "
               "off on a GPU under sdpa/eager, whose causal kernel a dense block mask would replace", DATA)
+    micro_batch_tokens: int | None = _key(
+        None, "token budget of each training micro-batch, in place of per_device_train_batch_size samples: as many "
+              "samples as fit, in the shuffled order, counting padded slots (longest x samples) or, with padding-free "
+              "rows, their tokens, then put in one row (LLaMA-Factory v1's dynamic_batching, dynamic_padding_free); "
+              "at least cutoff_len; sft and pt", DATA, minimum=1)
     train_on_prompt: bool = _key(False, "compute the loss on prompt tokens too", DATA)
     group_by_length: bool = _key(False, "batch samples of similar length together (less padding, unpacked)",
                                  DATA)
@@ -281,6 +286,9 @@ class TrainConfig:
     galore_scale: float = _key(2.0, "GaLore: scale of the projected update", TRAIN, minimum=0, exclusive_minimum=True)
     galore_proj_type: str = _key("std", "GaLore: projection side", TRAIN,
                                  choices=("std", "reverse_std", "right", "left", "full"))
+    galore_layerwise: bool = _key(False, "GaLore: one optimizer per weight, stepped in the backward as its gradient "
+                                         "completes, then freed (one process, gradient_accumulation_steps 1, no fp16; "
+                                         "max_grad_norm is not applied)", TRAIN)
     use_apollo: bool = _key(False, "APOLLO (apollo-torch): AdamW with low-rank scaled updates for apollo_target",
                             TRAIN)
     apollo_target: list[str] = _key(["all"], "APOLLO: Linear module names, comma separated, or 'all' (not lm_head)",
@@ -292,6 +300,9 @@ class TrainConfig:
     apollo_proj_type: str = _key("std", "APOLLO: projection side", TRAIN, choices=("std", "right", "left"))
     apollo_scale_type: str = _key("channel", "APOLLO: scaling granularity", TRAIN, choices=("channel", "tensor"))
     apollo_scale_front: bool = _key(False, "APOLLO: norm-growth limiter before the gradient scaling", TRAIN)
+    apollo_layerwise: bool = _key(False, "APOLLO: one optimizer per weight, stepped in the backward as its gradient "
+                                         "completes, then freed (one process, gradient_accumulation_steps 1, no fp16; "
+                                         "max_grad_norm is not applied)", TRAIN)
     num_train_epochs: float = _key(3.0, "passes over the data (ignored when max_steps > 0)", TRAIN, minimum=0)
     max_steps: int = _key(-1, "total optimizer steps; overrides num_train_epochs when > 0 (-1: off)", TRAIN, minimum=-1)
     lr_scheduler_type: str = _key("linear", "learning-rate schedule (transformers.get_scheduler)", TRAIN,

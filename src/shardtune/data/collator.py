@@ -53,24 +53,29 @@ class DataCollator:
     packed rows under flash attention get the varlen kwargs instead of ``attention_mask``, two of
     which are Python ints, so move only tensor values to the device. ``window_by_layer_type``: the model's kinds
     of attention layers and their sliding windows (None: no window); full attention everywhere when not given.
+    ``row_tokens``: with ``padding_free``, the most tokens a row holds (default: the micro-batch's longest sample).
     """
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None,
                  attn_implementation: str | None = None,
                  window_by_layer_type: Mapping[str, int | None] | None = None, padding_free: bool = False,
-                 sequence_parallel: int = 1) -> None:
+                 sequence_parallel: int = 1, row_tokens: int | None = None) -> None:
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
         self.attn_implementation = attn_implementation
         self.window_by_layer_type = dict(window_by_layer_type or {"full_attention": None})
         self.padding_free = padding_free
+        # micro_batch_tokens: padding-free rows hold up to the budget, so a token-budget micro-batch is one row (as
+        # LLaMA-Factory v1's dynamic_padding_free); otherwise a row holds as much as the longest sample.
+        self.row_tokens = row_tokens
         # Sequence parallelism: rows padded to a multiple of the group size, and the segment ids handed over in place
         # of a mask (each rank builds the whole row's mask itself: train/sequence_shards.py).
         self.sequence_parallel = sequence_parallel
 
     def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if self.padding_free and not any("segment_ids" in f for f in features):
-            features = rows_without_padding(features, self.padded_length(max(len(f["input_ids"]) for f in features)))
+            longest = max(len(f["input_ids"]) for f in features)
+            features = rows_without_padding(features, self.padded_length(max(longest, self.row_tokens or 0)))
         length = self.padded_length(max(len(f["input_ids"]) for f in features))
         batch: dict[str, Any] = {
             "input_ids": pad_rows([f["input_ids"] for f in features], length, self.pad_token_id),

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from shardtune import run_files
 from shardtune.config.adapter_method import adapter_targets, is_adapter_type
+from shardtune.config.batching import micro_batch_tokens_problems
 from shardtune.config.generation import generation_key_problems, predicts_only
 from shardtune.config.preference import PREFERENCE_STAGES, split_paths, uses_reference
 from shardtune.config.schema import REPORT_TO, TrainConfig
@@ -73,6 +74,7 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
     problems += model_key_problems(c)
     problems += _adapter_problems(c)
     problems += streaming_key_problems(c)
+    problems += micro_batch_tokens_problems(c)
     problems += optimizer_key_problems(c)
     problems += preference_key_problems(c)
     problems += token_weighting_problems(c)

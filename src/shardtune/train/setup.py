@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from shardtune.config.schema import TrainConfig
+from shardtune.data.budget_batches import TokenBudgetBatches
 from shardtune.engines.base import Engine
 from shardtune.errors import ConfigError
 from shardtune.model.adapters import FinetuningSettings
@@ -149,9 +150,37 @@ def build_loader(dataset: Any, tokenizer: Any, batch_size: int, engine: Engine, 
     if is_stream(dataset):  # already this rank's share, shuffled by its buffer
         return DataLoader(dataset, batch_size=batch_size, collate_fn=collator,
                           **loader_options(c, torch.cuda.is_available()))
+    if shuffle and c.micro_batch_tokens is not None:
+        batches = token_budget_batches(dataset, batch_size, engine, c, padded=not collator_padding_free(collator))
+        options = {**loader_options(c, torch.cuda.is_available()), "drop_last": False}  # validated: not asked
+        return DataLoader(dataset, batch_sampler=batches, collate_fn=collator, **options)
     sampler = ResumableSampler(make_sampler(dataset, batch_size, engine, c, shuffle))
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collator,
                       **loader_options(c, torch.cuda.is_available()))
+
+
+def token_budget_batches(dataset: Any, batch_size: int, engine: Engine, c: TrainConfig,
+                         padded: bool) -> TokenBudgetBatches:
+    """``micro_batch_tokens``: the micro-batches formed for the whole job from the sampler's order for the seed (as
+    ``make_sampler`` orders samples), then dealt out, the same number to every rank each step."""
+    from shardtune.data.budget_batches import form_budget_batches
+    from shardtune.data.sampling import length_grouped_order
+
+    lengths = sample_lengths(dataset)
+    ranks = engine.data_parallel_size
+    if c.group_by_length:
+        order = length_grouped_order(lengths, batch_size * ranks, c.seed)
+    else:  # DistributedSampler's shuffle of its first epoch
+        order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(c.seed)).tolist()
+    budget = c.micro_batch_tokens or 0
+    return TokenBudgetBatches(form_budget_batches(order, lengths, budget, padded), lengths, padded, ranks=ranks,
+                              rank=engine.data_parallel_rank, accumulation=c.gradient_accumulation_steps,
+                              seed=c.seed)
+
+
+def collator_padding_free(collator: Any) -> bool:
+    """Whether the (innermost) collator puts a micro-batch's samples into rows without padding."""
+    return bool(getattr(getattr(collator, "collator", collator), "padding_free", False))
 
 
 def has_images(dataset: Any) -> bool:
@@ -170,7 +199,7 @@ def build_collator(tokenizer: Any, c: TrainConfig, has_images: bool = False) -> 
     windows = model_layer_windows(c) if resolved_packing(c) or padding_free else None
     collator = DataCollator(tokenizer.pad_token_id, attn_implementation=c.attn_implementation,
                             window_by_layer_type=windows, padding_free=padding_free,
-                            sequence_parallel=c.sequence_parallel_size)
+                            sequence_parallel=c.sequence_parallel_size, row_tokens=c.micro_batch_tokens)
     if has_images:
         from shardtune.data.build import image_settings
         from shardtune.data.images import VisionCollator, load_image_processor
@@ -249,6 +278,10 @@ def epoch_batches_for(loader: DataLoader) -> Callable[[int, int], Iterable[Any]]
         return stream_from
 
     def for_epoch(epoch: int, skip: int = 0) -> DataLoader:
+        if isinstance(loader.batch_sampler, TokenBudgetBatches):  # micro_batch_tokens: skips whole micro-batches
+            loader.batch_sampler.set_epoch(epoch)
+            loader.batch_sampler.start = skip
+            return loader
         set_epoch_of(loader.sampler, epoch)
         if not isinstance(loader.sampler, ResumableSampler):
             raise RuntimeError("the loader's sampler cannot skip; the loader was not built by build_loader")
