@@ -23,6 +23,9 @@ attention is 12 x layers x hidden x cutoff (PaLM's count, scores and values, for
 halving for the causal mask). N counts every weight matmul (the tied output layer included, the embedding lookup
 not).
 
+Each run also profiles ``PROFILED_STEPS`` steps (``profile_steps``, train/profile.py: the GPU's busy fraction, host
+syncs per step, the operators with the most CPU time), which its tokens/s leaves out; the second table shows them.
+
 Results merge into ``benchmarks/results/gpu-<date>.{json,md}`` (rows of the same engine and finetuning type are
 replaced), so the engines can be run in separate invocations; ``--out`` moves them.
 """
@@ -47,6 +50,8 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 SHARDTUNE = [sys.executable, "-m", "shardtune.cli"]
 H200_DENSE_BF16_FLOPS = 989e12  # NVIDIA H200 SXM datasheet, dense (no sparsity)
+# Steps each run spends under torch.profiler (profile_steps; left out of its tokens/s, so the run is that longer).
+PROFILED_STEPS = 3
 
 SHAPES = {
     # Qwen2.5-0.5B's published config.json, weights random.
@@ -166,7 +171,8 @@ def write_config(work: Path, model: Path, s: Settings) -> Path:
         "dataset_dir": str(work / "data"), "tokenized_path": str(work / f"tokenized-{s.data}-{s.cutoff}"),
         "cutoff_len": s.cutoff, "packing": True, "bf16": True, "lora_rank": 16, "learning_rate": 1.0e-5,
         "lr_scheduler_type": "constant", "warmup_ratio": 0.0, "per_device_train_batch_size": s.micro_batch,
-        "gradient_accumulation_steps": s.accumulation, "max_steps": s.steps + s.warmup,
+        "gradient_accumulation_steps": s.accumulation, "max_steps": s.steps + s.warmup + PROFILED_STEPS,
+        "profile_steps": PROFILED_STEPS,
         "throughput_warmup_steps": s.warmup, "logging_steps": 100000, "save_strategy": "no", "plot_loss": False,
         "report_to": ["none"], "overwrite_output_dir": True, "seed": 42,
     }
@@ -208,7 +214,7 @@ def run_one(engine: str, finetuning: str, config: Path, work: Path, s: Settings,
         "step_time_median_seconds": results["throughput"]["step_time_median_seconds"],
         "measured_steps": results["throughput"]["measured_steps"], "final_loss": results["final_loss"],
         "peak_memory_gib_per_rank": [round(b / 2**30, 2) for b in results["peak_memory_bytes_per_rank"]],
-        "wall_seconds": round(time.time() - started, 1),
+        "wall_seconds": round(time.time() - started, 1), "profile": results.get("profile"),
     })
     if "peak_setup_memory_bytes_per_rank" in results:
         row["peak_setup_memory_gib_per_rank"] = [round(b / 2**30, 2)
@@ -279,9 +285,29 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
         out.append(f"| {r.get('data', 'pt')} | {r['finetuning']} | {r['label']} | {r['processes']} | "
                    f"{r['tokens_per_second']:,.0f} | "
                    f"{1000 * r['step_time_median_seconds']:.0f} ms | {mfu[0]} | {mfu[1]} | {memory} GiB |")
+    out += profile_table(rows)
     out += ["", "Commands (from the repository root; the config is written by the script):", ""]
     out += [f"- `{r['command']}`" for r in rows]
     return "\n".join(out) + "\n"
+
+
+def profile_table(rows: list[dict]) -> list[str]:
+    """Where each run's step goes: train_results.json's profile (torch.profiler over PROFILED_STEPS steps)."""
+    profiled = [r for r in rows if r.get("profile")]
+    if not profiled:
+        return []
+    out = ["", f"Where the step goes (`profile_steps: {PROFILED_STEPS}`, torch.profiler on rank 0, steps left out of "
+           "tokens/s): the GPU's busy fraction is the union of its kernels' intervals over the profiled wall time; a "
+           "host sync is a device value read into Python or an explicit synchronisation.", "",
+           "| data | finetuning | engine | step (profiled) | GPU busy | host syncs per step | most CPU time per step |",
+           "|---|---|---|---:|---:|---:|---|"]
+    for r in profiled:
+        p = r["profile"]
+        busy = "-" if p["device_busy_fraction"] is None else f"{100 * p['device_busy_fraction']:.0f}%"
+        top = ", ".join(f"{o['name']} {o['self_cpu_ms_per_step']:.1f} ms" for o in p["top_cpu_operators"][:3])
+        out.append(f"| {r.get('data', 'pt')} | {r['finetuning']} | {r['label']} | {p['wall_ms_per_step']:.0f} ms | "
+                   f"{busy} | {p['host_syncs_per_step']:g} | {top} |")
+    return out
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -261,6 +261,10 @@ class TrainConfig:
     resume_from_checkpoint: str | None = _key(None, "checkpoint folder to resume from", OUTPUT, path=True)
     throughput_warmup_steps: int = _key(
         1, "first optimizer steps left out of the throughput figures in train_results.json", OUTPUT, minimum=0)
+    profile_steps: int = _key(
+        0, "run this many optimizer steps (after the first 2) under torch.profiler: train_results.json's profile "
+           "gives the accelerator's busy fraction, host syncs per step and the operators with the most CPU time; "
+           "those steps are left out of the throughput figures; 0: off", OUTPUT, minimum=0)
 
     # --- optimisation ---
     per_device_train_batch_size: int = _key(1, "micro batch per process", TRAIN, minimum=1)

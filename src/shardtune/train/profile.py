@@ -45,14 +45,21 @@ class StepProfile:
         elif self.summary is None and self.seen == self.after:
             self._start()
 
-    def finish(self) -> None:
+    @property
+    def active(self) -> bool:
+        """Whether the step now running is profiled."""
+        return self.profiler is not None
+
+    def finish(self) -> dict[str, Any] | None:
+        """Stop profiling if still on; the summary, or None when no step was profiled."""
         if self.profiler is None:
-            return
+            return self.summary
         _synchronize()
         wall = time.perf_counter() - self.started
         self.profiler.stop()
         self.summary = summarize(self.profiler, max(self.profiled, 1), wall)
         self.profiler = None
+        return self.summary
 
     def _start(self) -> None:
         activities = [torch.profiler.ProfilerActivity.CPU]

@@ -38,6 +38,7 @@ from shardtune.train.loop import (
     total_training_steps,
 )
 from shardtune.train.pissa import PissaConversion
+from shardtune.train.profile import StepProfile, profile_line
 from shardtune.train.rank_log import RankLog, rank_log_path
 from shardtune.train.reporting import LOG_FILE, Reporter, plot_loss
 from shardtune.train.settings import finetuning_settings, token_weighting
@@ -127,7 +128,8 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     state = start_state(engine, config, output_dir)
     hooks = RunHooks(engine, config, output_dir, loop.total_steps, eval_loader, state.global_step,
                      stop or StopRequest(), loop.objective, estimated_peak(memory),
-                     memory.baseline.rss_bytes if memory is not None else None, compiling)
+                     memory.baseline.rss_bytes if memory is not None else None, compiling,
+                     StepProfile(config.profile_steps) if config.profile_steps else None)
     hooks.meter.start()
     state = run_loop(engine, epoch_batches_for(train_loader), loop, state, hooks)
     if state.interrupted:
@@ -450,6 +452,7 @@ class RunHooks:
     estimate_peak_bytes: float | None = None
     baseline_rss_bytes: int | None = None  # resident memory before the model was loaded (CPU runs measure from it)
     compiling: CompileReport | None = None  # torch_compile's bookkeeping
+    profile: StepProfile | None = None  # profile_steps: torch.profiler over a few steps
 
     def __post_init__(self) -> None:
         self.reporter = Reporter(self.output_dir, self.total_steps, enabled=self.engine.is_main,
@@ -471,7 +474,9 @@ class RunHooks:
             self.compiling.on_step(state.global_step)
         self.rank_log.step(state.global_step, metrics, self.stop_wait)
         self.stop_wait = 0.0
-        self.meter.record(metrics)
+        self.meter.record(metrics, profiled=self.profile is not None and self.profile.active)
+        if self.profile is not None:
+            self.profile.after_step()
         self.train_losses.append(metrics["loss"])
         self.reporter.step(state.global_step, metrics)
 
@@ -573,6 +578,11 @@ def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path,
         results.update(hooks.eval_metrics())
     if state.input_tokens_seen(c.include_num_input_tokens_seen) is not None:
         results["num_input_tokens_seen"] = state.input_tokens_seen(c.include_num_input_tokens_seen)
+    profiled = hooks.profile.finish() if hooks.profile is not None else None
+    if profiled is not None:
+        results["profile"] = profiled
+        if engine.is_main:
+            print(profile_line(profiled), flush=True)
     if hooks.compiling is not None:
         results["torch_compile"] = hooks.compiling.summary()
         if engine.is_main:
