@@ -564,3 +564,17 @@ def test_estimate_names_what_activation_checkpointing_makes_fit():
     assert note is not None and "FSDP FULL_SHARD" in note
     assert not next(o for o in options if o.name == "FSDP FULL_SHARD").fits
     assert checkpointing_note(options, options) is None
+
+
+@pytest.mark.parametrize(("keys", "rows"), [
+    (("micro_batch_tokens=512", "padding_free=true"), (1, 512)),  # one row of the budget's tokens
+    (("micro_batch_tokens=512", "padding_free=false"), (4, 128)),  # rows of cutoff_len, as many as the budget holds
+    (("micro_batch_tokens=300", "padding_free=false"), (3, 128)),  # rounded up: never below the budget's slots
+    (("per_device_train_batch_size=2",), (2, 128)),
+])
+def test_token_budget_micro_batches_are_estimated_at_the_budget(keys, rows, tiny_model):
+    from shardtune.estimate.config import workload_from_config
+
+    config, _ = load_config([TINY_LORA, f"model_name_or_path={tiny_model}", "cutoff_len=128", *keys])
+    w = workload_from_config(config)
+    assert (w.micro_batch, w.seq_len) == rows

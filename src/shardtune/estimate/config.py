@@ -47,16 +47,18 @@ def model_shape_for(c: TrainConfig, model_config: str | None = None) -> ModelSha
 
 
 def workload_from_config(c: TrainConfig) -> Workload:
-    """The estimate's view of a config: micro batch x cutoff_len tokens per device (the longest batch; cutoff_len /
-    sequence_parallel_size of them computed per rank under sequence parallelism); a
+    """The estimate's view of a config: micro batch x cutoff_len tokens per device (the longest batch; under token
+    budgets ``micro_batch_rows``; cutoff_len / sequence_parallel_size of them computed per rank under sequence
+    parallelism); a
     dpo/kto/rm micro-batch runs two rows per sample in one forward from the full logits (loss_chunk_size does not
     apply) and a dpo/kto run may hold a frozen reference (``holds_reference_copy``). Data with an images column is
     read as ``IMAGES_PER_SAMPLE`` images per sample, each at image_max_pixels."""
     finetuning = "qlora" if c.finetuning_type == "lora" and c.quantization_bit is not None else c.finetuning_type
     preference = c.stage in PREFERENCE_STAGES
+    micro_batch, seq_len = micro_batch_rows(c)
     return Workload(
-        micro_batch=c.per_device_train_batch_size,
-        seq_len=c.cutoff_len,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
         precision="bf16" if c.bf16 else ("fp16" if c.fp16 else "fp32"),
         finetuning_type=finetuning,
         gradient_checkpointing=c.gradient_checkpointing,
@@ -79,6 +81,19 @@ def workload_from_config(c: TrainConfig) -> Workload:
         images_per_sample=IMAGES_PER_SAMPLE if data_has_images(c) else 0,
         image_max_pixels=c.image_max_pixels,
     )
+
+
+def micro_batch_rows(c: TrainConfig) -> tuple[int, int]:
+    """Rows x tokens of the largest micro-batch. Under ``micro_batch_tokens`` (B): with padding-free rows (asked for,
+    or left to the default under flash attention) one row of B tokens; padded, rows of cutoff_len, as many as B
+    slots need (rounded up: at most one row more than a budget that is not a multiple of cutoff_len holds)."""
+    budget = c.micro_batch_tokens
+    if not budget:
+        return c.per_device_train_batch_size, c.cutoff_len
+    padding_free = c.padding_free if c.padding_free is not None else "flash" in c.attn_implementation
+    if padding_free:
+        return 1, budget
+    return -(-budget // c.cutoff_len), c.cutoff_len
 
 
 def data_has_images(c: TrainConfig) -> bool:
