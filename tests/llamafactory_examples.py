@@ -4,8 +4,9 @@
 file of ours at the same relative path with the same keys and values; only the model, data and output paths are
 placeholders (``MODEL``, ``OUTPUT``, ``DATA_DIR`` below). ``manifest.yaml`` gives each example file (training or
 not) its verdict: ``runs``, ``refused: <what the first error line says>``, ``needs a GPU: <what check says on a
-CPU-only machine>``, ``runs on a GPU: <why it trains only there>`` (check passes anywhere) or ``not training: <what
-it is>``.
+CPU-only machine>``, ``runs on a GPU: <why it trains only there>`` (check passes anywhere), ``runs on one process:
+<why not on more>`` (check passes; trained on one process, as LLaMA-Factory allows it) or ``not training: <what it
+is>``.
 The files are run from a work folder that holds ``data/`` (our data in LLaMA-Factory's layout) and ``examples/``
 (shardtune's DeepSpeed configs under LLaMA-Factory's names), since LLaMA-Factory resolves those from the cwd.
 """
@@ -32,6 +33,7 @@ OFT_MODEL, OFT_MLP_WIDTH = "__OFT_MODEL__", 192
 IMAGE_TEXT_MODEL = re.compile(r"__IMAGE_TEXT_MODEL_(\w+?)__")
 RUNS, REFUSED, NOT_TRAINING = "runs", "refused: ", "not training: "
 NEEDS_GPU, RUNS_ON_GPU = "needs a GPU: ", "runs on a GPU: "
+RUNS_ONE_PROCESS = "runs on one process: "
 
 
 def load_manifest() -> dict[str, str]:

@@ -3,7 +3,8 @@
 The fixtures and their verdicts are tests/fixtures/llamafactory_examples/ (see tests/llamafactory_examples.py);
 `make test` checks every verdict with `shardtune check`, this matrix test trains the ``runs`` ones unchanged but for
 the tiny model, our data folder and ``max_steps=2``, under the engine each file names (the files that need a GPU
-where two CUDA GPUs are visible).
+where two CUDA GPUs are visible); the ``runs on one process`` ones on one process, in-process as `shardtune train`
+runs a one-process launch.
 """
 
 from __future__ import annotations
@@ -14,11 +15,20 @@ import math
 import pytest
 
 from tests.conftest import run_cli
-from tests.llamafactory_examples import NEEDS_GPU, RUNS, RUNS_ON_GPU, filled_in, load_manifest, make_work_folder
+from tests.llamafactory_examples import (
+    NEEDS_GPU,
+    RUNS,
+    RUNS_ON_GPU,
+    RUNS_ONE_PROCESS,
+    filled_in,
+    load_manifest,
+    make_work_folder,
+)
 
 MANIFEST = load_manifest()
 RUNNING = [path for path, verdict in MANIFEST.items() if verdict == RUNS or verdict.startswith((RUNS_ON_GPU,
-                                                                                                  NEEDS_GPU))]
+                                                                                                  NEEDS_GPU,
+                                                                                                  RUNS_ONE_PROCESS))]
 
 pytestmark = [pytest.mark.distributed, pytest.mark.matrix, pytest.mark.timeout(900)]
 
@@ -27,14 +37,15 @@ pytestmark = [pytest.mark.distributed, pytest.mark.matrix, pytest.mark.timeout(9
 def test_example_file_trains_two_steps_on_two_processes(relative, tiny_model_dir, tmp_path):
     import torch
 
-    if MANIFEST[relative] != RUNS and torch.cuda.device_count() < 2:
+    one_process = MANIFEST[relative].startswith(RUNS_ONE_PROCESS)
+    if MANIFEST[relative] != RUNS and not one_process and torch.cuda.device_count() < 2:
         pytest.skip(MANIFEST[relative])
     work = make_work_folder(tmp_path / "work")
     out = tmp_path / "out"
     path = filled_in(relative, work, tiny_model_dir, out)
-    result = run_cli("train", str(path), "max_steps=2", cwd=work, FORCE_TORCHRUN="1", NPROC_PER_NODE="2",
-                     timeout=800)
+    processes = {"NPROC_PER_NODE": "1"} if one_process else {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2"}
+    result = run_cli("train", str(path), "max_steps=2", cwd=work, timeout=800, **processes)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     results = json.loads((out / "train_results.json").read_text())
-    assert results["world_size"] == 2 and results["global_step"] == 2
+    assert results["world_size"] == int(processes["NPROC_PER_NODE"]) and results["global_step"] == 2
     assert math.isfinite(results["final_loss"])

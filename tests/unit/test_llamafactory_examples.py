@@ -2,7 +2,8 @@
 
 Each fixture (tests/fixtures/llamafactory_examples/, one per LLaMA-Factory example at the same relative path) goes
 through `shardtune check` in-process with the tiny model and our data folder filled in; the verdict must be the one
-its manifest gives: check passes (``runs``), or its first error line holds the manifest's text. The matrix test in
+its manifest gives: check passes (``runs``, ``runs on one process``), or its first error line holds the manifest's
+text. The matrix test in
 tests/distributed/test_llamafactory_examples_train.py trains the ``runs`` ones.
 """
 
@@ -21,6 +22,7 @@ from tests.llamafactory_examples import (
     REFUSED,
     RUNS,
     RUNS_ON_GPU,
+    RUNS_ONE_PROCESS,
     filled_in,
     first_error,
     load_manifest,
@@ -45,7 +47,8 @@ def test_example_file_gets_its_verdict(relative, tiny_model_dir, tmp_path, monke
     code = main(["check", str(path)])
     captured = capsys.readouterr()
     verdict = MANIFEST[relative]
-    if verdict == RUNS or verdict.startswith(RUNS_ON_GPU) or (verdict.startswith(NEEDS_GPU) and cuda_visible()):
+    if verdict == RUNS or verdict.startswith((RUNS_ON_GPU, RUNS_ONE_PROCESS)) or (verdict.startswith(NEEDS_GPU)
+                                                                              and cuda_visible()):
         assert code == 0, captured.err
         assert captured.out.startswith("ok: ") or "\nok: " in captured.out
         return
@@ -58,7 +61,8 @@ def test_every_training_file_has_a_fixture_and_every_fixture_a_verdict():
                 if p.name != "manifest.yaml" and p.parent != FIXTURES / "data"}
     assert fixtures == set(training_files(MANIFEST))
     verdicts = {verdict.split(":")[0] for verdict in MANIFEST.values()}
-    assert verdicts <= {RUNS, *(kind.rstrip(": ") for kind in (REFUSED, NEEDS_GPU, RUNS_ON_GPU, NOT_TRAINING))}
+    assert verdicts <= {RUNS, *(kind.rstrip(": ") for kind in (REFUSED, NEEDS_GPU, RUNS_ON_GPU, RUNS_ONE_PROCESS,
+                                                               NOT_TRAINING))}
 
 
 def test_the_docs_table_is_current(repo):

@@ -148,8 +148,8 @@ def _tokens_seen(value: Any, _values: Mapping[str, Any]) -> dict[str, Any]:
     return {"include_num_input_tokens_seen": {"true": "all", "false": "no"}.get(text, text)}
 
 
-# LLaMA-Factory's optimizer replacements (optextras): Muon, GaLore, APOLLO and Adam-mini are schema keys under their
-# own names (engines.plan refuses them where they cannot work); BAdam stays refused, with the reason.
+# LLaMA-Factory's optimizer replacements (optextras): Muon, GaLore, APOLLO (layer-wise too) and Adam-mini are schema
+# keys under their own names (engines.plan refuses them where they cannot work); BAdam stays refused, with the reason.
 REFUSED_OPTIMIZERS = {
     "use_badam": "BAdam makes a different block of layers trainable every badam_switch_interval steps: DDP and FSDP "
                  "fix the trainable set at set-up (LLaMA-Factory allows it only on one process or ZeRO-3) and "
@@ -157,18 +157,6 @@ REFUSED_OPTIMIZERS = {
                  "lose the other blocks' updates; use finetuning_type: freeze or lora, or use_galore/use_apollo",
 }
 OPTIMIZER_SETTING_PREFIXES = {"badam_": "use_badam"}
-LAYERWISE_REASON = ("layer-wise updates step each weight inside its gradient hook, outside shardtune's gradient "
-                    "clipping, loss scaling and resume checkpoints (LLaMA-Factory refuses them with DDP and gradient "
-                    "accumulation too); set it to false")
-
-
-def _refuse_layerwise(key: str, switch: str) -> Translate:
-    """galore_layerwise/apollo_layerwise: inert while their optimizer is off (as in LLaMA-Factory), refused with it."""
-    def translate(value: Any, values: Mapping[str, Any]) -> dict[str, Any]:
-        if _is_on(value) and _is_on(values.get(switch)):
-            raise Refused(key, value, f"{LAYERWISE_REASON} (or turn {switch} off)")
-        return {}
-    return translate
 
 
 def _is_on(value: Any) -> bool:
@@ -195,9 +183,6 @@ MAPPED.update({
        for prefix, switch in OPTIMIZER_SETTING_PREFIXES.items()
        for name in {"badam_": ("mode", "start_block", "switch_mode", "switch_interval", "update_ratio",
                                "mask_mode", "verbose")}[prefix]},
-    **{f"{method}_layerwise": Mapped(f"nothing: refused when on with use_{method} (layer-wise updates)",
-                                     _refuse_layerwise(f"{method}_layerwise", f"use_{method}"))
-       for method in ("galore", "apollo")},
 })
 
 

@@ -9,7 +9,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardtune.engines.spec import CheckpointLayout, EngineSpec, MemoryLayout, compile_problems
+from shardtune.engines.spec import (
+    CheckpointLayout,
+    EngineSpec,
+    MemoryLayout,
+    compile_problems,
+    one_process_optimizer_problems,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -41,4 +47,11 @@ LOCAL = EngineSpec(
     engine="shardtune.engines.ddp:DDPEngine",  # one process under a launcher (FORCE_TORCHRUN): DDP of one rank
     checkpoints=CHECKPOINTS,
 )
-DDP = replace(LOCAL, kind="ddp", describe=lambda plan: "ddp")  # the same record: whole weights on every rank
+
+
+def _ddp_refusals(c: TrainConfig, plan: EnginePlan, has_cuda: bool) -> list[str]:
+    return _no_refusals(c, plan, has_cuda) + one_process_optimizer_problems(c, "ddp")
+
+
+# The same record, whole weights on every rank, but for what needs one process.
+DDP = replace(LOCAL, kind="ddp", describe=lambda plan: "ddp", refusals=_ddp_refusals)

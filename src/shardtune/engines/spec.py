@@ -84,6 +84,16 @@ def whole_weight_optimizer_problems(c: TrainConfig, label: str, shards_rows: boo
             if value]
 
 
+def one_process_optimizer_problems(c: TrainConfig, label: str) -> list[str]:
+    """Layer-wise GaLore/APOLLO under several processes (``label``: the engine): refused, as LLaMA-Factory does."""
+    from shardtune.optim.settings import layerwise_key
+
+    key = layerwise_key(c)
+    return [f"{key} (true) with {label}: each weight steps inside the backward as soon as its own gradient is "
+            "complete, before the processes could average it (LLaMA-Factory refuses distributed layer-wise training "
+            f"too); train on one process (NPROC_PER_NODE=1) or set {key}: false"] if key else []
+
+
 def pissa_problems(c: TrainConfig, label: str) -> list[str]:
     """A sharding engine (``label``) never holds the whole base weights PiSSA's initialisation rewrites."""
     return [f"pissa_init (true) with {label}: PiSSA takes the SVD of each whole base weight and rewrites it while "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 from pathlib import Path
@@ -15,6 +14,7 @@ from shardtune.config.preference import PREFERENCE_STAGES, split_paths, uses_ref
 from shardtune.config.schema import REPORT_TO, TrainConfig
 from shardtune.data.tokenized import is_saved
 from shardtune.errors import ConfigError, ModelError
+from shardtune.launch.optimizer_checks import optimizer_key_problems
 from shardtune.launch.write_guard import write_problems
 from shardtune.model.folder import is_reward_model_config, model_config_json, model_folder_problems
 from shardtune.model.moe import configured_router_aux_coef, packed_aux_loss_problem, preference_aux_loss_problem
@@ -237,37 +237,6 @@ def _ref_folder_problems(c: TrainConfig) -> list[str]:
         problems.append(f"ref_model: {c.ref_model} has vocab_size {ref.get('vocab_size')} and model_name_or_path "
                         f"{policy.get('vocab_size')}: the reference scores the same token ids, so both need the same "
                         "tokenizer and vocabulary")
-    return problems
-
-
-# The package each LLaMA-Factory replacement is used through (Muon is torch's own).
-OPTIMIZER_PACKAGES = {"use_galore": ("galore_torch", "galore-torch"), "use_apollo": ("apollo_torch", "apollo-torch"),
-                      "use_adam_mini": ("adam_mini", "adam-mini")}
-
-
-def optimizer_key_problems(c: TrainConfig) -> list[str]:
-    """LLaMA-Factory's optimizer replacements: one at a time, their packages present, their optim known;
-    engine rules are in engines.spec.whole_weight_optimizer_problems."""
-    switches = {"use_muon": c.use_muon, "use_adam_mini": c.use_adam_mini, "use_galore": c.use_galore,
-                "use_apollo": c.use_apollo, "loraplus_lr_ratio": c.loraplus_lr_ratio is not None}
-    on = [key for key, value in switches.items() if value]
-    problems = []
-    if len(on) > 1:
-        problems.append(f"{' and '.join(on)} each replace the optimizer; choose one")
-    for key in on:
-        module, package = OPTIMIZER_PACKAGES.get(key, (None, None))
-        if module is not None and importlib.util.find_spec(module) is None:
-            problems.append(f"{key} (true) needs the {package} package, which is not installed: pip install {package}")
-    if c.use_galore and c.optim not in ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "adafactor"):
-        problems.append(f"use_galore (true) with optim ({c.optim}): GaLore has adamw_torch, adamw_8bit, adafactor")
-    if c.use_apollo and c.optim not in ("adamw_torch", "adamw_torch_fused"):
-        problems.append(f"use_apollo (true) with optim ({c.optim}): APOLLO is an AdamW; use optim: adamw_torch")
-    for key in ("use_muon", "use_adam_mini"):
-        if switches[key] and c.optim not in ("adamw_torch", "adamw_torch_fused"):
-            problems.append(f"{key} (true) with optim ({c.optim}): it replaces the optimizer; use optim: adamw_torch")
-    for key, value in (("galore_target", c.galore_target), ("apollo_target", c.apollo_target)):
-        if "all" in value and len(value) > 1:
-            problems.append(f"{key} ({','.join(value)}): 'all' cannot be combined with module names")
     return problems
 
 

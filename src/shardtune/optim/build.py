@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
 from shardtune.errors import ConfigError
 from shardtune.model.adapters import linear_module_names
 from shardtune.optim import replacements as optimizers
+from shardtune.optim.layerwise import build_layerwise
 from shardtune.optim.settings import OptimizerSettings
 
 __all__ = ["OptimizerSettings", "build_optimizer", "build_scheduler", "loraplus_groups", "parameter_names",
@@ -104,9 +106,14 @@ def build_extra_optimizer(params: list[torch.nn.Parameter], s: OptimizerSettings
     optimizers.register_safe_state_types()
     if extra.kind == "galore":
         groups = optimizers.projection_groups(named, projected, s.weight_decay, optimizers.galore_settings(extra))
-        return optimizers.build_galore(groups, s.optim, s.learning_rate, betas, s.adam_epsilon)
-    groups = optimizers.projection_groups(named, projected, s.weight_decay, optimizers.apollo_settings(extra))
-    return optimizers.build_apollo(groups, s.learning_rate, betas, s.adam_epsilon)
+        build = partial(optimizers.build_galore, optim=s.optim, lr=s.learning_rate, betas=betas, eps=s.adam_epsilon)
+    else:
+        groups = optimizers.projection_groups(named, projected, s.weight_decay, optimizers.apollo_settings(extra))
+        build = partial(optimizers.build_apollo, lr=s.learning_rate, betas=betas, eps=s.adam_epsilon)
+    if extra.layerwise:
+        # APOLLO seeds each weight's random projection with its position in the optimizer (state "seed").
+        return build_layerwise(groups, build, seed_key="seed" if extra.kind == "apollo" else None)
+    return build(groups)
 
 
 def parameter_names(model: torch.nn.Module) -> dict[int, str]:

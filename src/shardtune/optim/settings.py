@@ -21,6 +21,7 @@ class ExtraOptimizer:
     apollo_proj: str = "random"
     apollo_scale_type: str = "channel"
     apollo_scale_front: bool = False
+    layerwise: bool = False  # GaLore/APOLLO: one optimizer per weight, stepped from its gradient hook
 
 
 @dataclass(frozen=True)
@@ -47,13 +48,23 @@ def extra_optimizer(c: TrainConfig) -> ExtraOptimizer:
     """LLaMA-Factory's replacement switches; validation allows at most one of them on."""
     if c.use_galore:
         return ExtraOptimizer("galore", tuple(c.galore_target), c.galore_rank, c.galore_update_interval,
-                              c.galore_scale, c.galore_proj_type)
+                              c.galore_scale, c.galore_proj_type, layerwise=c.galore_layerwise)
     if c.use_apollo:
         return ExtraOptimizer("apollo", tuple(c.apollo_target), c.apollo_rank, c.apollo_update_interval,
                               c.apollo_scale, c.apollo_proj_type, c.apollo_proj, c.apollo_scale_type,
-                              c.apollo_scale_front)
+                              c.apollo_scale_front, layerwise=c.apollo_layerwise)
     if c.use_adam_mini:
         return ExtraOptimizer("adam_mini")
     if c.use_muon:
         return ExtraOptimizer("muon")
     return ExtraOptimizer()
+
+
+def layerwise_key(c: TrainConfig) -> str | None:
+    """The layer-wise switch in force: galore_layerwise/apollo_layerwise count only with their optimizer on (off,
+    they are inert, as in LLaMA-Factory)."""
+    if c.use_galore and c.galore_layerwise:
+        return "galore_layerwise"
+    if c.use_apollo and c.apollo_layerwise:
+        return "apollo_layerwise"
+    return None

@@ -1,0 +1,56 @@
+"""LLaMA-Factory's optimizer replacements, checked on the launching host: which keys go together, which packages
+they need; the engine rules (which engines can run them) are in engines.spec."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from shardtune.config.schema import TrainConfig
+from shardtune.optim.settings import layerwise_key
+
+# The package each LLaMA-Factory replacement is used through (Muon is torch's own).
+OPTIMIZER_PACKAGES = {"use_galore": ("galore_torch", "galore-torch"), "use_apollo": ("apollo_torch", "apollo-torch"),
+                      "use_adam_mini": ("adam_mini", "adam-mini")}
+
+
+def optimizer_key_problems(c: TrainConfig) -> list[str]:
+    """LLaMA-Factory's optimizer replacements: one at a time, their packages present, their optim known;
+    engine rules are in engines.spec.whole_weight_optimizer_problems."""
+    switches = {"use_muon": c.use_muon, "use_adam_mini": c.use_adam_mini, "use_galore": c.use_galore,
+                "use_apollo": c.use_apollo, "loraplus_lr_ratio": c.loraplus_lr_ratio is not None}
+    on = [key for key, value in switches.items() if value]
+    problems = []
+    if len(on) > 1:
+        problems.append(f"{' and '.join(on)} each replace the optimizer; choose one")
+    for key in on:
+        module, package = OPTIMIZER_PACKAGES.get(key, (None, None))
+        if module is not None and importlib.util.find_spec(module) is None:
+            problems.append(f"{key} (true) needs the {package} package, which is not installed: pip install {package}")
+    if c.use_galore and c.optim not in ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "adafactor"):
+        problems.append(f"use_galore (true) with optim ({c.optim}): GaLore has adamw_torch, adamw_8bit, adafactor")
+    if c.use_apollo and c.optim not in ("adamw_torch", "adamw_torch_fused"):
+        problems.append(f"use_apollo (true) with optim ({c.optim}): APOLLO is an AdamW; use optim: adamw_torch")
+    for key in ("use_muon", "use_adam_mini"):
+        if switches[key] and c.optim not in ("adamw_torch", "adamw_torch_fused"):
+            problems.append(f"{key} (true) with optim ({c.optim}): it replaces the optimizer; use optim: adamw_torch")
+    for key, value in (("galore_target", c.galore_target), ("apollo_target", c.apollo_target)):
+        if "all" in value and len(value) > 1:
+            problems.append(f"{key} ({','.join(value)}): 'all' cannot be combined with module names")
+    return problems + layerwise_problems(c)
+
+
+def layerwise_problems(c: TrainConfig) -> list[str]:
+    """Layer-wise steps happen inside each backward (optim/layerwise.py): no accumulation, no loss scaling.
+    More than one process is the engine records' rule (engines.spec.one_process_optimizer_problems)."""
+    key = layerwise_key(c)
+    if key is None:
+        return []
+    problems = []
+    if c.gradient_accumulation_steps > 1:
+        problems.append(f"{key} (true) with gradient_accumulation_steps ({c.gradient_accumulation_steps}): each "
+                        "weight steps inside every backward, so gradients cannot add up over micro-batches (as in "
+                        "LLaMA-Factory); set gradient_accumulation_steps: 1 and raise per_device_train_batch_size")
+    if c.fp16:
+        problems.append(f"{key} (true) with fp16 (true): each weight would step on its loss-scaled gradient inside "
+                        "backward, before the scaler could unscale it or skip an overflowing step; use bf16: true")
+    return problems
