@@ -31,6 +31,8 @@ WHEELS=(
   "typing-extensions==4.16.0"  # pydantic-core needs >= 4.16; the machine's version is not recorded
   "regex==2026.11.15"          # transformers checks regex >= 2025.10.22 at import; the machine's is not recorded
   "bitsandbytes==0.50.2"       # QLoRA; slimmed below to the CUDA 13 and CPU libraries
+  "torchao==0.18.0"            # fp8 (float8 training); its C++ extensions are not used by float8
+  "liger-kernel==0.8.5"        # enable_liger_kernel (Triton kernels; triton comes with torch's CUDA build)
 )
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)

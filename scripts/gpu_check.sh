@@ -9,6 +9,9 @@
 #   tests-engines  tests/gpu/test_engines.py: local, DDP, FSDP2, FSDP1, ZeRO-2, ZeRO-3 in bf16, and the
 #                  split attention on the flash kernel (test_sequence_parallel_gpu.py)            (~6 min)
 #   tests-qlora    tests/gpu/test_qlora.py + tests/unit/test_fsdp_qlora.py (bitsandbytes)       (~4 min)
+#   tests-kernels  tests/gpu/test_kernels_gpu.py: fp8 (torchao float8; one process and FSDP2 with the float8
+#                  all-gather, on a GPU of compute capability 8.9+) and enable_liger_kernel against bf16, 3 steps
+#                  each, plus the CPU tests of both (tests/unit/test_fp8.py, test_liger.py)     (~3 min)
 #   bench-local    benchmarks/gpu.py --engines local,ddp                                       (~4 min)
 #   bench-fsdp     benchmarks/gpu.py --engines fsdp2                                           (~3 min)
 #   bench-zero     benchmarks/gpu.py --engines zero2,zero3                                     (~5 min)
@@ -135,6 +138,7 @@ case "$STEP" in
   env)           run_step env env_report || status=$? ;;
   tests-engines) run_step tests-engines run_pytest -m gpu tests/gpu/test_engines.py tests/gpu/test_sequence_parallel_gpu.py || status=$? ;;
   tests-qlora)   run_step tests-qlora run_pytest tests/gpu/test_qlora.py tests/unit/test_fsdp_qlora.py || status=$? ;;
+  tests-kernels) run_step tests-kernels run_pytest tests/gpu/test_kernels_gpu.py tests/unit/test_fp8.py tests/unit/test_liger.py || status=$? ;;
   bench-local)   run_step bench-local bench local,ddp || status=$? ;;
   bench-fsdp)    run_step bench-fsdp bench fsdp2 || status=$? ;;
   bench-zero)    run_step bench-zero bench zero2,zero3 || status=$? ;;
@@ -143,11 +147,11 @@ case "$STEP" in
   tests|bench|all)
     steps=()
     [ "$STEP" = all ] && steps+=(env)
-    [ "$STEP" != bench ] && steps+=(tests-engines tests-qlora)
+    [ "$STEP" != bench ] && steps+=(tests-engines tests-qlora tests-kernels)
     [ "$STEP" != bench ] && steps+=(lf-qlora)
     [ "$STEP" != tests ] && steps+=(speed bench-local bench-fsdp bench-zero)
     for s in "${steps[@]}"; do "$0" "$s" || status=$?; done ;;
-  *) echo "usage: scripts/gpu_check.sh env|tests-engines|tests-qlora|speed|bench-local|bench-fsdp|bench-zero|lf-qlora|tests|bench|all" >&2
+  *) echo "usage: scripts/gpu_check.sh env|tests-engines|tests-qlora|tests-kernels|speed|bench-local|bench-fsdp|bench-zero|lf-qlora|tests|bench|all" >&2
      exit 2 ;;
 esac
 exit "$status"

@@ -46,11 +46,18 @@ def training_files(manifest: dict[str, str]) -> list[str]:
 
 
 def make_work_folder(work: Path) -> Path:
-    """A folder laid out as LLaMA-Factory's repository root is: data/ and examples/ beside the config files."""
-    work.mkdir(parents=True, exist_ok=True)
-    for name, target in (("data", FIXTURES / "data"), ("examples", REPO / "examples")):
-        if not (work / name).exists():
-            (work / name).symlink_to(target, target_is_directory=True)
+    """A folder laid out as LLaMA-Factory's repository root is: data/ and examples/ beside the config files;
+    examples/deepspeed/ holds shardtune's presets and, from ``FIXTURES / "deepspeed"``, our copies of the
+    LLaMA-Factory DeepSpeed files that have no preset (ds_z3_fp8_config.json)."""
+    links = {work / "data": FIXTURES / "data"}
+    links.update({work / "examples" / child.name: child for child in (REPO / "examples").iterdir()
+                  if child.name != "deepspeed"})
+    for config in [*(REPO / "examples" / "deepspeed").glob("*.json"), *(FIXTURES / "deepspeed").glob("*.json")]:
+        links[work / "examples" / "deepspeed" / config.name] = config
+    for link, target in links.items():
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not link.exists():
+            link.symlink_to(target, target_is_directory=target.is_dir())
     return work
 
 

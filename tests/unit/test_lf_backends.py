@@ -47,6 +47,10 @@ def test_paged_and_lion_optimizers_name_what_to_use(optim, instead):
         build_config({**BASE, "optim": optim})
 
 
-def test_fp8_names_bf16_instead():
-    with pytest.raises(ConfigError, match=r"key 'fp8' is not supported by shardtune: fp8 training .*bf16: true"):
-        build_config({**BASE, "fp8": True})
+# fp8 (torchao's float8) is built: tests/unit/test_fp8.py; Transformer Engine and MS-AMP are named there.
+def test_fp8_backends_other_than_torchao_name_it():
+    from shardtune.model.fp8 import float8_key_problems
+
+    problems = float8_key_problems(build_config({**BASE, "fp8": True, "bf16": True, "finetuning_type": "full",
+                                                 "fp8_backend": "te"}))
+    assert problems and "fp8_backend (te)" in problems[0] and "fp8_backend: torchao" in problems[0]

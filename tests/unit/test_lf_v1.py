@@ -57,7 +57,7 @@ def test_a_v0_file_is_not_read_as_v1():
     ("dist_config", {"name": "fsdpturbo", "ep_size": 16}, "expert parallelism"),
     ("mp_replicate_size", 2, "fsdp: hybrid_shard"),
     ("batching_strategy", "bucketed", "dynamic_padding_free"),
-    ("kernel_config", {"name": "liger_kernel"}, "Liger kernels"),
+    ("kernel_config", {"name": "liger_kernel", "use_kernels": ["rms_norm"]}, "kernel_config.use_kernels"),
     ("optim_config", {"name": "muon", "momentum": 0.9}, "optim_config.momentum"),
     ("peft_config", {"name": "lora", "use_dora": True}, "peft_config.use_dora"),
     ("lr_scheduler_config", {"name": "cosine"}, "lr_scheduler_type"),

@@ -106,6 +106,7 @@ def _into_fsdp_config(name: str) -> Translate:
 MAPPED: dict[str, Mapped] = {
     # --- training arguments of the Hugging Face Trainer ---
     "evaluation_strategy": Mapped("eval_strategy (its newer name)", _rename("eval_strategy")),
+    "use_liger_kernel": Mapped("enable_liger_kernel (the Hugging Face Trainer's name)", _rename("enable_liger_kernel")),
     # --- attention kernel (attention): auto resolved per model on the launching host ---
     "flash_attn": Mapped("attn_implementation (auto: auto, sdpa: sdpa, disabled: eager, fa2: flash_attention_2)",
                          _flash_attn),

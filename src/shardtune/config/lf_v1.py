@@ -324,6 +324,11 @@ def _nothing(section: str) -> SectionTranslate:
     return lambda given: _settings(section, given, {})
 
 
+def _liger(given: Section) -> dict[str, Any]:
+    # use_kernels: auto is each Liger patch's defaults, which shardtune applies (its loss switches aside).
+    return {**_settings("kernel_config", given, {}, fixed={"use_kernels": "auto"}), "enable_liger_kernel": True}
+
+
 SECTIONS: dict[str, dict[str, SectionTranslate]] = {
     "peft_config": {"lora": _lora, "freeze": _freeze},
     "quant_config": {"bnb": _bnb, "auto": _bnb},  # auto picks bnb for a model that is not pre-quantized
@@ -331,7 +336,8 @@ SECTIONS: dict[str, dict[str, SectionTranslate]] = {
     # Loading places the weights; the engine shards them the same way whichever loader ran.
     "init_config": {name: _nothing("init_config") for name in ("init_on_meta", "init_on_rank0", "init_on_default")},
     # `auto` applies the fused kernels found installed; they compute what the model's modules compute.
-    "kernel_config": {"auto": _nothing("kernel_config")},
+    # liger_kernel: Liger's RMSNorm, RoPE and MLP kernels on the loaded model (model/liger.py), as v1's plugin.
+    "kernel_config": {"auto": _nothing("kernel_config"), "liger_kernel": _liger},
     "optim_config": {"muon": _muon},
     "lr_scheduler_config": {},
 }
@@ -339,8 +345,6 @@ SECTIONS: dict[str, dict[str, SectionTranslate]] = {
 SECTION_REFUSED = {
     ("dist_config", "fsdpturbo"): "expert parallelism (ep_size) over FSDP is not in shardtune; MoE models train "
                                   "under dist_config name: fsdp2 or deepspeed, each expert sharded like any weight",
-    ("kernel_config", "liger_kernel"): "Liger kernels are not used by shardtune; its chunked loss (loss_chunk_size) "
-                                       "saves the logits memory Liger's fused cross-entropy saves: use name: auto",
     ("kernel_config", "auto, flash-linear-attention"): "flash-linear-attention kernels are not used by shardtune; "
                                                        "use name: auto",
 }

@@ -111,9 +111,6 @@ REFUSED_REASONS: dict[str, str] = {
              """enable_torch_profiler profile_modules profiler_active_steps profiler_output_dir
              profiler_profile_memory profiler_record_shapes profiler_repeat profiler_wait_steps
              profiler_warmup_steps profiler_with_stack"""),
-    **_group("fp8 training is not supported (torchao or Transformer Engine float8 layers and FSDP's float8 "
-             "all-gather); train in bf16 (bf16: true), the lowest precision shardtune trains in, and remove it",
-             "fp8 fp8_backend fp8_enable_fsdp_float8_all_gather"),
     **_group("Ray's cloud storage (s3, gs) is not wired into shardtune, whose checkpoints live in output_dir; "
              "remove it and point ray_storage_path at a folder every Ray node reaches", "ray_storage_filesystem"),
     **_group("set the launch address with the MASTER_ADDR / MASTER_PORT environment variables and remove it",

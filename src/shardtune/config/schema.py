@@ -102,6 +102,9 @@ class TrainConfig:
     resize_vocab: bool = _key(
         False, "grow the embedding and output layer to the tokenizer (rows padded to a multiple of 64, new rows the "
                "mean of the old plus noise); LoRA then trains and saves both layers in full", MODEL)
+    enable_liger_kernel: bool = _key(
+        False, "replace the model's RMSNorm, RoPE and gated MLP with Liger's Triton kernels (liger-kernel, CUDA GPU); "
+               "the loss stays shardtune's (Liger's fused linear cross-entropy is not used)", MODEL)
 
     # --- fine-tuning method ---
     stage: str = _key("sft", "training stage: supervised fine-tuning, pre-training, preference optimisation (dpo "
@@ -331,6 +334,14 @@ class TrainConfig:
                                                    "max-autotune-no-cudagraphs"))
     torch_compile_backend: str = _key("inductor", "torch.compile backend (aot_eager: traced, not code-generated; "
                                                   "for checks)", TRAIN, choices=("inductor", "aot_eager", "eager"))
+    fp8: bool = _key(False, "float8 training of the Linear layers (torchao; the output head and layers whose sizes "
+                            "are not multiples of 16 stay in bf16); needs bf16 and a CUDA GPU of compute capability "
+                            "8.9+ (H100, L4, RTX 4090); full and freeze fine-tuning", TRAIN)
+    fp8_backend: str = _key("auto", "fp8 implementation (auto: torchao, the only one shardtune uses)", TRAIN,
+                            choices=("auto", "torchao", "te", "msamp"))
+    fp8_enable_fsdp_float8_all_gather: bool = _key(
+        False, "FSDP2 with fp8: all-gather the weights as float8 (half of bf16's bytes), their scales computed once "
+               "after each optimizer step; implies fp8 (as in LLaMA-Factory)", TRAIN)
     dataloader_num_workers: int = _key(0, "data loader worker processes", TRAIN, minimum=0)
     dataloader_pin_memory: bool = _key(True, "pin the loader's batches in page-locked memory (only with CUDA)", TRAIN)
     dataloader_drop_last: bool = _key(False, "drop each rank's last incomplete micro batch", TRAIN)
@@ -456,7 +467,7 @@ UNSUPPORTED_KEYS = frozenset(
     push_to_hub_model_id push_to_hub_organization push_to_hub_token ray_scope remove_unused_columns
     restore_callback_states_from_checkpoint save_on_each_node skip_memory_metrics split_batches
     torch_empty_cache_steps torchdynamo tpu_metrics_debug tpu_num_cores
-    use_cpu use_ipex use_legacy_prediction_loop use_liger_kernel use_mps_device enable_liger_kernel
+    use_cpu use_ipex use_legacy_prediction_loop use_mps_device
     use_unsloth shift_attn upcast_layernorm
     """.split()
 )

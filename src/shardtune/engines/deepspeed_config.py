@@ -21,6 +21,7 @@ from shardtune.engines.spec import (
     EngineSpec,
     MemoryLayout,
     compile_problems,
+    float8_problems,
     pissa_problems,
     pre_quantized_problems,
     preference_problems,
@@ -565,7 +566,8 @@ def deepspeed_refusals(c: TrainConfig, plan: EnginePlan, has_cuda: bool) -> list
                      "full_shard auto_wrap) to shard a compiled run") if stage == 3 else None
     return problems + whole_weight_optimizer_problems(c, "deepspeed") + \
         preference_problems(c, f"DeepSpeed ZeRO-{stage}", shards_weights=stage == 3) + \
-        compile_problems(c, f"DeepSpeed ZeRO-{max(stage, 0)}", zero3_compile)
+        compile_problems(c, f"DeepSpeed ZeRO-{max(stage, 0)}", zero3_compile) + \
+        float8_problems(c, f"DeepSpeed ZeRO-{max(stage, 0)}")
 
 
 def deepspeed_memory_layout(plan: EnginePlan) -> MemoryLayout:

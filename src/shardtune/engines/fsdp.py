@@ -48,6 +48,7 @@ from shardtune.engines.torch_native import SCHEDULER_FILE, TorchEngine
 from shardtune.errors import ConfigError, ModelError
 from shardtune.model.adapter_files import save_lora_adapter
 from shardtune.model.adapters import parametrized_lora_weights
+from shardtune.model.fp8 import float8_all_gathers
 from shardtune.model.moe import fsdp1_fused_lora_problem
 from shardtune.model.saved import (
     as_saves_pretrained,
@@ -82,6 +83,7 @@ class FSDPEngine(DistributedMixin, TorchEngine):
         # FSDP shards gradients; torch's GradScaler cannot unscale them (validation refuses fp16 before launch).
         self.scaler = None
         self.quantized = False
+        self.float8_all_gather = False  # fp8_enable_fsdp_float8_all_gather: scales computed after each step
 
     def build_model(self, source: ModelSource) -> torch.nn.Module:
         """An empty skeleton: ``prepare`` shards it first and then fills each rank's shard from the files.
@@ -100,6 +102,7 @@ class FSDPEngine(DistributedMixin, TorchEngine):
                 build_scheduler: SchedulerFactory) -> None:
         self.inner = model
         self.quantized = bool(quantized_layers(model))
+        self.float8_all_gather = self.settings.version == 2 and float8_all_gathers(model)
         if self.quantized:
             prepare_qlora_for_fsdp(model, self.mixed_precision or torch.bfloat16)
         if self.loading is None:
@@ -124,6 +127,16 @@ class FSDPEngine(DistributedMixin, TorchEngine):
     @property
     def shards_weights(self) -> bool:
         return True
+
+    def step_on_device(self, max_grad_norm: float) -> torch.Tensor:
+        norm = super().step_on_device(max_grad_norm)
+        if self.float8_all_gather:
+            # torchao's float8 all-gather casts each weight shard with the scale of the whole weight: computed here
+            # for every weight in one all-reduce, right after the update, instead of one per weight in the forward.
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(self.model)
+        return norm
 
     def load_frozen(self, source: ModelSource) -> torch.nn.Module:
         """The frozen model sharded as the policy (its own ``fully_shard`` units, or FSDP1 wrap), filled from the

@@ -12,6 +12,7 @@ from shardtune.engines.spec import (
     EngineSpec,
     MemoryLayout,
     compile_problems,
+    float8_problems,
     pissa_problems,
     pre_quantized_problems,
     preference_problems,
@@ -251,9 +252,12 @@ def fsdp_refusals(c: TrainConfig, plan: EnginePlan, has_cuda: bool) -> list[str]
         problems += fsdp1_fused_lora_problems(c)
     fsdp1_compile = ("FSDP1 flattens each unit's parameters into one, which compiled layers would read as views; "
                      "use fsdp_version: 2 (compile, then fully_shard)") if settings.version == 1 else None
+    fsdp1_float8 = ("torchao's float8 layers are built for FSDP2's per-parameter shards, FSDP1 flattens them; use "
+                    "fsdp_version: 2") if settings.version == 1 else None
     return (problems + pissa_problems(c, "fsdp")
             + whole_weight_optimizer_problems(c, f"fsdp (fsdp_version {settings.version})", settings.version == 2)
-            + preference_problems(c, "fsdp", shards_weights=True) + compile_problems(c, "fsdp", fsdp1_compile))
+            + preference_problems(c, "fsdp", shards_weights=True) + compile_problems(c, "fsdp", fsdp1_compile)
+            + float8_problems(c, f"fsdp (fsdp_version {settings.version})", fsdp1_float8, settings.version == 2))
 
 
 def fsdp1_qlora_problems(c: TrainConfig, settings: FsdpSettings, world_size: int) -> list[str]:

@@ -14,6 +14,7 @@ from shardtune.engines.spec import (
     EngineSpec,
     MemoryLayout,
     compile_problems,
+    float8_problems,
     one_process_optimizer_problems,
 )
 
@@ -34,7 +35,7 @@ def read_trainable(model: torch.nn.Module, folder: Path) -> dict[str, Any]:
 
 def _no_refusals(c: TrainConfig, plan: EnginePlan, has_cuda: bool) -> list[str]:
     # Whole weights on every rank: every finetuning method and optimizer works.
-    return compile_problems(c, plan.kind)
+    return compile_problems(c, plan.kind) + float8_problems(c, plan.kind)
 
 
 CHECKPOINTS = (CheckpointLayout("torch", WEIGHTS_FILE, read_trainable),)

@@ -140,3 +140,16 @@ def compile_problems(c: TrainConfig, label: str, engine_reason: str | None = Non
         problems.append("torch_compile (true) with gradient_checkpointing (true): compiled layers under transformers' "
                         "activation checkpointing are not checked by shardtune yet; turn one of them off")
     return problems
+
+
+def float8_problems(c: TrainConfig, label: str, engine_reason: str | None = None,
+                    all_gathers_float8: bool = False) -> list[str]:
+    """fp8 under an engine (``label``): the engine's own reason, and the float8 all-gather, which only an engine that
+    all-gathers torchao's weight wrappers (``all_gathers_float8``: FSDP2) can honour."""
+    if not (c.fp8 or c.fp8_enable_fsdp_float8_all_gather):
+        return []
+    problems = [f"fp8 (true) with {label}: {engine_reason}"] if engine_reason else []
+    if c.fp8_enable_fsdp_float8_all_gather and not all_gathers_float8:
+        problems.append(f"fp8_enable_fsdp_float8_all_gather (true) with {label}: only FSDP2 (fsdp_version 2) "
+                        "all-gathers weights as float8; set it to false (fp8: true alone trains in float8)")
+    return problems

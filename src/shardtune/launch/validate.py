@@ -17,6 +17,7 @@ from shardtune.errors import ConfigError, ModelError
 from shardtune.launch.optimizer_checks import optimizer_key_problems
 from shardtune.launch.write_guard import write_problems
 from shardtune.model.folder import is_reward_model_config, model_config_json, model_folder_problems
+from shardtune.model.fp8 import float8_key_problems
 from shardtune.model.moe import configured_router_aux_coef, packed_aux_loss_problem, preference_aux_loss_problem
 from shardtune.model.oft import size_problem
 from shardtune.paths import shown
@@ -78,6 +79,7 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
     problems += optimizer_key_problems(c)
     problems += preference_key_problems(c)
     problems += token_weighting_problems(c)
+    problems += float8_key_problems(c)
     return problems
 
 

@@ -27,6 +27,7 @@ from shardtune.optim.settings import optimizer_settings
 from shardtune.train import checkpoint
 from shardtune.train.checkpoint import resume_source
 from shardtune.train.checkpoint_folders import checkpoint_folders, is_shardtune_checkpoint
+from shardtune.train.kernels import apply_kernels, check_kernel_devices
 from shardtune.train.loop import (
     AnchorSource,
     LoopSettings,
@@ -80,6 +81,7 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     output_dir = Path(config.output_dir or "output")
     prepare_model_dir(config, engine)
     config = with_attention_resolved(config, engine.is_main)
+    check_kernel_devices(config)  # before the data and the weights: a rank whose device cannot run them says so
     from shardtune.model.load import load_tokenizer
 
     tokenizer = load_tokenizer(config.model_name_or_path or "", trust_remote_code=config.trust_remote_code)
@@ -98,6 +100,7 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     source = model_source(*model_config(config), tokenizer_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                           reads_images=has_images(train_set))
     model = engine.build_model(source)
+    apply_kernels(model, config, engine.is_main)
     compiling = start_compile(model, config)
     loop = dataclasses.replace(loop, router_aux_loss_coef=router_aux_setting(model, config, engine.is_main),
                                objective=stage_objective(config, source, engine),
