@@ -6,7 +6,7 @@ import dataclasses
 import json
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,37 +14,33 @@ import numpy as np
 import torch
 
 from shardtune import run_files
-from shardtune.config.adapter_method import is_adapter_type
 from shardtune.config.generation import predicts_only
 from shardtune.config.load import config_to_dict
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.base import Engine
 from shardtune.errors import ConfigError
 from shardtune.model.compile import CompileReport
-from shardtune.model.source import ModelSource
 from shardtune.optim.build import build_optimizer, build_scheduler, parameter_names, warmup_steps_for
 from shardtune.optim.settings import optimizer_settings
 from shardtune.train import checkpoint
 from shardtune.train.checkpoint import resume_source
 from shardtune.train.checkpoint_folders import checkpoint_folders, is_shardtune_checkpoint
+from shardtune.train.hooks import RunHooks, StopRequest, run_name
 from shardtune.train.kernels import apply_kernels, check_kernel_devices
 from shardtune.train.loop import (
-    AnchorSource,
     LoopSettings,
-    Objective,
     TrainState,
-    evaluate,
     run_loop,
     steps_per_epoch,
     total_training_steps,
 )
+from shardtune.train.objectives import asft_anchor, stage_objective, with_reference_logps
 from shardtune.train.pissa import PissaConversion
 from shardtune.train.profile import StepProfile, profile_line
-from shardtune.train.rank_log import RankLog, rank_log_path
-from shardtune.train.reporting import LOG_FILE, Reporter, plot_loss
+from shardtune.train.rank_log import rank_log_path
+from shardtune.train.reporting import LOG_FILE, plot_loss
 from shardtune.train.settings import finetuning_settings, token_weighting
 from shardtune.train.setup import (
-    build_collator,
     build_loader,
     epoch_batches_for,
     has_images,
@@ -55,12 +51,8 @@ from shardtune.train.setup import (
     train_micro_batches,
     with_attention_resolved,
 )
-from shardtune.train.throughput import ThroughputMeter
 
 RESULTS_FILE = run_files.RESULTS
-# Metrics the log record has its own fields for; any other metric of a step (a preference objective's rewards/...,
-# logps/..., kl) is written beside them.
-LOGGED_METRICS = ("loss", "grad_norm", "tokens", "seconds", "aux_loss")
 RESOLVED_CONFIG_FILE = run_files.RESOLVED_CONFIG
 
 
@@ -222,13 +214,6 @@ class MemoryProbe:
         return {key: [int(v) for v in row] for key, row in zip(mine, summed, strict=True)}
 
 
-@dataclass
-class StopRequest:
-    """Set from a signal handler; the loop checks it between steps (all ranks agree through a reduction)."""
-
-    requested: bool = False
-
-
 def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -263,96 +248,6 @@ def loop_settings(c: TrainConfig, micro_batches: int, has_eval: bool) -> LoopSet
         label_smoothing=c.label_smoothing_factor,
         token_weighting=token_weighting(c),
     )
-
-
-def stage_objective(c: TrainConfig, source: ModelSource, engine: Engine) -> Objective | None:
-    """dpo/kto: the preference step and its reference (a full-parameter run's frozen model loaded from the policy's
-    ``source`` and placed by the engine); rm: the pairwise reward step; None (the token loss) for sft and pt."""
-    if c.stage == "rm":
-        from shardtune.train.reward import RewardObjective
-
-        if engine.is_main:
-            print("[shardtune] stage rm: a one-label sequence-classification model (score at the last token), "
-                  "pairwise loss", flush=True)
-        assert source.reward_head is not None  # model_source gives stage rm its score head
-        return RewardObjective(source.reward_head.pad_token_id)
-    if c.stage not in ("dpo", "kto"):
-        return None
-    from shardtune.config.preference import split_paths
-    from shardtune.train.preference import PreferenceSettings
-    from shardtune.train.preference_step import PreferenceObjective, build_reference, reference_source
-
-    settings = PreferenceSettings(loss=c.pref_loss, beta=c.pref_beta, ftx=c.pref_ftx, simpo_gamma=c.simpo_gamma,
-                                  label_smoothing=c.dpo_label_smoothing, kto_chosen_weight=c.kto_chosen_weight,
-                                  kto_rejected_weight=c.kto_rejected_weight)
-    if settings.needs_reference:
-        refuse_trained_reference(c, f"stage {c.stage}")
-    ref_source = reference_source(source, c.ref_model, split_paths(c.ref_model_adapters), c.ref_model_quantization_bit)
-    reference = build_reference(engine, ref_source, c.finetuning_type, settings, c.precompute_ref_log_probs,
-                                separate=c.ref_model is not None)
-    if engine.is_main:
-        frozen = f"ref_model {c.ref_model} (frozen)" if c.ref_model else "a frozen copy of the model"
-        where = {"none": "none (the loss compares the policy with itself)",
-                 "precomputed": "precomputed before the first step (precompute_ref_log_probs)",
-                 "adapters_off": "the model with its LoRA adapters off (no copy)",
-                 "copy": f"{frozen}, whole on every rank",
-                 "sharded": f"{frozen}, sharded as the policy ({engine.name})"}[reference.kind]
-        print(f"[shardtune] stage {c.stage}" + (f", pref_loss {c.pref_loss}" if c.stage == "dpo" else "")
-              + f"; reference model: {where}; log-probabilities from the full logits (loss_chunk_size does not "
-              "apply)", flush=True)
-    return PreferenceObjective(c.stage, settings, reference)
-
-
-def refuse_trained_reference(c: TrainConfig, user: str) -> None:
-    """A full-parameter run's reference is loaded from the model's source, which a model-only checkpoint replaces
-    with the trained weights on resume."""
-    resumed = resume_source(c)
-    if not is_adapter_type(c.finetuning_type) and c.ref_model is None and resumed is not None \
-            and checkpoint.is_model_only(resumed):
-        raise ConfigError(f"resuming {user} ({c.finetuning_type}) from {resumed}, a model-only checkpoint "
-                          "(save_only_model): the model is built from its trained weights, so the reference would be "
-                          "the trained model, not the original; resume from a full checkpoint")
-
-
-def asft_anchor(c: TrainConfig, source: ModelSource, engine: Engine) -> AnchorSource | None:
-    """use_asft_loss: the reference whose distribution anchors the policy (train/anchor.py); None otherwise."""
-    if not c.use_asft_loss:
-        return None
-    from shardtune.config.preference import split_paths
-    from shardtune.train.anchor import build_anchor
-    from shardtune.train.preference_step import reference_source
-
-    refuse_trained_reference(c, "use_asft_loss")
-    ref_source = reference_source(source, c.ref_model, split_paths(c.ref_model_adapters), c.ref_model_quantization_bit)
-    anchor = build_anchor(engine, ref_source, c.finetuning_type, c.asft_alpha, separate=c.ref_model is not None)
-    if engine.is_main:
-        frozen = f"ref_model {c.ref_model} (frozen)" if c.ref_model else "a frozen copy of the model"
-        where = {"adapters_off": "the model with its adapters off (no copy)", "copy": f"{frozen}, whole on every rank",
-                 "sharded": f"{frozen}, sharded as the policy ({engine.name})"}[anchor.reference.kind]
-        print(f"[shardtune] use_asft_loss: DFT plus {c.asft_alpha} x KL(reference || policy) per trainable token; "
-              f"reference model: {where}; its logits are computed whole", flush=True)
-    return anchor
-
-
-def with_reference_logps(engine: Engine, tokenizer: Any, c: TrainConfig, train_set: Any, eval_set: Any
-                         ) -> tuple[Any, Any]:
-    """precompute_ref_log_probs: score the train (and eval) samples with the untrained policy, before any step and
-    before a checkpoint is loaded, and add them as a ``ref_logps`` column."""
-    from shardtune.train.preference_step import precomputed_reference_logps
-
-    started = time.perf_counter()
-    scored: list[Any] = []
-    for dataset in (train_set, eval_set):
-        if dataset is None:
-            scored.append(None)
-            continue
-        values = precomputed_reference_logps(engine, dataset, build_collator(tokenizer, c),
-                                             c.per_device_train_batch_size, c.finetuning_type)
-        scored.append(dataset.add_column("ref_logps", values))
-    if engine.is_main:
-        print(f"[shardtune] precompute_ref_log_probs: {sum(len(d) for d in scored if d is not None)} samples scored "
-              f"by the reference in {time.perf_counter() - started:.1f} s; no reference is kept in memory", flush=True)
-    return scored[0], scored[1]
 
 
 def choose_experts_implementation(engine: Engine) -> None:
@@ -440,100 +335,6 @@ def memory_results(per_rank: dict[str, list[int]], estimate: Any, announce: bool
     return {**per_rank, **fields}
 
 
-@dataclass
-class RunHooks:
-    """Connects the loop to reporting, evaluation and checkpoints."""
-
-    engine: Engine
-    config: TrainConfig
-    output_dir: Path
-    total_steps: int
-    eval_loader: Any
-    start_step: int = 0
-    stop: StopRequest = field(default_factory=StopRequest)
-    objective: Objective | None = None
-    estimate_peak_bytes: float | None = None
-    baseline_rss_bytes: int | None = None  # resident memory before the model was loaded (CPU runs measure from it)
-    compiling: CompileReport | None = None  # torch_compile's bookkeeping
-    profile: StepProfile | None = None  # profile_steps: torch.profiler over a few steps
-
-    def __post_init__(self) -> None:
-        self.reporter = Reporter(self.output_dir, self.total_steps, enabled=self.engine.is_main,
-                                 trackers=self.config.report_to, logging_dir=self.config.logging_dir,
-                                 start_step=self.start_step, run_name=run_name(self.config, self.output_dir),
-                                 config=config_to_dict(self.config))
-        self.last_log_time = self.reporter.start_time
-        self.train_losses: list[float] = []
-        self.meter = ThroughputMeter(warmup_steps=self.config.throughput_warmup_steps)
-        self.rank_log = RankLog(rank_log_path(self.output_dir, self.engine.rank), self.engine.rank,
-                                self.engine.device)
-        self.rank_log.start(world_size=self.engine.world_size, total_steps=self.total_steps,
-                            start_step=self.start_step, estimate_peak_bytes=self.estimate_peak_bytes,
-                            baseline_rss_bytes=self.baseline_rss_bytes)
-        self.stop_wait = 0.0  # seconds the last stop-flag reduction waited for the other ranks
-
-    def on_step(self, state: TrainState, metrics: dict[str, float]) -> None:
-        if self.compiling is not None:
-            self.compiling.on_step(state.global_step)
-        self.rank_log.step(state.global_step, metrics, self.stop_wait)
-        self.stop_wait = 0.0
-        self.meter.record(metrics, profiled=self.profile is not None and self.profile.active)
-        if self.profile is not None:
-            self.profile.after_step()
-        self.train_losses.append(metrics["loss"])
-        self.reporter.step(state.global_step, metrics)
-
-    def on_log(self, state: TrainState, metrics: dict[str, float]) -> None:
-        current = time.perf_counter()
-        metrics = {**metrics, "seconds": current - self.last_log_time}
-        self.last_log_time = current
-        seen = state.input_tokens_seen(self.config.include_num_input_tokens_seen)
-        extra: dict[str, Any] = {} if seen is None else {"num_input_tokens_seen": seen}
-        if "aux_loss" in metrics:
-            extra["aux_loss"] = round(metrics["aux_loss"], 6)
-        extra.update({key: round(value, 6) for key, value in metrics.items() if key not in LOGGED_METRICS})
-        record = self.reporter.log(state.global_step, state.epoch, self.engine.current_lr(), metrics, extra or None)
-        state.loss_history.append({"step": state.global_step, "loss": record["loss"]})
-
-    def should_stop(self) -> bool:
-        # Ranks may receive the signal at different steps; the sum makes them stop at the same one.
-        arrived = time.perf_counter()
-        flag = torch.tensor(1.0 if self.stop.requested else 0.0, device=self.engine.device)
-        stop = bool(self.engine.all_reduce_sum(flag) > 0)
-        self.stop_wait = time.perf_counter() - arrived
-        return stop
-
-    def stop_requested(self) -> bool:
-        return self.stop.requested
-
-    def on_save(self, state: TrainState) -> None:
-        started = time.perf_counter()
-        self.rank_log.event("saving", state.global_step)
-        checkpoint.save_checkpoint(self.engine, self.output_dir, state, self.config.save_total_limit,
-                                   model_only=self.config.save_only_model)
-        self.rank_log.event("save", state.global_step, seconds=round(time.perf_counter() - started, 3))
-        self.rank_log.restart_clock()
-        self.meter.start()  # saving is not training time
-
-    def on_evaluate(self, state: TrainState) -> None:
-        if self.eval_loader is not None:
-            started = time.perf_counter()
-            self.rank_log.event("evaluating", state.global_step)
-            found = self.eval_metrics()
-            self.rank_log.event("eval", state.global_step, seconds=round(time.perf_counter() - started, 3))
-            self.reporter.log_eval(state.global_step, state.epoch, found.pop("eval_loss"), found)
-        self.rank_log.restart_clock()
-        self.meter.start()
-
-    def eval_metrics(self) -> dict[str, float]:
-        """``eval_loss`` and, for a preference objective, ``eval_rewards/...`` and the like."""
-        if self.objective is not None:
-            found = self.objective.evaluate(self.engine, self.eval_loader)
-            return {f"eval_{key}": round(value, 6) if key != "loss" else value for key, value in found.items()}
-        return {"eval_loss": evaluate(self.engine, self.eval_loader, self.config.loss_chunk_size,
-                                      self.config.label_smoothing_factor)}
-
-
 def save_servable(output_dir: Path, tokenizer: Any, c: TrainConfig) -> None:
     """The tokenizer beside the final model, and the folder made ready to serve (dtype, chat template, stop token);
     the run's own tokenizer object is left as it was."""
@@ -546,11 +347,6 @@ def save_servable(output_dir: Path, tokenizer: Any, c: TrainConfig) -> None:
     for note in finish_servable(output_dir, load_tokenizer(str(output_dir), trust_remote_code=c.trust_remote_code),
                                 settings):
         print(f"[shardtune] saved model: {note}", flush=True)
-
-
-def run_name(c: TrainConfig, output_dir: Path) -> str:
-    """``run_name``, else the output folder's name (the Trainer's default is the output_dir itself)."""
-    return c.run_name or output_dir.resolve().name
 
 
 def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path, state: TrainState,
