@@ -12,16 +12,22 @@ from shardtune.errors import ConfigError
 BASE = {"model_name_or_path": "org/model", "dataset": "demo", "output_dir": "out"}
 
 
-def test_use_v1_kernels_false_is_accepted_and_true_names_the_npu_kernels():
-    build_config({**BASE, "use_v1_kernels": False})
-    with pytest.raises(ConfigError, match=r"use_v1_kernels' \(True\): LLaMA-Factory's v1 kernel plugins .* Ascend"):
-        build_config({**BASE, "use_v1_kernels": True})
+@pytest.mark.parametrize("value", [False, True])
+def test_use_v1_kernels_selects_no_kernels_off_an_npu_as_in_llamafactory(value):
+    # LLaMA-Factory's use_v1_kernels applies its v1 "auto" kernel set, defined for Ascend NPUs only: on a CUDA GPU
+    # or a CPU it changes nothing, so either value trains the same model.
+    assert build_config({**BASE, "use_v1_kernels": value}) == build_config(BASE)
+
+
+def test_convert_config_says_what_use_v1_kernels_does():
+    from shardtune.config.compat import MAPPED
+
+    assert "Ascend NPUs only" in MAPPED["use_v1_kernels"].becomes
 
 
 @pytest.mark.parametrize(("key", "value", "backend"), [
     ("tensor_model_parallel_size", 2, "Megatron-Core"),
     ("use_kt", True, "KTransformers"),
-    ("use_v1_kernels", True, "Ascend NPUs"),
 ])
 def test_the_first_problem_of_a_file_for_another_backend_names_it(tmp_path, key, value, backend):
     # Problems listed before it in the file (an audio key, an unknown key) come after it in the refusal.

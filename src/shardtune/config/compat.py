@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shardtune.config.refused import V1_KERNELS_REASON
+from shardtune.config.refused import V1_KERNELS_MEANING
 
 Translate = Callable[[Any, Mapping[str, Any]], dict[str, Any]]
 
@@ -229,9 +229,8 @@ MAPPED.update({key: Mapped("nothing: only read with videos, whose column is refu
                for key in ("video_fps", "video_max_pixels", "video_maxlen", "video_min_pixels")})
 
 
-# --- LLaMA-Factory's v1 kernel plugins, switched on with a value (lfex) ---
-MAPPED["use_v1_kernels"] = Mapped("nothing while false; refused when true (LLaMA-Factory's v1 kernel plugins)",
-                                  _refuse_unless(False, V1_KERNELS_REASON)("use_v1_kernels"))
+# --- LLaMA-Factory's use_v1_kernels: its v1 "auto" kernel set, which lists kernels for Ascend NPUs only ---
+MAPPED["use_v1_kernels"] = Mapped(f"nothing: {V1_KERNELS_MEANING}", _inert_setting)
 
 
 def translate_keys(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:

@@ -33,11 +33,12 @@ MEGATRON_KEYS = """use_mca use_megatron_bridge megatron_bridge_args tensor_model
     expert_tensor_parallel_size sequence_parallel use_distributed_optimizer overlap_param_gather overlap_grad_reduce
     bias_activation_fusion apply_rope_fusion moe_grouped_gemm moe_token_dispatcher_type recompute_granularity
     recompute_method recompute_num_layers mixed_precision use_packed_sequences export_hf_on_finish"""
-# LLaMA-Factory's `use_v1_kernels` (its v1 kernel plugins, written for Ascend NPUs): false is what shardtune does.
-V1_KERNELS_REASON = ("LLaMA-Factory's v1 kernel plugins (fused RMSNorm, RoPE, SwiGLU and MoE kernels for Ascend NPUs) "
-                     "are not used by shardtune, which runs on CUDA GPUs and CPUs with the model's own modules; set it "
-                     "to false or remove it")
-OTHER_BACKEND_KEYS = frozenset((KTRANSFORMERS_KEYS + " " + MEGATRON_KEYS + " use_v1_kernels").split())
+# LLaMA-Factory's `use_v1_kernels: true` applies its v1 "auto" kernels for the device, a set defined for Ascend NPUs
+# only (fused MoE, RMSNorm, RoPE, SwiGLU; v1/plugins/model_plugins/kernels/interface.py): on a CUDA GPU or a CPU it
+# applies none, and that is what shardtune does on the devices it runs on.
+V1_KERNELS_MEANING = ("LLaMA-Factory's automatic v1 kernels exist for Ascend NPUs only, so on CUDA GPUs and CPUs "
+                      "it selects none, there as here")
+OTHER_BACKEND_KEYS = frozenset((KTRANSFORMERS_KEYS + " " + MEGATRON_KEYS).split())
 
 # Training variants of LLaMA-Factory that shardtune does not implement, each with what to use instead.
 _MOD = ("mixture of depths (tokens routed past layers, which changes the model's architecture) is not implemented; "
