@@ -281,7 +281,7 @@ def test_parallel_calls_are_refused_where_the_official_template_has_one_call_per
     ("llama2", "its official chat template defines no tool calling"),
     ("deepseek3", "writes no tool definitions"), ("gpt_oss", "TypeScript namespace"),
     ("llama4", "Llama 4's tool layout is not implemented"), ("gemma4", "Gemma 4's tool layout is not implemented"),
-    ("glm4_moe", "GLM-4.5's XML tool layout is not implemented"), ("qwen2_vl", "set tool_format: qwen")])
+    ("qwen2_vl", "set tool_format: qwen")])
 def test_templates_without_a_tool_format_refuse_tool_data_with_the_reason(tokenizer: Any, name: str,
                                                                           reason: str) -> None:
     with pytest.raises(DataError, match=f"template '{name}' has no tool-call format \\(.*{reason}"):
@@ -461,3 +461,34 @@ def test_enable_thinking_false_masks_the_empty_block_in_ids(tokenizer: Any) -> N
 def test_fullwidth_special_tokens_are_reported_when_the_tokenizer_lacks_them(tokenizer: Any) -> None:
     assert missing_special_tokens(get_template("deepseek3"), tokenizer) == [
         "<｜Assistant｜>", "<｜User｜>", "<｜end▁of▁sentence｜>"]
+
+
+PARALLEL_CALLS = [CALL, {"name": "add", "arguments": {"a": "x y", "b": {"c": [1, "é"]}}}]
+PARALLEL_CHAT = [{"role": "user", "content": Q2}, {"role": "function", "content": json.dumps(PARALLEL_CALLS)},
+                 {"role": "observation", "content": json.dumps(["6", "7"])}, {"role": "assistant", "content": A2}]
+
+
+@pytest.mark.parametrize("chat", ["single", "multi", "parallel"])
+@pytest.mark.parametrize("system", ["", SYSTEM])
+def test_glm4_moe_tool_chats_equal_the_official_template(tokenizer: Any, chat: str, system: str) -> None:
+    """GLM-4.5/4.6's XML layout: tools as JSON lines, <arg_key>/<arg_value> pairs (strings raw, the rest JSON),
+    parallel calls answered by one <|observation|> with a <tool_response> per call."""
+    messages = {"single": TOOL_CHAT, "multi": TOOL_MULTI, "parallel": PARALLEL_CHAT}[chat]
+    tools = WRAPPED_TOOLS * (2 if chat == "parallel" else 1)
+    expected = official("glm4_moe", openai_messages(messages), tokenizer, system, tools=tools)
+    assert joined(ours("glm4_moe", messages, tokenizer, system, json.dumps(tools))) == deliberate("glm4_moe", expected)
+
+
+def test_glm4_moe_tool_prompt_pieces_are_the_official_generation_prompts(tokenizer: Any) -> None:
+    turns = ours("glm4_moe", TOOL_MULTI, tokenizer, SYSTEM, json.dumps(TOOLS))
+    for k in range(len(turns)):
+        prompt_text = joined(turns[:k]) + turns[k][0]
+        generation = official("glm4_moe", openai_messages(TOOL_MULTI[: 2 * k + 1]), tokenizer, SYSTEM,
+                              tools=WRAPPED_TOOLS, add_generation_prompt=True)
+        assert prompt_text == generation
+
+
+def test_glm4_moe_parallel_results_need_one_item_per_call(tokenizer: Any) -> None:
+    chat = [*PARALLEL_CHAT[:2], {"role": "observation", "content": "6"}, PARALLEL_CHAT[3]]
+    with pytest.raises(DataError, match="GLM-4.5 tool-call turn with 2 calls needs its results as a JSON list"):
+        ours("glm4_moe", chat, tokenizer, tools=json.dumps(TOOLS))

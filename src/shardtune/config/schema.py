@@ -195,8 +195,9 @@ class TrainConfig:
     enable_thinking: bool = _key(True, "reasoning templates (qwen3, qwen3_5, qwen3_vl, glm4_moe, gemma4): train the "
                                  "think block; false masks an empty one", DATA)
     tool_format: str | None = _key(None, "tool-call format overriding the template's own (qwen, qwen3_5, llama3, "
-                                   "mistral, glm4: each writes its family's turn markers, so pair it with that "
-                                   "layout)", DATA, choices=("qwen", "qwen3_5", "llama3", "mistral", "glm4", None))
+                                   "mistral, glm4, glm4_moe: each writes its family's turn markers, so pair it with "
+                                   "that layout)", DATA,
+                                   choices=("qwen", "qwen3_5", "llama3", "mistral", "glm4", "glm4_moe", None))
     cutoff_len: int = _key(1024, "maximum tokens per training sequence", DATA, minimum=2)
     max_samples: int | None = _key(None, "use at most this many samples per dataset", DATA, minimum=1)
     val_size: float = _key(0.0, "held-out eval split: a fraction (< 1) or a sample count", DATA, minimum=0)

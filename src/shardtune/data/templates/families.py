@@ -17,7 +17,14 @@ from shardtune.data.templates.thinking import (
     QWEN3_THINKING,
     QWEN3_VL_THINKING,
 )
-from shardtune.data.templates.tools import GLM4_TOOLS, LLAMA3_TOOLS, MISTRAL_TOOLS, QWEN3_5_TOOLS, QWEN_TOOLS
+from shardtune.data.templates.tools import (
+    GLM4_5_TOOLS,
+    GLM4_TOOLS,
+    LLAMA3_TOOLS,
+    MISTRAL_TOOLS,
+    QWEN3_5_TOOLS,
+    QWEN_TOOLS,
+)
 
 
 class _TurnFormats(TypedDict):
@@ -218,7 +225,7 @@ TEMPLATES: dict[str, Template] = {
     # before the last query), answers trimmed; thinking off masks the empty block and appends "/nothink" to each
     # user message, as the official template does. eos after the final answer as glm4 (LLaMA-Factory: same).
     "glm4_moe": Template(name="glm4_moe", prefix="[gMASK]<sop>", final_suffix="{eos}", thinking=GLM4_MOE_THINKING,
-                         no_tools_reason="GLM-4.5's XML tool layout is not implemented in shardtune", **_GLM4_TURNS),
+                         tool_style=GLM4_5_TOOLS, **_GLM4_TURNS),
     # Yi-1.5-chat: the system text is written as is, before the first turn (no chatml block).
     "yi": Template(name="yi", **_YI_TURNS),
     # Command-R: contents stripped (LLaMA-Factory does not strip).

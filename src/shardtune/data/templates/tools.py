@@ -7,7 +7,7 @@ JSON is written as jinja's ``tojson`` in transformers writes it: ``json.dumps`` 
 
 Each ``ToolStyle`` names LLaMA-Factory's ``tool_format`` and writes its family's own turn markers, so
 it belongs with a template of the same layout (``qwen`` and ``qwen3_5`` with chatml templates, ``llama3`` with llama3,
-``mistral`` with mistral, ``glm4`` with glm4).
+``mistral`` with mistral, ``glm4`` with glm4, ``glm4_moe`` with glm4_moe).
 """
 
 from __future__ import annotations
@@ -50,6 +50,15 @@ LLAMA3_CALL_RULE = ('Respond in the format {"name": function name, "parameters":
 GLM4_TOOLS_INTRO = ("<|system|>\n你是一个名为 ChatGLM 的人工智能助手。你是基于智谱AI训练的语言模型 GLM-4 模型开发的，"
                     "你的任务是针对用户的问题和要求提供适当的答复和支持。\n\n# 可用工具")
 GLM4_CALL_RULE = "\n在调用上述函数时，请使用 Json 格式表示调用的参数。"
+GLM4_5_TOOLS_INTRO = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+GLM4_5_TOOLS_OUTRO = (
+    "</tools>\n\nFor each function call, output the function name and arguments within the following XML format:\n"
+    "<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n<arg_value>{arg-value-1}</arg_value>\n"
+    "<arg_key>{arg-key-2}</arg_key>\n<arg_value>{arg-value-2}</arg_value>\n...\n</tool_call>"
+)
 
 
 def to_json(value: Any, indent: int | None = None) -> str:
@@ -285,10 +294,53 @@ class Glm4Tools(ToolStyle):
         return f"<|observation|>\n{content}<|assistant|>"
 
 
+@dataclass(frozen=True)
+class Glm45Tools(ToolStyle):
+    """GLM-4.5/4.6 (zai-org/GLM-4.6): the tool list as JSON lines in a system turn of its own before the system
+    prompt's, each call as ``<tool_call>name`` with one ``<arg_key>``/``<arg_value>`` pair per argument (objects,
+    lists and numbers as JSON, strings as they are), the results of one call turn under one ``<|observation|>``,
+    each in ``<tool_response>`` (several calls: the observation is a JSON list, one item per call).
+    """
+
+    def system_block(self, system: str, tools: ToolList) -> str:
+        listed = "".join(to_json(tool) + "\n" for tool in tools)
+        return (f"<|system|>\n{GLM4_5_TOOLS_INTRO}\n{listed}{GLM4_5_TOOLS_OUTRO}"
+                + (f"<|system|>\n{system}" if system else ""))
+
+    def calls(self, calls: list[Call], turn: int) -> str:
+        blocks = []
+        for call in calls:
+            arguments = arguments_object(call)
+            if not isinstance(arguments, dict):
+                raise DataError(f"tool call '{call['name']}': GLM-4.5 writes arguments as key/value pairs, so they "
+                                f"must be a JSON object, got {to_json(arguments)}")
+            written = "".join(f"<arg_key>{key}</arg_key>\n<arg_value>{glm45_value(value)}</arg_value>\n"
+                              for key, value in arguments.items())
+            blocks.append(f"<tool_call>{call['name']}\n{written}</tool_call>")
+        return "\n".join(blocks)
+
+    def result(self, content: str, turn: int, call_count: int) -> str:
+        results: list[Any] = [content]
+        if call_count > 1:
+            results = json.loads(content) if content.lstrip().startswith("[") else []
+            if len(results) != call_count:
+                raise DataError(f"a GLM-4.5 tool-call turn with {call_count} calls needs its results as a JSON list "
+                                f"of {call_count} items (one per call), got {content!r}")
+        written = "".join(f"\n<tool_response>\n{text if isinstance(text, str) else to_json(text)}\n</tool_response>"
+                          for text in results)
+        return f"<|observation|>{written}<|assistant|>"
+
+
+def glm45_value(value: Any) -> str:
+    """An argument as GLM-4.5's template writes it: strings as they are, everything else with ``tojson``."""
+    return value if isinstance(value, str) else to_json(value)
+
+
 QWEN_TOOLS = QwenTools("qwen")
 QWEN3_5_TOOLS = Qwen35Tools("qwen3_5")
 LLAMA3_TOOLS = Llama3Tools("llama3")
 MISTRAL_TOOLS = MistralTools("mistral", call_format="{content}{eos}")
 GLM4_TOOLS = Glm4Tools("glm4", call_format="{content}")
-TOOL_FORMATS: dict[str, ToolStyle] = {style.name: style for style in
-                                      (QWEN_TOOLS, QWEN3_5_TOOLS, LLAMA3_TOOLS, MISTRAL_TOOLS, GLM4_TOOLS)}
+GLM4_5_TOOLS = Glm45Tools("glm4_moe")
+TOOL_FORMATS: dict[str, ToolStyle] = {
+    style.name: style for style in (QWEN_TOOLS, QWEN3_5_TOOLS, LLAMA3_TOOLS, MISTRAL_TOOLS, GLM4_TOOLS, GLM4_5_TOOLS)}
