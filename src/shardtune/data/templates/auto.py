@@ -1,12 +1,21 @@
-"""Template ``auto``: the tokenizer's own jinja ``chat_template``."""
+"""Template ``auto``: the tokenizer's own jinja ``chat_template``, tool definitions, calls and results included."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shardtune.data.templates.base import Message, Template, Turn, special_token_strings
+from shardtune.data.templates.base import Message, Template, Turn, ask_answer_pairs, special_token_strings
+from shardtune.data.templates.tools import (
+    ToolList,
+    arguments_object,
+    mistral_call_id,
+    parse_tool_calls,
+    parse_tools,
+    to_json,
+)
 from shardtune.errors import DataError
 
 NAMED_INSTEAD = "set template to a named one (see `template` in docs/config.md)"
@@ -26,15 +35,13 @@ class TokenizerChatTemplate(Template):
     def render_turns(self, system: str, messages: Sequence[Message], tokenizer: Any, tools: str = ""
                      ) -> list[Turn]:
         require_chat_template(tokenizer)
-        if tools or any(m["role"] not in ("user", "assistant") for m in messages):
-            raise DataError("template 'auto' handles user/assistant chats only; data with tools, tool calls or "
-                            f"tool results needs a named template with a tool format, e.g. qwen; {NAMED_INSTEAD}")
+        tool_list = parse_tools(tools)
         system = system or self.default_system
-        head: list[Message] = [{"role": "system", "content": system}] if system else []
+        done_messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
         turns, done = [], ""
-        for index in range(0, len(messages) - 1, 2):
-            with_prompt = render_chat(tokenizer, head + list(messages[: index + 1]), True, self.enable_thinking)
-            full = render_chat(tokenizer, head + list(messages[: index + 2]), False, self.enable_thinking)
+        for asks, answer in chat_messages(ask_answer_pairs(messages)):
+            with_prompt = render_chat(tokenizer, done_messages + asks, True, self.enable_thinking, tool_list)
+            full = render_chat(tokenizer, done_messages + asks + [answer], False, self.enable_thinking, tool_list)
             if not (with_prompt.startswith(done) and full.startswith(with_prompt)):
                 raise DataError(
                     "template 'auto': the tokenizer's chat_template renders earlier turns differently once later "
@@ -42,7 +49,7 @@ class TokenizerChatTemplate(Template):
                     + NAMED_INSTEAD
                 )
             turns.append((with_prompt[len(done) :], full[len(with_prompt) :]))
-            done = full
+            done, done_messages = full, done_messages + asks + [answer]
         return turns
 
     def validate(self, tokenizer: Any) -> None:
@@ -63,9 +70,52 @@ def require_chat_template(tokenizer: Any) -> None:
                         + NAMED_INSTEAD)
 
 
-def render_chat(tokenizer: Any, messages: list[Message], add_generation_prompt: bool, enable_thinking: bool
-                ) -> str:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         enable_thinking=enable_thinking)
+def chat_messages(pairs: list[tuple[Message, Message]]) -> list[tuple[list[dict[str, Any]], dict[str, Any]]]:
+    """LLaMA-Factory's (ask, answer) pairs as the messages chat templates read (OpenAI's shape): a tool call is an
+    assistant message with ``tool_calls``, a tool result a ``tool`` message answering one call (a turn of several
+    calls takes its results as a JSON list, one per call). Call ids follow ``mistral_call_id`` (9 characters, as
+    Mistral's templates require): the pair's index, then the call's."""
+    converted: list[tuple[list[dict[str, Any]], dict[str, Any]]] = []
+    pending: list[str] = []
+    for turn, (ask, answer) in enumerate(pairs):
+        if ask["role"] == "observation":
+            results = _results_per_call(ask["content"], len(pending))
+            asks = [{"role": "tool", "content": text, "tool_call_id": call_id}
+                    for text, call_id in zip(results, pending or [mistral_call_id(turn, 0)], strict=False)]
+        else:
+            asks = [{"role": "user", "content": ask["content"]}]
+        pending = []
+        if answer["role"] == "function":
+            calls = parse_tool_calls(answer["content"])
+            pending = [mistral_call_id(turn, index) for index in range(len(calls))]
+            tool_calls = [{"id": call_id, "type": "function",
+                           "function": {"name": call["name"], "arguments": arguments_object(call)}}
+                          for call, call_id in zip(calls, pending, strict=True)]
+            converted.append((asks, {"role": "assistant", "content": "", "tool_calls": tool_calls}))
+        else:
+            converted.append((asks, {"role": "assistant", "content": answer["content"]}))
+    return converted
+
+
+def _results_per_call(content: str, calls: int) -> list[str]:
+    if calls <= 1:
+        return [content]
+    results = json.loads(content) if content.lstrip().startswith("[") else []
+    if len(results) != calls:
+        raise DataError(f"a tool-call turn with {calls} calls needs its results as a JSON list of {calls} items (one "
+                        f"per call), got {content!r}")
+    return [text if isinstance(text, str) else to_json(text) for text in results]
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, enable_thinking: bool,
+                tools: ToolList | None = None) -> str:
+    from jinja2.exceptions import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             enable_thinking=enable_thinking, tools=tools or None)
+    except TemplateError as err:  # the template's own raise_exception: a conversation it does not take
+        raise DataError(f"template 'auto': the tokenizer's chat_template refuses this conversation ({err}); "
+                        + NAMED_INSTEAD) from None
     assert isinstance(text, str), "apply_chat_template(tokenize=False) must return text"
     return text

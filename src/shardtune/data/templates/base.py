@@ -146,7 +146,8 @@ class Template:
             reason = self.no_tools_reason or "its official chat template defines no tool calling"
             raise DataError(f"template '{self.name}' has no tool-call format ({reason}), but the data has tools, "
                             "tool calls or tool results; use a template with tools (qwen, qwen3, qwen3_nothink, "
-                            "qwen3_5, llama3, mistral, glm4), set tool_format, or drop the tool columns")
+                            "qwen3_5, llama3, mistral, glm4, glm4_moe), template: auto (the tokenizer's own chat "
+                            "template, tools included), set tool_format, or drop the tool columns")
 
     def with_options(self, default_system: str | None = None, enable_thinking: bool = True,
                      tool_style: ToolStyle | None = None) -> Template:

@@ -54,6 +54,11 @@ _YI_TURNS: _TurnFormats = {**_CHATML, "system_format": "{content}"}  # chatml tu
 _GLM4_TURNS: _TurnFormats = {"system_format": "<|system|>\n{content}",
                               "user_format": "<|user|>\n{content}<|assistant|>", "assistant_format": "\n{content}",
                               "stop_word": "<|user|>"}
+def _tools_through_auto(family: str) -> str:
+    return (f"{family}'s tool layout is not written by this named template; template: auto renders it with the "
+            "tokenizer's own chat template")
+
+
 GPT_OSS_DATE = "2025-08-05"  # gpt-oss's release date, pinned into its system block (see "gpt_oss")
 _LLAMA3_HEADER = "<|start_header_id|>{role}<|end_header_id|>\n\n"
 _LLAMA4_HEADER = "<|header_start|>{role}<|header_end|>\n\n"
@@ -124,7 +129,7 @@ TEMPLATES: dict[str, Template] = {
                        **_llama3_turns(_LLAMA3_HEADER, "<|eot_id|>")),
     # Llama 4 trims the system prompt only (LLaMA-Factory does not trim).
     "llama4": Template(name="llama4", prefix="{bos}", strip_system=True, **_llama3_turns(_LLAMA4_HEADER, "<|eot|>"),
-                       no_tools_reason="Llama 4's tool layout is not implemented in shardtune"),
+                       no_tools_reason=_tools_through_auto("Llama 4")),
     # Mistral-7B-Instruct-v0.3: the system prompt goes into the LAST user message (LLaMA-Factory: first).
     "mistral": Template(
         name="mistral",
@@ -181,7 +186,7 @@ TEMPLATES: dict[str, Template] = {
         strip_content=True,
         strip_system=True,
         thinking=GEMMA4_THINKING,
-        no_tools_reason="Gemma 4's tool layout is not implemented in shardtune",
+        no_tools_reason=_tools_through_auto("Gemma 4"),
     ),
     # Phi-3-mini-instruct: the rendered chat ends with eos after the last "<|end|>\n" (LLaMA-Factory: no eos).
     "phi": Template(
