@@ -41,8 +41,11 @@ V1_KERNELS_MEANING = ("LLaMA-Factory's automatic v1 kernels exist for Ascend NPU
 OTHER_BACKEND_KEYS = frozenset((KTRANSFORMERS_KEYS + " " + MEGATRON_KEYS).split())
 
 # Training variants of LLaMA-Factory that shardtune does not implement, each with what to use instead.
+# LLaMA-Factory converts with the MoD package (PyPI mixture-of-depth 1.2.0), whose import fails under transformers 5
+# (it imports TRANSFORMERS_CACHE, removed there) and whose layer wrapper takes transformers 4's decoder-layer call.
 _MOD = ("mixture of depths (tokens routed past layers, which changes the model's architecture) is not implemented; "
-        "remove it")
+        "LLaMA-Factory's own path, the MoD package (mixture-of-depth 1.2.0), does not import with transformers 5 "
+        "either; remove it")
 VARIANT_REASONS = {
     **_group(_MOD, "mixture_of_depths"),
     **_group("accuracy during evaluation (compute_accuracy) is not computed by shardtune, which reports eval_loss; "
