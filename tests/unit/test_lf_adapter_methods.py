@@ -1,5 +1,6 @@
 """LLaMA-Factory's adapter keys, honoured with its meaning: DoRA, rsLoRA, PiSSA (+ conversion), LoRA+,
-additional_target, lora_alpha's default; and BAdam refused with its reason."""
+additional_target, lora_alpha's default (BAdam and the other optimizer replacements: tests/unit/test_badam.py,
+tests/unit/test_lf_optimizers.py)."""
 
 from __future__ import annotations
 
@@ -48,14 +49,6 @@ def test_keys_are_accepted_and_reach_the_settings():
     assert settings.neftune_noise_alpha == 5
     assert FinetuningSettings(pissa_init=True).init_lora_weights == "pissa_niter_16"  # LLaMA-Factory's default
 
-
-def test_badam_is_refused_with_the_reason_when_on():
-    # The other replacements (Muon, GaLore, APOLLO, Adam-mini) are honoured: tests/unit/test_lf_optimizers.py.
-    with pytest.raises(ConfigError) as err:
-        build_config({"use_badam": True})
-    message = str(err.value)
-    assert "use_badam" in message and "use finetuning_type" in message
-    build_config({"use_badam": False, "badam_mode": "layer"})  # off, as a copied file has it: inert
 
 
 def test_lora_only_keys_are_refused_with_other_methods():

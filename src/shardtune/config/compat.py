@@ -149,41 +149,18 @@ def _tokens_seen(value: Any, _values: Mapping[str, Any]) -> dict[str, Any]:
     return {"include_num_input_tokens_seen": {"true": "all", "false": "no"}.get(text, text)}
 
 
-# LLaMA-Factory's optimizer replacements (optextras): Muon, GaLore, APOLLO (layer-wise too) and Adam-mini are schema
-# keys under their own names (engines.plan refuses them where they cannot work); BAdam stays refused, with the reason.
-REFUSED_OPTIMIZERS = {
-    "use_badam": "BAdam makes a different block of layers trainable every badam_switch_interval steps: DDP and FSDP "
-                 "fix the trainable set at set-up (LLaMA-Factory allows it only on one process or ZeRO-3) and "
-                 "shardtune's resume checkpoint keeps only the currently trainable weights, so a resumed run would "
-                 "lose the other blocks' updates; use finetuning_type: freeze or lora, or use_galore/use_apollo",
-}
-OPTIMIZER_SETTING_PREFIXES = {"badam_": "use_badam"}
-
-
-def _is_on(value: Any) -> bool:
-    return value not in (False, None) and str(value).strip().lower() not in ("false", "no", "0", "none", "null")
-
-
-def _refuse_when_on(key: str) -> Translate:
-    def translate(value: Any, _values: Mapping[str, Any]) -> dict[str, Any]:
-        if not _is_on(value):
-            return {}  # off, as LLaMA-Factory's default: nothing to do
-        raise ValueError(f"key '{key}' ({value!r}) is not supported: {REFUSED_OPTIMIZERS[key]}")
-    return translate
-
-
+# LLaMA-Factory's optimizer replacements (optextras): Muon, GaLore, APOLLO (layer-wise too), Adam-mini and BAdam's
+# layer mode are schema keys under their own names (engines.plan refuses them where they cannot work). BAdam's ratio
+# mode is refused before launch (launch/optimizer_checks.py); its two settings are read by nothing else.
 def _inert_setting(_value: Any, _values: Mapping[str, Any]) -> dict[str, Any]:
-    """A setting of a refused optimizer: inert while its switch is off (as in LLaMA-Factory), refused with it."""
+    """A setting read only by a mode that is refused when chosen: inert otherwise (as in LLaMA-Factory)."""
     return {}
 
 
 MAPPED.update({
     "include_num_input_tokens_seen": Mapped("include_num_input_tokens_seen (true: all, false: no)", _tokens_seen),
-    **{key: Mapped(f"nothing while off; refused when on ({key})", _refuse_when_on(key)) for key in REFUSED_OPTIMIZERS},
-    **{f"{prefix}{name}": Mapped(f"nothing: only read by {switch}, which is refused when on", _inert_setting)
-       for prefix, switch in OPTIMIZER_SETTING_PREFIXES.items()
-       for name in {"badam_": ("mode", "start_block", "switch_mode", "switch_interval", "update_ratio",
-                               "mask_mode", "verbose")}[prefix]},
+    **{key: Mapped("nothing: only read by badam_mode: ratio, which is refused", _inert_setting)
+       for key in ("badam_update_ratio", "badam_mask_mode")},
 })
 
 

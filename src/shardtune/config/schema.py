@@ -311,6 +311,19 @@ class TrainConfig:
     apollo_layerwise: bool = _key(False, "APOLLO: one optimizer per weight, stepped in the backward as its gradient "
                                          "completes, then freed (one process, gradient_accumulation_steps 1, no fp16; "
                                          "max_grad_norm is not applied)", TRAIN)
+    use_badam: bool = _key(False, "BAdam (badam package): AdamW on one block of decoder layers at a time, the block "
+                                  "switched every badam_switch_interval steps (full fine-tuning, one process)", TRAIN)
+    badam_mode: str = _key("layer", "BAdam: 'layer' (blocks of decoder layers); 'ratio' is refused", TRAIN,
+                           choices=("layer", "ratio"))
+    badam_start_block: int | None = _key(None, "BAdam: index of the first block trained (default: by "
+                                               "badam_switch_mode)", TRAIN, minimum=0)
+    badam_switch_mode: str = _key("ascending", "BAdam: order of the blocks (random: a new permutation per round, "
+                                               "drawn from `seed`; fixed: the start block only)", TRAIN,
+                                  choices=("ascending", "descending", "random", "fixed"))
+    badam_switch_interval: int = _key(50, "BAdam: optimizer steps per block (the package gives the first block one "
+                                          "step fewer); -1: never switch", TRAIN, minimum=-1)
+    badam_verbose: int = _key(0, "BAdam: 1 prints each block's prefixes at each switch, 2 also every parameter "
+                                 "name (rank 0)", TRAIN, minimum=0, maximum=2)
     num_train_epochs: float = _key(3.0, "passes over the data (ignored when max_steps > 0)", TRAIN, minimum=0)
     max_steps: int = _key(-1, "total optimizer steps; overrides num_train_epochs when > 0 (-1: off)", TRAIN, minimum=-1)
     lr_scheduler_type: str = _key("linear", "learning-rate schedule (transformers.get_scheduler)", TRAIN,

@@ -70,6 +70,9 @@ _WHOLE_WEIGHTS = {
                   "refuses APOLLO with DeepSpeed too)",
     "use_adam_mini": "Adam-mini splits each whole attention weight into heads to share one second moment per head, "
                      "and FSDP/ZeRO give each rank a flattened shard",
+    "use_badam": "BAdam makes another block of layers trainable every badam_switch_interval steps and steps fp32 "
+                 "copies of its whole weights, and FSDP/ZeRO fix the trainable set and shard it at set-up "
+                 "(LLaMA-Factory's ZeRO-3 path rebuilds DeepSpeed's partitions through its internals; not here)",
 }
 
 
@@ -77,21 +80,27 @@ def whole_weight_optimizer_problems(c: TrainConfig, label: str, shards_rows: boo
     """A sharding engine (``label``) refuses LLaMA-Factory's optimizer replacements: they work on whole weights.
     An engine that ``shards_rows`` (FSDP2: DTensors split on dim 0) runs Muon (optim/sharded_muon.py)."""
     on = {"use_muon": c.use_muon and not shards_rows, "use_galore": c.use_galore, "use_apollo": c.use_apollo,
-          "use_adam_mini": c.use_adam_mini}
-    remedy = {"use_muon": "train with fsdp_version: 2, on one process or with DDP"}
+          "use_adam_mini": c.use_adam_mini, "use_badam": c.use_badam}
+    remedy = {"use_muon": "train with fsdp_version: 2, on one process or with DDP",
+              "use_badam": "train on one process (NPROC_PER_NODE=1, no deepspeed/fsdp)"}
     return [f"{key} (true) with {label}: {_WHOLE_WEIGHTS[key]}; "
             f"{remedy.get(key, 'train on one process or with DDP (no deepspeed/fsdp)')}" for key, value in on.items()
             if value]
 
 
 def one_process_optimizer_problems(c: TrainConfig, label: str) -> list[str]:
-    """Layer-wise GaLore/APOLLO under several processes (``label``: the engine): refused, as LLaMA-Factory does."""
+    """Layer-wise GaLore/APOLLO and BAdam under several processes (``label``: the engine): refused (LLaMA-Factory
+    refuses the first two, and runs BAdam on several processes only under ZeRO-3, which shardtune refuses too)."""
     from shardtune.optim.settings import layerwise_key
 
     key = layerwise_key(c)
-    return [f"{key} (true) with {label}: each weight steps inside the backward as soon as its own gradient is "
-            "complete, before the processes could average it (LLaMA-Factory refuses distributed layer-wise training "
-            f"too); train on one process (NPROC_PER_NODE=1) or set {key}: false"] if key else []
+    problems = [f"{key} (true) with {label}: each weight steps inside the backward as soon as its own gradient is "
+                "complete, before the processes could average it (LLaMA-Factory refuses distributed layer-wise "
+                f"training too); train on one process (NPROC_PER_NODE=1) or set {key}: false"] if key else []
+    if c.use_badam:
+        problems.append(f"use_badam (true) with {label}: DDP registers the trainable weights once, at set-up, and "
+                        "BAdam changes them at every block switch; train on one process (NPROC_PER_NODE=1)")
+    return problems
 
 
 def pissa_problems(c: TrainConfig, label: str) -> list[str]:

@@ -80,11 +80,18 @@ class TorchEngine(Engine):
     def save_state(self, ckpt_dir: Path) -> None:
         if not self.is_main:
             return
-        model = self.unwrapped_model()
-        trainable = {n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
-        save_file(trainable, str(ckpt_dir / WEIGHTS_FILE))
+        trained = self.trained_names()
+        weights = {n: p.detach().contiguous().cpu() for n, p in self.unwrapped_model().named_parameters()
+                   if n in trained}
+        save_file(weights, str(ckpt_dir / WEIGHTS_FILE))
         torch.save(self.optimizer.state_dict(), ckpt_dir / OPTIMIZER_FILE)
         torch.save(self.scheduler_state(), ckpt_dir / SCHEDULER_FILE)
+
+    def trained_names(self) -> set[str]:
+        """The weights a checkpoint must hold: those that take gradients now and every one the optimizer holds
+        (BAdam, optim/badam.py, trains one block at a time and leaves the others without ``requires_grad``)."""
+        held = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        return {n for n, p in self.unwrapped_model().named_parameters() if p.requires_grad or id(p) in held}
 
     def scheduler_state(self) -> dict[str, Any]:
         # LambdaLR stores None for plain-function lambdas: the schedule itself is rebuilt from the config.
@@ -93,7 +100,7 @@ class TorchEngine(Engine):
     def load_state(self, ckpt_dir: Path) -> None:
         model = self.unwrapped_model()
         weights = load_file(str(ckpt_dir / WEIGHTS_FILE), device=str(self.device))
-        missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in weights]
+        missing = sorted(self.trained_names() - weights.keys())
         if missing:
             raise RuntimeError(f"checkpoint {ckpt_dir} lacks trainable weights: {missing[:3]}")
         params = dict(model.named_parameters())

@@ -25,6 +25,7 @@ from shardtune.engines.sequence_parallel_plan import sequence_parallel_problems,
 from shardtune.errors import ConfigError, ShardtuneError
 from shardtune.host import cuda_visible_devices, local_cpu_memory, local_gpu_memory, visible_gpu_count
 from shardtune.launch import env as launch_env
+from shardtune.launch.optimizer_checks import badam_launch_problems
 from shardtune.launch.resume_check import resume_read_problems
 from shardtune.launch.torchrun import LaunchPlan, device_problems, plan_launch
 from shardtune.launch.validate import attention_problems, cross_key_problems, file_problems
@@ -84,6 +85,7 @@ def preflight(argv: list[str], nodes: int, procs_per_node: int, *, defaults: dic
               "launching without Ray", file=sys.stderr)
     if launch is not None:
         later += device_problems(launch, visible_gpu_count(), cuda_visible_devices(), scheduler)
+        later += badam_launch_problems(config, launch.force_torchrun)
     layout = WorldLayout(nodes, procs_per_node, config.per_device_train_batch_size,
                          config.gradient_accumulation_steps, sequence_parallel=config.sequence_parallel_size)
     has_cuda = visible_gpu_count() > 0

@@ -24,7 +24,7 @@ WEIGHT_KEYS = ("stage", "finetuning_type", "lora_rank", "lora_target", "oft_rank
                "freeze_trainable_layers", "freeze_trainable_modules", "add_tokens", "add_special_tokens",
                "resize_vocab", "quantization_bit")
 # Keys whose value decides the optimizer state's layout (not read from a model-only checkpoint).
-OPTIMIZER_KEYS = ("optim", "use_muon", "use_adam_mini", "use_galore", "use_apollo")
+OPTIMIZER_KEYS = ("optim", "use_muon", "use_adam_mini", "use_galore", "use_apollo", "use_badam")
 # The model's config.json entries that fix every weight's shape.
 MODEL_SHAPE = ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
                "num_key_value_heads", "vocab_size")

@@ -90,10 +90,15 @@ def fused_adamw_fits(params: list[torch.nn.Parameter]) -> bool:
 
 def build_extra_optimizer(params: list[torch.nn.Parameter], s: OptimizerSettings,
                           model: torch.nn.Module) -> torch.optim.Optimizer:
-    """Muon, GaLore, APOLLO or Adam-mini over ``params``, their parameter groups chosen as LLaMA-Factory does."""
+    """Muon, GaLore, APOLLO, Adam-mini or BAdam over ``params``, their parameter groups chosen as LLaMA-Factory
+    does."""
     wanted = {id(p) for p in params}
     named = [(name, p) for name, p in model.named_parameters() if id(p) in wanted]
     betas, extra = (s.adam_beta1, s.adam_beta2), s.extra
+    if extra.kind == "badam":
+        from shardtune.optim.badam import build_badam  # the optional badam package, imported only when asked for
+
+        return build_badam(named, s)
     if extra.kind == "muon":
         return optimizers.build_muon(named, s.learning_rate, s.weight_decay, betas, s.adam_epsilon)
     if extra.kind == "adam_mini":

@@ -9,10 +9,21 @@ from shardtune.config.schema import TrainConfig
 
 
 @dataclass(frozen=True)
+class BlockSwitching:
+    """BAdam's block schedule (optim/badam.py): which block first, in what order, how many steps each."""
+
+    start_block: int | None = None
+    switch_mode: str = "ascending"
+    switch_interval: int = 50  # -1: never switch
+    verbose: int = 0
+    seed: int = 42  # draws badam_switch_mode: random's permutations
+
+
+@dataclass(frozen=True)
 class ExtraOptimizer:
     """Which LLaMA-Factory optimizer replacement is on, with its GaLore/APOLLO projection settings."""
 
-    kind: str | None = None  # "muon", "galore", "apollo", "adam_mini" or None (plain optim)
+    kind: str | None = None  # "muon", "galore", "apollo", "adam_mini", "badam" or None (plain optim)
     target: tuple[str, ...] = ("all",)
     rank: int = 16
     update_interval: int = 200
@@ -22,6 +33,7 @@ class ExtraOptimizer:
     apollo_scale_type: str = "channel"
     apollo_scale_front: bool = False
     layerwise: bool = False  # GaLore/APOLLO: one optimizer per weight, stepped from its gradient hook
+    blocks: BlockSwitching = BlockSwitching()  # BAdam
 
 
 @dataclass(frozen=True)
@@ -57,6 +69,9 @@ def extra_optimizer(c: TrainConfig) -> ExtraOptimizer:
         return ExtraOptimizer("adam_mini")
     if c.use_muon:
         return ExtraOptimizer("muon")
+    if c.use_badam:
+        return ExtraOptimizer("badam", blocks=BlockSwitching(c.badam_start_block, c.badam_switch_mode,
+                                                             c.badam_switch_interval, c.badam_verbose, c.seed))
     return ExtraOptimizer()
 
 
