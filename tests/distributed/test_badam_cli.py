@@ -1,7 +1,8 @@
 """BAdam (use_badam, optim/badam.py) through the real CLI on one process (in-process, no launcher).
 
 It trains a tiny model whose three decoder layers take turns (badam_switch_interval 2: layer 0 for the first step,
-then two steps each), its losses differ from plain AdamW's, and the checkpoint holds every layer's weights: a run
+then two steps each), its losses differ from plain AdamW's, the saved model holds every layer's updates and the
+checkpoint every layer's weights: a run
 resumed from step 3 (layer 1 active, layer 0 already trained) logs the uninterrupted run's losses for steps 4-6.
 """
 
@@ -46,6 +47,10 @@ def test_badam_trains_block_by_block_and_resumes_like_an_uninterrupted_run(three
     saved = load_file(str(finished / "checkpoint-3" / "trainable.safetensors"))
     assert {n.split(".")[2] for n in saved if n.startswith("model.layers.")} == {"0", "1", "2"}
     assert "model.embed_tokens.weight" in saved and "lm_head.weight" in saved
+    # The saved model holds every block's updates (and the untrained embeddings as loaded).
+    base, final = load_file(str(three_layers / "model.safetensors")), load_file(str(finished / "model.safetensors"))
+    moved = {n.split(".")[2] for n in final if n.startswith("model.layers.") and not final[n].equal(base[n])}
+    assert moved == {"0", "1", "2"} and final["model.embed_tokens.weight"].equal(base["model.embed_tokens.weight"])
     crash_after_first_checkpoint(finished, crashed)
     assert "resuming from" in run_one_process(three_layers, crashed, *BADAM, overwrite=False).stdout
     assert_resumed_like_finished(finished, crashed, rel=1e-6)
