@@ -39,6 +39,7 @@ def run_check(config: str | bytes) -> tuple[int, str]:
 @given(st.dictionaries(KEYS, VALUES, max_size=4))
 @example({"model_name_or_path": "0\r"})  # found by hypothesis: a value's line break must not split the message
 @example({"fsdp": ["\x1e"]})  # found by hypothesis: str.splitlines() also breaks at the record separator
+@example({"pref_loss": []})  # found by hypothesis: an unhashable value reached a lookup in the key's mapping
 def test_mutated_configs_pass_or_exit_2(mutation):
     code, err = run_check(json.dumps({**VALID, **mutation}, default=str))
     assert code in (0, 2), err

@@ -173,7 +173,7 @@ PREF_LOSS_REPLACED = {"kto_pair": "the paired KTO loss was dropped by TRL; use s
 
 
 def _pref_loss(value: Any, _values: Mapping[str, Any]) -> dict[str, Any]:
-    if value in PREF_LOSS_REPLACED:
+    if isinstance(value, str) and value in PREF_LOSS_REPLACED:  # other types: the schema's type check names them
         raise Refused("pref_loss", value, PREF_LOSS_REPLACED[value])
     return {"pref_loss": value}
 
