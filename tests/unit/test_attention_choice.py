@@ -163,3 +163,17 @@ def test_per_layer_type_masks_reach_the_device() -> None:
     batch = {"attention_mask": {"full_attention": torch.zeros(1), "sliding_attention": torch.ones(1)}, "n": 3}
     moved = to_device(batch, torch.device("cpu"))
     assert set(moved["attention_mask"]) == {"full_attention", "sliding_attention"} and moved["n"] == 3
+
+
+def test_models_that_build_their_own_mask_keep_rows_apart_by_padding():
+    """GPT-1, XLNet, ProphetNet, CPM-Ant build their mask from a 2-D padding mask and BLOOM reads ALiBi positions
+    from it: a packed row's 4-D block mask cannot reach them, so packing is refused and padding_free (on by default
+    on the CPU) stays off (the registry matrix found them: each failed or mixed samples on one process)."""
+    from shardtune.model.attention import kernel_support, packing_problem
+
+    for model_type in ("bloom", "openai-gpt", "xlnet", "prophetnet", "cpmant"):
+        support = kernel_support({"model_type": model_type})
+        assert support is not None and not support.prepared_mask, model_type
+        assert "builds its attention mask itself" in packing_problem({"model_type": model_type}, support, "sdpa", "m")
+    for config in ({"model_type": "llama"}, {"model_type": "falcon", "alibi": False}, {"model_type": "fuyu"}):
+        assert kernel_support(config).prepared_mask, config

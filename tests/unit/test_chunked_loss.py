@@ -197,6 +197,18 @@ def test_soft_capped_logits_fall_back_with_a_reason():
         assert_same(model, batch_of(features()), 4)
 
 
+def test_xlstm_soft_capped_logits_fall_back_with_a_reason():
+    """xLSTM names its cap output_logit_soft_cap (the registry matrix found it: the chunked loss refused it)."""
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.model.registry import tiny_registry_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_registry_config("xlstm", VOCAB))
+    with pytest.warns(UserWarning, match="output_logit_soft_cap"):
+        assert_same(model, batch_of(features()), 4)
+
+
 def test_lora_on_the_head_falls_back_with_a_reason():
     from peft import LoraConfig, get_peft_model
 

@@ -254,3 +254,14 @@ def test_the_choice_is_set_on_the_model_and_said(arch_model_dir):
     assert model.config._experts_implementation == "grouped_mm"
     assert moe.apply_experts_implementation(AutoModelForCausalLM.from_pretrained(arch_model_dir("llama")), "cuda",
                                             "float32") is None  # a dense model: nothing to choose
+
+
+def test_a_model_whose_experts_cannot_switch_keeps_its_own():
+    """Llama 4's class raises when asked to switch (the registry matrix found it: every llama4 cell failed)."""
+    from shardtune.model.registry import tiny_registry_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_registry_config("llama4_text", 512))
+    assert moe.fused_expert_parameters(model)
+    assert moe.apply_experts_implementation(model, "cpu", "float32") == (
+        "mixture of experts: the model's own experts code (its class cannot switch experts_implementation)")

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from shardtune.model.architectures import FAMILIES
-from shardtune.model.attention import KernelSupport, kernel_support
+from shardtune.model.attention import KernelSupport, kernel_support, takes_prepared_mask
 from shardtune.model.transformers_tables import causal_lm_class_name, known_model_types, table
 from tests.conftest import REPO
 
@@ -34,7 +34,8 @@ def imported_support(model_type: str) -> KernelSupport | None:
     source = inspect.getsource(sys.modules[cls.__module__])
     return KernelSupport(cls.__name__, flash=bool(getattr(cls, "_supports_flash_attn", False)),
                          sdpa=bool(getattr(cls, "_supports_sdpa", False)), sinks="s_aux=" in source,
-                         mask_per_layer_type="isinstance(causal_mask_mapping := attention_mask, dict)" in source)
+                         mask_per_layer_type="isinstance(causal_mask_mapping := attention_mask, dict)" in source,
+                         prepared_mask=takes_prepared_mask(source, {"model_type": model_type}))
 
 
 def test_the_auto_tables_read_from_source_equal_the_imported_ones():

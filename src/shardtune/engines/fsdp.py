@@ -42,6 +42,7 @@ from shardtune.engines.fsdp_qlora import (
     rank0_first,
     tensors_to_broadcast,
 )
+from shardtune.engines.fsdp_wrap import wrap_targets
 from shardtune.engines.safe_load import load_dcp_weights_only
 from shardtune.engines.sharded_loading import ShardedLoad, fill_fully_sharded, fsdp1_param_init
 from shardtune.engines.torch_native import SCHEDULER_FILE, TorchEngine
@@ -342,39 +343,6 @@ def build_mesh(s: FsdpSettings, ctx: DistContext) -> DeviceMesh:
     if s.sharding_strategy == "NO_SHARD" and s.version == 2:
         return init_device_mesh(device_type, (ctx.world_size, 1), mesh_dim_names=("replicate", "shard"))
     return init_device_mesh(device_type, (ctx.world_size,), mesh_dim_names=("shard",))
-
-
-def wrap_targets(model: torch.nn.Module, s: FsdpSettings) -> list[torch.nn.Module]:
-    """Submodules that get their own FSDP unit, innermost first."""
-    if s.auto_wrap_policy == "NO_WRAP":
-        return []
-    if s.auto_wrap_policy == "SIZE_BASED_WRAP":
-        return _size_based_targets(model, s.min_num_params)
-    names = set(s.transformer_layer_cls_to_wrap or layer_class_names(model))
-    return [m for m in model.modules() if type(m).__name__ in names]
-
-
-def layer_class_names(model: torch.nn.Module) -> list[str]:
-    """The decoder-layer class from the model's ``_no_split_modules`` (as HF and accelerate do)."""
-    get_base_model = getattr(model, "get_base_model", None)  # peft's wrapper: the class list is on its base
-    base = get_base_model() if get_base_model is not None else model
-    names = list(getattr(base, "_no_split_modules", None) or [])
-    if not names:
-        raise ValueError("fsdp_config: cannot find the model's layer class; set fsdp_transformer_layer_cls_to_wrap")
-    return names
-
-
-def _size_based_targets(model: torch.nn.Module, min_num_params: int) -> list[torch.nn.Module]:
-    chosen: list[torch.nn.Module] = []
-    covered: set[int] = set()
-    for module in reversed(list(model.modules())):  # children before parents
-        if module is model or isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
-            continue  # containers have no forward for FSDP to hook
-        size = sum(p.numel() for p in module.parameters() if id(p) not in covered)
-        if size >= min_num_params:
-            chosen.append(module)
-            covered.update(id(p) for p in module.parameters())
-    return chosen
 
 
 def shard_fsdp2(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, device: torch.device,

@@ -43,6 +43,9 @@ class KernelSupport:
     sdpa: bool
     sinks: bool  # learnable attention sinks, which transformers passes only to kernels that take them
     mask_per_layer_type: bool  # forward accepts {layer type: mask} (models mixing local and global layers)
+    # forward takes a 4-D mask as given (transformers' masking_utils); False: it builds its own from a 2-D padding
+    # mask (GPT-1, XLNet, ProphetNet, CPM-Ant), or reads positions from one (BLOOM's ALiBi)
+    prepared_mask: bool = True
 
 
 def kernel_support(config: Mapping[str, Any]) -> KernelSupport | None:
@@ -60,7 +63,17 @@ def kernel_support(config: Mapping[str, Any]) -> KernelSupport | None:
                          sdpa=bool(attributes.get("_supports_sdpa")),
                          # transformers' attention modules hand sinks to the kernel as `s_aux=` (gpt_oss).
                          sinks="s_aux=" in source,
-                         mask_per_layer_type="isinstance(causal_mask_mapping := attention_mask, dict)" in source)
+                         mask_per_layer_type="isinstance(causal_mask_mapping := attention_mask, dict)" in source,
+                         prepared_mask=takes_prepared_mask(source, config))
+
+
+def takes_prepared_mask(source: str, config: Mapping[str, Any]) -> bool:
+    """Whether the modelling file ``source`` passes a 4-D mask on as given: it builds masks with transformers'
+    masking_utils (or hands them to a language model built from its sub-config: Fuyu, GOT-OCR2), and computes no
+    ALiBi positions from the 2-D mask (BLOOM; Falcon only with ``alibi: true`` in its config)."""
+    builds_with_utils = "masking_utils" in source or "AutoModel.from_config(" in source
+    alibi_from_mask = "build_alibi_tensor(attention_mask" in source.replace("self.", "") and config.get("alibi", True)
+    return builds_with_utils and not alibi_from_mask
 
 
 def causal_lm_class_file(config: Mapping[str, Any]) -> tuple[str, Path] | None:
@@ -190,6 +203,10 @@ def packing_problem(config: Mapping[str, Any], support: KernelSupport | None, ke
         return (f"packing: {model or 'the model'} has {', '.join(stateful)} layers, whose state runs along the "
                 "row with no mask to stop it, so packed samples would leak into each other; set packing: false "
                 "(padding_free is off for it)")
+    if support is not None and not support.prepared_mask:
+        return (f"packing: {support.model_class} ({model or 'the model'}) builds its attention mask itself from a "
+                "2-D padding mask, so the block mask that keeps packed samples apart cannot reach it; set packing: "
+                "false (padding_free is off for it)")
     if kernel.startswith("flash"):
         return None  # varlen offsets bound every layer, and flash applies each layer's own window
     kinds = layer_windows(config)

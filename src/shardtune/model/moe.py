@@ -152,6 +152,9 @@ def apply_experts_implementation(model: torch.nn.Module, device_type: str, weigh
     outer = next((m for m in model.modules() if hasattr(m, "set_experts_implementation")), None)
     if outer is None:
         return None
+    can_switch = getattr(outer, "_can_set_experts_implementation", None)
+    if callable(can_switch) and not can_switch():  # Llama 4: its own experts code, which raises when asked
+        return "mixture of experts: the model's own experts code (its class cannot switch experts_implementation)"
     outer.set_experts_implementation(choice)  # type: ignore[operator]  # a PreTrainedModel method
     kept = getattr(getattr(outer, "config", None), "_experts_implementation", choice)
     if kept != choice:  # a model class whose experts cannot be switched

@@ -32,6 +32,9 @@ TINY_SIZES: dict[str, int] = {
     # Jamba-style periods: an attention layer and an expert layer among the two kept
     "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
 }
+# Sizes a default may leave unset (None) that the modelling code needs: a derived head size, and the experts per
+# token (DeepSeek-V2's default routes to None experts).
+UNSET_SIZES = ("head_dim", "num_experts_per_tok")
 # Per-layer descriptions: a list (or a string, one character per layer) as long as the layer count.
 PER_LAYER_HINTS = (*LAYER_KIND_KEYS, "hybrid_override_pattern")
 # Lists of layer indices (the layers of one kind): renumbered onto the layers kept.
@@ -122,7 +125,7 @@ def tiny_kwargs(config: Any, vocab_size: int, special_ids: dict[str, int]) -> di
     own = {key: value for key, value in vars(config).items() if not key.startswith("_")}
     own.update({name: own[field] for name, field in aliases.items() if field in own})  # n_embd read as hidden_size
     kwargs: dict[str, Any] = {aliases.get(key, key): value for key, value in TINY_SIZES.items()
-                              if key in own and (type(own[key]) is int or own[key] is None and key == "head_dim")}
+                              if key in own and (type(own[key]) is int or own[key] is None and key in UNSET_SIZES)}
     expand = own.get("expand", own.get("mamba_expand"))
     if type(expand) is int:  # Mamba: the inner width (expand x hidden) is heads x head size
         inner = expand * TINY_SIZES["hidden_size"]

@@ -64,9 +64,10 @@ from shardtune.model.moe import packed_aux_loss_problem
 DEFAULT_LOSS_CHUNK_SIZE: int = TrainConfig.loss_chunk_size
 # Rows of the head's weight gradient per mixed-precision product (its temporary: 64 MiB at hidden 4096, bf16).
 PRODUCT_BLOCK_ROWS = 8192
-# Config attributes with which a model rescales or caps the head's logits after the head returns them.
+# Config attributes with which a model rescales or caps the head's logits after the head returns them (the last
+# two: xLSTM's and RecurrentGemma's caps).
 LOGIT_POSTPROCESSING_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier",
-                             "output_multiplier_scale")
+                             "output_multiplier_scale", "output_logit_soft_cap", "logits_soft_cap")
 
 
 EAFT_TOP_K = 20  # the logits EAFT's entropy is taken over (LLaMA-Factory's _eaft_cross_entropy)
