@@ -21,6 +21,9 @@ class DistContext:
     local_world_size: int
     device: torch.device
     backend: str
+    # False when the group existed before this run joined it (Ray Train's, a driver's that trains several runs in
+    # one group): its creator destroys it, so engines built on it one after another share it.
+    owns_group: bool = True
 
 
 def init_distributed(rank_env: RankEnv, timeout_s: int) -> DistContext:
@@ -30,10 +33,12 @@ def init_distributed(rank_env: RankEnv, timeout_s: int) -> DistContext:
         torch.cuda.set_device(device)
     backend = process_group_backend(device.type)
     timeout = datetime.timedelta(seconds=timeout_s)
-    if not dist.is_initialized():
+    owns_group = not dist.is_initialized()
+    if owns_group:
         dist.init_process_group(backend=backend, timeout=timeout, **restart_store(rank_env, timeout))
     return DistContext(rank=dist.get_rank(), local_rank=rank_env.local_rank, world_size=dist.get_world_size(),
-                       local_world_size=rank_env.local_world_size, device=device, backend=backend)
+                       local_world_size=rank_env.local_world_size, device=device, backend=backend,
+                       owns_group=owns_group)
 
 
 def process_group_backend(device_type: str) -> str:
@@ -127,4 +132,5 @@ class DistributedMixin:
         # therefore leaves through launch.worker.leave_rank, which never starts interpreter shutdown.
         if dist.is_initialized():
             dist.barrier()
-            dist.destroy_process_group()
+            if self.ctx.owns_group:
+                dist.destroy_process_group()
