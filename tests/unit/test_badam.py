@@ -183,6 +183,17 @@ def test_a_start_block_past_the_last_is_refused_by_name():
         _build(_model(), start_block=4)
 
 
+def test_a_start_block_past_the_last_is_refused_before_launch(tiny_model_dir):
+    from shardtune.launch.validate import layer_problems
+
+    keys = {"use_badam": True, "model_name_or_path": str(tiny_model_dir)}
+    layers = LlamaConfig.from_pretrained(tiny_model_dir).num_hidden_layers
+    assert layer_problems(build_config({**keys, "badam_start_block": layers})) == [
+        f"badam_start_block ({layers}): the model has {layers} decoder layers, BAdam's blocks 0 to {layers - 1}; "
+        "choose one of them or leave it unset"]
+    assert layer_problems(build_config({**keys, "badam_start_block": layers - 1})) == []
+
+
 # --- config ---
 
 def test_llamafactory_keys_reach_the_settings():

@@ -390,20 +390,34 @@ def file_problems(c: TrainConfig) -> list[str]:
 
 
 def layer_problems(c: TrainConfig) -> list[str]:
-    """freeze_trainable_layers against the model's decoder layers (config.json), as freeze tuning and LLaMA-Pro
-    will choose them on the ranks."""
-    if not c.use_llama_pro and (c.finetuning_type != "freeze" or c.freeze_trainable_layers == 0):
-        return []  # 0 without LLaMA-Pro: said by schedule_problems already
+    """freeze_trainable_layers (freeze tuning, LLaMA-Pro) and badam_start_block against the model's decoder layers
+    (config.json), as the ranks will choose them."""
+    freezes = c.use_llama_pro or (c.finetuning_type == "freeze" and c.freeze_trainable_layers != 0)
+    starts = c.use_badam and c.badam_start_block is not None
+    if not (freezes or starts):
+        return []  # freeze_trainable_layers 0 without LLaMA-Pro: said by schedule_problems already
     from shardtune.model.adapters import layer_count_problem
+
+    layers = decoder_layer_count(c)
+    if layers is None:
+        return []
+    problems = []
+    if freezes and (problem := layer_count_problem(layers, c.freeze_trainable_layers, c.use_llama_pro)):
+        problems.append(problem)
+    if starts and c.badam_start_block is not None and not 0 <= c.badam_start_block < layers:
+        problems.append(f"badam_start_block ({c.badam_start_block}): the model has {layers} decoder layers, BAdam's "
+                        f"blocks 0 to {layers - 1}; choose one of them or leave it unset")
+    return problems
+
+
+def decoder_layer_count(c: TrainConfig) -> int | None:
+    """num_hidden_layers of the model's config.json (its text config's for an image-text folder), None if unknown."""
     from shardtune.model.attention import known_model_config
 
     known = known_model_config(c.model_name_or_path or "", builds_tiny_model=c.build_tiny_model_if_missing) or {}
     nested = known.get("text_config")
     layers = (nested if isinstance(nested, dict) else known).get("num_hidden_layers")
-    if type(layers) is not int:
-        return []
-    problem = layer_count_problem(layers, c.freeze_trainable_layers, c.use_llama_pro)
-    return [problem] if problem else []
+    return layers if type(layers) is int else None
 
 
 def attention_problems(c: TrainConfig) -> list[str]:
