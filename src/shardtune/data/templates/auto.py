@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +13,7 @@ from shardtune.data.templates.tools import (
     mistral_call_id,
     parse_tool_calls,
     parse_tools,
-    to_json,
+    results_per_call,
 )
 from shardtune.errors import DataError
 
@@ -79,7 +78,7 @@ def chat_messages(pairs: list[tuple[Message, Message]]) -> list[tuple[list[dict[
     pending: list[str] = []
     for turn, (ask, answer) in enumerate(pairs):
         if ask["role"] == "observation":
-            results = _results_per_call(ask["content"], len(pending))
+            results = results_per_call(ask["content"], len(pending))
             asks = [{"role": "tool", "content": text, "tool_call_id": call_id}
                     for text, call_id in zip(results, pending or [mistral_call_id(turn, 0)], strict=False)]
         else:
@@ -95,16 +94,6 @@ def chat_messages(pairs: list[tuple[Message, Message]]) -> list[tuple[list[dict[
         else:
             converted.append((asks, {"role": "assistant", "content": answer["content"]}))
     return converted
-
-
-def _results_per_call(content: str, calls: int) -> list[str]:
-    if calls <= 1:
-        return [content]
-    results = json.loads(content) if content.lstrip().startswith("[") else []
-    if len(results) != calls:
-        raise DataError(f"a tool-call turn with {calls} calls needs its results as a JSON list of {calls} items (one "
-                        f"per call), got {content!r}")
-    return [text if isinstance(text, str) else to_json(text) for text in results]
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, enable_thinking: bool,

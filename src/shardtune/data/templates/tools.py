@@ -111,6 +111,28 @@ def single_call(calls: list[Call], family: str) -> Call:
     return calls[0]
 
 
+def named_arguments(call: Call, family: str, written_as: str) -> dict[str, Any]:
+    """A call's arguments as the JSON object a family that writes one block per argument needs."""
+    arguments = arguments_object(call)
+    if not isinstance(arguments, dict):
+        raise DataError(f"tool call '{call['name']}': {family} writes arguments as {written_as}, so they must be a "
+                        f"JSON object, got {to_json(arguments)}")
+    return arguments
+
+
+def results_per_call(content: str, call_count: int, family: str = "") -> list[str]:
+    """A tool-result message as one text per call it answers: several calls take a JSON list, one item per call
+    (items that are not strings written as JSON)."""
+    if call_count <= 1:
+        return [content]
+    results = json.loads(content) if content.lstrip().startswith("[") else []
+    if len(results) != call_count:
+        turn = f"a {family} tool-call turn" if family else "a tool-call turn"
+        raise DataError(f"{turn} with {call_count} calls needs its results as a JSON list of {call_count} items (one "
+                        f"per call), got {content!r}")
+    return [text if isinstance(text, str) else to_json(text) for text in results]
+
+
 @dataclass(frozen=True)
 class ToolStyle:
     """How one family writes tool definitions, the assistant's tool calls and the tool results.
@@ -179,10 +201,7 @@ class Qwen35Tools(QwenTools):
     def calls(self, calls: list[Call], turn: int) -> str:
         blocks = []
         for call in calls:
-            arguments = arguments_object(call)
-            if not isinstance(arguments, dict):
-                raise DataError(f"tool call '{call['name']}': Qwen3.5 writes arguments as named parameters, so they "
-                                f"must be a JSON object, got {to_json(arguments)}")
+            arguments = named_arguments(call, "Qwen3.5", "named parameters")
             written = "".join(f"<parameter={key}>\n{qwen35_value(value)}\n</parameter>\n"
                               for key, value in arguments.items())
             blocks.append(f"<tool_call>\n<function={call['name']}>\n{written}</function>\n</tool_call>")
@@ -261,15 +280,9 @@ class MistralTools(ToolStyle):
         return "[TOOL_CALLS] [" + ", ".join(written) + "]"
 
     def result(self, content: str, turn: int, call_count: int) -> str:
-        contents = [content]
-        if call_count > 1:
-            contents = json.loads(content) if content.lstrip().startswith("[") else []
-            if len(contents) != call_count:
-                raise DataError(f"a Mistral tool-call turn with {call_count} calls needs its results as a JSON list "
-                                f"of {call_count} items (one per call), got {content!r}")
-        blocks = [f'[TOOL_RESULTS] {{"content": {text if isinstance(text, str) else to_json(text)}, '
+        blocks = [f'[TOOL_RESULTS] {{"content": {text}, '
                   f'"call_id": "{mistral_call_id(turn - 1, index)}"}}[/TOOL_RESULTS]'
-                  for index, text in enumerate(contents)]
+                  for index, text in enumerate(results_per_call(content, call_count, "Mistral"))]
         return "".join(blocks)
 
 
@@ -310,24 +323,15 @@ class Glm45Tools(ToolStyle):
     def calls(self, calls: list[Call], turn: int) -> str:
         blocks = []
         for call in calls:
-            arguments = arguments_object(call)
-            if not isinstance(arguments, dict):
-                raise DataError(f"tool call '{call['name']}': GLM-4.5 writes arguments as key/value pairs, so they "
-                                f"must be a JSON object, got {to_json(arguments)}")
+            arguments = named_arguments(call, "GLM-4.5", "key/value pairs")
             written = "".join(f"<arg_key>{key}</arg_key>\n<arg_value>{glm45_value(value)}</arg_value>\n"
                               for key, value in arguments.items())
             blocks.append(f"<tool_call>{call['name']}\n{written}</tool_call>")
         return "\n".join(blocks)
 
     def result(self, content: str, turn: int, call_count: int) -> str:
-        results: list[Any] = [content]
-        if call_count > 1:
-            results = json.loads(content) if content.lstrip().startswith("[") else []
-            if len(results) != call_count:
-                raise DataError(f"a GLM-4.5 tool-call turn with {call_count} calls needs its results as a JSON list "
-                                f"of {call_count} items (one per call), got {content!r}")
-        written = "".join(f"\n<tool_response>\n{text if isinstance(text, str) else to_json(text)}\n</tool_response>"
-                          for text in results)
+        written = "".join(f"\n<tool_response>\n{text}\n</tool_response>"
+                          for text in results_per_call(content, call_count, "GLM-4.5"))
         return f"<|observation|>{written}<|assistant|>"
 
 
