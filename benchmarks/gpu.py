@@ -68,7 +68,15 @@ ENGINES = {
     "fsdp2": ("FSDP2 FULL_SHARD", ["fsdp=full_shard auto_wrap"]),
     "zero2": ("ZeRO-2", ["deepspeed=z2"]),
     "zero3": ("ZeRO-3", ["deepspeed=z3"]),
+    # Regional compilation (torch_compile: each decoder layer through inductor), one process and under FSDP2.
+    "local-compile": ("local + torch_compile", ["torch_compile=true"]),
+    "fsdp2-compile": ("FSDP2 FULL_SHARD + torch_compile", ["fsdp=full_shard auto_wrap", "torch_compile=true"]),
 }
+
+
+def launched(engine: str) -> bool:
+    """Every engine but one plain process runs under torchrun (FORCE_TORCHRUN)."""
+    return not engine.startswith("local")
 
 
 def lora_parameters(shape: dict, rank: int = 16) -> int:
@@ -185,7 +193,7 @@ def command_for(engine: str, finetuning: str, config: Path, out: Path, processes
     argv = [*SHARDTUNE, "train", str(config), f"output_dir={out}", f"finetuning_type={finetuning}",
             *ENGINES[engine][1]]
     env = {**os.environ}
-    if engine != "local":
+    if launched(engine):
         env.update(FORCE_TORCHRUN="1", NPROC_PER_NODE=str(processes))
     return argv, env
 
@@ -197,7 +205,7 @@ def run_one(engine: str, finetuning: str, config: Path, work: Path, s: Settings,
     started = time.time()
     done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True)
     row = {"engine": engine, "label": ENGINES[engine][0], "finetuning": finetuning, "data": s.data,
-           "command": (f"FORCE_TORCHRUN=1 NPROC_PER_NODE={s.processes} " if engine != "local" else "")
+           "command": (f"FORCE_TORCHRUN=1 NPROC_PER_NODE={s.processes} " if launched(engine) else "")
            + shlex.join(["shardtune", *argv[len(SHARDTUNE):]])}
     if done.returncode != 0:
         # One engine failing must not cost the others' numbers: the row records the failure instead.
@@ -215,6 +223,7 @@ def run_one(engine: str, finetuning: str, config: Path, work: Path, s: Settings,
         "measured_steps": results["throughput"]["measured_steps"], "final_loss": results["final_loss"],
         "peak_memory_gib_per_rank": [round(b / 2**30, 2) for b in results["peak_memory_bytes_per_rank"]],
         "wall_seconds": round(time.time() - started, 1), "profile": results.get("profile"),
+        "torch_compile": results.get("torch_compile"),
     })
     if "peak_setup_memory_bytes_per_rank" in results:
         row["peak_setup_memory_gib_per_rank"] = [round(b / 2**30, 2)
@@ -222,6 +231,14 @@ def run_one(engine: str, finetuning: str, config: Path, work: Path, s: Settings,
     for name, peak in peaks.items():
         row[f"mfu_{name}"] = round(flops_per_gpu / peak, 4) if peak else None
     return row
+
+
+def write_results(stem: Path, rows: list[dict], meta: dict) -> None:
+    """Merge ``rows`` into ``stem``.json (rows of the same engine, finetuning and data replaced) and render .md."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    merged = merge_rows(stem.with_suffix(".json"), rows)
+    stem.with_suffix(".json").write_text(json.dumps({**meta, "rows": merged}, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(render_markdown(merged, meta))
 
 
 def measured_bf16_matmul_flops(size: int = 8192, repeats: int = 10) -> float | None:
@@ -268,7 +285,7 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
         f"process, bf16, {s['steps']} measured steps after {s['warmup']} of warm-up. LoRA: rank 16 on every linear "
         "layer.", "",
         "MFU = model FLOPs per token (full 6N + attention; LoRA 4N + 2N_trainable + attention) x tokens/s per GPU / "
-        "peak: against the H200's dense bf16 datasheet figure "
+        "peak: against the H100/H200 SXM dense bf16 datasheet figure "
         "(989 TFLOP/s) and against the measured 8192^3 bf16 matrix product"
         + (f" ({peak:.0f} TFLOP/s on this GPU)." if peak else " (not measured: no GPU)."), "",
         "| data | finetuning | engine | procs | tokens/s | step median | MFU (989) | MFU (measured) "
@@ -349,23 +366,21 @@ def main(argv: list[str]) -> int:
     config = write_config(work, work / "model", s)
     measured = measured_bf16_matmul_flops()
     peaks = {"spec": H200_DENSE_BF16_FLOPS if gpus else None, "measured": measured}
-    rows = []
-    for finetuning in args.finetuning.split(","):
-        for engine in args.engines.split(","):
+    meta = {"date": args.date, "machine": machine(), "model": info, "settings": vars(s),
+            "measured_bf16_matmul_tflops": measured / 1e12 if measured else None,
+            "command": shlex.join(["python", "benchmarks/gpu.py", *argv])}
+    rows: list[dict] = []
+    # Engine by engine, full then LoRA, and the results written after every row: a device call cut off at its time
+    # limit keeps the rows it finished.
+    for engine in args.engines.split(","):
+        for finetuning in args.finetuning.split(","):
             row = run_one(engine, finetuning, config, work, s, info, peaks)
             print(f"  {finetuning} {row['label']}: " + (f"FAILED: {row['error']}" if "error" in row else
                   f"{row['tokens_per_second']:,.0f} tokens/s, peak {row['peak_memory_gib_per_rank']} GiB"),
                   flush=True)
             rows.append(row)
-    stem = args.out / f"gpu-{args.date}"
-    rows = merge_rows(stem.with_suffix(".json"), rows)
-    meta = {"date": args.date, "machine": machine(), "model": info, "settings": vars(s),
-            "measured_bf16_matmul_tflops": measured / 1e12 if measured else None,
-            "command": shlex.join(["python", "benchmarks/gpu.py", *argv])}
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(render_markdown(rows, meta))
-    print(render_markdown(rows, meta))
+            write_results(args.out / f"gpu-{args.date}", rows, meta)
+    print(render_markdown(merge_rows(args.out / f"gpu-{args.date}.json", []), meta))
     return 1 if any("error" in r for r in rows) else 0
 
 

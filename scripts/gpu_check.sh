@@ -19,6 +19,10 @@
 #                  multi-turn chat (sft, block-diagonal masks), 10 measured steps each (docs/speed.md)  (~6 min)
 #   lf-qlora       benchmarks/gpu_llamafactory.py: a LLaMA-Factory LoRA file, bf16, 4-bit, sdpa/fa2,
 #                  activation checkpointing on and off                                         (~4 min)
+#   lease          for a 15-minute device lease, in one call of at most 10 minutes: env, then every GPU test at once
+#                  (pytest-xdist, 8 workers, each test bounded), then benchmark rows in order of importance until
+#                  the call's deadline (LEASE_SECONDS, default 560): pt rows of local, local + torch_compile, FSDP2,
+#                  ZeRO-3, full and LoRA, then the sft rows; rows are written as they finish     (<= 9.5 min)
 #   tests | bench | all                                                   several of the above, one after another
 #                  (for a machine without a per-command limit; a device call brings back at most 8 files from $OUT,
 #                  and each step leaves two or four there)
@@ -132,6 +136,18 @@ lf_qlora() {
   return "$code"
 }
 
+lease_bench() {  # lease_bench DEADLINE: benchmark rows by priority, each invocation stopped at the deadline
+  local deadline="$1" code=0 left
+  for spec in "pt local,local-compile,fsdp2,zero3" "sft local" "pt fsdp2-compile,ddp,zero2"; do
+    left=$((deadline - SECONDS))
+    [ "$left" -gt 60 ] || break
+    timeout --kill-after=10 "$left" $PY benchmarks/gpu.py --data "${spec%% *}" --engines "${spec#* }" \
+      --steps 8 --warmup 3 --date "$DATE" || code=$?
+  done
+  copy_out "$RESULTS/gpu-$DATE.md" "$RESULTS/gpu-$DATE.json"
+  return "$code"
+}
+
 install_wheels
 status=0
 case "$STEP" in
@@ -144,6 +160,11 @@ case "$STEP" in
   bench-zero)    run_step bench-zero bench zero2,zero3 || status=$? ;;
   lf-qlora)      run_step lf-qlora lf_qlora || status=$? ;;
   speed)         run_step speed speed || status=$? ;;
+  lease)         deadline=$((SECONDS + ${LEASE_SECONDS:-560}))
+                 run_step env env_report || status=$?
+                 run_step tests timeout --kill-after=10 250 $PY -m pytest -p no:cacheprovider -v -rA -n 8 --timeout 200 tests/gpu tests/unit/test_fsdp_qlora.py \
+                   tests/unit/test_fp8.py tests/unit/test_liger.py || status=$?
+                 run_step bench lease_bench "$deadline" || status=$? ;;
   tests|bench|all)
     steps=()
     [ "$STEP" = all ] && steps+=(env)
@@ -151,7 +172,7 @@ case "$STEP" in
     [ "$STEP" != bench ] && steps+=(lf-qlora)
     [ "$STEP" != tests ] && steps+=(speed bench-local bench-fsdp bench-zero)
     for s in "${steps[@]}"; do "$0" "$s" || status=$?; done ;;
-  *) echo "usage: scripts/gpu_check.sh env|tests-engines|tests-qlora|tests-kernels|speed|bench-local|bench-fsdp|bench-zero|lf-qlora|tests|bench|all" >&2
+  *) echo "usage: scripts/gpu_check.sh lease|env|tests-engines|tests-qlora|tests-kernels|speed|bench-local|bench-fsdp|bench-zero|lf-qlora|tests|bench|all" >&2
      exit 2 ;;
 esac
 exit "$status"
