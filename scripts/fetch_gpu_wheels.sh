@@ -33,6 +33,7 @@ WHEELS=(
   "bitsandbytes==0.50.2"       # QLoRA; slimmed below to the CUDA 13 and CPU libraries
   "torchao==0.18.0"            # fp8 (float8 training); its C++ extensions are not used by float8
   "liger-kernel==0.8.5"        # enable_liger_kernel (Triton kernels; triton comes with torch's CUDA build)
+  "nltk==3.10.4"               # do_predict's BLEU-4 (the metrics extra; click, joblib, tqdm are there)
 )
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
@@ -87,6 +88,11 @@ PY
 # DeepSpeed publishes only a source archive: build a pure-Python wheel; its ops compile on the GPU machine (nvcc).
 if ! have_wheel deepspeed 0.19.8; then
   DS_BUILD_OPS=0 "$PYTHON" -m pip wheel --quiet --no-deps deepspeed==0.19.8 -w "$DEST"
+fi
+
+# rouge-score (do_predict's ROUGE) publishes only a source archive too; pure Python (absl-py, numpy, six are there).
+if ! have_wheel rouge_score 0.1.2; then
+  "$PYTHON" -m pip wheel --quiet --no-deps rouge-score==0.1.2 -w "$DEST"
 fi
 
 # shardtune itself, rebuilt every time so the wheel matches the working tree.

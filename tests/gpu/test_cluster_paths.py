@@ -45,7 +45,9 @@ def test_fp16_zero_checkpoint_resumes(tiny_model_dir, tmp_path):
     first = train_on_gpus(tiny_model_dir, tmp_path, "fp16=true", "deepspeed=z2", max_steps=4, **values)
     assert first.returncode == 0, first.stderr[-5000:]
     assert (tmp_path / "checkpoint-4").is_dir()
-    second = train_on_gpus(tiny_model_dir, tmp_path, "fp16=true", "deepspeed=z2", max_steps=6, **values)
+    # A finished run goes on only when asked to (output_dir's guard): from its last checkpoint.
+    second = train_on_gpus(tiny_model_dir, tmp_path, "fp16=true", "deepspeed=z2", max_steps=6,
+                           resume_from_checkpoint=tmp_path / "checkpoint-4", **values)
     assert second.returncode == 0, second.stderr[-5000:]
     assert "resuming from" in second.stdout and "checkpoint-4" in second.stdout
     assert json.loads((tmp_path / "train_results.json").read_text())["global_step"] == 6

@@ -39,8 +39,7 @@ def test_inductor_compiled_layers_match_eager_on_the_gpu():
     def run(compiled: bool) -> list[float]:
         model = copy.deepcopy(tiny_llama()).cuda()
         report = CompileReport(apply_regional_compile(model, None, "inductor"), None, "inductor") if compiled else None
-        engine = make_engine(model, optim="adamw_torch", lr=1e-2)
-        engine.device = torch.device("cuda")
+        engine = make_engine(model, optim="adamw_torch", lr=1e-2, device="cuda")  # prepare() moves the model there
         losses = []
         for step in range(1, 5):
             losses.append(train_step(engine, [batch_of(features(seed=step))], 1.0)["loss"])

@@ -141,3 +141,23 @@ def test_training_on_a_cpu_refuses_in_one_line_after_check_passed(tiny_model_dir
     assert done.stderr.strip().splitlines()[-1] == (
         "shardtune: error: fp8 (true) needs a CUDA GPU of compute capability 8.9+ (H100, L4, RTX 4090; float8 tensor "
         "cores); none is visible here. Remove fp8 to train in bf16")
+
+
+@pytest.mark.parametrize("keys", [{}, {"packing": True, "neat_packing": True, "cutoff_len": 50}])
+def test_fp8_batches_hold_a_multiple_of_16_tokens(keys, tiny_model_dir):
+    """The weight gradient's float8 matmul contracts over the micro-batch's tokens: on an H100 a batch of 156 tokens
+    failed with "trailing dimension of mat1 ... divisible by 16" (2026-11-28). Rows are padded to 16 under fp8."""
+    from types import SimpleNamespace
+
+    from shardtune.train.setup import build_collator
+
+    tokenizer = SimpleNamespace(pad_token_id=0)
+    rows = [{"input_ids": list(range(1, 8)), "labels": list(range(1, 8))},
+            {"input_ids": list(range(1, 11)), "labels": list(range(1, 11))}]
+    base = {"bf16": True, "finetuning_type": "full", "attn_implementation": "sdpa",
+            "model_name_or_path": str(tiny_model_dir), **keys}
+    plain = build_collator(tokenizer, TrainConfig(**base))(rows)
+    fp8 = build_collator(tokenizer, TrainConfig(fp8=True, **base))(rows)
+    assert fp8["input_ids"].numel() % 16 == 0 and fp8["input_ids"].shape[-1] % 16 == 0
+    assert fp8["input_ids"].shape[-1] > plain["input_ids"].shape[-1]  # the plain run is not padded
+    assert int(fp8["num_tokens"]) == int(plain["num_tokens"]) == 17  # padding is not counted as trained

@@ -47,8 +47,9 @@ def collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return batch
 
 
-def make_engine(model, precision: PrecisionSettings | None = None, optim="sgd", lr=0.5) -> LocalEngine:
-    engine = LocalEngine(precision or PrecisionSettings(), torch.device("cpu"))
+def make_engine(model, precision: PrecisionSettings | None = None, optim="sgd", lr=0.5,
+                device: str = "cpu") -> LocalEngine:
+    engine = LocalEngine(precision or PrecisionSettings(), torch.device(device))
     engine.prepare(model, lambda p: build_optimizer(p, OptimizerSettings(optim=optim, learning_rate=lr)),
                    lambda o: build_scheduler(o, "constant", 10, 0))
     return engine

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+import inspect
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -54,7 +55,7 @@ class DDPEngine(DistributedMixin, TorchEngine):
         if not self.find_unused_parameters:
             self.find_unused_parameters = self._freeze_unreached(model)
         return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=self.find_unused_parameters,
-                                       gradient_as_bucket_view=True, forward_sync_buffers=False)
+                                       gradient_as_bucket_view=True, **no_forward_buffer_sync())
 
     def _freeze_unreached(self, model: torch.nn.Module) -> bool:
         """Freeze the parameters the LM loss never reaches (model/gradient_probe.py): DDP then waits for none of
@@ -103,3 +104,13 @@ class DDPEngine(DistributedMixin, TorchEngine):
         self.wrapped()  # raises unless the model is DistributedDataParallel
         if dist.get_world_size() != self.ctx.world_size:
             raise RuntimeError(f"engine ddp: world size {dist.get_world_size()} != expected {self.ctx.world_size}")
+
+
+def no_forward_buffer_sync() -> dict[str, Any]:
+    """DDP's switch for the buffer broadcast before each forward, as the installed torch names it: torch 2.13 added
+    ``forward_sync_buffers`` and deprecated ``broadcast_buffers``; earlier versions (2.11 on the GPU machines seen)
+    know only ``broadcast_buffers``, which also leaves buffers out of the initial sync: harmless here, as every
+    rank builds the same constant buffers."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}

@@ -10,11 +10,19 @@ reference are compared without surrounding whitespace:
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from collections.abc import Sequence
 
 _WORD = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]|[^\W_]+|[^\w\s]", re.UNICODE)
 ROUGE_NAMES = {"rouge1": "rouge-1", "rouge2": "rouge-2", "rougeL": "rouge-l"}
+PACKAGES = {"nltk": "nltk", "rouge_score": "rouge-score"}  # module -> distribution (the ``metrics`` extra)
+
+
+def missing_score_packages() -> list[str]:
+    """The distributions the scores need that this environment lacks (checked before a run that predicts: a
+    missing one would otherwise end the run after training, as on a GPU machine without nltk on 2026-11-28)."""
+    return [dist for module, dist in PACKAGES.items() if importlib.util.find_spec(module) is None]
 
 
 class WordTokenizer:

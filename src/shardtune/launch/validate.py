@@ -21,7 +21,7 @@ from shardtune.model.fp8 import float8_key_problems
 from shardtune.model.moe import configured_router_aux_coef, packed_aux_loss_problem, preference_aux_loss_problem
 from shardtune.model.oft import size_problem
 from shardtune.paths import shown
-from shardtune.train.checkpoint_folders import checkpoint_problems, resume_source
+from shardtune.train.checkpoint_folders import checkpoint_problems, latest_checkpoint, resume_source
 from shardtune.train.settings import resolved_packing
 from shardtune.train.trackers import tracker_problems
 
@@ -47,7 +47,7 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
     if not c.dataset and not (c.tokenized_path and is_saved(c.tokenized_path)) and not predicts_only(c):
         problems.append("dataset is required (names from dataset_info.json, comma separated), unless "
                         "tokenized_path holds datasets prepared by an earlier run")
-    problems += generation_key_problems(c)
+    problems += generation_key_problems(c) + score_package_problems(c)
     if c.bf16 and c.fp16:
         problems.append("bf16 (true) and fp16 (true) are both set; choose one")
     if c.pure_bf16 and (c.fp16 or c.quantization_bit is not None):
@@ -468,6 +468,18 @@ def model_path_problems(model: str) -> list[str]:
             "true to create a tiny demo model there)"]
 
 
+def score_package_problems(c: TrainConfig) -> list[str]:
+    """do_predict scores its answers with the ``metrics`` extra's packages; missing, the run would end after
+    training with an import error (as on a GPU machine without nltk, 2026-11-28)."""
+    from shardtune.infer.metrics import missing_score_packages
+
+    missing = missing_score_packages() if c.do_predict and c.predict_with_generate else []
+    if not missing:
+        return []
+    return [f"do_predict (true): the answers are scored with {' and '.join(missing)}, not installed here; "
+            "pip install 'shardtune[metrics]' (or do_predict: false)"]
+
+
 def output_dir_problems(c: TrainConfig) -> list[str]:
     out = Path(c.output_dir or "")
     if out.exists() and not out.is_dir():
@@ -479,6 +491,9 @@ def output_dir_problems(c: TrainConfig) -> list[str]:
         return [f"output_dir: {existing} is not writable; choose another output_dir"]
     finished = out / run_files.RESULTS
     if finished.is_file() and not c.overwrite_output_dir and not c.resume_from_checkpoint:
+        last = latest_checkpoint(out)
+        go_on = f", set resume_from_checkpoint: {shown(str(last), quote=False)} to train on from its last checkpoint" \
+            if last is not None else ""
         return [f"output_dir: {out} already holds a finished run (train_results.json); "
-                "set overwrite_output_dir: true to replace it, or choose another output_dir"]
+                f"set overwrite_output_dir: true to replace it{go_on}, or choose another output_dir"]
     return []

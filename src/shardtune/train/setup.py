@@ -193,11 +193,15 @@ def build_collator(tokenizer: Any, c: TrainConfig, has_images: bool = False) -> 
     with images get their pixel inputs (data/images.py)."""
     from shardtune.data import DataCollator
     from shardtune.data.collator import PairCollator
+    from shardtune.model.fp8 import ALIGNMENT, float8_wanted
     from shardtune.train.settings import resolved_packing
 
     padding_free = padding_free_rows(c) and not has_images
     windows = model_layer_windows(c) if resolved_packing(c) or padding_free else None
-    collator = DataCollator(tokenizer.pad_token_id, attn_implementation=c.attn_implementation,
+    # fp8: the weight gradient's float8 matmul contracts over the micro-batch's tokens, which must then be a
+    # multiple of 16 too (torch._scaled_mm); rows padded to 16 make rows x length one.
+    collator = DataCollator(tokenizer.pad_token_id, pad_to_multiple_of=ALIGNMENT if float8_wanted(c) else None,
+                            attn_implementation=c.attn_implementation,
                             window_by_layer_type=windows, padding_free=padding_free,
                             sequence_parallel=c.sequence_parallel_size, row_tokens=c.micro_batch_tokens)
     if has_images:
