@@ -149,7 +149,8 @@ def run_deepspeed(out: Path, names: list[str]) -> None:
 
 
 def deepspeed_engine(ctx: DistContext, case: Case) -> DeepSpeedEngine:
-    from shardtune.engines.deepspeed_config import DeepSpeedInputs, build_deepspeed_config
+    from shardtune.engines.deepspeed_checks import build_deepspeed_config
+    from shardtune.engines.deepspeed_config import DeepSpeedInputs
     from shardtune.world import WorldLayout
 
     inputs = DeepSpeedInputs(layout=WorldLayout(1, ctx.world_size, MICRO_BATCH, ACCUMULATION),

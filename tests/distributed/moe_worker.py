@@ -128,7 +128,8 @@ def make_engine(kind: str, ctx: object) -> Engine:
         return FSDPEngine(FsdpSettings(version=int(kind[-1])), PrecisionSettings(), ctx)
     assert kind in ("z2", "z3"), kind
     from shardtune.engines.deepspeed import DeepSpeedEngine
-    from shardtune.engines.deepspeed_config import DeepSpeedInputs, build_deepspeed_config
+    from shardtune.engines.deepspeed_checks import build_deepspeed_config
+    from shardtune.engines.deepspeed_config import DeepSpeedInputs
     from shardtune.world import WorldLayout
 
     inputs = DeepSpeedInputs(layout=WorldLayout(1, WORLD, MICRO_BATCH, ACCUMULATION), max_grad_norm=1.0,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from shardtune.engines.deepspeed_checks import build_deepspeed_config, deepspeed_problems
 from shardtune.engines.deepspeed_config import (
     AUTO,
     DEEPSPEED_TOP_LEVEL_KEYS,
@@ -16,8 +17,6 @@ from shardtune.engines.deepspeed_config import (
     PRESETS,
     REMOVED_TOP_LEVEL_KEYS,
     DeepSpeedInputs,
-    build_deepspeed_config,
-    deepspeed_problems,
     gathers_weights_on_save,
     load_deepspeed_setting,
     resolve_deepspeed_config,

@@ -8,7 +8,6 @@ precision) are the source of truth: the JSON may leave them "auto" or out, but m
 from __future__ import annotations
 
 import copy
-import difflib
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -172,6 +171,11 @@ def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
     return result
 
 
+def show_json(value: Any) -> str:
+    """A value as the JSON file spells it, for messages."""
+    return json.dumps(value)
+
+
 def sequence_parallel_in(raw: dict, source: str, configured: int) -> tuple[int, list[str]]:
     """The sequence-parallel size to run with, given the JSON's ``sequence_parallel_size`` and the top-level key's
     ``configured`` value (1, its default, defers to the JSON; "auto" in the JSON defers to the key); and the
@@ -181,7 +185,7 @@ def sequence_parallel_in(raw: dict, source: str, configured: int) -> tuple[int, 
         return configured, []
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         return configured, [f"{SEQUENCE_PARALLEL_KEY} in {source}: must be a whole number of at least 1, got "
-                            f"{_show(value)}"]
+                            f"{show_json(value)}"]
     if configured not in (1, value):
         return configured, [f"{SEQUENCE_PARALLEL_KEY} ({value}) in {source} contradicts sequence_parallel_size "
                             f"({configured}); keep one (shardtune splits the sequences either way)"]
@@ -228,7 +232,7 @@ def has_own_scheduler(cfg: dict) -> bool:
     return isinstance(cfg.get("scheduler"), dict)
 
 
-def _precision_section(cfg: dict, name: str) -> dict:
+def precision_section(cfg: dict, name: str) -> dict:
     # DeepSpeed still reads the old "bfloat16" spelling when "bf16" is absent.
     section = cfg.get(name)
     if section is None and name == "bf16":
@@ -238,7 +242,7 @@ def _precision_section(cfg: dict, name: str) -> dict:
 
 # --- "auto" resolution ---
 
-def _auto_values(inputs: DeepSpeedInputs) -> dict[tuple[str, ...], Callable[[], Any]]:
+def auto_values(inputs: DeepSpeedInputs) -> dict[tuple[str, ...], Callable[[], Any]]:
     """The value each resolvable "auto" takes (HF Trainer's rules), keyed by its path in the config."""
     hidden = inputs.hidden_size
     return {
@@ -292,14 +296,14 @@ FILLED_WHEN_MISSING = (("train_batch_size",), ("train_micro_batch_size_per_gpu",
                        ("gradient_clipping",), ("fp16", "enabled"), ("bf16", "enabled"))
 
 
-def _walk_auto(node: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+def walk_auto(node: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
     """Paths of every "auto" value, nested mappings and lists included."""
     if isinstance(node, dict):
         for key, val in node.items():
-            yield from _walk_auto(val, (*path, str(key)))
+            yield from walk_auto(val, (*path, str(key)))
     elif isinstance(node, list):
         for i, val in enumerate(node):
-            yield from _walk_auto(val, (*path, str(i)))
+            yield from walk_auto(val, (*path, str(i)))
     elif node == AUTO:
         yield path
 
@@ -311,7 +315,7 @@ def _set_path(cfg: dict, path: tuple[str, ...], value: Any) -> None:
     node[path[-1]] = value
 
 
-def _get_path(cfg: dict, path: tuple[str, ...]) -> Any:
+def get_path(cfg: dict, path: tuple[str, ...]) -> Any:
     node: Any = cfg
     for key in path:
         if not isinstance(node, dict) or key not in node:
@@ -323,187 +327,25 @@ def _get_path(cfg: dict, path: tuple[str, ...]) -> Any:
 def resolve_deepspeed_config(raw: dict, inputs: DeepSpeedInputs) -> dict:
     """The config DeepSpeed will see: every "auto" replaced, training keys filled in; deterministic and JSON-able.
 
-    Call after ``deepspeed_problems`` came back empty; an "auto" left over is an internal error.
+    Call after ``deepspeed_checks.deepspeed_problems`` came back empty; an "auto" left over is an internal error.
     """
     cfg = json.loads(json.dumps(raw))  # deep copy that also proves the mapping is plain JSON
     for key in (*IGNORED_FOREIGN_KEYS, SEQUENCE_PARALLEL_KEY):
         cfg.pop(key, None)
     if "bfloat16" in cfg and "bf16" not in cfg:
         cfg["bf16"] = cfg.pop("bfloat16")
-    values = _auto_values(inputs)
-    for path in list(_walk_auto(cfg)):
+    values = auto_values(inputs)
+    for path in list(walk_auto(cfg)):
         if path in DEEPSPEED_NATIVE_AUTO:
-            _get_path(cfg, path[:-1]).pop(path[-1])
+            get_path(cfg, path[:-1]).pop(path[-1])
         elif path in values:
             _set_path(cfg, path, values[path]())
     for path in FILLED_WHEN_MISSING:
-        if _get_path(cfg, path) is None:
+        if get_path(cfg, path) is None:
             _set_path(cfg, path, values[path]())
-    leftover = [".".join(p) for p in _walk_auto(cfg)]
+    leftover = [".".join(p) for p in walk_auto(cfg)]
     assert not leftover, f"unresolved 'auto' in DeepSpeed config: {leftover}"
     return cfg
-
-
-# --- checks ---
-
-def deepspeed_problems(raw: dict, inputs: DeepSpeedInputs, source: str) -> list[str]:
-    """Every reason this config cannot train as the training keys say, one line each (empty when fine)."""
-    return [
-        *_key_problems(raw, source),
-        *_auto_problems(raw, inputs, source),
-        *_batch_problems(raw, inputs, source),
-        *_precision_problems(raw, inputs, source),
-        *_zero_problems(raw, source),
-        *_optimizer_problems(raw, inputs, source),
-        *_reduction_problems(raw, source),
-    ]
-
-
-def _show(value: Any) -> str:
-    return json.dumps(value)
-
-
-def _key_problems(raw: dict, source: str) -> list[str]:
-    problems = []
-    for key in raw:
-        if key in DEEPSPEED_TOP_LEVEL_KEYS or key in IGNORED_FOREIGN_KEYS:
-            continue
-        if key in REMOVED_TOP_LEVEL_KEYS:
-            problems.append(f"{key} in {source}: DeepSpeed 0.19.8 removed this feature and refuses the key; "
-                            "delete it")
-            continue
-        close = difflib.get_close_matches(key, sorted(DEEPSPEED_TOP_LEVEL_KEYS), n=1)
-        hint = f"; did you mean {close[0]}?" if close else ""
-        problems.append(f"{key} in {source}: not a DeepSpeed 0.19.8 key (DeepSpeed would ignore it){hint}")
-    if "zero_optimization" in raw and not isinstance(raw["zero_optimization"], dict):
-        problems.append(f"zero_optimization in {source}: must be a mapping, got {_show(raw['zero_optimization'])}")
-    return problems
-
-
-def _auto_problems(raw: dict, inputs: DeepSpeedInputs, source: str) -> list[str]:
-    resolvable = _auto_values(inputs)
-    problems = []
-    for path in _walk_auto(raw):
-        dotted = ".".join(path)
-        if path == ("scheduler", "params", "total_num_steps") and inputs.total_steps is None:
-            problems.append(f"{dotted} in {source}: \"auto\" needs the number of training steps, "
-                            "which is not known here; set it explicitly")
-        elif path not in resolvable and path not in DEEPSPEED_NATIVE_AUTO and path != (SEQUENCE_PARALLEL_KEY,):
-            problems.append(f"{dotted} in {source}: shardtune has no value for \"auto\" here; set it explicitly")
-    return problems
-
-
-def _explicit(raw: dict, path: tuple[str, ...]) -> Any:
-    """The value at ``path`` unless missing or "auto" (then None)."""
-    value = _get_path(raw, path)
-    return None if value == AUTO else value
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _batch_problems(raw: dict, inputs: DeepSpeedInputs, source: str) -> list[str]:
-    pairs = (
-        ("train_micro_batch_size_per_gpu", inputs.layout.micro_batch,
-         f"per_device_train_batch_size ({inputs.layout.micro_batch})"),
-        ("gradient_accumulation_steps", inputs.layout.grad_accum,
-         f"gradient_accumulation_steps ({inputs.layout.grad_accum})"),
-        ("train_batch_size", inputs.train_batch_size,
-         f"per_device_train_batch_size ({inputs.layout.micro_batch}) x gradient_accumulation_steps "
-         f"({inputs.layout.grad_accum}) x world size ({inputs.layout.world_size}) = {inputs.train_batch_size}"),
-        ("gradient_clipping", inputs.max_grad_norm, f"max_grad_norm ({_show(inputs.max_grad_norm)})"),
-    )
-    problems = []
-    for key, expected, ours in pairs:
-        value = _explicit(raw, (key,))
-        if value is None:
-            continue
-        if not _is_number(value):
-            problems.append(f"{key} in {source}: must be a number or \"auto\", got {_show(value)}")
-        elif float(value) != float(expected):
-            problems.append(f"{key} ({_show(value)}) in {source} contradicts {ours}; use \"auto\" or the same value")
-    return problems
-
-
-def _precision_problems(raw: dict, inputs: DeepSpeedInputs, source: str) -> list[str]:
-    problems = []
-    enabled = {}
-    for name, ours in (("fp16", inputs.fp16), ("bf16", inputs.bf16)):
-        if name in raw and not isinstance(raw[name], dict):
-            problems.append(f"{name} in {source}: must be a mapping such as {{\"enabled\": \"auto\"}}, "
-                            f"got {_show(raw[name])}")
-            enabled[name] = ours
-            continue
-        value = _precision_section(raw, name).get("enabled")
-        if value is None or value == AUTO:
-            enabled[name] = ours
-            continue
-        enabled[name] = value
-        if not isinstance(value, bool):
-            problems.append(f"{name}.enabled in {source}: must be true, false or \"auto\", got {_show(value)}")
-        elif value != ours:
-            problems.append(f"{name}.enabled ({_show(value)}) in {source} contradicts {name} ({_show(ours)}); "
-                            f"use \"auto\" or the same value")
-    if enabled["fp16"] is True and enabled["bf16"] is True:
-        problems.append(f"fp16 and bf16 are both enabled (in {source} or the training keys); choose one")
-    return problems
-
-
-def _zero_problems(raw: dict, source: str) -> list[str]:
-    zero = zero_section(raw)
-    stage = zero.get("stage", 0)
-    if not _is_number(stage) or stage not in (0, 1, 2, 3):
-        return [f"zero_optimization.stage ({_show(stage)}) in {source}: must be 0, 1, 2 or 3"]
-    problems = []
-    if offloads_params(raw) and stage != 3:
-        problems.append(f"zero_optimization.offload_param in {source} needs stage 3, but stage is {stage}; "
-                        "remove offload_param or use stage 3")
-    if offloads_optimizer(raw) and stage == 0:
-        problems.append(f"zero_optimization.offload_optimizer in {source} needs stage 1, 2 or 3, but stage is 0")
-    return problems
-
-
-def _optimizer_problems(raw: dict, inputs: DeepSpeedInputs, source: str) -> list[str]:
-    offload = offloads_optimizer(raw)
-    if has_own_optimizer(raw):
-        kind = str(raw["optimizer"].get("type", ""))
-        if offload and kind.lower() not in CPU_OFFLOAD_OPTIMIZER_TYPES:
-            return [f"optimizer.type ({_show(kind)}) in {source} has no CPU implementation for "
-                    "zero_optimization.offload_optimizer; use AdamW, Adam, Adagrad or Lion, or drop the offload"]
-        return []
-    problems = []
-    optim = inputs.optimizer.optim
-    if offload and optim not in ADAM_OPTIMS and raw.get("zero_force_ds_cpu_optimizer", True) is not False:
-        problems.append(f"zero_optimization.offload_optimizer in {source} runs DeepSpeedCPUAdam, which optim "
-                        f"({optim}) cannot become; use optim adamw_torch, or set "
-                        "\"zero_force_ds_cpu_optimizer\": false to step it on the CPU as is")
-    if zero_stage(raw) > 0 and optim not in ADAM_OPTIMS and raw.get("zero_allow_untested_optimizer") is not True:
-        problems.append(f"optim ({optim}) is not one DeepSpeed ZeRO tested; set "
-                        f"\"zero_allow_untested_optimizer\": true in {source} or use optim adamw_torch")
-    return problems
-
-
-def _reduction_problems(raw: dict, source: str) -> list[str]:
-    problems = []
-    op = raw.get("gradient_allreduce_op", "mean")
-    if op not in ("mean", "sum"):
-        problems.append(f"gradient_allreduce_op ({_show(op)}) in {source}: must be \"mean\" or \"sum\"")
-    elif op == "sum" and zero_stage(raw) == 3:
-        problems.append(f"gradient_allreduce_op (\"sum\") in {source}: DeepSpeed does not support it with stage 3")
-    if raw.get("managed_gradient_accumulation", True) is not True:
-        problems.append(f"managed_gradient_accumulation ({_show(raw['managed_gradient_accumulation'])}) in {source}: "
-                        "shardtune marks accumulation boundaries itself; remove the key")
-    return problems
-
-
-def build_deepspeed_config(value: str | dict, inputs: DeepSpeedInputs) -> dict:
-    """Load, check and resolve in one call; all problems are raised together as one ConfigError."""
-    raw, source = load_deepspeed_setting(value)
-    problems = deepspeed_problems(raw, inputs, source)
-    if problems:
-        raise ConfigError(*problems)
-    return resolve_deepspeed_config(raw, inputs)
 
 
 def zero_shard_writers(tag_dir: Path) -> int:

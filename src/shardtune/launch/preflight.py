@@ -192,7 +192,8 @@ def layout_problems(config: TrainConfig, engine: EnginePlan, layout: WorldLayout
             return [f"fsdp: {err}"]
     if engine.kind != "deepspeed" or engine.deepspeed_raw is None:
         return []
-    from shardtune.engines.deepspeed_config import deepspeed_inputs, deepspeed_problems
+    from shardtune.engines.deepspeed_checks import deepspeed_problems
+    from shardtune.engines.deepspeed_config import deepspeed_inputs
     from shardtune.engines.deepspeed_config import resume_problems as zero_resume_problems
 
     return deepspeed_problems(engine.deepspeed_raw, deepspeed_inputs(config, layout),
