@@ -52,6 +52,7 @@ CELLS: dict[str, tuple[tuple[str, ...], str]] = {
     "zero3-full": (("deepspeed=z3",), "full"),
     "fsdp2-full": (("fsdp=full_shard auto_wrap",), "full"),
 }
+EXAMPLE_CUTOFF = 256  # examples/tiny/sft_full.yaml's cutoff_len
 LOSS_TOLERANCE = 2e-3  # relative, as tests/distributed/test_engines_cli.py
 MAX_PARAMETERS = 30_000_000  # a config that does not shrink below this is reported, not built
 BOUND_S = 120.0  # a cell whose first step has not finished this long after it started has failed
@@ -94,12 +95,23 @@ def plan_cell(name: str, model: Path, out: Path, nproc: int, keys: tuple[str, ..
     from shardtune.launch.preflight import preflight, write_run_plan
 
     argv = [*COMMON, f"model_name_or_path={model}", f"output_dir={out}", f"finetuning_type={finetuning}",
-            f"per_device_train_batch_size={8 // (2 * nproc)}", *keys]
+            f"per_device_train_batch_size={8 // (2 * nproc)}", *cutoff_within_positions(model), *keys]
     try:
         plan = preflight(argv, 1, nproc, announce=False)
     except ShardtuneError as err:
         return {"cell": name, "refused": "; ".join(err.problems)}
     return {"cell": name, "plan": str(write_run_plan(plan)), "out": str(out)}
+
+
+def cutoff_within_positions(model: Path) -> list[str]:
+    """A family with a table of positions shorter than the example's rows (Blenderbot: 128) trains rows that fit
+    it, as its users must (the preflight refuses longer ones: model/positions.py)."""
+    import json
+
+    from shardtune.model.positions import position_table
+
+    table = position_table(json.loads((model / "config.json").read_text()))
+    return [f"cutoff_len={table[1]}"] if table is not None and table[1] < EXAMPLE_CUTOFF else []
 
 
 def plan_family(family: str, model: Path, runs: Path) -> tuple[list[dict], list[dict]]:

@@ -56,17 +56,15 @@ NOT_BUILT: dict[str, str] = {
     "zamba": "There is an issue with your definition of `tie_weights_keys`",
     "zaya": "ZAYA currently supports",
 }
-# Saved with a text sub-config's model_type that AutoModelForCausalLM cannot build again: `shardtune check` refuses.
+# Refused by `shardtune check`: saved with a text sub-config's model_type that AutoModelForCausalLM cannot build
+# again (Emu3, Mllama); X-MOD without a default_language (every forward would raise "Input language unknown").
 REFUSED: dict[str, str] = {
     "emu3": "has no causal-LM class",
     "mllama": "has no causal-LM class",
+    "xmod": "X-MOD picks each row's language adapters from default_language",
 }
 # Open failures (issue 29 stays open for each), with the part of the reason the run gives.
 FAILING: dict[str, dict[str, str]] = {
-    # The tiny config keeps Blenderbot's 128 positions; the demo rows are up to 244 tokens long.
-    "blenderbot": {cell: "IndexError: index out of range in self" for cell in ("ddp-lora", "zero3-full", "fsdp2-full")},
-    # X-MOD needs a language chosen (set_default_language) before its forward; shardtune sets none.
-    "xmod": {cell: "Input language unknown" for cell in ("ddp-lora", "zero3-full", "fsdp2-full")},
     # ProphetNet's head reads n-gram streams ((rows, 2, tokens, hidden)): the chunked loss refuses it and says
     # loss_chunk_size: 0, which is not a fallback here.
     "prophetnet": {cell: "does not match the labels" for cell in ("ddp-lora", "zero3-full", "fsdp2-full")},

@@ -374,8 +374,8 @@ def file_problems(c: TrainConfig) -> list[str]:
     model = c.model_name_or_path
     if model is not None and not (c.build_tiny_model_if_missing and not Path(model).exists()):
         model_problems = model_path_problems(model)
-        problems += model_problems or (attention_problems(c) + moe_problems(c) + mistyped_target_problems(c)
-                                       + layer_problems(c) + oft_size_problems(c))
+        problems += model_problems or (attention_problems(c) + position_problems(c) + moe_problems(c)
+                                       + mistyped_target_problems(c) + layer_problems(c) + oft_size_problems(c))
     if c.output_dir is not None:
         problems += output_dir_problems(c)
     problems += write_problems(c)
@@ -436,6 +436,18 @@ def attention_problems(c: TrainConfig) -> list[str]:
     problem = kernel_problem(c.attn_implementation, support, model)
     if problem is None and resolved_packing(c):
         problem = packing_problem(config, support, c.attn_implementation, model) or packed_aux_loss_problems(c, config)
+    return [problem] if problem else []
+
+
+def position_problems(c: TrainConfig) -> list[str]:
+    """Rows longer than a model's table of positions (model/positions.py)."""
+    from shardtune.model.positions import position_problem
+
+    try:
+        config = model_config_json(c.model_name_or_path)
+    except ModelError:
+        return []  # reported by the folder checks
+    problem = position_problem(c.cutoff_len, config, str(c.model_name_or_path)) if config else None
     return [problem] if problem else []
 
 

@@ -104,8 +104,19 @@ def _config_problems(path: Path) -> list[str]:
                 f"{_transformers_version()}{_closest_model_type(str(model_type))}; fix config.json, or install the "
                 "transformers release that added it"]
     if "auto_map" not in data:
-        return _no_causal_lm_problems(path, str(model_type), data)
+        return _no_causal_lm_problems(path, str(model_type), data) + _language_problems(path, data)
     return []
+
+
+def _language_problems(path: Path, data: dict[str, Any]) -> list[str]:
+    """X-MOD sends each row through one language's adapters, chosen by ``lang_ids`` (which shardtune's batches do
+    not carry) or else the config's ``default_language``; without one every forward raises "Input language
+    unknown"."""
+    if data.get("model_type") != "xmod" or data.get("default_language"):
+        return []
+    languages = ", ".join(map(str, data.get("languages") or [])) or "its languages"
+    return [f"{path}: X-MOD picks each row's language adapters from default_language, which is not set; set "
+            f"\"default_language\" in config.json to one of {languages}"]
 
 
 def _no_causal_lm_problems(path: Path, model_type: str, data: dict[str, Any]) -> list[str]:
