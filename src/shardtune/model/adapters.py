@@ -467,3 +467,25 @@ def count_parameters(model: Any) -> tuple[int, int]:
         if param.requires_grad:
             trainable += n
     return trainable, total
+
+
+def leave_adapter_inputs_to_autocast(model: Any) -> int:
+    """Under autocast, switch off peft's cast of each LoRA layer's input to the adapter weights' dtype; returns the
+    layers switched.
+
+    peft copies a bf16 input (attention output into o_proj, the MLP's product into down_proj) to fp32 to match the
+    fp32 adapter weights, and autocast at once copies it back to bf16 for the matmul: two activation-sized copies
+    per layer and their two in the backward, for results that are bit for bit the same without them
+    (tests/unit/test_adapter_casts.py). Plain LoRA without dropout only: other variants compute more with the
+    input, and dropout draws a different mask on a bf16 input than on an fp32 one.
+    """
+    import torch
+
+    switched = 0
+    for module in model.modules():
+        if not hasattr(module, "lora_A") or getattr(module, "lora_variant", None):
+            continue
+        if all(isinstance(dropout, torch.nn.Identity) for dropout in module.lora_dropout.values()):
+            module.cast_input_dtype_enabled = False
+            switched += 1
+    return switched
