@@ -65,9 +65,6 @@ REFUSED: dict[str, str] = {
 }
 # Open failures (issue 29 stays open for each), with the part of the reason the run gives.
 FAILING: dict[str, dict[str, str]] = {
-    # ProphetNet's head reads n-gram streams ((rows, 2, tokens, hidden)): the chunked loss refuses it and says
-    # loss_chunk_size: 0, which is not a fallback here.
-    "prophetnet": {cell: "does not match the labels" for cell in ("ddp-lora", "zero3-full", "fsdp2-full")},
     # The two ranks' collectives differ in size (gloo aborts rank 1); DDP LoRA trains.
     "deepseek_v4": {"zero3-full": "Received data size doesn't match expected size",
                     "fsdp2-full": "Received data size doesn't match expected size"},

@@ -241,8 +241,25 @@ def test_unannounced_logit_postprocessing_is_caught():
 def test_a_head_that_sees_only_some_positions_is_refused():
     batch = batch_of(features())
     inputs = {"input_ids": batch["input_ids"], "logits_to_keep": 1}  # the head gets the last position only
-    with pytest.raises(ModelError, match="does not match the labels"):
+    with pytest.raises(ModelError, match="do not match the labels"):
         causal_lm_loss_sum(tiny_llama(), inputs, batch["labels"], 4)
+
+
+def test_a_head_called_on_several_rows_per_label_falls_back_to_the_full_logits():
+    """ProphetNet calls its head once on (rows, n-gram streams, tokens, hidden) and returns the first stream as its
+    logits: the loss is that of the full logits (it failed every cell of the registry matrix before)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("prophetnet", vocab_size=VOCAB, hidden_size=16, encoder_ffn_dim=32,
+                                  decoder_ffn_dim=32, num_encoder_layers=1, num_decoder_layers=1,
+                                  num_encoder_attention_heads=2, num_decoder_attention_heads=2, ngram=2)
+    model = AutoModelForCausalLM.from_config(config).eval()  # no dropout: the two calls compare exactly
+    batch = batch_of(features())
+    inputs = {"input_ids": batch["input_ids"]}
+    chunked = causal_lm_loss_sum(model, inputs, batch["labels"], 4)
+    full = causal_lm_loss_sum(model, inputs, batch["labels"], 0)
+    assert torch.equal(chunked, full)
 
 
 def random_head_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

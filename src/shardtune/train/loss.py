@@ -175,10 +175,13 @@ def causal_lm_loss_terms(model: torch.nn.Module, inputs: dict[str, Any], labels:
     with _head_computes_loss(head, targets, chunk_size, label_smoothing, weighting, anchor) as call:
         output = model(**call_inputs)
     logits, aux = output.logits, _aux_loss(output, router_aux)
-    if not call.ran:
-        # The model never called its output layer: it produced the logits some other way.
+    if not call.ran or call.loss is None:
+        # The model never called its output layer (it produced the logits some other way), or called it on more
+        # than one row per label.
+        if logits.shape[:-1] != labels.shape:
+            raise ModelError(f"the model's logits {tuple(logits.shape)} do not match the labels "
+                             f"{tuple(labels.shape)} (one row of logits per label is needed)")
         return plain_loss_sum(logits, labels, label_smoothing, shifted, weighting, anchor), aux
-    assert call.loss is not None
     if logits.shape != (1, 1, 1) or not torch.equal(logits.detach().reshape(()), call.loss.detach()):
         raise ModelError(f"loss_chunk_size ({chunk_size}): the model changed what its output layer returned (a "
                          "logit cap or scale shardtune does not know); set loss_chunk_size: 0 to use the full logits")
@@ -201,6 +204,14 @@ def _aux_loss(output: Any, wanted: bool) -> torch.Tensor | None:
 
 
 _NO_AUX_LOSS_SAID: list[bool] = []
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    """A note on stderr, once per process."""
+    if message not in _SAID:
+        _SAID.add(message)
+        print(f"[shardtune] {message}", file=sys.stderr, flush=True)
 
 
 # --- which heads can be chunked ---
@@ -259,7 +270,7 @@ def _innermost(head: torch.nn.Module | None) -> torch.nn.Module | None:
 @dataclass
 class _HeadCall:
     ran: bool = False
-    loss: torch.Tensor | None = None
+    loss: torch.Tensor | None = None  # None after a call: the head computed its logits (inputs not one per label)
 
 
 @contextlib.contextmanager
@@ -272,10 +283,13 @@ def _head_computes_loss(head: torch.nn.Linear, targets: torch.Tensor, chunk_size
         if call.ran:
             raise ModelError(f"loss_chunk_size ({chunk_size}): the model called its output layer twice in one "
                              "forward; set loss_chunk_size: 0")
-        if hidden.shape[:-1] != targets.shape:
-            raise ModelError(f"loss_chunk_size ({chunk_size}): the output layer's input {tuple(hidden.shape)} does "
-                             f"not match the labels {tuple(targets.shape)}; set loss_chunk_size: 0")
         call.ran = True
+        if hidden.shape[:-1] != targets.shape:
+            # Not one row per label (ProphetNet's n-gram streams, (rows, streams, tokens, hidden)): the head
+            # computes its logits and the model picks the ones it returns, from which the loss is taken.
+            _say_once(f"loss_chunk_size: the output layer's input {tuple(hidden.shape)} is not one row per label "
+                      f"{tuple(targets.shape)}: the loss is computed from the model's full logits")
+            return torch.nn.functional.linear(hidden, head.weight, head.bias)
         call.loss = linear_cross_entropy_sum(hidden, head.weight, head.bias, targets, chunk_size, label_smoothing,
                                              weighting, anchor)
         return call.loss.reshape(1, 1, 1)
