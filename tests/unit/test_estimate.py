@@ -578,3 +578,20 @@ def test_token_budget_micro_batches_are_estimated_at_the_budget(keys, rows, tiny
     config, _ = load_config([TINY_LORA, f"model_name_or_path={tiny_model}", "cutoff_len=128", *keys])
     w = workload_from_config(config)
     assert (w.micro_batch, w.seq_len) == rows
+
+
+def test_badam_is_estimated_as_one_trainable_layer_with_the_backward_through_all(tiny_model):
+    """use_badam trains one decoder layer at a time: gradients and AdamW states for one layer (the first: its
+    backward runs through every layer above), not for the whole model as full fine-tuning."""
+    from shardtune.estimate.config import workload_from_config
+    from shardtune.estimate.workload import trainable_params
+
+    keys = [TINY_LORA, f"model_name_or_path={tiny_model}"]
+    badam, _ = load_config([*keys, "finetuning_type=full", "use_badam=true"])
+    full, _ = load_config([*keys, "finetuning_type=full"])
+    first_layer, _ = load_config([*keys, "finetuning_type=freeze", "freeze_trainable_layers=-1"])
+    shape = shape_from_config(TINY_CONFIG)
+    w = workload_from_config(badam)
+    assert w == workload_from_config(first_layer)
+    assert trainable_params(shape, w) == freeze_trainable_params(shape, -1, ["all"]) \
+        < trainable_params(shape, workload_from_config(full))

@@ -52,8 +52,13 @@ def workload_from_config(c: TrainConfig) -> Workload:
     parallelism); a
     dpo/kto/rm micro-batch runs two rows per sample in one forward from the full logits (loss_chunk_size does not
     apply) and a dpo/kto run may hold a frozen reference (``holds_reference_copy``). Data with an images column is
-    read as ``IMAGES_PER_SAMPLE`` images per sample, each at image_max_pixels."""
+    read as ``IMAGES_PER_SAMPLE`` images per sample, each at image_max_pixels. BAdam (``use_badam``) trains one
+    decoder layer at a time: it is estimated as freeze tuning of the first layer, the block whose backward runs
+    through every layer above it (the largest activation footprint of its blocks)."""
     finetuning = "qlora" if c.finetuning_type == "lora" and c.quantization_bit is not None else c.finetuning_type
+    if c.use_badam:
+        finetuning = "freeze"
+        c = dataclasses.replace(c, freeze_trainable_layers=-1, freeze_trainable_modules=["all"])
     preference = c.stage in PREFERENCE_STAGES
     micro_batch, seq_len = micro_batch_rows(c)
     return Workload(
