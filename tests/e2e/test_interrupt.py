@@ -16,43 +16,65 @@ from tests.conftest import REPO, cli_env, overrides_merged
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-ARGS = ("examples/tiny/sft_full.yaml", "max_steps=400", "save_steps=5", "logging_steps=5", "do_eval=false",
+# max_steps far beyond what runs before the signal: the tiny model takes 100+ steps a second, and a run that ends
+# before SIGTERM arrives tests nothing.
+ARGS = ("examples/tiny/sft_full.yaml", "max_steps=100000", "save_steps=5", "logging_steps=5", "do_eval=false",
         "eval_strategy=no", "val_size=0", "plot_loss=false", "per_device_train_batch_size=2",
         "gradient_accumulation_steps=1")
 
 
-def start(model: Path, out: Path, *extra: str, **env: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "shardtune", "train", *overrides_merged([*ARGS, f"model_name_or_path={model}",
-                                                                        f"output_dir={out}", *extra])]
-    return subprocess.Popen(argv, cwd=REPO, env=cli_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+class Job:
+    """``shardtune train`` in its own session, its output in files: a pipe nobody reads until the end would stall
+    a run that writes more than the pipe holds (a CI run once waited 300 s for a checkpoint that never came)."""
 
+    def __init__(self, model: Path, out: Path, logs: Path, *extra: str, **env: str) -> None:
+        argv = [sys.executable, "-m", "shardtune", "train", *overrides_merged([*ARGS, f"model_name_or_path={model}",
+                                                                            f"output_dir={out}", *extra])]
+        logs.mkdir(parents=True, exist_ok=True)
+        self.stdout_path, self.stderr_path = logs / "stdout.txt", logs / "stderr.txt"
+        with self.stdout_path.open("w") as stdout, self.stderr_path.open("w") as stderr:
+            self.process = subprocess.Popen(argv, cwd=REPO, env=cli_env(**env), stdout=stdout, stderr=stderr,
+                                            start_new_session=True)
 
-def wait_for(path: Path, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.1)
+    def output(self) -> tuple[str, str]:
+        return self.stdout_path.read_text(errors="replace"), self.stderr_path.read_text(errors="replace")
+
+    def wait_for(self, folder: Path, pattern: str, timeout: float = 300) -> None:
+        """Until a path matching ``pattern`` exists in ``folder``; fails at once, with the run's output, if the run
+        ends first or time runs out. A pattern, not one checkpoint: the run saves every 5 steps, so checkpoint-5
+        can be rotated away between two looks."""
+        deadline = time.monotonic() + timeout
+        while not any(folder.glob(pattern)):
+            code = self.process.poll()
+            assert code is None, f"the run ended (exit code {code}) before {pattern}: {self.output()[1][-3000:]}"
+            assert time.monotonic() < deadline, f"{pattern} never appeared: {self.output()[1][-3000:]}"
+            time.sleep(0.1)
+
+    def finish(self, timeout: float) -> tuple[str, str]:
+        try:
+            self.process.wait(timeout=timeout)
+        finally:
+            if self.process.poll() is None:
+                os.killpg(self.process.pid, signal.SIGKILL)
+        return self.output()
 
 
 @pytest.mark.parametrize("nproc", [1, 2], ids=["one-process", "torchrun-2"])
 def test_sigterm_saves_and_the_same_command_resumes(nproc, tiny_model_dir, tmp_path):
     env = {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2"} if nproc == 2 else {}
-    job = start(tiny_model_dir, tmp_path, **env)
+    job = Job(tiny_model_dir, tmp_path, tmp_path.parent / f"{tmp_path.name}-logs" / "first", **env)
     try:
-        wait_for(tmp_path / "checkpoint-5" / "COMPLETE")
-        os.kill(job.pid, signal.SIGTERM)
-        _, stderr = job.communicate(timeout=120)
+        job.wait_for(tmp_path, "checkpoint-*/COMPLETE")
+        os.kill(job.process.pid, signal.SIGTERM)
     finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-    assert job.returncode != 0 and "Traceback" not in stderr, stderr[-3000:]
+        _, stderr = job.finish(timeout=120)
+    assert job.process.returncode != 0 and "Traceback" not in stderr, stderr[-3000:]
     assert not (tmp_path / "train_results.json").exists()
     steps = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("checkpoint-*") if (p / "COMPLETE").is_file())
     assert steps and steps[-1] >= 5
-    resumed = start(tiny_model_dir, tmp_path, "overwrite_output_dir=false", "max_steps=" + str(steps[-1] + 4),
-                    **env)
-    stdout, stderr = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, stderr[-3000:]
+    resumed = Job(tiny_model_dir, tmp_path, tmp_path.parent / f"{tmp_path.name}-logs" / "resumed",
+                  "overwrite_output_dir=false", "max_steps=" + str(steps[-1] + 4), **env)
+    stdout, stderr = resumed.finish(timeout=300)
+    assert resumed.process.returncode == 0, stderr[-3000:]
     assert f"resuming from {tmp_path / f'checkpoint-{steps[-1]}'}" in stdout
     assert json.loads((tmp_path / "train_results.json").read_text())["global_step"] == steps[-1] + 4

@@ -128,29 +128,32 @@ def test_benchmark_packing_summary_compares_with_the_padded_run(bench) -> None:
     assert summary["loss_per_token_relative_difference"]["packed"] == pytest.approx(1e-4)
 
 
-def test_the_profilers_start_and_summary_are_no_steps_time() -> None:
+def test_the_profilers_start_and_summary_are_no_steps_time(monkeypatch) -> None:
     """The profiler's summary after its last step took tens of seconds on an H100 and landed in the next measured
-    step: 4.8k tokens/s reported for a run whose median step gave 41k (2026-11-28)."""
-    import time
-
+    step: 4.8k tokens/s reported for a run whose median step gave 41k (2026-11-28). A fake clock: each step takes
+    1 s, starting and stopping the profiler 100 s each."""
+    import shardtune.train.throughput as throughput
     from shardtune.train.hooks import record_step
 
-    class SlowProfile:  # profiles steps 2 and 3 (indices 1, 2); starting and stopping each take 0.3 s
+    now = [0.0]
+    monkeypatch.setattr(throughput.time, "perf_counter", lambda: now[0])
+
+    class SlowProfile:  # profiles steps 2 and 3 (indices 1, 2)
         def __init__(self) -> None:
             self.seen, self.active = 0, False
 
         def after_step(self) -> None:
             self.seen += 1
             if self.seen in (1, 3):
-                time.sleep(0.3)
+                now[0] += 100.0
                 self.active = self.seen == 1
 
     meter = ThroughputMeter(warmup_steps=0)
     meter.start()
     profile = SlowProfile()
     for _ in range(5):
-        time.sleep(0.01)
+        now[0] += 1.0
         record_step(meter, profile, {"tokens": 100, "loss": 1.0, "trainable_tokens": 100})
     assert meter.profiled == {1, 2}
-    assert max(meter.step_seconds[i] for i in (0, 3, 4)) < 0.2, meter.step_seconds
-    assert meter.summary()["effective_tokens_per_second"] > 100 / 0.2
+    assert meter.step_seconds == [1.0, 1.0, 1.0, 1.0, 1.0]
+    assert meter.summary()["effective_tokens_per_second"] == 100.0
