@@ -13,10 +13,23 @@ from __future__ import annotations
 import importlib.util
 import re
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shardtune.config.schema import TrainConfig
 
 _WORD = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]|[^\W_]+|[^\w\s]", re.UNICODE)
 ROUGE_NAMES = {"rouge1": "rouge-1", "rouge2": "rouge-2", "rougeL": "rouge-l"}
 PACKAGES = {"nltk": "nltk", "rouge_score": "rouge-score"}  # module -> distribution (the ``metrics`` extra)
+
+
+def score_package_problems(c: TrainConfig) -> list[str]:
+    """A predicting run whose scores need packages this environment lacks, refused before launch in one line."""
+    missing = missing_score_packages() if c.do_predict and c.predict_with_generate else []
+    if not missing:
+        return []
+    return [f"do_predict (true): the answers are scored with {' and '.join(missing)}, not installed here; "
+            "pip install 'shardtune[metrics]' (or do_predict: false)"]
 
 
 def missing_score_packages() -> list[str]:

@@ -14,6 +14,7 @@ from shardtune.config.preference import PREFERENCE_STAGES, split_paths, uses_ref
 from shardtune.config.schema import REPORT_TO, TrainConfig
 from shardtune.data.tokenized import is_saved
 from shardtune.errors import ConfigError, ModelError
+from shardtune.infer.metrics import score_package_problems
 from shardtune.launch.optimizer_checks import optimizer_key_problems
 from shardtune.launch.write_guard import write_problems
 from shardtune.model.folder import is_reward_model_config, model_config_json, model_folder_problems
@@ -478,18 +479,6 @@ def model_path_problems(model: str) -> list[str]:
         return []  # a hub id: resolved by transformers at load time
     return [f"model_name_or_path: folder not found: {shown(model, quote=False)} (set build_tiny_model_if_missing: "
             "true to create a tiny demo model there)"]
-
-
-def score_package_problems(c: TrainConfig) -> list[str]:
-    """do_predict scores its answers with the ``metrics`` extra's packages; missing, the run would end after
-    training with an import error (as on a GPU machine without nltk, 2026-11-28)."""
-    from shardtune.infer.metrics import missing_score_packages
-
-    missing = missing_score_packages() if c.do_predict and c.predict_with_generate else []
-    if not missing:
-        return []
-    return [f"do_predict (true): the answers are scored with {' and '.join(missing)}, not installed here; "
-            "pip install 'shardtune[metrics]' (or do_predict: false)"]
 
 
 def output_dir_problems(c: TrainConfig) -> list[str]:
