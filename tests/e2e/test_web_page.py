@@ -280,7 +280,7 @@ def test_form_launch_is_live_flags_a_straggler_reattaches_and_stops(driver, web_
 def test_failed_run_shows_the_failing_ranks_own_error(driver, web_url, page_root, tiny_model_dir):
     """A 2-process run started on the command line whose rank 0 fails while the run goes on (a file appears where
     its checkpoint goes, after the launching host's checks passed): the page lists the run as failed and shows
-    rank 0's own error first, rank 1's lost connection after it."""
+    rank 0's own error first, rank 1's lost connection (or its stop by torchrun) after it."""
     from selenium.webdriver.common.by import By
 
     out = page_root / "outputs" / "failed"
@@ -298,7 +298,9 @@ def test_failed_run_shows_the_failing_ranks_own_error(driver, web_url, page_root
     errors = wait_for(lambda: (found := page_text(driver, "#errors .rank-error")) and len(found) >= 2 and found, 20,
                       "both ranks' errors")
     assert "rank 0 failed: AssertionError:" in errors[0] and "checkpoint-30 was not written by shardtune" in errors[0]
-    assert "rank 1 failed: lost the connection to another rank" in errors[1]
+    # Rank 1 either saw the connection close in a collective or was stopped by torchrun first (one run in many).
+    assert ("rank 1 failed: lost the connection to another rank" in errors[1]
+            or "rank 1 failed: stopped by the launcher after another rank failed" in errors[1])
     assert driver.find_elements(By.CSS_SELECTOR, '#run-state [data-state="failed"]')
     screenshot(driver, "web-run-failed")
     assert not console_errors(driver)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -12,6 +15,7 @@ from shardtune.launch.failures import (
     classify_failure,
     error_file,
     failure_summary,
+    is_consequence,
     peer_failed_since,
     report_rank_failure,
     saved_failure_report,
@@ -115,6 +119,43 @@ def test_error_files_count_only_when_newer_than_the_rank(tmp_path):
     assert saved_failure_report(tmp_path, 0, time.time() - 60) is None
     assert peer_failed_since(tmp_path, old - 1)
     assert saved_failure_report(tmp_path, 0, old - 1).startswith("[shardtune] rank 0 failed: lost the connection")
+
+
+STOPPED_RANK = """
+import sys, time
+from pathlib import Path
+from shardtune.launch.worker import install_stop_handlers
+from shardtune.train.workflow import StopRequest
+install_stop_handlers(StopRequest(), Path(sys.argv[1]), float(sys.argv[2]), rank=1)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def stop_a_rank(run_dir, started: float) -> int:
+    """A child with the rank's stop handlers, stopped by SIGTERM as torchrun stops ranks; its exit code."""
+    child = subprocess.Popen([sys.executable, "-c", STOPPED_RANK, str(run_dir), str(started)],
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    child.send_signal(signal.SIGTERM)
+    return child.wait(timeout=60)
+
+
+def test_a_rank_stopped_after_a_peer_failed_leaves_a_report_and_dies_by_the_signal(tmp_path):
+    started = time.time() - 1
+    report_rank_failure(raised(AssertionError("checkpoint-30 was not written by shardtune")), 0, tmp_path, 1800)
+    assert stop_a_rank(tmp_path, started) == -signal.SIGTERM
+    stopped = saved_failure_report(tmp_path, 1, started)
+    assert stopped.startswith("[shardtune] rank 1 failed: stopped by the launcher after another rank failed")
+    assert is_consequence(stopped) and not is_consequence(saved_failure_report(tmp_path, 0, started))
+
+
+def test_a_stopped_rank_keeps_its_own_report(tmp_path):
+    started = time.time() - 1
+    report_rank_failure(raised(RuntimeError("boom")), 0, tmp_path, 1800)
+    report_rank_failure(raised(RuntimeError(GLOO_CLOSED)), 1, tmp_path, 1800)
+    assert stop_a_rank(tmp_path, started) == -signal.SIGTERM
+    assert "Connection closed by peer" in error_file(tmp_path, 1).read_text()
 
 
 def test_torchrun_account_is_dropped_and_its_table_read():

@@ -8,6 +8,7 @@ so a rank whose failure is only a consequence of another's stays silent; every r
 
 from __future__ import annotations
 
+import contextlib
 import re
 import traceback
 from dataclasses import dataclass
@@ -50,6 +51,16 @@ def classify_failure(err: BaseException) -> FailureKind:
     if any(text in message for text in _TIMED_OUT):
         return FailureKind.TIMED_OUT
     return FailureKind.OWN
+
+
+# The summaries of failures that only follow another rank's: the page and the Ray report list these last.
+_CONSEQUENCES = ("lost the connection to another rank", "a collective waited longer than ddp_timeout",
+                 "stopped by the launcher after another rank failed")
+
+
+def is_consequence(summary: str) -> bool:
+    """Whether a rank's one-line report only says that another rank failed first."""
+    return any(text in summary for text in _CONSEQUENCES)
 
 
 def error_file(output_dir: Path, rank: int) -> Path:
@@ -96,6 +107,18 @@ def report_rank_failure(err: BaseException, rank: int, output_dir: Path, ddp_tim
     if classify_failure(err) is not FailureKind.PEER_LOST:
         write_stderr_line(shown)
     return 1
+
+
+def save_stopped_after_peer(rank: int, output_dir: Path, since: float) -> None:
+    """Record that the launcher stopped this rank because another rank failed, unless this rank already wrote its
+    own report: without it a rank stopped before its next collective noticed the lost peer leaves no trace."""
+    path = error_file(output_dir, rank)
+    with contextlib.suppress(OSError):
+        if path.is_file() and path.stat().st_mtime >= since:
+            return
+        path.write_text(f"{REPORT_PREFIX}{rank} failed: stopped by the launcher after another rank failed\n\n"
+                        "This rank was stopped by a signal (torchrun stops every rank once one fails); the failing "
+                        "rank's own error file says why.\n")
 
 
 def peer_failed_since(output_dir: Path, since: float) -> bool:

@@ -21,7 +21,7 @@ from typing import Any
 from shardtune.errors import ConfigError
 from shardtune.host import visible_gpu_count
 from shardtune.launch import env as launch_env
-from shardtune.launch.failures import saved_failure_report
+from shardtune.launch.failures import is_consequence, saved_failure_report
 from shardtune.launch.preflight import RunPlan, write_run_plan
 from shardtune.launch.ray_plan import RayPlan, build_ray_plan, worker_threads
 
@@ -108,7 +108,7 @@ def failure_line(err: BaseException, run_dir: Path, workers: int, started: float
     dead = sorted(rank for rank, e in failures.items() if not _EXIT_CODE.search(str(e)))
     codes = [int(m.group(2)) for m in _EXIT_CODE.finditer(text)]
     reports = [r for rank in range(workers) if (r := saved_failure_report(run_dir, rank, started))]
-    own = [r for r in reports if "lost the connection to another rank" not in r]
+    own = [r for r in reports if not is_consequence(r)]
     if own:
         return own[0], max(codes or [1])
     if dead or not (reports or codes):  # a worker that was killed writes nothing: the others only lost it

@@ -18,7 +18,7 @@ from typing import NoReturn
 
 from shardtune.errors import ShardtuneError, debug_requested, report_error, write_stderr_line
 from shardtune.launch import env as launch_env
-from shardtune.launch.failures import peer_failed_since, report_rank_failure, save_rank_failure
+from shardtune.launch.failures import peer_failed_since, report_rank_failure, save_rank_failure, save_stopped_after_peer
 from shardtune.launch.preflight import RunPlan, preflight, read_run_plan
 from shardtune.world import RankEnv, WorldLayout
 
@@ -115,7 +115,7 @@ def run_worker(plan: RunPlan, rank_env: RankEnv | None = None) -> int:
     if not engine.is_main:
         quiet_this_rank()
     stop = StopRequest()
-    install_stop_handlers(stop, plan.run_dir if rank_env is not None else None, started)
+    install_stop_handlers(stop, plan.run_dir if rank_env is not None else None, started, engine.rank)
     results = run_training(plan.config, engine, stop, memory=memory_probe(plan, engine, rank_env))
     if results.get("interrupted"):
         if engine.is_main:
@@ -165,12 +165,13 @@ def memory_probe(plan: RunPlan, engine, rank_env: RankEnv | None):
     return MemoryProbe(baseline=mark_memory_baseline(), estimate=estimate)
 
 
-def install_stop_handlers(stop, run_dir: Path | None = None, started: float = 0.0) -> None:
+def install_stop_handlers(stop, run_dir: Path | None = None, started: float = 0.0, rank: int = 0) -> None:
     """Ctrl-C and SIGTERM finish the current step, save a checkpoint and exit instead of killing the run.
 
     One exception, under a launcher (``run_dir`` set): a signal that arrives after another rank of this run
     wrote its error file is torchrun stopping a failed job. No checkpoint can be saved without every rank, and
-    a stuck rank would hold the job until torchrun's SIGKILL 30 s later, so the signal ends the rank at once.
+    a stuck rank would hold the job until torchrun's SIGKILL 30 s later, so the signal ends the rank at once,
+    leaving a one-line report that says it was stopped (the page lists every rank's fate).
     """
     import signal
     import threading
@@ -182,6 +183,7 @@ def install_stop_handlers(stop, run_dir: Path | None = None, started: float = 0.
 
     def request_stop(signum, frame) -> None:
         if run_dir is not None and peer_failed_since(run_dir, started):
+            save_stopped_after_peer(rank, run_dir, started)
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)  # dies by the signal, as torchrun expects of a rank it stops
             return

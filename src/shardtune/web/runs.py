@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtune import run_files
+from shardtune.launch.failures import is_consequence
 from shardtune.web.rank_table import RankLogReader, rank_rows, read_rank_logs
 
 COMPLETE_MARKER = "COMPLETE"  # as train/checkpoint_folders.py writes it
@@ -184,8 +185,7 @@ def rank_errors(folder: Path, since: float) -> list[dict[str, Any]]:
         except (OSError, ValueError):
             continue
         found.append({"rank": rank, "summary": summary.strip(), "traceback": details[-20000:],
-                      "file": str(path), "consequence": "lost the connection to another rank" in summary
-                      or "a collective waited longer than ddp_timeout" in summary})
+                      "file": str(path), "consequence": is_consequence(summary)})
     return sorted(found, key=lambda e: (e["consequence"], e["rank"]))
 
 
