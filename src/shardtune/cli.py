@@ -77,7 +77,7 @@ def _train(args: list[str]) -> int:
     from shardtune.launch.preflight import plan_run
     from shardtune.launch.supervise import start_run
 
-    return start_run(plan_run(args), debug_requested(args), command_line=args)
+    return start_run(plan_run(args, ranks_here=True), debug_requested(args), command_line=args)
 
 
 def _check(args: list[str]) -> int:

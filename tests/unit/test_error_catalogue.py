@@ -468,8 +468,9 @@ CATALOGUE = [
          env={"NPROC_PER_NODE": "4"}, prepare=lambda t: ds_json(t, '{"sequence_parallel_size": 2}')),
     Case("sequence-parallel-world-size", "sequence_parallel_size (2) does not divide the world size (3)",
          {"sequence_parallel_size": 2}, env={"NPROC_PER_NODE": "3"}),
-    Case("sequence-parallel-flash", "attn_implementation (flash_attention_2) with sequence_parallel_size (2)",
-         {"sequence_parallel_size": 2, "flash_attn": "fa2"}, env={"NPROC_PER_NODE": "2"}),
+    Case("sequence-parallel-flash", "with sequence_parallel_size (2): the split attention runs sdpa's flash kernel, "
+         "which needs a CUDA GPU", {"sequence_parallel_size": 2, "flash_attn": "fa2"}, env={"NPROC_PER_NODE": "2"},
+         command="train"),
     Case("sequence-parallel-ulysses-heads", "sequence_parallel_mode (ulysses): ", {
         "sequence_parallel_size": 4, "sequence_parallel_mode": "ulysses"}, env={"NPROC_PER_NODE": "4"}),
     Case("sequence-parallel-stateful-layers", "has linear_attention layers, whose state runs along the whole "

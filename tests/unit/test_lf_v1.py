@@ -54,7 +54,10 @@ def test_a_v0_file_is_not_read_as_v1():
 
 
 @pytest.mark.parametrize(("key", "value", "reason"), [
-    ("dist_config", {"name": "fsdpturbo", "ep_size": 16}, "expert parallelism"),
+    ("dist_config", {"name": "fsdpturbo", "ep_size": 0}, "ep_size"),
+    ("dist_config", {"name": "fsdpturbo", "ep_dispatcher": "deepep"}, "dist_config.ep_dispatcher"),
+    ("kernel_config", {"name": "flash-linear-attention", "chunk_size": 32}, "chunk size 64"),
+    ("kernel_config", {"name": "auto, flash-linear-attention", "include_kernels": "chunk_kda"}, "chunk_kda"),
     ("mp_replicate_size", 2, "fsdp: hybrid_shard"),
     ("batching_strategy", "bucketed", "dynamic_padding_free"),
     ("kernel_config", {"name": "liger_kernel", "use_kernels": ["rms_norm"]}, "kernel_config.use_kernels"),
@@ -68,6 +71,27 @@ def test_a_v1_setting_without_counterpart_is_refused_naming_v1(key, value, reaso
     _, problems = translate_v1({"model": "m", key: value})
     assert len(problems) == 1 and problems[0].startswith(f"{V1_PREFIX}: key '{key}")
     assert reason in problems[0]
+
+
+def test_fsdpturbo_trains_under_fsdp2_with_its_experts_sharded_like_any_weight():
+    values, problems = translate_v1({"model": "m", "dist_config": {"name": "fsdpturbo", "ep_size": 16,
+                                                                    "ep_dispatcher": "eager"}})
+    assert problems == [] and values["fsdp"] == "full_shard"
+
+
+def test_flash_linear_attention_is_accepted_as_transformers_calls_fla():
+    values, problems = translate_v1({"model": "m", "kernel_config": {
+        "name": "auto, flash-linear-attention", "chunk_size": 64,
+        "include_kernels": "chunk_gated_delta_rule, fused_recurrent_gated_delta_rule"}})
+    assert problems == [] and "enable_liger_kernel" not in values
+    # transformers' Qwen3.5 layers do call fla's two kernels, by these names, where fla is installed.
+    import inspect
+
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen35
+
+    source = inspect.getsource(qwen35)
+    assert all(f'use_kernel_func_from_hub_with_fallback("{name}", "fla")' in source
+               for name in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"))
 
 
 def test_train_dataset_names_every_dataset_of_its_v1_file(tmp_path):

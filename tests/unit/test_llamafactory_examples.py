@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from shardtune.cli import main
 from tests.llamafactory_examples import (
@@ -44,6 +45,9 @@ def test_example_file_gets_its_verdict(relative, tiny_model_dir, tmp_path, monke
     work = make_work_folder(tmp_path / "work")
     monkeypatch.chdir(work)  # LLaMA-Factory resolves data/ and examples/deepspeed/ from the cwd
     path = filled_in(relative, work, tiny_model_dir, tmp_path / "out")
+    split = yaml.safe_load(path.read_text()).get("cp_size") or 1
+    if split > 1:  # a file splitting rows over cp_size ranks is launched with at least that many
+        monkeypatch.setenv("NPROC_PER_NODE", str(split))
     code = main(["check", str(path)])
     captured = capsys.readouterr()
     verdict = MANIFEST[relative]

@@ -123,8 +123,6 @@ def stateful_model(tmp_path: Path, tiny: Path) -> Path:
 
 
 @pytest.mark.parametrize(("values", "nproc", "fragment"), [
-    ({"flash_attn": "fa2"}, 2, "attn_implementation (flash_attention_2) with sequence_parallel_size (2): the split "
-                               "attention runs sdpa; use attn_implementation: sdpa"),
     ({"sequence_parallel_mode": "ulysses", "sequence_parallel_size": 4}, 4,
      "has 4 attention heads and 2 KV heads, which must both divide by sequence_parallel_size (4); use "
      "sequence_parallel_mode: allgather (any head count) or auto"),
@@ -134,7 +132,7 @@ def stateful_model(tmp_path: Path, tiny: Path) -> Path:
     ({}, 3, "sequence_parallel_size (2) does not divide the world size (3)"),
     ({"model": "stateful"}, 2, "has linear_attention layers, whose state runs along the whole sequence and cannot "
                                "be split over ranks; set sequence_parallel_size: 1"),
-], ids=["flash", "ulysses-heads", "do-predict", "cutoff-len", "world-size", "stateful-layers"])
+], ids=["ulysses-heads", "do-predict", "cutoff-len", "world-size", "stateful-layers"])
 def test_check_refuses_what_the_split_cannot_run(values, nproc, fragment, tiny_model_dir, tmp_path, monkeypatch,
                                                  capsys):
     values = {"sequence_parallel_size": 2, **values}
@@ -172,18 +170,39 @@ def test_a_reference_model_the_split_cannot_run_is_refused(tiny_model_dir, tmp_p
 def test_two_problems_of_one_config_are_two_lines_in_one_round(tiny_model_dir, tmp_path, monkeypatch, capsys):
     code, lines, _ = check_lines(monkeypatch, capsys, tmp_path, tiny_model_dir,
                                  {"sequence_parallel_size": 4, "sequence_parallel_mode": "ulysses",
-                                  "flash_attn": "fa2"}, nproc=4)
+                                  "cutoff_len": 3}, nproc=4)
     assert code == 2 and len(lines) == 2, lines
-    assert "attn_implementation (flash_attention_2)" in lines[0] and "sequence_parallel_mode (ulysses)" in lines[1]
+    assert "cutoff_len (3) is below" in lines[0] and "sequence_parallel_mode (ulysses)" in lines[1]
 
 
 def test_a_bad_launch_variable_does_not_hide_the_split_refusals(tiny_model_dir, tmp_path, monkeypatch, capsys):
     code, lines, _ = check_lines(monkeypatch, capsys, tmp_path, tiny_model_dir,
-                                 {"sequence_parallel_size": 2, "flash_attn": "fa2"}, nproc="two")
+                                 {"sequence_parallel_size": 2, "do_predict": True, "predict_with_generate": True,
+                                  "eval_dataset": "demo"}, nproc="two")
     assert code == 2
     assert "NPROC_PER_NODE='two' is not an integer" in lines[0]
-    assert any("attn_implementation (flash_attention_2) with sequence_parallel_size (2)" in line
-               for line in lines[1:]), lines
+    assert any("do_predict (true) with sequence_parallel_size (2)" in line for line in lines[1:]), lines
+
+
+def test_flash_attention_under_a_split_is_sdpas_flash_kernel_on_a_cuda_gpu(monkeypatch):
+    """The split attention runs sdpa per segment: fa2 there loads the model with sdpa (no flash-attn package), whose
+    flash backend runs the segments on a GPU (tests/gpu/test_sequence_parallel_gpu.py); without CUDA the rank
+    refuses in one line."""
+    import torch
+
+    from shardtune.config.schema import TrainConfig
+    from shardtune.errors import ModelError
+    from shardtune.train.setup import loaded_kernel
+
+    split = TrainConfig(model_name_or_path="m", attn_implementation="flash_attention_2", sequence_parallel_size=2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ModelError, match=r"with sequence_parallel_size \(2\): the split attention runs sdpa's flash "
+                                         "kernel, which needs a CUDA GPU"):
+        loaded_kernel(split)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert loaded_kernel(split) == "sdpa"
+    whole = TrainConfig(model_name_or_path="m", attn_implementation="flash_attention_2")
+    assert loaded_kernel(whole) == "flash_attention_2"
 
 
 def test_auto_attention_takes_no_flash_kernel_under_a_split():
@@ -262,18 +281,14 @@ def test_engine_auto_splits_rows_only_when_nothing_fits_them_whole():
     from shardtune.estimate.config import recommend_for_config
     from tests.unit.test_estimate import LLAMA3_FULL, GiB
 
-    def chosen(cutoff: int, *extra: str, kernel_open: bool = True) -> dict:
+    def chosen(cutoff: int, *extra: str) -> dict:
         config, _ = load_config([LLAMA3_FULL, f"cutoff_len={cutoff}", "gradient_checkpointing=true", *extra])
-        return recommend_for_config(config, 8, 8, 80 * GiB, 1024 * GiB, kernel_open)[0]
+        return recommend_for_config(config, 8, 8, 80 * GiB, 1024 * GiB)[0]
 
     assert "sequence_parallel_size" not in chosen(65536)
     assert chosen(131072)["sequence_parallel_size"] == 2
-    # flash_attention_2 keeps less: 128k fits whole (ZeRO-3 with offload), 256k does not. A kernel the user named,
-    # which the split cannot run: the error says nothing fits (no silent switch of kernel).
+    # flash_attention_2 keeps less: 128k fits whole (ZeRO-3 with offload), 256k does not; the split keeps the kernel
+    # (its segments run on sdpa's flash backend) and is estimated as the split attention it runs.
     flash = "attn_implementation=flash_attention_2"
     assert "sequence_parallel_size" not in chosen(131072, flash)
-    with pytest.raises(ConfigError, match="engine \\(auto\\)"):
-        chosen(262144, flash, kernel_open=False)
-    # The kernel was auto (flash where it runs): the split takes sdpa in its place.
-    assert chosen(262144, flash) == {"deepspeed": "z3_offload", "sequence_parallel_size": 2,
-                                     "attn_implementation": "sdpa"}
+    assert chosen(262144, flash) == {"deepspeed": "z3_offload", "sequence_parallel_size": 2}

@@ -116,7 +116,7 @@ def _section(key: str, value: Any, by_name: Mapping[str, SectionTranslate]) -> d
                          f"got {value!r}")
     name = str(value["name"]).strip()
     if name not in by_name:
-        reason = SECTION_REFUSED.get((key, name)) or SECTION_REFUSED_ANY.get(key) or (
+        reason = SECTION_REFUSED_ANY.get(key) or (
             f"{key} name '{name}' has no counterpart in shardtune; choose one of: {', '.join(by_name)}")
         raise v1_problem(f"{key}.name", name, reason)
     return by_name[name]({k: v for k, v in value.items() if k != "name"})
@@ -298,6 +298,19 @@ def _fsdp2(given: Section) -> dict[str, Any]:
     return {"fsdp": "full_shard", **_settings("dist_config", given, {}, fixed={"dcp_path": None})}
 
 
+def _fsdpturbo(given: Section) -> dict[str, Any]:
+    """v1's FSDPTurbo plugin: FSDP2 whose MoE experts are split over ``ep_size`` ranks (expert parallelism, tokens
+    sent to their experts' rank by an all-to-all). The model and its gradients are the same as under FSDP2, which
+    shards each expert like any other weight: that is what runs here, whatever ``ep_size`` says."""
+    ep_size = given.get("ep_size")
+    if ep_size is not None and (isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1):
+        raise v1_problem("dist_config.ep_size", ep_size, "ep_size must be a whole number of ranks, 1 or more")
+    rest = {k: v for k, v in given.items() if k != "ep_size"}
+    return {"fsdp": "full_shard", **_settings("dist_config", rest, {}, fixed={
+        "dcp_path": None, "ep_dispatcher": "eager", "fsdp_implementation": "native", "reshard_after_forward": True,
+        "offload_params": False, "pin_memory": True, "fsdp_ignored_modules": [], "hook_modules": []})}
+
+
 def _deepspeed(given: Section) -> dict[str, Any]:
     return _settings("dist_config", given, {"config_file": "deepspeed"})
 
@@ -324,6 +337,28 @@ def _nothing(section: str) -> SectionTranslate:
     return lambda given: _settings(section, given, {})
 
 
+FLA_KERNELS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
+
+
+def _flash_linear_attention(given: Section) -> dict[str, Any]:
+    """v1's flash-linear-attention plugin: fla's gated-delta-rule kernels in the linear-attention layers (Qwen3.5,
+    Qwen3-Next). transformers calls the same two kernels itself when the fla package is installed (its torch code
+    otherwise), at fla's chunk size 64, so the plugin's settings are accepted where they ask for that."""
+    chunk_size = given.get("chunk_size")
+    if chunk_size not in (None, 64):
+        raise v1_problem("kernel_config.chunk_size", chunk_size, "transformers runs fla's chunked kernel at its "
+                         "chunk size 64; use 64 or remove it")
+    include = given.get("include_kernels", "auto")
+    names = FLA_KERNELS if include in ("auto", True, None) else [n.strip() for n in str(include).split(",")]
+    unknown = [name for name in names if name not in FLA_KERNELS]
+    if unknown:
+        raise v1_problem("kernel_config.include_kernels", include, f"flash-linear-attention's kernels are "
+                         f"{', '.join(FLA_KERNELS)} (transformers calls both where fla is installed); remove "
+                         f"{', '.join(unknown)}")
+    return _settings("kernel_config", {k: v for k, v in given.items() if k not in ("chunk_size", "include_kernels")},
+                     {})
+
+
 def _liger(given: Section) -> dict[str, Any]:
     # use_kernels: auto is each Liger patch's defaults, which shardtune applies (its loss switches aside).
     return {**_settings("kernel_config", given, {}, fixed={"use_kernels": "auto"}), "enable_liger_kernel": True}
@@ -332,22 +367,19 @@ def _liger(given: Section) -> dict[str, Any]:
 SECTIONS: dict[str, dict[str, SectionTranslate]] = {
     "peft_config": {"lora": _lora, "freeze": _freeze},
     "quant_config": {"bnb": _bnb, "auto": _bnb},  # auto picks bnb for a model that is not pre-quantized
-    "dist_config": {"fsdp2": _fsdp2, "deepspeed": _deepspeed},
+    "dist_config": {"fsdp2": _fsdp2, "fsdpturbo": _fsdpturbo, "deepspeed": _deepspeed},
     # Loading places the weights; the engine shards them the same way whichever loader ran.
     "init_config": {name: _nothing("init_config") for name in ("init_on_meta", "init_on_rank0", "init_on_default")},
     # `auto` applies the fused kernels found installed; they compute what the model's modules compute.
     # liger_kernel: Liger's RMSNorm, RoPE and MLP kernels on the loaded model (model/liger.py), as v1's plugin.
-    "kernel_config": {"auto": _nothing("kernel_config"), "liger_kernel": _liger},
+    # flash-linear-attention: transformers' own choice of kernel for gated-delta-rule layers (fla when installed).
+    "kernel_config": {"auto": _nothing("kernel_config"), "liger_kernel": _liger,
+                      "flash-linear-attention": _flash_linear_attention,
+                      "auto, flash-linear-attention": _flash_linear_attention},
     "optim_config": {"muon": _muon},
     "lr_scheduler_config": {},
 }
 
-SECTION_REFUSED = {
-    ("dist_config", "fsdpturbo"): "expert parallelism (ep_size) over FSDP is not in shardtune; MoE models train "
-                                  "under dist_config name: fsdp2 or deepspeed, each expert sharded like any weight",
-    ("kernel_config", "auto, flash-linear-attention"): "flash-linear-attention kernels are not used by shardtune; "
-                                                       "use name: auto",
-}
 # A section every one of whose names is refused, for this reason.
 SECTION_REFUSED_ANY = {
     "lr_scheduler_config": "v1 registers no scheduler plugin (its runs keep the learning rate constant); give "

@@ -16,7 +16,6 @@ from shardtune.errors import ConfigError, ModelError
 from shardtune.model.folder import model_config_json
 from shardtune.world import WorldLayout
 
-SPLIT_KERNELS = ("auto", "sdpa", "eager")  # auto never picks flash under a split (model/attention.py)
 FIX = "set sequence_parallel_size: 1"
 
 
@@ -44,7 +43,9 @@ def resolved_mode(mode: str, model_config: Mapping[str, Any] | None, size: int) 
 
 def sequence_parallel_problems(c: TrainConfig, layout: WorldLayout | None = None) -> list[str]:
     """Why this run cannot split its sequences over ``c.sequence_parallel_size`` ranks, one line each naming the key
-    and the fix (empty with N = 1). ``layout``: the world's rules too (None while the world size is unknown)."""
+    and the fix (empty with N = 1). ``layout``: the world's rules too (None while the world size is unknown).
+    Every attention kernel splits: the split attention runs sdpa per segment, and flash_attention_2 there is sdpa's
+    flash backend, FlashAttention-2 inside torch, on the rank's CUDA GPU (train/setup.py ``loaded_kernel``)."""
     n = c.sequence_parallel_size
     if n == 1:
         return []
@@ -56,9 +57,6 @@ def sequence_parallel_problems(c: TrainConfig, layout: WorldLayout | None = None
     if c.cutoff_len < n:
         problems.append(f"cutoff_len ({c.cutoff_len}) is below {key}: a rank would hold less than one token of a "
                         "sequence; raise cutoff_len or lower sequence_parallel_size")
-    if c.attn_implementation not in SPLIT_KERNELS:
-        problems.append(f"attn_implementation ({c.attn_implementation}) with {key}: the split attention runs "
-                        "sdpa; use attn_implementation: sdpa (flash_attn: sdpa), or auto")
     problems += model_problems(c)
     if layout is not None:
         problems += layout.sequence_parallel_problems()

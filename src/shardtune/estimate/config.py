@@ -127,44 +127,38 @@ def options_for_config(c: TrainConfig, hardware: Hardware, model_config: str | N
 
 
 def recommend_for_config(config: TrainConfig, world_size: int, nproc_per_node: int, gpu_memory_bytes: int | None,
-                         cpu_memory_bytes: int, kernel_open: bool = False) -> tuple[dict[str, Any], str]:
+                         cpu_memory_bytes: int) -> tuple[dict[str, Any], str]:
     """Config values that select the fastest engine option that fits, and why (for `engine: auto`).
 
     The values are meant for a config with neither ``deepspeed`` nor ``fsdp`` set: {} means DDP (or one
     process). ``gpu_memory_bytes`` None means the ranks run on the CPU. When no option fits whole rows, the
-    smallest sequence split that makes one fit (``split_to_fit``; ``kernel_open``: the attention kernel was
-    ``auto``, so sdpa may take its place). Raises ConfigError when nothing fits.
+    smallest sequence split that makes one fit (``split_to_fit``). Raises ConfigError when nothing fits.
     """
     hardware = hardware_for(world_size, nproc_per_node, gpu_memory_bytes, cpu_memory_bytes)
     result = recommend(options_for_config(config, hardware), hardware, workload_from_config(config))
     if result.option is None:
-        split = split_to_fit(config, hardware, kernel_open)
+        split = split_to_fit(config, hardware)
         if split is None:
             raise ConfigError(f"engine (auto): {result.reason}")
         return split
     return dict(result.option.engine_values), result.reason
 
 
-def split_to_fit(config: TrainConfig, hardware: Hardware, kernel_open: bool) -> tuple[dict[str, Any], str] | None:
+def split_to_fit(config: TrainConfig, hardware: Hardware) -> tuple[dict[str, Any], str] | None:
     """The values of the smallest ``sequence_parallel_size`` (a divisor of the ranks per node, so a row stays on one
     node) with which an engine option fits, for a run that splits no rows yet and could; None when none does."""
-    from shardtune.engines.sequence_parallel_plan import SPLIT_KERNELS, sequence_parallel_problems
+    from shardtune.engines.sequence_parallel_plan import sequence_parallel_problems
 
     if config.sequence_parallel_size > 1:
         return None
-    kernel = config.attn_implementation if config.attn_implementation in SPLIT_KERNELS else "sdpa"
-    if kernel != config.attn_implementation and not kernel_open:
-        return None  # a kernel the user named, which the split cannot run
     per_node = hardware.gpus_per_node
     for size in (n for n in range(2, per_node + 1) if per_node % n == 0):
-        split = dataclasses.replace(config, sequence_parallel_size=size, attn_implementation=kernel)
+        split = dataclasses.replace(config, sequence_parallel_size=size)
         if sequence_parallel_problems(split):
             return None  # the model or the run cannot be split, at any size
         result = recommend(options_for_config(split, hardware), hardware, workload_from_config(split))
         if result.option is not None:
             values = {**result.option.engine_values, "sequence_parallel_size": size}
-            if kernel != config.attn_implementation:
-                values["attn_implementation"] = kernel
             return values, (f"no option fits rows of {config.cutoff_len} tokens whole; split over {size} ranks "
                             f"(sequence_parallel_size: {size}): {result.reason}")
     return None

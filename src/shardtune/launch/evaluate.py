@@ -104,4 +104,4 @@ def eval_command(args: list[str]) -> int:
     from shardtune.launch.supervise import start_run
 
     argv = eval_arguments(args)
-    return start_run(plan_run(argv), debug_requested(argv))
+    return start_run(plan_run(argv, ranks_here=True), debug_requested(argv))

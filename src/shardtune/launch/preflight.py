@@ -25,6 +25,7 @@ from shardtune.engines.sequence_parallel_plan import sequence_parallel_problems,
 from shardtune.errors import ConfigError, ShardtuneError
 from shardtune.host import cuda_visible_devices, local_cpu_memory, local_gpu_memory, visible_gpu_count
 from shardtune.launch import env as launch_env
+from shardtune.launch.kernels_here import local_kernel_problems
 from shardtune.launch.optimizer_checks import badam_launch_problems
 from shardtune.launch.resume_check import resume_read_problems
 from shardtune.launch.torchrun import LaunchPlan, device_problems, plan_launch
@@ -51,8 +52,10 @@ class RunPlan:
         return Path(self.config.output_dir or ".")
 
 
-def plan_run(argv: list[str]) -> RunPlan:
+def plan_run(argv: list[str], ranks_here: bool = False) -> RunPlan:
     """The launching host's plan: launch variables and config checked together (one round of problems).
+    ``ranks_here``: this command starts the ranks on this host (train), so the kernels they need are checked here
+    too (``check`` passes a config whose ranks may run on another machine).
 
     With a bad launch variable the world size is unknown: only the checks that do not depend on it run.
     """
@@ -67,11 +70,13 @@ def plan_run(argv: list[str]) -> RunPlan:
             later += ray_problems(config, ray_init_function())
         raise ConfigError(*launch_error.problems, *problem_lines(key_problems, later)) from None
     launch = plan_launch(env, visible_gpu_count())
-    return preflight(argv, launch.nnodes, launch.nproc_per_node, launch=launch, scheduler=env.scheduler)
+    return preflight(argv, launch.nnodes, launch.nproc_per_node, launch=launch, scheduler=env.scheduler,
+                     ranks_here=ranks_here)
 
 
 def preflight(argv: list[str], nodes: int, procs_per_node: int, *, defaults: dict[str, Any] | None = None,
-              announce: bool = True, launch: LaunchPlan | None = None, scheduler: str | None = None) -> RunPlan:
+              announce: bool = True, launch: LaunchPlan | None = None, scheduler: str | None = None,
+              ranks_here: bool = False) -> RunPlan:
     """Load and check everything that can be checked without weights for ``nodes`` x ``procs_per_node`` ranks;
     raise every problem at once. ``announce``: say the attention kernel a config chose (ranks do not repeat it)."""
     config, cmd, key_problems, later = read_checked_config(argv, defaults)
@@ -93,7 +98,7 @@ def preflight(argv: list[str], nodes: int, procs_per_node: int, *, defaults: dic
     try:  # the steps below read the model's config.json: a damaged one is already among the file problems
         config = apply_attention_auto(config, has_cuda=has_cuda, announce_choice=announce)
         if config.engine == "auto" and not key_problems and not later:  # the estimate needs a sound config
-            config, auto_problems = apply_engine_auto(config, layout, kernel_open=attention_was_auto)
+            config, auto_problems = apply_engine_auto(config, layout)
             later += auto_problems
             layout = replace(layout, sequence_parallel=config.sequence_parallel_size)
         engine, engine_problems = plan_engine(config, layout.world_size, has_cuda=has_cuda)
@@ -104,11 +109,19 @@ def preflight(argv: list[str], nodes: int, procs_per_node: int, *, defaults: dic
     except ShardtuneError as err:
         later += [p for p in err.problems if p not in later]
         engine = EnginePlan("local")
+    if ranks_here and launch is not None and not launch.use_ray:
+        later += unsaid(local_kernel_problems(config, visible_gpu_count()), later)
     later += sequence_parallel_problems(config, layout)  # after the attention kernel is decided
     problems = problem_lines(key_problems, later)
     if problems:
         raise ConfigError(*problems)
     return RunPlan(config, engine, layout, frozenset(cmd.switches), launch, scheduler)
+
+
+def unsaid(problems: list[str], said: list[str]) -> list[str]:
+    """``problems`` whose key (the text before its first " (") no line of ``said`` starts with: one line per key."""
+    keys = {line.split(" (", 1)[0] for line in said}
+    return [p for p in problems if p.split(" (", 1)[0] not in keys]
 
 
 def read_checked_config(argv: list[str], defaults: dict[str, Any] | None = None
@@ -135,16 +148,14 @@ def without_keys(problems: list[str], keys: set[str]) -> list[str]:
     return [p for p in problems if not pattern.search(p)]
 
 
-def apply_engine_auto(config: TrainConfig, layout: WorldLayout,
-                      kernel_open: bool = False) -> tuple[TrainConfig, list[str]]:
+def apply_engine_auto(config: TrainConfig, layout: WorldLayout) -> tuple[TrainConfig, list[str]]:
     """`engine: auto`: the fastest engine option the memory estimate says fits, decided here, once; when none fits
-    whole rows, with each row split over ranks (sequence parallelism; ``kernel_open``: the attention kernel was
-    auto, so sdpa may replace it for the split)."""
+    whole rows, with each row split over ranks (sequence parallelism, whose split attention runs every kernel)."""
     from shardtune.estimate.config import recommend_for_config
 
     try:
         values, reason = recommend_for_config(config, layout.world_size, layout.procs_per_node, local_gpu_memory(),
-                                              local_cpu_memory(), kernel_open)
+                                              local_cpu_memory())
     except ConfigError as err:
         return config, err.problems
     chosen = ", ".join(f"{k}: {v}" for k, v in values.items()) or "DDP (no deepspeed/fsdp)"

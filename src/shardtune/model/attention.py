@@ -101,6 +101,23 @@ def known_model_config(name: str, *, builds_tiny_model: bool = False) -> dict[st
     return model_config_json(name)
 
 
+def flash_problem(has_cuda: bool, flash_installed: bool, split_size: int = 1) -> str | None:
+    """Why a rank cannot run attn_implementation flash_attention_2 (one line), or None. Under a split
+    (``split_size`` > 1) the split attention runs sdpa per segment, and flash there is sdpa's flash backend
+    (FlashAttention-2 inside torch): a CUDA GPU, no flash-attn package (train/setup.py ``loaded_kernel``)."""
+    key = "attn_implementation (flash_attention_2, flash_attn: fa2)"
+    if split_size > 1:
+        if has_cuda:
+            return None
+        return (f"{key} with sequence_parallel_size ({split_size}): the split attention runs sdpa's flash kernel, "
+                "which needs a CUDA GPU; none is visible here. Use flash_attn: sdpa (or attn_implementation: sdpa)")
+    if not has_cuda:
+        return f"{key} needs a CUDA GPU; none is visible here. Use flash_attn: sdpa (or attn_implementation: sdpa)"
+    if not flash_installed:
+        return f"{key} needs the flash-attn package: pip install flash-attn, or use flash_attn: sdpa"
+    return None
+
+
 def flash_available(has_cuda: bool) -> bool:
     return has_cuda and importlib.util.find_spec("flash_attn") is not None
 

@@ -110,12 +110,11 @@ def check_attention(attn_implementation: str) -> None:
 
     import torch
 
-    if not torch.cuda.is_available():
-        raise ModelError("attn_implementation (flash_attention_2, flash_attn: fa2) needs a CUDA GPU; none is visible "
-                         "here. Use flash_attn: sdpa (or attn_implementation: sdpa)")
-    if importlib.util.find_spec("flash_attn") is None:
-        raise ModelError("attn_implementation (flash_attention_2, flash_attn: fa2) needs the flash-attn package: "
-                         "pip install flash-attn, or use flash_attn: sdpa")
+    from shardtune.model.attention import flash_problem
+
+    problem = flash_problem(torch.cuda.is_available(), importlib.util.find_spec("flash_attn") is not None)
+    if problem:
+        raise ModelError(problem)
 
 
 def load_causal_lm(

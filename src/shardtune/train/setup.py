@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from shardtune.config.schema import TrainConfig
 from shardtune.data.budget_batches import TokenBudgetBatches
 from shardtune.engines.base import Engine
-from shardtune.errors import ConfigError
+from shardtune.errors import ConfigError, ModelError
 from shardtune.model.adapters import FinetuningSettings
 from shardtune.model.reward_head import RewardHead
 from shardtune.model.source import ModelSource
@@ -116,11 +116,26 @@ def model_source(c: TrainConfig, settings: FinetuningSettings, tokenizer_size: i
     from shardtune.train.settings import adapter_plan
 
     return ModelSource(c.model_name_or_path or "", settings, trust_remote_code=c.trust_remote_code,
-                       attn_implementation=c.attn_implementation, quantization_bit=c.quantization_bit,
+                       attn_implementation=loaded_kernel(c), quantization_bit=c.quantization_bit,
                        quantization_type=c.quantization_type, double_quantization=c.double_quantization,
                        compute_dtype=compute_dtype, adapters=adapter_plan(c), rope_scaling=c.rope_scaling,
                        max_length=c.cutoff_len, vocab=vocab_growth(c, tokenizer_size), pure_bf16=c.pure_bf16,
                        reward_head=reward_head(c, pad_token_id), reads_images=reads_images)
+
+
+def loaded_kernel(c: TrainConfig) -> str:
+    """The attention kernel the model loads with. Under sequence_parallel_size > 1 the split attention replaces the
+    model's and runs sdpa per segment (engines/sequence_parallel.py), so flash_attention_2 there is sdpa's flash
+    backend, FlashAttention-2 inside torch: it needs a CUDA GPU (and bf16/fp16: in fp32 sdpa takes its
+    memory-efficient kernel), not the flash-attn package; the model loads with sdpa."""
+    if c.sequence_parallel_size == 1 or c.attn_implementation != "flash_attention_2":
+        return c.attn_implementation
+    from shardtune.model.attention import flash_problem
+
+    problem = flash_problem(torch.cuda.is_available(), flash_installed=False, split_size=c.sequence_parallel_size)
+    if problem:
+        raise ModelError(problem)
+    return "sdpa"
 
 
 def reward_head(c: TrainConfig, pad_token_id: int | None) -> RewardHead | None:
