@@ -12,7 +12,7 @@ replica under DDP, sharded under ZeRO-3 and FSDP2) and with ``precompute_ref_log
 The measured number is shardtune's own ``peak_memory_bytes_per_rank`` of train_results.json (resident memory the
 rank gained from before the model was loaded to the end of training; see train/workflow.py ``MemoryProbe``); the
 estimate is ``estimated_memory_bytes`` of the same file: the memory model of `shardtune estimate` for that run
-(reference and the two rows of each pair included: estimate/options.py ``reference_share``, estimate/config.py
+(reference and the two rows of each pair included: estimate/parts.py ``reference_share``, estimate/config.py
 ``workload_from_config``), as max(tensors of a step, set-up) + the CPU runtime (estimate/compare.py).
 
 ``--stage rm`` measures reward models instead (no reference; the score row instead of the output matrix; one score

@@ -33,8 +33,9 @@ from shardtune.estimate.adapter_shape import freeze_trainable_params, lora_param
 from shardtune.estimate.compare import CPU_RUN_RUNTIME_BYTES, run_memory_estimate
 from shardtune.estimate.config import configured_option, hardware_for
 from shardtune.estimate.measure import mark_memory_baseline
-from shardtune.estimate.options import CPU_RUNTIME_BYTES, zero_paper_model_states
+from shardtune.estimate.parts import CPU_RUNTIME_BYTES
 from shardtune.estimate.shape import ModelShape, shape_from_config
+from shardtune.estimate.zero import zero_paper_model_states
 from tests.conftest import REPO
 
 GiB = 1024**3

@@ -22,10 +22,11 @@ from shardtune.estimate.activations import (
 from shardtune.estimate.adapter_shape import lora_params
 from shardtune.estimate.command import estimate_command
 from shardtune.estimate.hardware import GiB, Hardware
-from shardtune.estimate.options import build_options, moe_leaf_params
+from shardtune.estimate.options import build_options
 from shardtune.estimate.recommend import recommend
 from shardtune.estimate.shape import ModelShape, load_model_shape, shape_from_config
 from shardtune.estimate.workload import Workload, trainable_params
+from shardtune.estimate.zero import moe_leaf_params
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "tests" / "fixtures" / "model_configs"

@@ -17,7 +17,8 @@ from shardtune.estimate.config import (
 )
 from shardtune.estimate.hardware import Hardware, format_size, parse_size
 from shardtune.estimate.measure import mark_memory_baseline, measured_peak_memory_bytes
-from shardtune.estimate.options import Components, Option, Setup, build_options
+from shardtune.estimate.options import build_options
+from shardtune.estimate.parts import Components, Option, Setup
 from shardtune.estimate.recommend import Recommendation, recommend
 from shardtune.estimate.shape import ModelShape, load_model_shape
 from shardtune.estimate.workload import Workload

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from shardtune.estimate.hardware import MiB
-from shardtune.estimate.options import Components, Setup
+from shardtune.estimate.parts import Components, Setup
 
 # Resident memory a CPU rank gains after the baseline besides its tensors, by EnginePlan.kind: the modules the
 # run imports after it (tokenizer and model code, peft; DeepSpeed also starts its communication op inside

@@ -12,22 +12,12 @@ from shardtune.engines.plan import EnginePlan, plan_engine, spec_for
 from shardtune.errors import ConfigError, ShardtuneError
 from shardtune.estimate.compare import RunMemoryEstimate, run_memory_estimate
 from shardtune.estimate.hardware import Hardware, format_size
-from shardtune.estimate.options import (
-    OPTION_SPECS,
-    Components,
-    Context,
-    Option,
-    Setup,
-    StateFn,
-    build_option,
-    build_options,
-    fsdp_states,
-    zero_settings,
-    zero_states,
-)
+from shardtune.estimate.options import OPTION_SPECS, build_option, build_options, fsdp_states
+from shardtune.estimate.parts import Components, Context, Option, Setup, StateFn
 from shardtune.estimate.recommend import recommend
 from shardtune.estimate.shape import ModelShape, load_model_shape
 from shardtune.estimate.workload import Workload
+from shardtune.estimate.zero import zero_settings, zero_states
 from shardtune.model.composite import FrozenParts
 from shardtune.model.oft import OftSettings
 from shardtune.world import WorldLayout

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardtune.estimate.hardware import Hardware, format_size
-from shardtune.estimate.options import Option
+from shardtune.estimate.parts import Option
 from shardtune.estimate.workload import Workload
 
 

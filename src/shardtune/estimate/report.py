@@ -7,7 +7,7 @@ from typing import Any
 
 from shardtune.estimate.activations import sequence_mode
 from shardtune.estimate.hardware import GiB, Hardware
-from shardtune.estimate.options import Option
+from shardtune.estimate.parts import Option
 from shardtune.estimate.recommend import Recommendation
 from shardtune.estimate.shape import ModelShape
 from shardtune.estimate.workload import Workload, trainable_params

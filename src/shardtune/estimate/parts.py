@@ -1,0 +1,157 @@
+"""The pieces every engine option's memory is built from: bytes by holder (``Components``), what loading adds
+(``Setup``), an evaluated ``Option``, and the ``Context`` a memory function reads, with the loading paths and the
+frozen reference that all engines share (estimate/options.py: the torch engines; estimate/zero.py: DeepSpeed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+
+from shardtune.estimate.hardware import GiB, Hardware
+from shardtune.estimate.shape import ModelShape
+from shardtune.estimate.workload import Workload, trainable_params, weight_bytes
+
+FP32 = 4
+# CUDA context, cuBLAS and NCCL workspaces: outside torch.cuda.max_memory_allocated, but on the device.
+GPU_RUNTIME_BYTES = 1 * GiB
+# The caching allocator's fragmentation, as a fraction of everything else on the device.
+ALLOCATOR_RESERVE = 0.05
+# Resident memory of one rank's interpreter with torch, transformers, datasets and DeepSpeed imported.
+CPU_RUNTIME_BYTES = 1 * GiB
+
+
+@dataclass(frozen=True)
+class Components:
+    """Bytes per device (or per rank in CPU memory) by what holds them."""
+
+    parameters: float = 0.0  # this rank's share of the weights, as the engine keeps them between steps
+    gradients: float = 0.0  # this rank's share of the gradients
+    optimizer_states: float = 0.0  # this rank's share of the optimizer states (and DeepSpeed's fp32 master copy)
+    buffers: float = 0.0  # transient copies: gathered weights, autocast casts, unreduced gradients, buckets
+    activations: float = 0.0
+    overhead: float = 0.0
+    reference: float = 0.0  # a preference run's frozen reference model: this rank's share, as the policy's weights
+
+    @property
+    def total(self) -> float:
+        return self.measurable + self.overhead
+
+    @property
+    def model_states(self) -> float:
+        """Parameters + gradients + optimizer states: what ZeRO and FSDP divide among the ranks."""
+        return self.parameters + self.gradients + self.optimizer_states
+
+    @property
+    def measurable(self) -> float:
+        """Every tensor of a step: model states, reference, buffers and activations (no runtime or allocator
+        overhead)."""
+        return self.model_states + self.reference + self.buffers + self.activations
+
+    def to_dict(self) -> dict[str, int]:
+        data = {f.name: int(round(getattr(self, f.name))) for f in fields(self)}
+        data["total"] = int(round(self.total))
+        return data
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Memory while the model is loaded and the engine sets up, before the first step (bytes)."""
+
+    device: float  # on each rank's device
+    host_per_rank: float = 0.0  # host memory each rank fills itself (its own full copy, or its offloaded shard)
+    host_per_node: float = 0.0  # host memory held once per node: the checkpoint's copy in the page cache
+    # Each rank maps the whole checkpoint file while it loads (from_pretrained), so its resident memory counts the
+    # page-cache copy too; a sharded load opens the file for one tensor at a time and does not.
+    rank_maps_checkpoint: bool = False
+
+    @property
+    def host_peak_per_rank(self) -> float:
+        """A rank's resident memory while loading, where the device is the host (CPU runs)."""
+        mapped = self.host_per_node if self.rank_maps_checkpoint else 0.0
+        return max(self.device, self.host_per_rank + mapped)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to run the job, with its memory on each device and in each node's CPU memory."""
+
+    name: str
+    engine_values: dict[str, str]
+    speed_rank: int  # lower is faster: less sharding, less offload
+    device: Components
+    cpu_per_rank: float  # host bytes per rank while training: the offloaded states (runtime not included)
+    setup: Setup
+    available: bool = True
+    note: str = ""
+    fits: bool = False
+    cpu_per_node: float = 0.0  # the larger of set-up and training, plus every rank's runtime
+    setup_cpu_per_node: float = 0.0  # while loading, without the runtime
+    device_peak: float = 0.0
+
+    @property
+    def setup_device(self) -> float:
+        return self.setup.device
+
+
+StateFn = Callable[["Context"], tuple[Components, float, Setup]]
+
+
+@dataclass(frozen=True)
+class Context:
+    """Everything an option's memory function reads."""
+
+    shape: ModelShape
+    workload: Workload
+    hardware: Hardware
+
+    @property
+    def params(self) -> int:
+        return self.shape.total_params
+
+    @property
+    def trainable(self) -> int:
+        return trainable_params(self.shape, self.workload)
+
+    @property
+    def ranks(self) -> int:
+        return self.hardware.world_size
+
+    @property
+    def ds_bytes(self) -> int:
+        """DeepSpeed's module dtype: bf16/fp16 under mixed precision, else fp32."""
+        return self.workload.compute_bytes
+
+def reference_share(c: Context, held: float) -> float:
+    """A live dpo/kto reference of a full/freeze run is the engine's frozen copy of the weights, placed as the
+    policy's weights are (``Engine.load_frozen``): ``held``, the policy's weight bytes on this rank (a replica, or
+    the shard; 0 where they are offloaded), once more. LoRA (adapters off), ORPO/SimPO and precomputed
+    log-probabilities hold none; a LoRA run's ``ref_model`` is the policy's weights without its adapters (and
+    unquantized: ``ref_model_quantization_bit`` is not modelled)."""
+    if not c.workload.reference_copy:
+        return 0.0
+    frozen = replace(c.workload, finetuning_type="full", quantization_bit=None)
+    return held * weight_bytes(c.shape, frozen, FP32) / weight_bytes(c.shape, c.workload, FP32)
+
+def with_reference_setup(setup: Setup, reference: float, host: float) -> Setup:
+    """The frozen reference is loaded beside the policy before training: ``reference`` more on the device and
+    ``host`` more in the rank's host memory (a whole replica read into it)."""
+    return replace(setup, device=setup.device + reference, host_per_rank=setup.host_per_rank + host)
+
+# --- loading: how the weights reach each rank ---
+
+def full_load_setup(c: Context, device_bytes: float) -> Setup:
+    """DDP and ZeRO-1/2: every rank maps the whole checkpoint and reads it into fp32 weights on its host, then
+    moves them (DeepSpeed: casts and moves them) to its device, where the engine builds its buffers."""
+    return Setup(device=device_bytes, host_per_rank=weight_bytes(c.shape, c.workload, FP32),
+                 host_per_node=c.shape.checkpoint_copy_bytes, rank_maps_checkpoint=True)
+
+def sharded_load_setup(c: Context, shard: float, module_bytes: int, offload: bool) -> Setup:
+    """FSDP and ZeRO-3: the model is created empty (meta device, deepspeed.zero.Init) and filled one tensor at
+    a time from one checkpoint copy per node, so a rank holds its shard plus the piece being gathered (one
+    layer or the embedding). With offload the shard lives in host memory and only the piece on the device."""
+    piece = module_bytes * c.shape.largest_load_unit
+    source = c.shape.checkpoint_copy_bytes
+    if offload:
+        return Setup(device=piece, host_per_rank=shard, host_per_node=source)
+    return Setup(device=shard + piece, host_per_node=source)
