@@ -129,7 +129,7 @@ def _free_port() -> int:
 
 def is_torchrun_worker(cmdline: str) -> bool:
     """A training rank under the launcher (shardtune -> torchrun -> ranks), not torchrun itself."""
-    return "shardtune.train" in cmdline and "torch.distributed.run" not in cmdline
+    return "shardtune.train" in cmdline and "torchrun_agent" not in cmdline
 
 
 def test_zero3_without_gathering_on_save_writes_the_trained_model_and_resumes(tiny_model_dir, tmp_path):

@@ -75,7 +75,8 @@ def test_old_pytorchjob_rank_is_the_pod_index_not_a_process_rank(pods):
         assert not inside_launcher(env)
         launch = read_launch_env(env)
         assert (launch.nnodes, launch.node_rank, launch.scheduler) == (pods, index, "PyTorchJob")
-        assert argv_for(env, gpus=8) == [PY, "-m", "torch.distributed.run", "--nproc-per-node=8", f"--nnodes={pods}",
+        assert argv_for(env, gpus=8) == [PY, "-m", "shardtune.launch.torchrun_agent", "--nproc-per-node=8",
+                                         f"--nnodes={pods}",
                                          f"--node-rank={index}", "--master-addr=job-master-0", "--master-port=23456",
                                          "-m", "shardtune.train", "c.json"]
 
@@ -106,7 +107,7 @@ def test_trainjob(pods):
     for index in range(pods):
         env = trainjob_pod(pods, index)
         assert not inside_launcher(env)
-        assert argv_for(env) == [PY, "-m", "torch.distributed.run", "--nproc-per-node=4", f"--nnodes={pods}",
+        assert argv_for(env) == [PY, "-m", "shardtune.launch.torchrun_agent", "--nproc-per-node=4", f"--nnodes={pods}",
                                  f"--node-rank={index}", "--master-addr=job-node-0-0.job", "--master-port=29400",
                                  "-m", "shardtune.train", "c.json"]
 

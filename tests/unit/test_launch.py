@@ -34,7 +34,7 @@ def test_static_multi_node_argv():
                            "MASTER_PORT": "29500"})
     plan = plan_launch(env, visible_gpus=0)
     argv = build_torchrun_argv(plan, plan.node_rank, worker_argv("out dir/cfg.json"), PY)
-    assert argv == [PY, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=2", "--node-rank=1",
+    assert argv == [PY, "-m", "shardtune.launch.torchrun_agent", "--nproc-per-node=2", "--nnodes=2", "--node-rank=1",
                     "--master-addr=10.0.0.1", "--master-port=29500", "-m", "shardtune.train", "out dir/cfg.json"]
     assert plan.world_size == 4
 

@@ -70,7 +70,7 @@ def node_argv(env: dict[str, str]) -> list[str]:
 @pytest.mark.parametrize("nodes", [1, 2, 3, 4])
 def test_every_node_gets_the_same_c10d_command(nodes):
     port = port_for_job("4242")
-    expected = [PY, "-m", "torch.distributed.run", "--nproc-per-node=8", f"--nnodes={nodes}",
+    expected = [PY, "-m", "shardtune.launch.torchrun_agent", "--nproc-per-node=8", f"--nnodes={nodes}",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint=gpu1:{port}", "--rdzv-id=slurm-4242",
                 "-m", "shardtune.train", "run/cfg.json"]
     for node in range(nodes):

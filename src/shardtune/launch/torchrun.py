@@ -67,6 +67,11 @@ def device_problems(plan: LaunchPlan, visible_gpus: int, visible_setting: str | 
             f"{visible_gpus} GPU(s) ({seen}) and each process needs its own: {fix}"]
 
 
+# torch.distributed.run's main, started through shardtune.launch.torchrun_agent (which skips the final collection of
+# the agent's objects at exit: 0.3 s per run on this CPU).
+TORCHRUN_MODULE = "shardtune.launch.torchrun_agent"
+
+
 def find_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -74,8 +79,9 @@ def find_free_port() -> int:
 
 
 def build_torchrun_argv(plan: LaunchPlan, node_rank: int, worker: list[str], python: str) -> list[str]:
-    """`python -m torch.distributed.run ...` for one node, followed by the worker command."""
-    argv = [python, "-m", "torch.distributed.run", f"--nproc-per-node={plan.nproc_per_node}"]
+    """torchrun's command for one node (``python -m shardtune.launch.torchrun_agent``: torchrun's own main with a
+    faster exit), followed by the worker command."""
+    argv = [python, "-m", TORCHRUN_MODULE, f"--nproc-per-node={plan.nproc_per_node}"]
     if plan.is_elastic or plan.c10d_rendezvous:
         low = plan.min_nnodes or plan.nnodes
         high = plan.max_nnodes or plan.nnodes
