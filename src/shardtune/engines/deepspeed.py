@@ -163,8 +163,8 @@ class DeepSpeedEngine(DistributedMixin, Engine):
         if self.zero_stage == 3:
             leaves = apply_zero3_moe_leaves(model)
             if leaves and self.is_main:
-                print(f"[shardtune] ZeRO-3: sparse MoE blocks gathered whole ({', '.join(leaves)}), so ranks that "
-                      "route tokens to different experts run the same collectives", flush=True)
+                print(f"[shardtune] ZeRO-3: modules gathered whole ({', '.join(leaves)}), so ranks whose tokens take "
+                      "different branches (experts, long-row compressors) run the same collectives", flush=True)
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, model_parameters=params, lr_scheduler=scheduler,
             config=self.ds_config, dist_init_required=False)
@@ -370,18 +370,22 @@ class DeepSpeedEngine(DistributedMixin, Engine):
 
 
 def apply_zero3_moe_leaves(model: torch.nn.Module) -> list[str]:
-    """Register the model's sparse MoE blocks as ZeRO-3 leaf modules; returns their class names.
+    """Register the model's sparse MoE blocks (and modules only long rows reach) as ZeRO-3 leaf modules; returns
+    their class names.
 
     ZeRO-3 gathers a module's parameters in hooks as each submodule runs and prefetches by the recorded order;
     inside an MoE block the experts that run depend on the routing, so two ranks with different tokens would issue
     different all-gathers and wait on each other forever. A leaf block is gathered whole on entry instead. The
-    block classes are found from the model (a module owning experts and a router), not from a table.
+    block classes are found from the model (a module owning experts and a router), not from a table. A module
+    whose weights only long rows reach (model/length_dependent.py) is a leaf for the same reason, and so that its
+    output hook sees all its weights gathered.
     """
     from deepspeed.utils import set_z3_leaf_modules
 
+    from shardtune.model.length_dependent import length_dependent_classes
     from shardtune.model.moe import sparse_moe_block_classes
 
-    classes = sparse_moe_block_classes(model)
+    classes = [*sparse_moe_block_classes(model), *length_dependent_classes(model)]
     if classes:
         set_z3_leaf_modules(model, classes)
     return [c.__name__ for c in classes]

@@ -23,8 +23,8 @@ class ProbeFailed(Exception):
 
 
 def parameters_without_gradient(model: torch.nn.Module, device: torch.device,
-                                image: dict[str, torch.Tensor] | None = None) -> list[str]:
-    """Names of the trainable parameters the logits of a few tokens (and ``image``, when the data has images: the
+                                image: dict[str, torch.Tensor] | None = None, tokens: int = PROBE_TOKENS) -> list[str]:
+    """Names of the trainable parameters the logits of ``tokens`` tokens (and ``image``, when the data has images: the
     token ids that stand for one image and its pixel inputs, data/images.py's blank image) do not depend on.
 
     The autograd graph of one forward is walked from the logits to its leaves (as DDP's unused-parameter search
@@ -37,16 +37,16 @@ def parameters_without_gradient(model: torch.nn.Module, device: torch.device,
     was_training = model.training
     model.eval()
     try:
-        ids = (torch.arange(PROBE_TOKENS, device=device) % max(2, _vocab_size(model))).unsqueeze(0)
+        ids = (torch.arange(tokens, device=device) % max(2, _vocab_size(model))).unsqueeze(0)
         inputs: dict[str, torch.Tensor] = {}
         if image is not None:  # text tokens other than the image's own, then the image
             own = set(image["input_ids"].flatten().tolist())
-            text = [token for token in range(PROBE_TOKENS + len(own)) if token not in own][:PROBE_TOKENS]
+            text = [token for token in range(tokens + len(own)) if token not in own][:tokens]
             ids = torch.cat([torch.tensor([text], device=device), image["input_ids"].to(device)], dim=1)
             inputs = {key: value.to(device) for key, value in image.items() if key != "input_ids"}
             for key, value in inputs.items():  # per-token image flags (mm_token_type_ids, ...): none on the text
                 if key.endswith("type_ids"):
-                    inputs[key] = torch.cat([torch.zeros(1, PROBE_TOKENS, dtype=value.dtype, device=device), value],
+                    inputs[key] = torch.cat([torch.zeros(1, tokens, dtype=value.dtype, device=device), value],
                                             dim=1)
         reached = graph_leaves(model(input_ids=ids, **inputs).logits)
     except Exception as error:  # noqa: BLE001 - any failure of the probe leaves the answer unknown, said by the caller

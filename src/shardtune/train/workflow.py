@@ -93,6 +93,7 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     source = model_source(*model_config(config), tokenizer_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                           reads_images=has_images(train_set))
     model = engine.build_model(source)
+    keep_long_row_weights_trained(model, engine.is_main)
     apply_kernels(model, config, engine.is_main)
     compiling = start_compile(model, config)
     loop = dataclasses.replace(loop, router_aux_loss_coef=router_aux_setting(model, config, engine.is_main),
@@ -266,6 +267,16 @@ def choose_experts_implementation(engine: Engine) -> None:
     line = apply_experts_implementation(model, engine.device.type, str(dtype).removeprefix("torch."))
     if line and engine.is_main:
         print(f"[shardtune] {line}", flush=True)
+
+
+def keep_long_row_weights_trained(model: torch.nn.Module, is_main: bool) -> None:
+    """Weights only long rows reach get zero gradients on short ones, so every rank reduces the same tensors."""
+    from shardtune.model.length_dependent import keep_length_dependent_in_graph
+
+    names = keep_length_dependent_in_graph(model)
+    if names and is_main:
+        print(f"[shardtune] {len(names)} modules reach the loss only on long rows (e.g. {names[0]}): on shorter "
+              "micro-batches their weights get zero gradients, so every rank reduces the same tensors", flush=True)
 
 
 def router_aux_setting(model: torch.nn.Module, c: TrainConfig, is_main: bool) -> float | None:
