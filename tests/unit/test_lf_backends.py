@@ -38,17 +38,17 @@ def test_the_first_problem_of_a_file_for_another_backend_names_it(tmp_path, key,
     assert backend in problems[0].text and len(problems) == 3
 
 
-# DFT, EAFT, ASFT, LLaMA-Pro and OFT are built (tests/unit/test_token_weighting.py, tests/unit/test_asft_loss.py,
-# tests/unit/test_llama_pro.py, tests/unit/test_oft.py).
-@pytest.mark.parametrize(("key", "variant"), [("mixture_of_depths", "mixture of depths")])
+# DFT, EAFT, ASFT, LLaMA-Pro, OFT and mixture of depths are built (tests/unit/test_token_weighting.py,
+# tests/unit/test_asft_loss.py, tests/unit/test_llama_pro.py, tests/unit/test_oft.py, tests/unit/test_depths.py).
+@pytest.mark.parametrize(("key", "variant"), [("early_stopping_steps", "early stopping")])
 def test_each_unimplemented_variant_is_named(key, variant):
     with pytest.raises(ConfigError, match=f"key '{key}' is not supported by shardtune: .*{variant}"):
-        build_config({**BASE, key: True})
+        build_config({**BASE, key: 3})
 
 
-@pytest.mark.parametrize(("optim", "instead"), [("paged_adamw_8bit", "adamw_8bit"), ("paged_lion_32bit", "offload"),
-                                                ("lion_8bit", "adamw_torch")])
-def test_paged_and_lion_optimizers_name_what_to_use(optim, instead):
+@pytest.mark.parametrize(("optim", "instead"), [("paged_ademamix_8bit", "paged_adamw_8bit"),
+                                                ("paged_lion_32bit", "adamw_torch"), ("lion_8bit", "adamw_torch")])
+def test_ademamix_and_lion_optimizers_name_what_to_use(optim, instead):
     with pytest.raises(ConfigError, match=f"optim: '{optim}' is not supported by shardtune: .*{instead}"):
         build_config({**BASE, "optim": optim})
 

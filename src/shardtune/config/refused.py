@@ -41,13 +41,7 @@ V1_KERNELS_MEANING = ("LLaMA-Factory's automatic v1 kernels exist for Ascend NPU
 OTHER_BACKEND_KEYS = frozenset((KTRANSFORMERS_KEYS + " " + MEGATRON_KEYS).split())
 
 # Training variants of LLaMA-Factory that shardtune does not implement, each with what to use instead.
-# LLaMA-Factory converts with the MoD package (PyPI mixture-of-depth 1.2.0), whose import fails under transformers 5
-# (it imports TRANSFORMERS_CACHE, removed there) and whose layer wrapper takes transformers 4's decoder-layer call.
-_MOD = ("mixture of depths (tokens routed past layers, which changes the model's architecture) is not implemented; "
-        "LLaMA-Factory's own path, the MoD package (mixture-of-depth 1.2.0), does not import with transformers 5 "
-        "either; remove it")
 VARIANT_REASONS = {
-    **_group(_MOD, "mixture_of_depths"),
     **_group("accuracy during evaluation (compute_accuracy) is not computed by shardtune, which reports eval_loss; "
              "remove it", "compute_accuracy"),
     **_group("early stopping is not in shardtune; pick max_steps from a run's eval_loss curve and remove it",
@@ -59,14 +53,12 @@ VARIANT_REASONS = {
 
 # Values of honoured keys that name a variant shardtune does not implement: refused with the reason, not only as
 # "not allowed" (load.coerce_value).
-_PAGED = ("paged optimizers (bitsandbytes moves their state to CPU memory under pressure) are not offered; use "
-          "optim: adamw_8bit for 8-bit state, or a DeepSpeed offload config (examples/deepspeed/ds_z3_offload_config"
-          ".json) to keep optimizer state in CPU memory")
+_AdEMAMIX = ("AdEMAMix is not offered; use optim: paged_adamw_8bit (bitsandbytes' paged AdamW, its state moved "
+             "to CPU memory under pressure) or adamw_8bit")
 _LION = "Lion is not offered; use optim: adamw_torch or adamw_8bit (or use_muon / use_adam_mini)"
 REFUSED_VALUES: dict[str, dict[str, str]] = {
-    "optim": {**_group(_PAGED, "paged_adamw_8bit paged_adamw_32bit paged_ademamix_8bit paged_ademamix_32bit"),
-              **_group(_PAGED + "; Lion itself is not offered either", "paged_lion_8bit paged_lion_32bit"),
-              **_group(_LION, "lion_8bit lion_32bit")},
+    "optim": {**_group(_AdEMAMIX, "paged_ademamix_8bit paged_ademamix_32bit"),
+              **_group(_LION, "lion_8bit lion_32bit paged_lion_8bit paged_lion_32bit")},
 }
 
 

@@ -35,7 +35,8 @@ LR_SCHEDULERS = (
     "constant_with_warmup",
     "inverse_sqrt",
 )
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "sgd", "adafactor")
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "sgd",
+              "adafactor")
 REPORT_TO = ("none", "tensorboard", "wandb", "mlflow")
 # LLaMA-Factory's spellings; only bnb quantizes on load here (pre-quantized checkpoints are read from config.json).
 QUANTIZATION_METHODS = ("bnb", "gptq", "awq", "aqlm", "quanto", "eetq", "hqq", "mxfp4", "fp8")
@@ -134,6 +135,10 @@ class TrainConfig:
     use_llama_pro: bool = _key(False, "freeze / lora: train only the blocks a LLaMA-Pro expansion added (every "
                                "(layers / freeze_trainable_layers)-th layer; `shardtune expand-model` adds them)",
                                FINETUNE)
+    mixture_of_depths: str | None = _key(None, "full: mixture of depths, every second decoder layer sees only "
+                                               "the top 12.5% of a row's tokens by a learned router; 'convert' "
+                                               "adds routers to a checkpoint, 'load' trains a routed one",
+                                         FINETUNE, choices=(None, "convert", "load"))
     freeze_vision_tower: bool = _key(True, "image-text models: do not train the vision tower (LoRA leaves it "
                                            "unadapted)", FINETUNE)
     freeze_multi_modal_projector: bool = _key(True, "image-text models: do not train the projector between the "

@@ -20,6 +20,7 @@ from shardtune.engines.spec import (
     EngineSpec,
     MemoryLayout,
     compile_problems,
+    depth_problems,
     float8_problems,
     pissa_problems,
     pre_quantized_problems,
@@ -397,7 +398,7 @@ def deepspeed_refusals(c: TrainConfig, plan: EnginePlan, has_cuda: bool) -> list
         problems.append(f"quantization_bit ({c.quantization_bit}) with DeepSpeed ZeRO-3: bitsandbytes weights "
                         "cannot be partitioned; use FSDP (fsdp: full_shard auto_wrap) for sharded QLoRA, or ZeRO-2")
     if stage == 3:
-        problems += pissa_problems(c, "DeepSpeed ZeRO-3")
+        problems += pissa_problems(c, "DeepSpeed ZeRO-3") + depth_problems(c, "DeepSpeed ZeRO-3")
     if stage == 3 and c.use_dora:
         # peft reads each base weight outside its layer's forward (the norm of W + BA), where ZeRO-3 has released it.
         problems.append("use_dora (true) with DeepSpeed ZeRO-3: DoRA needs each layer's whole base weight outside "

@@ -12,6 +12,7 @@ from shardtune.engines.spec import (
     EngineSpec,
     MemoryLayout,
     compile_problems,
+    depth_problems,
     float8_problems,
     pissa_problems,
     pre_quantized_problems,
@@ -254,7 +255,7 @@ def fsdp_refusals(c: TrainConfig, plan: EnginePlan, has_cuda: bool) -> list[str]
                      "use fsdp_version: 2 (compile, then fully_shard)") if settings.version == 1 else None
     fsdp1_float8 = ("torchao's float8 layers are built for FSDP2's per-parameter shards, FSDP1 flattens them; use "
                     "fsdp_version: 2") if settings.version == 1 else None
-    return (problems + pissa_problems(c, "fsdp")
+    return (problems + pissa_problems(c, "fsdp") + depth_problems(c, "fsdp")
             + whole_weight_optimizer_problems(c, f"fsdp (fsdp_version {settings.version})", settings.version == 2)
             + preference_problems(c, "fsdp", shards_weights=True) + compile_problems(c, "fsdp", fsdp1_compile)
             + float8_problems(c, f"fsdp (fsdp_version {settings.version})", fsdp1_float8, settings.version == 2))

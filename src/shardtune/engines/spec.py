@@ -103,6 +103,13 @@ def one_process_optimizer_problems(c: TrainConfig, label: str) -> list[str]:
     return problems
 
 
+def depth_problems(c: TrainConfig, label: str) -> list[str]:
+    """A sharding engine (``label``) never holds the whole model the routers of mixture of depths are added to."""
+    return [f"mixture_of_depths ({c.mixture_of_depths}) with {label}: the routers are added to the whole model "
+            "while it is built, which a sharding engine never holds; use DDP or ZeRO-0/1/2"] \
+        if c.mixture_of_depths else []
+
+
 def pissa_problems(c: TrainConfig, label: str) -> list[str]:
     """A sharding engine (``label``) never holds the whole base weights PiSSA's initialisation rewrites."""
     return [f"pissa_init (true) with {label}: PiSSA takes the SVD of each whole base weight and rewrites it while "

@@ -26,6 +26,9 @@ OPTIMIZER_STATE_BYTES = {
     "adamw_torch": 8,  # exp_avg + exp_avg_sq
     "adamw_torch_fused": 8,
     "adamw_8bit": 2,  # two 8-bit states (block constants are negligible)
+    # Paged (CUDA unified memory): counted on the device, where the state stays until the device runs short.
+    "paged_adamw_8bit": 2,
+    "paged_adamw_32bit": 8,
     "sgd": 0,  # shardtune's SGD has no momentum buffer
     "adafactor": 0,  # factored second moment: rows + columns per matrix, negligible next to the weights
 }

@@ -130,6 +130,12 @@ def schedule_problems(c: TrainConfig) -> list[str]:
     if c.use_llama_pro and c.finetuning_type not in ("freeze", "lora"):
         problems.append(f"use_llama_pro (true) trains the expanded blocks under finetuning_type freeze or lora, not "
                         f"{c.finetuning_type}; choose one of those")
+    if c.mixture_of_depths and c.finetuning_type != "full":
+        problems.append(f"mixture_of_depths ({c.mixture_of_depths}) trains its new routers in full, beside every "
+                        f"weight; use finetuning_type: full (not {c.finetuning_type})")
+    if c.mixture_of_depths and resolved_packing(c):
+        problems.append(f"mixture_of_depths ({c.mixture_of_depths}) with packing (on for stage pt unless set): the "
+                        "router ranks the tokens of a row, and a packed row holds several samples; set packing: false")
     if c.finetuning_type == "freeze" and c.freeze_trainable_layers == 0:
         problems.append("freeze_trainable_layers (0) selects no layer to train; give N > 0 (the last N decoder "
                         "layers) or -N (the first N)")
@@ -376,7 +382,8 @@ def file_problems(c: TrainConfig) -> list[str]:
     if model is not None and not (c.build_tiny_model_if_missing and not Path(model).exists()):
         model_problems = model_path_problems(model)
         problems += model_problems or (attention_problems(c) + position_problems(c) + moe_problems(c)
-                                       + mistyped_target_problems(c) + layer_problems(c) + oft_size_problems(c))
+                                       + mistyped_target_problems(c) + layer_problems(c) + oft_size_problems(c)
+                                       + depth_checkpoint_problems(c))
     if c.output_dir is not None:
         problems += output_dir_problems(c)
     problems += write_problems(c)
@@ -467,6 +474,18 @@ def moe_problems(c: TrainConfig) -> list[str]:
         return []  # reported by the folder checks
     coef = configured_router_aux_coef(config or {}, c.moe_aux_loss_coef)
     return [preference_aux_loss_problem(coef, c.stage)] if coef and c.stage in PREFERENCE_STAGES else []
+
+
+def depth_checkpoint_problems(c: TrainConfig) -> list[str]:
+    """mixture_of_depths against the model's config.json: a family whose layers can be routed, routers or not."""
+    from shardtune.model.attention import known_model_config
+    from shardtune.model.depths import depth_problem
+
+    if not c.mixture_of_depths:
+        return []
+    known = known_model_config(c.model_name_or_path or "", builds_tiny_model=c.build_tiny_model_if_missing)
+    problem = depth_problem(c.mixture_of_depths, known) if known is not None else None
+    return [problem] if problem else []
 
 
 def model_path_problems(model: str) -> list[str]:

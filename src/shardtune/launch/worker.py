@@ -137,8 +137,10 @@ def run_worker(plan: RunPlan, rank_env: RankEnv | None = None) -> int:
 
 
 def needs_bitsandbytes(config) -> bool:
-    """Quantized loads and the 8-bit optimizers (adamw_8bit; GaLore's and APOLLO's packages import it)."""
-    return bool(config.quantization_bit or config.ref_model_quantization_bit or config.optim == "adamw_8bit"
+    """Quantized loads and bitsandbytes' optimizers (adamw_8bit, the paged ones; GaLore's and APOLLO's packages
+    import it)."""
+    return bool(config.quantization_bit or config.ref_model_quantization_bit
+                or config.optim in ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
                 or config.use_galore or config.use_apollo or config.use_adam_mini)
 
 

@@ -48,7 +48,7 @@ def parameters_without_gradient(model: torch.nn.Module, device: torch.device,
                 if key.endswith("type_ids"):
                     inputs[key] = torch.cat([torch.zeros(1, tokens, dtype=value.dtype, device=device), value],
                                             dim=1)
-        reached = graph_leaves(model(input_ids=ids, **inputs).logits)
+        reached = graph_leaves(model(input_ids=ids, **inputs, use_cache=False).logits)  # as training calls it
     except Exception as error:  # noqa: BLE001 - any failure of the probe leaves the answer unknown, said by the caller
         raise ProbeFailed(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from error
     finally:

@@ -53,6 +53,7 @@ class ModelSource:
     pure_bf16: bool = False  # every weight, adapters included, in bfloat16 (LLaMA-Factory's pure_bf16)
     reward_head: RewardHead | None = None  # stage rm: the body under a one-label score head (model/reward_head.py)
     reads_images: bool = False  # the data has images: the loss reaches the vision tower through pixel inputs
+    mixture_of_depths: str | None = None  # 'convert' or 'load': routed decoder layers (model/depths.py)
 
     def load_full(self) -> torch.nn.Module:
         """The whole model in float32 on the host (quantised loads through bitsandbytes), fine-tuning applied."""
@@ -66,6 +67,12 @@ class ModelSource:
                                compute_dtype=self.compute_dtype, config=self._config())
         if self.vocab is not None:
             apply_vocab_growth(model, self.vocab)
+        if self.mixture_of_depths is not None:
+            from shardtune.model.depths import apply_mixture_of_depths
+
+            routed = apply_mixture_of_depths(model, self.mixture_of_depths, self.name_or_path)
+            print(f"[shardtune] mixture of depths ({self.mixture_of_depths}): layers {routed} see the top "
+                  f"{model.config.mixture_of_depths['capacity']:.1%} of each row's tokens", flush=True)
         model = self._finish(merge_adapters(model, self.adapters.to_merge))
         # As LLaMA-Factory's pure_bf16: no fp32 copy of anything, trainable weights included; the optimizer then
         # keeps its state in bf16 too.
@@ -81,6 +88,9 @@ class ModelSource:
         Building draws no random numbers (it runs under a forked generator), so the fine-tuning step that follows
         draws exactly what it draws after ``load_full``.
         """
+        if self.mixture_of_depths is not None:
+            raise ModelError("mixture_of_depths: the routers are added to the whole model, which a sharding engine "
+                             "(FSDP, ZeRO-3) never loads; train with DDP or ZeRO-0/1/2")
         if self.adapters.to_merge:
             raise ModelError(f"adapter_name_or_path: merging {len(self.adapters.to_merge)} adapter(s) needs the whole "
                              "base model on each process, which a sharding engine (FSDP, ZeRO-3) never loads; merge "

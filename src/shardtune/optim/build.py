@@ -70,13 +70,20 @@ def build_optimizer(params: list[torch.nn.Parameter], s: OptimizerSettings,
         from transformers.optimization import Adafactor
 
         return Adafactor(groups, lr=s.learning_rate, scale_parameter=False, relative_step=False)
-    if s.optim == "adamw_8bit":
+    if s.optim in BITSANDBYTES_OPTIMIZERS:
         try:
             import bitsandbytes as bnb
         except ImportError:
-            raise ConfigError("optim (adamw_8bit) needs bitsandbytes: pip install bitsandbytes") from None
-        return bnb.optim.AdamW8bit(groups, lr=s.learning_rate, betas=betas, eps=s.adam_epsilon)
+            raise ConfigError(f"optim ({s.optim}) needs bitsandbytes: pip install bitsandbytes") from None
+        # Paged: the state lives in CUDA unified memory, moved to CPU memory under pressure; on a CPU bitsandbytes
+        # keeps it unpaged (it says so once).
+        optimizer_class = getattr(bnb.optim, BITSANDBYTES_OPTIMIZERS[s.optim])
+        return optimizer_class(groups, lr=s.learning_rate, betas=betas, eps=s.adam_epsilon)
     raise ConfigError(f"optim: unknown optimizer '{s.optim}'")
+
+
+BITSANDBYTES_OPTIMIZERS = {"adamw_8bit": "AdamW8bit", "paged_adamw_8bit": "PagedAdamW8bit",
+                           "paged_adamw_32bit": "PagedAdamW32bit"}
 
 
 def fused_adamw_fits(params: list[torch.nn.Parameter]) -> bool:

@@ -120,7 +120,8 @@ def model_source(c: TrainConfig, settings: FinetuningSettings, tokenizer_size: i
                        quantization_type=c.quantization_type, double_quantization=c.double_quantization,
                        compute_dtype=compute_dtype, adapters=adapter_plan(c), rope_scaling=c.rope_scaling,
                        max_length=c.cutoff_len, vocab=vocab_growth(c, tokenizer_size), pure_bf16=c.pure_bf16,
-                       reward_head=reward_head(c, pad_token_id), reads_images=reads_images)
+                       reward_head=reward_head(c, pad_token_id), reads_images=reads_images,
+                       mixture_of_depths=c.mixture_of_depths)
 
 
 def loaded_kernel(c: TrainConfig) -> str:
@@ -244,8 +245,8 @@ def padding_free_rows(c: TrainConfig) -> bool:
 
     wanted = c.padding_free if c.padding_free is not None else \
         not torch.cuda.is_available() or "flash" in c.attn_implementation
-    if not wanted or resolved_packing(c) or c.stage not in ("sft", "pt"):
-        return False
+    if not wanted or resolved_packing(c) or c.stage not in ("sft", "pt") or c.mixture_of_depths:
+        return False  # mixture of depths ranks a row's tokens: one sample per row
     config = load_model_config(c.model_name_or_path or "", trust_remote_code=c.trust_remote_code)
     as_dict = config.to_dict()
     if router_aux_loss_coef(config, c.moe_aux_loss_coef) is not None and "flash" not in c.attn_implementation:
