@@ -84,3 +84,14 @@ def test_shipped_accelerate_configs_load_in_accelerate(path: Path):
 
     config = ClusterConfig.from_yaml_file(str(path))  # accelerate rejects unknown keys itself
     assert config.num_processes == 2
+
+
+def test_check_of_the_tiny_example_imports_no_heavy_library(repo):
+    """`shardtune check` stays under a second (benchmarks/check_time.py): the checks import what they need, never
+    torch or the modelling code (a check that needs them imports them only when its key is set)."""
+    code = ("import sys\nfrom shardtune.cli import main\ntry:\n    main(['check', 'examples/tiny/sft_lora.yaml'])\n"
+            "except SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch','transformers','datasets','peft') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo)
+    assert "ok: " in result.stdout, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -478,11 +478,11 @@ def moe_problems(c: TrainConfig) -> list[str]:
 
 def depth_checkpoint_problems(c: TrainConfig) -> list[str]:
     """mixture_of_depths against the model's config.json: a family whose layers can be routed, routers or not."""
-    from shardtune.model.attention import known_model_config
-    from shardtune.model.depths import depth_problem
-
     if not c.mixture_of_depths:
         return []
+    from shardtune.model.attention import known_model_config
+    from shardtune.model.depths import depth_problem  # imports torch: only for a run that routes
+
     known = known_model_config(c.model_name_or_path or "", builds_tiny_model=c.build_tiny_model_if_missing)
     problem = depth_problem(c.mixture_of_depths, known) if known is not None else None
     return [problem] if problem else []
