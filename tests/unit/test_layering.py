@@ -25,7 +25,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "shardtune"
 LAYERS = [
-    {"errors", "host", "world", "run_files", "paths"},
+    {"errors", "host", "world", "run_files", "paths", "startup_gc"},
     {"config"},
     {"data"},
     {"model"},

@@ -168,8 +168,11 @@ def test_dataloader_keys_reach_the_loader():
     assert (len(kept), len(dropped)) == (3, 2)
     assert sum(len(b["input_ids"]) for b in dropped) == 8
     config = build_config({"dataloader_num_workers": 2, "dataloader_persistent_workers": True})
+    from shardtune.startup_gc import loader_worker_collects
+
     assert loader_options(config, has_cuda=True) == {"num_workers": 2, "pin_memory": True, "drop_last": False,
-                                                     "persistent_workers": True}
+                                                     "persistent_workers": True,
+                                                     "worker_init_fn": loader_worker_collects}
     assert loader_options(config, has_cuda=False)["pin_memory"] is False  # pinning needs a GPU to copy to
     assert not kept.pin_memory or torch.cuda.is_available()
     problems = cross_key_problems(build_config({"dataloader_persistent_workers": True}))

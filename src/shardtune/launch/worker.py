@@ -107,8 +107,10 @@ def leave_rank(code: int) -> NoReturn:
 
 def run_worker(plan: RunPlan, rank_env: RankEnv | None = None) -> int:
     from shardtune.engines import build_engine
+    from shardtune.startup_gc import pause_collection
     from shardtune.train.workflow import StopRequest, run_training
 
+    pause_collection()  # resumed before the first step (train/workflow.py)
     started = time.time()
     leave_out_bitsandbytes(plan.config)
     engine = build_engine(plan.config, plan.engine, rank_env)

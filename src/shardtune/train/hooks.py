@@ -13,6 +13,7 @@ from shardtune.config.load import config_to_dict
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.base import Engine
 from shardtune.model.compile import CompileReport
+from shardtune.startup_gc import collect_between_steps
 from shardtune.train import checkpoint
 from shardtune.train.loop import Objective, TrainState, evaluate
 from shardtune.train.profile import StepProfile
@@ -74,6 +75,7 @@ class RunHooks:
             self.compiling.on_step(state.global_step)
         self.rank_log.step(state.global_step, metrics, self.stop_wait)
         self.stop_wait = 0.0
+        collect_between_steps(state.global_step)
         record_step(self.meter, self.profile, metrics)
         self.train_losses.append(metrics["loss"])
         self.reporter.step(state.global_step, metrics)

@@ -265,7 +265,10 @@ def model_layer_windows(c: TrainConfig) -> dict[str, int | None] | None:
 def loader_options(c: TrainConfig, has_cuda: bool) -> dict[str, Any]:
     """The Trainer's dataloader_* keys as DataLoader arguments, for training and eval loaders alike (as the Trainer
     does). Pinned memory only helps copies to a GPU (torch warns and skips it without one)."""
+    from shardtune.startup_gc import loader_worker_collects
+
     return {"num_workers": c.dataloader_num_workers,
+            "worker_init_fn": loader_worker_collects if c.dataloader_num_workers else None,
             "pin_memory": c.dataloader_pin_memory and has_cuda,
             "drop_last": c.dataloader_drop_last,
             "persistent_workers": c.dataloader_persistent_workers}

@@ -23,6 +23,7 @@ from shardtune.model.adapters import leave_adapter_inputs_to_autocast
 from shardtune.model.compile import CompileReport
 from shardtune.optim.build import build_optimizer, build_scheduler, parameter_names, warmup_steps_for
 from shardtune.optim.settings import optimizer_settings
+from shardtune.startup_gc import resume_collection, start_loop_collection
 from shardtune.train import checkpoint
 from shardtune.train.checkpoint import resume_source
 from shardtune.train.checkpoint_folders import checkpoint_folders, is_shardtune_checkpoint
@@ -67,6 +68,7 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     if predicts_only(config):
         from shardtune.train.predict import predict_only
 
+        resume_collection()  # generation makes garbage of its own
         return {"predict_only": True, **predict_only(config, engine)}
     set_seed(config.seed)
     if not apply_tf32(config.tf32) and config.tf32 and engine.is_main:
@@ -129,6 +131,7 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
                      stop or StopRequest(), loop.objective, estimated_peak(memory),
                      memory.baseline.rss_bytes if memory is not None else None, compiling,
                      StepProfile(config.profile_steps) if config.profile_steps else None)
+    start_loop_collection()  # paused while the rank started; the loop collects itself (startup_gc.py)
     hooks.meter.start()
     state = run_loop(engine, epoch_batches_for(train_loader), loop, state, hooks)
     if state.interrupted:
