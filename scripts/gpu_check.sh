@@ -7,7 +7,8 @@
 # Steps:
 #   env            nvidia-smi, versions, imports, a 4-bit bitsandbytes product on the GPU      (~1 min)
 #   tests-engines  tests/gpu/test_engines.py: local, DDP, FSDP2, FSDP1, ZeRO-2, ZeRO-3 in bf16, and the
-#                  split attention on the flash kernel (test_sequence_parallel_gpu.py)            (~6 min)
+#                  split attention on the flash kernel (test_sequence_parallel_gpu.py), an image-text LoRA
+#                  SFT in bf16 (test_image_text_gpu.py)                                          (~7 min)
 #   tests-qlora    tests/gpu/test_qlora.py + tests/unit/test_fsdp_qlora.py (bitsandbytes)       (~4 min)
 #   tests-kernels  tests/gpu/test_kernels_gpu.py: fp8 (torchao float8; one process and FSDP2 with the float8
 #                  all-gather, on a GPU of compute capability 8.9+) and enable_liger_kernel against bf16, 3 steps
@@ -152,7 +153,7 @@ install_wheels
 status=0
 case "$STEP" in
   env)           run_step env env_report || status=$? ;;
-  tests-engines) run_step tests-engines run_pytest -m gpu tests/gpu/test_engines.py tests/gpu/test_sequence_parallel_gpu.py || status=$? ;;
+  tests-engines) run_step tests-engines run_pytest -m gpu tests/gpu/test_engines.py tests/gpu/test_sequence_parallel_gpu.py tests/gpu/test_image_text_gpu.py || status=$? ;;
   tests-qlora)   run_step tests-qlora run_pytest tests/gpu/test_qlora.py tests/unit/test_fsdp_qlora.py || status=$? ;;
   tests-kernels) run_step tests-kernels run_pytest tests/gpu/test_kernels_gpu.py tests/unit/test_fp8.py tests/unit/test_liger.py || status=$? ;;
   bench-local)   run_step bench-local bench local,ddp || status=$? ;;
