@@ -10,6 +10,8 @@
 #                  split attention on the flash kernel (test_sequence_parallel_gpu.py), an image-text LoRA
 #                  SFT in bf16 (test_image_text_gpu.py)                                          (~7 min)
 #   tests-qlora    tests/gpu/test_qlora.py + tests/unit/test_fsdp_qlora.py (bitsandbytes)       (~4 min)
+#   tests-families tests/gpu/test_todays_families_gpu.py: Qwen3-Next, Qwen3.5-MoE, DeepSeek-V4, Nemotron-H and
+#                  Qwen3-MoE under FSDP2 and ZeRO-3 in bf16 against one process                  (~5 min)
 #   tests-kernels  tests/gpu/test_kernels_gpu.py: fp8 (torchao float8; one process and FSDP2 with the float8
 #                  all-gather, on a GPU of compute capability 8.9+) and enable_liger_kernel against bf16, 3 steps
 #                  each, plus the CPU tests of both (tests/unit/test_fp8.py, test_liger.py)     (~3 min)
@@ -155,6 +157,7 @@ case "$STEP" in
   env)           run_step env env_report || status=$? ;;
   tests-engines) run_step tests-engines run_pytest -m gpu tests/gpu/test_engines.py tests/gpu/test_sequence_parallel_gpu.py tests/gpu/test_image_text_gpu.py || status=$? ;;
   tests-qlora)   run_step tests-qlora run_pytest tests/gpu/test_qlora.py tests/unit/test_fsdp_qlora.py || status=$? ;;
+  tests-families) run_step tests-families run_pytest tests/gpu/test_todays_families_gpu.py || status=$? ;;
   tests-kernels) run_step tests-kernels run_pytest tests/gpu/test_kernels_gpu.py tests/unit/test_fp8.py tests/unit/test_liger.py || status=$? ;;
   bench-local)   run_step bench-local bench local,ddp || status=$? ;;
   bench-fsdp)    run_step bench-fsdp bench fsdp2 || status=$? ;;
@@ -169,11 +172,11 @@ case "$STEP" in
   tests|bench|all)
     steps=()
     [ "$STEP" = all ] && steps+=(env)
-    [ "$STEP" != bench ] && steps+=(tests-engines tests-qlora tests-kernels)
+    [ "$STEP" != bench ] && steps+=(tests-engines tests-qlora tests-kernels tests-families)
     [ "$STEP" != bench ] && steps+=(lf-qlora)
     [ "$STEP" != tests ] && steps+=(speed bench-local bench-fsdp bench-zero)
     for s in "${steps[@]}"; do "$0" "$s" || status=$?; done ;;
-  *) echo "usage: scripts/gpu_check.sh lease|env|tests-engines|tests-qlora|tests-kernels|speed|bench-local|bench-fsdp|bench-zero|lf-qlora|tests|bench|all" >&2
+  *) echo "usage: scripts/gpu_check.sh lease|env|tests-engines|tests-qlora|tests-kernels|tests-families|speed|bench-local|bench-fsdp|bench-zero|lf-qlora|tests|bench|all" >&2
      exit 2 ;;
 esac
 exit "$status"
