@@ -194,6 +194,17 @@ def test_a_start_block_past_the_last_is_refused_before_launch(tiny_model_dir):
     assert layer_problems(build_config({**keys, "badam_start_block": layers - 1})) == []
 
 
+def test_a_checkpoint_without_decoder_layer_names_is_refused_before_launch(tiny_model_dir, arch_model_dir):
+    from shardtune.launch.validate import badam_layer_problems
+
+    assert badam_layer_problems(build_config({"use_badam": True, "model_name_or_path": str(tiny_model_dir)})) == []
+    gpt2 = build_config({"use_badam": True, "model_name_or_path": str(arch_model_dir("gpt2"))})  # h.N. blocks
+    assert badam_layer_problems(gpt2) == [
+        "use_badam (true): no weight name of the checkpoint holds 'layers.N.', so BAdam finds no decoder layers to "
+        "train block by block; use finetuning_type: full without BAdam for this model"]
+    assert badam_layer_problems(build_config({"model_name_or_path": str(arch_model_dir("gpt2"))})) == []
+
+
 # --- config ---
 
 def test_llamafactory_keys_reach_the_settings():

@@ -383,7 +383,7 @@ def file_problems(c: TrainConfig) -> list[str]:
         model_problems = model_path_problems(model)
         problems += model_problems or (attention_problems(c) + position_problems(c) + moe_problems(c)
                                        + mistyped_target_problems(c) + layer_problems(c) + oft_size_problems(c)
-                                       + depth_checkpoint_problems(c))
+                                       + depth_checkpoint_problems(c) + badam_layer_problems(c))
     if c.output_dir is not None:
         problems += output_dir_problems(c)
     problems += write_problems(c)
@@ -395,6 +395,20 @@ def file_problems(c: TrainConfig) -> list[str]:
         key = "resume_from_checkpoint" if c.resume_from_checkpoint else f"output_dir (resuming from {resume})"
         problems += checkpoint_problems(resume, key)
     return problems
+
+
+def badam_layer_problems(c: TrainConfig) -> list[str]:
+    """BAdam's blocks are the ``layers.N.`` of the weight names (its package's rule): a checkpoint whose files hold
+    none (GPT-2's ``h.N.``) gives it nothing to train, said here from the files' headers as the rank would."""
+    from shardtune.model.weight_names import tensor_names
+
+    if not c.use_badam or not c.model_name_or_path:
+        return []
+    names = tensor_names(Path(c.model_name_or_path))
+    if names is None or any(re.search(r"layers\.\d+\.", name) for name in names):
+        return []
+    return ["use_badam (true): no weight name of the checkpoint holds 'layers.N.', so BAdam finds no decoder layers "
+            "to train block by block; use finetuning_type: full without BAdam for this model"]
 
 
 def layer_problems(c: TrainConfig) -> list[str]:
