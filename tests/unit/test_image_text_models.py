@@ -24,11 +24,11 @@ SLICE = {"qwen3_5", "gemma4", "mistral3", "qwen2_vl"}
 # take an image as input). A family that starts to build fails the test, so this list only shrinks.
 NOT_BUILT = {
     "blip", "blip-2", "chameleon", "cohere_compass", "cosmos3_edge", "deepseek_ocr2", "deepseek_vl_hybrid",
-    "diffusion_gemma", "dots3_note", "emu3", "ernie4_5_vl_moe", "evolla", "fast_vlm", "florence2", "gemma3n",
+    "diffusion_gemma", "emu3", "ernie4_5_vl_moe", "evolla", "fast_vlm", "florence2", "gemma3n",
     "gemma4_unified", "glm5_next", "granite4_vision", "granite_docling", "idefics", "inkling2", "inkling_mm_model",
     "instructblip", "instructblipvideo", "janus", "kimi_k25", "kosmos-2", "molmo2", "muse_glimmer", "muse_spark",
-    "paddleocr_vl", "perception_lm", "pi0", "pix2struct", "pp_formulanet", "qwen2_5_omni_thinker",
-    "qwen3_omni_moe_thinker", "qwen4_exp", "step3p7", "t5gemma2", "udop", "unlimited_ocr", "vision-encoder-decoder",
+    "paddleocr_vl", "perception_lm", "pi0", "pix2struct", "pp_formulanet", "step3p7", "t5gemma2", "udop",
+    "unlimited_ocr", "vision-encoder-decoder",
 }
 # ShieldGemma 2 saves a Gemma 3 model under its own model_type, whose weights transformers reads back under other
 # names (the reloaded logits differ): a transformers limitation, kept here so that a fix shows.

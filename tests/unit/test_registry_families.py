@@ -25,10 +25,8 @@ SLICE = {"llama", "qwen3_next", "kimi_linear", "granitemoe", "gemma3", "hrm_text
 # with transformers 5.23; the reason is transformers' own error). A family that starts to build fails the test,
 # so this list only shrinks.
 NOT_BUILT = {
-    "blt", "cohere_compass_text", "dbrx", "dots1", "dots3_note", "dots3_note_text", "falcon_h1",
-    "gemma3n", "gemma3n_text", "gemma4_assistant", "gemma4_unified_assistant", "granitemoehybrid", "lfm2_moe",
-    "longcat_flash", "moss_transcribe_diarize", "musicgen", "musicgen_melody", "nemotron", "phi4_multimodal",
-    "qwen4_exp", "qwen4_exp_text", "recurrent_gemma", "reformer", "xlstm", "xmod", "zamba", "zaya",
+    "blt", "gemma3n", "gemma4_assistant", "gemma4_unified_assistant", "granitemoehybrid", "musicgen",
+    "musicgen_melody", "recurrent_gemma", "reformer", "xlstm", "xmod",
 }
 # Saved with a text sub-config's model_type that AutoModelForCausalLM cannot build again: the launching host's
 # check refuses the folder, and loading it fails the same way (check and train agree).

@@ -4,7 +4,9 @@
 module is the other half: the families transformers itself maps to a causal-LM class (``AutoModelForCausalLM``),
 so that a new transformers release brings its new families into the tests without anyone writing their names.
 A tiny config keeps each family's structure (its layer kinds, experts, latent attention) and shrinks its sizes:
-the per-layer lists (``layer_types``, hybrid patterns) keep one layer of each kind.
+the per-layer lists (``layer_types``, hybrid patterns) keep one layer of each kind. A family whose default these
+rules cannot shrink (a size under a name of its own, a default that does not build at all) has its fields in
+``FAMILY_OVERRIDES``, each with the reason.
 """
 
 from __future__ import annotations
@@ -29,17 +31,61 @@ TINY_SIZES: dict[str, int] = {
     "decoder_ffn_dim": 128, "encoder_layers": 2, "decoder_layers": 2,
     # image-text towers: the vision features' width where it is its own field (the projector maps it onward)
     "vision_output_dim": 64, "projector_input_dim": 64, "projector_output_dim": 64,
+    # BLT: its local byte models read the width of its global (patch) model, shrunk as every hidden_size
+    "hidden_size_global": 64,
     # Jamba-style periods: an attention layer and an expert layer among the two kept
     "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
 }
-# Sizes a default may leave unset (None) that the modelling code needs: a derived head size, and the experts per
-# token (DeepSeek-V2's default routes to None experts).
-UNSET_SIZES = ("head_dim", "num_experts_per_tok")
+# Sizes a default may leave unset (None) that the modelling code needs: a derived head size, the experts per token
+# (DeepSeek-V2's default routes to None experts), dots.llm1's experts (None, yet every layer is an expert layer)
+# and Nemotron's kv heads (None, yet divided by).
+UNSET_SIZES = ("head_dim", "num_experts_per_tok", "n_routed_experts", "n_shared_experts", "num_key_value_heads")
 # Per-layer descriptions: a list (or a string, one character per layer) as long as the layer count.
 PER_LAYER_HINTS = (*LAYER_KIND_KEYS, "hybrid_override_pattern")
 # Lists of layer indices (the layers of one kind): renumbered onto the layers kept.
 LAYER_INDEX_LISTS = ("mlp_only_layers", "attn_layer_indices", "full_attn_idxs", "global_attn_layers")
-SUB_CONFIGS = ("text_config", "vision_config")
+SUB_CONFIGS = ("text_config", "vision_config", "audio_config",
+               "patcher_config", "encoder_config", "decoder_config", "global_config")  # BLT's byte and patch models
+# Fields of one family (by a config's own model_type, so a composite's text config gets its family's entry) that
+# the generic shrinking cannot reach or gets wrong: set after it.
+FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
+    # its sliding layers' latent attention has sizes of its own, read from swa_* fields; the indexer's too
+    "dots3_note_text": {
+        "swa_num_attention_heads": 4, "swa_num_key_value_heads": 4, "swa_q_lora_rank": 32, "swa_kv_lora_rank": 16,
+        "swa_head_dim": 24, "swa_qk_nope_head_dim": 16, "swa_qk_rope_head_dim": 8, "swa_v_head_dim": 16,
+        "index_n_heads": 2, "index_head_dim": 16, "index_topk": 16, "shared_experts_intermediate_size": 32,
+    },
+    # its vision and audio adapters must map the towers' widths into the text model's
+    "dots3_note_vision_encoder": {"adapter_in_dim": 64, "adapter_out_dim": 64},
+    "dots3_note_audio_encoder": {"adapter_input_size": 64, "adapter_out_dim": 64},
+    # num_hidden_layers is derived (twice num_layers: two attention sublayers a layer), the zero (identity)
+    # experts are a count of their own, and the rotary size is head_dim (the latent heads' rope part)
+    "longcat_flash": {"num_layers": 1, "zero_expert_num": 2, "head_dim": 8},
+    # hash embeddings of byte n-grams: one table per n-gram size, each this long
+    "blt": {"encoder_hash_byte_group_vocab": 64},
+    # its default leaves rope_parameters empty, yet the model reads one entry per layer type (None: no RoPE)
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    # the attention reads rope_theta from attn_config, a field its class does not declare, and clamps with
+    # clip_qkv, whose default None fails (DBRX's checkpoints carry both: 500000, 8); the experts sit in ffn_config
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 500000.0, "clip_qkv": 8.0},
+             "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}},
+    # its default leaves layer_types unset, yet each layer reads its kind (conv or attention) from it: a dense
+    # layer, then expert layers with a convolution and with attention
+    "lfm2_moe": {"num_hidden_layers": 3, "num_dense_layers": 1, "layer_types": ["conv", "full_attention", "conv"]},
+    # its defaults leave the token indexer of its indexed-attention layers unset (None), yet the layers build one;
+    # the hyper-connections' low rank is a width of its own
+    "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 16,
+                       "indexer_compress_ratio": 4, "hc_lowrank": 16},
+    # its router picks exactly one expert per token (the config refuses any other number); its router's own width
+    "zaya": {"num_experts_per_tok": 1, "router_hidden_size": 32},
+    # one attention block shared by every hybrid layer (tied to the first's): two hybrid layers keep the sharing;
+    # the attention's width and the Mamba step rank are stated, not derived, in its default
+    "zamba": {"num_hidden_layers": 4, "layers_block_type": ["linear_attention", "hybrid"] * 2,
+              "attention_hidden_size": 128, "mamba_dt_rank": 4},
+    # a Conformer audio encoder whose blocks and convolution channels have names of their own
+    "phi4_multimodal_audio": {"num_blocks": 2, "ext_pw_out_channel": 64, "depthwise_separable_out_channel": 64,
+                              "nemo_conv_channels": 64},
+}
 
 
 def decoder_families() -> list[str]:
@@ -134,6 +180,8 @@ def tiny_kwargs(config: Any, vocab_size: int, special_ids: dict[str, int]) -> di
             if heads in own and size in own:
                 kwargs[heads] = inner // TINY_SIZES[size] if size in TINY_SIZES else own[heads]
                 kwargs[size] = TINY_SIZES.get(size, 16)
+        if type(own.get("mamba_d_ssm")) is int:  # Falcon-H1 states the inner width too
+            kwargs["mamba_d_ssm"] = inner
     if "kv_lora_rank" in own:  # latent attention: one kv head per head, head sizes derived from the ranks
         kwargs.pop("head_dim", None)
         kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", 4)
@@ -145,6 +193,7 @@ def tiny_kwargs(config: Any, vocab_size: int, special_ids: dict[str, int]) -> di
     layers = own.get("num_hidden_layers")
     if isinstance(layers, int) and layers > 0:
         kwargs.update({aliases.get(k, k): v for k, v in layer_kwargs(config, own, layers).items()})
+    kwargs.update(FAMILY_OVERRIDES.get(getattr(config, "model_type", ""), {}))
     return kwargs
 
 
@@ -155,6 +204,8 @@ def layer_kwargs(config: Any, own: dict[str, Any], layers: int) -> dict[str, Any
         value = own.get(key)
         if isinstance(value, (list, str)) and len(value) == layers:
             picked = [value[i] for i in kept]
+            if key in TINY_SIZES and all(type(size) is int for size in picked):  # Gemma 3n's widths by layer
+                picked = [TINY_SIZES[key]] * len(kept)
             found[key] = "".join(picked) if isinstance(value, str) else picked
     for key in LAYER_INDEX_LISTS:
         if isinstance(own.get(key), list):
@@ -162,6 +213,8 @@ def layer_kwargs(config: Any, own: dict[str, Any], layers: int) -> dict[str, Any
     if isinstance(own.get("per_layer_config"), dict):  # Gemma 4: overrides by layer index
         found["per_layer_config"] = {new: own["per_layer_config"][old] for new, old in enumerate(kept)
                                      if old in own["per_layer_config"]}
+    if type(own.get("num_kv_shared_layers")) is int:  # Gemma 3n: the last layers reuse earlier layers' caches
+        found["num_kv_shared_layers"] = sum(_reuses_cache(config, i, layers) for i in kept)
     if key_kinds := found.get("layer_types"):
         found["layer_types"] = _with_attention(key_kinds)
     if "attn_layer_indices" in own and not found.get("attn_layer_indices"):
@@ -179,11 +232,18 @@ def _with_attention(kinds: list[Any]) -> list[Any]:
 
 def kept_layers(config: Any, layers: int) -> list[int]:
     """Indices of the first layer of each kind (by every per-layer description), padded to two layers."""
-    kinds = [tuple(_layer_kind(config, key, i, layers) for key in (*PER_LAYER_HINTS, *LAYER_INDEX_LISTS))
-             for i in range(layers)]
+    kinds = [(*(_layer_kind(config, key, i, layers) for key in (*PER_LAYER_HINTS, *LAYER_INDEX_LISTS)),
+              _reuses_cache(config, i, layers)) for i in range(layers)]
     first = sorted({kind: i for i, kind in reversed(list(enumerate(kinds)))}.values())
     extra = [i for i in range(layers) if i not in first]
     return sorted(first + extra[:max(0, 2 - len(first))])
+
+
+def _reuses_cache(config: Any, index: int, layers: int) -> bool:
+    """Whether a layer reads another layer's keys and values (the last ``num_kv_shared_layers`` do): a tiny model
+    keeps a layer of each kind on both sides, as the model needs a producer for every kind it shares."""
+    shared = vars(config).get("num_kv_shared_layers")
+    return type(shared) is int and index >= layers - shared
 
 
 def _layer_kind(config: Any, key: str, index: int, layers: int) -> Any:
