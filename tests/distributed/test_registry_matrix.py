@@ -29,33 +29,21 @@ TEST = "test_registry_family_trains_on_every_engine"
 # A plain decoder, a hybrid with linear attention, latent attention with a sparse indexer, compressed attention
 # whose compressor only long rows reach, a family refused before launch and one whose tiny config cannot be built:
 # about a minute on 2 cores.
-SLICE = {"llama", "qwen3_next", "deepseek_v32", "deepseek_v4", "emu3", "dbrx"}
+SLICE = {"llama", "qwen3_next", "deepseek_v32", "deepseek_v4", "emu3", "musicgen"}
 # Measured 2026-11-27 with transformers 5.23 (benchmarks/results/registry-engines-2026-11-27-cpu.md): the reason is
-# transformers' own error while building the tiny config, or the size the shrinking could not reach.
+# transformers' own error while building the tiny config. 17 more build since 2026-11-28 (model/registry.py's
+# FAMILY_OVERRIDES); these cannot: Gemma 3n's vision tower needs timm (which needs torchvision, a CUDA torch here);
+# the Gemma 4 assistants' defaults do not build at any size, and their forward needs the main model's embeddings
+# and caches (draft models, not trainable alone); MusicGen's causal-LM class takes its decoder's config, not the
+# composite one the model type builds; Reformer trains only on rows of a multiple of its chunk length (and of
+# exactly the axial positions' product), which padded batches are not.
 NOT_BUILT: dict[str, str] = {
-    "blt": "parameters after shrinking",
-    "cohere_compass_text": "'full_attention'",
-    "dbrx": "'DbrxAttentionConfig' object has no attribute 'rope_theta'",
-    "dots1": "empty() takes 1 positional argument but 3 were given",
-    "dots3_note": "adapter_in_dim must match hidden_size",
-    "dots3_note_text": "parameters after shrinking",
-    "falcon_h1": "The dimensions for the Mamba head state",
     "gemma3n": "requires the timm library",
-    "gemma3n_text": "The set of layer types producing a cache is different",
     "gemma4_assistant": "hidden_size_per_layer_input must be 0",
     "gemma4_unified_assistant": "The set of layer types producing a cache is different",
-    "lfm2_moe": "'NoneType' object is not subscriptable",
-    "longcat_flash": "parameters after shrinking",
-    "moss_transcribe_diarize": "parameters after shrinking",
     "musicgen": "'MusicgenConfig' object has no attribute 'dropout'",
     "musicgen_melody": "'MusicgenMelodyConfig' object has no attribute 'dropout'",
-    "nemotron": "unsupported operand type(s) for //: 'int' and 'NoneType'",
-    "phi4_multimodal": "parameters after shrinking",
-    "qwen4_exp": "unsupported operand type(s) for //: 'NoneType' and 'NoneType'",
-    "qwen4_exp_text": "unsupported operand type(s) for //: 'NoneType' and 'NoneType'",
     "reformer": "make sure that `is_decoder=True`",
-    "zamba": "There is an issue with your definition of `tie_weights_keys`",
-    "zaya": "ZAYA currently supports",
 }
 # Refused by `shardtune check`: saved with a text sub-config's model_type that AutoModelForCausalLM cannot build
 # again (Emu3, Mllama); X-MOD without a default_language (every forward would raise "Input language unknown").
@@ -66,7 +54,15 @@ REFUSED: dict[str, str] = {
 }
 # Open failures (issue 29 stays open for each), with the part of the reason the run gives. DeepSeek-V4 was here
 # until 2026-11-28 (its layer-0 compressor reached the loss only on rows of 128 tokens: model/length_dependent.py).
-FAILING: dict[str, dict[str, str]] = {}
+FAILING: dict[str, dict[str, str]] = {
+    # in training Gemma 3n's AltUp reads correction_coefs.weight directly, so its LoRA adapter is never used;
+    # DDP's gradient probe runs in eval mode, where the layer is called, and does not freeze it
+    "gemma3n_text": {"ddp-lora": "Expected to have finished reduction"},
+    # the QSA indexer calls its key norm once per query position (a Python loop), so ranks with rows of other
+    # lengths gather ZeRO-3 parameters in another order; the indexer as a ZeRO-3 leaf would gather it once
+    "qwen4_exp": {"zero3-full": "Is there a distributed collective mismatch"},
+    "qwen4_exp_text": {"zero3-full": "Is there a distributed collective mismatch"},
+}
 
 
 def registry_engines():
