@@ -53,16 +53,9 @@ REFUSED: dict[str, str] = {
     "xmod": "X-MOD picks each row's language adapters from default_language",
 }
 # Open failures (issue 29 stays open for each), with the part of the reason the run gives. DeepSeek-V4 was here
-# until 2026-11-28 (its layer-0 compressor reached the loss only on rows of 128 tokens: model/length_dependent.py).
-FAILING: dict[str, dict[str, str]] = {
-    # in training Gemma 3n's AltUp reads correction_coefs.weight directly, so its LoRA adapter is never used;
-    # DDP's gradient probe runs in eval mode, where the layer is called, and does not freeze it
-    "gemma3n_text": {"ddp-lora": "Expected to have finished reduction"},
-    # the QSA indexer calls its key norm once per query position (a Python loop), so ranks with rows of other
-    # lengths gather ZeRO-3 parameters in another order; the indexer as a ZeRO-3 leaf would gather it once
-    "qwen4_exp": {"zero3-full": "Is there a distributed collective mismatch"},
-    "qwen4_exp_text": {"zero3-full": "Is there a distributed collective mismatch"},
-}
+# until 2026-11-28 (its layer-0 compressor reached the loss only on rows of 128 tokens: model/length_dependent.py),
+# then Gemma 3n text (DDP LoRA) and Qwen4-Exp (ZeRO-3), fixed the same day.
+FAILING: dict[str, dict[str, str]] = {}
 
 
 def registry_engines():

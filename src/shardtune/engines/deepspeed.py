@@ -377,15 +377,16 @@ def apply_zero3_moe_leaves(model: torch.nn.Module) -> list[str]:
     inside an MoE block the experts that run depend on the routing, so two ranks with different tokens would issue
     different all-gathers and wait on each other forever. A leaf block is gathered whole on entry instead. The
     block classes are found from the model (a module owning experts and a router), not from a table. A module
-    whose weights only long rows reach (model/length_dependent.py) is a leaf for the same reason, and so that its
-    output hook sees all its weights gathered.
+    whose weights only long rows reach, or that calls a submodule as many times as its rows say
+    (model/length_dependent.py), is a leaf for the same reason (and the first so that its output hook sees all its
+    weights gathered).
     """
     from deepspeed.utils import set_z3_leaf_modules
 
-    from shardtune.model.length_dependent import length_dependent_classes
+    from shardtune.model.length_dependent import length_dependent_classes, row_dependent_call_classes
     from shardtune.model.moe import sparse_moe_block_classes
 
-    classes = [*sparse_moe_block_classes(model), *length_dependent_classes(model)]
+    classes = [*sparse_moe_block_classes(model), *length_dependent_classes(model), *row_dependent_call_classes(model)]
     if classes:
         set_z3_leaf_modules(model, classes)
     return [c.__name__ for c in classes]

@@ -183,10 +183,17 @@ def linear_module_names(model: Any, frozen: FrozenParts | None = None) -> list[s
     import torch
 
     left_out = set(excluded_modules(model, frozen)) if frozen is not None else set()
-    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+    names = {short_module_name(name) for name, module in model.named_modules()
              if isinstance(module, torch.nn.Linear) and "lm_head" not in name and name != SCORE_LAYER
              and name not in left_out}
     return sorted(names)
+
+
+def short_module_name(name: str) -> str:
+    """The name peft matches a target against: the last part, with its list's name where that part is an index
+    (Gemma 3n's ``altup_projections.0``; a bare ``0`` would match every first decoder layer too)."""
+    parts = name.split(".")
+    return ".".join(parts[-2:]) if parts[-1].isdigit() and len(parts) > 1 else parts[-1]
 
 
 @dataclass(frozen=True)
@@ -241,6 +248,14 @@ def _refuse_router_targets(model: Any, requested: tuple[str, ...], routers: set[
                               "finetuning_type: full)")
 
 
+# Linear layers whose weight the model reads itself while training instead of calling the layer, so an adapter
+# around the layer would never be used (and DDP would wait for its gradient): class of the owner -> child -> why.
+WEIGHT_READ_IN_TRAINING: dict[str, dict[str, str]] = {
+    "Gemma3nTextAltUp": {"correction_coefs": "Gemma 3n's AltUp reads its weight directly while training (clipped "
+                                             "to altup_coef_clip), never calling the layer"},
+}
+
+
 def unadaptable_linears(model: Any, linear: list[str]) -> dict[str, str]:
     """Short names of Linear layers LoRA cannot adapt, with the reason: a Linear subclass whose weight is not one
     in -> out map (a modelling file's subclass with its own forward and state: DeepSeek-V4's grouped output
@@ -249,6 +264,10 @@ def unadaptable_linears(model: Any, linear: list[str]) -> dict[str, str]:
     peft itself refuses for the model type (Mamba's out_proj and conv1d, by peft's own check)."""
     found = {name.rsplit(".", 1)[-1]: f"{type(module).__name__} is a grouped Linear with its own forward"
              for name, module in model.named_modules() if _reshapes_its_weight(module) and "lm_head" not in name}
+    for module in model.modules():
+        for child, reason in WEIGHT_READ_IN_TRAINING.get(type(module).__name__, {}).items():
+            if hasattr(module, child):
+                found[child] = reason
     for name in linear:
         reason = _peft_refusal(model, name)
         if reason and name not in found:

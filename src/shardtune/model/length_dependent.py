@@ -27,6 +27,18 @@ LENGTH_DEPENDENT: dict[str, str] = {
 }
 
 
+# class name -> why the number of times its forward calls a submodule depends on the rows: ZeRO-3 gathers such a
+# module whole on entry (engines/deepspeed.py), else two ranks would gather its submodules' weights in another order
+ROW_DEPENDENT_CALLS: dict[str, str] = {
+    "Qwen4ExpTextQSAIndexer": "calls its key norm once per query position that has a complete block of keys",
+}
+
+
+def row_dependent_call_classes(model: torch.nn.Module) -> list[type[torch.nn.Module]]:
+    found = {type(module) for module in model.modules() if type(module).__name__ in ROW_DEPENDENT_CALLS}
+    return sorted(found, key=lambda cls: cls.__name__)
+
+
 def length_dependent_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
     for name, module in model.named_modules():
         if type(module).__name__ in LENGTH_DEPENDENT:
