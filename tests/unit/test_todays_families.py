@@ -125,6 +125,7 @@ def test_ddp_searches_for_unused_parameters_when_the_probe_fails(capsys):
 @pytest.mark.parametrize(("family", "left_out", "kept"), [
     ("nemotron_h", "out_proj", "in_proj"),  # peft refuses Mamba's out_proj
     ("deepseek_v4", "o_a_proj", "o_b_proj"),  # a grouped Linear: its input is wider than its weight
+    ("gemma3n_text", "correction_coefs", "altup_projections.0"),  # its weight read directly in training
 ])
 def test_lora_all_leaves_out_what_lora_cannot_adapt(family, left_out, kept, arch_model_dir, capsys):
     from shardtune.model.adapters import lora_targets
@@ -133,6 +134,24 @@ def test_lora_all_leaves_out_what_lora_cannot_adapt(family, left_out, kept, arch
     assert left_out not in targets.modules and kept in targets.modules
     said = capsys.readouterr().out
     assert "lora_target (all): not adapted:" in said and f"{left_out} (" in said
+
+
+def test_a_list_index_is_no_bare_lora_target_name():
+    from shardtune.model.adapters import short_module_name
+
+    assert short_module_name("model.altup_projections.0") == "altup_projections.0"  # "0" names every first layer
+    assert short_module_name("model.layers.0.self_attn.q_proj") == "q_proj"
+
+
+def test_zero3_gathers_modules_that_call_a_submodule_once_per_position_whole(arch_model_dir):
+    pytest.importorskip("deepspeed")
+    from deepspeed.utils import z3_leaf_module
+
+    from shardtune.engines.deepspeed import apply_zero3_moe_leaves
+
+    model = load(arch_model_dir("qwen4_exp_text"))
+    assert "Qwen4ExpTextQSAIndexer" in apply_zero3_moe_leaves(model)
+    assert any(z3_leaf_module(m) for m in model.modules() if type(m).__name__ == "Qwen4ExpTextQSAIndexer")
 
 
 def test_lora_all_keeps_a_plain_linear_reimplementation(arch_model_dir):
