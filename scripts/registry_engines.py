@@ -77,8 +77,28 @@ def build_folder(family: str, folder: Path) -> str:
         if not (folder / "config.json").is_file():
             build_tiny_model(folder, arch=family, from_registry=True)
     except Exception as err:  # one family's failure is a row of the table, never the end of the matrix
-        return short(err)
+        return "ok" if refused_as_downloaded(family, folder) else short(err)
     return "ok"
+
+
+def refused_as_downloaded(family: str, folder: Path) -> bool:
+    """A family the launching host refuses from its config.json alone (model/folder.py's ``UNTRAINABLE_FAMILIES``,
+    a tower whose package is missing) needs no weights to show it: ``folder`` gets the family's default config and
+    the tiny tokenizer, and every cell is then refused by the preflight, as a user's download would be."""
+    from transformers import AutoConfig
+
+    from shardtune.model.folder import untrainable_problems
+
+    try:
+        fields = AutoConfig.for_model(family).to_dict()
+    except Exception:  # noqa: BLE001 - a default that does not build (Gemma 4's assistants): its model_type says it
+        fields = {"model_type": family}
+    if not untrainable_problems(folder / "config.json", family, fields):
+        return False
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(fields, indent=2, default=str))
+    tiny_tokenizer().save_pretrained(folder)
+    return True
 
 
 @functools.cache

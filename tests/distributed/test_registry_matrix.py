@@ -27,30 +27,30 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(7200)]
 REPO = Path(__file__).resolve().parents[2]
 TEST = "test_registry_family_trains_on_every_engine"
 # A plain decoder, a hybrid with linear attention, latent attention with a sparse indexer, compressed attention
-# whose compressor only long rows reach, a family refused before launch and one whose tiny config cannot be built:
-# about a minute on 2 cores.
+# whose compressor only long rows reach, a family refused for its class and one refused for what it is: about a
+# minute on 2 cores.
 SLICE = {"llama", "qwen3_next", "deepseek_v32", "deepseek_v4", "emu3", "musicgen"}
-# Measured 2026-11-27 with transformers 5.23 (benchmarks/results/registry-engines-2026-11-27-cpu.md): the reason is
-# transformers' own error while building the tiny config. 17 more build since 2026-11-28 (model/registry.py's
-# FAMILY_OVERRIDES); these cannot: Gemma 3n's vision tower needs timm (which needs torchvision, a CUDA torch here);
-# the Gemma 4 assistants' defaults do not build at any size, and their forward needs the main model's embeddings
-# and caches (draft models, not trainable alone); MusicGen's causal-LM class takes its decoder's config, not the
-# composite one the model type builds; Reformer trains only on rows of a multiple of its chunk length (and of
-# exactly the axial positions' product), which padded batches are not.
-NOT_BUILT: dict[str, str] = {
-    "gemma3n": "requires the timm library",
-    "gemma4_assistant": "hidden_size_per_layer_input must be 0",
-    "gemma4_unified_assistant": "The set of layer types producing a cache is different",
-    "musicgen": "'MusicgenConfig' object has no attribute 'dropout'",
-    "musicgen_melody": "'MusicgenMelodyConfig' object has no attribute 'dropout'",
-    "reformer": "make sure that `is_decoder=True`",
-}
+# The tiny config cannot be built from the family's defaults (transformers' own error while building it). Empty
+# since 2026-11-28: 17 families build with model/registry.py's FAMILY_OVERRIDES, and the 6 that cannot are refused
+# before launch from their config.json alone (below).
+NOT_BUILT: dict[str, str] = {}
 # Refused by `shardtune check`: saved with a text sub-config's model_type that AutoModelForCausalLM cannot build
-# again (Emu3, Mllama); X-MOD without a default_language (every forward would raise "Input language unknown").
+# again (Emu3, Mllama); X-MOD without a default_language (every forward would raise "Input language unknown"); and
+# model/folder.py's UNTRAINABLE_FAMILIES and timm towers, whose folders the matrix writes with the family's default
+# config.json and no weights (scripts/registry_engines.py refused_as_downloaded): Gemma 3n's vision tower needs
+# timm (which needs torchvision, a CUDA torch here), the Gemma 4 assistants are draft models that read the main
+# model's embeddings and caches, MusicGen's causal LM is built from its composite config's decoder, Reformer trains
+# only on rows exactly as long as its axial positions.
 REFUSED: dict[str, str] = {
     "emu3": "has no causal-LM class",
     "mllama": "has no causal-LM class",
     "xmod": "X-MOD picks each row's language adapters from default_language",
+    "gemma3n": "is a timm model, and timm is not installed",
+    "gemma4_assistant": "a draft model for Gemma 4's speculative decoding",
+    "gemma4_unified_assistant": "a draft model for Gemma 4's speculative decoding",
+    "musicgen": "a text-to-music model",
+    "musicgen_melody": "a text-to-music model",
+    "reformer": "Reformer trains only on rows exactly as long as its axial position table",
 }
 # Open failures (issue 29 stays open for each), with the part of the reason the run gives. DeepSeek-V4 was here
 # until 2026-11-28 (its layer-0 compressor reached the loss only on rows of 128 tokens: model/length_dependent.py),

@@ -191,3 +191,22 @@ def test_padding_free_is_off_for_a_model_with_state_space_layers(arch_model_dir,
     dense = TrainConfig(model_name_or_path=str(arch_model_dir("llama")), stage="sft", dataset="demo",
                         output_dir=str(tmp_path), padding_free=True)
     assert padding_free_rows(dense) is True
+
+
+@pytest.mark.parametrize(("config", "said"), [
+    ({"model_type": "gemma4_assistant"}, "a draft model for Gemma 4's speculative decoding"),
+    ({"model_type": "reformer"}, "Reformer trains only on rows exactly as long as its axial position table"),
+    ({"model_type": "musicgen"}, "a text-to-music model"),
+    ({"model_type": "gemma3n", "vision_config": {"model_type": "gemma3n_vision"}}, "timm is not installed"),
+])
+def test_families_that_cannot_be_fine_tuned_are_refused_from_their_config(config, said, tmp_path, monkeypatch):
+    import importlib.util
+    import json
+
+    from shardtune.model.folder import model_folder_problems
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "timm" else found(name, *a))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    problems = model_folder_problems(tmp_path)
+    assert said in problems[0], problems

@@ -104,7 +104,40 @@ def _config_problems(path: Path) -> list[str]:
                 f"{_transformers_version()}{_closest_model_type(str(model_type))}; fix config.json, or install the "
                 "transformers release that added it"]
     if "auto_map" not in data:
-        return _no_causal_lm_problems(path, str(model_type), data) + _language_problems(path, data)
+        return (untrainable_problems(path, str(model_type), data)
+                or _no_causal_lm_problems(path, str(model_type), data) + _language_problems(path, data))
+    return []
+
+
+# Model types transformers maps to a causal-LM class that still cannot be fine-tuned as one, with the reason
+# (found by the registry matrix: tests/distributed/test_registry_matrix.py).
+_DRAFT = ("a draft model for Gemma 4's speculative decoding: its forward reads the main model's embeddings and "
+          "key/value caches, so it does not train alone; fine-tune the Gemma 4 model it drafts for")
+_MUSIC = ("a text-to-music model: its causal LM predicts audio codebooks and is built from the decoder part of the "
+          "composite config this checkpoint holds; shardtune fine-tunes text LMs")
+UNTRAINABLE_FAMILIES: dict[str, str] = {
+    "gemma4_assistant": _DRAFT,
+    "gemma4_unified_assistant": _DRAFT,
+    "musicgen": _MUSIC,
+    "musicgen_melody": _MUSIC,
+    "reformer": ("Reformer trains only on rows exactly as long as its axial position table (axial_pos_shape's "
+                 "product), while shardtune's rows are as long as their samples; fine-tune another decoder LM"),
+}
+# Vision towers transformers builds through timm (TimmWrapper): the package must be installed to load them.
+TIMM_TOWERS = ("gemma3n_vision", "timm_wrapper")
+
+
+def untrainable_problems(path: Path, model_type: str, data: dict[str, Any]) -> list[str]:
+    """A family that cannot be fine-tuned (``UNTRAINABLE_FAMILIES``), or a vision tower whose package is missing."""
+    import importlib.util
+
+    if reason := UNTRAINABLE_FAMILIES.get(model_type):
+        return [f"{path}: model_type {model_type!r}: {reason}"]
+    vision = data.get("vision_config")
+    tower = vision.get("model_type") if isinstance(vision, dict) else None
+    if tower in TIMM_TOWERS and importlib.util.find_spec("timm") is None:
+        return [f"{path}: its vision tower ({tower}) is a timm model, and timm is not installed: "
+                "pip install timm"]
     return []
 
 
