@@ -158,6 +158,33 @@ def test_a_stopped_rank_keeps_its_own_report(tmp_path):
     assert "Connection closed by peer" in error_file(tmp_path, 1).read_text()
 
 
+def test_a_report_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+    """The page and the peers poll the error files: one read between a report's creation and its write showed a
+    rank's error without its line (CI, 2026-11-28). The report is written aside and renamed into place."""
+    from pathlib import Path
+
+    from shardtune.launch import failures
+    from shardtune.web.runs import rank_errors
+
+    seen: list[str] = []
+    placed: list[Path] = []
+    real_replace = failures.os.replace
+
+    def replace(source, target):  # just before the report appears: what would a poll find?
+        seen.extend(path.name for path in Path(target).parent.glob("rank-*-error.txt"))
+        placed.append(Path(target))
+        real_replace(source, target)
+
+    monkeypatch.setattr(failures.os, "replace", replace)
+    started = time.time() - 1
+    report_rank_failure(raised(RuntimeError("boom")), 0, tmp_path, 1800)
+    assert placed == [error_file(tmp_path, 0)] and seen == []  # written aside, then renamed into place
+    assert error_file(tmp_path, 0).read_text().startswith("[shardtune] rank 0 failed: RuntimeError")
+    assert not list(error_file(tmp_path, 0).parent.glob("*.partial"))
+    error_file(tmp_path, 1).write_text("")  # another writer's report, read before its line
+    assert [e["rank"] for e in rank_errors(tmp_path, started)] == [0]
+
+
 def test_torchrun_account_is_dropped_and_its_table_read():
     shown, output = filtered(REPORT, TORCHRUN_TAIL)
     assert shown == REPORT

@@ -9,6 +9,7 @@ so a rank whose failure is only a consequence of another's stays silent; every r
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import traceback
 from dataclasses import dataclass
@@ -93,7 +94,7 @@ def save_rank_failure(err: BaseException, rank: int, output_dir: Path, ddp_timeo
     path = error_file(output_dir, rank)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"{summary}\n\n{details}")
+        write_whole(path, f"{summary}\n\n{details}")
     except OSError:
         return f"{summary}\n{details}"
     return f"{summary} (full traceback: {path})"
@@ -116,9 +117,18 @@ def save_stopped_after_peer(rank: int, output_dir: Path, since: float) -> None:
     with contextlib.suppress(OSError):
         if path.is_file() and path.stat().st_mtime >= since:
             return
-        path.write_text(f"{REPORT_PREFIX}{rank} failed: stopped by the launcher after another rank failed\n\n"
-                        "This rank was stopped by a signal (torchrun stops every rank once one fails); the failing "
-                        "rank's own error file says why.\n")
+        write_whole(path, f"{REPORT_PREFIX}{rank} failed: stopped by the launcher after another rank failed\n\n"
+                          "This rank was stopped by a signal (torchrun stops every rank once one fails); the "
+                          "failing rank's own error file says why.\n")
+
+
+def write_whole(path: Path, text: str) -> None:
+    """``path`` appears with all of ``text`` or not at all: the web page and the peers poll these files, and a file
+    read between its creation and its write (or left by a rank killed mid-write) would be a report without a line.
+    The partial file's name starts with a dot, so no ``rank-*-error.txt`` pattern sees it."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def peer_failed_since(output_dir: Path, since: float) -> bool:

@@ -184,6 +184,8 @@ def rank_errors(folder: Path, since: float) -> list[dict[str, Any]]:
             rank = int(path.name.split("-")[1])
         except (OSError, ValueError):
             continue
+        if not summary.strip():  # a report another shardtune wrote in place, read before its line: next poll
+            continue
         found.append({"rank": rank, "summary": summary.strip(), "traceback": details[-20000:],
                       "file": str(path), "consequence": is_consequence(summary)})
     return sorted(found, key=lambda e: (e["consequence"], e["rank"]))
