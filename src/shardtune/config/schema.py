@@ -35,8 +35,10 @@ LR_SCHEDULERS = (
     "constant_with_warmup",
     "inverse_sqrt",
 )
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "sgd",
-              "adafactor")
+# optim name -> the bitsandbytes class it builds (optim/build.py); a run that names one needs bitsandbytes on every rank
+BITSANDBYTES_OPTIMIZERS = {"adamw_8bit": "AdamW8bit", "paged_adamw_8bit": "PagedAdamW8bit",
+                           "paged_adamw_32bit": "PagedAdamW32bit"}
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", *BITSANDBYTES_OPTIMIZERS, "sgd", "adafactor")
 REPORT_TO = ("none", "tensorboard", "wandb", "mlflow")
 # LLaMA-Factory's spellings; only bnb quantizes on load here (pre-quantized checkpoints are read from config.json).
 QUANTIZATION_METHODS = ("bnb", "gptq", "awq", "aqlm", "quanto", "eetq", "hqq", "mxfp4", "fp8")

@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
+from shardtune.config.schema import BITSANDBYTES_OPTIMIZERS
 from shardtune.errors import ShardtuneError, debug_requested, report_error, write_stderr_line
 from shardtune.launch import env as launch_env
 from shardtune.launch.failures import peer_failed_since, report_rank_failure, save_rank_failure, save_stopped_after_peer
@@ -142,7 +143,7 @@ def needs_bitsandbytes(config) -> bool:
     """Quantized loads and bitsandbytes' optimizers (adamw_8bit, the paged ones; GaLore's and APOLLO's packages
     import it)."""
     return bool(config.quantization_bit or config.ref_model_quantization_bit
-                or config.optim in ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
+                or config.optim in BITSANDBYTES_OPTIMIZERS
                 or config.use_galore or config.use_apollo or config.use_adam_mini)
 
 

@@ -7,6 +7,7 @@ from functools import partial
 
 import torch
 
+from shardtune.config.schema import BITSANDBYTES_OPTIMIZERS
 from shardtune.errors import ConfigError
 from shardtune.model.adapters import linear_module_names
 from shardtune.optim import replacements as optimizers
@@ -81,9 +82,6 @@ def build_optimizer(params: list[torch.nn.Parameter], s: OptimizerSettings,
         return optimizer_class(groups, lr=s.learning_rate, betas=betas, eps=s.adam_epsilon)
     raise ConfigError(f"optim: unknown optimizer '{s.optim}'")
 
-
-BITSANDBYTES_OPTIMIZERS = {"adamw_8bit": "AdamW8bit", "paged_adamw_8bit": "PagedAdamW8bit",
-                           "paged_adamw_32bit": "PagedAdamW32bit"}
 
 
 def fused_adamw_fits(params: list[torch.nn.Parameter]) -> bool:
