@@ -383,10 +383,10 @@ def apply_zero3_moe_leaves(model: torch.nn.Module) -> list[str]:
     """
     from deepspeed.utils import set_z3_leaf_modules
 
-    from shardtune.model.length_dependent import length_dependent_classes, row_dependent_call_classes
+    from shardtune.model.length_dependent import zero3_whole_classes
     from shardtune.model.moe import sparse_moe_block_classes
 
-    classes = [*sparse_moe_block_classes(model), *length_dependent_classes(model), *row_dependent_call_classes(model)]
+    classes = [*sparse_moe_block_classes(model), *zero3_whole_classes(model)]
     if classes:
         set_z3_leaf_modules(model, classes)
     return [c.__name__ for c in classes]

@@ -12,6 +12,11 @@ gradient of zeros, on every engine and on one process alike, so the ranks reduce
 distributed run equals the one-process run. The classes are listed by name (the table below): which weights are
 length-dependent is found by probing every family of transformers' registry at a short and a long length
 (tests/unit/test_length_dependent.py), and a family with a length-dependent weight outside the table fails it.
+
+A second table, ROW_DEPENDENT_CALLS, lists modules whose forward calls a submodule as many times as the rows say.
+ZeRO-3 gathers the classes of both tables whole on entry (``zero3_whole_classes``, engines/deepspeed.py): a
+length-dependent module so its output hook sees every weight gathered, a row-dependent one so that two ranks do not
+gather its submodules' weights in another order.
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ ROW_DEPENDENT_CALLS: dict[str, str] = {
 }
 
 
-def row_dependent_call_classes(model: torch.nn.Module) -> list[type[torch.nn.Module]]:
-    found = {type(module) for module in model.modules() if type(module).__name__ in ROW_DEPENDENT_CALLS}
+def zero3_whole_classes(model: torch.nn.Module) -> list[type[torch.nn.Module]]:
+    """The model's classes named in either table, sorted by name: ZeRO-3 gathers each such module whole."""
+    named = LENGTH_DEPENDENT.keys() | ROW_DEPENDENT_CALLS.keys()
+    found = {type(module) for module in model.modules() if type(module).__name__ in named}
     return sorted(found, key=lambda cls: cls.__name__)
 
 
@@ -43,10 +50,6 @@ def length_dependent_modules(model: torch.nn.Module) -> Iterator[tuple[str, torc
     for name, module in model.named_modules():
         if type(module).__name__ in LENGTH_DEPENDENT:
             yield name, module
-
-
-def length_dependent_classes(model: torch.nn.Module) -> list[type[torch.nn.Module]]:
-    return sorted({type(module) for _, module in length_dependent_modules(model)}, key=lambda cls: cls.__name__)
 
 
 def keep_length_dependent_in_graph(model: torch.nn.Module) -> list[str]:
