@@ -10,6 +10,7 @@ from typing import Any
 from shardtune.config.adapter_method import METHOD_OF_TARGET_KEY, target_key
 from shardtune.errors import ConfigError
 from shardtune.model.composite import FrozenParts, excluded_modules, freeze_parts, model_parts
+from shardtune.model.lora_exclusions import refuse_unadaptable_targets, unadaptable_linears
 from shardtune.model.moe import fused_expert_parameters, router_module_names
 from shardtune.model.oft import OftSettings, build_oft_config, check_adapted_sizes, materialize_oft_weights
 from shardtune.model.pretrained_adapters import load_adapter_weights, resumed_adapter_config
@@ -217,7 +218,7 @@ def lora_targets(model: Any, requested: tuple[str, ...], frozen: FrozenParts | N
     unadaptable = unadaptable_linears(model, linear)
     if "all" not in requested:
         _refuse_router_targets(model, requested, routers, linear, key)
-        _refuse_unadaptable_targets(requested, unadaptable, key)
+        refuse_unadaptable_targets(requested, unadaptable, key)
         chosen = [t for t in requested if t in linear or t not in fused]
         experts = [f"experts.{t}" for t in requested if t in fused and t not in linear]
         return LoraTargets(chosen, experts or None)
@@ -246,64 +247,6 @@ def _refuse_router_targets(model: Any, requested: tuple[str, ...], routers: set[
                               f"{_module_class(model, routers, target)} rather than a Linear layer, which "
                               f"{METHOD_OF_TARGET_KEY[key]} cannot adapt; remove it (routers train with "
                               "finetuning_type: full)")
-
-
-# Linear layers whose weight the model reads itself while training instead of calling the layer, so an adapter
-# around the layer would never be used (and DDP would wait for its gradient): class of the owner -> child -> why.
-WEIGHT_READ_IN_TRAINING: dict[str, dict[str, str]] = {
-    "Gemma3nTextAltUp": {"correction_coefs": "Gemma 3n's AltUp reads its weight directly while training (clipped "
-                                             "to altup_coef_clip), never calling the layer"},
-}
-
-
-def unadaptable_linears(model: Any, linear: list[str]) -> dict[str, str]:
-    """Short names of Linear layers LoRA cannot adapt, with the reason: a Linear subclass whose weight is not one
-    in -> out map (a modelling file's subclass with its own forward and state: DeepSeek-V4's grouped output
-    projection, whose input is wider than its weight, so LoRA's matrices would not fit it; Falcon's plain
-    re-implementation is adaptable, quantized Linear layers are peft's to wrap), and the modules
-    peft itself refuses for the model type (Mamba's out_proj and conv1d, by peft's own check)."""
-    found = {name.rsplit(".", 1)[-1]: f"{type(module).__name__} is a grouped Linear with its own forward"
-             for name, module in model.named_modules() if _reshapes_its_weight(module) and "lm_head" not in name}
-    for module in model.modules():
-        for child, reason in WEIGHT_READ_IN_TRAINING.get(type(module).__name__, {}).items():
-            if hasattr(module, child):
-                found[child] = reason
-    for name in linear:
-        reason = _peft_refusal(model, name)
-        if reason and name not in found:
-            found[name] = reason
-    return found
-
-
-def _reshapes_its_weight(module: Any) -> bool:
-    import torch
-
-    if not isinstance(module, torch.nn.Linear) or type(module).forward is torch.nn.Linear.forward:
-        return False
-    if not type(module).__module__.startswith("transformers.models."):
-        return False  # a quantized Linear (bitsandbytes' Linear4bit) is peft's to wrap; only a model's own layers
-    own_state = {key for key in vars(module) if not key.startswith("_")} - {"training", "in_features", "out_features"}
-    return bool(own_state)
-
-
-def _peft_refusal(model: Any, name: str) -> str | None:
-    try:
-        from peft import LoraConfig
-        from peft.tuners.tuners_utils import _check_lora_target_modules_mamba
-    except ImportError:  # another peft release: its own check then speaks when the adapter is built
-        return None
-    try:
-        _check_lora_target_modules_mamba(LoraConfig(target_modules=[name]), model, name)
-    except ValueError:
-        return f"peft refuses it for {getattr(model.config, 'model_type', 'this model')}"
-    return None
-
-
-def _refuse_unadaptable_targets(requested: tuple[str, ...], unadaptable: dict[str, str], key: str) -> None:
-    for target in requested:
-        if target in unadaptable:
-            raise ConfigError(f"{key} ({target}): {METHOD_OF_TARGET_KEY[key]} cannot adapt it: "
-                              f"{unadaptable[target]}; remove it ({key}: all leaves it out)")
 
 
 def report_unadapted_linears(model: Any, requested: LoraTargets, left_out: list[str]) -> None:
