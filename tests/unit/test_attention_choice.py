@@ -12,8 +12,8 @@ import torch
 
 from shardtune.config.load import build_config
 from shardtune.errors import ModelError
+from shardtune.launch.model_checks import attention_problems
 from shardtune.launch.preflight import apply_attention_auto
-from shardtune.launch.validate import attention_problems
 from shardtune.model.attention import (
     AUTO,
     KernelSupport,

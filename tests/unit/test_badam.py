@@ -184,7 +184,7 @@ def test_a_start_block_past_the_last_is_refused_by_name():
 
 
 def test_a_start_block_past_the_last_is_refused_before_launch(tiny_model_dir):
-    from shardtune.launch.validate import layer_problems
+    from shardtune.launch.model_checks import layer_problems
 
     keys = {"use_badam": True, "model_name_or_path": str(tiny_model_dir)}
     layers = LlamaConfig.from_pretrained(tiny_model_dir).num_hidden_layers
@@ -195,7 +195,7 @@ def test_a_start_block_past_the_last_is_refused_before_launch(tiny_model_dir):
 
 
 def test_a_checkpoint_without_decoder_layer_names_is_refused_before_launch(tiny_model_dir, arch_model_dir):
-    from shardtune.launch.validate import badam_layer_problems
+    from shardtune.launch.optimizer_checks import badam_layer_problems
 
     assert badam_layer_problems(build_config({"use_badam": True, "model_name_or_path": str(tiny_model_dir)})) == []
     gpt2 = build_config({"use_badam": True, "model_name_or_path": str(arch_model_dir("gpt2"))})  # h.N. blocks

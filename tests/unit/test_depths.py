@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from shardtune.errors import ConfigError
-from shardtune.model.depths import CAPACITY, FAMILIES, apply_mixture_of_depths, depth_problem, routed_layer_ids
+from shardtune.model.depth_checks import FAMILIES, depth_problem
+from shardtune.model.depths import CAPACITY, apply_mixture_of_depths, routed_layer_ids
 from shardtune.model.registry import tiny_registry_config
 
 VOCAB = 512

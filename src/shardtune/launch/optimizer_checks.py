@@ -4,6 +4,8 @@ they need; the engine rules (which engines can run them) are in engines.spec."""
 from __future__ import annotations
 
 import importlib.util
+import re
+from pathlib import Path
 
 from shardtune.config.schema import TrainConfig
 from shardtune.optim.settings import layerwise_key
@@ -88,3 +90,17 @@ def badam_launch_problems(c: TrainConfig, force_torchrun: bool) -> list[str]:
         return []
     return ["use_badam (true) with FORCE_TORCHRUN (1): DDP registers the trainable weights once, at set-up, and BAdam "
             "changes them at every block switch; run without FORCE_TORCHRUN (one process, in-process)"]
+
+
+def badam_layer_problems(c: TrainConfig) -> list[str]:
+    """BAdam's blocks are the ``layers.N.`` of the weight names (its package's rule): a checkpoint whose files hold
+    none (GPT-2's ``h.N.``) gives it nothing to train, said here from the files' headers as the rank would."""
+    from shardtune.model.weight_names import tensor_names
+
+    if not c.use_badam or not c.model_name_or_path:
+        return []
+    names = tensor_names(Path(c.model_name_or_path))
+    if names is None or any(re.search(r"layers\.\d+\.", name) for name in names):
+        return []
+    return ["use_badam (true): no weight name of the checkpoint holds 'layers.N.', so BAdam finds no decoder layers "
+            "to train block by block; use finetuning_type: full without BAdam for this model"]

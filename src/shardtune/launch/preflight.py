@@ -26,10 +26,11 @@ from shardtune.errors import ConfigError, ShardtuneError
 from shardtune.host import cuda_visible_devices, local_cpu_memory, local_gpu_memory, visible_gpu_count
 from shardtune.launch import env as launch_env
 from shardtune.launch.kernels_here import local_kernel_problems
+from shardtune.launch.model_checks import attention_problems
 from shardtune.launch.optimizer_checks import badam_launch_problems
 from shardtune.launch.resume_check import resume_read_problems
 from shardtune.launch.torchrun import LaunchPlan, device_problems, plan_launch
-from shardtune.launch.validate import attention_problems, cross_key_problems, file_problems
+from shardtune.launch.validate import cross_key_problems, file_problems
 from shardtune.train.checkpoint_folders import checkpoint_problems, resume_source
 from shardtune.world import WorldLayout
 

@@ -15,11 +15,12 @@ from shardtune.config.schema import REPORT_TO, TrainConfig
 from shardtune.data.tokenized import is_saved
 from shardtune.errors import ConfigError, ModelError
 from shardtune.infer.metrics import score_package_problems
-from shardtune.launch.optimizer_checks import optimizer_key_problems
+from shardtune.launch.model_checks import attention_problems, layer_problems, moe_problems, position_problems
+from shardtune.launch.optimizer_checks import badam_layer_problems, optimizer_key_problems
 from shardtune.launch.write_guard import write_problems
+from shardtune.model.depth_checks import depth_checkpoint_problems
 from shardtune.model.folder import is_reward_model_config, model_config_json, model_folder_problems
 from shardtune.model.fp8 import float8_key_problems
-from shardtune.model.moe import configured_router_aux_coef, packed_aux_loss_problem, preference_aux_loss_problem
 from shardtune.model.oft import size_problem
 from shardtune.paths import shown
 from shardtune.train.checkpoint_folders import checkpoint_problems, latest_checkpoint, resume_source
@@ -395,111 +396,6 @@ def file_problems(c: TrainConfig) -> list[str]:
         key = "resume_from_checkpoint" if c.resume_from_checkpoint else f"output_dir (resuming from {resume})"
         problems += checkpoint_problems(resume, key)
     return problems
-
-
-def badam_layer_problems(c: TrainConfig) -> list[str]:
-    """BAdam's blocks are the ``layers.N.`` of the weight names (its package's rule): a checkpoint whose files hold
-    none (GPT-2's ``h.N.``) gives it nothing to train, said here from the files' headers as the rank would."""
-    from shardtune.model.weight_names import tensor_names
-
-    if not c.use_badam or not c.model_name_or_path:
-        return []
-    names = tensor_names(Path(c.model_name_or_path))
-    if names is None or any(re.search(r"layers\.\d+\.", name) for name in names):
-        return []
-    return ["use_badam (true): no weight name of the checkpoint holds 'layers.N.', so BAdam finds no decoder layers "
-            "to train block by block; use finetuning_type: full without BAdam for this model"]
-
-
-def layer_problems(c: TrainConfig) -> list[str]:
-    """freeze_trainable_layers (freeze tuning, LLaMA-Pro) and badam_start_block against the model's decoder layers
-    (config.json), as the ranks will choose them."""
-    freezes = c.use_llama_pro or (c.finetuning_type == "freeze" and c.freeze_trainable_layers != 0)
-    starts = c.use_badam and c.badam_start_block is not None
-    if not (freezes or starts):
-        return []  # freeze_trainable_layers 0 without LLaMA-Pro: said by schedule_problems already
-    from shardtune.model.adapters import layer_count_problem
-
-    layers = decoder_layer_count(c)
-    if layers is None:
-        return []
-    problems = []
-    if freezes and (problem := layer_count_problem(layers, c.freeze_trainable_layers, c.use_llama_pro)):
-        problems.append(problem)
-    if starts and c.badam_start_block is not None and not 0 <= c.badam_start_block < layers:
-        problems.append(f"badam_start_block ({c.badam_start_block}): the model has {layers} decoder layers, BAdam's "
-                        f"blocks 0 to {layers - 1}; choose one of them or leave it unset")
-    return problems
-
-
-def decoder_layer_count(c: TrainConfig) -> int | None:
-    """num_hidden_layers of the model's config.json (its text config's for an image-text folder), None if unknown."""
-    from shardtune.model.attention import known_model_config
-
-    known = known_model_config(c.model_name_or_path or "", builds_tiny_model=c.build_tiny_model_if_missing) or {}
-    nested = known.get("text_config")
-    layers = (nested if isinstance(nested, dict) else known).get("num_hidden_layers")
-    return layers if type(layers) is int else None
-
-
-def attention_problems(c: TrainConfig) -> list[str]:
-    """A kernel the model cannot run, or packed rows it cannot keep apart under that kernel (a model whose config
-    is here, a local folder or the hub cache, with a chosen kernel; ``auto`` is resolved before this runs)."""
-    from shardtune.model.attention import AUTO, kernel_problem, kernel_support, packing_problem
-
-    try:
-        config = model_config_json(c.model_name_or_path)
-    except ModelError:
-        return []  # reported by the folder checks
-    if config is None or c.attn_implementation == AUTO:
-        return []
-    support = kernel_support(config)
-    model = str(c.model_name_or_path)
-    problem = kernel_problem(c.attn_implementation, support, model)
-    if problem is None and resolved_packing(c):
-        problem = packing_problem(config, support, c.attn_implementation, model) or packed_aux_loss_problems(c, config)
-    return [problem] if problem else []
-
-
-def position_problems(c: TrainConfig) -> list[str]:
-    """Rows longer than a model's table of positions (model/positions.py)."""
-    from shardtune.model.positions import position_problem
-
-    try:
-        config = model_config_json(c.model_name_or_path)
-    except ModelError:
-        return []  # reported by the folder checks
-    problem = position_problem(c.cutoff_len, config, str(c.model_name_or_path)) if config else None
-    return [problem] if problem else []
-
-
-def packed_aux_loss_problems(c: TrainConfig, config: dict) -> str | None:
-    """sft packs rows with a block mask (flash: none), which transformers' router aux loss cannot read."""
-    if c.stage != "sft" or "flash" in c.attn_implementation:
-        return None
-    return packed_aux_loss_problem() if configured_router_aux_coef(config, c.moe_aux_loss_coef) else None
-
-
-def moe_problems(c: TrainConfig) -> list[str]:
-    """Mixture-of-experts rules that need the model's config.json."""
-    try:
-        config = model_config_json(c.model_name_or_path)
-    except ModelError:
-        return []  # reported by the folder checks
-    coef = configured_router_aux_coef(config or {}, c.moe_aux_loss_coef)
-    return [preference_aux_loss_problem(coef, c.stage)] if coef and c.stage in PREFERENCE_STAGES else []
-
-
-def depth_checkpoint_problems(c: TrainConfig) -> list[str]:
-    """mixture_of_depths against the model's config.json: a family whose layers can be routed, routers or not."""
-    if not c.mixture_of_depths:
-        return []
-    from shardtune.model.attention import known_model_config
-    from shardtune.model.depths import depth_problem  # imports torch: only for a run that routes
-
-    known = known_model_config(c.model_name_or_path or "", builds_tiny_model=c.build_tiny_model_if_missing)
-    problem = depth_problem(c.mixture_of_depths, known) if known is not None else None
-    return [problem] if problem else []
 
 
 def model_path_problems(model: str) -> list[str]:
