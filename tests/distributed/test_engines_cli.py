@@ -39,6 +39,8 @@ ENGINES = {
     "ddp-compile": ("torch_compile=true", "torch_compile_backend=aot_eager"),
     "fsdp2-full_shard-compile": ("fsdp=full_shard auto_wrap", "torch_compile=true", "torch_compile_backend=aot_eager"),
     "deepspeed-z2-compile": ("deepspeed=z2", "torch_compile=true", "torch_compile_backend=aot_eager"),
+    # Padded rows (as on a GPU under sdpa), which torch_compile leaves without a padding mask (train/setup.py).
+    "ddp-compile-padded": ("torch_compile=true", "torch_compile_backend=aot_eager", "padding_free=false"),
 }
 WITH_LORA = ("ddp", "fsdp2-full_shard", "fsdp1-full_shard", "deepspeed-z2", "deepspeed-z3", "deepspeed-z3_offload",
              "ddp-compile", "fsdp2-full_shard-compile", "deepspeed-z2-compile")

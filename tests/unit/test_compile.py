@@ -75,3 +75,79 @@ def test_taken_by_local_ddp_zero2_and_fsdp2(engine_keys):
     c = TrainConfig(model_name_or_path="m", torch_compile=True, **engine_keys)
     _, problems = plan_engine(c, world_size=2, has_cuda=False)
     assert not [p for p in problems if "torch_compile" in p]
+
+
+def padded_rows(lengths: list[int], seed: int) -> list[dict[str, list[int]]]:
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for length in lengths:
+        ids = torch.randint(0, 100, (length,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": [-100] * 2 + ids[2:]})
+    return rows
+
+
+# Steps 1-2 unpadded, then a padded row (a mask where there was none), a shorter micro-batch (the epoch's last),
+# both, and longer rows: each change compiled another graph before (3 after step 2 on this plan).
+CHANGING_BATCHES = [[16, 16, 16], [20, 20, 20], [16, 12, 16], [16, 16], [16, 9], [30, 30, 30]]
+
+
+def changing_batches_run(model: torch.nn.Module, compiled: bool) -> tuple[list[float], list[float],
+                                                                          CompileReport | None]:
+    from shardtune.data.collator import DataCollator
+
+    model = copy.deepcopy(model)
+    report = None
+    if compiled:
+        torch._dynamo.reset()
+        report = CompileReport(apply_regional_compile(model, None, "aot_eager"), None, "aot_eager")
+    # The compiled run's rows come as torch_compile makes them (train/setup.py): padding without a mask.
+    collate = DataCollator(pad_token_id=0, attn_implementation="sdpa", unmasked_padding=compiled)
+    engine = make_engine(model, optim="adamw_torch", lr=1e-2)
+    losses, norms = [], []
+    for step, lengths in enumerate(CHANGING_BATCHES, start=1):
+        metrics = train_step(engine, [collate(padded_rows(lengths, step))], max_grad_norm=1.0)
+        losses.append(metrics["loss"])
+        norms.append(metrics["grad_norm"])
+        if report is not None:
+            report.on_step(step)
+    return losses, norms, report
+
+
+@pytest.mark.parametrize("finetuning", ["full", "lora"])
+def test_padded_rows_and_a_shorter_last_batch_compile_nothing_after_step_2(finetuning):
+    model = finetuned(tiny_llama(), finetuning)
+    eager_losses, eager_norms, _ = changing_batches_run(model, compiled=False)
+    losses, norms, report = changing_batches_run(model, compiled=True)
+    assert losses == pytest.approx(eager_losses, rel=1e-5)
+    assert norms == pytest.approx(eager_norms, rel=1e-4)
+    assert report is not None and report.summary()["recompiles_after_step_2"] == 0, report.summary()
+
+
+def test_unmasked_padding_continues_positions_and_leaves_packed_rows_alone():
+    from shardtune.data.collator import DataCollator
+
+    collate = DataCollator(pad_token_id=0, attn_implementation="sdpa", unmasked_padding=True)
+    batch = collate(padded_rows([5, 3], seed=0))
+    assert "attention_mask" not in batch and int(batch["num_tokens"]) == 8
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]
+    assert batch["labels"][1, 3:].tolist() == [-100, -100]
+    packed = collate(features(seed=1, packed=True))
+    assert packed["attention_mask"].dim() == 4  # packed rows keep their block mask
+
+
+def test_padding_goes_unmasked_only_where_it_computes_the_same_loss(tmp_path):
+    from shardtune.model.tiny import build_tiny_model
+    from shardtune.train.setup import padding_left_unmasked
+
+    folders = {arch: str(build_tiny_model(tmp_path / arch, arch=arch)) for arch in ("llama", "mistral", "mixtral")}
+
+    def unmasked(arch: str, **keys) -> bool:
+        keys = {"torch_compile": True, "stage": "sft", **keys}
+        return padding_left_unmasked(TrainConfig(model_name_or_path=folders[arch], **keys))
+
+    assert unmasked("llama") and unmasked("llama", stage="pt", packing=False)  # pt packs by default
+    assert not unmasked("llama", torch_compile=False)
+    assert not unmasked("llama", stage="dpo")  # pairs are scored by row: left as they are
+    assert not unmasked("llama", packing=True)
+    assert not unmasked("mistral")  # its sliding window brings a mask of its own on long rows
+    assert not unmasked("mixtral")  # the router loss leaves padding out by the mask

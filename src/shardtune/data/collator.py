@@ -28,6 +28,11 @@ How packed rows stay independent (checked against transformers 5.23: ``masking_u
 * Rows that are not packed get the usual 2-D padding mask ``[B, L]`` (1 = token, 0 = padding), and no mask at
   all when no row is padded: transformers checks a given mask on every forward (a host sync on a GPU) to find it
   all ones and take the plain causal kernel, which is what no mask gives directly.
+* ``unmasked_padding`` (torch_compile on full-attention rows: train/setup.py): padded rows get no mask either,
+  and their padding's positions go on from the row's last token. Padding is at the right, so under causal
+  attention no real token attends to it; only the padding's own outputs change, and its labels are ignored. The
+  compiled layers then see no mask in every step instead of a mask in some (each kind is a graph of its own).
+  The positions go on so that transformers does not read the padding as a packed sequence and build a mask.
 
 Padding forms its own causal segment so that no query row is fully masked (an all-blocked row
 makes SDPA return NaN, which would then leak into real tokens through 0 * NaN).
@@ -59,7 +64,7 @@ class DataCollator:
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None,
                  attn_implementation: str | None = None,
                  window_by_layer_type: Mapping[str, int | None] | None = None, padding_free: bool = False,
-                 sequence_parallel: int = 1, row_tokens: int | None = None) -> None:
+                 sequence_parallel: int = 1, row_tokens: int | None = None, unmasked_padding: bool = False) -> None:
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
         self.attn_implementation = attn_implementation
@@ -71,6 +76,7 @@ class DataCollator:
         # Sequence parallelism: rows padded to a multiple of the group size, and the segment ids handed over in place
         # of a mask (each rank builds the whole row's mask itself: train/sequence_shards.py).
         self.sequence_parallel = sequence_parallel
+        self.unmasked_padding = unmasked_padding  # see the module docstring
 
     def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if self.padding_free and not any("segment_ids" in f for f in features):
@@ -82,7 +88,7 @@ class DataCollator:
             "labels": pad_rows([f["labels"] for f in features], length, IGNORE_INDEX),
             # Padding restarts its positions at 0 so it reads as one more sequence, never as a
             # continuation of the last sample, for kernels that read boundaries from positions.
-            "position_ids": torch.stack([padded_positions(f, length) for f in features]),
+            "position_ids": torch.stack([padded_positions(f, length, self.unmasked_padding) for f in features]),
         }
         segments = torch.stack([padded_segments(f, length) for f in features])
         # Real (non-padding) tokens, for throughput: packed rows carry no 2-D mask to count them from.
@@ -90,7 +96,7 @@ class DataCollator:
         if self.sequence_parallel > 1:
             batch["segment_ids"] = segments
         elif not any("segment_ids" in f for f in features):
-            if not bool((segments > 0).all()):  # rows without padding need no mask (see the module docstring)
+            if not (self.unmasked_padding or bool((segments > 0).all())):  # see the module docstring
                 batch["attention_mask"] = (segments > 0).long()
         elif "flash" in (self.attn_implementation or ""):
             batch.update(flash_varlen_kwargs(segments))
@@ -178,9 +184,13 @@ def pad_rows(rows: Sequence[Sequence[int]], length: int, value: int) -> torch.Te
     return out
 
 
-def padded_positions(feature: dict[str, Any], length: int) -> torch.Tensor:
+def padded_positions(feature: dict[str, Any], length: int, continued: bool = False) -> torch.Tensor:
+    """The row's positions, then the padding's: from 0 (its own sequence), or ``continued`` from the row's length
+    (unmasked padding of an unpacked row)."""
     size = len(feature["input_ids"])
     given = feature.get("position_ids")
+    if given is None and continued:
+        return torch.arange(length)
     positions = torch.as_tensor(given, dtype=torch.long) if given is not None else torch.arange(size)
     return torch.cat([positions, torch.arange(length - size)])
 

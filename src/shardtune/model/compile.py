@@ -7,7 +7,10 @@ and are reused (as torchtitan and accelerate's regional compilation do). ``Modul
 the layer keeps its name and parameters, so state dicts, checkpoints and the engines' wrapping see the same model,
 and FSDP2's hooks (which torch keeps out of the graph) run around the compiled code. The engines wrap afterwards
 (FSDP2: compile, then ``fully_shard``). Compilation is lazy: the first steps pay it, and ``CompileReport`` says
-how long it took and whether anything compiled again after step 2.
+how long it took and whether anything compiled again after step 2. What the layers receive keeps one form from
+step to step: sizes are symbolic, and right-padded rows come without a padding mask where that computes the same
+loss (data/collator.py's ``unmasked_padding``), so a batch with a padded row does not bring a mask that the
+batches before it lacked (transformers' sdpa path branches on ``attention_mask is None``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 
 import torch
 
-# Graph shapes settle after the second step: the first compiles for its shapes, the next with dynamic sizes.
+# Graphs are compiled by the end of the second step; any compiled later is counted (CompileReport) as a recompile.
 SETTLED_AFTER_STEP = 2
 
 
@@ -38,7 +41,10 @@ def apply_regional_compile(model: torch.nn.Module, mode: str | None, backend: st
         raise ModelError("torch_compile: the model names no decoder-layer class (_no_split_modules), so shardtune "
                          "cannot compile it layer by layer; set torch_compile: false")
     for layer in layers:
-        layer.compile(mode=mode, backend=backend)
+        # Symbolic sizes from the first compile: micro-batches differ in length (unpacked rows) and the epoch's last
+        # holds fewer rows; torch's automatic dynamic shapes would compile again at each new kind of change (one
+        # more graph when the last micro-batch first comes, long after the first steps). One graph serves them all.
+        layer.compile(mode=mode, backend=backend, dynamic=True)
     return len(layers)
 
 

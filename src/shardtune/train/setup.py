@@ -219,7 +219,8 @@ def build_collator(tokenizer: Any, c: TrainConfig, has_images: bool = False) -> 
     collator = DataCollator(tokenizer.pad_token_id, pad_to_multiple_of=ALIGNMENT if float8_wanted(c) else None,
                             attn_implementation=c.attn_implementation,
                             window_by_layer_type=windows, padding_free=padding_free,
-                            sequence_parallel=c.sequence_parallel_size, row_tokens=c.micro_batch_tokens)
+                            sequence_parallel=c.sequence_parallel_size, row_tokens=c.micro_batch_tokens,
+                            unmasked_padding=not has_images and not padding_free and padding_left_unmasked(c))
     if has_images:
         from shardtune.data.build import image_settings
         from shardtune.data.images import VisionCollator, load_image_processor
@@ -252,6 +253,25 @@ def padding_free_rows(c: TrainConfig) -> bool:
     if router_aux_loss_coef(config, c.moe_aux_loss_coef) is not None and "flash" not in c.attn_implementation:
         return False
     return packing_problem(as_dict, kernel_support(as_dict), c.attn_implementation, "") is None
+
+
+def padding_left_unmasked(c: TrainConfig) -> bool:
+    """Whether right-padded rows go without a padding mask (data/collator.py's ``unmasked_padding``): under
+    torch_compile, for unpacked sft/pt rows of a model whose every layer attends causally to the whole row (a
+    sliding window brings a mask of its own on long rows), where nothing else reads the mask: no router loss (it
+    leaves padding out by the mask), no mixture of depths (it ranks a row's real tokens), one rank per row."""
+    from shardtune.model.attention import layer_windows
+    from shardtune.model.load import load_model_config
+    from shardtune.model.moe import router_aux_loss_coef
+    from shardtune.train.settings import resolved_packing
+
+    if (not c.torch_compile or resolved_packing(c) or c.stage not in ("sft", "pt") or c.mixture_of_depths
+            or c.sequence_parallel_size > 1):
+        return False
+    config = load_model_config(c.model_name_or_path or "", trust_remote_code=c.trust_remote_code)
+    if router_aux_loss_coef(config, c.moe_aux_loss_coef) is not None:
+        return False
+    return all(window is None for window in layer_windows(config).values())
 
 
 def model_layer_windows(c: TrainConfig) -> dict[str, int | None] | None:
