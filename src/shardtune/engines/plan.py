@@ -37,6 +37,14 @@ class EnginePlan:
     def needs_process_group(self) -> bool:
         return self.kind != "local"
 
+    @property
+    def gathers_parameters(self) -> bool:
+        """Whether each rank gathers whole layers from shards and frees them again, step after step (FSDP, ZeRO-3;
+        a DeepSpeed config whose stage is not a number counts as one)."""
+        if self.kind == "fsdp":
+            return True
+        return self.kind == "deepspeed" and deepspeed_config.zero_stage(self.deepspeed_raw or {}) not in (0, 1, 2)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, for the plan the launching host writes for its ranks."""
         return {"kind": self.kind, "fsdp": self.fsdp.to_dict() if self.fsdp else None,

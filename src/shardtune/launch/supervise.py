@@ -56,7 +56,7 @@ def start_run(plan: RunPlan, debug: bool = False, command_line: list[str] | None
     # Every node agrees before a collective can hang (one node: no-op).
     check_nodes(launch, run_plan_dict(plan), plan.scheduler)
     write_run_plan(plan)
-    code = run_torchrun(commands[launch.node_rank], launch, plan.run_dir, debug)
+    code = run_torchrun(commands[launch.node_rank], launch, plan.run_dir, debug, plan.engine.gathers_parameters)
     if code not in (0, 130) and launch.nnodes > 1:
         remedy = (f"check that {plan.scheduler} started one shardtune on each of the {launch.nnodes} nodes"
                   if plan.scheduler else f"start every node with NNODES={launch.nnodes}, "
@@ -102,17 +102,28 @@ def omp_threads(nproc_per_node: int) -> str:
     return str(max(1, launch_env.node_cpus() // nproc_per_node))
 
 
-def run_torchrun(argv: list[str], launch: LaunchPlan, run_dir: Path, debug: bool = False) -> int:
-    """Run torchrun for this node; unless ``debug``, a failed rank ends up as one line, not three tracebacks."""
-    env = dict(os.environ)
+def torchrun_env(env: dict[str, str], launch: LaunchPlan, gathers_parameters: bool, gpus: int) -> dict[str, str]:
+    """torchrun's environment: ``env`` (this process's) with the settings shardtune adds where the user set none."""
     env.setdefault("OMP_NUM_THREADS", omp_threads(launch.nproc_per_node))
-    if launch.master_addr in ("127.0.0.1", "localhost") and visible_gpu_count() == 0:
+    if launch.master_addr in ("127.0.0.1", "localhost") and gpus == 0:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if visible_gpu_count() == 0:
+    if gpus == 0 and gathers_parameters:
         # CPU ranks keep their weights in host memory. glibc's adaptive mmap threshold keeps freed multi-MB blocks
         # (FSDP and ZeRO-3 gather and free one layer at a time) in its heap, so a sharded run's resident memory
         # grew as large as a replicated one's (measured: FSDP2 LoRA of a 217M model, 1.87 GB -> 0.78 GB per rank).
+        # Engines that gather nothing keep the adaptive threshold: a fixed one maps every activation above it
+        # afresh each step (DDP LoRA of benchmarks/llamafactory_cpu.py, 120 steps: 1.3-1.4 million page faults
+        # against 0.27 million, and a 1.28x slower loop).
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
+    return env
+
+
+def run_torchrun(argv: list[str], launch: LaunchPlan, run_dir: Path, debug: bool = False,
+                 gathers_parameters: bool = False) -> int:
+    """Run torchrun for this node; unless ``debug``, a failed rank ends up as one line, not three tracebacks.
+    ``gathers_parameters``: the engine gathers and frees layers (FSDP, ZeRO-3), which sets glibc's mmap threshold
+    on CPU ranks."""
+    env = torchrun_env(dict(os.environ), launch, gathers_parameters, visible_gpu_count())
     print(f"[shardtune] launching: {shlex.join(argv)}", flush=True)
     if debug:
         return wait_for_launcher(subprocess.Popen(argv, env=env, start_new_session=True))

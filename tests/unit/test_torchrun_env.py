@@ -1,0 +1,35 @@
+"""torchrun's environment: glibc's mmap threshold is fixed on CPU ranks only where the engine gathers and frees
+layers (the sharded run's memory); other engines keep glibc's adaptive threshold (the loop's speed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardtune.config.schema import TrainConfig
+from shardtune.engines.plan import plan_engine
+from shardtune.launch.supervise import torchrun_env
+from shardtune.launch.torchrun import LaunchPlan
+
+LAUNCH = LaunchPlan(nnodes=1, node_rank=0, nproc_per_node=2, master_addr="127.0.0.1", master_port=29500)
+
+
+@pytest.mark.parametrize(("engine_keys", "gathers"), [
+    ({}, False),
+    ({"deepspeed": "z2"}, False),
+    ({"deepspeed": "z3"}, True),
+    ({"deepspeed": "z3_offload"}, True),
+    ({"fsdp": "full_shard auto_wrap"}, True),
+    ({"fsdp": "shard_grad_op auto_wrap"}, True),
+])
+def test_engines_that_gather_layers_fix_the_threshold_on_cpu(engine_keys, gathers):
+    plan, problems = plan_engine(TrainConfig(model_name_or_path="m", **engine_keys), world_size=2, has_cuda=False)
+    assert not problems
+    assert plan.gathers_parameters is gathers
+    env = torchrun_env({}, LAUNCH, plan.gathers_parameters, gpus=0)
+    assert ("MALLOC_MMAP_THRESHOLD_" in env) is gathers
+    assert env["OMP_NUM_THREADS"] and env["GLOO_SOCKET_IFNAME"] == "lo"
+
+
+def test_gpu_ranks_and_the_users_own_setting_are_left_alone():
+    assert "MALLOC_MMAP_THRESHOLD_" not in torchrun_env({}, LAUNCH, True, gpus=1)
+    assert torchrun_env({"MALLOC_MMAP_THRESHOLD_": "4096"}, LAUNCH, True, gpus=0)["MALLOC_MMAP_THRESHOLD_"] == "4096"
