@@ -112,8 +112,8 @@ def torchrun_env(env: dict[str, str], launch: LaunchPlan, gathers_parameters: bo
         # (FSDP and ZeRO-3 gather and free one layer at a time) in its heap, so a sharded run's resident memory
         # grew as large as a replicated one's (measured: FSDP2 LoRA of a 217M model, 1.87 GB -> 0.78 GB per rank).
         # Engines that gather nothing keep the adaptive threshold: a fixed one maps every activation above it
-        # afresh each step (DDP LoRA of benchmarks/llamafactory_cpu.py, 120 steps: 1.3-1.4 million page faults
-        # against 0.27 million, and a 1.28x slower loop).
+        # afresh each step (DDP LoRA of benchmarks/llamafactory_cpu.py, 120 steps: 1.35 million minor page faults
+        # against 0.28 million, and a 1.33x slower loop: benchmarks/mmap_threshold_cpu.py).
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
     return env
 
