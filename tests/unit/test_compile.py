@@ -18,6 +18,15 @@ from tests.unit.test_loop import make_engine
 
 def losses_and_norms(model: torch.nn.Module, compiled: bool, steps: int = 4) -> tuple[list[float], list[float],
                                                                                       CompileReport | None]:
+    # Windows of different lengths: the compiled layers meet new shapes after the first step.
+    windows = [[batch_of(features(seed=step)), batch_of(features(seed=10 + step))] for step in range(1, steps + 1)]
+    return train_windows(model, compiled, windows)
+
+
+def train_windows(model: torch.nn.Module, compiled: bool, windows: list[list[dict]]) -> tuple[list[float], list[float],
+                                                                                              CompileReport | None]:
+    """One optimizer step per window on a copy of ``model`` (its decoder layers compiled or not): the losses, the
+    gradient norms and, compiled, the compile report."""
     model = copy.deepcopy(model)
     report = None
     if compiled:
@@ -25,9 +34,7 @@ def losses_and_norms(model: torch.nn.Module, compiled: bool, steps: int = 4) -> 
         report = CompileReport(apply_regional_compile(model, None, "aot_eager"), None, "aot_eager")
     engine = make_engine(model, optim="adamw_torch", lr=1e-2)
     losses, norms = [], []
-    for step in range(1, steps + 1):
-        # Windows of different lengths: the compiled layers meet new shapes after the first step.
-        window = [batch_of(features(seed=step)), batch_of(features(seed=10 + step))]
+    for step, window in enumerate(windows, start=1):
         metrics = train_step(engine, window, max_grad_norm=1.0)
         losses.append(metrics["loss"])
         norms.append(metrics["grad_norm"])
@@ -95,22 +102,10 @@ def changing_batches_run(model: torch.nn.Module, compiled: bool) -> tuple[list[f
                                                                           CompileReport | None]:
     from shardtune.data.collator import DataCollator
 
-    model = copy.deepcopy(model)
-    report = None
-    if compiled:
-        torch._dynamo.reset()
-        report = CompileReport(apply_regional_compile(model, None, "aot_eager"), None, "aot_eager")
     # The compiled run's rows come as torch_compile makes them (train/setup.py): padding without a mask.
     collate = DataCollator(pad_token_id=0, attn_implementation="sdpa", unmasked_padding=compiled)
-    engine = make_engine(model, optim="adamw_torch", lr=1e-2)
-    losses, norms = [], []
-    for step, lengths in enumerate(CHANGING_BATCHES, start=1):
-        metrics = train_step(engine, [collate(padded_rows(lengths, step))], max_grad_norm=1.0)
-        losses.append(metrics["loss"])
-        norms.append(metrics["grad_norm"])
-        if report is not None:
-            report.on_step(step)
-    return losses, norms, report
+    windows = [[collate(padded_rows(lengths, step))] for step, lengths in enumerate(CHANGING_BATCHES, start=1)]
+    return train_windows(model, compiled, windows)
 
 
 @pytest.mark.parametrize("finetuning", ["full", "lora"])
