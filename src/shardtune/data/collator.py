@@ -87,7 +87,8 @@ class DataCollator:
             "input_ids": pad_rows([f["input_ids"] for f in features], length, self.pad_token_id),
             "labels": pad_rows([f["labels"] for f in features], length, IGNORE_INDEX),
             # Padding restarts its positions at 0 so it reads as one more sequence, never as a
-            # continuation of the last sample, for kernels that read boundaries from positions.
+            # continuation of the last sample, for kernels that read boundaries from positions (unmasked padding
+            # goes on from the row instead: see the module docstring).
             "position_ids": torch.stack([padded_positions(f, length, self.unmasked_padding) for f in features]),
         }
         segments = torch.stack([padded_segments(f, length) for f in features])

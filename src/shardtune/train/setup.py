@@ -240,15 +240,13 @@ def padding_free_rows(c: TrainConfig) -> bool:
     Preference stages keep one row per sample: their pair layout is by row. Unset (null), it is on where the block
     mask costs nothing the padding did not: on the CPU, and under flash attention (varlen offsets, no mask)."""
     from shardtune.model.attention import kernel_support, packing_problem
-    from shardtune.model.load import load_model_config
     from shardtune.model.moe import router_aux_loss_coef
-    from shardtune.train.settings import resolved_packing
 
     wanted = c.padding_free if c.padding_free is not None else \
         not torch.cuda.is_available() or "flash" in c.attn_implementation
-    if not wanted or resolved_packing(c) or c.stage not in ("sft", "pt") or c.mixture_of_depths:
-        return False  # mixture of depths ranks a row's tokens: one sample per row
-    config = load_model_config(c.model_name_or_path or "", trust_remote_code=c.trust_remote_code)
+    config = _unpacked_rows_model_config(c) if wanted else None
+    if config is None:
+        return False
     as_dict = config.to_dict()
     if router_aux_loss_coef(config, c.moe_aux_loss_coef) is not None and "flash" not in c.attn_implementation:
         return False
@@ -261,17 +259,24 @@ def padding_left_unmasked(c: TrainConfig) -> bool:
     sliding window brings a mask of its own on long rows), where nothing else reads the mask: no router loss (it
     leaves padding out by the mask), no mixture of depths (it ranks a row's real tokens), one rank per row."""
     from shardtune.model.attention import layer_windows
-    from shardtune.model.load import load_model_config
     from shardtune.model.moe import router_aux_loss_coef
-    from shardtune.train.settings import resolved_packing
 
-    if (not c.torch_compile or resolved_packing(c) or c.stage not in ("sft", "pt") or c.mixture_of_depths
-            or c.sequence_parallel_size > 1):
-        return False
-    config = load_model_config(c.model_name_or_path or "", trust_remote_code=c.trust_remote_code)
-    if router_aux_loss_coef(config, c.moe_aux_loss_coef) is not None:
+    wanted = c.torch_compile and c.sequence_parallel_size == 1
+    config = _unpacked_rows_model_config(c) if wanted else None
+    if config is None or router_aux_loss_coef(config, c.moe_aux_loss_coef) is not None:
         return False
     return all(window is None for window in layer_windows(config).values())
+
+
+def _unpacked_rows_model_config(c: TrainConfig) -> Any | None:
+    """The model's config where the run's rows are unpacked sft/pt samples, one per row as the data made them
+    (mixture of depths ranks a row's tokens, so it keeps that too); None otherwise."""
+    from shardtune.model.load import load_model_config
+    from shardtune.train.settings import resolved_packing
+
+    if resolved_packing(c) or c.stage not in ("sft", "pt") or c.mixture_of_depths:
+        return None
+    return load_model_config(c.model_name_or_path or "", trust_remote_code=c.trust_remote_code)
 
 
 def model_layer_windows(c: TrainConfig) -> dict[str, int | None] | None:
