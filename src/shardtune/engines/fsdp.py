@@ -113,6 +113,8 @@ class FSDPEngine(DistributedMixin, TorchEngine):
             if self.settings.sync_module_states:
                 broadcast_from_rank0(model)
         if self.settings.version == 2:
+            if hasattr(model, "peft_config") and self.param_cast_dtype is not None:
+                store_frozen_in_gather_dtype(model, self.param_cast_dtype)
             self.model = shard_fsdp2(model, self.settings, self.mesh, self.device, self.param_cast_dtype)
             if self.loading is not None:
                 fill_fully_sharded(self.model, self.loading, self.storage_device)
@@ -150,6 +152,8 @@ class FSDPEngine(DistributedMixin, TorchEngine):
         model.requires_grad_(False)
         settings = frozen_fsdp_settings(self.settings)
         if settings.version == 2:
+            if self.param_cast_dtype is not None:
+                store_frozen_in_gather_dtype(model, self.param_cast_dtype)
             sharded = shard_fsdp2(model, settings, self.mesh, self.device, self.param_cast_dtype)
             fill_fully_sharded(sharded, load, self.storage_device)
         else:
@@ -374,6 +378,20 @@ def shard_fsdp2(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, devic
         for current, following in zip(sharded, sharded[1:], strict=False):
             current.set_modules_to_forward_prefetch([following])
     return model
+
+
+def store_frozen_in_gather_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Frozen floating-point parameters become ``dtype`` (bf16 under mixed precision) before FSDP2 shards them.
+
+    FSDP2 casts every parameter of a unit to ``dtype`` before gathering it, so a frozen fp32 shard only ever
+    served as the source of that cast: storing it cast gives the same gathered weights, with half the memory per
+    rank and no cast before each gather. Trained parameters keep their fp32 shards (the master weights the
+    optimizer updates). Only for runs that never save the frozen weights as a model (adapters; a reference model):
+    a full or freeze run saves them, and the file's values rounded to bf16 would be saved in their place.
+    """
+    for param in model.parameters():
+        if not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def settle_fsdp2_trainable(model: torch.nn.Module) -> None:

@@ -70,6 +70,21 @@ def fsdp_trainable_units(c: Context) -> tuple[float, float]:
     root = FP32 * (s.embedding_params + s.head_params + s.hidden_size)
     return root, FP32 * s.layer_params
 
+def fsdp_stored_weight_bytes(c: Context) -> float:
+    """All weights as FSDP2 stores them: fp32, except that under mixed precision an adapter run's frozen weights are
+    stored in the compute dtype, in which FSDP gathers them anyway (engines/fsdp.py, store_frozen_in_gather_dtype)."""
+    w = c.workload
+    weights = weight_bytes(c.shape, w, FP32)
+    if not (w.is_adapter and w.mixed_precision and w.quantization_bit is None):
+        return weights
+    frozen = weights - FP32 * c.trainable
+    return weights - frozen * (1 - w.compute_bytes / FP32)
+
+def fsdp_reference_share(c: Context, kept: float, group: int) -> float:
+    """A full run's frozen reference: its shard of every weight, in the compute dtype under mixed precision (all its
+    weights are frozen, and stored as FSDP gathers them)."""
+    return reference_share(c, kept * weight_bytes(c.shape, c.workload, c.workload.compute_bytes) / group)
+
 def fsdp_states(c: Context, group: int, reshard: bool, offload: bool) -> tuple[Components, float, Setup]:
     """FSDP2 over ``group`` ranks. The root unit stays gathered from forward to the end of backward; two layer
     units are gathered at a time (current + prefetched), or all of them after forward without resharding.
@@ -82,6 +97,7 @@ def fsdp_states(c: Context, group: int, reshard: bool, offload: bool) -> tuple[C
     """
     w, t = c.workload, c.trainable
     weights = weight_bytes(c.shape, w, FP32)
+    stored = fsdp_stored_weight_bytes(c)
     root, layer = fsdp_units(c)
     gathered = root + (2 * layer if reshard else weights - root)
     kept = 0.0 if offload else 1.0  # offload keeps the shards in host memory
@@ -90,18 +106,18 @@ def fsdp_states(c: Context, group: int, reshard: bool, offload: bool) -> tuple[C
         grads, unreduced = FP32 * t, 0.0
     else:
         grads, unreduced = kept * FP32 * t / group, sum(fsdp_trainable_units(c))
-    reference = reference_share(c, kept * weights / group)
+    reference = fsdp_reference_share(c, kept, group)
     device = Components(
-        parameters=kept * weights / group,
+        parameters=kept * stored / group,
         gradients=grads,
         optimizer_states=kept * w.optimizer_state_bytes * t / group,
         buffers=gathered + unreduced + autocast_weight_copy_bytes(c.shape, w),
         activations=activation_bytes(c.shape, w, FP32),
         reference=reference,
     )
-    offloaded = (weights + (FP32 + w.optimizer_state_bytes) * t) / group if offload else 0.0
-    offloaded_reference = reference_share(c, weights / group) if offload else 0.0
-    setup = sharded_load_setup(c, weights / group, FP32, offload)
+    offloaded = (stored + (FP32 + w.optimizer_state_bytes) * t) / group if offload else 0.0
+    offloaded_reference = fsdp_reference_share(c, 1.0, group) if offload else 0.0
+    setup = sharded_load_setup(c, stored / group, FP32, offload)
     return device, offloaded + offloaded_reference, with_reference_setup(setup, reference, offloaded_reference)
 
 # --- the options, fastest first ---
