@@ -2,8 +2,9 @@
 
 A sharding engine must never hold the whole model on a rank, not even while loading. Each rank's peak resident
 memory (train_results.json) is compared with the same run on the tiny model, which measures the runtime's own
-overhead (interpreter, libraries, allocator): under ZeRO-3 and FSDP2 FULL_SHARD a LoRA run (frozen base, so
-optimizer state is negligible) stays below 0.65 x the model's bytes above that overhead, while DDP holds the
+overhead (interpreter, libraries, allocator): under ZeRO-3 and FSDP2 FULL_SHARD a LoRA run with the shipped LoRA
+examples' settings (all linear layers, bf16, cutoff 128, micro-batch 1, gradient checkpointing as LLaMA-Factory
+runs them, the final adapter save) stays below 0.65 x the model's bytes above that overhead, while DDP holds the
 full copy. Full fine-tuning keeps each rank's setup peak near its share of the model (no transient full copy).
 Each engine gets a model shaped so a layer is a small part of it, as in real LLMs (a Llama-3-8B layer is 2.7% of
 the model): FSDP2 gathers a whole decoder layer at a time (with its all-gather buffers, about 4 layers' worth on
@@ -34,6 +35,13 @@ RUN = ("examples/tiny/pt_full.yaml", "max_steps=2", "logging_steps=1", "save_str
 Z3_BOUNDED = {"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e6, "stage3_max_reuse_distance": 0,
                                     "stage3_prefetch_bucket_size": 0,
                                     "stage3_gather_16bit_weights_on_model_save": True}}
+# examples/tiny/sft_lora.yaml (LoRA rank 16 on all linear layers) with examples/train_lora/llama3_lora_sft.yaml's
+# bf16 and micro-batch 1, at cutoff 128, with activation checkpointing (LLaMA-Factory's default); the final save runs.
+# A small constant learning rate keeps the engines' bf16 rounding from growing into different losses (memory does not
+# depend on it).
+LORA_RUN = ("examples/tiny/sft_lora.yaml", "max_steps=3", "logging_steps=1", "save_strategy=no", "plot_loss=false",
+            "max_samples=64", "cutoff_len=128", "per_device_train_batch_size=1", "bf16=true",
+            "gradient_checkpointing=true", "learning_rate=1e-4", "lr_scheduler_type=constant", "warmup_ratio=0")
 MIB = 2**20
 
 
@@ -58,7 +66,8 @@ def z3_file(tmp_path_factory) -> str:
 
 
 def run(model: Path, out: Path, finetuning: str, *engine: str) -> dict:
-    result = run_cli("train", *RUN, f"model_name_or_path={model}", f"output_dir={out}",
+    base = LORA_RUN if finetuning == "lora" else RUN
+    result = run_cli("train", *base, f"model_name_or_path={model}", f"output_dir={out}",
                      f"finetuning_type={finetuning}", *engine, FORCE_TORCHRUN="1", NPROC_PER_NODE="2")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return json.loads((out / "train_results.json").read_text())
@@ -85,11 +94,14 @@ def test_lora_rank_never_holds_the_model(engine, big_models, z3_file, tiny_model
     for rank, extra in enumerate(gained):
         assert extra < 0.65 * weights, (f"rank {rank}: {extra / MIB:.0f} MiB above the tiny run; "
                                         f"model {weights / MIB:.0f} MiB")
+    assert (tmp_path / "big" / "adapter_model.safetensors").is_file()  # the peak includes the final save
     # The replicated engine does hold the whole model: the measurement can tell the two apart.
     ddp = run(model, tmp_path / "ddp", "lora")
     assert min(ddp["peak_process_memory_bytes_per_rank"]) - max(overhead) > weights
-    # Loaded shard by shard, trained the same: the losses of the whole-model loading path (DDP).
-    assert losses(tmp_path / "big") == pytest.approx(losses(tmp_path / "ddp"), rel=2e-3)
+    # Loaded shard by shard, trained the same: the losses of the whole-model loading path (DDP). Each engine rounds
+    # to bf16 its own way (DDP autocasts and keeps norms in fp32, FSDP2 gathers bf16 weights, DeepSpeed casts the
+    # module): seen 0.2% (FSDP2) and 0.6% (ZeRO-3) on this random model at the 2048-entry vocabulary's 10-12 nats.
+    assert losses(tmp_path / "big") == pytest.approx(losses(tmp_path / "ddp"), rel=1e-2)
 
 
 def test_rank0_alone_reads_weights_with_cpu_ram_efficient_loading(big_models, tmp_path):
