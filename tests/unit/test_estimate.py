@@ -86,6 +86,24 @@ def test_ddp_keeps_fp32_weights_gradients_in_its_buckets_and_adam():
     assert single.device.buffers == 0  # one process: no DDP buckets
 
 
+def test_ddp_lora_under_bf16_holds_its_adapted_bases_in_bf16_without_autocast_copies():
+    """model/adapters.py::store_frozen_bases_in: 2 bytes per base weight instead of 4, and no bf16 copy for the
+    backward; DoRA and fp32 keep fp32 bases."""
+    hardware = Hardware(1, 1, 80 * GiB, 2048 * GiB)
+    bases = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)  # q, o, k, v and the MLP of 32 layers
+
+    def ddp(**keys):
+        return build_options(LLAMA3_8B, Workload(1, 512, finetuning_type="lora", **keys), hardware)[0].device
+
+    plain, dora = ddp(precision="bf16"), ddp(precision="bf16", use_dora=True)
+    assert dora.parameters - plain.parameters == 2 * bases
+    assert dora.buffers - plain.buffers == 2 * bases  # the cast copies the backward kept
+    assert ddp(precision="fp32").parameters == dora.parameters
+    checkpointed = ddp(precision="bf16", gradient_checkpointing=True)
+    assert checkpointed.parameters == plain.parameters
+    assert ddp(precision="bf16", use_dora=True, gradient_checkpointing=True).buffers == checkpointed.buffers
+
+
 # --- parameter counts ---
 
 def test_llama3_8b_parameter_count():

@@ -46,6 +46,16 @@ def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...] | list[st
     return total
 
 
+def lora_base_params(shape: ModelShape, targets: tuple[str, ...] | list[str]) -> int:
+    """Weights of the decoder's Linear layers LoRA adapts (the frozen bases under its adapters)."""
+    modules = lora_target_modules(targets, shape)
+    total = 0
+    for i in range(shape.num_layers):
+        shapes = shape.layer_linear_shapes(i)
+        total += sum(shapes[m][0] * shapes[m][1] for m in modules if m in shapes)
+    return total
+
+
 def lora_target_modules(targets: tuple[str, ...] | list[str], shape: ModelShape | None = None) -> tuple[str, ...]:
     """'all' means every linear layer of the decoder (never the output head), as peft's 'all-linear'."""
     known = shape.linear_module_names if shape is not None else LINEAR_MODULES

@@ -58,6 +58,7 @@ def workload_from_config(c: TrainConfig) -> Workload:
         finetuning_type=finetuning,
         gradient_checkpointing=c.gradient_checkpointing,
         lora_rank=c.lora_rank,
+        use_dora=c.use_dora,
         lora_targets=tuple(adapter_targets(c)[1]),
         oft=OftSettings(c.oft_rank, c.oft_block_size, c.module_dropout),
         freeze_trainable_layers=c.freeze_trainable_layers,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from shardtune.estimate.activations import activation_bytes, autocast_weight_copy_bytes
+from shardtune.estimate.adapter_shape import lora_base_params
 from shardtune.estimate.hardware import Hardware
 from shardtune.estimate.parts import (
     ALLOCATOR_RESERVE,
@@ -28,7 +29,7 @@ from shardtune.estimate.parts import (
     with_reference_setup,
 )
 from shardtune.estimate.shape import ModelShape
-from shardtune.estimate.workload import Workload, weight_bytes
+from shardtune.estimate.workload import Workload, language_trained, weight_bytes
 from shardtune.estimate.zero import zero_preset_states
 
 # --- torch engines: DDP and FSDP ---
@@ -40,16 +41,27 @@ def ddp_states(c: Context) -> tuple[Components, float, Setup]:
     weights = weight_bytes(c.shape, w, FP32)
     buckets = FP32 * t if c.ranks > 1 else 0  # allocated when DDP wraps the model; the gradients live in them
     reference = reference_share(c, weights)
+    bases = lora_bases_in_compute_dtype(c)
+    # A base stored in bf16 is the tensor the backward keeps: no autocast copy of it (checkpointing keeps none).
+    uncopied = 0 if w.gradient_checkpointing else w.compute_bytes * bases
     device = Components(
-        parameters=weights,
+        parameters=weights - (FP32 - w.compute_bytes) * bases,
         gradients=FP32 * t,
         optimizer_states=w.optimizer_state_bytes * t,
-        buffers=autocast_weight_copy_bytes(c.shape, w),
+        buffers=autocast_weight_copy_bytes(c.shape, w) - uncopied,
         activations=activation_bytes(c.shape, w, FP32),
         reference=reference,
     )
     # The reducer allocates its buckets when DDP wraps the model (on the CPU they stay unwritten until a backward).
     return device, 0.0, with_reference_setup(full_load_setup(c, weights + buckets), reference, reference)
+
+def lora_bases_in_compute_dtype(c: Context) -> int:
+    """Parameters one process and DDP keep in the autocast dtype: the frozen bases of plain LoRA layers
+    (model/adapters.py, store_frozen_bases_in); DoRA and quantized bases keep theirs."""
+    w = c.workload
+    if w.finetuning_type != "lora" or not w.mixed_precision or w.use_dora or w.quantization_bit is not None:
+        return 0
+    return lora_base_params(c.shape, w.lora_targets) if language_trained(c.shape, w) else 0
 
 def fsdp_units(c: Context) -> tuple[float, float]:
     """fp32 bytes of the root unit (embeddings, final norm, lm_head; a vision tower's patch embedding and mergers:

@@ -49,6 +49,7 @@ class Workload:
     finetuning_type: str = "full"
     gradient_checkpointing: bool = False
     lora_rank: int = 8
+    use_dora: bool = False
     lora_targets: tuple[str, ...] = ("all",)  # the adapter's targets (oft_target under OFT)
     oft: OftSettings = OftSettings()
     freeze_trainable_layers: int = 2

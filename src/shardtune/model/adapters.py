@@ -451,3 +451,30 @@ def leave_adapter_inputs_to_autocast(model: Any) -> int:
             module.cast_input_dtype_enabled = False
             switched += 1
     return switched
+
+
+def store_frozen_bases_in(model: Any, dtype: Any) -> int:
+    """Under autocast to ``dtype``, keep each plain LoRA layer's frozen base weight (and bias) in ``dtype``; returns
+    the layers changed.
+
+    Autocast keeps the casts of trainable weights only, so it casts every frozen fp32 base weight to bf16 again at each
+    call (forward, and a checkpointed layer's recompute), and without checkpointing the backward keeps that bf16
+    copy beside the fp32 weight. The matmul sees the same bf16 values either way: the loss and gradients are bit for
+    bit the same (tests/unit/test_adapter_casts.py). Only the base layers of plain LoRA layers, which peft calls as a
+    whole inside autocast, and only torch's own Linear: DoRA and the other variants read the base weight themselves,
+    quantized layers keep their own storage, and every layer without an adapter (embeddings, norms, the output
+    layer, a router a model may run in fp32 itself) keeps fp32. Call it after any forward that runs outside autocast
+    (DDP's probe for unused parameters).
+    """
+    import torch
+
+    changed = 0
+    for module in model.modules():
+        base = getattr(module, "base_layer", None)
+        if not hasattr(module, "lora_A") or getattr(module, "lora_variant", None) or type(base) is not torch.nn.Linear:
+            continue
+        params = [p for p in base.parameters() if not p.requires_grad and p.dtype == torch.float32]
+        for param in params:
+            param.data = param.data.to(dtype)
+        changed += bool(params)
+    return changed

@@ -19,7 +19,7 @@ from shardtune.config.load import config_to_dict
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.base import Engine
 from shardtune.errors import ConfigError
-from shardtune.model.adapters import leave_adapter_inputs_to_autocast
+from shardtune.model.adapters import leave_adapter_inputs_to_autocast, store_frozen_bases_in
 from shardtune.model.compile import CompileReport
 from shardtune.optim.build import build_optimizer, build_scheduler, parameter_names, warmup_steps_for
 from shardtune.optim.settings import optimizer_settings
@@ -110,8 +110,11 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
                                     warmup_steps_for(loop.total_steps, config.warmup_steps, config.warmup_ratio)),
     )
     engine.verify()
-    if isinstance(engine.autocast(), torch.autocast):
+    autocast = engine.autocast()
+    if isinstance(autocast, torch.autocast):
         leave_adapter_inputs_to_autocast(engine.unwrapped_model())
+        if not engine.shards_weights:  # a sharding engine's parameters are its own (FSDP QLoRA autocasts)
+            store_frozen_bases_in(engine.unwrapped_model(), autocast.fast_dtype)
     choose_experts_implementation(engine)
     if engine.sequence is not None:  # after the engine's setup forwards (DDP's probe), which take whole rows
         mode = engine.sequence.attach(engine.unwrapped_model())
