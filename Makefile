@@ -42,7 +42,7 @@ test-matrix: setup
 	$(BYTECODE)
 	$(PY) -m pytest -q -m matrix
 
-# Memory checks on a ~200M-parameter model (about 10 minutes on 2 cores); must pass before a release.
+# Memory checks on a ~200M-parameter model (about 4 minutes on 2 cores); must pass before a release.
 test-big: setup
 	$(BYTECODE)
 	$(PY) -m pytest -q -m bigmodel
