@@ -3,16 +3,30 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
 
 STEPS = 4
 COMMON = ("examples/tiny/sft_full.yaml", f"max_steps={STEPS}", "logging_steps=1", "save_strategy=no",
           "do_eval=false", "eval_strategy=no", "val_size=0", "plot_loss=false", "max_samples=80",
           "gradient_accumulation_steps=2", "learning_rate=1e-3", "lr_scheduler_type=constant", "warmup_ratio=0")
+
+
+def run_under_torchrun(script: Path, nproc: int, *args: str, timeout: float) -> None:
+    """Launch a test file that is also its own worker (its ``__main__`` part) on ``nproc`` gloo processes; fail with
+    the output's tail if any rank fails."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script),
+            *args]
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
 
 
 # The sharding engines by short name, as `shardtune train` keys (DDP: FORCE_TORCHRUN alone).

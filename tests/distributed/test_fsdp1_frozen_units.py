@@ -11,25 +11,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.distributed.helpers import run_under_torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 
 def test_fsdp1_frozen_units_keep_their_weights_in_state_dicts(tiny_model_dir, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-            str(Path(__file__)), "--model", str(tiny_model_dir), "--out", str(tmp_path / "result.json")]
-    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    run_under_torchrun(Path(__file__), 1, "--model", str(tiny_model_dir), "--out", str(tmp_path / "result.json"),
+                       timeout=240)
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["missing_from_full"] == []
     assert result["adapter_keys"] and all(".lora_" in key for key in result["adapter_keys"])

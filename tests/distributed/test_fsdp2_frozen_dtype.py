@@ -11,27 +11,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.distributed.helpers import run_under_torchrun
+
 STEPS = 3
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 
 def _launch(model_dir: Path, out: Path, mode: str) -> dict:
     out.mkdir(parents=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-            str(Path(__file__)), "--model", str(model_dir), "--out", str(out), "--mode", mode]
-    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=500)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    run_under_torchrun(Path(__file__), 2, "--model", str(model_dir), "--out", str(out), "--mode", mode, timeout=500)
     return json.loads((out / "result.json").read_text())
 
 

@@ -10,26 +10,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.distributed.helpers import run_under_torchrun
+
 SHAPES = ((6, 9), (9, 7), (7, 3))  # (in, out) per Linear: weights of 9, 7 and 3 rows
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 
 def test_sharded_muon_matches_torch_muon_on_whole_weights(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-            str(Path(__file__)), "--out", str(tmp_path)]
-    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    run_under_torchrun(Path(__file__), 2, "--out", str(tmp_path), timeout=240)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["local_rows"] == ([5, 4, 2] if rank == 0 else [4, 3, 1])  # torch.chunk's split

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,8 +26,7 @@ from shardtune.engines.fsdp_qlora import (
     unify_dtypes,
 )
 from shardtune.errors import ModelError
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.distributed.helpers import run_under_torchrun
 
 
 class Params4bit(torch.nn.Parameter):
@@ -270,12 +266,8 @@ def test_4bit_lora_sharded_matches_one_unsharded_process(mode, tiny_model_dir, t
 
 def _run_worker(model_dir: Path, out: Path, mode: str, nproc: int) -> dict:
     out.mkdir(parents=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            str(Path(__file__)), "--model", str(model_dir), "--out", str(out), "--mode", mode]
-    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=500)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    run_under_torchrun(Path(__file__), nproc, "--model", str(model_dir), "--out", str(out), "--mode", mode,
+                       timeout=500)
     return json.loads((out / "result.json").read_text())
 
 
