@@ -6,9 +6,10 @@
 What `make test-big` asserts (tests/distributed/test_big_model_memory.py), measured the same way: each rank's peak
 resident memory (train_results.json, VmHWM) of a 2-process CPU run on a ~206M-parameter model (fp32 weights
 ~786 MiB) minus the same run on the tiny model (the runtime's own overhead), in multiples of the model's bytes.
-The run is ``examples/tiny/sft_lora.yaml`` (LoRA on all linear layers) at cutoff 128, micro-batch 1, 3 steps, with
-the final adapter save; the model shapes are the test's (FSDP2: 46 thin layers; ZeRO-3: 18 wider ones) and
-ZeRO-3 is bounded as there. Results go to benchmarks/results/lora-peak-cpu.{json,md}.
+The run is the test's (``LORA_RUN``: ``examples/tiny/sft_lora.yaml``, LoRA on all linear layers, at cutoff 128,
+micro-batch 1, 3 steps, with the final adapter save), with bf16 and gradient checkpointing each on and off; the model
+shapes are the test's (FSDP2: 46 thin layers; ZeRO-3: 18 wider ones) and ZeRO-3 is bounded as there. Results go to
+benchmarks/results/lora-peak-cpu.{json,md}.
 """
 
 from __future__ import annotations
@@ -28,10 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 sys.path.insert(0, str(REPO))
 
-from tests.distributed.test_big_model_memory import SHAPES, Z3_BOUNDED  # noqa: E402
+from tests.conftest import overrides_merged  # noqa: E402
+from tests.distributed.test_big_model_memory import LORA_RUN, SHAPES, Z3_BOUNDED  # noqa: E402
 
-SHIPPED = ("examples/tiny/sft_lora.yaml", "cutoff_len=128", "per_device_train_batch_size=1", "max_steps=3",
-           "logging_steps=1", "save_strategy=no", "plot_loss=false", "max_samples=64")
 ENGINES = {"fsdp2": ("fsdp=full_shard auto_wrap",), "zero3": ("deepspeed={z3}",)}
 MIB = 2**20
 
@@ -52,8 +52,9 @@ def build(work: Path, name: str, *shape: str) -> Path:
 
 
 def train(model: Path, out: Path, checkpointing: bool, bf16: bool, engine: tuple[str, ...]) -> dict:
-    done = shardtune("train", *SHIPPED, f"model_name_or_path={model}", f"output_dir={out}",
-                     f"gradient_checkpointing={str(checkpointing).lower()}", f"bf16={str(bf16).lower()}", *engine)
+    done = shardtune("train", *overrides_merged([*LORA_RUN, f"model_name_or_path={model}", f"output_dir={out}",
+                                                 f"gradient_checkpointing={str(checkpointing).lower()}",
+                                                 f"bf16={str(bf16).lower()}", *engine]))
     if done.returncode:
         raise SystemExit(done.stdout[-2000:] + done.stderr[-4000:])
     return json.loads((out / "train_results.json").read_text())
