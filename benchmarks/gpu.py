@@ -223,7 +223,7 @@ def run_one(engine: str, finetuning: str, config: Path, work: Path, s: Settings,
         "measured_steps": results["throughput"]["measured_steps"], "final_loss": results["final_loss"],
         "peak_memory_gib_per_rank": [round(b / 2**30, 2) for b in results["peak_memory_bytes_per_rank"]],
         "wall_seconds": round(time.time() - started, 1), "profile": results.get("profile"),
-        "torch_compile": results.get("torch_compile"),
+        "torch_compile": results.get("torch_compile"), "attention": results.get("attn_implementation"),
     })
     if "peak_setup_memory_bytes_per_rank" in results:
         row["peak_setup_memory_gib_per_rank"] = [round(b / 2**30, 2)
@@ -299,7 +299,8 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
             continue
         mfu = [f"{100 * r[k]:.1f}%" if r.get(k) is not None else "-" for k in ("mfu_spec", "mfu_measured")]
         memory = ", ".join(f"{m:.2f}" for m in r["peak_memory_gib_per_rank"])
-        out.append(f"| {r.get('data', 'pt')} | {r['finetuning']} | {r['label']} | {r['processes']} | "
+        kernel = f" ({r['attention']})" if r.get("attention") else ""  # sft's packed rows: varlen on a GPU
+        out.append(f"| {r.get('data', 'pt')}{kernel} | {r['finetuning']} | {r['label']} | {r['processes']} | "
                    f"{r['tokens_per_second']:,.0f} | "
                    f"{1000 * r['step_time_median_seconds']:.0f} ms | {mfu[0]} | {mfu[1]} | {memory} GiB |")
     out += profile_table(rows)

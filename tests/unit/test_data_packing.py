@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from shardtune.data import DataCollator, DataSettings, build_datasets
 from shardtune.data.packing import pack_row, plan_rows
+from shardtune.model.varlen import register_varlen
 from tests.unit.conftest_data import DATA_DIR, build_test_tokenizer
 
 CUTOFF = 160
@@ -135,6 +136,7 @@ def test_collator_gives_flash_attention_varlen_offsets_over_the_flattened_batch(
 
 
 def tiny_llama(vocab_size: int, attn_implementation: str) -> LlamaForCausalLM:
+    register_varlen()
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CUTOFF)
@@ -161,7 +163,7 @@ def assert_each_sample_matches(logits: torch.Tensor, rows: list[dict[str, list[i
 
 
 @pytest.mark.parametrize(("model_attention", "collator_attention"), [
-    ("sdpa", "sdpa"), ("eager", "eager"), ("sdpa", None), ("eager", None),
+    ("sdpa", "sdpa"), ("eager", "eager"), ("sdpa", None), ("eager", None), ("varlen", "varlen"),
 ])
 def test_packed_logits_equal_logits_of_each_sample_alone(tokenizer: Any, unpacked_and_packed: tuple[Any, Any],
                                                          model_attention: str, collator_attention: str | None) -> None:
@@ -207,10 +209,11 @@ def test_flash_varlen_kwargs_give_each_sample_its_own_attention(tokenizer: Any,
 
 
 @pytest.mark.parametrize("finetuning", ["full", "lora"])
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "varlen"])
 def test_padding_free_rows_give_the_padded_loss_and_gradients(finetuning, attn) -> None:
     """padding_free puts a micro-batch's samples into fewer packed rows: every parameter's gradient and the loss
-    are those of the padded batch (up to float summation order)."""
+    are those of the padded batch (up to float summation order). Under varlen the padded rows carry no mask (right
+    padding, causal) and the padding-free rows carry offsets."""
     import copy
 
     from shardtune.train.loop import token_loss_sum
@@ -226,6 +229,7 @@ def test_padding_free_rows_give_the_padded_loss_and_gradients(finetuning, attn) 
     assert free["input_ids"].shape == (3, 30) and padded["input_ids"].shape == (5, 30)
     assert int(free["num_tokens"]) == int(padded["num_tokens"]) == 64
     model = finetuned(tiny_llama(), finetuning)
+    register_varlen()
     model.config._attn_implementation = attn
     found = []
     for batch in (padded, free):

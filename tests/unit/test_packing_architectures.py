@@ -18,6 +18,7 @@ from shardtune.data.packing import pack_row
 from shardtune.model.architectures import SLIDING_WINDOW
 from shardtune.model.attention import AUTO, choose_attention, kernel_support, layer_windows
 from shardtune.model.folder import read_config_json
+from shardtune.model.varlen import VARLEN, register_varlen
 
 ROWS = ((23, 18, 7), (30, 9))  # sample lengths per packed row; the second row is padded to the first's length
 # The kernel `auto` picks on a machine without flash-attn (this CPU stack), per family.
@@ -42,6 +43,8 @@ def samples_of(row: dict[str, list[int]]) -> list[tuple[int, int]]:
 
 
 def load(model_dir: Path, kernel: str) -> Any:
+    if kernel == VARLEN:
+        register_varlen()
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=kernel, dtype=torch.float32)
     return model.eval()
 
@@ -50,7 +53,8 @@ def largest_difference(model: Any, collator: DataCollator) -> float:
     """The largest |packed - alone| logit difference over every sample of every row."""
     rows = packed_rows(model.config.vocab_size)
     batch = collator(rows)
-    inputs = {k: batch[k] for k in ("input_ids", "position_ids", "attention_mask")}
+    # The mask, or under varlen the offsets (cu_seq_lens_q/k, max_length_q/k) in its place.
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "num_tokens")}
     worst = 0.0
     with torch.no_grad():
         packed = model(**inputs, use_cache=False).logits
@@ -68,7 +72,8 @@ def test_auto_picks_a_kernel_the_family_supports(arch: str, arch_model_dir) -> N
 
 
 @pytest.mark.parametrize(("arch", "kernel"), [*AUTO_ON_CPU.items(), ("mistral", "eager"), ("gemma3", "eager"),
-                                               ("deepseek_v3", "eager")])
+                                               ("deepseek_v3", "eager"), ("mistral", VARLEN), ("gemma3", VARLEN),
+                                               ("deepseek_v3", VARLEN)])
 def test_each_packed_sample_equals_running_it_alone(arch: str, kernel: str, arch_model_dir) -> None:
     model = load(arch_model_dir(arch), kernel)
     assert max(max(lengths) for lengths in ROWS) > SLIDING_WINDOW  # samples longer than the window

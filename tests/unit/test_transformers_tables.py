@@ -15,6 +15,7 @@ import pytest
 
 from shardtune.model.architectures import FAMILIES
 from shardtune.model.attention import KernelSupport, kernel_support, takes_prepared_mask
+from shardtune.model.composite import image_text_class_name
 from shardtune.model.transformers_tables import causal_lm_class_name, known_model_types, table
 from tests.conftest import REPO
 
@@ -35,7 +36,10 @@ def imported_support(model_type: str) -> KernelSupport | None:
     return KernelSupport(cls.__name__, flash=bool(getattr(cls, "_supports_flash_attn", False)),
                          sdpa=bool(getattr(cls, "_supports_sdpa", False)), sinks="s_aux=" in source,
                          mask_per_layer_type="isinstance(causal_mask_mapping := attention_mask, dict)" in source,
-                         prepared_mask=takes_prepared_mask(source, {"model_type": model_type}))
+                         prepared_mask=takes_prepared_mask(source, {"model_type": model_type}),
+                         softcap="softcap=" in source,
+                         attention_interface=bool(getattr(cls, "_supports_attention_backend", False)),
+                         image_text=image_text_class_name({"model_type": model_type}) is not None)
 
 
 def test_the_auto_tables_read_from_source_equal_the_imported_ones():

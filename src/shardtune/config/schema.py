@@ -81,8 +81,10 @@ class TrainConfig:
     trust_remote_code: bool = _key(False, "allow code from the model directory to run (off by default)", MODEL)
     attn_implementation: str = _key(
         "auto", "attention kernel passed to transformers; auto: flash_attention_2 where flash-attn and a CUDA GPU are "
-                "present and the model supports it, else sdpa if it supports that, else eager", MODEL,
-        choices=("auto", "sdpa", "eager", "flash_attention_2"))
+                "present and the model supports it, else varlen for rows packed with sample boundaries on a CUDA GPU "
+                "in bf16/fp16, else sdpa if the model supports that, else eager. varlen: packed rows by sequence "
+                "offsets, no dense mask (torch's varlen flash kernel on a GPU, SDPA per sample on the CPU)", MODEL,
+        choices=("auto", "sdpa", "eager", "flash_attention_2", "varlen"))
     build_tiny_model_if_missing: bool = _key(
         False, "build a random tiny LLaMA + local tokenizer at model_name_or_path if it does not exist", MODEL)
     adapter_name_or_path: list[str] = _key(
@@ -212,7 +214,8 @@ class TrainConfig:
     padding_free: bool | None = _key(
         None, "unpacked rows: put each micro-batch's samples into as few rows as hold them (kept apart as packed rows "
               "are; same samples, same loss) instead of padding each to the longest, where packing keeps samples "
-              "apart (sft, pt; not with the MoE router loss); null: on the CPU and with flash attention (varlen), "
+              "apart (sft, pt; not with the MoE router loss); null: on the CPU and under flash_attention_2 or varlen "
+              "(sequence offsets), "
               "off on a GPU under sdpa/eager, whose causal kernel a dense block mask would replace", DATA)
     micro_batch_tokens: int | None = _key(
         None, "token budget of each training micro-batch, in place of per_device_train_batch_size samples: as many "

@@ -14,7 +14,9 @@ How packed rows stay independent (checked against transformers 5.23: ``masking_u
     boolean mask would silently add 0/1 and block nothing.
   - unknown (``attn_implementation=None``): the additive float32 mask, which SDPA also accepts
     for any query dtype, so a collator built without the setting is slower at worst, never wrong.
-* ``flash_attention_*`` takes no dense mask. transformers only infers packed boundaries from
+* ``flash_attention_*`` and shardtune's ``varlen`` (torch's varlen kernel: model/varlen.py) take no dense mask.
+  Under ``varlen`` every batch carries the offsets, unpacked rows too (a row, then its padding): a layer that
+  gets none can then tell that its model dropped them. transformers only infers packed boundaries from
   ``position_ids`` when the batch is a single row, so we pass the varlen kwargs explicitly:
   ``cu_seq_lens_q/k`` (int32 offsets over the flattened ``B * L`` tokens) and ``max_length_q/k``
   (Python ints, as transformers' ``DataCollatorWithFlattening`` does), and no ``attention_mask``.
@@ -46,7 +48,7 @@ from typing import Any
 
 import torch
 
-from shardtune.data.settings import IGNORE_INDEX
+from shardtune.data.settings import IGNORE_INDEX, VARLEN, takes_offsets
 
 
 class DataCollator:
@@ -94,13 +96,14 @@ class DataCollator:
         segments = torch.stack([padded_segments(f, length) for f in features])
         # Real (non-padding) tokens, for throughput: packed rows carry no 2-D mask to count them from.
         batch["num_tokens"] = (segments > 0).sum()
+        packed = any("segment_ids" in f for f in features)
         if self.sequence_parallel > 1:
             batch["segment_ids"] = segments
-        elif not any("segment_ids" in f for f in features):
+        elif self.attn_implementation == VARLEN or (packed and takes_offsets(self.attn_implementation)):
+            batch.update(flash_varlen_kwargs(segments))
+        elif not packed:
             if not (self.unmasked_padding or bool((segments > 0).all())):  # see the module docstring
                 batch["attention_mask"] = (segments > 0).long()
-        elif "flash" in (self.attn_implementation or ""):
-            batch.update(flash_varlen_kwargs(segments))
         else:
             batch["attention_mask"] = self.packed_masks(segments)
         return batch

@@ -67,6 +67,31 @@ def dataset_names(settings: DataSettings) -> list[str]:
     return [name.strip() for name in parts if name.strip()]
 
 
+# shardtune's kernel for packed rows over torch's varlen flash kernel (model/varlen.py).
+VARLEN = "varlen"
+
+
+def takes_offsets(kernel: str | None) -> bool:
+    """Attention kernels that take packed rows as sequence offsets (``cu_seq_lens``), with no dense mask."""
+    return kernel is not None and (kernel.startswith("flash") or kernel == VARLEN)
+
+
+def packs_sample_boundaries(c: TrainConfig) -> bool:
+    """Whether rows hold several samples kept apart (packed sft rows, padding-free rows): the rows whose attention
+    takes a block mask or sequence offsets. Packed pt rows are one text cut into rows, with no boundaries."""
+    return (c.stage == "sft" and resolved_packing(c)) or c.padding_free is True
+
+
+def packs_half_rows(c: TrainConfig) -> bool:
+    """Rows with sample boundaries in bf16 or fp16: where ``auto`` takes the varlen kernel on a CUDA GPU."""
+    return packs_sample_boundaries(c) and half_precision(c)
+
+
+def half_precision(c: TrainConfig) -> bool:
+    """Attention runs in bf16 or fp16 (autocast, or bf16 weights)."""
+    return c.bf16 or c.fp16 or c.pure_bf16
+
+
 def resolved_packing(c: TrainConfig) -> bool:
     """Whether a run packs samples into rows (default: on for pt, off for sft); neat_packing turns packing on:
     shardtune's sft packing always keeps samples apart."""

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import torch
 
+from shardtune.model.varlen import generation_kernel
+
 if TYPE_CHECKING:
     from shardtune.engines.sequence_parallel import SequenceParallel
     from shardtune.engines.sharded_loading import ShardedLoad
@@ -183,7 +185,7 @@ class Engine(ABC):
         model.eval()
         synced = self.shards_weights and self.world_size > 1
         try:
-            with torch.no_grad(), self.autocast(), self.generation_context():
+            with torch.no_grad(), self.autocast(), self.generation_context(), generation_kernel(model):
                 return model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(
                     self.device), synced_gpus=synced, **kwargs)
         finally:

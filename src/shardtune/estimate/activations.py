@@ -8,6 +8,7 @@ weights: 4 when shardtune keeps fp32 weights and autocasts, 2 when DeepSpeed cas
 
 from __future__ import annotations
 
+from shardtune.data.settings import takes_offsets
 from shardtune.engines.sequence_parallel_plan import resolved_mode
 from shardtune.estimate.shape import ModelShape
 from shardtune.estimate.vision_shape import VisionShape
@@ -53,13 +54,14 @@ def attention_bytes(shape: ModelShape, w: Workload, seq_len: int) -> int:
     With a dense mask (padding, packing) transformers cannot use SDPA's native GQA and repeats k and v to all
     heads; SDPA keeps a floating copy of the mask per layer. Eager attention keeps the softmax probabilities
     (fp32, plus their cast under mixed precision) instead; with attention sinks (GPT-OSS) over one more column.
-    flash_attention_2 keeps neither. A sliding window changes none of these: eager and SDPA compute and mask the
+    flash_attention_2 and varlen (torch's varlen flash kernel; on the CPU SDPA's causal kernel per sample) keep
+    neither. A sliding window changes none of these: eager and SDPA compute and mask the
     full [S, S] scores (the window only shapes the mask), and flash-attention-2, which skips the blocks outside
     the window, stores nothing that grows with S anyway.
     """
     cb = w.compute_bytes
     kernel = attention_kernel(shape, w)
-    flash = kernel.startswith("flash")
+    flash = takes_offsets(kernel)
     mode = sequence_mode(shape, w)
     if shape.mla:
         size = cb * mla_projection_width(shape) + FP32 * shape.num_heads
@@ -235,7 +237,7 @@ def input_bytes(w: Workload, shape: ModelShape | None = None) -> int:
     masks = 2 if shape is not None and 0 < shape.sliding_layers < shape.num_layers else 1
     if w.splits_sequences:  # whole rows of ids, labels, positions and segment ids; no mask (segment spans instead)
         return w.micro_batch * w.rows_per_sample * w.seq_len * 4 * 8
-    mask = 0 if w.attn_implementation.startswith("flash") or not w.dense_mask else masks * w.seq_len
+    mask = 0 if takes_offsets(w.attn_implementation) or not w.dense_mask else masks * w.seq_len
     return w.tokens * (3 * 8 + mask)
 
 

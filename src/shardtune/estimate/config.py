@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from shardtune.config.adapter_method import adapter_targets
 from shardtune.config.preference import PREFERENCE_STAGES, holds_reference_copy
 from shardtune.config.schema import TrainConfig
+from shardtune.data.settings import takes_offsets
 from shardtune.engines.plan import EnginePlan, plan_engine, spec_for
 from shardtune.errors import ConfigError, ShardtuneError
 from shardtune.estimate.compare import RunMemoryEstimate, run_memory_estimate
@@ -81,12 +82,13 @@ def workload_from_config(c: TrainConfig) -> Workload:
 
 def micro_batch_rows(c: TrainConfig) -> tuple[int, int]:
     """Rows x tokens of the largest micro-batch. Under ``micro_batch_tokens`` (B): with padding-free rows (asked for,
-    or left to the default under flash attention) one row of B tokens; padded, rows of cutoff_len, as many as B
-    slots need (rounded up: at most one row more than a budget that is not a multiple of cutoff_len holds)."""
+    or left to the default under a kernel that takes offsets: flash, varlen) one row of B tokens; padded, rows of
+    cutoff_len, as many as B slots need (rounded up: at most one row more than a budget that is not a multiple of
+    cutoff_len holds)."""
     budget = c.micro_batch_tokens
     if not budget:
         return c.per_device_train_batch_size, c.cutoff_len
-    padding_free = c.padding_free if c.padding_free is not None else "flash" in c.attn_implementation
+    padding_free = c.padding_free if c.padding_free is not None else takes_offsets(c.attn_implementation)
     if padding_free:
         return 1, budget
     return -(-budget // c.cutoff_len), c.cutoff_len

@@ -20,13 +20,16 @@ def installed(package: str) -> bool:
 
 def local_kernel_problems(c: TrainConfig, visible_gpus: int) -> list[str]:
     """The refusals this host's ranks would raise for the kernels ``c`` names, one line each."""
-    from shardtune.model.attention import flash_problem
+    from shardtune.data.settings import half_precision
+    from shardtune.model.attention import flash_problem, varlen_device_problem
     from shardtune.model.fp8 import float8_device_problem
 
     has_cuda = visible_gpus > 0
     problems = []
     if c.attn_implementation == "flash_attention_2":
         problems.append(flash_problem(has_cuda, installed("flash_attn"), c.sequence_parallel_size))
+    problems.append(varlen_device_problem(c.attn_implementation, has_cuda=has_cuda,
+                                             half_precision=half_precision(c)))
     if c.fp8:  # the GPU's compute capability is only known on a rank (it imports torch)
         problems.append(float8_device_problem(has_cuda, None, installed("torchao")))
     if c.enable_liger_kernel:

@@ -45,8 +45,11 @@ def decoder_layer_count(c: TrainConfig) -> int | None:
 def attention_problems(c: TrainConfig) -> list[str]:
     """A kernel the model cannot run, or packed rows it cannot keep apart under that kernel (a model whose config
     is here, a local folder or the hub cache, with a chosen kernel; ``auto`` is resolved before this runs)."""
-    from shardtune.model.attention import AUTO, kernel_problem, kernel_support, packing_problem
+    from shardtune.model.attention import AUTO, kernel_problem, kernel_support, packing_problem, varlen_split_problem
 
+    split = varlen_split_problem(c.attn_implementation, c.sequence_parallel_size)
+    if split:
+        return [split]
     try:
         config = model_config_json(c.model_name_or_path)
     except ModelError:
@@ -74,8 +77,10 @@ def position_problems(c: TrainConfig) -> list[str]:
 
 
 def packed_aux_loss_problems(c: TrainConfig, config: dict) -> str | None:
-    """sft packs rows with a block mask (flash: none), which transformers' router aux loss cannot read."""
-    if c.stage != "sft" or "flash" in c.attn_implementation:
+    """sft packs rows with a block mask (flash, varlen: none), which transformers' router aux loss cannot read."""
+    from shardtune.data.settings import takes_offsets
+
+    if c.stage != "sft" or takes_offsets(c.attn_implementation):
         return None
     return packed_aux_loss_problem() if configured_router_aux_coef(config, c.moe_aux_loss_coef) else None
 

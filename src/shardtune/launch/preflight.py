@@ -169,6 +169,7 @@ def apply_attention_auto(config: TrainConfig, has_cuda: bool, announce_choice: b
     supports, decided here once from its config.json, before any weights load, and said with the reason.
     ``announce_choice``: also say a kernel the config chose (the launching host does; its ranks do not repeat it).
     """
+    from shardtune.data.settings import packs_half_rows
     from shardtune.model.attention import AUTO, auto_choice, known_model_config
 
     name = config.model_name_or_path
@@ -183,7 +184,8 @@ def apply_attention_auto(config: TrainConfig, has_cuda: bool, announce_choice: b
     if known is None:
         print(f"[shardtune] attention: auto, decided on each rank once it has loaded {name}'s config", flush=True)
         return config
-    choice = auto_choice(known, has_cuda=has_cuda, model=name, splits_sequences=config.sequence_parallel_size > 1)
+    choice = auto_choice(known, has_cuda=has_cuda, model=name, splits_sequences=config.sequence_parallel_size > 1,
+                         packed_half_rows=packs_half_rows(config))
     print(f"[shardtune] attention: {choice.kernel} ({choice.reason})", flush=True)
     return replace(config, attn_implementation=choice.kernel)
 

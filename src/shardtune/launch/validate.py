@@ -12,6 +12,7 @@ from shardtune.config.batching import micro_batch_tokens_problems
 from shardtune.config.generation import generation_key_problems, predicts_only
 from shardtune.config.preference import PREFERENCE_STAGES, split_paths, uses_reference
 from shardtune.config.schema import REPORT_TO, TrainConfig
+from shardtune.data.settings import VARLEN
 from shardtune.data.tokenized import is_saved
 from shardtune.errors import ConfigError, ModelError
 from shardtune.infer.metrics import score_package_problems
@@ -134,6 +135,9 @@ def schedule_problems(c: TrainConfig) -> list[str]:
     if c.mixture_of_depths and c.finetuning_type != "full":
         problems.append(f"mixture_of_depths ({c.mixture_of_depths}) trains its new routers in full, beside every "
                         f"weight; use finetuning_type: full (not {c.finetuning_type})")
+    if c.mixture_of_depths and c.attn_implementation == VARLEN:
+        problems.append(f"mixture_of_depths ({c.mixture_of_depths}) with attn_implementation varlen: the router hides "
+                        "the tokens it skips with the attention mask, which varlen does not take; use sdpa or eager")
     if c.mixture_of_depths and resolved_packing(c):
         problems.append(f"mixture_of_depths ({c.mixture_of_depths}) with packing (on for stage pt unless set): the "
                         "router ranks the tokens of a row, and a packed row holds several samples; set packing: false")

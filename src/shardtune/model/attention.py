@@ -3,8 +3,10 @@
 Decided on the launching host from the model's config.json (its ``model_type``, else ``architectures``), before
 any weights load: the model class says which kernels it supports (``_supports_flash_attn``, ``_supports_sdpa``;
 every class runs ``eager``). ``auto`` takes the fastest supported one: flash_attention_2 when the flash-attn
-package and a CUDA GPU are present, else sdpa, else eager. An explicit kernel the class does not support is
-refused with the key, the model and the fix, instead of failing inside every rank.
+package and a CUDA GPU are present; else, for rows packed with sample boundaries on a CUDA GPU in bf16/fp16,
+``varlen`` (torch's own varlen flash kernel: model/varlen.py) where the class passes the offsets on; else sdpa,
+else eager. An explicit kernel the class does not support is refused with the key, the model and the fix, instead
+of failing inside every rank.
 
 Packed rows (see data/collator.py) need one block-diagonal mask per kind of attention layer: sliding-window
 layers get the window on top of the sample boundaries. ``layer_windows`` reads those kinds from the config.
@@ -13,17 +15,20 @@ layers get the window on top of the sample boundaries. ``layer_windows`` reads t
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardtune.data.settings import VARLEN, takes_offsets
 from shardtune.errors import ModelError
+from shardtune.model.composite import image_text_class_name
 from shardtune.model.folder import model_config_json
 from shardtune.model.transformers_tables import causal_lm_class_name, class_attributes, find_class_file
 
 AUTO = "auto"
-KERNELS = ("flash_attention_2", "sdpa", "eager")
+KERNELS = ("flash_attention_2", VARLEN, "sdpa", "eager")
 FULL, SLIDING = "full_attention", "sliding_attention"
 FLASH_ATTN_SPELLING = {"flash_attention_2": "fa2", "sdpa": "sdpa", "eager": "disabled"}  # LLaMA-Factory's key
 
@@ -46,6 +51,13 @@ class KernelSupport:
     # forward takes a 4-D mask as given (transformers' masking_utils); False: it builds its own from a 2-D padding
     # mask (GPT-1, XLNet, ProphetNet, CPM-Ant), or reads positions from one (BLOOM's ALiBi)
     prepared_mask: bool = True
+    # its attention modules call the kernel registered under the config's name, the forward's kwargs passed on
+    # (transformers' ``_supports_attention_backend``): what a kernel of shardtune's own needs
+    attention_interface: bool = False
+    softcap: bool = False  # attention logit softcapping (Gemma 2), which only eager and flash-attn compute
+    attention_dropout: bool = False  # the config drops attention probabilities in training
+    image_text: bool = False  # an image-text class: its vision tower attends under the same kernel
+    bidirectional: bool = False  # an encoder family's config not set as a decoder (is_decoder: false)
 
 
 def kernel_support(config: Mapping[str, Any]) -> KernelSupport | None:
@@ -64,7 +76,17 @@ def kernel_support(config: Mapping[str, Any]) -> KernelSupport | None:
                          # transformers' attention modules hand sinks to the kernel as `s_aux=` (gpt_oss).
                          sinks="s_aux=" in source,
                          mask_per_layer_type="isinstance(causal_mask_mapping := attention_mask, dict)" in source,
-                         prepared_mask=takes_prepared_mask(source, config))
+                         prepared_mask=takes_prepared_mask(source, config), softcap="softcap=" in source,
+                         attention_interface=bool(attributes.get("_supports_attention_backend")),
+                         attention_dropout=drops_attention(config),
+                         image_text=image_text_class_name(config) is not None,
+                         bidirectional=config.get("is_decoder") is False)
+
+
+def drops_attention(config: Mapping[str, Any]) -> bool:
+    text = config.get("text_config")
+    value = (text if isinstance(text, Mapping) else config).get("attention_dropout")
+    return isinstance(value, (int, float)) and value > 0
 
 
 def takes_prepared_mask(source: str, config: Mapping[str, Any]) -> bool:
@@ -79,8 +101,6 @@ def takes_prepared_mask(source: str, config: Mapping[str, Any]) -> bool:
 def causal_lm_class_file(config: Mapping[str, Any]) -> tuple[str, Path] | None:
     """(class name, modelling file) of the causal LM class for this config.json: the auto table's class for its
     model_type, else a class its ``architectures`` name, defined in that model type's modelling file."""
-    from shardtune.model.composite import image_text_class_name
-
     model_type = str(config.get("model_type"))
     names = [image_text_class_name(config) or causal_lm_class_name(model_type), *(config.get("architectures") or [])]
     for name in names:
@@ -123,10 +143,11 @@ def flash_available(has_cuda: bool) -> bool:
 
 
 def choose_attention(requested: str, support: KernelSupport | None, *, flash_usable: bool,
-                     model: str, splits_sequences: bool = False) -> AttentionChoice:
+                     model: str, splits_sequences: bool = False, varlen_usable: bool = False) -> AttentionChoice:
     """The kernel for ``requested`` (``auto`` or an explicit one); a ModelError when the model cannot run it.
     ``splits_sequences``: sequence_parallel_size > 1, whose split attention runs sdpa, so ``auto`` takes no flash
-    kernel."""
+    kernel. ``varlen_usable``: rows packed with sample boundaries, on a CUDA GPU, in bf16 or fp16 (the varlen
+    kernel's case: ``varlen_wanted``)."""
     if requested != AUTO:
         problem = kernel_problem(requested, support, model)
         if problem:
@@ -138,6 +159,10 @@ def choose_attention(requested: str, support: KernelSupport | None, *, flash_usa
     if support.flash and flash_usable and not support.sinks and not splits_sequences:
         return AttentionChoice("flash_attention_2", f"auto: {support.model_class} supports flash attention, "
                                                     "flash-attn is installed and a CUDA GPU is used")
+    if varlen_usable and not splits_sequences and varlen_problem(support, model) is None:
+        return AttentionChoice(VARLEN, f"auto: packed rows on a CUDA GPU, and {support.model_class} passes sample "
+                                       "offsets to torch's varlen flash kernel (no [B, 1, L, L] mask); flash-attn is "
+                                       "not installed")
     why_not_flash = ("sequence_parallel_size splits attention with sdpa" if splits_sequences
                      else "flash-attn 2 would drop its attention sinks" if support.sinks
                      else "flash-attn is not usable here (needs the package and a CUDA GPU)")
@@ -146,16 +171,20 @@ def choose_attention(requested: str, support: KernelSupport | None, *, flash_usa
     return AttentionChoice("eager", f"auto: {support.model_class} does not support sdpa; {why_not_flash}")
 
 
-def auto_choice(config: Mapping[str, Any], *, has_cuda: bool, model: str,
-                splits_sequences: bool = False) -> AttentionChoice:
+def auto_choice(config: Mapping[str, Any], *, has_cuda: bool, model: str, splits_sequences: bool = False,
+                packed_half_rows: bool = False) -> AttentionChoice:
     """What ``auto`` picks for the model whose config.json is ``config`` (the launching host and a rank alike);
-    ``splits_sequences``: sequence_parallel_size > 1 (no flash kernel then)."""
+    ``splits_sequences``: sequence_parallel_size > 1 (no flash kernel then); ``packed_half_rows``: the run packs
+    rows with sample boundaries in bf16 or fp16 (train/settings.py ``packs_half_rows``)."""
     return choose_attention(AUTO, kernel_support(config), flash_usable=flash_available(has_cuda), model=model,
-                            splits_sequences=splits_sequences)
+                            splits_sequences=splits_sequences,
+                            varlen_usable=has_cuda and packed_half_rows and varlen_installed())
 
 
 def kernel_problem(kernel: str, support: KernelSupport | None, model: str) -> str | None:
     """Why ``model`` cannot train with ``kernel`` (None when it can, or when its class is unknown)."""
+    if kernel == VARLEN:
+        return varlen_problem(support, model)
     if support is None or kernel == "eager":
         return None
     key = f"attn_implementation ({kernel}; flash_attn: {FLASH_ATTN_SPELLING[kernel]})"
@@ -169,6 +198,61 @@ def kernel_problem(kernel: str, support: KernelSupport | None, model: str) -> st
                 f"not take (transformers would drop them and train a different model); {fix}, or flash_attn: "
                 "disabled (eager)")
     return None
+
+
+def varlen_problem(support: KernelSupport | None, model: str) -> str | None:
+    """Why ``model`` cannot train under torch's varlen kernel (model/varlen.py), or None. A model that does not
+    pass the offsets on would attend across packed samples without a word, so an unknown class is refused too."""
+    key, fix = "attn_implementation (varlen)", "use attn_implementation: auto (or sdpa)"
+    if support is None:
+        return (f"{key}: {model}'s class is not known before loading (remote code), so whether its attention takes "
+                f"sample offsets cannot be checked; {fix}")
+    name = f"{support.model_class} ({model})"
+    if not (support.flash and support.attention_interface):
+        return (f"{key}: {name} does not pass sample offsets to a registered attention kernel (transformers' "
+                f"flash-attention and attention-backend support); {fix}")
+    blocker = ("has attention sinks" if support.sinks else "softcaps its attention logits" if support.softcap
+               else "drops attention probabilities (attention_dropout > 0)" if support.attention_dropout
+               else "is an image-text model, whose vision tower attends under the same kernel" if support.image_text
+               else "attends both ways (is_decoder: false)" if support.bidirectional
+               else None)
+    return f"{key}: {name} {blocker}, which the varlen kernel does not compute; {fix}" if blocker else None
+
+
+def varlen_split_problem(kernel: str, split_size: int) -> str | None:
+    if kernel != VARLEN or split_size == 1:
+        return None
+    return (f"attn_implementation (varlen) with sequence_parallel_size ({split_size}): the split attention replaces "
+            "the model's kernel; use attn_implementation: sdpa or flash_attention_2")
+
+
+def varlen_device_problem(kernel: str, *, has_cuda: bool, half_precision: bool) -> str | None:
+    """On a CUDA GPU varlen runs torch's varlen_attn: torch 2.10 or later, bf16 or fp16."""
+    if kernel != VARLEN or not has_cuda:
+        return None
+    if not varlen_installed():
+        return (f"attn_implementation (varlen) on a CUDA GPU runs torch's varlen_attn, which torch "
+                f"{torch_version() or '(not installed)'} lacks (2.10 or later has it); use attn_implementation: sdpa")
+    if not half_precision:
+        return ("attn_implementation (varlen) on a CUDA GPU runs the flash kernel, which takes bf16 or fp16 only; "
+                "set bf16: true (or fp16: true), or use attn_implementation: sdpa")
+    return None
+
+
+def torch_version() -> str | None:
+    """The installed torch's version, read from its metadata (importing torch takes seconds)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def varlen_installed() -> bool:
+    """torch.nn.attention.varlen (torch 2.10 and later)."""
+    found = re.match(r"(\d+)\.(\d+)", torch_version() or "")
+    return found is not None and (int(found[1]), int(found[2])) >= (2, 10)
 
 
 def layer_windows(config: Any) -> dict[str, int | None]:
@@ -224,8 +308,8 @@ def packing_problem(config: Mapping[str, Any], support: KernelSupport | None, ke
         return (f"packing: {support.model_class} ({model or 'the model'}) builds its attention mask itself from a "
                 "2-D padding mask, so the block mask that keeps packed samples apart cannot reach it; set packing: "
                 "false (padding_free is off for it)")
-    if kernel.startswith("flash"):
-        return None  # varlen offsets bound every layer, and flash applies each layer's own window
+    if takes_offsets(kernel):
+        return None  # varlen offsets bound every layer, and the kernel applies each layer's own window
     kinds = layer_windows(config)
     unknown = sorted(set(kinds) - {FULL, SLIDING})
     if unknown:
@@ -242,29 +326,11 @@ def _get(config: Any, name: str) -> Any:
     return config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
 
 
-def document_block_mask(segments: Any, window: int | None = None) -> Any:
-    """FlexAttention's ``BlockMask`` for packed rows: each token sees earlier tokens of its own segment only (and
-    only the last ``window`` of them on sliding-window layers), the rule of the collator's dense
-    ``block_causal_mask`` without its ``[B, 1, L, L]`` tensor: the kernel skips whole blocks of other samples.
-
-    ``segments`` is the collator's ``[B, L]`` segment numbering (padding is a segment of its own), on the device the
-    attention runs on. The block mask is what transformers' flex_attention integration takes as ``attention_mask``
-    (a 4-D mask is used as given).
-    """
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def same_document(b: Any, h: Any, q: Any, kv: Any) -> Any:
-        allowed = (q >= kv) & (segments[b, q] == segments[b, kv])
-        return allowed if window is None else allowed & (q - kv < window)
-
-    batch, length = segments.shape
-    return create_block_mask(same_document, batch, None, length, length, device=segments.device)
-
-
 def dense_mask_fallback_warning(packed: bool, on_cuda: bool, kernel: str) -> str | None:
     """The run-log line for packed rows on a GPU whose kernel takes them as a dense ``[B, 1, L, L]`` mask."""
-    if not packed or not on_cuda or kernel.startswith("flash"):
+    if not packed or not on_cuda or takes_offsets(kernel):
         return None
     return (f"[shardtune] warning: packed rows on a GPU under attn_implementation {kernel} use a dense [B, 1, L, L] "
-            "block mask (memory and time grow with L^2, and the causal flash kernel is not used); install flash-attn "
-            "for its varlen kernel (flash_attn: fa2), or set packing: false")
+            "block mask (memory and time grow with L^2, and the causal flash kernel is not used); use "
+            "attn_implementation: varlen (torch's varlen flash kernel, bf16 or fp16) or auto, install flash-attn "
+            "(flash_attn: fa2), or set packing: false")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardtune.data.settings import VARLEN
 from shardtune.errors import ModelError
 
 
@@ -103,7 +104,12 @@ def apply_rope_scaling(config: Any, rope_type: str, max_length: int | None) -> b
 
 
 def check_attention(attn_implementation: str) -> None:
-    """flash_attention_2 needs CUDA and the flash-attn package; say so before loading instead of deep inside."""
+    """flash_attention_2 needs CUDA and the flash-attn package; say so before loading instead of deep inside.
+    varlen is shardtune's own kernel: registered with transformers here, before a model can load with it."""
+    if attn_implementation == VARLEN:
+        from shardtune.model.varlen import register_varlen
+
+        register_varlen()
     if attn_implementation != "flash_attention_2":
         return
     import importlib.util

@@ -18,7 +18,8 @@ from typing import Any
 # Where the auto tables live (transformers 5): base literals, then the modules that extend them with .update().
 TABLE_FILES = ("models/auto/auto_mappings.py", "models/auto/configuration_auto.py", "models/auto/modeling_auto.py",
                "models/auto/tokenization_auto.py")
-KERNEL_ATTRIBUTES = {"_supports_sdpa": "sdpa", "_supports_flash_attn": "flash", "_supports_flash_attn_2": "flash"}
+KERNEL_ATTRIBUTES = {"_supports_sdpa": "sdpa", "_supports_flash_attn": "flash", "_supports_flash_attn_2": "flash",
+                     "_supports_attention_backend": "any kernel registered with transformers"}
 
 
 @functools.cache

@@ -35,6 +35,7 @@ def prepare_model_dir(c: TrainConfig, engine: Engine) -> None:
 def with_attention_resolved(c: TrainConfig, is_main: bool) -> TrainConfig:
     """``auto`` still open here (a hub id the launching host had not cached, or a caller that skipped the launch
     checks): decide it from the loaded config, as the launching host does, and check packing under it."""
+    from shardtune.data.settings import packs_half_rows
     from shardtune.model.attention import AUTO, auto_choice, kernel_support, packing_problem
     from shardtune.model.load import load_model_config
     from shardtune.train.settings import resolved_packing
@@ -44,7 +45,7 @@ def with_attention_resolved(c: TrainConfig, is_main: bool) -> TrainConfig:
     name = c.model_name_or_path or ""
     config = load_model_config(name, trust_remote_code=c.trust_remote_code).to_dict()
     choice = auto_choice(config, has_cuda=torch.cuda.is_available(), model=name,
-                         splits_sequences=c.sequence_parallel_size > 1)
+                         splits_sequences=c.sequence_parallel_size > 1, packed_half_rows=packs_half_rows(c))
     problem = packing_problem(config, kernel_support(config), choice.kernel, name) if resolved_packing(c) else None
     if problem:
         raise ConfigError(problem)
@@ -129,6 +130,13 @@ def loaded_kernel(c: TrainConfig) -> str:
     model's and runs sdpa per segment (engines/sequence_parallel.py), so flash_attention_2 there is sdpa's flash
     backend, FlashAttention-2 inside torch: it needs a CUDA GPU (and bf16/fp16: in fp32 sdpa takes its
     memory-efficient kernel), not the flash-attn package; the model loads with sdpa."""
+    from shardtune.data.settings import half_precision
+    from shardtune.model.attention import varlen_device_problem, varlen_split_problem
+
+    problem = varlen_split_problem(c.attn_implementation, c.sequence_parallel_size) or varlen_device_problem(
+        c.attn_implementation, has_cuda=torch.cuda.is_available(), half_precision=half_precision(c))
+    if problem:
+        raise ModelError(problem)
     if c.sequence_parallel_size == 1 or c.attn_implementation != "flash_attention_2":
         return c.attn_implementation
     from shardtune.model.attention import flash_problem
@@ -238,17 +246,18 @@ def padding_free_rows(c: TrainConfig) -> bool:
     """``padding_free`` where it applies: unpacked sft/pt rows of a model whose packed rows stay apart under the
     kernel (the checks ``packing: true`` passes before launch) and that adds no router loss (it reads a 2-D mask).
     Preference stages keep one row per sample: their pair layout is by row. Unset (null), it is on where the block
-    mask costs nothing the padding did not: on the CPU, and under flash attention (varlen offsets, no mask)."""
+    mask costs nothing the padding did not: on the CPU, and under kernels that take offsets (flash, varlen: no mask)."""
+    from shardtune.data.settings import takes_offsets
     from shardtune.model.attention import kernel_support, packing_problem
     from shardtune.model.moe import router_aux_loss_coef
 
     wanted = c.padding_free if c.padding_free is not None else \
-        not torch.cuda.is_available() or "flash" in c.attn_implementation
+        not torch.cuda.is_available() or takes_offsets(c.attn_implementation)
     config = _unpacked_rows_model_config(c) if wanted else None
     if config is None:
         return False
     as_dict = config.to_dict()
-    if router_aux_loss_coef(config, c.moe_aux_loss_coef) is not None and "flash" not in c.attn_implementation:
+    if router_aux_loss_coef(config, c.moe_aux_loss_coef) is not None and not takes_offsets(c.attn_implementation):
         return False
     return packing_problem(as_dict, kernel_support(as_dict), c.attn_implementation, "") is None
 

@@ -154,11 +154,11 @@ def estimated_peak(memory: MemoryProbe | None) -> float | None:
 
 def warn_dense_packed_masks(c: TrainConfig, is_main: bool) -> None:
     """Packed rows on a GPU without a varlen kernel: said once, with the way out."""
+    from shardtune.data.settings import packs_sample_boundaries
     from shardtune.model.attention import dense_mask_fallback_warning
-    from shardtune.train.settings import resolved_packing
     from shardtune.train.setup import padding_free_rows
 
-    packed = resolved_packing(c) or padding_free_rows(c)
+    packed = packs_sample_boundaries(c) or padding_free_rows(c)
     line = dense_mask_fallback_warning(packed, torch.cuda.is_available(), c.attn_implementation)
     if line and is_main:
         print(line, flush=True)
