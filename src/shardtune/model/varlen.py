@@ -51,15 +51,15 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     longest: int = kwargs.get("max_length_q") or length  # a bound: the kernel only sizes its grid by it
     if offsets is None:
         offsets = whole_row_offsets(module, kwargs.get("position_ids"), batch, length, query.device)
-    q, k, v = (flat_tokens(t) for t in compute_dtype(query, key, value))
+    query, key, value = compute_dtype(query, key, value)
+    window = sliding_window if sliding_window is not None and sliding_window < length else None
+    if not query.is_cuda:
+        return per_sample_sdpa(query, key, value, offsets, scaling, window), None
+    q, k, v = (flat_tokens(t) for t in (query, key, value))
     value_dim = v.shape[-1]
     if value_dim != q.shape[-1]:  # MLA (DeepSeek): values narrower than queries; the flash kernel wants one width
         v = torch.nn.functional.pad(v, [0, q.shape[-1] - value_dim])
-    window = sliding_window if sliding_window is not None and sliding_window < length else None
-    if q.is_cuda:
-        out = gpu_varlen(q, k, v, offsets.to(device=q.device, dtype=torch.int32), int(longest), scaling, window)
-    else:
-        out = per_sample_sdpa(q, k, v, offsets, scaling, window)
+    out = gpu_varlen(q, k, v, offsets.to(device=q.device, dtype=torch.int32), int(longest), scaling, window)
     return out[..., :value_dim].reshape(batch, length, heads, value_dim), None
 
 
@@ -153,18 +153,23 @@ def varlen_parameters() -> frozenset[str]:
     return frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def per_sample_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+def per_sample_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, offsets: torch.Tensor,
                     scaling: float | None, window: int | None) -> torch.Tensor:
-    """The CPU path: SDPA's causal kernel on each sample, ``[T, H, D]`` in and out."""
+    """The CPU path: SDPA's causal kernel on each sample, read in place from ``[B, H, L, D]`` (no sample crosses a
+    row: the offsets count whole rows, a row's padding its last sample); returns ``[B, L, H, D_v]``."""
+    batch, heads, length, _ = query.shape
+    out = query.new_empty(batch, heads, length, value.shape[-1])
     bounds = offsets.tolist()
-    pieces = []
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))  # [H, n, D]
-        mask = window_mask(end - start, window, q.device)
-        pieces.append(torch.nn.functional.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scaling,
-            enable_gqa=qs.shape[0] != ks.shape[0]).transpose(0, 1))
-    return torch.cat(pieces)
+        row, first = divmod(start, length)
+        last = end - row * length
+        # [1, H, n, D] views, no copies; 4-D, so that SDPA takes its CPU flash kernel (with 3-D inputs it takes the
+        # math one, which keeps every sample's [H, n, n] probabilities for the backward)
+        qs, ks, vs = (t[row:row + 1, :, first:last] for t in (query, key, value))
+        mask = window_mask(last - first, window, query.device)
+        out[row:row + 1, :, first:last] = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=qs.shape[1] != ks.shape[1])
+    return out.transpose(1, 2).contiguous()  # as transformers returns it: some models .view() it
 
 
 def window_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor | None:
