@@ -222,3 +222,33 @@ def test_a_torch_without_varlen_attn_is_refused_on_a_gpu(monkeypatch) -> None:
     assert attention.varlen_device_problem(VARLEN, has_cuda=False, half_precision=False) is None
     assert choose_attention(AUTO, support(), flash_usable=False, model="m",
                             varlen_usable=attention.varlen_installed()).kernel == "sdpa"
+
+
+@pytest.mark.matrix  # about a minute of inductor compilation on 2 cores: make test-matrix
+def test_compiled_decoder_layers_under_varlen_give_the_eager_losses_and_gradient_norms() -> None:
+    """torch_compile (regional, model/compile.py) over varlen's CPU path: the per-sample loop breaks the graph, and
+    the result must still be the eager one."""
+    import copy
+
+    from shardtune.model.compile import apply_regional_compile
+    from tests.unit.test_varlen_registry import packed_rows
+
+    eager = tiny_llama(VARLEN).train()
+    compiled = copy.deepcopy(eager)
+    assert apply_regional_compile(compiled, "default", "inductor") == 2
+    batch = DataCollator(0, attn_implementation=VARLEN)(packed_rows())
+    inputs = {k: v for k, v in batch.items() if k != "num_tokens"}
+    inputs["labels"] = inputs["labels"] % 64  # the tiny model's vocabulary
+    inputs["input_ids"] = inputs["input_ids"] % 64
+    found = []
+    for model in (eager, compiled):
+        losses, norms = [], []
+        for _ in range(2):
+            loss = model(**inputs, use_cache=False).loss
+            loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
+            losses.append(float(loss))
+            model.zero_grad()
+        found.append((losses, norms))
+    assert found[1][0] == pytest.approx(found[0][0], rel=1e-5)
+    assert found[1][1] == pytest.approx(found[0][1], rel=1e-4)
