@@ -49,15 +49,20 @@ def load(model_dir: Path, kernel: str) -> Any:
     return model.eval()
 
 
-def largest_difference(model: Any, collator: DataCollator) -> float:
-    """The largest |packed - alone| logit difference over every sample of every row."""
-    rows = packed_rows(model.config.vocab_size)
+def largest_difference(model: Any, collator: DataCollator, alone_kernel: str | None = None,
+                       vocab_size: int | None = None) -> float:
+    """The largest |packed - alone| logit difference over every sample of every row; ``alone_kernel``: the samples
+    alone run under that kernel (the same model switched to it), else under the packed run's. ``vocab_size``: for
+    a config that nests it (the model's config.vocab_size otherwise)."""
+    rows = packed_rows(vocab_size or model.config.vocab_size)
     batch = collator(rows)
     # The mask, or under varlen the offsets (cu_seq_lens_q/k, max_length_q/k) in its place.
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "num_tokens")}
     worst = 0.0
     with torch.no_grad():
         packed = model(**inputs, use_cache=False).logits
+        if alone_kernel is not None:
+            model.set_attn_implementation(alone_kernel)
         for r, row in enumerate(rows):
             for start, end in samples_of(row):
                 alone = model(input_ids=torch.tensor([row["input_ids"][start:end]]), use_cache=False).logits

@@ -1,7 +1,8 @@
 """Every decoder family of the installed transformers under ``attn_implementation: varlen`` with packed rows:
 either shardtune's checks refuse the family (before launch, with the reason), or each packed sample's logits equal
 the sample run alone under eager attention. A family that ignores the offsets (its samples would see each other)
-or drops its sliding window (16 tokens here, samples up to 30) cannot pass.
+or drops its sliding window (16 tokens here, samples up to 30: test_packing_architectures.py's rows) cannot
+pass.
 
 Every family runs in `make test`: 176 with transformers 5.23, about 25 s on 2 CPU cores.
 """
@@ -14,17 +15,17 @@ import pytest
 import torch
 
 from shardtune.data.collator import DataCollator
-from shardtune.data.packing import pack_row
 from shardtune.model.attention import kernel_problem, kernel_support, layer_windows, packing_problem
 from shardtune.model.registry import decoder_families, tiny_registry_config
 from shardtune.model.varlen import VARLEN, register_varlen
+from tests.unit.test_packing_architectures import largest_difference as packed_difference
+from tests.unit.test_packing_architectures import packed_rows
 from tests.unit.test_registry_families import NOT_BUILT, REFUSED
 
 # Decoder layers that do not pass the forward's kwargs on to attention (transformers 5.23), so the offsets never
 # reach it: the first packed forward is refused with the reason. A family that starts passing them fails the test,
 # so this list only shrinks.
 DROPS_OFFSETS = {"nemotron"}
-LENGTHS = ((23, 18, 7), (30, 9))  # per packed row; the second is padded to the first's length
 VOCAB = 512
 SPECIAL_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
@@ -32,15 +33,6 @@ SPECIAL_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 def families() -> list[str]:
     skipped = NOT_BUILT | REFUSED  # no tiny model to build (test_registry_families.py says why)
     return [f for f in decoder_families() if f not in skipped]
-
-
-def packed_rows() -> list[dict[str, list[int]]]:
-    generator = torch.Generator().manual_seed(0)
-    rows = []
-    for lengths in LENGTHS:
-        samples = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
-        rows.append(pack_row(samples, samples))
-    return rows
 
 
 def build(config: Any, kernel: str) -> Any:
@@ -52,21 +44,10 @@ def build(config: Any, kernel: str) -> Any:
 
 def largest_difference(model: Any) -> float:
     """The largest |packed under varlen - alone under eager| logit difference, one model switched between them."""
-    rows = packed_rows()
-    batch = DataCollator(0, attn_implementation=VARLEN, window_by_layer_type=layer_windows(model.config))(rows)
+    collator = DataCollator(0, attn_implementation=VARLEN, window_by_layer_type=layer_windows(model.config))
+    batch = collator(packed_rows(VOCAB))
     assert "attention_mask" not in batch and "cu_seq_lens_q" in batch
-    inputs = {k: v for k, v in batch.items() if k not in ("labels", "num_tokens")}
-    worst = 0.0
-    with torch.no_grad():
-        packed = model(**inputs, use_cache=False).logits
-        model.set_attn_implementation("eager")
-        for r, lengths in enumerate(LENGTHS):
-            start = 0
-            for n in lengths:
-                alone = model(input_ids=torch.tensor([rows[r]["input_ids"][start:start + n]]), use_cache=False)
-                worst = max(worst, float((packed[r, start:start + n] - alone.logits[0]).abs().max()))
-                start += n
-    return worst
+    return packed_difference(model, collator, alone_kernel="eager", vocab_size=VOCAB)
 
 
 @pytest.mark.parametrize("family", families())

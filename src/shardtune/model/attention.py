@@ -147,7 +147,7 @@ def choose_attention(requested: str, support: KernelSupport | None, *, flash_usa
     """The kernel for ``requested`` (``auto`` or an explicit one); a ModelError when the model cannot run it.
     ``splits_sequences``: sequence_parallel_size > 1, whose split attention runs sdpa, so ``auto`` takes no flash
     kernel. ``varlen_usable``: rows packed with sample boundaries, on a CUDA GPU, in bf16 or fp16 (the varlen
-    kernel's case: ``varlen_wanted``)."""
+    kernel's case: ``auto_choice``)."""
     if requested != AUTO:
         problem = kernel_problem(requested, support, model)
         if problem:
@@ -175,14 +175,15 @@ def auto_choice(config: Mapping[str, Any], *, has_cuda: bool, model: str, splits
                 packed_half_rows: bool = False) -> AttentionChoice:
     """What ``auto`` picks for the model whose config.json is ``config`` (the launching host and a rank alike);
     ``splits_sequences``: sequence_parallel_size > 1 (no flash kernel then); ``packed_half_rows``: the run packs
-    rows with sample boundaries in bf16 or fp16 (train/settings.py ``packs_half_rows``)."""
+    rows with sample boundaries in bf16 or fp16 (data/settings.py ``packs_half_rows``)."""
     return choose_attention(AUTO, kernel_support(config), flash_usable=flash_available(has_cuda), model=model,
                             splits_sequences=splits_sequences,
                             varlen_usable=has_cuda and packed_half_rows and varlen_installed())
 
 
 def kernel_problem(kernel: str, support: KernelSupport | None, model: str) -> str | None:
-    """Why ``model`` cannot train with ``kernel`` (None when it can, or when its class is unknown)."""
+    """Why ``model`` cannot train with ``kernel`` (None when it can, or when its class is unknown; varlen refuses an
+    unknown class: ``varlen_problem``)."""
     if kernel == VARLEN:
         return varlen_problem(support, model)
     if support is None or kernel == "eager":
