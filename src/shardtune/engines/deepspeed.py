@@ -117,7 +117,7 @@ class DeepSpeedEngine(DistributedMixin, Engine):
         policy is; below ZeRO-3 a replica, as the policy is one."""
         if self.zero_stage != 3:
             return super().load_frozen(source)
-        import deepspeed
+        deepspeed = deepspeed_for_training()
 
         config = frozen_zero3_config(self.ds_config)
         with torch.random.fork_rng(devices=[]):
@@ -136,7 +136,7 @@ class DeepSpeedEngine(DistributedMixin, Engine):
         """Entered only where the model is constructed: zero.Init replaces torch.Tensor.__new__, and a module first
         imported under it (transformers.modeling_utils -> torch._dynamo, reached first inside the construction of
         Qwen3 and Qwen3-MoE models) fails its signature check; so it is imported before."""
-        import deepspeed
+        deepspeed = deepspeed_for_training()
         import transformers.modeling_utils  # noqa: F401
         from transformers.integrations.deepspeed import prevent_arange_dtype_change
 
@@ -148,7 +148,7 @@ class DeepSpeedEngine(DistributedMixin, Engine):
 
     def prepare(self, model: torch.nn.Module, build_optimizer: OptimizerFactory,
                 build_scheduler: SchedulerFactory) -> None:
-        import deepspeed
+        deepspeed = deepspeed_for_training()
 
         trainable = [p for p in model.parameters() if p.requires_grad]
         params: list[torch.nn.Parameter] | list[dict[str, Any]]
@@ -367,6 +367,24 @@ class DeepSpeedEngine(DistributedMixin, Engine):
     def close(self) -> None:
         self.destroy()
         super().close()
+
+
+def deepspeed_for_training() -> Any:
+    """The deepspeed module, told on a CPU machine not to build its shared-memory all-reduce op.
+
+    Why: DeepSpeed's communication backend compiles that C++ op the first time a process group starts on a CPU
+    machine (48 s on 2 cores, with a compiler on the host), for its inference all-reduce of tensor-parallel
+    inference, which training never calls; its collectives go through torch.distributed either way. Its list of
+    buildable ops is one dict per process (``deepspeed.ops.__compatible_ops__``), so marking the op there is what
+    its ``build_shm_op`` reads.
+    """
+    import deepspeed
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return deepspeed
 
 
 def apply_zero3_moe_leaves(model: torch.nn.Module) -> list[str]:

@@ -1,0 +1,27 @@
+"""A DeepSpeed engine on a CPU machine starts without compiling DeepSpeed's shared-memory all-reduce op (48 s on 2
+cores the first time, for tensor-parallel inference only)."""
+
+from __future__ import annotations
+
+import pytest
+
+deepspeed = pytest.importorskip("deepspeed")
+
+
+def test_the_engine_leaves_the_inference_all_reduce_op_unbuilt_on_a_cpu(monkeypatch, tmp_path):
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.comm.torch import build_shm_op
+
+    from shardtune.engines.deepspeed import deepspeed_for_training
+
+    if get_accelerator().device_name() != "cpu":
+        pytest.skip("the op is DeepSpeed's CPU accelerator's")
+    compatible = deepspeed.ops.__compatible_ops__
+    # DeepSpeed would build it here: the op is buildable on this machine (a compiler is on the path).
+    assert compatible["deepspeed_shm_comm"], "nothing to leave out: DeepSpeed finds the op unbuildable here"
+    monkeypatch.setitem(compatible, "deepspeed_shm_comm", True)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert deepspeed_for_training() is deepspeed
+    assert build_shm_op() is None
+    assert not any(tmp_path.iterdir()), "a JIT build started"
