@@ -10,6 +10,7 @@ the live reference of one process, and against the live sharded reference of the
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -65,14 +66,11 @@ def train(model: Path, out: Path, nproc: int, micro: int, *extra: str) -> dict:
 def one_process(tiny_model_dir, tmp_path_factory) -> Callable[[str], Path]:
     """``one_process(stage)``: the single-process run, 4 pairs per micro-batch (2 per rank x 2 ranks below),
     trained the first time a selected cell asks for it (`make test` selects a few stages of the matrix)."""
-    done: dict[str, Path] = {}
-
+    @functools.cache
     def run(stage: str) -> Path:
-        if stage not in done:
-            out = tmp_path_factory.mktemp(f"one-{stage}")
-            train(tiny_model_dir, out, 1, 4, *STAGES[stage])
-            done[stage] = out
-        return done[stage]
+        out = tmp_path_factory.mktemp(f"one-{stage}")
+        train(tiny_model_dir, out, 1, 4, *STAGES[stage])
+        return out
 
     return run
 

@@ -20,7 +20,7 @@ def test_the_engine_leaves_the_inference_all_reduce_op_unbuilt_on_a_cpu(monkeypa
     compatible = deepspeed.ops.__compatible_ops__
     # DeepSpeed would build it here: the op is buildable on this machine (a compiler is on the path).
     assert compatible["deepspeed_shm_comm"], "nothing to leave out: DeepSpeed finds the op unbuildable here"
-    monkeypatch.setitem(compatible, "deepspeed_shm_comm", True)
+    monkeypatch.setitem(compatible, "deepspeed_shm_comm", True)  # restored for later tests after this one
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert deepspeed_for_training() is deepspeed
     assert build_shm_op() is None
