@@ -6,10 +6,13 @@ both ask it, neither asks the other.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 def visible_gpu_count(visible: str | None = None, installed: int | None = None) -> int:
@@ -111,3 +114,26 @@ def _meminfo_bytes(field: str) -> int | None:
             if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     return None
+
+
+def process_alive(pid: Any, host: Any, started_by: float | None = None) -> bool | None:
+    """Whether process ``pid`` runs (None: on another host, or unknown). ``started_by``: a time.time() the process
+    had started by; a younger process reuses the pid of one that ended."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or (host and host != socket.gethostname()):
+        return None
+    try:
+        with contextlib.suppress(PermissionError):  # another user's process: alive, and /proc still says more
+            os.kill(pid, 0)
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    if fields[0] == "Z":  # ended, not yet reaped
+        return False
+    return started_by is None or process_start_time(int(fields[19])) <= started_by + 1.0
+
+
+def process_start_time(ticks_after_boot: int) -> float:
+    """A process's start as a time.time() value, from /proc/<pid>/stat's starttime."""
+    boot = next((float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                 if line.startswith("btime ")), 0.0)
+    return boot + ticks_after_boot / os.sysconf("SC_CLK_TCK")

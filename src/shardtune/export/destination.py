@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from shardtune.errors import ConfigError
+from shardtune.host import process_alive
 from shardtune.paths import is_inside, user_entries
 
 EXPORT_MARKER = "shardtune_export.json"  # what was exported from where; marks a folder as an export
@@ -82,15 +83,6 @@ def remove_stale_partials(out: Path) -> None:
     """Temporary folders of earlier exports to ``out`` whose process is gone."""
     for stale in out.parent.glob(f".{out.name}{PARTIAL}*"):
         pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _process_alive(int(pid)):
+        if pid.isdigit() and process_alive(int(pid), None) is False:
             shutil.rmtree(stale, ignore_errors=True)
 
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -115,6 +115,23 @@ def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
     )
 
 
+def run_job_id(env: Mapping[str, str] | None = None) -> str | None:
+    """What the processes of one job share and another job's lack, for the run lock (launch/run_lock.py): the
+    ranks of a launcher's job (its rendezvous), or the nodes of a multi-node launch. None for a one-node launch
+    by shardtune, whose launching process alone holds the lock."""
+    env = os.environ if env is None else env
+    if inside_launcher(env):
+        return (f"ranks@{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}/"
+                f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('WORLD_SIZE', '')}")
+    try:
+        launch = read_launch_env(env)
+    except ConfigError:
+        return None
+    if launch.nnodes == 1:
+        return None
+    return f"nodes@{launch.master_addr}:{launch.master_port}/{launch.rdzv_id or ''}/{launch.nnodes}"
+
+
 def ray_requested(env: Mapping[str, str] | None = None) -> bool:
     """USE_RAY=1, read on its own: the Ray keys are checked even when another launch variable is bad."""
     env = os.environ if env is None else env

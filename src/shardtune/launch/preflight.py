@@ -29,6 +29,7 @@ from shardtune.launch.kernels_here import local_kernel_problems
 from shardtune.launch.model_checks import attention_problems
 from shardtune.launch.optimizer_checks import badam_launch_problems
 from shardtune.launch.resume_check import resume_read_problems
+from shardtune.launch.run_lock import live_run_problems, stale_lock_warning
 from shardtune.launch.torchrun import LaunchPlan, device_problems, plan_launch
 from shardtune.launch.validate import cross_key_problems, file_problems
 from shardtune.train.checkpoint_folders import checkpoint_problems, resume_source
@@ -81,6 +82,7 @@ def preflight(argv: list[str], nodes: int, procs_per_node: int, *, defaults: dic
     """Load and check everything that can be checked without weights for ``nodes`` x ``procs_per_node`` ranks;
     raise every problem at once. ``announce``: say the attention kernel a config chose (ranks do not repeat it)."""
     config, cmd, key_problems, later = read_checked_config(argv, defaults)
+    later += run_lock_problems(config, announce)
     if launch is not None and launch.use_ray:  # Ray places the workers: the world is ray_num_workers ranks
         from shardtune.launch.ray_plan import ray_init_function, ray_problems
 
@@ -117,6 +119,18 @@ def preflight(argv: list[str], nodes: int, procs_per_node: int, *, defaults: dic
     if problems:
         raise ConfigError(*problems)
     return RunPlan(config, engine, layout, frozenset(cmd.switches), launch, scheduler)
+
+
+def run_lock_problems(config: TrainConfig, announce: bool) -> list[str]:
+    """A live run of another job holds output_dir: refused, whatever overwrite_output_dir says. A stale lock is
+    said (``announce``) and taken over when the run starts."""
+    if not config.output_dir:
+        return []
+    out = Path(config.output_dir)
+    warning = stale_lock_warning(out) if announce else None
+    if warning:
+        print(f"shardtune: warning: {warning}", file=sys.stderr)
+    return live_run_problems(out, launch_env.run_job_id())
 
 
 def unsaid(problems: list[str], said: list[str]) -> list[str]:

@@ -24,6 +24,7 @@ from shardtune.launch.failures import saved_failure_report
 from shardtune.launch.launcher_output import LauncherOutput, pump
 from shardtune.launch.nodes import check_nodes
 from shardtune.launch.preflight import RunPlan, run_plan_dict, write_run_plan
+from shardtune.launch.run_lock import holding_run_lock
 from shardtune.launch.torchrun import LaunchPlan, build_torchrun_argv, worker_argv
 
 
@@ -35,7 +36,10 @@ def start_run(plan: RunPlan, debug: bool = False, command_line: list[str] | None
     if launch.use_ray:
         from shardtune.launch.ray_job import start_ray_run
 
-        return start_ray_run(plan, debug)
+        if "dry_run" in plan.switches:
+            return start_ray_run(plan, debug)
+        with holding_run_lock(plan.run_dir, launch_env.run_job_id()):
+            return start_ray_run(plan, debug)
     use_torchrun = launch.force_torchrun or plan.layout.world_size > 1 or plan.engine.needs_process_group
     plan_path = plan.run_dir / run_files.LAUNCH_PLAN
     commands = [build_torchrun_argv(launch, node, worker_argv(str(plan_path), debug), sys.executable)
@@ -45,6 +49,17 @@ def start_run(plan: RunPlan, debug: bool = False, command_line: list[str] | None
 
         print(dry_run_report(plan, commands))
         return 0
+    if launch.node_rank != 0:  # node 0 holds the run's lock; the others join its job
+        return run_planned(plan, commands, use_torchrun, command_line, debug)
+    with holding_run_lock(plan.run_dir, launch_env.run_job_id()):
+        return run_planned(plan, commands, use_torchrun, command_line, debug)
+
+
+def run_planned(plan: RunPlan, commands: list[list[str]], use_torchrun: bool, command_line: list[str] | None,
+                debug: bool) -> int:
+    """This node's part of the run: in this process, or this node's torchrun, supervised."""
+    launch = plan.launch
+    assert launch is not None
     if launch.node_rank == 0:
         write_launch_commands(plan.run_dir, command_line, commands, launch)
     if not use_torchrun:

@@ -31,7 +31,20 @@ def worker_command(argv: list[str]) -> int:
                                  "torchrun")
     if not launch_env.inside_launcher():
         return run_worker(plan)
-    leave_rank(run_rank(plan, rank_env, debug_requested(argv)))
+    with lock_for_users_launcher(argv, plan, rank_env):
+        code = run_rank(plan, rank_env, debug_requested(argv))
+    leave_rank(code)
+
+
+def lock_for_users_launcher(argv: list[str], plan: RunPlan, rank_env: RankEnv) -> contextlib.AbstractContextManager:
+    """Under the user's own launcher no shardtune process holds the run lock: global rank 0 takes it for the job.
+    Under shardtune's own torchrun (the rank reads the launching host's plan) the launching process holds it."""
+    started_by_shardtune = bool(argv) and read_run_plan(argv[0]) is not None
+    if started_by_shardtune or rank_env.rank != 0 or not plan.config.output_dir:
+        return contextlib.nullcontext()
+    from shardtune.launch.run_lock import holding_run_lock
+
+    return holding_run_lock(plan.run_dir, launch_env.run_job_id())
 
 
 def resumed_after_restart(plan: RunPlan, restarts: int, rank: int, launcher: str) -> RunPlan:
