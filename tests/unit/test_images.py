@@ -153,6 +153,17 @@ def test_a_batch_without_images_runs_the_tower_without_changing_any_trained_toke
         torch.testing.assert_close(with_blank[row, :length], without[row, :length], rtol=1e-4, atol=1e-5)
 
 
+def test_images_under_sequence_parallelism_are_refused_on_the_rank(image_model):
+    """A split batch needs the whole row's positions, sliced (train/sequence_shards.py); the image collator leaves
+    positions to the model (mRoPE, from the whole row's image grids), and a slice's image tokens would not match the
+    tower's features of every image: the first split micro-batch failed with KeyError 'position_ids'. Refused with
+    the key instead (shardtune check refuses it before launch: engines/sequence_parallel_plan.py)."""
+    tokenizer = tokenizer_of(image_model)
+    processor = load_image_processor(str(image_model), tokenizer, ImageSettings())
+    with pytest.raises(DataError, match=r"sequence_parallel_size \(2\)"):
+        VisionCollator(DataCollator(tokenizer.pad_token_id, sequence_parallel=2), processor)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_trains_a_step_on_an_image_batch(family, arch_model_dir, tmp_path):
     from transformers import AutoModelForImageTextToText

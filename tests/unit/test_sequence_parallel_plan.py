@@ -292,3 +292,22 @@ def test_engine_auto_splits_rows_only_when_nothing_fits_them_whole():
     flash = "attn_implementation=flash_attention_2"
     assert "sequence_parallel_size" not in chosen(131072, flash)
     assert chosen(262144, flash) == {"deepspeed": "z3_offload", "sequence_parallel_size": 2}
+
+
+def test_image_data_is_refused_before_launch(tmp_path):
+    """Images are not split (data/images.py's VisionCollator refuses them on the rank too): the check names it."""
+    from shardtune.config.schema import TrainConfig
+    from shardtune.engines.sequence_parallel_plan import sequence_parallel_problems
+
+    info = {"chats": {"file_name": "chats.json", "formatting": "sharegpt",
+                      "columns": {"messages": "messages", "images": "images"}},
+            "texts": {"file_name": "texts.json"}}
+    (tmp_path / "dataset_info.json").write_text(json.dumps(info))
+    config = TrainConfig(model_name_or_path="org/model", dataset=["texts", "chats"], dataset_dir=str(tmp_path),
+                         sequence_parallel_size=2)
+    problems = sequence_parallel_problems(config)
+    assert [p for p in problems if "images" in p] == [
+        "dataset 'chats' has images (columns.images), which sequence_parallel_size (2) does not split (the model "
+        "builds an image's positions and features from the whole row); set sequence_parallel_size: 1"]
+    assert not any("images" in p for p in sequence_parallel_problems(TrainConfig(
+        model_name_or_path="org/model", dataset=["texts"], dataset_dir=str(tmp_path), sequence_parallel_size=2)))

@@ -26,6 +26,9 @@ from shardtune.errors import DataError
 
 IMAGE_MARKER = "<image>"
 BLANK_SIDE = 32  # the blank image's side in pixels; the processor scales it to its own bounds
+# Why rows with images are not split over a sequence group: a rank's slice would need the whole row's multimodal
+# positions (mRoPE) sliced, and its image tokens would not match the tower's features of every image in the batch.
+NOT_SPLIT = "the model builds an image's positions and features from the whole row"
 
 
 @dataclass(frozen=True)
@@ -248,6 +251,10 @@ class VisionCollator:
     grids; a batch without images gets the blank image (see the module docstring)."""
 
     def __init__(self, text_collator: Any, images: ImageProcessor) -> None:
+        split = getattr(text_collator, "sequence_parallel", 1)
+        if split > 1:  # the rank's guard: the launching host refuses it first (engines/sequence_parallel_plan.py)
+            raise DataError(f"images: sequence_parallel_size ({split}) does not split rows with images ({NOT_SPLIT}); "
+                            "set sequence_parallel_size: 1")
         self.text_collator = text_collator
         self.images = images
 

@@ -57,7 +57,7 @@ def sequence_parallel_problems(c: TrainConfig, layout: WorldLayout | None = None
     if c.cutoff_len < n:
         problems.append(f"cutoff_len ({c.cutoff_len}) is below {key}: a rank would hold less than one token of a "
                         "sequence; raise cutoff_len or lower sequence_parallel_size")
-    problems += model_problems(c)
+    problems += model_problems(c) + image_data_problems(c)
     if layout is not None:
         problems += layout.sequence_parallel_problems()
     return problems
@@ -68,6 +68,22 @@ def model_problems(c: TrainConfig) -> list[str]:
     (their config.json, where this machine has them)."""
     models = dict.fromkeys(m for m in (c.model_name_or_path, c.ref_model) if m)
     return [problem for model in models for problem in one_model_problems(c, model)]
+
+
+def image_data_problems(c: TrainConfig) -> list[str]:
+    """The datasets whose images the split cannot run (data/images.py ``NOT_SPLIT``), from dataset_info.json's
+    columns (a v1 dataset file's image parts are found on the rank, by the image collator)."""
+    from shardtune.data.images import NOT_SPLIT
+    from shardtune.data.registry import load_registry
+
+    names = dict.fromkeys([*c.dataset, *c.eval_dataset])
+    if not names:
+        return []
+    registry, _ = load_registry(c.dataset_dir)  # an unreadable registry is the data checks' to name
+    entries = {name: registry.get(name) for name in names}
+    return [f"dataset '{name}' has images (columns.images), which sequence_parallel_size ({c.sequence_parallel_size}) "
+            f"does not split ({NOT_SPLIT}); {FIX}"
+            for name, entry in entries.items() if isinstance(entry, dict) and "images" in (entry.get("columns") or {})]
 
 
 def one_model_problems(c: TrainConfig, model: str) -> list[str]:
