@@ -19,6 +19,8 @@ from pathlib import Path
 RUN_FOLDER_MARKS = (".shardtune", "shardtune_config.json")  # a folder holding either is a shardtune run folder
 # In the first lines of every file shardtune generates ("# Written by `shardtune slurm` ..."): its own, to replace.
 GENERATED_MARK = re.compile(r"written by `?shardtune", re.IGNORECASE)
+# A model hub's "org/name": a relative path of two parts that does not say it is local (./, ../, /, ~).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _VARIABLE = re.compile(r"\$(\w+)|\$\{([^}]*)\}")
 # Entries a fresh volume or a file manager leaves in an empty folder: not the user's work.
 _NOISE = frozenset({"lost+found", ".DS_Store", "Thumbs.db"})
@@ -41,6 +43,11 @@ def expand_user_path(value: str) -> str:
         raise ValueError(f"{shown(value)} uses {names}, which is not set in the environment; set it or write the "
                          "path out")
     return os.path.expanduser(os.path.expandvars(value))
+
+
+def reads_as_hub_id(name: str) -> bool:
+    """Whether ``name`` has a hub id's shape (``org/name``); a local folder of that shape is read first."""
+    return bool(_HUB_ID.match(name)) and not name.startswith((".", "/", "~"))
 
 
 def unusual_characters(text: str) -> list[str]:

@@ -228,7 +228,7 @@ def test_setting_checks_name_both_keys(folder: Path) -> None:
 
 def test_used_hub_entry_exits_2_with_one_line(folder: Path, tmp_path: Path) -> None:
     config = tmp_path / "cfg.yaml"
-    config.write_text(f"model_name_or_path: {tmp_path}/model\nbuild_tiny_model_if_missing: true\n"
+    config.write_text(f"model_name_or_path: {tmp_path}/tiny-model\nbuild_tiny_model_if_missing: true\n"
                       f"output_dir: {tmp_path}/out\ndataset: alpaca_full,remote\ndataset_dir: {folder}\n")
     result = run_cli("check", str(config))
     lines = [line for line in result.stderr.splitlines() if line.strip()]

@@ -197,14 +197,14 @@ def test_streaming_keys_reach_the_data_settings() -> None:
 
 def test_streaming_without_max_steps_is_refused_before_work(folder, tmp_path) -> None:
     config = tmp_path / "stream.yaml"
-    config.write_text(f"model_name_or_path: {tmp_path / 'model'}\nbuild_tiny_model_if_missing: true\n"
+    config.write_text(f"model_name_or_path: {tmp_path / 'tiny-model'}\nbuild_tiny_model_if_missing: true\n"
                       f"dataset: qa\ndataset_dir: {folder}\ntemplate: chatml\nstreaming: true\n"
                       f"output_dir: {tmp_path / 'out'}\n")
     result = run_cli("train", str(config))
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1 and "streaming (true) needs max_steps" in lines[0], lines
-    assert not (tmp_path / "model").exists() and not (tmp_path / "out").exists()
+    assert not (tmp_path / "tiny-model").exists() and not (tmp_path / "out").exists()
 
 
 def test_the_loop_reads_the_stream_again_and_fails_on_an_empty_share(folder, tokenizer) -> None:

@@ -86,7 +86,8 @@ class TrainConfig:
                 "offsets, no dense mask (torch's varlen flash kernel on a GPU, SDPA per sample on the CPU)", MODEL,
         choices=("auto", "sdpa", "eager", "flash_attention_2", "varlen"))
     build_tiny_model_if_missing: bool = _key(
-        False, "build a random tiny LLaMA + local tokenizer at model_name_or_path if it does not exist", MODEL)
+        False, "build a random tiny LLaMA + local tokenizer at model_name_or_path if that folder does not exist and "
+               "its name says it is a tiny model (contains 'tiny'); never at a hub id or into an existing folder", MODEL)
     adapter_name_or_path: list[str] = _key(
         [], "LoRA adapter folders, comma separated: all but the last are merged into the base, the last one "
             "continues training", MODEL, path=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 from shardtune import run_files
@@ -23,12 +22,11 @@ from shardtune.model.depth_checks import depth_checkpoint_problems
 from shardtune.model.folder import is_reward_model_config, model_config_json, model_folder_problems
 from shardtune.model.fp8 import float8_key_problems
 from shardtune.model.oft import size_problem
-from shardtune.paths import shown
+from shardtune.model.tiny import tiny_model_build_problem
+from shardtune.paths import reads_as_hub_id, shown
 from shardtune.train.checkpoint_folders import checkpoint_problems, latest_checkpoint, resume_source
 from shardtune.train.settings import resolved_packing
 from shardtune.train.trackers import tracker_problems
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def validate_config(config: TrainConfig, *, check_files: bool = True) -> None:
@@ -384,7 +382,10 @@ def file_problems(c: TrainConfig) -> list[str]:
     """Paths that must exist before training: the model's config and the output folder's state."""
     problems: list[str] = []
     model = c.model_name_or_path
-    if model is not None and not (c.build_tiny_model_if_missing and not Path(model).exists()):
+    builds_model = model is not None and c.build_tiny_model_if_missing and not Path(model).exists()
+    if builds_model:
+        problems += [p for p in [tiny_model_build_problem(model or "")] if p]
+    elif model is not None:
         model_problems = model_path_problems(model)
         problems += model_problems or (attention_problems(c) + position_problems(c) + moe_problems(c)
                                        + mistyped_target_problems(c) + layer_problems(c) + oft_size_problems(c)
@@ -408,7 +409,7 @@ def model_path_problems(model: str) -> list[str]:
         return model_folder_problems(path)
     if path.exists():
         return [f"model_name_or_path: {model} is a file; give the model folder"]
-    if _HUB_ID.match(model) and not model.startswith((".", "/")):
+    if reads_as_hub_id(model):
         return []  # a hub id: resolved by transformers at load time
     return [f"model_name_or_path: folder not found: {shown(model, quote=False)} (set build_tiny_model_if_missing: "
             "true to create a tiny demo model there)"]

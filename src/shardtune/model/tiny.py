@@ -8,6 +8,32 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from shardtune.paths import reads_as_hub_id
+
+DEMO_MODELS = "models"  # the demo's folder of models (examples/tiny: models/tiny-llama); `make clean` removes it
+
+
+def tiny_model_build_problem(name: str) -> str | None:
+    """Why ``build_tiny_model_if_missing`` must not build at ``name`` (None: it may). It builds only the demo's own
+    kind of folder: a missing local folder whose name says it holds a tiny model. Never at a hub id (a copied demo
+    file pointed at a real model would train random weights instead) nor at a real model's path (a typo, a
+    filesystem not mounted), nor into a folder that exists."""
+    path = Path(name)
+    if path.exists():
+        return None if (path / "config.json").is_file() else (
+            f"build_tiny_model_if_missing: {name} exists; a tiny model is built only in a new folder: fix "
+            "model_name_or_path, or remove build_tiny_model_if_missing to read the folder as a model")
+    if reads_as_hub_id(name) and path.parts[0] != DEMO_MODELS:
+        return (f"build_tiny_model_if_missing: model_name_or_path {name} reads as a hub id, and a random tiny model "
+                f"is built only in a local folder: remove build_tiny_model_if_missing to load {name}, or write "
+                f"./{name} to build the demo model there")
+    if "tiny" not in path.name.lower():
+        return (f"build_tiny_model_if_missing: {name} does not exist, and a random tiny model is built only in a "
+                "folder whose name says so (contains 'tiny', as models/tiny-llama): fix model_name_or_path, or "
+                "name the new folder after the demo model")
+    return None
+
+
 SPECIAL_TOKENS = (
     "<|begin_of_text|>",
     "<|end_of_text|>",

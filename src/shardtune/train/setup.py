@@ -25,8 +25,11 @@ def prepare_model_dir(c: TrainConfig, engine: Engine) -> None:
     """Build the tiny demo model once (main rank) when asked and missing; other ranks wait."""
     path = Path(c.model_name_or_path or "")
     if c.build_tiny_model_if_missing and not (path / "config.json").is_file() and engine.is_main:
-        from shardtune.model.tiny import build_tiny_model
+        from shardtune.model.tiny import build_tiny_model, tiny_model_build_problem
 
+        problem = tiny_model_build_problem(str(path))  # the launching host said so already; a caller may not have
+        if problem:
+            raise ModelError(problem)
         print(f"[shardtune] building the tiny demo model in {path}", flush=True)
         build_tiny_model(path)
     engine.barrier()
