@@ -161,3 +161,21 @@ def test_fp8_batches_hold_a_multiple_of_16_tokens(keys, tiny_model_dir):
     assert fp8["input_ids"].numel() % 16 == 0 and fp8["input_ids"].shape[-1] % 16 == 0
     assert fp8["input_ids"].shape[-1] > plain["input_ids"].shape[-1]  # the plain run is not padded
     assert int(fp8["num_tokens"]) == int(plain["num_tokens"]) == 17  # padding is not counted as trained
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_fp8_under_sequence_parallelism_gives_every_rank_a_multiple_of_16_tokens(rows, tiny_model_dir):
+    """Each rank multiplies its own slice of the rows, so the slice, not the whole row, must hold a multiple of 16
+    tokens: rows padded to lcm(16, 2) = 16 left one row of 7 tokens as two slices of 8."""
+    from types import SimpleNamespace
+
+    from shardtune.train.sequence_shards import sequence_shard
+    from shardtune.train.setup import build_collator
+
+    features = [{"input_ids": list(range(1, 8 + n)), "labels": list(range(1, 8 + n))} for n in range(rows)]
+    config = TrainConfig(fp8=True, bf16=True, finetuning_type="full", attn_implementation="sdpa",
+                         model_name_or_path=str(tiny_model_dir), sequence_parallel_size=2)
+    batch = build_collator(SimpleNamespace(pad_token_id=0), config)(features)
+    for index in range(2):
+        shard = sequence_shard(batch, 2, index)
+        assert shard["input_ids"].shape[-1] % 16 == 0 and shard["input_ids"].numel() % 16 == 0

@@ -42,7 +42,6 @@ makes SDPA return NaN, which would then leak into real tokens through 0 * NaN).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -115,7 +114,10 @@ class DataCollator:
         return next(iter(masks.values())) if len(masks) == 1 else masks
 
     def padded_length(self, longest: int) -> int:
-        multiple = math.lcm(self.pad_to_multiple_of or 1, self.sequence_parallel)
+        """``longest`` rounded up so that each rank's slice of the row (the whole row without a split) is a multiple of
+        ``pad_to_multiple_of``: a rank computes its slice alone (fp8's matmuls need 16-aligned token counts there), so
+        the row is a multiple of N times it, not of lcm(multiple, N)."""
+        multiple = (self.pad_to_multiple_of or 1) * self.sequence_parallel
         return -(-longest // multiple) * multiple
 
 
