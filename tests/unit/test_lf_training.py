@@ -111,6 +111,32 @@ def test_neftune_noise_only_while_training_and_within_its_bound():
     torch.testing.assert_close(noisy(input_ids=ids).logits, clean.eval()(input_ids=ids).logits, rtol=0, atol=0)
 
 
+def test_neftune_under_sequence_parallelism_scales_by_the_whole_rows_length():
+    """NEFTune's magnitude is alpha / sqrt(L * d) with L the row's length; a rank of a 2-way split embeds half the
+    row, so its noise must be drawn as for 2 x its slice, as one process draws it for the whole row."""
+    alpha, row = 5.0, 18
+    clean, noisy = tiny_llama(), tiny_llama()
+    apply_finetuning(noisy, FinetuningSettings(finetuning_type="full", neftune_noise_alpha=alpha,
+                                               sequence_parallel=2))
+    part = torch.randint(0, 101, (1, row // 2))  # this rank's slice
+    noisy.train()
+    torch.manual_seed(3)
+    noise = noisy.get_input_embeddings()(part) - clean.get_input_embeddings()(part)
+    torch.manual_seed(3)
+    bound = alpha / (row * 32) ** 0.5
+    expected = torch.zeros(1, row // 2, 32).uniform_(-bound, bound)
+    torch.testing.assert_close(noise, expected, rtol=0, atol=1e-6)
+
+
+def test_the_run_tells_neftune_how_many_ranks_share_a_row():
+    from shardtune.config.schema import TrainConfig
+    from shardtune.train.settings import finetuning_settings
+
+    config = TrainConfig(model_name_or_path="org/model", finetuning_type="full", neftune_noise_alpha=5.0,
+                         sequence_parallel_size=2)
+    assert finetuning_settings(config).sequence_parallel == 2
+
+
 def test_neftune_reaches_the_embedding_a_lora_model_calls():
     settings = FinetuningSettings(neftune_noise_alpha=5.0, additional_target=("embed_tokens",))
     model = apply_finetuning(tiny_llama(), settings)

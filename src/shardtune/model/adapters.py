@@ -41,6 +41,7 @@ class FinetuningSettings:
     pissa_iter: int = 16
     additional_target: tuple[str, ...] | None = None
     neftune_noise_alpha: float | None = None
+    sequence_parallel: int = 1  # ranks sharing each row: the embedding sees 1/N of it, NEFTune's length is the row's
     train_embeddings: bool = False  # resize_vocab: LoRA trains and saves the embedding and output layer in full
     score_head: bool = False  # stage rm (set by ModelSource): the score layer trains in full under freeze and LoRA too
     frozen_parts: FrozenParts = FrozenParts()  # image-text models: the freeze_* keys (model/composite.py)
@@ -83,7 +84,8 @@ def apply_finetuning(model: Any, settings: FinetuningSettings) -> Any:
         model = apply_adapter(model, settings)
     _freeze_image_text_parts(model, settings.frozen_parts)
     if settings.neftune_noise_alpha is not None:
-        apply_neftune(model, settings.neftune_noise_alpha)  # after peft: on the embedding the model really calls
+        # After peft: on the embedding the model really calls.
+        apply_neftune(model, settings.neftune_noise_alpha, settings.sequence_parallel)
     return model
 
 
@@ -101,9 +103,11 @@ def modules_to_save(model: Any, settings: FinetuningSettings) -> list[str] | Non
     return embedding_module_names(model) if settings.train_embeddings else None
 
 
-def apply_neftune(model: Any, alpha: float) -> Any:
+def apply_neftune(model: Any, alpha: float, slices: int = 1) -> Any:
     """NEFTune (as the Hugging Face Trainer adds it): while the model trains, add uniform noise of magnitude
-    ``alpha / sqrt(seq_len * hidden)`` to the input embeddings; eval and inference see them unchanged.
+    ``alpha / sqrt(seq_len * hidden)`` to the input embeddings; eval and inference see them unchanged. ``slices``:
+    under sequence parallelism each rank embeds 1/N of every row, and ``seq_len`` is the whole row's (N x the slice),
+    so every token gets the noise one process gives it.
 
     A forward hook on the embedding module itself, so it survives every engine's wrapping (FSDP and ZeRO keep the
     module and run its hooks) and keys on the module's own ``training`` flag. Returns the hook's handle.
@@ -113,7 +117,7 @@ def apply_neftune(model: Any, alpha: float) -> Any:
     def add_noise(module: Any, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
         if not module.training:
             return output
-        magnitude = alpha / (output.size(1) * output.size(2)) ** 0.5
+        magnitude = alpha / (slices * output.size(1) * output.size(2)) ** 0.5
         return output + torch.zeros_like(output).uniform_(-magnitude, magnitude)
 
     return model.get_input_embeddings().register_forward_hook(add_noise)

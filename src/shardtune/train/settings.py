@@ -37,6 +37,7 @@ def data_settings(c: TrainConfig) -> DataSettings:
         mix_strategy=c.mix_strategy,
         interleave_probs=tuple(as_probability(p) for p in c.interleave_probs),
         mask_history=c.mask_history,
+        excess_length_strategy=c.excess_length_strategy,
         neat_packing=c.neat_packing,
         preprocessing_batch_size=c.preprocessing_batch_size,
         streaming=c.streaming,
@@ -76,6 +77,7 @@ def finetuning_settings(c: TrainConfig) -> FinetuningSettings:
         pissa_iter=c.pissa_iter,
         additional_target=tuple(c.additional_target) if c.additional_target else None,
         neftune_noise_alpha=c.neftune_noise_alpha,
+        sequence_parallel=c.sequence_parallel_size,
         train_embeddings=c.resize_vocab,
         frozen_parts=FrozenParts(c.freeze_vision_tower, c.freeze_multi_modal_projector, c.freeze_language_model),
     )
