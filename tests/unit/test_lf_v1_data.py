@@ -138,3 +138,27 @@ def test_pairs_encode_with_one_prompt_and_a_bad_record_names_its_file_and_line(t
     with pytest.raises(DataError) as err:
         build_datasets(tokenizer, settings)
     assert str(data) in str(err.value) and "line 2" in str(err.value) and "differ before" in str(err.value)
+
+
+def test_v1_image_paths_are_read_from_the_working_directory_as_v1_reads_them(tmp_path, monkeypatch):
+    """LLaMA-Factory's data/v1_multimodal_demo.yaml names ``path: data/v1_multimodal_demo.jsonl`` and its records
+    ``data/mllm_demo_data/1.jpg``, both from the working directory (where ``llamafactory-cli`` runs); joined to the
+    dataset file's folder the images were looked for in data/data/mllm_demo_data."""
+    from PIL import Image
+
+    from shardtune.data.formats import image_column, lf_v1_to_chat
+
+    (tmp_path / "data" / "mllm_demo_data").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(tmp_path / "data" / "mllm_demo_data" / "1.png")
+    record = {"messages": [{"role": "user", "content": [{"type": "image_url", "value": "data/mllm_demo_data/1.png"},
+                                                        {"type": "text", "value": "Who?"}], "loss_weight": 0.0},
+                           turn("assistant", "Them.", 1.0)]}
+    (tmp_path / "data" / "v1_multimodal_demo.jsonl").write_text(json.dumps(record) + "\n")
+    (tmp_path / "data" / "v1_multimodal_demo.yaml").write_text(
+        "v1_multimodal_demo:\n  path: data/v1_multimodal_demo.jsonl\n  source: local\n")
+    monkeypatch.chdir(tmp_path)
+    (entry,), problems = resolve_entries(["v1_multimodal_demo"], "data/v1_multimodal_demo.yaml")
+    column = image_column(entry)
+    assert problems == [] and column is not None
+    _, messages = lf_v1_to_chat(record, entry.columns, entry.tags)
+    assert column.paths(record, messages) == [str(tmp_path / "data" / "mllm_demo_data" / "1.png")]

@@ -38,6 +38,13 @@ def is_v1_dataset_file(dataset_dir: str | Path) -> bool:
     return Path(dataset_dir).suffix.lower() in (".yaml", ".yml") and Path(dataset_dir).is_file()
 
 
+def v1_media_dir() -> Path:
+    """Where a v1 record's relative ``image_url`` paths start: the working directory, as v1 reads them and its
+    dataset file's ``path`` (LLaMA-Factory's data/v1_multimodal_demo.jsonl names ``data/mllm_demo_data/1.jpg``
+    beside ``path: data/v1_multimodal_demo.jsonl``), not the dataset file's folder, which would name data/ twice."""
+    return Path.cwd()
+
+
 def load_v1_registry(path: Path) -> tuple[dict[str, Any], list[str]]:
     """The v1 dataset file as ``dataset_info.json`` entries, and its problems (never raises for user mistakes)."""
     try:

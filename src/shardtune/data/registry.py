@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.data.datafiles import pick_data_files
-from shardtune.data.lf_v1_data import V1_FORMATTING, is_v1_dataset_file, load_v1_registry
+from shardtune.data.lf_v1_data import V1_FORMATTING, is_v1_dataset_file, load_v1_registry, v1_media_dir
 from shardtune.paths import ascii_lookalike, shown
 
 INFO_FILE = "dataset_info.json"
@@ -70,7 +70,7 @@ class DatasetEntry:
     ranking: bool = False
     num_samples: int | None = None
     split: str = "train"
-    media_dir: Path = Path()  # the folder relative image paths start from (dataset_dir, as in LLaMA-Factory)
+    media_dir: Path = Path()  # where relative image paths start: dataset_dir (LLaMA-Factory), a v1 file: the cwd
 
     @property
     def loader(self) -> str:
@@ -184,7 +184,7 @@ def resolve_entry(name: str, raw: Any, dataset_dir: Path, path: Path) -> tuple[D
     files, file_problems = pick_data_files(file_path, raw.get("folder"), raw.get("subset"), split, where)
     if file_problems:
         return None, file_problems
-    media_dir = dataset_dir.parent if dataset_dir.is_file() else dataset_dir  # a v1 dataset file: its folder
+    media_dir = v1_media_dir() if is_v1_dataset_file(dataset_dir) else dataset_dir
     return DatasetEntry(name, file_path, formatting, columns, tags, files, ranking, num_samples, split, media_dir), []
 
 
