@@ -206,3 +206,43 @@ def test_vllm_notes_for_adapters():
     blocked = adapter_notes({"r": 8, "use_dora": True, "modules_to_save": ["embed_tokens"]}, 2100, 2048)[0]
     assert "DoRA" in blocked and "modules_to_save" in blocked and "tokens added" in blocked
     assert "--merge-lora" in blocked
+
+
+def hub_cache_with(model_dir: Path, cache: Path, model_id: str) -> None:
+    """``model_dir``'s files as the Hugging Face cache holds a downloaded ``model_id`` (refs/main, one snapshot)."""
+    import shutil
+
+    revision = "0" * 40
+    repo = cache / f"models--{model_id.replace('/', '--')}"
+    shutil.copytree(model_dir, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+
+
+@pytest.mark.parametrize("kind", ["image-text", "text"])
+def test_a_model_trained_from_a_hub_id_gets_the_processor_files_it_loaded(kind, arch_model_dir, tiny_model_dir,
+                                                                          tmp_path):
+    """model_name_or_path a hub id: the image processor was read from the hub cache, and the saved folder must read
+    images as that did (only a local folder's files were copied before). A text model gets none."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    source = arch_model_dir("image-text:qwen3_vl") if kind == "image-text" else tiny_model_dir
+    hub_cache_with(source, tmp_path / "hub", "org/tiny")
+    out = tmp_path / "saved"
+    out.mkdir()
+    script = ("import sys; from pathlib import Path; from shardtune.export.serving import copy_processor_files; "
+              "print(copy_processor_files('org/tiny', Path(sys.argv[1])))")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(REPO / "src")}
+    done = subprocess.run([sys.executable, "-c", script, str(out)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = sorted(p.name for p in source.glob("*processor_config.json"))
+    assert kind == "text" or expected  # the tiny image-text model keeps its image processor
+    assert sorted(p.name for p in out.iterdir()) == expected
+    for name in expected:
+        assert (out / name).read_text() == (source / name).read_text()

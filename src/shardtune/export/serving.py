@@ -71,11 +71,33 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_p
 
 
 def copy_processor_files(base_model: str, folder: Path) -> list[str]:
-    copied = [name for name in PROCESSOR_FILES
-              if (Path(base_model) / name).is_file() and not (folder / name).exists()]
-    for name in copied:
-        shutil.copyfile(Path(base_model) / name, folder / name)
-    return [f"copied {', '.join(copied)} from the base model (the image processor)"] if copied else []
+    """The base model's processor files into ``folder`` (those it lacks), from where they were loaded: a local
+    folder, or for a hub id the Hugging Face cache as transformers resolves it (AutoImageProcessor read them there)."""
+    found = {name: path for name in PROCESSOR_FILES
+             if not (folder / name).exists() and (path := processor_file(base_model, name)) is not None}
+    for name, path in found.items():
+        shutil.copyfile(path, folder / name)
+    return [f"copied {', '.join(found)} from the base model (the image processor)"] if found else []
+
+
+def processor_file(base_model: str, name: str) -> Path | None:
+    """Where the base model's file ``name`` is: in its folder, or a hub id's through transformers (the cache, or a
+    download where the hub is reachable, as the weights came), asked only of an image-text model so that a text
+    model's save makes no hub requests. None when it has none."""
+    from shardtune.model.composite import image_text_class_name
+    from shardtune.model.folder import model_config_json
+
+    if Path(base_model).expanduser().exists():
+        path = Path(base_model).expanduser() / name
+        return path if path.is_file() else None
+    config = model_config_json(base_model)
+    if config is None or image_text_class_name(config) is None:
+        return None
+    from transformers.utils import cached_file  # transformers: only once a hub id's image-text model needs it
+
+    resolved = cached_file(base_model, name, _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False)
+    return Path(resolved) if resolved else None
 
 
 def is_model_folder(folder: Path) -> bool:
