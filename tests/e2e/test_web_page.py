@@ -69,11 +69,13 @@ def page_root(tmp_path):
 
 
 @pytest.fixture
-def web_url(page_root):
-    """`shardtune web ROOT` on a free port; its URL with the token."""
-    proc = subprocess.Popen([sys.executable, "-m", "shardtune", "web", str(page_root), "--port", "0", "--token", TOKEN,
-                             "--stop-grace", "90"], env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+def web_url(page_root, tmp_path):
+    """`shardtune web ROOT` on a free port; its URL with the token (read from a file: never on a command line)."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    proc = subprocess.Popen([sys.executable, "-m", "shardtune", "web", str(page_root), "--port", "0", "--token-file",
+                             str(token_file), "--stop-grace", "90"], env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     url = None
     for line in proc.stdout:
         match = re.search(r"open (http://\S+)", line)

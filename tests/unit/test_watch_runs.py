@@ -147,10 +147,52 @@ def test_the_page_reads_no_folder_outside_its_root(tmp_path):
     write_rank(tmp_path / "root" / "run", 0, 1)
     write_rank(tmp_path / "outside", 0, 1)
     (tmp_path / "root" / "link").symlink_to(tmp_path / "outside")
-    state = WebState(tmp_path / "root", "t", 1.0)
+    state = WebState(tmp_path / "root", 1.0)
     assert state.run_folder("run") == (tmp_path / "root" / "run").resolve()
     for escape in ("../outside", "link", str(tmp_path / "outside"), "run/../../outside", None, "missing"):
         assert state.run_folder(escape) is None, escape
+
+
+def test_a_long_run_refreshes_reading_only_what_was_appended(tmp_path, monkeypatch):
+    """The reads the page repeats (the run's detail every half second, its curves when rank 0 logs, the run list
+    every 3 s) on 2 ranks x 50k steps and a 50k-line trainer log: after the first look each reads only the new lines,
+    well under a second (docs/watching.md quotes what this prints)."""
+    pytest.importorskip("starlette")
+    from starlette.testclient import TestClient
+
+    from shardtune.web.server import build_app
+
+    steps = 50_000
+    for rank in (0, 1):
+        write_rank(tmp_path / "long", rank, steps, total=2 * steps)
+    log = tmp_path / "long" / "trainer_log.jsonl"
+    log.write_text("".join(f'{{"current_steps": {s}, "loss": 2.0, "learning_rate": 1e-05}}\n'
+                           for s in range(1, steps + 1)))
+    page = TestClient(build_app(tmp_path, "tok"), base_url="http://127.0.0.1:7860",
+                      headers={"x-shardtune-token": "tok"})
+    reads = ("/api/run?id=long", "/api/curves?id=long", "/api/runs")
+    for url in reads:  # the first look reads everything
+        assert page.get(url).status_code == 200
+    for rank in (0, 1):
+        with rank_log_path(tmp_path / "long", rank).open("a") as f:
+            f.write(json.dumps({"time": time.time(), "event": "step", "step": steps + 1, "step_s": 0.1}) + "\n")
+    with log.open("a") as f:
+        f.write(json.dumps({"current_steps": steps + 1, "loss": 1.5}) + "\n")
+    parsed = []
+    real_loads = json.loads
+    monkeypatch.setattr(json, "loads", lambda text, **kw: parsed.append(1) or real_loads(text, **kw))
+    seconds = {}
+    for url in reads:
+        began = time.perf_counter()
+        answer = page.get(url)
+        seconds[url] = time.perf_counter() - began
+        assert answer.status_code == 200
+    monkeypatch.undo()
+    print(" ".join(f"{url}: {value * 1000:.0f} ms" for url, value in seconds.items()))
+    assert len(parsed) < 50, f"the refresh parsed {len(parsed)} JSON texts for 3 appended lines"
+    assert max(seconds.values()) < 1.0, seconds
+    assert page.get(reads[0]).json()["step"] == steps + 1
+    assert page.get(reads[1]).json()["curves"]["loss"][-1] == [steps + 1, 1.5]
 
 
 def test_web_without_its_extra_is_refused_with_the_install_line(monkeypatch):

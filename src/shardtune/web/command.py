@@ -1,9 +1,10 @@
-"""`shardtune web [ROOT] [--port P] [--host H]`: serve the live page of the runs under ROOT."""
+"""`shardtune web [ROOT] [--port P] [--host H] [--token-file FILE]`: serve the live page of the runs under ROOT."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
 import secrets
 import socket
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 from shardtune.errors import ConfigError
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+_TOKEN = re.compile(r"[A-Za-z0-9._~-]{8,}")
 
 
 def web_command(args: list[str]) -> int:
@@ -21,7 +23,11 @@ def web_command(args: list[str]) -> int:
     parser.add_argument("--port", type=int, default=7860, help="port (default 7860; 0 picks a free one)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1: this machine only; see the ssh -L line printed)")
-    parser.add_argument("--token", help="the token that launch and stop need (default: a new random one)")
+    parser.add_argument("--token-file", metavar="FILE",
+                        help="a file whose first line is the token every request needs (default: a new random one)")
+    parser.add_argument("--token", help=argparse.SUPPRESS)  # refused below, with the reason
+    parser.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                        help="a further host name the page is reached by (a reverse proxy's); repeatable")
     parser.add_argument("--stop-grace", type=float, default=120.0, metavar="SECONDS",
                         help="how long Stop waits for the ranks to save and exit before it kills them")
     ns = parser.parse_args(args)
@@ -31,17 +37,38 @@ def web_command(args: list[str]) -> int:
     root = Path(ns.root).resolve()
     if not root.is_dir():
         raise ConfigError(f"web: ROOT ({ns.root}) is not a folder")
-    token = ns.token or secrets.token_urlsafe(18)
+    token = read_token(ns.token, ns.token_file)
     import uvicorn
 
+    from shardtune.web.guard import served_names
     from shardtune.web.server import build_app
 
     sock = bind_socket(ns.host, ns.port)
     port = sock.getsockname()[1]
     print(serving_lines(root, ns.host, port, token), flush=True)
-    config = uvicorn.Config(build_app(root, token, ns.stop_grace), log_level="warning", timeout_graceful_shutdown=2)
+    app = build_app(root, token, ns.stop_grace, served_names(ns.host, ns.allow_host))
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def read_token(given: str | None, token_file: str | None) -> str:
+    """The token from ``--token-file`` (a new random one without it). A token on the command line is refused:
+    every user of the machine reads command lines (ps, /proc/PID/cmdline)."""
+    if given is not None:
+        raise ConfigError("web: --token would show the token to every user of this machine (ps lists command "
+                          "lines); write it to a file only you can read and pass --token-file FILE")
+    if token_file is None:
+        return secrets.token_urlsafe(18)
+    try:
+        lines = Path(token_file).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"web: --token-file ({token_file}): cannot read it ({err})") from None
+    token = lines[0].strip() if lines else ""
+    if not _TOKEN.fullmatch(token):  # it goes into the printed URL as it is
+        raise ConfigError(f"web: --token-file ({token_file}): its first line must be the token: 8 or more of "
+                          "A-Z a-z 0-9 . _ ~ -")
+    return token
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -64,8 +91,8 @@ def serving_lines(root: Path, host: str, port: int, token: str) -> str:
         lines.append(f"[shardtune] from another machine: ssh -N -L {port}:127.0.0.1:{port} {_user()}@"
                      f"{socket.gethostname()}  then open the same URL there")
     else:
-        lines.append(f"shardtune: warning: listening on {host}: anyone who can reach this port sees the runs; "
-                     "launch and stop still need the token")
+        lines.append(f"shardtune: warning: listening on {host}: anyone who can reach this port can try; every "
+                     "request needs the token, sent in the clear (plain HTTP): prefer 127.0.0.1 and ssh -L")
     lines.append("[shardtune] Ctrl-C stops the page; runs started from it go on")
     return "\n".join(lines)
 

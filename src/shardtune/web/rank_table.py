@@ -9,70 +9,63 @@ run is not over; while it saves or evaluates the allowance is ``BUSY_PHASE_SECON
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardtune.web.beneath import AppendedLines, list_beneath
+
 STRAGGLER_RATIO = 1.3
 RECENT_STEPS = 5
 STALL_FACTOR = 10.0
 STALL_MIN_SECONDS = 30.0
 BUSY_PHASE_SECONDS = 600.0
+_RANK_LOG = re.compile(r"rank_[0-9]+\.jsonl")
 _PHASES = {"saving": "saving a checkpoint", "evaluating": "evaluating"}
 
 
 @dataclass
 class RankLogReader:
-    """Reads one rank log as it grows (only the new bytes each time); keeps the current attempt's summary."""
+    """Reads one rank log as it grows (only the new bytes each time, never through a symbolic link: beneath.py);
+    keeps the current attempt's summary."""
 
     path: Path
-    offset: int = 0
     start: dict[str, Any] | None = None
     last: dict[str, Any] | None = None  # the latest record of any kind: the heartbeat
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     peak_rss: int = 0
     peak_device: int = 0
-    step_loss: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) of every step (rank 0's curve)
-    _partial: str = ""
+    lines: AppendedLines | None = None
 
     def refresh(self) -> bool:
         """Read what was appended since the last call; True when there was something."""
-        try:
-            size = self.path.stat().st_size
-            if size < self.offset:  # rewritten (overwrite_output_dir): read it afresh
-                self.__init__(self.path)  # type: ignore[misc]
-            if size == self.offset:
-                return False
-            with open(self.path, encoding="utf-8") as f:
-                f.seek(self.offset)
-                text = f.read()
-                self.offset = f.tell()
-        except OSError:
-            return False
-        lines = (self._partial + text).split("\n")
-        self._partial = lines.pop()  # a line still being written
-        for line in lines:
-            if line.strip():
-                try:
-                    self._take(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-        return True
+        if self.lines is None:  # the run folder is the boundary: ranks/ and the log itself may not be links
+            self.lines = AppendedLines(self.path.parent.parent, Path(self.path.parent.name) / self.path.name)
+        new, restarted = self.lines.read()
+        if restarted:  # rewritten (overwrite_output_dir): nothing of the old file counts
+            self.start, self.last, self.peak_rss, self.peak_device = None, None, 0, 0
+            self.recent.clear()
+        for line in new:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                self._take(record)
+        return bool(new)
 
     def _take(self, record: dict[str, Any]) -> None:
         event = record.get("event")
         if event == "start":  # a new attempt (a resume): its steps only
             self.start, self.peak_rss, self.peak_device = record, 0, 0
             self.recent.clear()
-            self.step_loss = [(s, v) for s, v in self.step_loss if s <= record.get("step", 0)]
         elif event == "step":
             self.recent.append(record)
             self.peak_rss = max(self.peak_rss, record.get("rss") or 0)
             self.peak_device = max(self.peak_device, record.get("mem_peak") or 0)
-            if record.get("loss") is not None:
-                self.step_loss.append((record["step"], record["loss"]))
         self.last = record
 
     @property
@@ -137,12 +130,13 @@ def _row(r: RankLogReader, now: float, own: float | None, median_own: float | No
 
 
 def read_rank_logs(folder: Path, readers: dict[Path, RankLogReader] | None = None) -> list[RankLogReader]:
-    """A reader per ``rank_*.jsonl`` in ``folder``, refreshed; ``readers`` keeps them between calls."""
+    """A reader per ``rank_<R>.jsonl`` in ``folder`` (a run's ``ranks/``), refreshed; ``readers`` keeps them between
+    calls. A ``ranks/`` that is a symbolic link is not listed (beneath.py)."""
     readers = {} if readers is None else readers
-    if folder.is_dir():
-        for path in folder.glob("rank_*.jsonl"):
-            readers.setdefault(path, RankLogReader(path))
-    for path in [p for p in readers if not p.exists()]:
+    names = {name for name in list_beneath(folder.parent, folder.name) if _RANK_LOG.fullmatch(name)}
+    for name in names:
+        readers.setdefault(folder / name, RankLogReader(folder / name))
+    for path in [p for p in readers if p.name not in names]:
         del readers[path]
     for reader in readers.values():
         reader.refresh()

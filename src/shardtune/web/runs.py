@@ -9,21 +9,25 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
-import socket
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from shardtune import run_files
+from shardtune.host import process_alive
 from shardtune.launch.failures import is_consequence
+from shardtune.web.beneath import AppendedLines, list_beneath, open_beneath, read_text_beneath
 from shardtune.web.rank_table import RankLogReader, rank_rows, read_rank_logs
 
 COMPLETE_MARKER = "COMPLETE"  # as train/checkpoint_folders.py writes it
 _SKIP_DIRS = {"ranks", "runs", "wandb", "mlruns", "__pycache__", "node_modules"}
 MAX_DEPTH = 4
+_RANK_ERROR = re.compile(r"rank-[0-9]+-error\.txt")
 
 
 def find_runs(root: Path) -> list[Path]:
@@ -59,44 +63,65 @@ def _last_change(folder: Path) -> float:
     return max(times)
 
 
-def read_json(path: Path) -> Any:
+def read_json(folder: Path, relative: str) -> Any:
+    """The JSON in ``folder/relative``, read without following a symbolic link (beneath.py); None when unreadable."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(read_text_beneath(folder, relative))
     except (OSError, ValueError):
         return None
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError:
-        return []
-    records = []
-    for line in text.splitlines():
-        with contextlib.suppress(ValueError):
-            records.append(json.loads(line))
-    return records
+class CurveReader:
+    """Loss, learning rate, eval loss and grad norm by step from rank 0's ``trainer_log.jsonl``, read as it grows."""
+
+    def __init__(self, folder: Path) -> None:
+        self.lines = AppendedLines(folder, run_files.LOG)
+        self.points: dict[str, list[list[float]]] = {}
+
+    def read(self) -> dict[str, list[list[float]]]:
+        new, restarted = self.lines.read()
+        if restarted or not self.points:
+            self.points = {"loss": [], "learning_rate": [], "eval_loss": [], "grad_norm": []}
+        for line in new:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            step = record.get("current_steps") if isinstance(record, dict) else None
+            for key, values in self.points.items():
+                if isinstance(step, (int, float)) and isinstance(record.get(key), (int, float)):
+                    values.append([step, record[key]])
+        return {key: list(values) for key, values in self.points.items()}  # a copy: the next read appends
 
 
 @dataclass
 class RunWatcher:
-    """Keeps a run's rank-log readers between looks, so a live page reads only what was appended."""
+    """Keeps a run's readers between looks, so a live page reads only what was appended (2 ranks x 50k steps:
+    docs/watching.md). One look at a time: the page's requests run in a thread pool and share the readers."""
 
     folder: Path
     readers: dict[Path, RankLogReader] = field(default_factory=dict)
+    curve_reader: CurveReader | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def summary(self, now: float | None = None) -> dict[str, Any]:
-        return run_summary(self.folder, read_rank_logs(self.folder / "ranks", self.readers), now)
+        with self.lock:
+            return run_summary(self.folder, read_rank_logs(self.folder / "ranks", self.readers), now)
+
+    def curves(self) -> dict[str, list[list[float]]]:
+        with self.lock:
+            self.curve_reader = self.curve_reader or CurveReader(self.folder)
+            return self.curve_reader.read()
 
 
 def run_summary(folder: Path, ranks: list[RankLogReader], now: float | None = None) -> dict[str, Any]:
     """Everything the table and the page show of a run, as plain data."""
     now = time.time() if now is None else now
-    launch = read_json(folder / run_files.LAUNCH_COMMANDS) or {}
-    web = read_json(folder / run_files.WEB_LAUNCH) or {}
+    launch = read_json(folder, run_files.LAUNCH_COMMANDS) or {}
+    web = read_json(folder, run_files.WEB_LAUNCH) or {}
     started = min([t for t in (launch.get("started"), web.get("started")) if t] or
                   [min((r.start["time"] for r in ranks if r.start), default=0.0)])
-    results = read_json(folder / run_files.RESULTS)
+    results = read_json(folder, run_files.RESULTS)
     if results is not None and _mtime(folder / run_files.RESULTS) < started:
         results = None  # an earlier attempt's
     errors = rank_errors(folder, started)
@@ -150,40 +175,20 @@ def run_state(ranks: list[RankLogReader], results: Any, errors: list[dict[str, A
     return "stalled" if any(row["stalled"] for row in rows) else "running"
 
 
-def process_alive(pid: Any, host: Any, started_by: float | None = None) -> bool | None:
-    """Whether process ``pid`` runs (None: on another host, or unknown). ``started_by``: a time.time() the process
-    had started by; a younger process reuses the pid of one that ended."""
-    if not isinstance(pid, int) or (host and host != socket.gethostname()):
-        return None
-    try:
-        os.kill(pid, 0)
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return False
-    if fields[0] == "Z":  # ended, not yet reaped
-        return False
-    return started_by is None or process_start_time(int(fields[19])) <= started_by + 1.0
-
-
-def process_start_time(ticks_after_boot: int) -> float:
-    """A process's start as a time.time() value, from /proc/<pid>/stat's starttime."""
-    boot = next((float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                 if line.startswith("btime ")), 0.0)
-    return boot + ticks_after_boot / os.sysconf("SC_CLK_TCK")
-
-
 def rank_errors(folder: Path, since: float) -> list[dict[str, Any]]:
     """Each rank's own error file written for this attempt: its one-line summary and its traceback.
     A rank's own error first; ranks that only lost a peer after it last."""
     found = []
-    for path in sorted((folder / run_files.RANK_ERROR).parent.glob("rank-*-error.txt")):
-        if _mtime(path) < since - 1:
-            continue
+    errors = Path(run_files.RANK_ERROR).parent
+    for name in sorted(n for n in list_beneath(folder, errors) if _RANK_ERROR.fullmatch(n)):
         try:
-            summary, _, details = path.read_text(encoding="utf-8", errors="replace").partition("\n\n")
-            rank = int(path.name.split("-")[1])
-        except (OSError, ValueError):
+            with open_beneath(folder, errors / name) as f:
+                if os.fstat(f.fileno()).st_mtime < since - 1:
+                    continue
+                summary, _, details = f.read().decode("utf-8", errors="replace").partition("\n\n")
+        except OSError:
             continue
+        path, rank = folder / errors / name, int(name.split("-")[1])
         if not summary.strip():  # a report another shardtune wrote in place, read before its line: next poll
             continue
         found.append({"rank": rank, "summary": summary.strip(), "traceback": details[-20000:],
@@ -194,10 +199,7 @@ def rank_errors(folder: Path, since: float) -> list[dict[str, Any]]:
 def console_tail(folder: Path, lines: int = 40) -> list[str]:
     """The end of a page-started run's console log (what the launching host printed)."""
     try:
-        with open(folder / run_files.CONSOLE_LOG, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 16384))
-            text = f.read().decode("utf-8", errors="replace")
+        text = read_text_beneath(folder, run_files.CONSOLE_LOG, limit=16384)
     except OSError:
         return []
     return [line.rsplit("\r", 1)[-1] for line in text.splitlines()[-lines:]]
@@ -208,7 +210,9 @@ def checkpoints(folder: Path, launch: dict[str, Any]) -> list[dict[str, Any]]:
     found = []
     with contextlib.suppress(OSError):
         for path in folder.iterdir():
-            if not (path.is_dir() and path.name.startswith("checkpoint-") and path.name[11:].isdigit()):
+            # Not a link: the size below would be summed over wherever it leads.
+            if not (path.is_dir() and not path.is_symlink() and path.name.startswith("checkpoint-")
+                    and path.name[11:].isdigit()):
                 continue
             complete = (path / COMPLETE_MARKER).is_file()
             found.append({"name": path.name, "step": int(path.name[11:]), "complete": complete,
@@ -267,9 +271,9 @@ def node_commands(launch: dict[str, Any]) -> list[dict[str, Any]]:
 
 def config_of(folder: Path) -> dict[str, Any] | None:
     """The resolved config the run trained with (from the launch plan while the ranks start)."""
-    config = read_json(folder / run_files.RESOLVED_CONFIG)
+    config = read_json(folder, run_files.RESOLVED_CONFIG)
     if config is None:
-        plan = read_json(folder / run_files.LAUNCH_PLAN)
+        plan = read_json(folder, run_files.LAUNCH_PLAN)
         config = plan.get("config") if isinstance(plan, dict) else None
     return config if isinstance(config, dict) else None
 
@@ -282,10 +286,4 @@ def config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
 
 def curves(folder: Path) -> dict[str, list[list[float]]]:
     """Loss, learning rate and eval loss by step, as rank 0 logged them (trainer_log.jsonl)."""
-    out: dict[str, list[list[float]]] = {"loss": [], "learning_rate": [], "eval_loss": [], "grad_norm": []}
-    for record in read_jsonl(folder / run_files.LOG):
-        step = record.get("current_steps")
-        for key, values in out.items():
-            if step is not None and isinstance(record.get(key), (int, float)):
-                values.append([step, record[key]])
-    return out
+    return CurveReader(folder).read()

@@ -1,12 +1,12 @@
-"""The page's HTTP side (Starlette): read-only JSON about the runs under ROOT, a server-sent event stream per run,
-and two actions that need the token (launch, stop). Only run folders under ROOT are read; the only files served
-as they are come from this package's static/ folder."""
+"""The page's HTTP side (Starlette): JSON about the runs under ROOT, a server-sent event stream per run, and the
+actions (check, launch, stop). Every API request needs the token and comes from the page itself (guard.py). Only
+run folders under ROOT are read, never through a symbolic link (beneath.py); the only files served as they are come
+from this package's static/ folder."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import threading
 import time
 from pathlib import Path
@@ -14,6 +14,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
@@ -21,31 +22,25 @@ from starlette.staticfiles import StaticFiles
 
 from shardtune import run_files
 from shardtune.web.form import form_fields
-from shardtune.web.processes import LaunchRequest, check_request, launch_detached, stop_run
-from shardtune.web.rank_table import read_rank_logs
-from shardtune.web.runs import (
-    RunWatcher,
-    config_diff,
-    config_of,
-    curves,
-    find_runs,
-    is_run_folder,
-    node_commands,
-    read_json,
-    run_summary,
+from shardtune.web.guard import RequestGuard, ServedNames, served_names
+from shardtune.web.processes import (
+    LaunchRequest,
+    check_request,
+    launch_detached,
+    parse_launch_request,
+    stop_run,
 )
+from shardtune.web.runs import RunWatcher, config_diff, config_of, find_runs, is_run_folder, node_commands, read_json
 
 STATIC = Path(__file__).parent / "static"
 EVENT_INTERVAL = 0.5  # seconds between looks at a watched run's files
-TOKEN_HEADER = "x-shardtune-token"
 
 
 class WebState:
-    """ROOT, the token, and the watchers of the runs the page looks at (so each look reads only new lines)."""
+    """ROOT and the watchers of the runs the page looks at (so each look reads only new lines)."""
 
-    def __init__(self, root: Path, token: str, stop_grace: float) -> None:
+    def __init__(self, root: Path, stop_grace: float) -> None:
         self.root = root.resolve()
-        self.token = token
         self.stop_grace = stop_grace
         self.watchers: dict[Path, RunWatcher] = {}
         self.lock = threading.Lock()
@@ -54,8 +49,11 @@ class WebState:
         """The run folder ``relative`` names under ROOT, or None (outside ROOT, missing, or not a run)."""
         if relative is None:
             return None
-        folder = (self.root / relative).resolve()
-        if not folder.is_relative_to(self.root) or not folder.is_dir() or not is_run_folder(folder):
+        try:
+            folder = (self.root / relative).resolve()
+            if not folder.is_relative_to(self.root) or not folder.is_dir() or not is_run_folder(folder):
+                return None
+        except (OSError, ValueError, RuntimeError):  # a NUL in the name, a loop of links: no such run either
             return None
         return folder
 
@@ -71,47 +69,46 @@ class WebState:
         summary["id"] = self.run_id(folder)
         summary["nodes"] = node_commands(summary["launch"])
         summary["log_size"] = _size(folder / run_files.LOG)
-        stop = read_json(folder / run_files.STOP_REPORT)
+        stop = read_json(folder, run_files.STOP_REPORT)
         summary["stop"] = stop if stop and summary["started"] and stop.get("requested", 0) >= summary["started"] \
             else None
         return summary
 
-    def authorised(self, request: Request) -> bool:
-        return secrets.compare_digest(request.headers.get(TOKEN_HEADER, ""), self.token)
+    def listing(self) -> list[dict[str, Any]]:
+        """A row per run under ROOT; through the watchers, so a poll of the list reads only new lines too."""
+        found, folders = [], find_runs(self.root)
+        for folder in folders:
+            s = self.watcher(folder).summary()
+            losses = [r["loss"] for r in s["ranks"] if r["loss"] is not None]
+            found.append({"id": self.run_id(folder), "name": s["name"], "state": s["state"], "step": s["step"],
+                          "total_steps": s["total_steps"], "percent": s["percent"], "eta_seconds": s["eta_seconds"],
+                          "started": s["started"], "world_size": s["world_size"],
+                          "loss": losses[0] if losses else (s["results"] or {}).get("final_loss")})
+        with self.lock:  # runs deleted since: their readers go
+            for gone in set(self.watchers) - set(folders):
+                del self.watchers[gone]
+        return found
 
 
 def _size(path: Path) -> int:
     try:
-        return path.stat().st_size
+        return path.lstat().st_size
     except OSError:
         return 0
 
 
-def build_app(root: Path, token: str, stop_grace: float = 120.0) -> Starlette:
-    state = WebState(root, token, stop_grace)
+def build_app(root: Path, token: str, stop_grace: float = 120.0, names: ServedNames | None = None) -> Starlette:
+    """The page's app; ``names``: the host names it is served under (default: this machine's loopback only)."""
+    state = WebState(root, stop_grace)
 
     def not_found() -> JSONResponse:
         return JSONResponse({"error": "no such run under this page's root"}, status_code=404)
-
-    def forbidden() -> JSONResponse:
-        return JSONResponse({"error": "this action needs the page's token: open the URL `shardtune web` printed "
-                                      "(it ends with ?token=...)"}, status_code=403)
 
     async def index(request: Request) -> Response:
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-store"})
 
     async def runs(request: Request) -> JSONResponse:
-        def listing() -> list[dict[str, Any]]:
-            found = []
-            for folder in find_runs(state.root):
-                s = run_summary(folder, read_rank_logs(folder / "ranks"))
-                losses = [r["loss"] for r in s["ranks"] if r["loss"] is not None]
-                found.append({"id": state.run_id(folder), "name": s["name"], "state": s["state"], "step": s["step"],
-                              "total_steps": s["total_steps"], "percent": s["percent"], "eta_seconds": s["eta_seconds"],
-                              "started": s["started"], "world_size": s["world_size"],
-                              "loss": losses[0] if losses else (s["results"] or {}).get("final_loss")})
-            return found
-        return JSONResponse({"root": str(state.root), "runs": await run_in_threadpool(listing)})
+        return JSONResponse({"root": str(state.root), "runs": await run_in_threadpool(state.listing)})
 
     async def run(request: Request) -> JSONResponse:
         folder = state.run_folder(request.query_params.get("id"))
@@ -124,13 +121,13 @@ def build_app(root: Path, token: str, stop_grace: float = 120.0) -> Starlette:
         if folder is None:
             return not_found()
         return JSONResponse({"id": state.run_id(folder), "name": folder.name,
-                             "curves": await run_in_threadpool(curves, folder)})
+                             "curves": await run_in_threadpool(state.watcher(folder).curves)})
 
     async def run_config(request: Request) -> JSONResponse:
         folder = state.run_folder(request.query_params.get("id"))
         if folder is None:
             return not_found()
-        config = config_of(folder)
+        config = await run_in_threadpool(config_of, folder)
         other_id = request.query_params.get("other")
         diff = None
         if other_id:
@@ -163,38 +160,31 @@ def build_app(root: Path, token: str, stop_grace: float = 120.0) -> Starlette:
     async def schema(request: Request) -> JSONResponse:
         return JSONResponse({"fields": await run_in_threadpool(form_fields)})
 
-    async def read_request(request: Request) -> LaunchRequest:
-        body = await request.json()
-        values = {str(k): str(v) for k, v in (body.get("values") or {}).items()}
-        return LaunchRequest(str(body.get("yaml") or ""), values, int(body.get("nproc_per_node") or 1))
-
     async def check(request: Request) -> JSONResponse:
-        if not state.authorised(request):
-            return forbidden()
         launch = await read_request(request)
-        problems, verdict = await run_in_threadpool(check_request, launch, state.root, _scratch(state.root))
-        return JSONResponse({"ok": not problems, "problems": problems, "verdict": verdict})
+        if isinstance(launch, JSONResponse):
+            return launch
+        result = await run_in_threadpool(check_request, launch, state.root, _scratch(state.root))
+        return JSONResponse({"ok": not result.problems, "problems": result.problems, "verdict": result.verdict})
 
     async def launch(request: Request) -> JSONResponse:
-        if not state.authorised(request):
-            return forbidden()
         launch_request = await read_request(request)
-        problems, verdict = await run_in_threadpool(check_request, launch_request, state.root, _scratch(state.root))
-        if problems:
-            return JSONResponse({"ok": False, "problems": problems}, status_code=400)
-        out = launch_request.output_dir(state.root)
-        assert out is not None
+        if isinstance(launch_request, JSONResponse):
+            return launch_request
+        result = await run_in_threadpool(check_request, launch_request, state.root, _scratch(state.root))
+        out = result.output_dir
+        if result.problems or out is None:
+            return JSONResponse({"ok": False, "problems": result.problems}, status_code=400)
         if out.is_dir() and is_run_folder(out) and state.watcher(out).summary()["state"] in ("running", "starting",
                                                                                             "stalled"):
-            return JSONResponse({"ok": False, "problems": [{"key": "output_dir", "problem": f"output_dir ({out}): "
-                                                            "a run is still going on there; stop it first"}]},
-                                status_code=409)
-        folder = await run_in_threadpool(launch_detached, launch_request, state.root)
-        return JSONResponse({"ok": True, "id": state.run_id(folder), "verdict": verdict})
+            return problem(409, "output_dir", f"output_dir ({out}): a run is still going on there; stop it first")
+        try:
+            folder = await run_in_threadpool(launch_detached, launch_request, state.root, out)
+        except OSError as err:
+            return problem(400, "output_dir", f"output_dir ({out}): cannot start the run there: {err.strerror}")
+        return JSONResponse({"ok": True, "id": state.run_id(folder), "verdict": result.verdict})
 
     async def stop(request: Request) -> JSONResponse:
-        if not state.authorised(request):
-            return forbidden()
         folder = state.run_folder(request.query_params.get("id"))
         if folder is None:
             return not_found()
@@ -208,8 +198,24 @@ def build_app(root: Path, token: str, stop_grace: float = 120.0) -> Starlette:
         Route("/api/stop", stop, methods=["POST"]),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
-    return Starlette(routes=routes)
+    guard = Middleware(RequestGuard, token=token, names=names or served_names("127.0.0.1"))
+    return Starlette(routes=routes, middleware=[guard])
 
 
 def _scratch(root: Path) -> Path:
     return root / ".shardtune-web"
+
+
+def problem(status: int, key: str | None, line: str) -> JSONResponse:
+    """A refused request, as the form shows it: its one line at the key it names."""
+    return JSONResponse({"ok": False, "error": line, "problems": [{"key": key, "problem": line}]}, status_code=status)
+
+
+async def read_request(request: Request) -> LaunchRequest | JSONResponse:
+    """The form's request, or the one line that refuses a body the page never sends."""
+    try:
+        return parse_launch_request(await request.json())
+    except ValueError as err:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors too
+        line = str(err) if not isinstance(err, (json.JSONDecodeError, UnicodeDecodeError)) else \
+            "the request body is not JSON"
+        return problem(400, None, line)

@@ -36,9 +36,13 @@ function fmtDuration(seconds) {
 function fmtTime(unix) { return unix ? new Date(unix * 1000).toLocaleString() : "–"; }
 function stateBadge(state) { return el("span", { class: `state ${state}`, "data-state": state }, state); }
 function token() { return localStorage.getItem(TOKEN_KEY) || ""; }
+// Every read needs the token too (the server refuses one without it, with a line saying why).
 async function getJSON(url) {
-  const response = await fetch(url, { cache: "no-store" });
-  if (!response.ok) throw new Error(`${url}: ${response.status}`);
+  const response = await fetch(url, { cache: "no-store", headers: { "X-Shardtune-Token": token() } });
+  if (!response.ok) {
+    const body = await response.json().catch(() => ({}));
+    throw new Error(body.error || `${url}: ${response.status}`);
+  }
   return response.json();
 }
 async function postJSON(url, body) {
@@ -67,7 +71,7 @@ function showError(where, error) { where.replaceChildren(el("p", { class: "error
     history.replaceState(null, "", location.pathname + location.hash);
   }
   document.getElementById("token-state").textContent =
-    token() ? "launch and stop enabled" : "read-only: open the URL shardtune web printed to launch or stop";
+    token() ? "" : "no token: open the URL shardtune web printed";
 })();
 
 // --- runs list -----------------------------------------------------------------------------------------------
@@ -126,7 +130,8 @@ async function showRun(id) {
   };
   try { render(await getJSON("/api/run?id=" + encodeURIComponent(id))); } catch (error) { showError(header, error); return; }
   // Live: the server pushes the run's state whenever its files change (it reads them every half second).
-  const source = new EventSource("/api/events?id=" + encodeURIComponent(id));
+  // An EventSource cannot send a header: the token goes in its URL (accepted for reads only).
+  const source = new EventSource("/api/events?id=" + encodeURIComponent(id) + "&token=" + encodeURIComponent(token()));
   source.onmessage = (event) => render(JSON.parse(event.data));
   current.source = source;
 }
