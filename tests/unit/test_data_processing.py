@@ -63,7 +63,7 @@ def test_samples_that_do_not_fit_are_dropped_with_a_warning(tokenizer: Any, tmp_
     with caplog.at_level(logging.WARNING, logger="shardtune.data"):
         train, _ = build_datasets(tokenizer, settings_for(alpaca_dir(tmp_path, records), cutoff_len=20))
     assert len(train) == 1
-    assert "dropped 1 of 2 samples" in caplog.text
+    assert "cutoff_len=20: 0 of 2 samples cut to fit (prompt whole, answers shortened), 1 dropped" in caplog.text
 
 
 def pt_dir(tmp_path: Path, texts: list[str]) -> Path:

@@ -66,10 +66,10 @@ def test_kto_rows_carry_the_tag_and_a_mismatched_kl_answer(tokenizer: Any) -> No
     assert [row["kto_tag"] for row in train] == [r["kto_tag"] for r in records]
     for i, row in enumerate(train):
         assert decode_trained(tokenizer, row["input_ids"], row["labels"]).startswith(records[i]["output"])
-        # The KL row: the same prompt, another record's answer (the map batch reversed).
+        # The KL row: the same prompt, another record's answer (the next record's; the last takes the first's).
         assert prompt_part(row["kl_input_ids"], row["kl_labels"]) == prompt_part(row["input_ids"], row["labels"])
         kl_answer = decode_trained(tokenizer, row["kl_input_ids"], row["kl_labels"])
-        assert kl_answer.startswith(records[len(records) - 1 - i]["output"])
+        assert kl_answer.startswith(records[(i + 1) % len(records)]["output"])
 
 
 def test_pair_collator_puts_chosen_rows_then_rejected_rows(tokenizer: Any) -> None:

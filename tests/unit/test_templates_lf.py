@@ -40,14 +40,16 @@ OFFICIAL = [("qwen", "qwen2_5", "text"), ("qwen3", "qwen3", "text"), ("llama3", 
             ("deepseek3", "deepseek3", "text"), ("glm4", "glm4", "text"), ("cohere", "cohere", "text"),
             ("intern2", "intern2", "text"), ("yi", "yi", "text"), ("llama4", "llama4", "text"),
             ("gpt_oss", "gpt_oss", "text"), ("qwen3_5", "qwen3_5", "text"), ("qwen2_vl", "qwen2_vl", "text"),
-            ("glm4_moe", "glm4_moe", "text"), ("gemma4", "gemma4", "text")]
+            ("glm4_moe", "glm4_moe", "text"), ("gemma4", "gemma4", "text"), ("zephyr", "zephyr", "text"),
+            ("deepseekr1", "deepseekr1", "text")]
 # Keyword arguments that pin what an official template would take from the clock, and Gemma 4's thinking switch
 # (on, as shardtune's enable_thinking default; the model's own default is off).
 FIXED_INPUTS: dict[str, dict[str, Any]] = {"llama3_1": {"date_string": "26 Jul 2024"},
                                            "gemma4": {"enable_thinking": True}}
 # Families whose official history drops the think block that their generation prompt opens: only the prompt of
 # an answer after the last user query is the generation prompt (earlier ones are what the full rendering shows).
-OPENER_ONLY_AFTER_QUERY = {"qwen3_5"}
+OPENER_ONLY_AFTER_QUERY = {"qwen3_5", "deepseekr1"}
+R1_ASSISTANT = "<｜Assistant｜>"
 
 
 class PinnedClock(datetime):
@@ -91,6 +93,9 @@ def deliberate(name: str, official_text: str) -> str:
     """The official text with the differences documented on the template (see families.py)."""
     if name in ("glm4", "glm4_moe"):  # GLM ends the last answer with eos so that training teaches stopping
         return official_text + EOS
+    if name == "deepseekr1":  # the last answer carries the (empty) think block its generation prompt opens
+        head, _, last = official_text.rpartition(R1_ASSISTANT)
+        return f"{head}{R1_ASSISTANT}<think>\n\n</think>\n\n{last}"
     return official_text
 
 
@@ -317,9 +322,9 @@ def test_reasoning_is_kept_only_after_the_last_query_as_the_official_template(to
         assert turns[0][1] == "4<|im_end|>\n"
         assert turns[1] == (f"<|im_start|>user\n{Q2}<|im_end|>\n<|im_start|>assistant\n<think>\n",
                             "add again\n</think>\n\n6<|im_end|>\n")
-    else:  # every GLM answer opens with a block, empty before the last query
-        assert turns[0][1] == "\n<think></think>\n4"
-        assert turns[1] == (f"<|user|>\n{Q2}<|assistant|>", f"\n<think>add again</think>\n6{EOS}")
+    else:  # every GLM answer opens with a block, empty before the last query; <|user|> ends (is trained with) it
+        assert turns[0][1] == "\n<think></think>\n4<|user|>"
+        assert turns[1] == (f"\n{Q2}<|assistant|>", f"\n<think>add again</think>\n6{EOS}")
 
 
 @pytest.mark.parametrize(("name", "options"), [("qwen3_5", {"enable_thinking": False}), ("qwen3_5_nothink", {}),

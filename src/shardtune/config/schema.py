@@ -87,7 +87,8 @@ class TrainConfig:
         choices=("auto", "sdpa", "eager", "flash_attention_2", "varlen"))
     build_tiny_model_if_missing: bool = _key(
         False, "build a random tiny LLaMA + local tokenizer at model_name_or_path if that folder does not exist and "
-               "its name says it is a tiny model (contains 'tiny'); never at a hub id or into an existing folder", MODEL)
+               "its name says it is a tiny model (contains 'tiny'); never at a hub id or into an existing folder",
+        MODEL)
     adapter_name_or_path: list[str] = _key(
         [], "LoRA adapter folders, comma separated: all but the last are merged into the base, the last one "
             "continues training", MODEL, path=True)
@@ -199,11 +200,12 @@ class TrainConfig:
     template: str = _key("default", "chat template under LLaMA-Factory's name (default, empty, alpaca, vicuna, chatml, "
                          "llama2, llama3, llama4, mistral, qwen, qwen3, qwen3_nothink, qwen3_5, qwen3_5_nothink, "
                          "qwen2_vl, qwen3_vl, qwen3_vl_nothink, gemma, gemma3, gemma4, phi, phi4, deepseek, deepseek3, "
-                         "glm4, glm4_moe, yi, cohere, intern2, gpt_oss) or auto (the tokenizer's own)", DATA)
+                         "deepseekr1, glm4, glm4_moe, yi, cohere, intern2, gpt_oss, zephyr) or auto (the tokenizer's "
+                         "own)", DATA)
     default_system: str | None = _key(None, "system prompt for samples without one (replaces the template's default)",
                                       DATA)
-    enable_thinking: bool = _key(True, "reasoning templates (qwen3, qwen3_5, qwen3_vl, glm4_moe, gemma4): train the "
-                                 "think block; false masks an empty one", DATA)
+    enable_thinking: bool = _key(True, "reasoning templates (qwen3, qwen3_5, qwen3_vl, glm4_moe, gemma4, deepseekr1): "
+                                 "train the think block; false masks an empty one", DATA)
     tool_format: str | None = _key(None, "tool-call format overriding the template's own (qwen, qwen3_5, llama3, "
                                    "mistral, glm4, glm4_moe: each writes its family's turn markers, so pair it with "
                                    "that layout)", DATA,
@@ -236,6 +238,10 @@ class TrainConfig:
     interleave_probs: list[str] = _key([], "interleave: probability of drawing from each dataset, comma separated, "
                                        "summing to 1 (default: equal)", DATA)
     mask_history: bool = _key(False, "train only on the last turn's answer; earlier turns are context", DATA)
+    excess_length_strategy: str = _key(
+        "truncate", "a sft or preference sample longer than cutoff_len: truncate keeps its prompt whole and cuts its "
+                    "answers (dropped only when the prompt leaves no room for an answer token), drop drops it; the "
+                    "run logs how many were cut and dropped (axolotl's key)", DATA, choices=("truncate", "drop"))
     neat_packing: bool = _key(False, "pack sft samples without attention between them (turns packing on; shardtune's "
                               "sft packing is always neat)", DATA)
     preprocessing_batch_size: int = _key(1000, "records per batch of the preprocessing map calls", DATA, minimum=1)

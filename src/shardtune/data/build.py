@@ -26,7 +26,7 @@ from shardtune.data.preference import (
     preference_sample_fits,
     tokenize_preference,
 )
-from shardtune.data.processing import SftOptions, sft_sample_fits, tokenize_pt, tokenize_sft
+from shardtune.data.processing import SftOptions, document_end_id, sft_sample_fits, tokenize_pt, tokenize_sft
 from shardtune.data.registry import resolve_entries
 from shardtune.data.settings import MIX_STRATEGIES, DataSettings, dataset_names
 from shardtune.data.templates import Template, get_template, missing_special_tokens
@@ -106,7 +106,8 @@ def fits_cutoff(part: Dataset, tokenizer: Any, settings: DataSettings) -> bool:
     template = get_template(settings.template, settings.default_system, settings.enable_thinking,
                             settings.tool_format)
     if is_preference_stage(settings.stage):
-        return preference_sample_fits(part, tokenizer, template, settings.stage, settings.cutoff_len)
+        return preference_sample_fits(part, tokenizer, template, settings.stage, settings.cutoff_len,
+                                      drops_excess(settings))
     return sft_sample_fits(part, tokenizer, template, sft_options(settings))
 
 
@@ -136,10 +137,11 @@ def tokenize(records: Dataset, tokenizer: Any, settings: DataSettings, images: I
              ) -> Dataset:
     workers, batch_size = settings.preprocessing_num_workers, settings.preprocessing_batch_size
     if settings.stage == "pt":
-        return tokenize_pt(records, tokenizer, settings.cutoff_len, settings.packing, workers, batch_size)
+        return tokenize_pt(records, tokenizer, settings.cutoff_len, settings.packing, workers, batch_size,
+                           document_end_id(tokenizer, get_template(settings.template)))
     if is_preference_stage(settings.stage):
         return tokenize_preference(records, tokenizer, prepared_template(tokenizer, settings), settings.stage,
-                                   settings.cutoff_len, workers, batch_size, images)
+                                   settings.cutoff_len, workers, batch_size, images, drops_excess(settings))
     return tokenize_sft(records, tokenizer, prepared_template(tokenizer, settings), sft_options(settings), workers,
                         batch_size, images)
 
@@ -157,7 +159,12 @@ def prepared_template(tokenizer: Any, settings: DataSettings) -> Template:
 
 
 def sft_options(settings: DataSettings) -> SftOptions:
-    return SftOptions(settings.cutoff_len, settings.train_on_prompt, settings.mask_history)
+    return SftOptions(settings.cutoff_len, settings.train_on_prompt, settings.mask_history, drops_excess(settings))
+
+
+def drops_excess(settings: DataSettings) -> bool:
+    """``excess_length_strategy: drop``: a sample longer than cutoff_len is dropped rather than cut."""
+    return settings.excess_length_strategy == "drop"
 
 
 def split_eval(dataset: Dataset, val_size: float, seed: int) -> tuple[Dataset, Dataset | None]:

@@ -7,8 +7,9 @@ entry's tags. A KTO entry is an SFT entry plus its ``kto_tag`` column (true: a d
 
 Both answers are rendered through the SFT template path (``Template.render_turns``) with the same prompt, so
 their prompt tokens are identical; every prompt token, earlier answers of a multi-turn history included, gets
-``IGNORE_INDEX`` (only the final answer is scored, as in LLaMA-Factory). When the prompt does not leave room
-for one answer token within ``cutoff_len`` the sample is dropped (a warning counts them); answers are cut to fit.
+``IGNORE_INDEX`` (only the final answer is scored, as in LLaMA-Factory). Answers are cut to fit ``cutoff_len``;
+when the prompt does not leave room for one answer token the sample is dropped (with ``excess_length_strategy:
+drop``, every sample that does not fit whole); one warning counts the samples cut and dropped.
 Bad records raise ``DataError`` naming the file and the record index.
 """
 
@@ -19,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
-from datasets import Dataset, Features, List, Value
+from datasets import Dataset, Features, List, Value, concatenate_datasets
 
 from shardtune.data.caching import step_fingerprint
 from shardtune.data.columns import (  # noqa: F401 - re-exported: the stage rules live there
@@ -47,7 +48,7 @@ from shardtune.data.formats import (
 )
 from shardtune.data.images import ImageProcessor
 from shardtune.data.lf_v1_data import V1_FORMATTING
-from shardtune.data.processing import with_image_tokens
+from shardtune.data.processing import report_cutoff, with_image_tokens
 from shardtune.data.registry import DatasetEntry
 from shardtune.data.settings import IGNORE_INDEX
 from shardtune.data.templates import Template
@@ -175,16 +176,19 @@ def convert_kto_batch(batch: Mapping[str, list[Any]], indices: list[int], entry:
 # --- tokenisation ---
 
 def tokenize_preference(dataset: Dataset, tokenizer: Any, template: Template, stage: str, cutoff_len: int,
-                        num_proc: int | None = None, batch_size: int = 1000, images: ImageProcessor | None = None
-                        ) -> Dataset:
-    """Encode normalised preference records; samples whose prompt leaves no room for an answer are dropped. With
-    ``images`` (pairs only) each pair keeps its images' paths: both rows hold the prompt and so the images."""
+                        num_proc: int | None = None, batch_size: int = 1000, images: ImageProcessor | None = None,
+                        drop_excess: bool = False) -> Dataset:
+    """Encode normalised preference records; answers are cut to fit, and samples whose prompt leaves no room for
+    an answer (with ``drop_excess``: every sample that does not fit whole) are dropped. With ``images`` (pairs
+    only) each pair keeps its images' paths: both rows hold the prompt and so the images."""
     if stage == "kto":
-        encode = partial(encode_kto_batch, tokenizer=tokenizer, template=template, cutoff_len=cutoff_len)
+        dataset = with_kl_answers(dataset, num_proc)
+        encode = partial(encode_kto_batch, tokenizer=tokenizer, template=template, cutoff_len=cutoff_len,
+                         drop_excess=drop_excess)
     else:
         encode = partial(encode_pair_batch, tokenizer=tokenizer, template=template, cutoff_len=cutoff_len,
-                         images=images)
-    features = KTO_FEATURES if stage == "kto" else PAIR_FEATURES
+                         images=images, drop_excess=drop_excess)
+    features = Features({**(KTO_FEATURES if stage == "kto" else PAIR_FEATURES), "_cut": Value("bool")})
     if images is not None:
         features = Features({**features, "images": List(Value("string"))})
     first = "input_ids" if stage == "kto" else "chosen_input_ids"
@@ -194,30 +198,53 @@ def tokenize_preference(dataset: Dataset, tokenizer: Any, template: Template, st
     kept = encoded.filter(lambda ids: [len(x) > 0 for x in ids], batched=True, input_columns=first,
                           num_proc=num_proc, desc="Truncating")
     if len(kept) == 0 and len(encoded) > 0:
-        raise DataError(f"cutoff_len ({cutoff_len}) is too small: no {stage} sample keeps its whole prompt plus one "
-                        "answer token; raise cutoff_len")
-    if len(kept) < len(encoded):
-        logger.warning("dropped %d of %d samples whose prompt does not fit in cutoff_len=%d",
-                       len(encoded) - len(kept), len(encoded), cutoff_len)
-    return kept
+        needs = "fits whole (excess_length_strategy: drop)" if drop_excess else "keeps its whole prompt plus one " \
+            "answer token"
+        raise DataError(f"cutoff_len ({cutoff_len}) is too small: no {stage} sample {needs}; raise cutoff_len")
+    report_cutoff(len(encoded), kept, cutoff_len, drop_excess)
+    return kept.remove_columns("_cut")
+
+
+def with_kl_answers(dataset: Dataset, num_proc: int | None = None) -> Dataset:
+    """``dataset`` with ``_kl_answer``: the next record's answer (the last takes the first's). Rotating the whole
+    dataset, not each map batch, is what keeps every record from meeting its own answer: reversing a batch left
+    the middle record of an odd-sized batch, and a batch of one, with its own (so KL = its own log-ratio)."""
+    if len(dataset) < 2:
+        raise DataError(f"kto needs at least 2 samples ({len(dataset)} given): its KL estimate pairs each prompt "
+                        "with another sample's answer; add samples")
+    answers = dataset.map(final_answers, batched=True, input_columns="_messages", remove_columns=dataset.column_names,
+                          num_proc=num_proc, desc="KL answers")
+    rotated = answers.select([*range(1, len(answers)), 0]).flatten_indices()
+    return concatenate_datasets([dataset, rotated], axis=1)
+
+
+def final_answers(messages: list[list[Message]]) -> dict[str, list[str]]:
+    return {"_kl_answer": [split_prompt(turns)[1] for turns in messages]}
 
 
 def preference_sample_fits(dataset: Dataset, tokenizer: Any, template: Template, stage: str, cutoff_len: int,
-                           batch: int = 64) -> bool:
-    """Whether any sample of ``dataset`` keeps its prompt plus one answer token (see ``sft_sample_fits``)."""
+                           drop_excess: bool = False, batch: int = 64) -> bool:
+    """Whether any sample of ``dataset`` keeps its prompt plus one answer token (with ``drop_excess``: fits whole;
+    see ``sft_sample_fits``)."""
     encoder = encode_kto_batch if stage == "kto" else encode_pair_batch
     first = "input_ids" if stage == "kto" else "chosen_input_ids"
     for start in range(0, len(dataset), batch):
-        encoded = encoder(dataset[start:start + batch], tokenizer=tokenizer, template=template, cutoff_len=cutoff_len)
+        encoded = encoder(dataset[start:start + batch], tokenizer=tokenizer, template=template, cutoff_len=cutoff_len,
+                          drop_excess=drop_excess)
         if any(encoded[first]):
             return True
     return False
 
 
+Encoded = tuple[list[int], list[int]]  # (input_ids, labels) of one row
+EMPTY: Encoded = ([], [])
+
+
 def encode_answer_sets(tokenizer: Any, template: Template, samples: Sequence[tuple[str, list[Message], list[str], str]],
                        cutoff_len: int, images: ImageProcessor | None = None,
-                       sample_images: Sequence[list[str]] = ()) -> list[list[tuple[list[int], list[int]]]]:
-    """For each (system, prompt turns, answers, tools): (input_ids, labels) of the prompt followed by each answer.
+                       sample_images: Sequence[list[str]] = ()) -> list[tuple[list[Encoded], list[bool]]]:
+    """For each (system, prompt turns, answers, tools): (input_ids, labels) of the prompt followed by each answer,
+    and for each answer whether cutoff_len cut it.
 
     Every answer is rendered as the conversation's last turn, so all answers of a sample share its prompt tokens;
     all pieces of all samples are tokenised in one call. A sample whose prompt leaves no room for one answer token
@@ -234,17 +261,19 @@ def encode_answer_sets(tokenizer: Any, template: Template, samples: Sequence[tup
     ids = iter(flat_ids)
     encoded = []
     for sample in rendered:
-        answers = [assemble_answer([next(ids) for _ in pieces], cutoff_len) for pieces in sample]
-        encoded.append(answers if all(a[0] for a in answers) else [([], []) for _ in answers])
+        pieces = [[next(ids) for _ in answer] for answer in sample]
+        answers = [assemble_answer(answer, cutoff_len) for answer in pieces]
+        cut = [sum(len(piece) for piece in answer) > cutoff_len for answer in pieces]
+        encoded.append((answers if all(a[0] for a in answers) else [EMPTY for _ in answers], cut))
     return encoded
 
 
-def assemble_answer(pieces: list[list[int]], cutoff_len: int) -> tuple[list[int], list[int]]:
+def assemble_answer(pieces: list[list[int]], cutoff_len: int) -> Encoded:
     """The prompt pieces masked, then the last piece (the answer) cut to ``cutoff_len``; empty when it cannot fit."""
     prompt_ids = [token for piece in pieces[:-1] for token in piece]
     room = cutoff_len - len(prompt_ids)
     if room < 1:
-        return [], []
+        return EMPTY
     response = pieces[-1][:room]
     return prompt_ids + response, [IGNORE_INDEX] * len(prompt_ids) + response
 
@@ -255,7 +284,8 @@ def split_prompt(messages: Sequence[Message]) -> tuple[list[Message], str]:
 
 
 def encode_pair_batch(batch: Mapping[str, list[Any]], tokenizer: Any, template: Template, cutoff_len: int,
-                      images: ImageProcessor | None = None) -> dict[str, list[Any]]:
+                      images: ImageProcessor | None = None, drop_excess: bool = False) -> dict[str, list[Any]]:
+    """Both rows of each pair (``_cut``: an answer was cut; with ``drop_excess`` such a pair is left empty)."""
     tools = batch.get("tools") or [""] * len(batch["_messages"])
     samples = []
     for system, messages, rejected, sample_tools in zip(batch["_system"], batch["_messages"], batch["_rejected"],
@@ -263,30 +293,33 @@ def encode_pair_batch(batch: Mapping[str, list[Any]], tokenizer: Any, template: 
         prompt, chosen = split_prompt(messages)
         samples.append((system, prompt, [chosen, rejected], sample_tools or ""))
     sample_images = batch.get("_images") or [[] for _ in samples]
-    out: dict[str, list[Any]] = {key: [] for key in PAIR_FEATURES}
-    encoded = encode_answer_sets(tokenizer, template, samples, cutoff_len, images, sample_images)
-    for (c_ids, c_labels), (r_ids, r_labels) in encoded:
+    out: dict[str, list[Any]] = {key: [] for key in [*PAIR_FEATURES, "_cut"]}
+    for answers, cut in encode_answer_sets(tokenizer, template, samples, cutoff_len, images, sample_images):
+        (c_ids, c_labels), (r_ids, r_labels) = [EMPTY, EMPTY] if drop_excess and any(cut) else answers
         for key, value in (("chosen_input_ids", c_ids), ("chosen_labels", c_labels), ("rejected_input_ids", r_ids),
-                           ("rejected_labels", r_labels)):
+                           ("rejected_labels", r_labels), ("_cut", any(cut))):
             out[key].append(value)
     if images is not None:  # a prompt is never cut, so a kept pair keeps every image
         out["images"] = [list(paths) for paths in sample_images]
     return out
 
 
-def encode_kto_batch(batch: Mapping[str, list[Any]], tokenizer: Any, template: Template, cutoff_len: int
-                     ) -> dict[str, list[Any]]:
-    """Each answer, and for KTO's KL estimate the same prompt with another record's answer: the answers of a map
-    batch in reverse order, as LLaMA-Factory pairs them."""
+def encode_kto_batch(batch: Mapping[str, list[Any]], tokenizer: Any, template: Template, cutoff_len: int,
+                     drop_excess: bool = False) -> dict[str, list[Any]]:
+    """Each answer, and for KTO's KL estimate the same prompt with another record's answer: ``_kl_answer``
+    (``with_kl_answers``), or, where a batch comes without it (the cutoff check), the batch's answers rotated.
+    ``_cut`` and ``drop_excess`` look at the trained answer only: the KL row is cut as needed, never trained."""
     tools = batch.get("tools") or [""] * len(batch["_messages"])
     answers = [split_prompt(messages)[1] for messages in batch["_messages"]]
+    kl_answers = batch.get("_kl_answer") or answers[1:] + answers[:1]
     samples = [(system, split_prompt(messages)[0], [answer, kl_answer], sample_tools or "")
                for system, messages, sample_tools, answer, kl_answer
-               in zip(batch["_system"], batch["_messages"], tools, answers, answers[::-1], strict=True)]
-    out: dict[str, list[Any]] = {key: [] for key in KTO_FEATURES}
-    for ((ids, labels), (kl_ids, kl_labels)), tag in zip(encode_answer_sets(tokenizer, template, samples, cutoff_len),
-                                                         batch["_kto_tag"], strict=True):
+               in zip(batch["_system"], batch["_messages"], tools, answers, kl_answers, strict=True)]
+    out: dict[str, list[Any]] = {key: [] for key in [*KTO_FEATURES, "_cut"]}
+    encoded = encode_answer_sets(tokenizer, template, samples, cutoff_len)
+    for (answer_rows, cut), tag in zip(encoded, batch["_kto_tag"], strict=True):
+        (ids, labels), (kl_ids, kl_labels) = [EMPTY, EMPTY] if drop_excess and cut[0] else answer_rows
         for key, value in (("input_ids", ids), ("labels", labels), ("kl_input_ids", kl_ids),
-                           ("kl_labels", kl_labels), ("kto_tag", tag)):
+                           ("kl_labels", kl_labels), ("kto_tag", tag), ("_cut", cut[0])):
             out[key].append(value)
     return out

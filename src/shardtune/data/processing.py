@@ -26,16 +26,19 @@ logger = logging.getLogger(__name__)
 TokenIds = list[int]
 TOKEN_FEATURES = Features({"input_ids": List(Value("int32")), "labels": List(Value("int32"))})
 # Bookkeeping columns added during sft encoding and removed before the dataset is returned.
-SFT_FEATURES = Features({**TOKEN_FEATURES, "_length": Value("int32"), "_needed": Value("int32")})
+SFT_FEATURES = Features({**TOKEN_FEATURES, "_length": Value("int32"), "_needed": Value("int32"),
+                         "_cut": Value("bool")})
 
 
 @dataclass(frozen=True)
 class SftOptions:
-    """How sft samples are cut and masked: ``mask_history`` trains only the last turn's answer."""
+    """How sft samples are cut and masked: ``mask_history`` trains only the last turn's answer; ``drop_excess``
+    (``excess_length_strategy: drop``) drops a sample that does not fit whole instead of cutting it."""
 
     cutoff_len: int
     train_on_prompt: bool = False
     mask_history: bool = False
+    drop_excess: bool = False
 
 
 def tokenize_sft(dataset: Dataset, tokenizer: Any, template: Template, options: SftOptions,
@@ -53,13 +56,26 @@ def tokenize_sft(dataset: Dataset, tokenizer: Any, template: Template, options: 
                           new_fingerprint=step_fingerprint(encoded, "drop-empty", has_tokens))
     if len(kept) == 0 and len(encoded) > 0:
         shortest = min(encoded["_needed"])
+        needs = "whole" if options.drop_excess else "its trained turn's prompt plus one answer token"
         raise DataError(f"cutoff_len ({cutoff_len}) is too small: no sample keeps a trainable token; the shortest "
-                        f"sample needs {shortest} tokens (its trained turn's prompt plus one answer token); "
-                        f"raise cutoff_len to at least {shortest}")
-    if len(kept) < len(encoded):
-        logger.warning("dropped %d of %d samples whose trained turn's prompt does not fit in cutoff_len=%d",
-                       len(encoded) - len(kept), len(encoded), cutoff_len)
-    return kept.remove_columns(["_length", "_needed"])
+                        f"sample needs {shortest} tokens ({needs}); raise cutoff_len to at least {shortest}")
+    report_cutoff(len(encoded), kept, cutoff_len, options.drop_excess)
+    return kept.remove_columns(["_length", "_needed", "_cut"])
+
+
+def report_cutoff(total: int, kept: Dataset, cutoff_len: int, drop_excess: bool) -> None:
+    """One warning line with what cutoff_len did to the samples (``_cut`` marks a kept sample that was shortened);
+    nothing when every sample fits. Warnings reach the run's output, so the user sees the counts."""
+    dropped = total - len(kept)
+    if drop_excess:
+        if dropped:
+            logger.warning("cutoff_len=%d: %d of %d samples dropped (excess_length_strategy: drop)", cutoff_len,
+                           dropped, total)
+        return
+    cut = sum(kept["_cut"]) if len(kept) else 0
+    if cut or dropped:
+        logger.warning("cutoff_len=%d: %d of %d samples cut to fit (prompt whole, answers shortened), %d dropped "
+                       "(the prompt leaves no room for an answer token)", cutoff_len, cut, total, dropped)
 
 
 def sft_sample_fits(dataset: Dataset, tokenizer: Any, template: Template, options: SftOptions,
@@ -87,25 +103,41 @@ def encode_sft_batch(batch: Mapping[str, list[Any]], tokenizer: Any, template: T
     sample_images = batch.get("_images") or [[] for _ in rendered]
     if images is not None:
         ids = with_image_tokens(pieces, ids, [path for paths in sample_images for path in paths], images)
-    out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "_length": [], "_needed": []}
+    out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "_length": [], "_needed": [], "_cut": []}
     if images is not None:
         out["images"] = []
     start = 0
     for turns, paths in zip(rendered, sample_images, strict=True):
         pairs = [(ids[start + 2 * k], ids[start + 2 * k + 1]) for k in range(len(turns))]
         start += 2 * len(turns)
-        if options.mask_history:
-            input_ids, labels = assemble_last_turn_sample(pairs, options.cutoff_len)
-        else:
-            input_ids, labels = assemble_sft_sample(pairs, options.cutoff_len, options.train_on_prompt)
+        full_length = sum(len(prompt) + len(response) for prompt, response in pairs)
+        input_ids, labels = assemble_within_cutoff(pairs, options, full_length)
         out["input_ids"].append(input_ids)
         out["labels"].append(labels)
         if images is not None:
             out["images"].append(kept_images(input_ids, paths, images.image_token_id, options.mask_history))
         out["_length"].append(len(input_ids))
-        trained: tuple[TokenIds, TokenIds] = pairs[-1] if options.mask_history else pairs[0] if pairs else ([], [])
-        out["_needed"].append(len(trained[0]) + 1 if pairs else 0)
+        out["_cut"].append(full_length > options.cutoff_len)
+        out["_needed"].append(full_length if options.drop_excess else needed_tokens(pairs, options.mask_history))
     return out
+
+
+def assemble_within_cutoff(pairs: list[tuple[TokenIds, TokenIds]], options: SftOptions, full_length: int
+                           ) -> tuple[TokenIds, TokenIds]:
+    """One sample's (input_ids, labels) within cutoff_len: cut (``assemble_*``), or empty when it does not fit
+    whole and ``drop_excess``."""
+    if options.drop_excess and full_length > options.cutoff_len:
+        return [], []
+    if options.mask_history:
+        return assemble_last_turn_sample(pairs, options.cutoff_len)
+    return assemble_sft_sample(pairs, options.cutoff_len, options.train_on_prompt)
+
+
+def needed_tokens(pairs: list[tuple[TokenIds, TokenIds]], last_turn: bool) -> int:
+    """The fewest tokens that keep a sample: its trained turn's prompt plus one answer token."""
+    if not pairs:
+        return 0
+    return len((pairs[-1] if last_turn else pairs[0])[0]) + 1
 
 
 def with_image_tokens(pieces: list[str], ids: list[TokenIds], paths: list[str], images: ImageProcessor
@@ -179,21 +211,32 @@ def assemble_last_turn_sample(pairs: list[tuple[TokenIds, TokenIds]], cutoff_len
 
 
 def tokenize_pt(dataset: Dataset, tokenizer: Any, cutoff_len: int, packing: bool,
-                num_proc: int | None = None, batch_size: int = 1000) -> Dataset:
-    """Encode plain texts for pre-training; labels equal input_ids (the model shifts them)."""
+                num_proc: int | None = None, batch_size: int = 1000, end_id: int | None = None) -> Dataset:
+    """Encode plain texts for pre-training; labels equal input_ids (the model shifts them). Each text ends with
+    ``end_id`` (``document_end_id``; eos by default)."""
     special_token_strings(tokenizer)  # fails early, with a remedy, when there is no eos token
-    encode = partial(encode_pt_batch, tokenizer=tokenizer, cutoff_len=cutoff_len, packing=packing)
+    encode = partial(encode_pt_batch, tokenizer=tokenizer, cutoff_len=cutoff_len, packing=packing, end_id=end_id)
     return dataset.map(encode, batched=True, remove_columns=dataset.column_names, features=TOKEN_FEATURES,
                        num_proc=num_proc, batch_size=batch_size, desc="Tokenizing",
                        new_fingerprint=step_fingerprint(dataset, "pt", encode))
 
 
-def encode_pt_batch(batch: Mapping[str, list[Any]], tokenizer: Any, cutoff_len: int, packing: bool
-                    ) -> dict[str, list[Any]]:
+def document_end_id(tokenizer: Any, template: Template) -> int:
+    """The token that ends each pre-training document: the template's ``document_end`` where the tokenizer has it
+    as one token (Llama 3's ``<|end_of_text|>``), else eos."""
+    token = template.document_end.replace("{eos}", special_token_strings(tokenizer)["{eos}"])
+    if token not in tokenizer.get_vocab():
+        return int(tokenizer.eos_token_id)
+    return int(tokenizer.convert_tokens_to_ids(token))
+
+
+def encode_pt_batch(batch: Mapping[str, list[Any]], tokenizer: Any, cutoff_len: int, packing: bool,
+                    end_id: int | None = None) -> dict[str, list[Any]]:
     """Batched map function. With packing, blocks do not cross map batches (preprocessing_batch_size texts)."""
     texts = [text for text in batch["_text"] if text.strip()]
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    documents = [ids + [tokenizer.eos_token_id] for ids in encoded]
+    end = tokenizer.eos_token_id if end_id is None else end_id
+    documents = [ids + [end] for ids in encoded]
     if packing:
         stream = [token for document in documents for token in document]
         blocks = [stream[i : i + cutoff_len] for i in range(0, len(stream), cutoff_len)]

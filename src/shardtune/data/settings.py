@@ -28,6 +28,8 @@ class DataSettings:
     ``packing`` puts several whole samples into one row of at most ``cutoff_len`` tokens (sft), each seeing
     only itself (what LLaMA-Factory calls ``neat_packing``), or concatenates texts into ``cutoff_len``
     blocks (pt). ``mask_history``: only the last turn's answer is trained; earlier turns are context.
+    ``excess_length_strategy``: a sft or preference sample longer than ``cutoff_len`` is ``truncate``d (its prompt
+    kept whole, its answers cut; dropped only when the prompt leaves no room for an answer token) or ``drop``ped.
     ``streaming`` reads the files lazily, shuffles through a buffer of ``buffer_size`` records and tokenises on
     the fly (``data.streaming``); ``val_size`` must then be a count.
     """
@@ -51,6 +53,7 @@ class DataSettings:
     mix_strategy: str = "concat"
     interleave_probs: tuple[float, ...] = ()
     mask_history: bool = False
+    excess_length_strategy: str = "truncate"
     neat_packing: bool = False
     preprocessing_batch_size: int = 1000
     streaming: bool = False

@@ -35,10 +35,10 @@ from shardtune.data.checks import check_data_settings
 from shardtune.data.formats import batch_converter, raise_record_problems, require_columns
 from shardtune.data.loading import quiet_datasets_logging
 from shardtune.data.packing import PACKED_FEATURES, pack_row, plan_rows
-from shardtune.data.processing import TOKEN_FEATURES, encode_pt_batch, encode_sft_batch
+from shardtune.data.processing import TOKEN_FEATURES, document_end_id, encode_pt_batch, encode_sft_batch
 from shardtune.data.registry import DatasetEntry, resolve_entries
 from shardtune.data.settings import MIX_STRATEGIES, DataSettings, dataset_names
-from shardtune.data.templates import special_token_strings
+from shardtune.data.templates import get_template, special_token_strings
 from shardtune.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ def stream_encoder(tokenizer: Any, settings: DataSettings) -> tuple[Encode, Feat
     if settings.stage == "pt":
         special_token_strings(tokenizer)  # fails early, with a remedy, when there is no eos token
         encode = partial(encode_pt_batch, tokenizer=tokenizer, cutoff_len=settings.cutoff_len,
-                         packing=settings.packing)
+                         packing=settings.packing, end_id=document_end_id(tokenizer, get_template(settings.template)))
         return encode, TOKEN_FEATURES
     sft = partial(encode_sft_batch, tokenizer=tokenizer, template=prepared_template(tokenizer, settings),
                   options=sft_options(settings))

@@ -46,6 +46,10 @@ class Template:
     ``tool_style`` writes tool definitions, calls and results (see ``tools``); ``no_tools_reason`` says
     why a template has none. ``thinking`` writes the family's reasoning blocks (see ``thinking``): kept only
     after the last user query, with the family's rule for empty blocks and for where the prompt ends.
+    ``closing_roles``: a family without an end-of-turn token ends an answer by generating the next turn's role
+    token (GLM-4: ``<|user|>``, ``<|observation|>``), so that token is trained with the answer before it.
+    ``document_end`` separates pre-training documents where the chat stop token (often the Instruct tokenizer's
+    eos) is not what the base model saw there (Llama 3: ``<|end_of_text|>``, not ``<|eot_id|>``).
     """
 
     name: str
@@ -64,6 +68,8 @@ class Template:
     no_tools_reason: str = ""  # why there is no tool_style, shown when data with tools is refused
     thinking: ThinkingStyle | None = None
     enable_thinking: bool = True
+    closing_roles: tuple[str, ...] = ()  # role tokens that also end the answer before them (GLM-4)
+    document_end: str = "{eos}"  # what ends each pre-training document (pt)
 
     def render_turns(self, system: str, messages: Sequence[Message], tokenizer: Any, tools: str = ""
                      ) -> list[Turn]:
@@ -83,6 +89,17 @@ class Template:
             if k == len(pairs) - 1:
                 response += fill(self.final_suffix, "", specials)
             turns.append((prompt + masked, response))
+        return self.close_with_roles(turns)
+
+    def close_with_roles(self, turns: list[Turn]) -> list[Turn]:
+        """Move a ``closing_roles`` token from the start of a turn's prompt to the end of the answer before it:
+        the text is unchanged, but the token is trained where the model has to generate it to stop."""
+        for k in range(1, len(turns)):
+            prompt = turns[k][0]
+            role = next((role for role in self.closing_roles if prompt.startswith(role)), "")
+            if role:
+                turns[k - 1] = (turns[k - 1][0], turns[k - 1][1] + role)
+                turns[k] = (prompt[len(role):], turns[k][1])
         return turns
 
     def answer_format(self, answer: Message, is_last: bool) -> str:

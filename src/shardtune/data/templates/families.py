@@ -11,6 +11,7 @@ from typing import TypedDict
 from shardtune.data.templates.auto import TokenizerChatTemplate
 from shardtune.data.templates.base import Template
 from shardtune.data.templates.thinking import (
+    DEEPSEEK_R1_THINKING,
     GEMMA4_THINKING,
     GLM4_MOE_THINKING,
     QWEN3_5_THINKING,
@@ -54,6 +55,8 @@ _YI_TURNS: _TurnFormats = {**_CHATML, "system_format": "{content}"}  # chatml tu
 _GLM4_TURNS: _TurnFormats = {"system_format": "<|system|>\n{content}",
                               "user_format": "<|user|>\n{content}<|assistant|>", "assistant_format": "\n{content}",
                               "stop_word": "<|user|>"}
+# The role tokens GLM-4 stops on (its generation config's eos ids besides <|endoftext|>): trained after each answer.
+_GLM4_CLOSING = ("<|user|>", "<|observation|>")
 def _tools_through_auto(family: str) -> str:
     return (f"{family}'s tool layout is not written by this named template; template: auto renders it with the "
             "tokenizer's own chat template")
@@ -125,8 +128,9 @@ TEMPLATES: dict[str, Template] = {
     # Meta-Llama-3-Instruct: every content is trimmed, the system prompt too (LLaMA-Factory does not trim).
     # Llama 3.1+ official templates also add a "Cutting Knowledge Date" system block; LLaMA-Factory and this one do
     # not, except in a conversation with tool definitions, which is written in the Llama 3.1 tool layout (tools.py).
+    # Pre-training documents end with <|end_of_text|> (the Instruct tokenizer's eos is the chat stop <|eot_id|>).
     "llama3": Template(name="llama3", prefix="{bos}", strip_content=True, strip_system=True, tool_style=LLAMA3_TOOLS,
-                       **_llama3_turns(_LLAMA3_HEADER, "<|eot_id|>")),
+                       document_end="<|end_of_text|>", **_llama3_turns(_LLAMA3_HEADER, "<|eot_id|>")),
     # Llama 4 trims the system prompt only (LLaMA-Factory does not trim).
     "llama4": Template(name="llama4", prefix="{bos}", strip_system=True, **_llama3_turns(_LLAMA4_HEADER, "<|eot|>"),
                        no_tools_reason=_tools_through_auto("Llama 4")),
@@ -223,14 +227,29 @@ TEMPLATES: dict[str, Template] = {
         no_tools_reason="DeepSeek-V3's official template writes no tool definitions and leaves a single call "
         "without its closing <｜tool▁calls▁end｜>",
     ),
+    # DeepSeek-R1 (and its Qwen/Llama distills): DeepSeek-V3's turns; the generation prompt opens the think block
+    # ("<think>\n", masked) and the answer after the last question carries it, its reasoning kept; the official
+    # template drops the reasoning of every answer it shows. LLaMA-Factory trains the "<think>\n" opener.
+    "deepseekr1": Template(
+        name="deepseekr1",
+        prefix="{bos}",
+        user_format="<｜User｜>{content}<｜Assistant｜>",
+        assistant_format="{content}<｜end▁of▁sentence｜>",
+        stop_word="<｜end▁of▁sentence｜>",
+        thinking=DEEPSEEK_R1_THINKING,
+        no_tools_reason="DeepSeek-R1's tool-call layout is not written by this named template",
+    ),
     # GLM-4-chat: no end-of-turn token after answers (the next "<|user|>" stops generation); the final
     # answer gets eos so that training teaches stopping, as LLaMA-Factory's efficient_eos does.
-    "glm4": Template(name="glm4", prefix="[gMASK]<sop>", final_suffix="{eos}", tool_style=GLM4_TOOLS, **_GLM4_TURNS),
+    # The next turn's <|user|> / <|observation|> is trained with the answer before it, as the token the model stops
+    # on; LLaMA-Factory (efficient_eos) trains eos at that position instead, which the input never shows there.
+    "glm4": Template(name="glm4", prefix="[gMASK]<sop>", final_suffix="{eos}", tool_style=GLM4_TOOLS,
+                     closing_roles=_GLM4_CLOSING, **_GLM4_TURNS),
     # GLM-4.5/4.6 (zai-org/GLM-4.6's template): GLM-4's markers, every answer opens with a think block (empty
     # before the last query), answers trimmed; thinking off masks the empty block and appends "/nothink" to each
     # user message, as the official template does. eos after the final answer as glm4 (LLaMA-Factory: same).
     "glm4_moe": Template(name="glm4_moe", prefix="[gMASK]<sop>", final_suffix="{eos}", thinking=GLM4_MOE_THINKING,
-                         tool_style=GLM4_5_TOOLS, **_GLM4_TURNS),
+                         tool_style=GLM4_5_TOOLS, closing_roles=_GLM4_CLOSING, **_GLM4_TURNS),
     # Yi-1.5-chat: the system text is written as is, before the first turn (no chatml block).
     "yi": Template(name="yi", **_YI_TURNS),
     # Command-R: contents stripped (LLaMA-Factory does not strip).
@@ -264,6 +283,14 @@ TEMPLATES: dict[str, Template] = {
         stop_word="<|return|>",
         no_tools_reason="gpt-oss's tool layout (a TypeScript namespace in the developer message, commentary-"
         "channel calls) is not implemented in shardtune",
+    ),
+    # HuggingFaceH4/zephyr-7b-beta: "<|user|>\n...</s>\n<|assistant|>\n"; no default system prompt, as the official
+    # template (LLaMA-Factory: "You are Zephyr, a helpful assistant.", and no "\n" after each eos).
+    "zephyr": Template(
+        name="zephyr",
+        system_format="<|system|>\n{content}{eos}\n",
+        user_format="<|user|>\n{content}{eos}\n<|assistant|>\n",
+        assistant_format="{content}{eos}\n",
     ),
     "auto": TokenizerChatTemplate(),
 }

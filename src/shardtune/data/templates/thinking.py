@@ -5,7 +5,7 @@ LLaMA-Factory's thought words). Every official template drops the reasoning of a
 query; they differ in what else they write:
 
 - ``qwen3``: after the last query, a block when the answer has reasoning or is the final one (empty then).
-- ``after_query``: every answer after the last query shows a block, empty or not (Qwen3.5).
+- ``after_query``: every answer after the last query shows a block, empty or not (Qwen3.5, DeepSeek-R1).
 - ``every_answer``: every answer shows a block; before the last query an empty one (GLM-4.5).
 - ``reasoning_only``: a block only where there is reasoning after the last query (Gemma 4); with thinking off
   the final answer follows the empty block the official generation prompt ends with.
@@ -90,3 +90,5 @@ GLM4_MOE_THINKING = ThinkingStyle("glm4_moe", shown="every_answer", block="\n<th
                                   no_think_user_suffix="/nothink")
 GEMMA4_THINKING = ThinkingStyle("gemma4", shown="reasoning_only", block="<|channel>thought\n{reasoning}<channel|>",
                                 open_tag="<|channel>thought", close_tag="<channel|>", think_system="<|think|>")
+# DeepSeek-R1: every answer after the last query shows a block (its generation prompt always opens one).
+DEEPSEEK_R1_THINKING = ThinkingStyle("deepseekr1", shown="after_query", think_prompt="<think>\n")
