@@ -11,6 +11,7 @@ Three jobs, shared by the config loader, the launching host's checks and the com
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import unicodedata
@@ -42,7 +43,28 @@ def expand_user_path(value: str) -> str:
         names = ", ".join(f"${name}" for name in dict.fromkeys(missing))
         raise ValueError(f"{shown(value)} uses {names}, which is not set in the environment; set it or write the "
                          "path out")
-    return os.path.expanduser(os.path.expandvars(value))
+    expanded = os.path.expanduser(os.path.expandvars(value))
+    problem = unusable_path_problem(expanded)
+    if problem:
+        raise ValueError(problem)
+    return expanded
+
+
+NAME_MAX, PATH_MAX = 255, 4095  # bytes in one part of a path, and in the whole, on Linux filesystems
+
+
+def unusable_path_problem(path: str) -> str | None:
+    """Why no file operation can use ``path`` (too long, a symbolic-link loop); None when it can be tried."""
+    longest = max((len(part.encode()) for part in path.split(os.sep)), default=0)
+    if longest > NAME_MAX or len(path.encode()) > PATH_MAX:
+        return (f"{shown(path[:60] + '...')} is longer than a path can be ({longest} bytes in one part, at most "
+                f"{NAME_MAX}; {len(path.encode())} in all, at most {PATH_MAX}); give the real path")
+    try:
+        os.stat(path)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return f"{shown(path)} is a loop of symbolic links; point it at a real file or folder"
+    return None
 
 
 def reads_as_hub_id(name: str) -> bool:

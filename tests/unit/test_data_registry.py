@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from shardtune.data import DataSettings, build_datasets, check_data_settings
+from shardtune.data.registry import separator_hint
 from shardtune.errors import DataError
 from tests.unit.conftest_data import REPO, alpaca_dir, settings_for, write_jsonl, write_registry
 
@@ -23,7 +24,7 @@ def test_bundled_demo_registry_is_clean(monkeypatch: pytest.MonkeyPatch) -> None
 def test_unknown_dataset_suggests_the_closest_name(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)
     problems = check_data_settings(DataSettings(dataset=("dmo",)))
-    assert problems == ["unknown dataset 'dmo' in data/dataset_info.json (did you mean 'demo'?)"]
+    assert problems == ["dataset: unknown dataset 'dmo' in data/dataset_info.json (did you mean 'demo'?)"]
 
 
 def test_unknown_dataset_without_close_match_lists_known_names(tmp_path: Path) -> None:
@@ -115,3 +116,10 @@ def test_build_datasets_raises_the_check_problems_together(tmp_path: Path) -> No
     with pytest.raises(DataError) as caught:
         build_datasets(None, settings_for(directory, "toy", "tyo", template="nope"))
     assert len(caught.value.problems) == 2
+
+
+def test_names_joined_by_spaces_or_semicolons_are_told_to_use_commas() -> None:
+    registry = {"demo": {}, "demo_sharegpt": {}}
+    assert "separated by commas: demo,demo_sharegpt" in separator_hint("demo demo_sharegpt", registry)
+    assert "separated by commas: demo,demo_sharegpt" in separator_hint("demo; demo_sharegpt", registry)
+    assert separator_hint("demo unknown", registry) == ""

@@ -37,8 +37,13 @@ def check_data_settings(settings: DataSettings) -> list[str]:
         return problems + ["dataset is empty; name at least one entry of dataset_info.json, e.g. dataset: demo"]
     problems += [f"dataset: '{name}' is listed twice; each dataset is read once (to weight one, use mix_strategy "
                  "interleave_* with interleave_probs)" for name in sorted({n for n in names if names.count(n) > 1})]
-    entries, entry_problems = resolve_entries([*names, *settings.eval_dataset], settings.dataset_dir)
+    entries, entry_problems = resolve_entries(names, settings.dataset_dir)
     problems += entry_problems
+    if settings.eval_dataset:
+        eval_entries, eval_problems = resolve_entries([n for n in settings.eval_dataset if n not in names],
+                                                      settings.dataset_dir, key="eval_dataset")
+        entries += eval_entries
+        problems += [p for p in eval_problems if p not in problems]
     for entry in entries:
         problems += entry_stage_problems(entry, settings.stage)
         if "images" in entry.columns:

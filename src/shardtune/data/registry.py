@@ -142,8 +142,18 @@ def _lines_of(text: str, key: str) -> str:
     return f" lines {' and '.join(map(str, lines))}" if len(lines) > 1 else ""
 
 
-def resolve_entries(names: list[str], dataset_dir: str | Path) -> tuple[list[DatasetEntry], list[str]]:
-    """Look up every name and validate its entry; all problems are collected, not just the first."""
+def separator_hint(name: str, registry: dict[str, Any]) -> str:
+    """`` (names are separated by commas: a,b)`` when ``name`` is known names joined by spaces or semicolons."""
+    parts = [p for p in re.split(r"[\s;]+", name) if p]
+    if len(parts) > 1 and all(p in registry for p in parts):
+        return f"; names are separated by commas: {','.join(parts)}"
+    return ""
+
+
+def resolve_entries(names: list[str], dataset_dir: str | Path, key: str = "dataset"
+                    ) -> tuple[list[DatasetEntry], list[str]]:
+    """Look up every name and validate its entry; all problems are collected, not just the first. ``key``: the
+    config key that lists the names, for the messages."""
     registry, problems = load_registry(dataset_dir)
     if problems:
         return [], problems
@@ -151,8 +161,9 @@ def resolve_entries(names: list[str], dataset_dir: str | Path) -> tuple[list[Dat
     entries: list[DatasetEntry] = []
     for name in dict.fromkeys(names):
         if name not in registry:
-            hint = did_you_mean(name, registry) or f"; known: {', '.join(sorted(registry)[:12]) or 'none'}"
-            problems.append(f"unknown dataset {shown(name)} in {path}{hint}")
+            hint = (separator_hint(name, registry) or did_you_mean(name, registry)
+                    or f"; known: {', '.join(sorted(registry)[:12]) or 'none'}")
+            problems.append(f"{key}: unknown dataset {shown(name)} in {path}{hint}")
             continue
         entry, entry_problems = resolve_entry(name, registry[name], Path(dataset_dir), path)
         problems += entry_problems

@@ -143,7 +143,11 @@ def preset_list() -> str:
 
 def read_json_config(path: Path) -> dict:
     """Parse a JSON object; syntax errors and duplicate keys name the file, line and column."""
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"deepspeed: cannot read {path} as a JSON text file ({err}); give a DeepSpeed JSON "
+                          f"file or a preset ({preset_list()})") from None
     try:
         data = json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
     except json.JSONDecodeError as err:

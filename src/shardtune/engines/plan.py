@@ -111,7 +111,7 @@ def _load_fsdp_config_file(path: str, world_size: int) -> tuple[dict[str, Any], 
     try:
         data = load_yaml_file(path)
     except ConfigError as err:
-        return {}, err.problems
+        return {}, [f"fsdp_config: {problem}" for problem in err.problems]
     if "distributed_type" not in data:
         return data, []
     section = dict(data.get("fsdp_config") or {})

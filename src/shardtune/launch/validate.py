@@ -364,7 +364,7 @@ def oft_size_problems(c: TrainConfig) -> list[str]:
 def mistyped_target_problems(c: TrainConfig) -> list[str]:
     """lora_target (oft_target) / additional_target names the model's weights lack, where a close name is present
     (a typo)."""
-    from shardtune.model.weight_names import mistyped_modules
+    from shardtune.model.weight_names import absent_modules, mistyped_modules
 
     folder = Path(c.model_name_or_path or "")
     problems = []
@@ -375,6 +375,10 @@ def mistyped_target_problems(c: TrainConfig) -> list[str]:
         typos = mistyped_modules(list(wanted), folder) if folder.is_dir() else {}
         problems += [f"{key}: {typed} not found in the model (did you mean '{close}'?)"
                      for typed, close in typos.items()]
+        if key == "additional_target" and folder.is_dir():  # as the rank's peft check refuses it
+            absent = [name for name in absent_modules([str(w) for w in wanted], folder) if name not in typos]
+            problems += [f"additional_target: {','.join(absent)} not found in the model; use module names such as "
+                         "embed_tokens, lm_head, norm"] if absent else []
     return problems
 
 

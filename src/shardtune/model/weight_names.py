@@ -50,3 +50,18 @@ def mistyped_modules(wanted: list[str], folder: Path) -> dict[str, str]:
         if name not in present and close:
             found[name] = close[0]
     return found
+
+
+def module_names_anywhere(names: list[str]) -> set[str]:
+    """Every module name along each weight's path (``model``, ``layers``, ``0``, ``self_attn``, ``q_proj``): what
+    peft's ``modules_to_save`` can match, whatever prefix transformers adds or drops on load."""
+    return {part for name in names for part in name.split(".")[:-1]}
+
+
+def absent_modules(wanted: list[str], folder: Path) -> list[str]:
+    """The names of ``wanted`` that name no module anywhere in the folder's weights ([] when they cannot be read)."""
+    names = tensor_names(folder)
+    if names is None:
+        return []
+    present = module_names_anywhere(names)
+    return [name for name in wanted if name not in present]
