@@ -137,6 +137,11 @@ def resolve_mode(mode: str, config: Any, size: int) -> str:
     return resolved
 
 
+# Kept out of torch_compile's graphs (model/compile.py compiles each decoder layer, this included): its Python loop
+# runs over the micro-batch's segment spans, on which a traced graph would be guarded, so every new packed layout
+# compiled the layers again (torch._dynamo's recompiles log: ``len(_ACTIVE['batch'].spans[0]) == 4``) until the
+# recompile limit left them uncompiled. The projections and the MLP around it still compile, once.
+@torch.compiler.disable
 def split_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
                     sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:

@@ -10,7 +10,9 @@ and FSDP2's hooks (which torch keeps out of the graph) run around the compiled c
 how long it took and whether anything compiled again after step 2. What the layers receive keeps one form from
 step to step: sizes are symbolic, and right-padded rows come without a padding mask where that computes the same
 loss (data/collator.py's ``unmasked_padding``), so a batch with a padded row does not bring a mask that the
-batches before it lacked (transformers' sdpa path branches on ``attention_mask is None``).
+batches before it lacked (transformers' sdpa path branches on ``attention_mask is None``). Under sequence
+parallelism the split attention runs outside the graphs (engines/sequence_parallel.py ``split_attention``): its
+loop follows each micro-batch's packed layout, which a graph would be compiled again for.
 """
 
 from __future__ import annotations
