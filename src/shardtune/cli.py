@@ -147,10 +147,12 @@ def _eval(args: list[str]) -> int:
 
 
 def _expand_model(args: list[str]) -> int:
-    import argparse
+
     from pathlib import Path
 
-    parser = argparse.ArgumentParser(prog="shardtune expand-model",
+    from shardtune.arguments import CommandParser
+
+    parser = CommandParser(prog="shardtune expand-model",
                                      description="LLaMA-Pro block expansion (LLaMA-Factory's scripts/llama_pro.py)")
     parser.add_argument("model", help="the model folder to expand")
     parser.add_argument("--out", required=True, help="output folder (new or empty)")
@@ -174,12 +176,12 @@ def _expand_model(args: list[str]) -> int:
 
 
 def _make_tiny_model(args: list[str]) -> int:
-    import argparse
 
+    from shardtune.arguments import CommandParser, whole_number
     from shardtune.model.architectures import FAMILIES
     from shardtune.model.registry import decoder_families, image_text_families
 
-    parser = argparse.ArgumentParser(prog="shardtune make-tiny-model")
+    parser = CommandParser(prog="shardtune make-tiny-model")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--arch", default="llama",
                         choices=sorted({*FAMILIES, *decoder_families(), *image_text_families()}),
@@ -192,13 +194,14 @@ def _make_tiny_model(args: list[str]) -> int:
     parser.add_argument("--image-text", action="store_true",
                         help="build --arch as transformers' image-text class with its vision tower, as such "
                         "checkpoints are downloaded (qwen3_5, gemma4, mistral3, ...)")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--intermediate", type=int, default=172)
-    parser.add_argument("--vocab-size", type=int, default=2048)
-    parser.add_argument("--seed", type=int, default=0)
+    # Bounded: a tiny model's sizes; past them the tokenizer trainer aborts the process (a Rust panic).
+    parser.add_argument("--layers", type=whole_number(1, 64), default=2)
+    parser.add_argument("--hidden", type=whole_number(1, 8192), default=64)
+    parser.add_argument("--heads", type=whole_number(1, 256), default=4)
+    parser.add_argument("--kv-heads", type=whole_number(1, 256), default=2)
+    parser.add_argument("--intermediate", type=whole_number(1, 32768), default=172)
+    parser.add_argument("--vocab-size", type=whole_number(300, 262144), default=2048)
+    parser.add_argument("--seed", type=whole_number(0, 2**32 - 1), default=0)
     parser.add_argument("--overwrite", action="store_true", help="write into --out even if it holds files")
     ns = parser.parse_args(args)
     from pathlib import Path
@@ -206,6 +209,9 @@ def _make_tiny_model(args: list[str]) -> int:
     from shardtune.errors import ModelError
     from shardtune.paths import listed, user_entries
 
+    if ns.hidden % ns.heads or ns.heads % ns.kv_heads:
+        raise ModelError(f"make-tiny-model: --heads ({ns.heads}) must divide --hidden ({ns.hidden}) and --kv-heads "
+                         f"({ns.kv_heads}) must divide --heads")
     entries = user_entries(Path(ns.out))
     if entries and not ns.overwrite:
         raise ModelError(f"make-tiny-model: --out {ns.out} is not empty ({listed(entries)}); its files would be "
@@ -220,10 +226,12 @@ def _make_tiny_model(args: list[str]) -> int:
 
 
 def _convert_config(args: list[str]) -> int:
-    import argparse
+
     from pathlib import Path
 
-    parser = argparse.ArgumentParser(prog="shardtune convert-config",
+    from shardtune.arguments import CommandParser
+
+    parser = CommandParser(prog="shardtune convert-config",
                                      description="Each key of a LLaMA-Factory or Trainer YAML file: honoured, mapped "
                                                  "(and to what), refused (and why) or unknown. Exit 0 when the file "
                                                  "runs as it is, 2 otherwise.")

@@ -77,3 +77,16 @@ def run_reporting_errors(handler: Callable[[list[str]], int], args: list[str]) -
     except KeyboardInterrupt:
         print("shardtune: interrupted", file=sys.stderr)
         return 130
+    except OSError as err:  # a path the user gave that cannot be read or written: one line, not a traceback
+        if err.filename is None or debug_requested(args):
+            raise
+        return report_error(ShardtuneError(path_error_text(err)))
+
+
+def path_error_text(err: OSError) -> str:
+    """One line for an OSError about a path: the path, the reason, and the fix where the path is a URL."""
+    name = str(err.filename)
+    if "://" in name or name.startswith(("http:/", "https:/", "s3:/", "gs:/")):
+        return f"{name} is a URL; shardtune reads and writes local paths: give a folder on this machine"
+    target = f" -> {err.filename2}" if err.filename2 else ""
+    return f"{name}{target}: {err.strerror or err}; give a path that can be used there"

@@ -4,7 +4,7 @@ Every import counts, also one inside a function (a hidden cycle is still a cycle
 ``if TYPE_CHECKING:``. Layers, lowest first; a package
 may import its own layer's leaf modules and anything below, never above:
 
-    errors, host, world, run_files, paths   leaves: the standard library only
+    errors, host, world, run_files, paths, arguments   leaves: the standard library only
     config                           keys, types, files of settings
     data                             datasets, templates, packing (takes DataSettings, never the config)
     model                            loading, adapters, architectures (never torch.distributed)
@@ -25,7 +25,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "shardtune"
 LAYERS = [
-    {"errors", "host", "world", "run_files", "paths", "startup_gc"},
+    {"errors", "host", "world", "run_files", "paths", "startup_gc", "arguments"},
     {"config"},
     {"data"},
     {"model"},

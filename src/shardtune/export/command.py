@@ -10,6 +10,7 @@ import argparse
 import re
 from pathlib import Path
 
+from shardtune.arguments import CommandParser
 from shardtune.errors import ConfigError, ModelError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -26,7 +27,7 @@ def parse_size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="shardtune export",
         description="Any checkpoint-<step> folder (any engine, any number of processes that wrote it), a run's "
                     "output or a LoRA adapter -> a Hugging Face model folder ready to serve (dtype, chat template, "

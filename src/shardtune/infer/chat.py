@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from shardtune import run_files
+from shardtune.arguments import CommandParser
 from shardtune.config.schema import TrainConfig
 from shardtune.errors import ConfigError
 
@@ -27,7 +28,7 @@ Message = dict[str, str]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="shardtune chat", description="Talk to a trained model: a run's output, an adapter, a checkpoint-<step> "
                                            "folder, an exported folder, or a LLaMA-Factory inference YAML. Generation "
                                            "keys as key=value (temperature=0.3 max_new_tokens=256 do_sample=false).")

@@ -8,12 +8,12 @@ few sizes. Node 0 prints both tables. On one node it prints the node's facts onl
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from shardtune.arguments import CommandParser, whole_number
 from shardtune.errors import ConfigError
 from shardtune.host import visible_gpu_count
 from shardtune.launch import nodes
@@ -24,9 +24,10 @@ SIZES = (4 * 1024, 1024**2, 16 * 1024**2, 64 * 1024**2)  # bytes: latency-bound 
 
 
 def doctor_command(args: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="shardtune doctor", description=__doc__)
+    parser = CommandParser(prog="shardtune doctor", description=__doc__)
     parser.add_argument("config", nargs="*", help="optional: CONFIG.yaml [key=value ...] to compare the run plan too")
-    parser.add_argument("--iterations", type=int, default=5, help="timed all-reduces per size (default 5)")
+    parser.add_argument("--iterations", type=whole_number(1, 10000), default=5,
+                        help="timed all-reduces per size (default 5)")
     ns = parser.parse_args(args)
     env = read_launch_env()
     launch = plan_launch(env, visible_gpu_count())

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from shardtune.arguments import CommandParser
 from shardtune.errors import ConfigError
 from shardtune.launch.cluster import add_node_shape_arguments, node_shape_problems, processes_per_node
 from shardtune.launch.node_resources import (
@@ -176,7 +177,7 @@ def k8s_command(args: list[str]) -> int:
     """`shardtune k8s CONFIG --nodes N --gpus-per-node G --image IMG [...] [key=value ...]`."""
     from shardtune.launch.preflight import preflight
 
-    parser = argparse.ArgumentParser(prog="shardtune k8s", description="Validate CONFIG and write a Kubeflow "
+    parser = CommandParser(prog="shardtune k8s", description="Validate CONFIG and write a Kubeflow "
                                      "manifest (ConfigMap + PyTorchJob or TrainJob) that trains it on N pods.")
     add_node_shape_arguments(parser, "pod")
     add_resource_arguments(parser, "pod")

@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from shardtune.arguments import CommandParser
 from shardtune.errors import ConfigError
 from shardtune.launch.cluster import add_node_shape_arguments, node_shape_problems, processes_per_node
 from shardtune.launch.node_resources import (
@@ -116,7 +117,7 @@ def slurm_command(args: list[str]) -> int:
     """`shardtune slurm CONFIG --nodes N --gpus-per-node G [...] [key=value ...] [--submit]`."""
     from shardtune.launch.preflight import preflight
 
-    parser = argparse.ArgumentParser(prog="shardtune slurm", description="Validate CONFIG and write an sbatch "
+    parser = CommandParser(prog="shardtune slurm", description="Validate CONFIG and write an sbatch "
                                      "script that trains it on N nodes; extra key=value pairs go to the config.")
     add_node_shape_arguments(parser, "node")
     add_resource_arguments(parser, "node")

@@ -9,6 +9,7 @@ import secrets
 import socket
 from pathlib import Path
 
+from shardtune.arguments import CommandParser, positive_seconds, whole_number
 from shardtune.errors import ConfigError
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -16,11 +17,12 @@ _TOKEN = re.compile(r"[A-Za-z0-9._~-]{8,}")
 
 
 def web_command(args: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="shardtune web",
+    parser = CommandParser(prog="shardtune web",
                                      description="A live page of the runs under ROOT: progress, curves, every "
                                                  "rank, errors, checkpoints; launch and stop runs from it.")
     parser.add_argument("root", nargs="?", default=".", help="folder whose runs the page shows (default: here)")
-    parser.add_argument("--port", type=int, default=7860, help="port (default 7860; 0 picks a free one)")
+    parser.add_argument("--port", type=whole_number(0, 65535), default=7860,
+                        help="port (default 7860; 0 picks a free one)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1: this machine only; see the ssh -L line printed)")
     parser.add_argument("--token-file", metavar="FILE",
@@ -28,7 +30,7 @@ def web_command(args: list[str]) -> int:
     parser.add_argument("--token", help=argparse.SUPPRESS)  # refused below, with the reason
     parser.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                         help="a further host name the page is reached by (a reverse proxy's); repeatable")
-    parser.add_argument("--stop-grace", type=float, default=120.0, metavar="SECONDS",
+    parser.add_argument("--stop-grace", type=positive_seconds, default=120.0, metavar="SECONDS",
                         help="how long Stop waits for the ranks to save and exit before it kills them")
     ns = parser.parse_args(args)
     missing = [name for name in ("starlette", "uvicorn") if importlib.util.find_spec(name) is None]

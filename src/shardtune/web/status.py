@@ -3,22 +3,23 @@ terminal (for a machine without a browser); ``--watch`` redraws it."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from shardtune.arguments import CommandParser, positive_seconds
 from shardtune.errors import ConfigError
 from shardtune.web.runs import RunWatcher, find_runs, is_run_folder
 
 
 def status_command(args: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="shardtune status",
+    parser = CommandParser(prog="shardtune status",
                                      description="Progress, ETA, every rank's step, memory and heartbeat, "
                                                  "stragglers and the last error of a run, read from its folder.")
     parser.add_argument("output_dir", help="the run's output_dir (or a folder of runs: each one is listed)")
-    parser.add_argument("--watch", type=float, metavar="SECONDS", help="redraw every SECONDS until the run ends")
+    parser.add_argument("--watch", type=positive_seconds, metavar="SECONDS",
+                        help="redraw every SECONDS until the run ends")
     parser.add_argument("--json", action="store_true", help="the same as JSON")
     ns = parser.parse_args(args)
     folder = Path(ns.output_dir)
