@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,6 +18,25 @@ STEPS = 4
 COMMON = ("examples/tiny/sft_full.yaml", f"max_steps={STEPS}", "logging_steps=1", "save_strategy=no",
           "do_eval=false", "eval_strategy=no", "val_size=0", "plot_loss=false", "max_samples=80",
           "gradient_accumulation_steps=2", "learning_rate=1e-3", "lr_scheduler_type=constant", "warmup_ratio=0")
+
+
+def gloo_case_worker(rank: int, init_file: str, model_dir: str, results: str, cases: tuple[str, ...],
+                     run_case: Callable[[int, str, str], str]) -> None:
+    """An ``mp.spawn`` worker of a 2-rank gloo group: ``run_case(rank, model_dir, case)`` for each case, its outcome
+    (or its traceback) written to ``results/<case>.rank<rank>`` for the test to read."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        for case in cases:
+            try:
+                outcome = run_case(rank, model_dir, case)
+            except Exception:  # noqa: BLE001 - reported to the test
+                outcome = "crash: " + traceback.format_exc()
+            Path(results, f"{case}.rank{rank}").write_text(outcome)
+    finally:
+        dist.destroy_process_group()
 
 
 def run_under_torchrun(script: Path, nproc: int, *args: str, timeout: float) -> None:

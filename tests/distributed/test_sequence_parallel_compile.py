@@ -8,8 +8,6 @@ one length and five layouts, the graphs counted after each, and every loss equal
 
 from __future__ import annotations
 
-import os
-import traceback
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shardtune.data.collator import DataCollator
+from tests.distributed.helpers import gloo_case_worker
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -35,20 +34,6 @@ def _packed_batch(lengths: tuple[int, ...], pad_token_id: int, vocab: int, seed:
         row["position_ids"] += list(range(length))
         row["segment_ids"] += [number] * length
     return DataCollator(pad_token_id, attn_implementation="sdpa", sequence_parallel=2)([row])
-
-
-def _worker(rank: int, init_file: str, model_dir: str, results: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        for mode in MODES:
-            try:
-                outcome = _graphs_per_layout(rank, model_dir, mode)
-            except Exception:  # noqa: BLE001 - reported to the test
-                outcome = "crash: " + traceback.format_exc()
-            Path(results, f"{mode}.rank{rank}").write_text(outcome)
-    finally:
-        dist.destroy_process_group()
 
 
 def _graphs_per_layout(rank: int, model_dir: str, mode: str) -> str:
@@ -84,7 +69,8 @@ def outcomes(tiny_model_dir, tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("sp-compile")
     results = folder / "results"
     results.mkdir()
-    mp.spawn(_worker, args=(str(folder / "init"), str(tiny_model_dir), str(results)), nprocs=2, join=True)
+    spawn_args = (str(folder / "init"), str(tiny_model_dir), str(results), tuple(MODES), _graphs_per_layout)
+    mp.spawn(gloo_case_worker, args=spawn_args, nprocs=2, join=True)
     return results
 
 

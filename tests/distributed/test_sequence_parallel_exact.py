@@ -9,8 +9,6 @@ gradients summed over the two ranks as the engines sum them.
 
 from __future__ import annotations
 
-import os
-import traceback
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from shardtune.data.collator import DataCollator
 from shardtune.engines.sequence_parallel import SequenceParallel
 from shardtune.train.loop import micro_batch_losses
 from shardtune.train.sequence_shards import segment_spans, sequence_shard
+from tests.distributed.helpers import gloo_case_worker
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -58,20 +57,6 @@ def _variant(batch: dict, case: str, index: int) -> dict:
     if case == "unsplit-segments":
         shard["segment_spans"] = [segment_spans(row) for row in (batch["segment_ids"] > 0).long()]
     return shard
-
-
-def _worker(rank: int, init_file: str, model_dir: str, results: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        for case in ALL_CASES:
-            try:
-                outcome = _compare(rank, model_dir, case)
-            except Exception:  # noqa: BLE001 - reported to the test
-                outcome = "crash: " + traceback.format_exc()
-            Path(results, f"{case}.rank{rank}").write_text(outcome)
-    finally:
-        dist.destroy_process_group()
 
 
 def _compare(rank: int, model_dir: str, case: str) -> str:
@@ -118,7 +103,8 @@ def outcomes(tiny_model_dir, tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("sp-exact")
     results = folder / "results"
     results.mkdir()
-    mp.spawn(_worker, args=(str(folder / "init"), str(tiny_model_dir), str(results)), nprocs=2, join=True)
+    spawn_args = (str(folder / "init"), str(tiny_model_dir), str(results), tuple(ALL_CASES), _compare)
+    mp.spawn(gloo_case_worker, args=spawn_args, nprocs=2, join=True)
     return results
 
 
