@@ -35,6 +35,7 @@ class Case:
     culprits: tuple[str, ...]  # a refusal must name one of these
     must_refuse: bool = False
     removed: tuple[str, ...] = field(default=())
+    names_all: bool = False  # one refusal line must name every culprit (a pair that cannot run together)
 
 
 def type_names(annotation: str) -> set[str]:
@@ -159,3 +160,14 @@ def pair_cases(seed: int, count: int) -> list[Case]:
             pool.append(Case(f"engine_{engine}-{a}", {**values, a: features[a]}, (*values, a)))
     rng.shuffle(pool)
     return sorted(pool[:count], key=lambda c: c.id)
+
+
+def sequence_parallel_refusal_cases(size: int = 2) -> list[Case]:
+    """Every feature engines/sequence_parallel_plan.py's COMBINATIONS refuses, switched on beside
+    ``sequence_parallel_size``: check must refuse it in a line naming both keys (run with a world the split fits)."""
+    from shardtune.engines.sequence_parallel_plan import COMBINATIONS, REFUSED
+
+    return [Case(f"sequence_parallel-{row.key}", {"sequence_parallel_size": size,
+                                                  row.key: row.value if row.value is not None else FEATURES[row.key]},
+                 ("sequence_parallel_size", row.key), must_refuse=True, names_all=True)
+            for row in COMBINATIONS if row.kind == REFUSED]

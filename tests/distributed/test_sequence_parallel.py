@@ -9,6 +9,8 @@ Packed rows (``packing: true``, cutoff 64) put several samples in a row, and sam
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.distributed.helpers import ENGINE_KEYS, logged, losses, train
@@ -20,7 +22,13 @@ PADDED = ("cutoff_len=64",)
 SGD = ("optim=sgd", "learning_rate=0.5")
 ROWS = {"packed": PACKED, "padded": PADDED, "packed-sgd": PACKED + SGD,
         # activation checkpointing recomputes each layer's attention in the backward, outside the forward's scope
-        "packed-checkpointed": PACKED + ("gradient_checkpointing=true",)}
+        "packed-checkpointed": PACKED + ("gradient_checkpointing=true",),
+        # the micro-batch's samples in one row, told apart by their segment ids only
+        "padding-free": ("padding_free=true", "cutoff_len=64"),
+        # a stream is dealt by data-parallel group: both ranks of the group must read the same rows
+        "streaming": PADDED + ("streaming=true",),
+        # evaluation's forward is split too; its loss sums every rank's slice tokens once
+        "packed-eval": PACKED + ("val_size=8", "eval_strategy=steps", "eval_steps=2", "per_device_eval_batch_size=2")}
 
 # (engine, finetuning, rows, processes, sequence_parallel_size, mode)
 SLICE = [
@@ -43,6 +51,9 @@ MATRIX = [
     ("hsdp", "full", "packed", 4, 2, "ulysses"),
     ("fsdp1", "full", "packed", 2, 2, "ulysses"),
     ("fsdp2", "full", "packed-checkpointed", 2, 2, "allgather"),
+    ("ddp", "full", "padding-free", 2, 2, "allgather"),
+    ("ddp", "lora", "streaming", 2, 2, "ulysses"),
+    ("ddp", "full", "packed-eval", 2, 2, "allgather"),
 ]
 EXTRA_ENGINES = {"zero1": ("deepspeed=z1",),
                  "hsdp": ("fsdp=hybrid_shard auto_wrap", "fsdp_config={'hsdp_shard_size': 2}")}
@@ -57,16 +68,21 @@ CELLS = [pytest.param(*cell, id=_cell_id(cell)) for cell in SLICE]
 CELLS += [pytest.param(*cell, id=_cell_id(cell), marks=pytest.mark.matrix) for cell in MATRIX]
 
 
+def eval_losses(out) -> list[float]:
+    records = [json.loads(x) for x in (out / "trainer_log.jsonl").read_text().splitlines() if x.strip()]
+    return [r["eval_loss"] for r in records if "eval_loss" in r]
+
+
 @pytest.fixture(scope="module")
 def one_process(tiny_model_dir, tmp_path_factory):
-    """Losses and gradient norms of one process on whole rows, per (finetuning, rows)."""
-    found: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
+    """Losses, gradient norms and eval losses of one process on whole rows, per (finetuning, rows)."""
+    found: dict[tuple[str, str], tuple[list[float], list[float], list[float]]] = {}
 
-    def reference(finetuning: str, rows: str) -> tuple[list[float], list[float]]:
+    def reference(finetuning: str, rows: str) -> tuple[list[float], list[float], list[float]]:
         if (finetuning, rows) not in found:
             out = tmp_path_factory.mktemp(f"one-{finetuning}-{rows}")
             train(tiny_model_dir, out, finetuning, 1, 4, *ROWS[rows])
-            found[finetuning, rows] = losses(out), logged(out, "grad_norm")
+            found[finetuning, rows] = losses(out), logged(out, "grad_norm"), eval_losses(out)
         return found[finetuning, rows]
 
     return reference
@@ -75,7 +91,7 @@ def one_process(tiny_model_dir, tmp_path_factory):
 @pytest.mark.parametrize("engine,finetuning,rows,nproc,size,mode", CELLS)
 def test_split_sequences_match_one_process(engine, finetuning, rows, nproc, size, mode, one_process,
                                            tiny_model_dir, tmp_path):
-    expected_losses, expected_norms = one_process(finetuning, rows)
+    expected_losses, expected_norms, expected_eval = one_process(finetuning, rows)
     data_parallel = nproc // size
     keys = {**ENGINE_KEYS, **EXTRA_ENGINES}[engine]
     result = train(tiny_model_dir, tmp_path, finetuning, nproc, 4 // data_parallel, *keys, *ROWS[rows],
@@ -84,6 +100,8 @@ def test_split_sequences_match_one_process(engine, finetuning, rows, nproc, size
     assert result["sequence_parallel"] == {"size": size, "mode": resolved, "data_parallel_size": data_parallel}
     assert losses(tmp_path) == pytest.approx(expected_losses, rel=1e-4)
     assert logged(tmp_path, "grad_norm") == pytest.approx(expected_norms, rel=1e-3)
+    assert eval_losses(tmp_path) == pytest.approx(expected_eval, rel=1e-4)
+    assert bool(expected_eval) == (rows == "packed-eval")
 
 
 RESUMED = [pytest.param("ddp", 2, 1, id="ddp-sp2-then-sp1"),

@@ -27,7 +27,18 @@ import yaml
 
 from shardtune.cli import main
 from tests.conftest import REPO
-from tests.schema_fuzz import EMPTY, FILE, FOLDER, LOOP, MISSING, OTHER_FORMAT, Case, config_cases, pair_cases
+from tests.schema_fuzz import (
+    EMPTY,
+    FILE,
+    FOLDER,
+    LOOP,
+    MISSING,
+    OTHER_FORMAT,
+    Case,
+    config_cases,
+    pair_cases,
+    sequence_parallel_refusal_cases,
+)
 
 SEED = int(os.environ.get("SHARDTUNE_FUZZ_SEED", "20261129"))
 MAX_LINES = 8  # "a few lines": a mistake and what follows from it
@@ -129,7 +140,8 @@ def check_contract(case: Case, base: dict[str, Any], folder: Path) -> int:
     """`shardtune check` on the case: exit 0, or exit 2 in a few lines naming a culprit; no file changed."""
     config = config_for(case, base, folder)
     before = fingerprint(folder) | fingerprint(REPO / "data")
-    code, err = run_command(["check", str(config)])
+    with contextlib.chdir(folder):  # a relative path a case gives lands in its own folder
+        code, err = run_command(["check", str(config)])
     about = reproduce(case, config) + f"\nexit {code}, stderr:\n{err[-3000:]}"
     assert code in (0, 2), about
     assert "Traceback" not in err, about
@@ -142,11 +154,20 @@ def check_contract(case: Case, base: dict[str, Any], folder: Path) -> int:
         assert all(line.startswith(("shardtune: error:", "shardtune: warning:")) for line in lines), about
         named = any(c in line for line in lines if line.startswith("shardtune: error:") for c in case.culprits)
         assert named, f"the refusal names none of {case.culprits}: " + about
+        together = any(all(c in line for c in case.culprits) for line in lines if line.startswith("shardtune: error:"))
+        assert together or not case.names_all, f"no refusal line names all of {case.culprits}: " + about
     return code
 
 
 @pytest.mark.parametrize("case", CASES + PAIRS_FAST, ids=lambda c: c.id)
 def test_check_contract(case, base, tmp_path):
+    check_contract(case, base, tmp_path)
+
+
+@pytest.mark.parametrize("case", sequence_parallel_refusal_cases(), ids=lambda c: c.id)
+def test_check_refuses_what_sequence_parallelism_cannot_run(case, base, tmp_path, monkeypatch):
+    """engines/sequence_parallel_plan.py's COMBINATIONS table, refused pair by pair, in a world the split fits."""
+    monkeypatch.setenv("NPROC_PER_NODE", "2")
     check_contract(case, base, tmp_path)
 
 
@@ -186,8 +207,9 @@ def train_keeps_checks_word(cases: list[Case], count: int, base: dict[str, Any],
             continue
         trained += 1
         config = case_folder / "cfg.yaml"
-        code, err = run_command(["train", str(config), "max_steps=1", "save_steps=1000", "logging_steps=1",
-                                 f"output_dir={case_folder / 'trained'}", "overwrite_output_dir=true"])
+        with contextlib.chdir(case_folder):
+            code, err = run_command(["train", str(config), "max_steps=1", "save_steps=1000", "logging_steps=1",
+                                     f"output_dir={case_folder / 'trained'}", "overwrite_output_dir=true"])
         if sys.modules.get("bitsandbytes", True) is None:  # a run that needs no bitsandbytes hides it (worker.py)
             del sys.modules["bitsandbytes"]
         if code == 2 and needs_the_tokenised_data(err, case):

@@ -132,7 +132,12 @@ def stateful_model(tmp_path: Path, tiny: Path) -> Path:
     ({}, 3, "sequence_parallel_size (2) does not divide the world size (3)"),
     ({"model": "stateful"}, 2, "has linear_attention layers, whose state runs along the whole sequence and cannot "
                                "be split over ranks; set sequence_parallel_size: 1"),
-], ids=["ulysses-heads", "do-predict", "cutoff-len", "world-size", "stateful-layers"])
+    ({"mixture_of_depths": "convert", "finetuning_type": "full"}, 2,
+     "mixture_of_depths (convert) with sequence_parallel_size (2): the router keeps the top 12.5% of a whole row's "
+     "tokens"),
+    ({"attn_implementation": "varlen"}, 2,
+     "attn_implementation (varlen) with sequence_parallel_size (2): the split attention replaces the model's kernel"),
+], ids=["ulysses-heads", "do-predict", "cutoff-len", "world-size", "stateful-layers", "mixture-of-depths", "varlen"])
 def test_check_refuses_what_the_split_cannot_run(values, nproc, fragment, tiny_model_dir, tmp_path, monkeypatch,
                                                  capsys):
     values = {"sequence_parallel_size": 2, **values}
@@ -311,3 +316,61 @@ def test_image_data_is_refused_before_launch(tmp_path):
         "builds an image's positions and features from the whole row); set sequence_parallel_size: 1"]
     assert not any("images" in p for p in sequence_parallel_problems(TrainConfig(
         model_name_or_path="org/model", dataset=["texts"], dataset_dir=str(tmp_path), sequence_parallel_size=2)))
+
+
+# --- every feature against the split: one table (COMBINATIONS), the refusals and the docs made from it ---
+
+def test_the_docs_table_is_the_combinations_table():
+    from shardtune.engines.sequence_parallel_plan import combinations_markdown
+
+    text = (REPO / "docs/long-context.md").read_text()
+    start = text.index("<!-- combinations: generated from COMBINATIONS, do not edit by hand -->\n")
+    section = text[text.index("\n", start) + 1:text.index("<!-- end of combinations -->")]
+    assert section == combinations_markdown(), "docs/long-context.md is stale: paste combinations_markdown()"
+
+
+def test_every_fuzzed_feature_has_a_row_and_every_named_test_exists():
+    """The fuzzer's features (tests/schema_fuzz.py FEATURES, the keys of the schema) are each decided, and a row
+    that names a test names one that is there."""
+    from shardtune.config.schema import config_fields
+    from shardtune.engines.sequence_parallel_plan import COMBINATIONS, EXACT, REFUSED
+    from tests.schema_fuzz import FEATURES
+
+    keys = {f.name for f in config_fields()}
+    rows = {row.key for row in COMBINATIONS}
+    assert rows <= keys
+    assert {key for key in FEATURES if key in keys} - rows == {"sequence_parallel_size"}
+    for row in COMBINATIONS:
+        assert row.kind in (EXACT, REFUSED) and row.why, row
+        if row.test:
+            path, name = row.test.split("::")
+            assert f"def {name}(" in (REPO / path).read_text(), row.test
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_every_refused_row_makes_one_line_naming_both_keys_and_the_fix(split):
+    from shardtune.config.schema import TrainConfig
+    from shardtune.engines.sequence_parallel_plan import COMBINATIONS, REFUSED, combination_problems
+    from tests.schema_fuzz import FEATURES
+
+    refused = [row for row in COMBINATIONS if row.kind == REFUSED]
+    for row in refused:
+        value = row.value if row.value is not None else FEATURES[row.key]
+        lines = combination_problems(TrainConfig(sequence_parallel_size=split, **{row.key: value}))
+        if split == 1:
+            assert lines == []
+            continue
+        assert len(lines) == 1 and lines[0].startswith(f"{row.key} (") and "with sequence_parallel_size (2): " in \
+            lines[0] and lines[0].endswith(row.fix), lines
+
+
+def test_a_rank_refuses_the_varlen_kernel_under_a_split_from_the_same_table():
+    """A rank's own guard (train/setup.py ``loaded_kernel``) says the table's line, as check does."""
+    from shardtune.config.schema import TrainConfig
+    from shardtune.errors import ModelError
+    from shardtune.train.setup import loaded_kernel
+
+    config = TrainConfig(attn_implementation="varlen", sequence_parallel_size=2)
+    with pytest.raises(ModelError, match=r"^attn_implementation \(varlen\) with sequence_parallel_size \(2\): the "
+                                         r"split attention replaces the model's kernel; use attn_implementation: sdpa"):
+        loaded_kernel(config)

@@ -1,14 +1,15 @@
 """What sequence parallelism (``sequence_parallel_size`` N > 1) needs, decided on the launching host before any rank
 starts: the kernels, models and layouts it is built for (every stage splits: sft and pt in the loop's token loss,
 dpo/kto/rm in train/preference_step.py and train/reward.py), the mode ``auto`` becomes, the size a DeepSpeed JSON
-asks for, and the dry run's line. Pure: it reads config.json files, never torch (the split itself is
-engines/sequence_parallel.py, which runs on the ranks).
+asks for, the dry run's line, and ``COMBINATIONS``: how every feature a user switches on combines with the split
+(exact, with the test that proves it, or refused before launch). Pure: it reads config.json files, never torch (the
+split itself is engines/sequence_parallel.py, which runs on the ranks).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from shardtune.config.schema import TrainConfig
@@ -17,6 +18,127 @@ from shardtune.model.folder import model_config_json
 from shardtune.world import WorldLayout
 
 FIX = "set sequence_parallel_size: 1"
+
+
+@dataclass(frozen=True)
+class Combination:
+    """How the feature ``key`` (at ``value``; None: any value but the default) combines with the split: ``exact``
+    (``why`` it stays equal to one process, ``test`` the test that proves it, empty where only a GPU or a package
+    this repository's tests lack could) or ``refused`` before launch (``why`` the split cannot run it, ``fix``)."""
+
+    key: str
+    kind: str
+    why: str
+    test: str = ""
+    value: Any = None
+    fix: str = FIX
+
+
+EXACT, REFUSED = "exact", "refused"
+_SPLIT = "tests/distributed/test_sequence_parallel.py::test_split_sequences_match_one_process"
+_ROW = "tests/distributed/test_sequence_parallel_exact.py::test_split_row_gives_the_whole_rows_loss_and_gradients"
+# Features that change weights or the optimizer, never which tokens a layer sees: each token's computation is the
+# one-process one on its rank, and the gradient the engines sum is the whole row's (_SPLIT compares gradient norms,
+# full and LoRA, AdamW and SGD). Rows without a test are exact by that construction, not run under a split here.
+_WEIGHTS = "changes weights, not which tokens a layer sees; the summed gradient is the whole row's"
+_OPTIMIZER = "steps on the summed gradient, which is the whole row's (DDP; sharding engines refuse it anyway)"
+_TOKENWISE = "runs token by token; the split only changes attention and the loss's normalisation"
+
+# Every feature of tests/schema_fuzz.py FEATURES against sequence_parallel_size > 1. The refusals are made from it
+# (combination_problems) and docs/long-context.md's table is generated from it (tests/unit/test_sequence_parallel_plan).
+COMBINATIONS: tuple[Combination, ...] = (
+    Combination("packing", EXACT, "the whole row's segment ids stay on every rank: a query sees its own sample only",
+                _SPLIT),
+    Combination("neat_packing", EXACT, "turns packing on, whose sft rows keep samples apart already", _SPLIT),
+    Combination("padding_free", EXACT, "the micro-batch's samples become one row, split by its segment ids "
+                "(padding-free cell)", _SPLIT),
+    Combination("gradient_checkpointing", EXACT, "the recomputed attention runs inside the same split scope",
+                _SPLIT),
+    Combination("torch_compile", EXACT, "the split attention stays outside the compiled layers: one set of graphs "
+                "serves every packed layout", "tests/distributed/test_sequence_parallel_compile.py::"
+                "test_a_new_packed_layout_compiles_nothing_again"),
+    Combination("train_on_prompt", EXACT, "changes labels only, shifted over the whole row before slicing", _ROW),
+    Combination("mask_history", EXACT, "changes labels only, shifted over the whole row before slicing", _ROW),
+    Combination("neftune_noise_alpha", EXACT, "the noise is scaled by the whole row's length, not the slice's "
+                "(equal in scale; the draws are random)", "tests/unit/test_lf_training.py::"
+                "test_neftune_under_sequence_parallelism_scales_by_the_whole_rows_length"),
+    Combination("fp8", EXACT, "rows are padded to N x 16 tokens, so every slice holds a multiple of 16 (GPU only)",
+                "tests/unit/test_fp8.py::test_fp8_under_sequence_parallelism_gives_every_rank_a_multiple_of_16_tokens"),
+    Combination("attn_implementation", EXACT, "the split attention runs sdpa's flash backend per segment (CUDA)",
+                "tests/gpu/test_sequence_parallel_gpu.py::"
+                "test_segments_take_the_flash_kernel_and_equal_the_block_causal_row", value="flash_attention_2"),
+    Combination("finetuning_type", EXACT, _WEIGHTS + " (full and lora run split; freeze and oft by construction)",
+                _SPLIT),
+    Combination("use_dora", EXACT, _WEIGHTS),
+    Combination("pissa_init", EXACT, _WEIGHTS),
+    Combination("use_rslora", EXACT, _WEIGHTS),
+    Combination("loraplus_lr_ratio", EXACT, _WEIGHTS),
+    Combination("use_llama_pro", EXACT, _WEIGHTS),
+    Combination("resize_vocab", EXACT, _WEIGHTS),
+    Combination("quantization_bit", EXACT, _WEIGHTS + " (bitsandbytes on a CUDA GPU)"),
+    Combination("optim", EXACT, "steps on the summed gradient, which is the whole row's (AdamW and SGD run split)",
+                _SPLIT),
+    Combination("use_galore", EXACT, _OPTIMIZER),
+    Combination("use_apollo", EXACT, _OPTIMIZER),
+    Combination("use_adam_mini", EXACT, _OPTIMIZER),
+    Combination("bf16", EXACT, _TOKENWISE + " (equal within bf16's precision)"),
+    Combination("fp16", EXACT, _TOKENWISE + " (equal within fp16's precision)"),
+    Combination("enable_liger_kernel", EXACT, "norms, MLP and RoPE (from the global positions) run token by token; "
+                "the loss stays shardtune's (GPU only)"),
+    Combination("streaming", EXACT, "the stream is dealt by data-parallel group: the ranks of a group read the same "
+                "rows (streaming cell)", _SPLIT),
+    Combination("val_size", EXACT, "evaluation runs the same split forward and token loss as training "
+                "(packed-eval cell)", _SPLIT),
+    Combination("report_to", EXACT, "reports the loss the loop computes; touches no tensor"),
+    Combination("mixture_of_depths", REFUSED, "the router keeps the top 12.5% of a whole row's tokens, and a rank "
+                "holds a slice: it would rank the slice's tokens, and its chosen few would not fit the split "
+                "attention's layout of N equal slices"),
+    Combination("do_predict", REFUSED, "generation runs whole sequences on each rank and is not split",
+                fix="predict in a run of its own with sequence_parallel_size: 1"),
+    Combination("attn_implementation", REFUSED, "the split attention replaces the model's kernel", value="varlen",
+                fix="use attn_implementation: sdpa or flash_attention_2"),
+    Combination("use_badam", REFUSED, "BAdam steps on one process (it changes the trainable weights DDP registered "
+                "at set-up), and a split runs N >= 2", fix="train on one process"),
+)
+
+
+def switched_on(c: TrainConfig, row: Combination) -> Any:
+    """The value with which ``c`` switches ``row``'s feature on, or None."""
+    value = getattr(c, row.key)
+    if row.value is not None:
+        return value if value == row.value else None
+    return value if value not in (None, False, getattr(TrainConfig(), row.key)) else None
+
+
+def refusal(c: TrainConfig, row: Combination) -> str | None:
+    """The refusal's line, naming both keys and values and the fix, when ``c`` switches a refused feature on."""
+    value = switched_on(c, row) if row.kind == REFUSED and c.sequence_parallel_size > 1 else None
+    if value is None:
+        return None
+    shown = str(value).lower() if isinstance(value, bool) else value
+    return f"{row.key} ({shown}) with sequence_parallel_size ({c.sequence_parallel_size}): {row.why}; {row.fix}"
+
+
+def refusal_for(c: TrainConfig, key: str) -> str | None:
+    """The refusal of ``key``'s value under ``c``'s split, if the table refuses it (a rank's own guard asks too)."""
+    return next((line for row in COMBINATIONS if row.key == key and (line := refusal(c, row))), None)
+
+
+def combination_problems(c: TrainConfig) -> list[str]:
+    """Every refused feature of ``COMBINATIONS`` that ``c`` switches on, one line each."""
+    return [line for row in COMBINATIONS if (line := refusal(c, row))]
+
+
+def combinations_markdown() -> str:
+    """``COMBINATIONS`` as docs/long-context.md's table."""
+    lines = ["| key | with sequence_parallel_size > 1 | why | proved by |", "|---|---|---|---|"]
+    for row in sorted(COMBINATIONS, key=lambda r: (r.kind, r.key)):
+        key = f"`{row.key}: {row.value}`" if row.value is not None else f"`{row.key}`"
+        why = row.why if row.kind == EXACT else f"{row.why}; {row.fix}"
+        proof = f"`{row.test}`" if row.test else ("refused before launch" if row.kind == REFUSED else
+                                                  "by construction (no test here)")
+        lines.append(f"| {key} | {row.kind} | {why} | {proof} |")
+    return "\n".join(lines) + "\n"
 
 
 def head_counts(model_config: Mapping[str, Any] | None) -> tuple[int, int] | None:
@@ -50,10 +172,7 @@ def sequence_parallel_problems(c: TrainConfig, layout: WorldLayout | None = None
     if n == 1:
         return []
     key = f"sequence_parallel_size ({n})"
-    problems = []
-    if c.do_predict:
-        problems.append(f"do_predict (true) with {key}: generation runs whole sequences on each rank and is not "
-                        f"split; predict in a run of its own with sequence_parallel_size: 1")
+    problems = combination_problems(c)
     if c.cutoff_len < n:
         problems.append(f"cutoff_len ({c.cutoff_len}) is below {key}: a rank would hold less than one token of a "
                         "sequence; raise cutoff_len or lower sequence_parallel_size")

@@ -45,11 +45,11 @@ def decoder_layer_count(c: TrainConfig) -> int | None:
 def attention_problems(c: TrainConfig) -> list[str]:
     """A kernel the model cannot run, or packed rows it cannot keep apart under that kernel (a model whose config
     is here, a local folder or the hub cache, with a chosen kernel; ``auto`` is resolved before this runs)."""
-    from shardtune.model.attention import AUTO, kernel_problem, kernel_support, packing_problem, varlen_split_problem
+    from shardtune.engines.sequence_parallel_plan import refusal_for
+    from shardtune.model.attention import AUTO, kernel_problem, kernel_support, packing_problem
 
-    split = varlen_split_problem(c.attn_implementation, c.sequence_parallel_size)
-    if split:
-        return [split]
+    if refusal_for(c, "attn_implementation"):
+        return []  # a kernel the split replaces: sequence_parallel_problems says so (the COMBINATIONS table)
     try:
         config = model_config_json(c.model_name_or_path)
     except ModelError:

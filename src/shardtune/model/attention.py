@@ -220,13 +220,6 @@ def varlen_problem(support: KernelSupport | None, model: str) -> str | None:
     return f"{key}: {name} {blocker}, which the varlen kernel does not compute; {fix}" if blocker else None
 
 
-def varlen_split_problem(kernel: str, split_size: int) -> str | None:
-    if kernel != VARLEN or split_size == 1:
-        return None
-    return (f"attn_implementation (varlen) with sequence_parallel_size ({split_size}): the split attention replaces "
-            "the model's kernel; use attn_implementation: sdpa or flash_attention_2")
-
-
 def varlen_device_problem(kernel: str, *, has_cuda: bool, half_precision: bool) -> str | None:
     """On a CUDA GPU varlen runs torch's varlen_attn: torch 2.10 or later, bf16 or fp16."""
     if kernel != VARLEN or not has_cuda:

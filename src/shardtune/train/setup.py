@@ -134,9 +134,10 @@ def loaded_kernel(c: TrainConfig) -> str:
     backend, FlashAttention-2 inside torch: it needs a CUDA GPU (and bf16/fp16: in fp32 sdpa takes its
     memory-efficient kernel), not the flash-attn package; the model loads with sdpa."""
     from shardtune.data.settings import half_precision
-    from shardtune.model.attention import varlen_device_problem, varlen_split_problem
+    from shardtune.engines.sequence_parallel_plan import refusal_for
+    from shardtune.model.attention import varlen_device_problem
 
-    problem = varlen_split_problem(c.attn_implementation, c.sequence_parallel_size) or varlen_device_problem(
+    problem = refusal_for(c, "attn_implementation") or varlen_device_problem(
         c.attn_implementation, has_cuda=torch.cuda.is_available(), half_precision=half_precision(c))
     if problem:
         raise ModelError(problem)
