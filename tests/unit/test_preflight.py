@@ -178,3 +178,15 @@ def test_a_rank_leaves_bitsandbytes_out_unless_the_run_uses_it(overrides, needed
         sys.modules.pop("bitsandbytes", None)
         if before is not None:
             sys.modules["bitsandbytes"] = before
+
+
+def test_helper_processes_a_node_cannot_hold_are_refused_before_launch(tiny_model_dir, tmp_path) -> None:
+    """A data loader count meant for another machine forked this 2-CPU machine out of memory (1,020 workers,
+    found by the schema fuzzer): refused at check, naming the key; LLaMA-Factory's 16 tokenisers still run."""
+    from shardtune.cli import main
+
+    base = ["check", "examples/tiny/sft_lora.yaml", f"model_name_or_path={tiny_model_dir}",
+            f"output_dir={tmp_path / 'out'}"]
+    assert main([*base, "preprocessing_num_workers=16", "dataloader_num_workers=4"]) == 0
+    assert main([*base, "dataloader_num_workers=100000"]) == 2
+    assert main([*base, "preprocessing_num_workers=100000"]) == 2

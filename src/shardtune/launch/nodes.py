@@ -205,11 +205,40 @@ def route_source(master_addr: str) -> str | None:
             return None
 
 
+RESOLVE_SECONDS = 10.0  # a name server that does not answer must not hold the launch
+
+
+def resolve_within(name: str, seconds: float) -> str:
+    """``name``'s IPv4 address; TimeoutError when the resolver does not answer in ``seconds`` (the C resolver has
+    no timeout of its own: it runs in a daemon thread that may be left behind)."""
+    import threading
+
+    found: list[str | OSError] = []
+
+    def resolve() -> None:
+        try:
+            found.append(socket.gethostbyname(name))
+        except OSError as err:
+            found.append(err)
+
+    worker = threading.Thread(target=resolve, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if not found:
+        raise TimeoutError(name)
+    if isinstance(found[0], OSError):
+        raise found[0]
+    return found[0]
+
+
 def master_problem(launch: LaunchPlan, scheduler: str | None = None) -> str | None:
     """Node 0 hosts the rendezvous on MASTER_ADDR: it must resolve, and (outside Kubernetes, where it names a
     service) be an address of node 0 itself."""
     try:
-        address = socket.gethostbyname(launch.master_addr)
+        address = resolve_within(launch.master_addr, RESOLVE_SECONDS)
+    except TimeoutError:
+        return (f"MASTER_ADDR={launch.master_addr}: name resolution gave no answer within {RESOLVE_SECONDS:.0f} s on "
+                f"node {launch.node_rank} ({socket.gethostname()}): use an IP address, or fix the DNS")
     except OSError:
         return (f"MASTER_ADDR={launch.master_addr} cannot be resolved on node {launch.node_rank} "
                 f"({socket.gethostname()}): use an IP address or a name every node resolves")

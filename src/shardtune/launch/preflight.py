@@ -27,6 +27,7 @@ from shardtune.host import cuda_visible_devices, local_cpu_memory, local_gpu_mem
 from shardtune.launch import env as launch_env
 from shardtune.launch.kernels_here import local_kernel_problems
 from shardtune.launch.model_checks import attention_problems
+from shardtune.launch.nodes import master_problem
 from shardtune.launch.optimizer_checks import badam_launch_problems
 from shardtune.launch.resume_check import resume_read_problems
 from shardtune.launch.run_lock import live_run_problems, stale_lock_warning
@@ -93,7 +94,10 @@ def preflight(argv: list[str], nodes: int, procs_per_node: int, *, defaults: dic
               "launching without Ray", file=sys.stderr)
     if launch is not None:
         later += device_problems(launch, visible_gpu_count(), cuda_visible_devices(), scheduler)
+        if ranks_here and launch.nnodes == 1 and not launch.use_ray:  # (several nodes: the node check says it)
+            later += [p for p in [master_problem(launch, scheduler)] if p]
         later += badam_launch_problems(config, launch.force_torchrun)
+    later += worker_process_problems(config, procs_per_node, launch_env.node_cpus())
     layout = WorldLayout(nodes, procs_per_node, config.per_device_train_batch_size,
                          config.gradient_accumulation_steps, sequence_parallel=config.sequence_parallel_size)
     has_cuda = visible_gpu_count() > 0
@@ -119,6 +123,29 @@ def preflight(argv: list[str], nodes: int, procs_per_node: int, *, defaults: dic
     if problems:
         raise ConfigError(*problems)
     return RunPlan(config, engine, layout, frozenset(cmd.switches), launch, scheduler)
+
+
+# Helper processes (data loaders, tokenisers) a node may start: LLaMA-Factory's files ask 16 tokenisers, fine on a
+# laptop; past this (a number meant for a far larger machine, or a typo) the forks take the node's memory.
+WORKERS_PER_CPU, WORKERS_ANYWHERE = 8, 64
+
+
+def worker_process_problems(config: TrainConfig, procs_per_node: int, cpus: int) -> list[str]:
+    """Loader and tokeniser processes this node would start, against its CPUs: each is a copy of a rank's
+    process, so a number meant for another machine (or a typo) forks the node out of memory."""
+    limit = max(WORKERS_ANYWHERE, WORKERS_PER_CPU * cpus)
+    problems = []
+    loaders = config.dataloader_num_workers * procs_per_node
+    if loaders > limit:
+        problems.append(f"dataloader_num_workers ({config.dataloader_num_workers}) x {procs_per_node} rank(s) on "
+                        f"this node = {loaders} loader processes for {cpus} CPU(s) (at most {limit}): each is a copy "
+                        "of its rank, and so many take the node's memory; give at most "
+                        f"{max(limit // procs_per_node, 0)}")
+    tokenisers = config.preprocessing_num_workers or 0
+    if tokenisers > limit:
+        problems.append(f"preprocessing_num_workers ({tokenisers}) is more than {limit} processes for {cpus} CPU(s): "
+                        f"give at most {limit}, or unset it")
+    return problems
 
 
 def run_lock_problems(config: TrainConfig, announce: bool) -> list[str]:

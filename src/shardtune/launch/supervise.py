@@ -71,7 +71,8 @@ def run_planned(plan: RunPlan, commands: list[list[str]], use_torchrun: bool, co
     # Every node agrees before a collective can hang (one node: no-op).
     check_nodes(launch, run_plan_dict(plan), plan.scheduler)
     write_run_plan(plan)
-    code = run_torchrun(commands[launch.node_rank], launch, plan.run_dir, debug, plan.engine.gathers_parameters)
+    code = run_torchrun(commands[launch.node_rank], launch, plan.run_dir, debug, plan.engine.gathers_parameters,
+                        stop_grace=plan.config.ddp_timeout + STOP_GRACE_MARGIN)
     if code not in (0, 130) and launch.nnodes > 1:
         remedy = (f"check that {plan.scheduler} started one shardtune on each of the {launch.nnodes} nodes"
                   if plan.scheduler else f"start every node with NNODES={launch.nnodes}, "
@@ -133,15 +134,21 @@ def torchrun_env(env: dict[str, str], launch: LaunchPlan, gathers_parameters: bo
     return env
 
 
+# After a stop request, a rank has until its collectives time out (ddp_timeout) and this margin to finish its step
+# and save; a rank still running then is stuck, and the whole job is killed.
+STOP_GRACE_MARGIN = 60
+
+
 def run_torchrun(argv: list[str], launch: LaunchPlan, run_dir: Path, debug: bool = False,
-                 gathers_parameters: bool = False) -> int:
+                 gathers_parameters: bool = False, stop_grace: float = 1800 + STOP_GRACE_MARGIN) -> int:
     """Run torchrun for this node; unless ``debug``, a failed rank ends up as one line, not three tracebacks.
     ``gathers_parameters``: the engine gathers and frees layers (FSDP, ZeRO-3), which sets glibc's mmap threshold
     on CPU ranks."""
     env = torchrun_env(dict(os.environ), launch, gathers_parameters, visible_gpu_count())
+    adopt_orphans()
     print(f"[shardtune] launching: {shlex.join(argv)}", flush=True)
     if debug:
-        return wait_for_launcher(subprocess.Popen(argv, env=env, start_new_session=True))
+        return wait_for_launcher(subprocess.Popen(argv, env=env, start_new_session=True), stop_grace)
     started = time.time()
     output = LauncherOutput()
     # Only stderr is filtered (torchrun's account of a failure goes there); stdout stays the terminal's.
@@ -149,7 +156,7 @@ def run_torchrun(argv: list[str], launch: LaunchPlan, run_dir: Path, debug: bool
     assert proc.stderr is not None
     reader = threading.Thread(target=pump, args=(proc.stderr.fileno(), output, sys.stderr), daemon=True)
     reader.start()
-    code = wait_for_launcher(proc)
+    code = wait_for_launcher(proc, stop_grace)
     # A rank's own child processes can hold the pipe open after torchrun ended: do not wait on them for long.
     reader.join(timeout=5)
     if not reader.is_alive():
@@ -172,30 +179,98 @@ def report_launch_failure(code: int, output: LauncherOutput, run_dir: Path, star
     return 2 if any(f.exit_code == 2 for f in failed) else code
 
 
-def wait_for_launcher(proc: subprocess.Popen) -> int:
+def wait_for_launcher(proc: subprocess.Popen, stop_grace: float = 1800 + STOP_GRACE_MARGIN) -> int:
     """Wait for torchrun; Ctrl-C / SIGTERM reach the ranks directly so they finish the step and save.
 
     torchrun runs in its own session so the terminal's Ctrl-C does not hit it: torchrun treats a signal as a
-    failure (a traceback, ranks killed). Ranks that stop on request exit 0; this process then exits 130.
+    failure (a traceback, ranks killed). Ranks that stop on request exit 0; this process then exits 130. Every wait
+    is bounded: ranks that have not stopped ``stop_grace`` seconds after the request (a rank stuck in a collective)
+    are killed with the whole job, at once on a second request; torchrun still in its rendezvous (no ranks yet) is
+    stopped itself. Whatever of the job's session is left when torchrun ends is killed (no process left behind);
+    torchrun itself dies with this process (launch/torchrun_agent.py).
     """
     import signal
 
-    interrupted = []
+    interrupted: list[int] = []
 
     def stop_ranks(signum, frame) -> None:
         interrupted.append(signum)
-        print("[shardtune] interrupted: the ranks finish this step, save a checkpoint and exit",
-              file=sys.stderr, flush=True)
-        for pid in child_pids(proc.pid):
+        if len(interrupted) > 1:
+            kill_job(proc, "a second stop request")
+            return
+        print("[shardtune] interrupted: the ranks finish this step, save a checkpoint and exit (a second Ctrl-C "
+              "kills them at once)", file=sys.stderr, flush=True)
+        for pid in child_pids(proc.pid) or [proc.pid]:  # no ranks yet: torchrun is still in its rendezvous
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
+        threading.Thread(target=kill_after, args=(proc, stop_grace), daemon=True).start()
 
     signal.signal(signal.SIGINT, stop_ranks)
     signal.signal(signal.SIGTERM, stop_ranks)
-    code = proc.wait()
+    try:
+        code = proc.wait()
+    finally:
+        kill_session(proc.pid)
     if interrupted:
         return 130
     return code if code >= 0 else 128 - code
+
+
+def kill_after(proc: subprocess.Popen, seconds: float) -> None:
+    """The stop request's bound: the job still running ``seconds`` later is killed."""
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        kill_job(proc, f"{seconds:.0f} s after the stop request (ddp_timeout + {STOP_GRACE_MARGIN} s)")
+
+
+def kill_job(proc: subprocess.Popen, why: str) -> None:
+    print(f"shardtune: error: the ranks did not stop ({why}; a rank stuck in a collective?): killing the job; the "
+          "latest complete checkpoint stays the one to resume from", file=sys.stderr, flush=True)
+    kill_session(proc.pid)
+
+
+def kill_session(session: int) -> None:
+    """SIGKILL torchrun and every process below it: its ranks (each in a process group of its own) and theirs;
+    then whatever of the job was handed to this process (a subreaper, see ``adopt_orphans``) after its parent
+    died, reaped so that none is left as a zombie. This process's other children are not the job's."""
+    import signal
+
+    adopted = [pid for pid in child_pids(os.getpid()) if pid not in _OWN_CHILDREN and pid != session]
+    orphans = [p for pid in adopted for p in (pid, *descendants(pid))]
+    for pid in [session, *descendants(session), *orphans]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in adopted:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, 0)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, from /proc (children before their own children)."""
+    found: list[int] = []
+    frontier = [pid]
+    while frontier:
+        children = child_pids(frontier.pop())
+        found += children
+        frontier += children
+    return found
+
+
+_OWN_CHILDREN: set[int] = set()  # this process's children from before torchrun: not the job's
+
+
+def adopt_orphans() -> None:
+    """Make this process the subreaper of what it starts: a rank's child whose rank died is handed to this
+    process instead of init, so that the end of the run can find and stop it (Linux; elsewhere nothing)."""
+    import ctypes
+
+    _OWN_CHILDREN.update(child_pids(os.getpid()))
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+PR_SET_CHILD_SUBREAPER = 36
 
 
 def child_pids(pid: int) -> list[int]:

@@ -12,10 +12,31 @@ torchrun's arguments, its exit code, its failure report on stderr.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 
+def die_with_parent() -> None:
+    """torchrun runs in its own session (the terminal's Ctrl-C must not reach it): without this, a launcher killed
+    outright (SIGKILL, a scheduler's time limit) would leave torchrun and its ranks running. Linux sends SIGTERM at
+    the parent's death, and torchrun stops its ranks on SIGTERM."""
+    import ctypes
+    import os
+    import signal
+
+    parent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+PR_SET_PDEATHSIG = 1
+
+
 def main() -> None:
+    die_with_parent()
     gc.disable()  # importing torch allocates for the whole run: nothing for the collector to find (startup_gc.py)
     from torch.distributed.run import main as torchrun_main
 
