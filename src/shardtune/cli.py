@@ -49,11 +49,24 @@ def main(argv: list[str] | None = None) -> int:
                 "convert-config": _convert_config, "slurm": _slurm, "k8s": _k8s, "doctor": _doctor,
                 "status": _status, "web": _web}
     if command not in handlers:
-        print(f"shardtune: unknown command '{command}'\n\n{USAGE}", file=sys.stderr)
+        print(unknown_command_message(command, list(handlers)), file=sys.stderr)
         return 2
     from shardtune.errors import run_reporting_errors
 
     return run_reporting_errors(handlers[command], rest)
+
+
+def unknown_command_message(command: str, commands: list[str]) -> str:
+    """One line, with the closest command: the usage block would bury the typo under 30 lines."""
+    import difflib
+
+    from shardtune.paths import shown
+
+    close = difflib.get_close_matches(command, commands, n=1, cutoff=0.6)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    if command.endswith((".yaml", ".yml", ".json")):  # the command was left out, as `llamafactory-cli` users may
+        hint = f" (a config file: did you mean `shardtune train {command}` or `shardtune check {command}`?)"
+    return f"shardtune: error: unknown command {shown(command)}{hint}; `shardtune --help` lists the commands"
 
 
 def _keys_help() -> str:

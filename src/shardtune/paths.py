@@ -22,14 +22,20 @@ RUN_FOLDER_MARKS = (".shardtune", "shardtune_config.json")  # a folder holding e
 GENERATED_MARK = re.compile(r"written by `?shardtune", re.IGNORECASE)
 # A model hub's "org/name": a relative path of two parts that does not say it is local (./, ../, /, ~).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# A URL's scheme ("https://", "s3://", "hf://"): no file operation reads one, and pathlib would fold "//" into "/".
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_HUB_URL = re.compile(r"^(?:hf://|https?://huggingface\.co/)(?:models/)?([\w.-]+/[\w.-]+)/?$")
 _VARIABLE = re.compile(r"\$(\w+)|\$\{([^}]*)\}")
 # Entries a fresh volume or a file manager leaves in an empty folder: not the user's work.
 _NOISE = frozenset({"lost+found", ".DS_Store", "Thumbs.db"})
 
 
-def expand_user_path(value: str) -> str:
-    """``~`` and environment variables expanded; ValueError names a variable that is not set, or a character no
-    file name can hold (NUL, a lone UTF-16 surrogate)."""
+def expand_user_path(value: str, hub_id_too: bool = False) -> str:
+    """``~`` and environment variables expanded; ValueError names a URL, a variable that is not set, or a character
+    no file name can hold (NUL, a lone UTF-16 surrogate)."""
+    problem = url_problem(value, hub_id_too)
+    if problem:
+        raise ValueError(problem)
     if "\x00" in value:
         raise ValueError(f"{shown(value)} contains a NUL character, which no file name can hold")
     try:
@@ -48,6 +54,29 @@ def expand_user_path(value: str) -> str:
     if problem:
         raise ValueError(problem)
     return expanded
+
+
+def url_problem(value: str, hub_id_too: bool = False) -> str | None:
+    """What to do with a URL given where a local path is read (None when ``value`` is no URL); ``hub_id_too``: the
+    key also takes a hub id, which a model page's URL holds. Said before any lookup, so the user reads "is a URL"
+    rather than "not found" about a folder named ``https:``."""
+    if not _URL.match(value.strip()):
+        return None
+    hub = _HUB_URL.match(value.strip())
+    or_id = f", or give its hub id '{hub.group(1)}'" if hub_id_too and hub else ""
+    return (f"{shown(value)} is a URL; shardtune reads local paths: download it first (huggingface-cli download, "
+            f"aws s3 cp, curl -O, ...) and give the local path{or_id}")
+
+
+def folder_problem(key: str, path: str | Path, wanted: str = "a folder") -> str | None:
+    """Why ``path``, which ``key`` reads as a folder, is not one: missing, or a file (``wanted`` names the folder
+    to give instead); None when it is a folder."""
+    path = Path(path)
+    if path.is_dir():
+        return None
+    if path.exists():
+        return f"{key}: {shown(str(path), quote=False)} is a file; give {wanted}"
+    return f"{key}: folder not found: {shown(str(path), quote=False)}"
 
 
 NAME_MAX, PATH_MAX = 255, 4095  # bytes in one part of a path, and in the whole, on Linux filesystems

@@ -233,6 +233,8 @@ def snapshot(paths: list[Path]) -> dict[str, bytes]:
 
 
 RECORD = '{"instruction": "Say hi.", "input": "", "output": "Hi!"}'
+OPENAI_RECORD = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}'
+
 
 CATALOGUE = [
     Case("yaml-syntax", "YAML syntax error", raw_yaml="stage: sft\nlearning_rate: [1\nseed: 2\n"),
@@ -503,6 +505,16 @@ CATALOGUE = [
          damage=lambda m: (m / "config.json").write_text("{")),
     Case("estimate-model-config-missing", "--model-config (/no/such/config.json)", command="estimate",
          argv=lambda t, cfg: [str(cfg), "--model-config", "/no/such/config.json"]),
+    # --- messages that name the right thing: a URL for a path, a file for a folder, a command typo, a format ---
+    Case("path-is-url", "output_dir: 's3://bucket/run' is a URL; shardtune reads local paths: download it first",
+         {"output_dir": "s3://bucket/run"}),
+    Case("adapter-path-is-file", "is a file; give the adapter folder",
+         prepare=lambda t: (t / "a.txt").write_text("x") and {"adapter_name_or_path": str(t / "a.txt")}),
+    Case("command-typo", "unknown command 'trian' (did you mean 'train'?)", command="trian"),
+    Case("records-of-another-format", 'these look like openai records: set "formatting": "openai"',
+         prepare=lambda t: jsonl_dataset(t, [OPENAI_RECORD], formatting="sharegpt")),
+    Case("turns-of-another-format", '"tags": {"role_tag": "role", "content_tag": "content"',
+         prepare=lambda t: jsonl_dataset(t, [OPENAI_RECORD], formatting="sharegpt", columns={"messages": "messages"})),
 ]
 
 

@@ -181,7 +181,7 @@ def coerce_value(key: str, raw: Any, hint: Any, meta: typing.Mapping[str, Any]) 
         _check_bounds(key, value, meta)
     if meta.get("path"):
         try:
-            value = _expanded(value)
+            value = _expanded(value, hub_id_too=key in HUB_ID_KEYS)
         except ValueError as err:
             raise ValueError(f"{key}: {err}") from None
     return value
@@ -195,12 +195,17 @@ def _joined_surrogates(raw: Any) -> Any:
     return raw
 
 
-def _expanded(value: Any) -> Any:
-    """``~`` and ``$VAR`` in a path key (a list of paths: each; a mapping: left as it is)."""
+# Path keys that also take a model's hub id (org/name): a URL there is told the id it holds.
+HUB_ID_KEYS = ("model_name_or_path", "ref_model")
+
+
+def _expanded(value: Any, hub_id_too: bool) -> Any:
+    """``~`` and ``$VAR`` in a path key (a list of paths: each; a mapping: left as it is); a URL is refused here,
+    once for every path key."""
     if isinstance(value, str):
-        return expand_user_path(value)
+        return expand_user_path(value, hub_id_too)
     if isinstance(value, list):
-        return [expand_user_path(v) for v in value]
+        return [expand_user_path(v, hub_id_too) for v in value]
     return value
 
 

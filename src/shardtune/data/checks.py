@@ -17,7 +17,8 @@ from shardtune.data.columns import (
     preference_entry_problems,
 )
 from shardtune.data.images import image_support_problem
-from shardtune.data.lf_v1_data import V1_FORMATTING, first_record_problems
+from shardtune.data.lf_v1_data import V1_FORMATTING, first_record, first_record_problems
+from shardtune.data.other_format import first_turn_problems
 from shardtune.data.peek import peek_columns
 from shardtune.data.registry import DatasetEntry, did_you_mean, resolve_entries
 from shardtune.data.settings import MIX_STRATEGIES, STAGES, DataSettings, dataset_names
@@ -170,6 +171,8 @@ def entry_stage_problems(entry: DatasetEntry, stage: str) -> list[str]:
     columns, problems = peek_columns(entry.data_files[0])
     if columns is not None:
         problems += missing_column_problems(columns, entry, stage)
+    if not problems:  # the columns fit: do the first record's turns use the entry's tags?
+        problems += first_turn_problems(first_record(entry.data_files[0]), entry)
     return problems
 
 

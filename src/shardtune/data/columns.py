@@ -6,6 +6,7 @@ Import-light (no ``datasets``): the launching host checks these before any proce
 from __future__ import annotations
 
 from shardtune.data.lf_v1_data import V1_FORMATTING
+from shardtune.data.other_format import formatting_hint
 from shardtune.data.registry import DatasetEntry
 
 PREFERENCE_STAGES = ("dpo", "kto", "rm")
@@ -53,10 +54,16 @@ def required_columns(entry: DatasetEntry, stage: str) -> dict[str, str]:
 
 
 def missing_column_problems(found: list[str], entry: DatasetEntry, stage: str) -> list[str]:
-    """One line per required column that ``found`` lacks, saying how to map it."""
+    """One line per required column that ``found`` lacks, saying how to map it; one line naming the formatting to
+    set when the records are another format's (its columns would all be missing)."""
+    missing = {key: column for key, column in required_columns(entry, stage).items() if column not in found}
+    hint = formatting_hint(found, entry) if missing and stage != "pt" else ""
+    if hint:
+        names = "/".join(f"'{column}'" for column in missing.values()) + (" columns" if len(missing) > 1 else " column")
+        return [f"{entry.path}: records have no {names} (dataset '{entry.name}', stage {stage}, found: "
+                f"{', '.join(found)}); {hint}"]
     return [
         f"{entry.path}: records have no '{column}' column (dataset '{entry.name}', stage {stage}, "
         f"found: {', '.join(found) or 'none'}); rename it or set columns.{key} in dataset_info.json"
-        for key, column in required_columns(entry, stage).items()
-        if column not in found
+        for key, column in missing.items()
     ]

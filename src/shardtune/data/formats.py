@@ -27,6 +27,7 @@ from shardtune.data.caching import step_fingerprint
 from shardtune.data.columns import missing_column_problems, required_columns  # noqa: F401 - re-exported
 from shardtune.data.images import marker_problem, resolve_image_paths
 from shardtune.data.lf_v1_data import V1_FORMATTING, v1_image_paths, v1_pair_turns, v1_turns
+from shardtune.data.other_format import turn_tags_hint
 from shardtune.data.record_places import record_lines
 from shardtune.data.registry import DatasetEntry
 from shardtune.errors import DataError
@@ -337,6 +338,9 @@ def tools_text(value: Any, column: str) -> str:
 def turn_role_and_content(turn: Any, number: int, roles: Mapping[str, str], tags: Mapping[str, str]
                           ) -> tuple[str, str]:
     role_tag, content_tag = tags["role_tag"], tags["content_tag"]
+    other_format = turn_tags_hint(turn, tags)
+    if other_format:
+        raise RecordError(f"turn {number}: {other_format}")
     if not isinstance(turn, dict) or role_tag not in turn or content_tag not in turn:
         raise RecordError(f"turn {number} must be an object with '{role_tag}' and '{content_tag}' "
                           "(set tags.role_tag/content_tag in dataset_info.json)")

@@ -22,7 +22,7 @@ from typing import Any
 
 from shardtune.data.datafiles import pick_data_files
 from shardtune.data.lf_v1_data import V1_FORMATTING, is_v1_dataset_file, load_v1_registry, v1_media_dir
-from shardtune.paths import ascii_lookalike, shown
+from shardtune.paths import ascii_lookalike, shown, url_problem
 
 INFO_FILE = "dataset_info.json"
 LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -100,6 +100,10 @@ def load_registry(dataset_dir: str | Path) -> tuple[dict[str, Any], list[str]]:
         return load_v1_registry(Path(dataset_dir))
     directory = Path(dataset_dir)
     path = info_path(directory)
+    if directory.exists() and not directory.is_dir():
+        own_folder = f" ({directory.parent})" if directory.name == INFO_FILE else ""
+        return {}, [f"dataset_dir: {shown(str(directory), quote=False)} is a file; give the folder holding "
+                    f"{INFO_FILE}{own_folder}"]
     if not directory.is_dir():
         return {}, [f"dataset_dir {shown(str(directory))} does not exist; set dataset_dir to the folder holding "
                     f"{INFO_FILE}"]
@@ -260,6 +264,10 @@ def data_path_problems(raw: dict[str, Any], dataset_dir: Path, where: str, probl
     file_name = raw.get("file_name")
     if not isinstance(file_name, str) or not file_name:
         problems.append(f"{where} needs a 'file_name' (a file or folder inside {dataset_dir})")
+        return None
+    url = url_problem(file_name)
+    if url:
+        problems.append(f"{where}: file_name {url}")
         return None
     file_path = dataset_dir / file_name
     if file_path.is_dir():

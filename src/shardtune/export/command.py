@@ -49,8 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def export_command(args: list[str]) -> int:
-    if args and Path(args[0]).suffix in (".yaml", ".yml", ".json") and Path(args[0]).is_file():
-        return export_file(args)
+    if args and Path(args[0]).suffix in (".yaml", ".yml", ".json"):  # LLaMA-Factory's merge file, not a folder
+        if not Path(args[0]).exists():
+            raise ConfigError(f"export: config file not found: {args[0]}")
+        if Path(args[0]).is_file():
+            return export_file(args)
     ns = build_parser().parse_args(args)
     if ns.out is None:
         raise ConfigError("export: --out DIR is required (or give a YAML file with export_dir)")

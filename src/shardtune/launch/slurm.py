@@ -72,17 +72,19 @@ def gpus_on_node(env: Mapping[str, str]) -> tuple[int | None, str | None]:
 
 
 def _task_problems(env: Mapping[str, str], nnodes: int) -> list[str]:
-    """shardtune must run once per node: it starts that node's ranks itself."""
+    """shardtune must run once per node: it starts that node's ranks itself. The remedy names no subcommand: check,
+    estimate, doctor and eval read these variables too, and each is told to run under srun, not to run train."""
     if env.get("SLURM_STEP_ID") is None:
         if not env.get("SLURMD_NODENAME"):
             # An salloc shell on the login host: the job's variables are set, but this is not one of its nodes,
             # and the first node would wait for a rendezvous host that never starts.
             return [f"shardtune runs outside the nodes of Slurm job {env.get('SLURM_JOB_ID')} (no SLURMD_NODENAME: "
-                    "an salloc shell?): start it on the nodes with `srun --ntasks-per-node=1 shardtune train ...`"]
+                    "an salloc shell?): start it on the nodes: put `srun --ntasks-per-node=1` in front of this "
+                    "shardtune command"]
         # The batch script runs on the first node only.
         if nnodes > 1:
-            return [f"this job has {nnodes} nodes but shardtune runs outside srun, on one node only: start it "
-                    "with `srun --ntasks-per-node=1 shardtune train ...` so that every node joins"]
+            return [f"this job has {nnodes} nodes but shardtune runs outside srun, on one node only: put `srun "
+                    "--ntasks-per-node=1` in front of this shardtune command so that every node joins"]
         return []
     per_node = expand_counts(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "1")
     if max(per_node, default=1) > 1:

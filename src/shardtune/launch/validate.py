@@ -21,9 +21,10 @@ from shardtune.launch.write_guard import write_problems
 from shardtune.model.depth_checks import depth_checkpoint_problems
 from shardtune.model.folder import is_reward_model_config, model_config_json, model_folder_problems
 from shardtune.model.fp8 import float8_key_problems
+from shardtune.model.load import offline_hub_problems
 from shardtune.model.oft import size_problem
 from shardtune.model.tiny import tiny_model_build_problem
-from shardtune.paths import reads_as_hub_id, shown
+from shardtune.paths import folder_problem, reads_as_hub_id, shown
 from shardtune.train.checkpoint_folders import checkpoint_problems, latest_checkpoint, resume_source
 from shardtune.train.settings import resolved_packing
 from shardtune.train.trackers import tracker_problems
@@ -67,7 +68,8 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
     bad_trackers = [r for r in c.report_to if r not in REPORT_TO and r != "all"]
     if bad_trackers:
         problems.append(f"report_to: unknown tracker(s) {bad_trackers}; choose from {', '.join(REPORT_TO)}")
-    problems += tracker_problems(c.report_to)
+    problems += tracker_problems(c.report_to) + offline_hub_problems(c.model_name_or_path,
+                                                                     c.build_tiny_model_if_missing)
     if c.engine == "auto" and (c.deepspeed or c.fsdp or c.fsdp_config):
         problems.append("engine (auto) with deepspeed/fsdp set: let the estimate choose, or remove engine: auto")
     problems += schedule_problems(c)
@@ -227,9 +229,8 @@ def ref_model_problems(c: TrainConfig) -> list[str]:
         problems.append("resize_vocab/add_tokens/add_special_tokens with ref_model: the policy's vocabulary grows "
                         "and ref_model's would not; remove ref_model (the reference is then the policy as loaded)")
     problems += _ref_folder_problems(c)
-    for path in split_paths(c.ref_model_adapters):
-        if not (Path(path) / "adapter_config.json").is_file():
-            problems.append(f"ref_model_adapters: {path} is not a LoRA adapter folder (no adapter_config.json)")
+    problems += [p for p in (adapter_folder_problem("ref_model_adapters", path)
+                             for path in split_paths(c.ref_model_adapters)) if p]
     return problems
 
 
@@ -237,6 +238,8 @@ def _ref_folder_problems(c: TrainConfig) -> list[str]:
     from shardtune.model.folder import weights_problems
 
     folder = Path(c.ref_model or "")
+    if folder.exists() and not folder.is_dir():
+        return [f"ref_model: {c.ref_model} is a file; give the model folder (the one holding config.json) or a hub id"]
     try:
         ref, policy = model_config_json(c.ref_model), model_config_json(c.model_name_or_path)
     except ModelError as err:
@@ -397,14 +400,36 @@ def file_problems(c: TrainConfig) -> list[str]:
     if c.output_dir is not None:
         problems += output_dir_problems(c)
     problems += write_problems(c)
-    for adapter in c.adapter_name_or_path:
-        if not (Path(adapter) / "adapter_config.json").is_file():
-            problems.append(f"adapter_name_or_path: {adapter} is not a peft adapter folder (no adapter_config.json)")
+    problems += [p for p in (adapter_folder_problem("adapter_name_or_path", a) for a in c.adapter_name_or_path) if p]
+    problems += other_folder_problems(c)
     resume = resume_source(c)
     if resume is not None:
         key = "resume_from_checkpoint" if c.resume_from_checkpoint else f"output_dir (resuming from {resume})"
         problems += checkpoint_problems(resume, key)
     return problems
+
+
+# Folder keys checked nowhere else, with what each folder receives (a file there would fail the run late).
+OTHER_FOLDER_KEYS = (("logging_dir", "tensorboard writes its event files there"),
+                     ("ray_storage_path", "Ray Train keeps its run state there"))
+
+
+def other_folder_problems(c: TrainConfig) -> list[str]:
+    """A file given for a folder a run writes into (a missing one is created)."""
+    problems = []
+    for key, what in OTHER_FOLDER_KEYS:
+        value = getattr(c, key)
+        if value and Path(value).exists() and not Path(value).is_dir():
+            problems.append(f"{key}: {value} is a file; give a folder ({what})")
+    return problems
+
+
+def adapter_folder_problem(key: str, folder: str) -> str | None:
+    """Why ``folder`` is not a peft adapter folder (missing, a file, or without adapter_config.json)."""
+    problem = folder_problem(key, folder, "the adapter folder (the one holding adapter_config.json)")
+    if problem is None and not (Path(folder) / "adapter_config.json").is_file():
+        return f"{key}: {folder} is not a peft adapter folder (no adapter_config.json)"
+    return problem
 
 
 def model_path_problems(model: str) -> list[str]:
@@ -422,7 +447,7 @@ def model_path_problems(model: str) -> list[str]:
 def output_dir_problems(c: TrainConfig) -> list[str]:
     out = Path(c.output_dir or "")
     if out.exists() and not out.is_dir():
-        return [f"output_dir: {out} exists and is a file"]
+        return [f"output_dir: {out} is a file; give a folder (a new one, or an earlier run's)"]
     existing = next(p for p in (out, *out.parents) if p.exists())
     if not existing.is_dir():
         return [f"output_dir: cannot create {out}: {existing} is a file"]
