@@ -305,3 +305,12 @@ def test_adam_mini_steps_as_the_package_does(full_model):
 
 def test_adam_mini_state_round_trips_for_an_exact_resume(full_model):
     _resumes_exactly(full_model, lambda m: _ours(m, "adam_mini"))
+
+
+@pytest.mark.parametrize("finetuning_type", ["lora", "oft"])
+def test_adam_mini_with_an_adapter_is_refused_before_launch(finetuning_type):
+    """Found by the schema fuzzer: Adam-mini's step failed on a LoRA model (it splits q_proj/k_proj... by heads)."""
+    problems = cross_key_problems(build_config({"use_adam_mini": True, "finetuning_type": finetuning_type}))
+    assert any(p.startswith(f"use_adam_mini (true) with finetuning_type ({finetuning_type})") for p in problems)
+    assert not any("use_adam_mini" in p for p in cross_key_problems(build_config({"use_adam_mini": True,
+                                                                                  "finetuning_type": "freeze"})))

@@ -190,3 +190,13 @@ def test_helper_processes_a_node_cannot_hold_are_refused_before_launch(tiny_mode
     assert main([*base, "preprocessing_num_workers=16", "dataloader_num_workers=4"]) == 0
     assert main([*base, "dataloader_num_workers=100000"]) == 2
     assert main([*base, "preprocessing_num_workers=100000"]) == 2
+
+
+def test_check_says_what_train_on_this_machine_would_refuse(tiny_model_dir, tmp_path, capsys) -> None:
+    """check passes a config meant for another machine's ranks, and warns of what train would refuse here."""
+    from shardtune.cli import main
+
+    code = main(["check", "examples/tiny/sft_lora.yaml", f"model_name_or_path={tiny_model_dir}",
+                 f"output_dir={tmp_path / 'out'}", "enable_liger_kernel=true"])
+    err = capsys.readouterr().err
+    assert code == 0 and "shardtune: warning: on this machine, train would refuse: enable_liger_kernel" in err

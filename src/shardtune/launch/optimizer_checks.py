@@ -33,6 +33,13 @@ def optimizer_key_problems(c: TrainConfig) -> list[str]:
         problems.append(f"use_galore (true) with optim ({c.optim}): GaLore has adamw_torch, adamw_8bit, adafactor")
     if c.use_apollo and c.optim not in ("adamw_torch", "adamw_torch_fused"):
         problems.append(f"use_apollo (true) with optim ({c.optim}): APOLLO is an AdamW; use optim: adamw_torch")
+    if c.use_adam_mini and c.finetuning_type in ("lora", "oft"):
+        # Found by the schema fuzzer: the package's step failed with "shape '[-1, 1024]' is invalid for input of
+        # size 512" on the tiny LLaMA's LoRA.
+        problems.append(f"use_adam_mini (true) with finetuning_type ({c.finetuning_type}): Adam-mini splits each "
+                        "weight it finds by name (q_proj, k_proj, ...) into attention heads, and an adapter's "
+                        "matrices under those names have no head layout; use finetuning_type: full or freeze, or "
+                        "remove use_adam_mini")
     for key in ("use_muon", "use_adam_mini"):
         if switches[key] and c.optim not in ("adamw_torch", "adamw_torch_fused"):
             problems.append(f"{key} (true) with optim ({c.optim}): it replaces the optimizer; use optim: adamw_torch")

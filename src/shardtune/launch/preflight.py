@@ -272,6 +272,9 @@ def check_command(argv: list[str]) -> int:
     warning = memory_warning(plan)
     if warning:
         print(f"shardtune: warning: {warning}", file=sys.stderr)
+    # The config may be meant for another machine's ranks; `train` here would refuse these (kernels_here.py).
+    for problem in local_kernel_problems(c, visible_gpu_count()):
+        print(f"shardtune: warning: on this machine, train would refuse: {problem}", file=sys.stderr)
     task = (f"predictions of {c.model_name_or_path} for {','.join(prediction_datasets(c))}" if predicts_only(c)
             else f"{c.stage} / {c.finetuning_type} of {c.model_name_or_path} on {','.join(c.dataset)}")
     split = f" ({plan.layout.sequence_parallel} ranks per sequence)" if plan.layout.sequence_parallel > 1 else ""
