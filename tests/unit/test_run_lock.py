@@ -145,3 +145,14 @@ def test_job_ids_tell_jobs_apart():
     assert run_job_id({}) is None  # one node started by shardtune: its launching process alone holds the lock
     nodes = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
     assert run_job_id(nodes) == run_job_id({**nodes, "NODE_RANK": "0"})
+
+
+def test_status_names_the_lock_holder(tmp_path):
+    from shardtune.web.status import lock_line
+
+    assert lock_line(tmp_path) is None
+    lock = acquire_run_lock(tmp_path)
+    assert f"held by pid {os.getpid()} on {socket.gethostname()}" in (lock_line(tmp_path) or "")
+    lock.release()
+    write_lock(tmp_path, host=socket.gethostname(), pid=ended_pid(), started=time.time() - 60, job=None)
+    assert "no longer runs" in (lock_line(tmp_path) or "")

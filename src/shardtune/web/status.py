@@ -10,6 +10,7 @@ from typing import Any
 
 from shardtune.arguments import CommandParser, positive_seconds
 from shardtune.errors import ConfigError
+from shardtune.launch.run_lock import read_holder
 from shardtune.web.runs import RunWatcher, find_runs, is_run_folder
 
 
@@ -52,6 +53,9 @@ def status_command(args: list[str]) -> int:
 
 def format_status(folder: Path, s: dict[str, Any]) -> str:
     lines = [f"run {folder} ({s['name']}): {s['state']}", f"  {_progress(s)}"]
+    lock = lock_line(folder)
+    if lock:
+        lines.append(f"  {lock}")
     if s["ranks"]:
         lines += ["", *_table(s["ranks"])]
     stragglers = [str(r["rank"]) for r in s["ranks"] if r["straggler"]]
@@ -68,6 +72,16 @@ def format_status(folder: Path, s: dict[str, Any]) -> str:
         lines.append(f"checkpoints: {', '.join(c['name'] for c in done)}; resume the latest with:")
         lines.append(f"  {done[-1]['resume_command']}")
     return "\n".join(lines)
+
+
+def lock_line(folder: Path) -> str | None:
+    """Who holds the run's lock (launch/run_lock.py): the live run a second `train` into this folder would meet."""
+    holder = read_holder(folder)
+    if holder is None:
+        return None
+    if holder.alive():
+        return f"held by {holder.describe()} (run lock: another train into this folder is refused)"
+    return f"run lock left by {holder.describe()}, which no longer runs (the next train takes it over)"
 
 
 def _progress(s: dict[str, Any]) -> str:
