@@ -38,8 +38,9 @@ EXACT, REFUSED = "exact", "refused"
 _SPLIT = "tests/distributed/test_sequence_parallel.py::test_split_sequences_match_one_process"
 _ROW = "tests/distributed/test_sequence_parallel_exact.py::test_split_row_gives_the_whole_rows_loss_and_gradients"
 # Features that change weights or the optimizer, never which tokens a layer sees: each token's computation is the
-# one-process one on its rank, and the gradient the engines sum is the whole row's (_SPLIT compares gradient norms,
-# full and LoRA, AdamW and SGD). Rows without a test are exact by that construction, not run under a split here.
+# one-process one on its rank, and the gradient the engines sum is the whole row's (_SPLIT compares gradient norms;
+# its "cell" names the matrix cell that runs the feature). Rows without a test are exact by that construction only:
+# they need a GPU, a package or a model (an expanded one for use_llama_pro) the tests here lack.
 _WEIGHTS = "changes weights, not which tokens a layer sees; the summed gradient is the whole row's"
 _OPTIMIZER = "steps on the summed gradient, which is the whole row's (DDP; sharding engines refuse it anyway)"
 _TOKENWISE = "runs token by token; the split only changes attention and the loss's normalisation"
@@ -67,21 +68,21 @@ COMBINATIONS: tuple[Combination, ...] = (
     Combination("attn_implementation", EXACT, "the split attention runs sdpa's flash backend per segment (CUDA)",
                 "tests/gpu/test_sequence_parallel_gpu.py::"
                 "test_segments_take_the_flash_kernel_and_equal_the_block_causal_row", value="flash_attention_2"),
-    Combination("finetuning_type", EXACT, _WEIGHTS + " (full and lora run split; freeze and oft by construction)",
+    Combination("finetuning_type", EXACT, _WEIGHTS + " (full, lora and freeze run split; oft by construction)",
                 _SPLIT),
-    Combination("use_dora", EXACT, _WEIGHTS),
-    Combination("pissa_init", EXACT, _WEIGHTS),
-    Combination("use_rslora", EXACT, _WEIGHTS),
-    Combination("loraplus_lr_ratio", EXACT, _WEIGHTS),
+    Combination("use_dora", EXACT, _WEIGHTS + " (packed-lora-variants cell)", _SPLIT),
+    Combination("pissa_init", EXACT, _WEIGHTS + " (packed-pissa cell)", _SPLIT),
+    Combination("use_rslora", EXACT, _WEIGHTS + " (packed-lora-variants cell)", _SPLIT),
+    Combination("loraplus_lr_ratio", EXACT, _WEIGHTS + " (packed-lora-variants cell)", _SPLIT),
     Combination("use_llama_pro", EXACT, _WEIGHTS),
-    Combination("resize_vocab", EXACT, _WEIGHTS),
+    Combination("resize_vocab", EXACT, _WEIGHTS + " (packed-resized cell)", _SPLIT),
     Combination("quantization_bit", EXACT, _WEIGHTS + " (bitsandbytes on a CUDA GPU)"),
     Combination("optim", EXACT, "steps on the summed gradient, which is the whole row's (AdamW and SGD run split)",
                 _SPLIT),
-    Combination("use_galore", EXACT, _OPTIMIZER),
-    Combination("use_apollo", EXACT, _OPTIMIZER),
-    Combination("use_adam_mini", EXACT, _OPTIMIZER),
-    Combination("bf16", EXACT, _TOKENWISE + " (equal within bf16's precision)"),
+    Combination("use_galore", EXACT, _OPTIMIZER + " (packed-galore cell)", _SPLIT),
+    Combination("use_apollo", EXACT, _OPTIMIZER + " (packed-apollo cell)", _SPLIT),
+    Combination("use_adam_mini", EXACT, _OPTIMIZER + " (packed-adam-mini cell)", _SPLIT),
+    Combination("bf16", EXACT, _TOKENWISE + " (equal within bf16's precision: packed-bf16 cell)", _SPLIT),
     Combination("fp16", EXACT, _TOKENWISE + " (equal within fp16's precision)"),
     Combination("enable_liger_kernel", EXACT, "norms, MLP and RoPE (from the global positions) run token by token; "
                 "the loss stays shardtune's (GPU only)"),
