@@ -1,14 +1,22 @@
 """A real training run with report_to: wandb (offline), mlflow (local file store) and tensorboard records the loss
-curve rank 0 logs in trainer_log.jsonl, and the resolved config, in each tracker."""
+curve rank 0 logs in trainer_log.jsonl, and the resolved config, in each tracker. A tracker server or hub that
+would leave the run waiting is named in one line, within a bounded time, exit 2, no process left; every address
+here is loopback or under the reserved .invalid domain."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
 import struct
+import subprocess
+import sys
+import time
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import REPO, cli_env, run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -70,3 +78,102 @@ def test_wandb_offline_and_mlflow_record_the_loss_curve_and_config(tiny_model_di
     assert json.loads((out / "mlruns").joinpath(mlrun.info.experiment_id, mlrun.info.run_id, "artifacts",
                                                 "shardtune_config.json").read_text())["run_name"] == "tracked"
     assert list((out / "runs").glob("events.out.tfevents.*"))
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_bounded(*args: str, limit: float, **env: str) -> tuple[int, list[str], float]:
+    """The CLI in a process group of its own: exit code, stderr lines, seconds taken. It must end within ``limit``
+    and leave no process of its group behind."""
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "shardtune", *args], cwd=REPO, env=cli_env(**env), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"shardtune {args[0]} still waiting after {limit} s")
+    took = time.monotonic() - start
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # nothing of its group is left
+    return proc.returncode, [line for line in err.splitlines() if line.strip()], took
+
+
+def train_args(model, out, *extra: str) -> list[str]:
+    return ["train", "examples/tiny/sft_lora.yaml", f"model_name_or_path={model}", f"output_dir={out}",
+            "max_steps=1", "do_eval=false", "plot_loss=false", *extra]
+
+
+def errors(lines: list[str]) -> list[str]:
+    return [line for line in lines if line.startswith("shardtune: error:")]
+
+
+@pytest.mark.parametrize("command", ["check", "train"])
+def test_an_mlflow_server_that_does_not_answer_is_one_line_before_launch(command, tiny_model_dir, tmp_path):
+    pytest.importorskip("mlflow")
+    uri = f"http://127.0.0.1:{closed_port()}"
+    args = train_args(tiny_model_dir, tmp_path / "run", "report_to=mlflow")
+    code, lines, took = run_bounded(command, *args[1:], limit=60, MLFLOW_TRACKING_URI=uri)
+    (line,) = errors(lines)
+    assert code == 2 and f"MLFLOW_TRACKING_URI ({uri}): the tracking server did not answer" in line, lines
+    assert not (tmp_path / "run" / "trainer_log.jsonl").exists()
+    print(f"{command}: refused in {took:.1f} s")
+
+
+def test_wandb_without_a_login_is_one_line_before_launch(tiny_model_dir, tmp_path):
+    pytest.importorskip("wandb")
+    (tmp_path / "netrc").write_text("")
+    code, lines, took = run_bounded(*train_args(tiny_model_dir, tmp_path / "run", "report_to=wandb"), limit=60,
+                                    WANDB_MODE="online", WANDB_API_KEY="", NETRC=str(tmp_path / "netrc"),
+                                    WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"))
+    (line,) = errors(lines)
+    assert code == 2 and "report_to (wandb): no W&B credentials" in line and "wandb login" in line, lines
+    print(f"refused in {took:.1f} s")
+
+
+def test_an_unresolvable_wandb_server_is_named_and_the_key_never_shown(tiny_model_dir, tmp_path):
+    pytest.importorskip("wandb")
+    secret = "wandb-secret-" + "7" * 30
+    code, lines, took = run_bounded(*train_args(tiny_model_dir, tmp_path / "run", "report_to=wandb"), limit=60,
+                                    WANDB_MODE="online", WANDB_API_KEY=secret,
+                                    WANDB_BASE_URL="https://wandb.tracker.invalid")
+    (line,) = errors(lines)
+    assert code == 2 and "WANDB_BASE_URL (https://wandb.tracker.invalid)" in line, lines
+    assert "did not resolve" in line and not any(secret in text for text in lines)
+    print(f"refused in {took:.1f} s")
+
+
+@pytest.fixture
+def hub_env(tmp_path):
+    """An empty Hugging Face cache, and no token (nothing here may reach a real hub)."""
+    return {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hf" / "hub"), "HF_TOKEN": "",
+            "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+def test_an_uncached_hub_id_in_offline_mode_is_one_line_before_launch(hub_env, tmp_path):
+    code, lines, took = run_bounded(*train_args("someorg/somemodel", tmp_path / "run",
+                                                "build_tiny_model_if_missing=false"), limit=60,
+                                    HF_HUB_OFFLINE="1", **hub_env)
+    (line,) = errors(lines)
+    assert code == 2 and "someorg/somemodel is not in the Hugging Face cache and HF_HUB_OFFLINE=1" in line, lines
+    assert "hf download someorg/somemodel" in line
+    print(f"refused in {took:.1f} s")
+
+
+def test_a_hub_that_does_not_answer_ends_in_one_line_naming_the_id_and_endpoint(hub_env, tmp_path):
+    """The download is asked for on the rank; huggingface_hub retries 5 times (1+2+4+8+8 s apart) with its own
+    timeouts (10 s a try), so the wait is bounded, and its last line says what it waited for."""
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    code, lines, took = run_bounded(*train_args("someorg/somemodel", tmp_path / "run",
+                                                "build_tiny_model_if_missing=false"), limit=120,
+                                    HF_HUB_OFFLINE="0", TRANSFORMERS_OFFLINE="0", HF_ENDPOINT=endpoint, **hub_env)
+    assert code == 2, lines
+    assert lines[-1].startswith("shardtune: error: model_name_or_path: someorg/somemodel is not in the Hugging Face "
+                                f"cache and the hub (HF_ENDPOINT {endpoint}) did not answer"), lines[-1]
+    assert "hf download someorg/somemodel" in lines[-1]
+    print(f"ended in {took:.1f} s")

@@ -44,6 +44,7 @@ def cuda_visible() -> bool:
 def test_example_file_gets_its_verdict(relative, tiny_model_dir, tmp_path, monkeypatch, capsys):
     work = make_work_folder(tmp_path / "work")
     monkeypatch.chdir(work)  # LLaMA-Factory resolves data/ and examples/deepspeed/ from the cwd
+    monkeypatch.setenv("WANDB_MODE", "offline")  # files with report_to: wandb need a W&B login otherwise
     path = filled_in(relative, work, tiny_model_dir, tmp_path / "out")
     split = yaml.safe_load(path.read_text()).get("cp_size") or 1
     if split > 1:  # a file splitting rows over cp_size ranks is launched with at least that many

@@ -3,12 +3,67 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from shardtune.data.settings import VARLEN
 from shardtune.errors import ModelError
+from shardtune.model.folder import hub_cache_config
+from shardtune.paths import reads_as_hub_id
+
+_DEFAULT_ENDPOINT = "https://huggingface.co"
+
+
+def offline_hub_problems(name: str | None, builds_model: bool) -> list[str]:
+    """A hub id not in the Hugging Face cache while HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE forbid downloading it:
+    refused before launch, rather than by every rank once it starts loading (``builds_model``: a tiny model is
+    built at that path instead, nothing is downloaded)."""
+    if not name or builds_model or not reads_as_hub_id(name) or Path(name).expanduser().exists():
+        return []
+    switch = next((key for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if _is_on(os.environ.get(key))), None)
+    if switch is None or hub_cache_config(name) is not None:
+        return []
+    return [f"model_name_or_path: {name} is not in the Hugging Face cache and {switch}={os.environ[switch]} "
+            f"forbids downloading it; {_download_remedy(name)}"]
+
+
+def _is_on(value: str | None) -> bool:
+    """huggingface_hub's reading of a switch variable (constants._is_true)."""
+    return (value or "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _download_remedy(name: str) -> str:
+    return (f"download it first with `hf download {name}` where the hub is reachable (into the same HF_HOME), or "
+            "give a local model folder")
+
+
+def unreached_hub_error(name: str, err: BaseException) -> ModelError | None:
+    """One line for a load that failed because the hub did not answer (or offline mode forbade asking) and the
+    files are not cached: huggingface_hub has already retried with its own bounded timeouts (HF_HUB_ETAG_TIMEOUT,
+    HF_HUB_DOWNLOAD_TIMEOUT, 10 s each by default). None for any other failure."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    chain = _causes(err)
+    if not any(isinstance(e, LocalEntryNotFoundError) for e in chain):
+        return None
+    if constants.HF_HUB_OFFLINE:
+        return ModelError(f"model_name_or_path: {name} is not in the Hugging Face cache and offline mode "
+                          f"(HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE) forbids downloading it; {_download_remedy(name)}")
+    where = "HF_ENDPOINT " + constants.ENDPOINT if constants.ENDPOINT != _DEFAULT_ENDPOINT else constants.ENDPOINT
+    reason = str(chain[-1]).splitlines()[0] if str(chain[-1]) else type(chain[-1]).__name__
+    return ModelError(f"model_name_or_path: {name} is not in the Hugging Face cache and the hub ({where}) did not "
+                      f"answer ({reason}); {_download_remedy(name)}")
+
+
+def _causes(err: BaseException) -> list[BaseException]:
+    """``err`` and the exceptions behind it, outermost first."""
+    chain = [err]
+    while (behind := chain[-1].__cause__ or chain[-1].__context__) is not None and behind not in chain:
+        chain.append(behind)
+    return chain
 
 
 def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> Any:
@@ -18,7 +73,8 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> Any
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
-        raise ModelError(f"model_name_or_path: cannot load a tokenizer from {name_or_path}: {err}") from None
+        raise unreached_hub_error(name_or_path, err) or ModelError(
+            f"model_name_or_path: cannot load a tokenizer from {name_or_path}: {err}") from None
     if tokenizer.pad_token_id is None:
         # Padding is masked out of the loss, so reusing eos as pad is safe.
         tokenizer.pad_token = tokenizer.eos_token
@@ -71,7 +127,8 @@ def load_model_config(name_or_path: str, *, trust_remote_code: bool = False, rop
     try:
         config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
-        raise ModelError(f"model_name_or_path: cannot read the config of {name_or_path}: {err}") from None
+        raise unreached_hub_error(name_or_path, err) or ModelError(
+            f"model_name_or_path: cannot read the config of {name_or_path}: {err}") from None
     if rope_scaling is not None:
         apply_rope_scaling(config, rope_scaling, max_length)
     return config
@@ -152,7 +209,8 @@ def load_causal_lm(
     try:
         model = auto_model_class(config).from_pretrained(name_or_path, **kwargs)
     except (OSError, ValueError, ImportError) as err:
-        raise ModelError(f"model_name_or_path: cannot load a causal LM from {name_or_path}: {err}") from None
+        raise unreached_hub_error(name_or_path, err) or ModelError(
+            f"model_name_or_path: cannot load a causal LM from {name_or_path}: {err}") from None
     return model
 
 
