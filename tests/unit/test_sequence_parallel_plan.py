@@ -137,7 +137,11 @@ def stateful_model(tmp_path: Path, tiny: Path) -> Path:
      "tokens"),
     ({"attn_implementation": "varlen"}, 2,
      "attn_implementation (varlen) with sequence_parallel_size (2): the split attention replaces the model's kernel"),
-], ids=["ulysses-heads", "do-predict", "cutoff-len", "world-size", "stateful-layers", "mixture-of-depths", "varlen"])
+    ({"rope_scaling": "dynamic", "cutoff_len": 4096}, 2,
+     "rope_scaling (dynamic) with sequence_parallel_size (2): dynamic NTK takes its RoPE frequencies from the "
+     "largest position id in each forward"),
+], ids=["ulysses-heads", "do-predict", "cutoff-len", "world-size", "stateful-layers", "mixture-of-depths", "varlen",
+        "dynamic-rope"])
 def test_check_refuses_what_the_split_cannot_run(values, nproc, fragment, tiny_model_dir, tmp_path, monkeypatch,
                                                  capsys):
     values = {"sequence_parallel_size": 2, **values}
@@ -374,3 +378,24 @@ def test_a_rank_refuses_the_varlen_kernel_under_a_split_from_the_same_table():
     with pytest.raises(ModelError, match=r"^attn_implementation \(varlen\) with sequence_parallel_size \(2\): the "
                                          r"split attention replaces the model's kernel; use attn_implementation: sdpa"):
         loaded_kernel(config)
+
+
+def test_dynamic_rope_frequencies_depend_on_the_positions_one_forward_holds():
+    """Why rope_scaling: dynamic is refused under a split: transformers' dynamic NTK rescales its frequencies from the
+    largest position id of the forward, so the first slice of a row longer than the trained context (positions below
+    it) rotates by other angles than the whole row does."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from shardtune.model.load import apply_rope_scaling
+
+    config = LlamaConfig(hidden_size=16, num_attention_heads=2, max_position_embeddings=16)
+    assert apply_rope_scaling(config, "dynamic", 32)
+    x = torch.zeros(1, 32, 16)
+    whole_row = LlamaRotaryEmbedding(config)(x, torch.arange(32)[None])[0][:, :16]
+    first_slice = LlamaRotaryEmbedding(config)(x[:, :16], torch.arange(16)[None])[0]
+    assert not torch.allclose(whole_row, first_slice)
+    config.rope_parameters = {**config.rope_parameters, "rope_type": "linear"}  # fixed frequencies: the same angles
+    whole_row = LlamaRotaryEmbedding(config)(x, torch.arange(32)[None])[0][:, :16]
+    assert torch.equal(whole_row, LlamaRotaryEmbedding(config)(x[:, :16], torch.arange(16)[None])[0])

@@ -44,6 +44,7 @@ _ROW = "tests/distributed/test_sequence_parallel_exact.py::test_split_row_gives_
 _WEIGHTS = "changes weights, not which tokens a layer sees; the summed gradient is the whole row's"
 _OPTIMIZER = "steps on the summed gradient, which is the whole row's (DDP; sharding engines refuse it anyway)"
 _TOKENWISE = "runs token by token; the split only changes attention and the loss's normalisation"
+_FIXED_ROPE = "each position's angles are fixed up front, whichever rank holds it"
 
 # Every feature of tests/schema_fuzz.py FEATURES against sequence_parallel_size > 1. The refusals are made from it
 # (combination_problems) and docs/long-context.md's table is generated from it (tests/unit/test_sequence_parallel_plan).
@@ -91,6 +92,10 @@ COMBINATIONS: tuple[Combination, ...] = (
     Combination("val_size", EXACT, "evaluation runs the same split forward and token loss as training "
                 "(packed-eval cell)", _SPLIT),
     Combination("report_to", EXACT, "reports the loss the loop computes; touches no tensor"),
+    Combination("rope_scaling", EXACT, _FIXED_ROPE, "tests/unit/test_sequence_parallel_plan.py::"
+                "test_dynamic_rope_frequencies_depend_on_the_positions_one_forward_holds", value="linear"),
+    Combination("rope_scaling", EXACT, _FIXED_ROPE, value="yarn"),
+    Combination("rope_scaling", EXACT, _FIXED_ROPE, value="llama3"),
     Combination("mixture_of_depths", REFUSED, "the router keeps the top 12.5% of a whole row's tokens, and a rank "
                 "holds a slice: it would rank the slice's tokens, and its chosen few would not fit the split "
                 "attention's layout of N equal slices"),
@@ -98,6 +103,10 @@ COMBINATIONS: tuple[Combination, ...] = (
                 fix="predict in a run of its own with sequence_parallel_size: 1"),
     Combination("attn_implementation", REFUSED, "the split attention replaces the model's kernel", value="varlen",
                 fix="use attn_implementation: sdpa or flash_attention_2"),
+    Combination("rope_scaling", REFUSED, "dynamic NTK takes its RoPE frequencies from the largest position id in "
+                "each forward, and a rank holds its slice's positions only (the first slice of a row past the "
+                "trained context would rotate unscaled)", value="dynamic",
+                fix="use rope_scaling: linear, yarn or llama3 (fixed frequencies), or sequence_parallel_size: 1"),
     Combination("use_badam", REFUSED, "BAdam steps on one process (it changes the trainable weights DDP registered "
                 "at set-up), and a split runs N >= 2", fix="train on one process"),
 )
