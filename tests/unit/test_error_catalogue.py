@@ -484,7 +484,7 @@ CATALOGUE = [
     Case("sequence-parallel-cutoff-len", "cutoff_len (3) is below sequence_parallel_size (4)",
          {"sequence_parallel_size": 4, "cutoff_len": 3}, env={"NPROC_PER_NODE": "4"}),
     # --- the other commands ---
-    Case("export-source-missing", "export: /no/such/run is not a folder", command="export",
+    Case("export-source-missing", "export: folder not found: /no/such/run", command="export",
          argv=lambda t, cfg: ["/no/such/run", "--out", str(t / "x")]),
     Case("export-unknown-layout", "holds no checkpoint shardtune knows", command="export",
          argv=lambda t, cfg: [str(t), "--out", str(t / "x")]),

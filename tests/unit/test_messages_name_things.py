@@ -222,3 +222,38 @@ def test_export_of_a_missing_yaml_names_the_file(tmp_path):
     code, err = run("export", str(tmp_path / "merge.yaml"))
     assert code == 2
     assert err == f"shardtune: error: export: config file not found: {tmp_path / 'merge.yaml'}\n", err
+
+
+@pytest.mark.parametrize("command, says", [
+    ("eval", "eval: {path} is a file; give the trained model folder first (a run's output_dir or an exported model)"),
+    ("export", "export: {path} is a file; give a checkpoint-<step> folder, a run's output_dir or an adapter folder"),
+    ("chat", "chat: {path} is a file; give a model folder (a run's output_dir, an adapter, a checkpoint) or its "
+             "YAML file"),
+])
+def test_file_where_a_subcommand_wants_a_folder(tmp_path, command, says):
+    path = a_file(tmp_path)
+    code, err = run(command, str(path), *(["--out", str(tmp_path / "x")] if command == "export" else []))
+    assert code == 2
+    assert says.format(path=path) in err, err
+
+
+def test_eval_with_the_config_first_says_the_order(config, tiny_model_dir):
+    code, err = run("eval", str(config), str(tiny_model_dir))
+    assert code == 2
+    assert f"eval: {config} is a config file; give the trained model folder first: shardtune eval OUTPUT" in err, err
+
+
+@pytest.mark.parametrize("command", ["eval", "chat"])
+def test_missing_folder_for_a_subcommand_is_not_found(tmp_path, command):
+    code, err = run(command, str(tmp_path / "gone"))
+    assert code == 2
+    assert f"{command}: folder not found: {tmp_path / 'gone'}" in err, err
+
+
+def test_status_of_a_file_says_it_is_a_file(tmp_path):
+    path = a_file(tmp_path)
+    code, err = run("status", str(path))
+    assert code == 2
+    assert f"status: {path} is a file; give a run's output_dir (or a folder of runs)" in err, err
+    code, err = run("status", str(tmp_path / "gone"))
+    assert f"status: folder not found: {tmp_path / 'gone'}" in err, err

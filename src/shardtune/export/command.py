@@ -12,6 +12,7 @@ from pathlib import Path
 
 from shardtune.arguments import CommandParser
 from shardtune.errors import ConfigError, ModelError
+from shardtune.paths import folder_problem
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -60,8 +61,9 @@ def export_command(args: list[str]) -> int:
     from shardtune.export.convert import ExportOptions, export_model
 
     source = Path(ns.source)
-    if not source.is_dir():
-        raise ModelError(f"export: {source} is not a folder")
+    problem = folder_problem("export", source, "a checkpoint-<step> folder, a run's output_dir or an adapter folder")
+    if problem:
+        raise ModelError(problem)
     options = ExportOptions(save_dtype=ns.dtype, template=ns.template, overwrite=ns.overwrite,
                             max_shard_bytes=parse_size(ns.max_shard_size) if ns.max_shard_size else None)
     notes = export_model(source, Path(ns.out), base=ns.model, merge_lora=ns.merge_lora,

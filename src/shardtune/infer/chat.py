@@ -21,6 +21,7 @@ from shardtune import run_files
 from shardtune.arguments import CommandParser
 from shardtune.config.schema import TrainConfig
 from shardtune.errors import ConfigError
+from shardtune.paths import folder_problem
 
 # What a chat takes from the run that trained the model (its resolved config).
 RUN_KEYS = ("template", "default_system", "enable_thinking", "tool_format", "trust_remote_code")
@@ -133,7 +134,7 @@ def open_session(target: Path, overrides: list[str], base: str | None) -> ChatSe
 
     is_file = target.suffix in (".yaml", ".yml", ".json") and target.is_file()
     if not is_file and not target.is_dir():
-        raise ConfigError(f"chat: {target} is neither a model folder nor a YAML file")
+        raise ConfigError(target_problem(target))
     run = {} if is_file else run_defaults(target)
     config, cmd, problems = read_config([str(target), *overrides] if is_file else overrides, run)
     if problems:
@@ -141,6 +142,15 @@ def open_session(target: Path, overrides: list[str], base: str | None) -> ChatSe
     given_template = "template" in run or "template" in cmd.values or (is_file and _file_sets_template(target))
     model, tokenizer = load_chat_model(target, config, base, is_file)
     return ChatSession(model, tokenizer, chat_template(config, tokenizer, given_template), config)
+
+
+def target_problem(target: Path) -> str:
+    """Why ``target`` is neither a model folder nor a YAML file: missing (a file or a folder, by its name) or a
+    file of another kind."""
+    if target.suffix in (".yaml", ".yml", ".json") and not target.exists():
+        return f"chat: config file not found: {target}"
+    return folder_problem("chat", target, "a model folder (a run's output_dir, an adapter, a checkpoint) or its YAML "
+                                          "file") or ""
 
 
 def _file_sets_template(path: Path) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 from shardtune import run_files
 from shardtune.errors import ConfigError
 from shardtune.model.pretrained_adapters import adapter_method
+from shardtune.paths import folder_problem
 
 USAGE = ("usage: shardtune eval OUTPUT [CONFIG.yaml] [key=value ...] [--dry-run]\n\n"
          "Generates answers for eval_dataset (else dataset) with the model in OUTPUT (a full model folder or a LoRA "
@@ -33,7 +34,7 @@ def eval_arguments(args: list[str]) -> list[str]:
         raise ConfigError("eval: give the trained model folder first: " + USAGE.splitlines()[0])
     output = Path(args[0])
     if not output.is_dir():
-        raise ConfigError(f"eval: {output} is not a folder (give a run's output_dir or an exported model)")
+        raise ConfigError(output_folder_problem(output))
     rest = args[1:]
     config_file = rest[0] if rest and not rest[0].startswith("-") and "=" not in rest[0] else None
     overrides = rest[1:] if config_file else rest
@@ -44,6 +45,15 @@ def eval_arguments(args: list[str]) -> list[str]:
     if given_out is None:
         forced.append(f"output_dir={out}")
     return [config_file or str(write_run_config(output, out)), *forced, *overrides]
+
+
+def output_folder_problem(output: Path) -> str:
+    """Why OUTPUT is not the model folder; a config file there is the two arguments swapped, so the order is said."""
+    if output.suffix in (".yaml", ".yml", ".json") and output.is_file():
+        return (f"eval: {output} is a config file; give the trained model folder first: "
+                f"{USAGE.splitlines()[0].removeprefix('usage: ')}")
+    return folder_problem("eval", output, "the trained model folder first (a run's output_dir or an exported "
+                                          "model)") or ""
 
 
 def given_output_dir(overrides: list[str]) -> str | None:

@@ -11,6 +11,7 @@ from typing import Any
 from shardtune.arguments import CommandParser, positive_seconds
 from shardtune.errors import ConfigError
 from shardtune.launch.run_lock import read_holder
+from shardtune.paths import folder_problem
 from shardtune.web.runs import RunWatcher, find_runs, is_run_folder
 
 
@@ -24,8 +25,9 @@ def status_command(args: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="the same as JSON")
     ns = parser.parse_args(args)
     folder = Path(ns.output_dir)
-    if not folder.is_dir():
-        raise ConfigError(f"status: {folder} is not a folder")
+    problem = folder_problem("status", folder, "a run's output_dir (or a folder of runs)")
+    if problem:
+        raise ConfigError(problem)
     if not is_run_folder(folder):
         runs = find_runs(folder)
         if not runs:
