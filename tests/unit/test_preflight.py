@@ -200,3 +200,13 @@ def test_check_says_what_train_on_this_machine_would_refuse(tiny_model_dir, tmp_
                  f"output_dir={tmp_path / 'out'}", "enable_liger_kernel=true"])
     err = capsys.readouterr().err
     assert code == 0 and "shardtune: warning: on this machine, train would refuse: enable_liger_kernel" in err
+
+
+@pytest.mark.parametrize("key, value", [("lora_target", "demo demo_sharegpt"), ("additional_target", "zzzz")])
+def test_module_names_the_model_lacks_are_refused_by_check(key, value, tiny_model_dir, tmp_path, capsys) -> None:
+    """Found by the schema fuzzer: names absent from the model with no close one passed check, and train refused."""
+    from shardtune.cli import main
+
+    code = main(["check", "examples/tiny/sft_lora.yaml", f"model_name_or_path={tiny_model_dir}",
+                 f"output_dir={tmp_path / 'out'}", f"{key}={value}"])
+    assert code == 2 and f"shardtune: error: {key}: {value} not found in the model" in capsys.readouterr().err

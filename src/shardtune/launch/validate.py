@@ -378,11 +378,25 @@ def mistyped_target_problems(c: TrainConfig) -> list[str]:
         typos = mistyped_modules(list(wanted), folder) if folder.is_dir() else {}
         problems += [f"{key}: {typed} not found in the model (did you mean '{close}'?)"
                      for typed, close in typos.items()]
-        if key == "additional_target" and folder.is_dir():  # as the rank's peft check refuses it
+        if folder.is_dir() and not is_mixture_of_experts(folder):  # as the rank refuses them, once loaded
             absent = [name for name in absent_modules([str(w) for w in wanted], folder) if name not in typos]
-            problems += [f"additional_target: {','.join(absent)} not found in the model; use module names such as "
-                         "embed_tokens, lm_head, norm"] if absent else []
+            problems += [f"{key}: {','.join(absent)} not found in the model; {ABSENT_REMEDY[key]}"] if absent else []
     return problems
+
+
+# What the rank's own refusal of an absent name suggests (model/adapters.py).
+ABSENT_REMEDY = {"additional_target": "use module names such as embed_tokens, lm_head, norm",
+                 "lora_target": "use the model's linear modules (q_proj, v_proj, ...) or all",
+                 "oft_target": "use the model's linear modules (q_proj, v_proj, ...) or all"}
+
+
+def is_mixture_of_experts(folder: Path) -> bool:
+    """Where transformers fuses the experts' stored weights into other modules on load (gate_up_proj), a module
+    name may be missing from the stored names and still be the model's: left to the rank's check."""
+    from shardtune.model.moe import expert_count
+
+    config = model_config_json(str(folder)) or {}
+    return expert_count(config) > 0
 
 
 def file_problems(c: TrainConfig) -> list[str]:
