@@ -182,6 +182,18 @@ def test_records_of_another_format_name_the_keys_to_set(config, tmp_path, entry,
     assert len(err.splitlines()) == 1, err
 
 
+def test_records_of_another_format_in_a_json_array(config, tmp_path):
+    """LLaMA-Factory's demo files are JSON arrays: their first record is read too."""
+    data = tmp_path / "data"
+    data.mkdir()
+    entry = {"file_name": "mine.json", "formatting": "sharegpt", "columns": {"messages": "messages"}}
+    (data / "dataset_info.json").write_text(json.dumps({"mine": entry}))
+    (data / "mine.json").write_text(json.dumps([OPENAI, OPENAI], indent=2))
+    code, err = run("check", str(config), f"dataset_dir={data}", "dataset=mine")
+    assert code == 2
+    assert OPENAI_TAGS in err, err
+
+
 @pytest.mark.parametrize("formatting, record, says", [
     ("sharegpt", OPENAI["messages"], OPENAI_TAGS),
     ("openai", SHAREGPT["conversations"], SHAREGPT_TAGS),

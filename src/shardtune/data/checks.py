@@ -17,9 +17,9 @@ from shardtune.data.columns import (
     preference_entry_problems,
 )
 from shardtune.data.images import image_support_problem
-from shardtune.data.lf_v1_data import V1_FORMATTING, first_record, first_record_problems
+from shardtune.data.lf_v1_data import V1_FORMATTING, first_record_problems
 from shardtune.data.other_format import first_turn_problems
-from shardtune.data.peek import peek_columns
+from shardtune.data.peek import first_record, peek_columns
 from shardtune.data.registry import DatasetEntry, did_you_mean, resolve_entries
 from shardtune.data.settings import MIX_STRATEGIES, STAGES, DataSettings, dataset_names
 from shardtune.data.templates import (

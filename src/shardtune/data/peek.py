@@ -8,7 +8,9 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
+from typing import Any
 
+from shardtune.data.lf_v1_data import first_record as first_jsonl_record
 from shardtune.data.record_places import utf8_problem
 
 MAX_LISTED = 5  # bad lines or records listed before "... and N more"
@@ -58,6 +60,20 @@ def peek_columns(path: Path) -> tuple[list[str] | None, list[str]]:
         return None, [utf8_problem(path) or f"{path}: not valid UTF-8"]
     except (OSError, ValueError) as err:
         return None, [f"{path}: cannot be read ({innermost_message(err)})"]
+
+
+def first_record(path: Path) -> Any:
+    """The first record of a JSON-lines file or of a JSON array small enough to peek at; None when it cannot be
+    read cheaply (the loader names an unreadable file with its line)."""
+    try:
+        if path.suffix.lower() == ".json" and path.stat().st_size <= PEEK_JSON_BYTES:
+            text = path.read_text(encoding="utf-8")
+            if text.lstrip().startswith("["):
+                records = json.loads(text)
+                return records[0] if isinstance(records, list) and records else None
+        return first_jsonl_record(path)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
 
 
 def json_file_keys(path: Path) -> tuple[list[str] | None, list[str]]:
