@@ -84,6 +84,13 @@ def taken_port(tmp: Path) -> dict:
     return {"__env__": {"MASTER_PORT": str(sock.getsockname()[1]), "FORCE_TORCHRUN": "1"}}
 
 
+def closed_port() -> int:
+    """A loopback port nothing listens on: a connection there is refused at once."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def accelerate_yaml(tmp: Path, text: str) -> dict:
     (tmp / "acc.yaml").write_text(text)
     return {"fsdp_config": str(tmp / "acc.yaml")}
@@ -311,6 +318,14 @@ CATALOGUE = [
     Case("quantization-needs-lora", "quantization_bit (4) needs finetuning_type: lora",
          {"quantization_bit": 4, "finetuning_type": "full"}, also=("quantization_bit (4) needs a CUDA GPU",)),
     Case("unknown-tracker", "report_to: unknown tracker(s) ['wandbb']", {"report_to": "wandbb"}),
+    Case("tracker-server-unreachable", "MLFLOW_TRACKING_URI (http://127.0.0.1:", {"report_to": "mlflow"},
+         prepare=lambda t: {"__env__": {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{closed_port()}"}}),
+    Case("wandb-without-login", "report_to (wandb): no W&B credentials", {"report_to": "wandb"},
+         env={"WANDB_MODE": "online", "WANDB_API_KEY": "", "NETRC": "/nonexistent/netrc",
+              "WANDB_CONFIG_DIR": "/nonexistent/wandb"}),
+    Case("hub-id-offline-not-cached", "someorg/somemodel is not in the Hugging Face cache and HF_HUB_OFFLINE=1",
+         {"model_name_or_path": "someorg/somemodel", "build_tiny_model_if_missing": False},
+         env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": "/nonexistent/hub"}),
     Case("lora-target-all-combined", "'all' cannot be combined", {"lora_target": "all,q_proj"}),
     Case("engine-auto-with-engine", "engine (auto) with deepspeed/fsdp set", {"engine": "auto", "deepspeed": "z2"}),
     Case("dataset-dir-missing", "dataset_dir '/no/such/data' does not exist", {"dataset_dir": "/no/such/data"}),
