@@ -37,7 +37,13 @@ ROWS = {"packed": PACKED, "padded": PADDED, "packed-sgd": PACKED + SGD,
         "packed-adam-mini": PACKED + ("use_adam_mini=true",),
         "packed-resized": PACKED + ("resize_vocab=true", "add_special_tokens=<think>,</think>"),
         # bf16 autocast: the split sums attention in another order, equal within bf16's precision only
-        "packed-bf16": PACKED + ("bf16=true",)}
+        "packed-bf16": PACKED + ("bf16=true",),
+        # token-weighted losses read each slice's next tokens (shift_labels), as the plain loss does
+        "packed-dft": PACKED + ("use_dft_loss=true",),
+        "packed-eaft": PACKED + ("use_eaft_loss=true",),
+        "packed-asft": PACKED + ("use_asft_loss=true",),
+        "packed-smoothed": PACKED + ("label_smoothing_factor=0.1",),
+        "packed-muon": PACKED + ("use_muon=true",)}
 TOLERANCE = {"packed-bf16": 1e-3}  # relative (8e-5 measured); fp32 rows: 1e-4 for losses, 1e-3 for gradient norms
 
 # (engine, finetuning, rows, processes, sequence_parallel_size, mode)
@@ -72,6 +78,11 @@ MATRIX = [
     ("ddp", "full", "packed-adam-mini", 2, 2, "ulysses"),
     ("ddp", "full", "packed-resized", 2, 2, "allgather"),
     ("ddp", "lora", "packed-bf16", 2, 2, "ulysses"),
+    ("ddp", "full", "packed-dft", 2, 2, "ulysses"),
+    ("ddp", "full", "packed-eaft", 2, 2, "allgather"),
+    ("ddp", "lora", "packed-asft", 2, 2, "ulysses"),
+    ("ddp", "full", "packed-smoothed", 2, 2, "allgather"),
+    ("ddp", "full", "packed-muon", 2, 2, "ulysses"),
 ]
 EXTRA_ENGINES = {"zero1": ("deepspeed=z1",),
                  "hsdp": ("fsdp=hybrid_shard auto_wrap", "fsdp_config={'hsdp_shard_size': 2}")}

@@ -399,3 +399,20 @@ def test_dynamic_rope_frequencies_depend_on_the_positions_one_forward_holds():
     config.rope_parameters = {**config.rope_parameters, "rope_type": "linear"}  # fixed frequencies: the same angles
     whole_row = LlamaRotaryEmbedding(config)(x, torch.arange(32)[None])[0][:, :16]
     assert torch.equal(whole_row, LlamaRotaryEmbedding(config)(x[:, :16], torch.arange(16)[None])[0])
+
+
+def test_a_router_auxiliary_loss_under_a_split_is_refused_unless_switched_off(tiny_model_dir, tmp_path, monkeypatch,
+                                                                             capsys):
+    """A rank's forward holds its slice: the router's load-balancing loss would balance each slice's tokens, padding
+    counted (the split hands the model no padding mask), where one process balances the rows' real tokens."""
+    model = Path(shutil.copytree(tiny_model_dir, tmp_path / "moe"))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "router_aux_loss_coef": 0.02,
+                                                   "output_router_logits": False}))
+    code, lines, _ = check_lines(monkeypatch, capsys, tmp_path, model, {"sequence_parallel_size": 2}, nproc=2)
+    assert code == 2
+    assert sum(line.startswith("shardtune: error: moe_aux_loss_coef (0.02, the model's router_aux_loss_coef) with "
+                               "sequence_parallel_size (2): ") for line in lines) == 1, lines
+    code, lines, _ = check_lines(monkeypatch, capsys, tmp_path, model,
+                                 {"sequence_parallel_size": 2, "moe_aux_loss_coef": 0}, nproc=2)
+    assert code == 0, lines

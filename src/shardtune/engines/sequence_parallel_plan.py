@@ -45,8 +45,11 @@ _WEIGHTS = "changes weights, not which tokens a layer sees; the summed gradient 
 _OPTIMIZER = "steps on the summed gradient, which is the whole row's (DDP; sharding engines refuse it anyway)"
 _TOKENWISE = "runs token by token; the split only changes attention and the loss's normalisation"
 _FIXED_ROPE = "each position's angles are fixed up front, whichever rank holds it"
+_TOKEN_LOSS = "weighs each token's loss by that token's own logits, against the slice's next tokens (shift_labels)"
 
-# Every feature of tests/schema_fuzz.py FEATURES against sequence_parallel_size > 1. The refusals are made from it
+# Every feature of tests/schema_fuzz.py FEATURES (and a few more) against sequence_parallel_size > 1. What of a model
+# or dataset the split cannot run (stateful layers, sinks, a router auxiliary loss, images) is found from their files
+# by the *_problems functions below, not keyed here. The refusals of keys are made from it
 # (combination_problems) and docs/long-context.md's table is generated from it (tests/unit/test_sequence_parallel_plan).
 COMBINATIONS: tuple[Combination, ...] = (
     Combination("packing", EXACT, "the whole row's segment ids stay on every rank: a query sees its own sample only",
@@ -92,6 +95,13 @@ COMBINATIONS: tuple[Combination, ...] = (
     Combination("val_size", EXACT, "evaluation runs the same split forward and token loss as training "
                 "(packed-eval cell)", _SPLIT),
     Combination("report_to", EXACT, "reports the loss the loop computes; touches no tensor"),
+    Combination("use_dft_loss", EXACT, _TOKEN_LOSS + " (packed-dft cell)", _SPLIT),
+    Combination("use_eaft_loss", EXACT, _TOKEN_LOSS + " (packed-eaft cell)", _SPLIT),
+    Combination("use_asft_loss", EXACT, _TOKEN_LOSS + "; the anchor's reference scores the same slice "
+                "(packed-asft cell)", _SPLIT),
+    Combination("label_smoothing_factor", EXACT, _TOKEN_LOSS + " (packed-smoothed cell)", _SPLIT),
+    Combination("use_muon", EXACT, "steps on the summed gradient, which is the whole row's (packed-muon cell)",
+                _SPLIT),
     Combination("rope_scaling", EXACT, _FIXED_ROPE, "tests/unit/test_sequence_parallel_plan.py::"
                 "test_dynamic_rope_frequencies_depend_on_the_positions_one_forward_holds", value="linear"),
     Combination("rope_scaling", EXACT, _FIXED_ROPE, value="yarn"),
@@ -186,7 +196,7 @@ def sequence_parallel_problems(c: TrainConfig, layout: WorldLayout | None = None
     if c.cutoff_len < n:
         problems.append(f"cutoff_len ({c.cutoff_len}) is below {key}: a rank would hold less than one token of a "
                         "sequence; raise cutoff_len or lower sequence_parallel_size")
-    problems += model_problems(c) + image_data_problems(c)
+    problems += model_problems(c) + router_aux_problems(c) + image_data_problems(c)
     if layout is not None:
         problems += layout.sequence_parallel_problems()
     return problems
@@ -197,6 +207,25 @@ def model_problems(c: TrainConfig) -> list[str]:
     (their config.json, where this machine has them)."""
     models = dict.fromkeys(m for m in (c.model_name_or_path, c.ref_model) if m)
     return [problem for model in models for problem in one_model_problems(c, model)]
+
+
+def router_aux_problems(c: TrainConfig) -> list[str]:
+    """A mixture-of-experts model's load-balancing loss (the trained model's only): it is a statistic of one
+    forward's tokens, and a rank's forward holds its slice, padding included (the split hands the model no padding
+    mask), so each slice would be balanced alone where one process balances the rows' real tokens."""
+    from shardtune.model.moe import configured_router_aux_coef
+
+    try:
+        config = model_config_json(c.model_name_or_path)
+    except ModelError:
+        return []  # reported by the folder checks
+    coef = configured_router_aux_coef(config or {}, c.moe_aux_loss_coef)
+    if not coef:
+        return []
+    source = "" if c.moe_aux_loss_coef is not None else ", the model's router_aux_loss_coef"
+    return [f"moe_aux_loss_coef ({coef:g}{source}) with sequence_parallel_size ({c.sequence_parallel_size}): the "
+            "router's load-balancing loss would balance each rank's slice of the rows, padding counted, not the "
+            "rows' real tokens; set moe_aux_loss_coef: 0 to train without it, or sequence_parallel_size: 1"]
 
 
 def image_data_problems(c: TrainConfig) -> list[str]:
