@@ -43,7 +43,9 @@ ROWS = {"packed": PACKED, "padded": PADDED, "packed-sgd": PACKED + SGD,
         "packed-eaft": PACKED + ("use_eaft_loss=true",),
         "packed-asft": PACKED + ("use_asft_loss=true",),
         "packed-smoothed": PACKED + ("label_smoothing_factor=0.1",),
-        "packed-muon": PACKED + ("use_muon=true",)}
+        "packed-muon": PACKED + ("use_muon=true",),
+        # stage pt packs one text into rows (no sample boundaries: a row is one segment)
+        "pt-packed": ("stage=pt", "dataset=demo_pt", "cutoff_len=64")}
 TOLERANCE = {"packed-bf16": 1e-3}  # relative (8e-5 measured); fp32 rows: 1e-4 for losses, 1e-3 for gradient norms
 
 # (engine, finetuning, rows, processes, sequence_parallel_size, mode)
@@ -83,6 +85,7 @@ MATRIX = [
     ("ddp", "lora", "packed-asft", 2, 2, "ulysses"),
     ("ddp", "full", "packed-smoothed", 2, 2, "allgather"),
     ("ddp", "full", "packed-muon", 2, 2, "ulysses"),
+    ("ddp", "full", "pt-packed", 2, 2, "allgather"),
 ]
 EXTRA_ENGINES = {"zero1": ("deepspeed=z1",),
                  "hsdp": ("fsdp=hybrid_shard auto_wrap", "fsdp_config={'hsdp_shard_size': 2}")}

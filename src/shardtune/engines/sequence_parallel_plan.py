@@ -52,8 +52,8 @@ _TOKEN_LOSS = "weighs each token's loss by that token's own logits, against the 
 # by the *_problems functions below, not keyed here. The refusals of keys are made from it
 # (combination_problems) and docs/long-context.md's table is generated from it (tests/unit/test_sequence_parallel_plan).
 COMBINATIONS: tuple[Combination, ...] = (
-    Combination("packing", EXACT, "the whole row's segment ids stay on every rank: a query sees its own sample only",
-                _SPLIT),
+    Combination("packing", EXACT, "the whole row's segment ids stay on every rank: a query sees its own sample only "
+                "(stage pt: the row's earlier text, pt-packed cell)", _SPLIT),
     Combination("neat_packing", EXACT, "turns packing on, whose sft rows keep samples apart already", _SPLIT),
     Combination("padding_free", EXACT, "the micro-batch's samples become one row, split by its segment ids "
                 "(padding-free cell)", _SPLIT),
