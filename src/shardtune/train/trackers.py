@@ -127,7 +127,7 @@ def wandb_problems(env: Mapping[str, str]) -> list[str]:
     problems = []
     if not (env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE") or _netrc_has(env, parts.netloc)):
         problems.append(f"report_to (wandb): no W&B credentials for {shown_url(url)} (WANDB_API_KEY is unset and "
-                        f"{_netrc_path(env)} has no entry for {parts.hostname}); run `wandb login`, set "
+                        f"{_netrc_path(env)} has no entry for {parts.netloc}); run `wandb login`, set "
                         f"WANDB_API_KEY, {offline}")
     reason = server_reason(parts, *address) if given_url else None  # the default server is not probed
     if reason is not None:
