@@ -215,6 +215,8 @@ def router_aux_problems(c: TrainConfig) -> list[str]:
     mask), so each slice would be balanced alone where one process balances the rows' real tokens."""
     from shardtune.model.moe import configured_router_aux_coef
 
+    if not c.model_name_or_path:
+        return []
     try:
         config = model_config_json(c.model_name_or_path)
     except ModelError:
