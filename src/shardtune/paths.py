@@ -68,10 +68,14 @@ def url_problem(value: str, hub_id_too: bool = False) -> str | None:
             f"aws s3 cp, curl -O, ...) and give the local path{or_id}")
 
 
-def folder_problem(key: str, path: str | Path, wanted: str = "a folder") -> str | None:
-    """Why ``path``, which ``key`` reads as a folder, is not one: missing, or a file (``wanted`` names the folder
-    to give instead); None when it is a folder."""
-    path = Path(path)
+def folder_problem(key: str, given: str, wanted: str = "a folder") -> str | None:
+    """Why ``given``, which ``key`` reads as a folder, is not one: a URL, missing, or a file (``wanted`` names the
+    folder to give instead); None when it is a folder. ``given`` as the user wrote it: a Path would fold a URL's
+    "//" into "/" and hide it."""
+    url = url_problem(given)
+    if url:
+        return f"{key}: {url}"
+    path = Path(given)
     if path.is_dir():
         return None
     if path.exists():

@@ -269,3 +269,11 @@ def test_status_of_a_file_says_it_is_a_file(tmp_path):
     assert f"status: {path} is a file; give a run's output_dir (or a folder of runs)" in err, err
     code, err = run("status", str(tmp_path / "gone"))
     assert f"status: folder not found: {tmp_path / 'gone'}" in err, err
+
+
+@pytest.mark.parametrize("argv", [["export", "s3://bucket/run", "--out", "x"], ["eval", "https://example.com/run"],
+                                  ["chat", "hf://org/model"], ["status", "s3://bucket/run"]], ids=lambda a: a[0])
+def test_url_for_a_subcommand_folder_is_named_as_a_url(argv):
+    code, err = run(*argv)
+    assert code == 2
+    assert f"{argv[0]}: '{argv[1]}' is a URL; shardtune reads local paths: download it first" in err, err

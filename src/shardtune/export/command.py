@@ -61,7 +61,8 @@ def export_command(args: list[str]) -> int:
     from shardtune.export.convert import ExportOptions, export_model
 
     source = Path(ns.source)
-    problem = folder_problem("export", source, "a checkpoint-<step> folder, a run's output_dir or an adapter folder")
+    problem = folder_problem("export", ns.source, "a checkpoint-<step> folder, a run's output_dir or an adapter "
+                                                  "folder")
     if problem:
         raise ModelError(problem)
     options = ExportOptions(save_dtype=ns.dtype, template=ns.template, overwrite=ns.overwrite,

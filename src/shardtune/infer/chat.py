@@ -47,7 +47,7 @@ def chat_command(args: list[str]) -> int:
     unknown = [arg for arg in overrides if "=" not in arg]
     if unknown:
         raise ConfigError(f"chat: unexpected argument(s) {unknown}; generation keys go as key=value")
-    session = open_session(Path(ns.model), overrides, ns.base)
+    session = open_session(ns.model, overrides, ns.base)
     if ns.prompt is not None:
         session.answer([], ns.prompt, ns.system, sys.stdout)
         return 0
@@ -128,13 +128,14 @@ def converse(session: ChatSession, system: str | None, lines: TextIO, out: TextI
         history += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
 
 
-def open_session(target: Path, overrides: list[str], base: str | None) -> ChatSession:
-    """Load what ``target`` names (a folder, or a LLaMA-Factory inference YAML) with the settings to chat."""
+def open_session(given: str, overrides: list[str], base: str | None) -> ChatSession:
+    """Load what ``given`` names (a folder, or a LLaMA-Factory inference YAML) with the settings to chat."""
     from shardtune.config.args import read_config
 
+    target = Path(given)
     is_file = target.suffix in (".yaml", ".yml", ".json") and target.is_file()
     if not is_file and not target.is_dir():
-        raise ConfigError(target_problem(target))
+        raise ConfigError(target_problem(given))
     run = {} if is_file else run_defaults(target)
     config, cmd, problems = read_config([str(target), *overrides] if is_file else overrides, run)
     if problems:
@@ -144,10 +145,10 @@ def open_session(target: Path, overrides: list[str], base: str | None) -> ChatSe
     return ChatSession(model, tokenizer, chat_template(config, tokenizer, given_template), config)
 
 
-def target_problem(target: Path) -> str:
+def target_problem(target: str) -> str:
     """Why ``target`` is neither a model folder nor a YAML file: missing (a file or a folder, by its name) or a
     file of another kind."""
-    if target.suffix in (".yaml", ".yml", ".json") and not target.exists():
+    if Path(target).suffix in (".yaml", ".yml", ".json") and not Path(target).exists():
         return f"chat: config file not found: {target}"
     return folder_problem("chat", target, "a model folder (a run's output_dir, an adapter, a checkpoint) or its YAML "
                                           "file") or ""

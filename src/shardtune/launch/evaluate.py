@@ -34,7 +34,7 @@ def eval_arguments(args: list[str]) -> list[str]:
         raise ConfigError("eval: give the trained model folder first: " + USAGE.splitlines()[0])
     output = Path(args[0])
     if not output.is_dir():
-        raise ConfigError(output_folder_problem(output))
+        raise ConfigError(output_folder_problem(args[0]))
     rest = args[1:]
     config_file = rest[0] if rest and not rest[0].startswith("-") and "=" not in rest[0] else None
     overrides = rest[1:] if config_file else rest
@@ -47,9 +47,9 @@ def eval_arguments(args: list[str]) -> list[str]:
     return [config_file or str(write_run_config(output, out)), *forced, *overrides]
 
 
-def output_folder_problem(output: Path) -> str:
+def output_folder_problem(output: str) -> str:
     """Why OUTPUT is not the model folder; a config file there is the two arguments swapped, so the order is said."""
-    if output.suffix in (".yaml", ".yml", ".json") and output.is_file():
+    if Path(output).suffix in (".yaml", ".yml", ".json") and Path(output).is_file():
         return (f"eval: {output} is a config file; give the trained model folder first: "
                 f"{USAGE.splitlines()[0].removeprefix('usage: ')}")
     return folder_problem("eval", output, "the trained model folder first (a run's output_dir or an exported "

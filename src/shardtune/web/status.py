@@ -25,7 +25,7 @@ def status_command(args: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="the same as JSON")
     ns = parser.parse_args(args)
     folder = Path(ns.output_dir)
-    problem = folder_problem("status", folder, "a run's output_dir (or a folder of runs)")
+    problem = folder_problem("status", ns.output_dir, "a run's output_dir (or a folder of runs)")
     if problem:
         raise ConfigError(problem)
     if not is_run_folder(folder):
