@@ -277,3 +277,25 @@ def test_url_for_a_subcommand_folder_is_named_as_a_url(argv):
     code, err = run(*argv)
     assert code == 2
     assert f"{argv[0]}: '{argv[1]}' is a URL; shardtune reads local paths: download it first" in err, err
+
+
+def merge_file(tmp_path: Path, model: Path, export_dir: str) -> Path:
+    path = tmp_path / "merge.yaml"
+    path.write_text(yaml.safe_dump({"model_name_or_path": str(model), "template": "chatml",
+                                    "export_dir": export_dir}))
+    return path
+
+
+def test_export_dir_url_is_refused_not_written_as_a_folder(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, err = run("export", str(merge_file(tmp_path, tiny_model_dir, "s3://bucket/merged")))
+    assert code == 2
+    assert "export_dir: 's3://bucket/merged' is a URL; shardtune reads local paths" in err, err
+    assert not (tmp_path / "s3:").exists()
+
+
+def test_export_dir_file_names_export_dir_not_out(tmp_path, tiny_model_dir):
+    path = a_file(tmp_path)
+    code, err = run("export", str(merge_file(tmp_path, tiny_model_dir, str(path))))
+    assert code == 2
+    assert f"export: export_dir {path} is a file; choose a folder" in err, err

@@ -446,7 +446,7 @@ class TrainConfig:
 
     # --- export (read by `shardtune export FILE.yaml`; train refuses them) ---
     export_dir: str | None = _key(None, "folder the export writes (refused when it is or contains the model, or "
-                                        "holds other files)", EXPORT)
+                                        "holds other files)", EXPORT, path=True)
     export_size: int = _key(5, "largest safetensors shard of the export, in GB", EXPORT, minimum=1)
     export_device: str = _key("cpu", "device that merges the weights (auto: the GPU when there is one)", EXPORT,
                               choices=("cpu", "auto"))

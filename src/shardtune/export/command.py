@@ -93,7 +93,7 @@ def export_file(args: list[str]) -> int:
     source = Path(adapters[-1] if adapters else config.model_name_or_path)
     options = ExportOptions(save_dtype=config.save_dtype, template=config.template, device=config.export_device,
                             max_shard_bytes=config.export_size * 10**9, trust_remote_code=config.trust_remote_code,
-                            overwrite="--overwrite" in args)
+                            overwrite="--overwrite" in args, out_name="export_dir")
     notes = export_model(source, Path(config.export_dir), base=config.model_name_or_path if adapters else None,
                          merge_lora=True, finetuning_type="lora" if adapters else None, options=options,
                          merged_first=tuple(adapters[:-1]))

@@ -166,6 +166,7 @@ class ExportOptions:
     overwrite: bool = False
     device: str = "cpu"
     trust_remote_code: bool = False
+    out_name: str = "--out"  # what the user called the destination: --out, or export_dir in FILE.yaml
 
 
 @dataclass(frozen=True)
@@ -237,7 +238,7 @@ def export_model(source: Path, out: Path, *, base: str | None = None, merge_lora
     options = options or ExportOptions()
     trained = resolve_trained(source, base, finetuning_type)
     check_destination(out, {**trained.protected, **{f"the adapter {a}": Path(a) for a in merged_first}},
-                      options.overwrite)
+                      options.overwrite, options.out_name)
     model, tokenizer_from = load_trained(trained, merged_first)
     if options.device == "auto" and torch.cuda.is_available():
         model = model.to("cuda")

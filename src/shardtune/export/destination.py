@@ -30,25 +30,26 @@ def is_earlier_export(folder: Path) -> bool:
     return (folder / EXPORT_MARKER).is_file()
 
 
-def destination_problem(out: Path, protected: dict[str, Path], overwrite: bool) -> str | None:
+def destination_problem(out: Path, protected: dict[str, Path], overwrite: bool, name: str = "--out") -> str | None:
     """Why ``out`` may not be written (one line naming the flag or path that fixes it), or None.
 
-    ``protected``: what must survive, by role (``{"the source": ..., "the base model": ...}``)."""
+    ``protected``: what must survive, by role (``{"the source": ..., "the base model": ...}``); ``name``: what
+    the user called ``out`` (``--out``, or ``export_dir`` in a YAML file)."""
     for role, path in protected.items():
         if is_inside(path, out):
             what = "is" if path.resolve() == out.resolve() else "contains"
-            return (f"export: --out {out} {what} {role} ({path}); writing there would delete it: choose another "
+            return (f"export: {name} {out} {what} {role} ({path}); writing there would delete it: choose another "
                     "folder")
     if out.exists() and not out.is_dir():
-        return f"export: --out {out} is a file; choose a folder"
+        return f"export: {name} {out} is a file; choose a folder"
     if user_entries(out) and not is_earlier_export(out) and not overwrite:
-        return (f"export: --out {out} is a folder with files in it that is not an earlier export; choose an empty "
+        return (f"export: {name} {out} is a folder with files in it that is not an earlier export; choose an empty "
                 "or new folder, or pass --overwrite to replace it")
     return None
 
 
-def check_destination(out: Path, protected: dict[str, Path], overwrite: bool) -> None:
-    problem = destination_problem(out, protected, overwrite)
+def check_destination(out: Path, protected: dict[str, Path], overwrite: bool, name: str = "--out") -> None:
+    problem = destination_problem(out, protected, overwrite, name)
     if problem:
         raise ConfigError(problem)
 
