@@ -4,6 +4,7 @@ names the option and exit code 2, like every other user error, and numbers are c
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from collections.abc import Callable
 from typing import NoReturn
@@ -13,8 +14,20 @@ class CommandParser(argparse.ArgumentParser):
     """argparse's parser, whose error is one line naming the option and pointing to --help (not the whole usage)."""
 
     def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+        hint = self._closest_option(message)
+        sys.stderr.write(f"{self.prog}: error: {message} ({hint}`{self.prog} --help` lists the options)\n")
         sys.exit(2)
+
+    def _closest_option(self, message: str) -> str:
+        """'did you mean '--out'?; ' for the first unrecognized option close to one this command has."""
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        options = [o for o in self._option_string_actions if o.startswith("--")]
+        for word in message.split(":", 1)[1].split():
+            close = difflib.get_close_matches(word.split("=")[0], options, n=1, cutoff=0.6)
+            if word.startswith("--") and close:
+                return f"did you mean '{close[0]}'?; "
+        return ""
 
 
 def whole_number(low: int, high: int | None = None) -> Callable[[str], int]:

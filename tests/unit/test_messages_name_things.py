@@ -299,3 +299,32 @@ def test_export_dir_file_names_export_dir_not_out(tmp_path, tiny_model_dir):
     code, err = run("export", str(merge_file(tmp_path, tiny_model_dir, str(path))))
     assert code == 2
     assert f"export: export_dir {path} is a file; choose a folder" in err, err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["export", "run", "--outt", "y"], "unrecognized arguments: --outt y (did you mean '--out'?;"),
+    (["status", "run", "--wach", "2"], "unrecognized arguments: --wach 2 (did you mean '--watch'?;"),
+])
+def test_option_typo_of_a_subcommand_says_did_you_mean(argv, says, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_option_typo_message(capsys):
+    from shardtune.arguments import CommandParser
+
+    parser = CommandParser(prog="shardtune export")
+    parser.add_argument("--out")
+    parser.add_argument("--merge-lora", action="store_true")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--merge-lroa", "--out", "x"])
+    assert capsys.readouterr().err == ("shardtune export: error: unrecognized arguments: --merge-lroa (did you mean "
+                                       "'--merge-lora'?; `shardtune export --help` lists the options)\n")
+
+
+def test_estimate_flag_typo_says_did_you_mean(config):
+    code, err = run("estimate", str(config), "--gpu-memry", "80GiB")
+    assert code == 2
+    assert err == "shardtune: error: estimate: unknown option --gpu-memry (did you mean '--gpu-memory'?)\n", err

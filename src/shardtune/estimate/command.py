@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from dataclasses import dataclass
 
@@ -54,9 +55,22 @@ def split_estimate_args(argv: list[str]) -> EstimateArgs:
                 value = argv[i]
             values[name] = value
         else:
+            _refuse_misspelt_flag(name)
             rest.append(arg)
         i += 1
     return EstimateArgs(rest, values, as_json)
+
+
+def _refuse_misspelt_flag(name: str) -> None:
+    """A --flag close to one of ours and no config key: a typo of ours, which the config would call an unknown key
+    (and suggest a config key for)."""
+    from shardtune.config.schema import key_names
+
+    if not name.startswith("--") or name[2:].replace("-", "_") in key_names():
+        return
+    close = difflib.get_close_matches(name, [*VALUE_FLAGS, "--json"], n=1, cutoff=0.8)
+    if close:
+        raise ConfigError(f"estimate: unknown option {name} (did you mean '{close[0]}'?)")
 
 
 _EXAMPLES = {"--gpus-per-node": "8", "--nodes": "2", "--gpu-memory": "80GiB", "--cpu-memory": "512GiB",
