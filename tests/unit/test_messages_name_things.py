@@ -328,3 +328,22 @@ def test_estimate_flag_typo_says_did_you_mean(config):
     code, err = run("estimate", str(config), "--gpu-memry", "80GiB")
     assert code == 2
     assert err == "shardtune: error: estimate: unknown option --gpu-memry (did you mean '--gpu-memory'?)\n", err
+
+
+OPENAI_PAIR = {"messages": [{"role": "user", "content": "hi"}], "chosen": {"role": "assistant", "content": "hello"},
+               "rejected": {"role": "assistant", "content": "no"}}
+
+
+@pytest.mark.parametrize("columns, says", [
+    ({"chosen": "chosen", "rejected": "rejected"}, '"formatting": "openai"'),
+    ({"messages": "messages", "chosen": "chosen", "rejected": "rejected"}, OPENAI_TAGS),
+], ids=["columns", "tags"])
+def test_preference_records_of_another_format_name_the_keys(config, tmp_path, columns, says):
+    data = tmp_path / "data"
+    data.mkdir()
+    entry = {"file_name": "pairs.jsonl", "formatting": "sharegpt", "ranking": True, "columns": columns}
+    (data / "dataset_info.json").write_text(json.dumps({"pairs": entry}))
+    (data / "pairs.jsonl").write_text(json.dumps(OPENAI_PAIR) + "\n")
+    code, err = run("check", str(config), f"dataset_dir={data}", "dataset=pairs", "stage=dpo")
+    assert code == 2
+    assert says in err and len(err.splitlines()) == 1, err

@@ -18,7 +18,7 @@ from shardtune.data.columns import (
 )
 from shardtune.data.images import image_support_problem
 from shardtune.data.lf_v1_data import V1_FORMATTING, first_record_problems
-from shardtune.data.other_format import first_turn_problems
+from shardtune.data.other_format import first_turn_problems, formatting_hint
 from shardtune.data.peek import first_record, peek_columns
 from shardtune.data.registry import DatasetEntry, did_you_mean, resolve_entries
 from shardtune.data.settings import MIX_STRATEGIES, STAGES, DataSettings, dataset_names
@@ -183,12 +183,24 @@ def preference_stage_problems(entry: DatasetEntry, stage: str) -> list[str]:
         return problems
     columns, problems = peek_columns(entry.data_files[0])
     if columns is not None:
-        problems += [f"{entry.path}: records have no '{column}' column (dataset '{entry.name}', stage {stage}); "
-                     f"rename it or set columns.{key} in dataset_info.json"
-                     for key, column in preference_columns(entry, stage).items() if column not in columns]
+        problems += preference_column_problems(columns, entry, stage)
     if entry.formatting == V1_FORMATTING and not problems:
         problems += first_record_problems(entry.data_files[0], entry.name)
+    elif not problems:  # the columns fit: do the first record's turns use the entry's tags?
+        problems += first_turn_problems(first_record(entry.data_files[0]), entry)
     return problems
+
+
+def preference_column_problems(found: list[str], entry: DatasetEntry, stage: str) -> list[str]:
+    """One line per column the stage reads that the first record lacks; one line naming the formatting to set when
+    the records are another format's."""
+    missing = {key: column for key, column in preference_columns(entry, stage).items() if column not in found}
+    hint = formatting_hint(found, entry) if missing else ""
+    if hint:
+        names = "/".join(f"'{column}'" for column in missing.values())
+        return [f"{entry.path}: records have no {names} column (dataset '{entry.name}', stage {stage}); {hint}"]
+    return [f"{entry.path}: records have no '{column}' column (dataset '{entry.name}', stage {stage}); rename it or "
+            f"set columns.{key} in dataset_info.json" for key, column in missing.items()]
 
 
 def preference_problems(entry: DatasetEntry, stage: str) -> list[str]:
