@@ -39,6 +39,18 @@ def gloo_case_worker(rank: int, init_file: str, model_dir: str, results: str, ca
         dist.destroy_process_group()
 
 
+def spawn_cases(folder: Path, model_dir: Path, cases: tuple[str, ...],
+                run_case: Callable[[int, str, str], str]) -> Path:
+    """Every case on the same two gloo processes (one start-up for all); the folder of their outcomes."""
+    import torch.multiprocessing as mp
+
+    results = folder / "results"
+    results.mkdir()
+    mp.spawn(gloo_case_worker, args=(str(folder / "init"), str(model_dir), str(results), cases, run_case), nprocs=2,
+             join=True)
+    return results
+
+
 def run_under_torchrun(script: Path, nproc: int, *args: str, timeout: float) -> None:
     """Launch a test file that is also its own worker (its ``__main__`` part) on ``nproc`` gloo processes; fail with
     the output's tail if any rank fails."""

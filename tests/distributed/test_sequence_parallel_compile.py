@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shardtune.data.collator import DataCollator
-from tests.distributed.helpers import gloo_case_worker
+from tests.distributed.helpers import spawn_cases
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -66,12 +65,7 @@ def _graphs_per_layout(rank: int, model_dir: str, mode: str) -> str:
 
 @pytest.fixture(scope="module")
 def outcomes(tiny_model_dir, tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("sp-compile")
-    results = folder / "results"
-    results.mkdir()
-    spawn_args = (str(folder / "init"), str(tiny_model_dir), str(results), tuple(MODES), _graphs_per_layout)
-    mp.spawn(gloo_case_worker, args=spawn_args, nprocs=2, join=True)
-    return results
+    return spawn_cases(tmp_path_factory.mktemp("sp-compile"), tiny_model_dir, tuple(MODES), _graphs_per_layout)
 
 
 @pytest.mark.parametrize("mode", MODES)

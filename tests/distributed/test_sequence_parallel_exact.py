@@ -14,13 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shardtune.data.collator import DataCollator
 from shardtune.engines.sequence_parallel import SequenceParallel
 from shardtune.train.loop import micro_batch_losses
 from shardtune.train.sequence_shards import segment_spans, sequence_shard
-from tests.distributed.helpers import gloo_case_worker
+from tests.distributed.helpers import spawn_cases
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -100,12 +99,7 @@ ALL_CASES = ["exact+allgather", *CASES]
 @pytest.fixture(scope="module")
 def outcomes(tiny_model_dir, tmp_path_factory) -> Path:
     """Every case on the same two processes (one start-up for all)."""
-    folder = tmp_path_factory.mktemp("sp-exact")
-    results = folder / "results"
-    results.mkdir()
-    spawn_args = (str(folder / "init"), str(tiny_model_dir), str(results), tuple(ALL_CASES), _compare)
-    mp.spawn(gloo_case_worker, args=spawn_args, nprocs=2, join=True)
-    return results
+    return spawn_cases(tmp_path_factory.mktemp("sp-exact"), tiny_model_dir, tuple(ALL_CASES), _compare)
 
 
 def _matched(results: Path, case: str) -> tuple[bool, bool]:
