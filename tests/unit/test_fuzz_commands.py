@@ -84,7 +84,7 @@ def test_every_option_keeps_the_contract(command, option, value, places, tmp_pat
     argv = [command, *base, option, value.format(**fill)]
     watched = [Path(places["run"]), Path(places["model"])]
     before = [fingerprint(p) for p in watched] + [(tmp_path / "a-file.txt").read_text()]
-    code, err = run_command(argv)
+    code, err = run_command(argv, seconds=180)  # chat loads the model and answers: bounded, not hurried
     about = f"shardtune {' '.join(argv)}\nexit {code}, stderr:\n{err[-3000:]}"
     assert code in (0, 2), about
     assert "Traceback" not in err, about

@@ -43,6 +43,7 @@ from tests.schema_fuzz import (
 SEED = int(os.environ.get("SHARDTUNE_FUZZ_SEED", "20261129"))
 MAX_LINES = 8  # "a few lines": a mistake and what follows from it
 HANG_SECONDS = 60
+TRAIN_SECONDS = 300  # one step, compiled ones included, on a loaded 2-core machine: a hang, not a slow step
 CASES = config_cases(SEED)
 PAIRS_FAST = pair_cases(SEED, 120)
 PAIRS_MATRIX = pair_cases(SEED + 1, 1200)
@@ -109,11 +110,11 @@ def bounded(seconds: int) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def run_command(argv: list[str]) -> tuple[int, str]:
+def run_command(argv: list[str], seconds: int = HANG_SECONDS) -> tuple[int, str]:
     err = io.StringIO()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with bounded(HANG_SECONDS), contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        with bounded(seconds), contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             code = main(argv)
     except SystemExit as exit_:  # argparse
         code = exit_.code if isinstance(exit_.code, int) else 1
@@ -258,7 +259,8 @@ def train_keeps_checks_word(cases: list[Case], count: int, base: dict[str, Any],
         config = case_folder / "cfg.yaml"
         with contextlib.chdir(case_folder):
             code, err = run_command(["train", str(config), "max_steps=1", "save_steps=1000", "logging_steps=1",
-                                     f"output_dir={case_folder / 'trained'}", "overwrite_output_dir=true"])
+                                     f"output_dir={case_folder / 'trained'}", "overwrite_output_dir=true"],
+                                    seconds=TRAIN_SECONDS)
         if sys.modules.get("bitsandbytes", True) is None:  # a run that needs no bitsandbytes hides it (worker.py)
             del sys.modules["bitsandbytes"]
         if code == 2 and (needs_the_tokenised_data(err, case) or said_by_check(err, case_folder)):
