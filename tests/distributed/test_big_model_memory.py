@@ -86,6 +86,17 @@ def above_tiny_run(model: Path, tiny: Path, out: Path, finetuning: str, settings
     return [b - o for b, o in zip(big, overhead, strict=True)], overhead
 
 
+def check_zero3_memory_line(results: dict) -> None:
+    """Issue 42.10, measured on 2 CPU ranks (docs/estimate.md, "Measured: ZeRO-3 LoRA"): every rank measures from
+    the same libraries (rank 0 alone used to count datasets and its dependencies: 830 against 712 MB), and the
+    set-up peak is within 15% of its estimate now that it counts the adapters' copies (1.33 before, 1.06 after).
+    The whole run's peak is not asserted here: with bf16 on CPU ranks it grows with every step (1.41 after 3 steps;
+    fp32 1.22), which docs/estimate.md explains."""
+    peaks = results["peak_memory_bytes_per_rank"]
+    assert max(peaks) < 1.05 * min(peaks), peaks
+    assert 0.85 <= results["setup_memory_measured_over_estimate"] <= 1.15, results
+
+
 @pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
 def test_lora_rank_never_holds_the_model(engine, big_models, z3_file, tiny_model_dir, tmp_path):
     model, weights = big_models[engine]
@@ -95,6 +106,8 @@ def test_lora_rank_never_holds_the_model(engine, big_models, z3_file, tiny_model
         assert extra < 0.65 * weights, (f"rank {rank}: {extra / MIB:.0f} MiB above the tiny run; "
                                         f"model {weights / MIB:.0f} MiB")
     assert (tmp_path / "big" / "adapter_model.safetensors").is_file()  # the peak includes the final save
+    if engine == "zero3":
+        check_zero3_memory_line(json.loads((tmp_path / "big" / "train_results.json").read_text()))
     # The replicated engine does hold the whole model: the measurement can tell the two apart.
     ddp = run(model, tmp_path / "ddp", "lora")
     assert min(ddp["peak_process_memory_bytes_per_rank"]) - max(overhead) > weights

@@ -46,6 +46,17 @@ def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...] | list[st
     return total
 
 
+def lora_small_params(shape: ModelShape, rank: int, targets: tuple[str, ...] | list[str], below: int) -> int:
+    """LoRA parameters in matrices of fewer than ``below`` elements (A: r x in, B: out x r): those ZeRO-3 keeps
+    whole on every rank (stage3_param_persistence_threshold)."""
+    modules = lora_target_modules(targets, shape)
+    total = 0
+    for i in range(shape.num_layers):
+        shapes = shape.layer_linear_shapes(i)
+        total += sum(rank * width for m in modules if m in shapes for width in shapes[m] if rank * width < below)
+    return total
+
+
 def lora_base_params(shape: ModelShape, targets: tuple[str, ...] | list[str]) -> int:
     """Weights of the decoder's Linear layers LoRA adapts (the frozen bases under its adapters)."""
     modules = lora_target_modules(targets, shape)

@@ -19,13 +19,15 @@ from shardtune.estimate.parts import Components, Setup
 # run imports after it (tokenizer and model code, peft; DeepSpeed also starts its communication op inside
 # deepspeed.initialize), the tokenizer and the tokenised data, pages of libraries touched for the first time.
 # FSDP imports the most before the baseline (DTensor and fully_shard), so less follows it. Measured with the
-# tiny model (0.37M parameters: its tensors are about 40 MiB, mostly activations) on 2 CPU ranks, full and LoRA:
-# measured peak minus the estimate of its tensors (README.md, "A finished run's memory line").
+# tiny model (0.37M parameters: its tensors are about 40 MiB, mostly activations) on 2 CPU ranks, full and LoRA,
+# fp32: measured peak of the busiest rank minus the estimate of its tensors (README.md, "A finished run's memory
+# line"), 2026-11-29 for the ranks of a process group, since every rank's baseline holds the data libraries
+# (measure.py).
 CPU_RUN_RUNTIME_BYTES = {
-    "local": 159 * MiB,  # 156 and 162 MiB
-    "ddp": 165 * MiB,  # 162 and 169 MiB
-    "fsdp": 119 * MiB,  # 114 to 124 MiB in four runs
-    "deepspeed": 237 * MiB,  # ZeRO-2 228 and 233, ZeRO-3 243 and 247 MiB
+    "local": 159 * MiB,  # 156 and 162 MiB (2026-11-23; one process: its baseline did not change)
+    "ddp": 112 * MiB,  # 111 and 113 MiB
+    "fsdp": 96 * MiB,  # 93 and 98 MiB
+    "deepspeed": 211 * MiB,  # ZeRO-2 218 and 222, ZeRO-3 198 and 207 MiB
 }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardtune.estimate.activations import activation_bytes
+from shardtune.estimate.adapter_shape import lora_small_params
 from shardtune.estimate.parts import (
     FP32,
     Components,
@@ -24,6 +25,7 @@ from shardtune.estimate.workload import weight_bytes
 DEFAULT_REDUCE_BUCKET = 500_000_000
 DEFAULT_LIVE_PARAMETERS = 1_000_000_000
 DEFAULT_SUB_GROUP = 1_000_000_000
+DEFAULT_PERSISTENCE_THRESHOLD = 100_000
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class ZeroSettings:
     offload_params: bool = False
     reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET
     live_parameters: int = DEFAULT_LIVE_PARAMETERS
+    persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD  # smaller parameters stay whole on every rank
 
 def zero_settings(raw: dict, hidden_size: int) -> ZeroSettings:
     """Stage, offload and buffer sizes; "auto" sizes resolve as shardtune resolves them (deepspeed_config's
@@ -62,7 +65,9 @@ def zero_settings(raw: dict, hidden_size: int) -> ZeroSettings:
     return ZeroSettings(stage=max(zero_stage(raw), 0), offload_optimizer=offloads_optimizer(raw),
                         offload_params=offloads_params(raw), reduce_bucket_size=size("reduce_bucket_size",
                                                                                      DEFAULT_REDUCE_BUCKET),
-                        live_parameters=live)
+                        live_parameters=live,
+                        persistence_threshold=size("stage3_param_persistence_threshold",
+                                                   DEFAULT_PERSISTENCE_THRESHOLD))
 
 def preset_zero_settings(preset: str, hidden_size: int) -> ZeroSettings:
     """Settings of a shipped DeepSpeed preset (z1, z2, z2_offload, z3, z3_offload)."""
@@ -99,7 +104,7 @@ def zero_states(c: Context, z: ZeroSettings) -> tuple[Components, float, Setup]:
         gathered = weights * max(min(c.params, z.live_parameters), moe_leaf_params(c.shape)) / c.params
     reference = reference_share(c, params)
     device = Components(
-        parameters=params,
+        parameters=params + zero3_adapter_bytes(c, z).kept,
         gradients=0.0 if z.offload_optimizer else b * t / g_div,
         optimizer_states=0.0 if z.offload_optimizer else k * t / o_div,
         buffers=gathered + staging_bucket_bytes(z, b, t, activations, c.hardware.on_gpu),
@@ -114,6 +119,33 @@ def zero_states(c: Context, z: ZeroSettings) -> tuple[Components, float, Setup]:
     # Below ZeRO-3 the replica is read whole into fp32 host memory first, as the policy is.
     host = reference_share(c, weight_bytes(c.shape, w, FP32)) if z.stage < 3 else 0.0
     return device, offloaded, with_reference_setup(zero_setup(c, z, weights), reference, host)
+
+@dataclass(frozen=True)
+class AdapterBytes:
+    """What a ZeRO-3 adapter run holds on each rank beyond the partitioned share of its weights (bytes)."""
+
+    kept: float = 0.0  # for the whole run
+    setup_only: float = 0.0  # until deepspeed.initialize partitions the adapters
+
+
+def zero3_adapter_bytes(c: Context, z: ZeroSettings) -> AdapterBytes:
+    """A LoRA/OFT run under ZeRO-3 (measured: 206M-parameter LoRA on 2 CPU ranks, docs/estimate.md):
+
+    * the sharded load (engines/sharded_loading.py, ``ShardedLoad.initial_values``) clones every new adapter
+      weight, in fp32 as peft creates them, and the engine keeps that load for the whole run: 4·T on every rank;
+    * before deepspeed.initialize partitions them, the adapters themselves are whole fp32 tensors on every rank:
+      4·T more during set-up;
+    * DeepSpeed keeps parameters below stage3_param_persistence_threshold elements whole on every rank, never
+      partitioned: LoRA's A (r x in) and B (out x r) matrices at usual ranks, b bytes each instead of a 1/N share.
+    Not with offloaded parameters (the shard is in host memory, counted there).
+    """
+    w = c.workload
+    if z.stage != 3 or not w.is_adapter or z.offload_params:
+        return AdapterBytes()
+    small = lora_small_params(c.shape, w.lora_rank, w.lora_targets, z.persistence_threshold) if w.is_lora else 0
+    persisted = c.ds_bytes * small * (1 - 1 / c.ranks)
+    return AdapterBytes(kept=FP32 * c.trainable + persisted, setup_only=FP32 * c.trainable)
+
 
 def moe_leaf_params(shape: ModelShape) -> int:
     """Parameters of the largest sparse MoE block (every expert, the router, the shared experts): shardtune marks
@@ -158,7 +190,9 @@ def zero_setup(c: Context, z: ZeroSettings, weights: float) -> Setup:
     if z.offload_optimizer:
         return load
     partition = 0.0 if z.offload_params else weights / c.ranks
-    return replace(load, device=max(load.device, partition + FP32 * min(c.trainable, DEFAULT_SUB_GROUP)))
+    adapters = zero3_adapter_bytes(c, z)
+    device = max(load.device, partition + FP32 * min(c.trainable, DEFAULT_SUB_GROUP))
+    return replace(load, device=device + adapters.kept + adapters.setup_only)
 
 def zero_preset_states(preset: str) -> StateFn:
     """The state function of an option that runs a DeepSpeed preset."""
