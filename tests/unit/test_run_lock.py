@@ -78,6 +78,8 @@ def test_a_holder_on_another_host_lives_by_its_heartbeat(tmp_path):
 def test_an_unreadable_lock_names_nobody_alive(tmp_path):
     lock_path(tmp_path).parent.mkdir(parents=True)
     lock_path(tmp_path).write_text("{not json")
+    old = time.time() - 60  # (one just written may still be getting its record: see the test below)
+    os.utime(lock_path(tmp_path), (old, old))
     assert live_run_problems(tmp_path) == []
     acquire_run_lock(tmp_path).release()
 
@@ -156,3 +158,25 @@ def test_status_names_the_lock_holder(tmp_path):
     lock.release()
     write_lock(tmp_path, host=socket.gethostname(), pid=ended_pid(), started=time.time() - 60, job=None)
     assert "no longer runs" in (lock_line(tmp_path) or "")
+
+
+def test_a_filesystem_without_hard_links_gets_an_exclusive_create(tmp_path, monkeypatch):
+    def no_links(source, target):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    lock = acquire_run_lock(tmp_path)
+    assert read_holder(tmp_path).pid == os.getpid()
+    with pytest.raises(ConfigError):
+        acquire_run_lock(tmp_path)
+    lock.release()
+    assert not lock_path(tmp_path).exists()
+
+
+def test_a_lock_being_written_is_not_taken_for_stale(tmp_path):
+    lock_path(tmp_path).parent.mkdir(parents=True)
+    lock_path(tmp_path).write_text("")  # an exclusive create, its record not yet written
+    assert live_run_problems(tmp_path) != []
+    old = time.time() - 60
+    os.utime(lock_path(tmp_path), (old, old))
+    assert live_run_problems(tmp_path) == []

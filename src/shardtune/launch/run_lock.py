@@ -38,6 +38,8 @@ HEARTBEAT_SECONDS = 10.0
 # A holder on another host is taken as gone after this long without a heartbeat: long enough for a shared
 # filesystem's attribute caching (NFS caches for up to 60 s) and for modest clock differences between hosts.
 STALE_AFTER_SECONDS = 300.0
+# A lock created without a hard link (a filesystem that has none) is empty for a moment before its record lands.
+BEING_WRITTEN_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,8 @@ class LockHolder:
 
     def alive(self, now: float | None = None) -> bool:
         """Whether the holder still runs: asked of the process on this host, judged by the heartbeat elsewhere."""
-        if self.pid <= 0:  # a lock that could not be read names no process
-            return False
+        if self.pid <= 0:  # a lock that could not be read names no process, unless it is being written now
+            return (now if now is not None else time.time()) - self.heartbeat < BEING_WRITTEN_SECONDS
         here = process_alive(self.pid, self.host, self.started)
         if here is not None:
             return here
@@ -205,8 +207,20 @@ def _link_new_lock(path: Path, record: dict[str, Any]) -> bool:
         return True
     except FileExistsError:
         return False
+    except OSError:  # no hard links here (some FUSE and object-store mounts): an exclusive create instead
+        return _create_new_lock(path, record)
     finally:
         private.unlink(missing_ok=True)
+
+
+def _create_new_lock(path: Path, record: dict[str, Any]) -> bool:
+    try:
+        descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write(json.dumps(record))
+    return True
 
 
 def _set_aside(path: Path, stale: LockHolder) -> None:
