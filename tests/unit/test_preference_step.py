@@ -228,7 +228,7 @@ def test_ref_model_is_checked_on_the_launching_host(tmp_path) -> None:
     assert any("vocab_size 128 and model_name_or_path 96" in p
                for p in problems_for(model_name_or_path=str(policy), ref_model=str(other)))
     assert any("neither a model folder" in p for p in problems_for(ref_model=str(tmp_path / "missing")))
-    assert any("ref_model_adapters: " in p and "not a LoRA adapter folder" in p
+    assert any("ref_model_adapters: " in p and "not a peft adapter folder" in p
                for p in problems_for(**same, ref_model_adapters=f"{adapter},{tmp_path}"))
     assert not any("ref_model_adapters" in p for p in problems_for(**same, ref_model_adapters=str(adapter)))
     assert any("applies to ref_model, which is not set" in p for p in problems_for(ref_model_adapters=str(adapter)))

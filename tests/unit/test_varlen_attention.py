@@ -13,8 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from shardtune.config.load import build_config
 from shardtune.data.collator import DataCollator, block_causal_mask
 from shardtune.data.settings import packs_half_rows, packs_sample_boundaries
+from shardtune.engines.sequence_parallel_plan import combination_problems
 from shardtune.launch.kernels_here import local_kernel_problems
-from shardtune.launch.model_checks import attention_problems
 from shardtune.model.attention import (
     AUTO,
     KernelSupport,
@@ -176,8 +176,8 @@ def test_runs_varlen_cannot_take_are_refused_before_launch(tiny_model_dir) -> No
     assert "bf16 or fp16" in problem
     split = build_config({"model_name_or_path": str(tiny_model_dir), "attn_implementation": VARLEN,
                           "sequence_parallel_size": 2})
-    [problem] = attention_problems(split)
-    assert "sequence_parallel_size (2)" in problem
+    [problem] = combination_problems(split)  # the sequence-parallel table owns the refusal
+    assert "sequence_parallel_size (2)" in problem and "attn_implementation" in problem
 
 
 def test_packed_rows_on_a_gpu_without_an_offsets_kernel_are_warned_about() -> None:
