@@ -22,8 +22,8 @@ def test_a_mapped_key_that_contradicts_the_shardtune_key_is_refused():
 
 def test_refused_mapped_and_honoured_keys_are_apart():
     from shardtune.config.compat import MAPPED
-    from shardtune.config.refused import REFUSED_REASONS
-    from shardtune.config.schema import UNSUPPORTED_KEYS, key_names
+    from shardtune.config.refused import REFUSED_REASONS, UNSUPPORTED_KEYS
+    from shardtune.config.schema import key_names
 
     honoured, refused, mapped = set(key_names()), set(REFUSED_REASONS), set(MAPPED)
     assert not honoured & refused and not mapped & refused

@@ -2,7 +2,7 @@
 
 A file written for LLaMA-Factory runs unchanged: each key here is rewritten into shardtune keys (``MAPPED``)
 before the config is built, so the rest of shardtune sees one spelling. Keys shardtune cannot honour are refused
-with the reason and what to do (``schema.UNSUPPORTED_KEYS``); nothing is silently ignored. ``shardtune
+with the reason and what to do (``refused.UNSUPPORTED_KEYS``); nothing is silently ignored. ``shardtune
 convert-config`` prints, for every key of a file, which of the three it is.
 
 To add a spelling: write a function ``(value, all_values) -> {shardtune key: value}`` and register it in

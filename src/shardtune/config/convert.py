@@ -16,8 +16,8 @@ import yaml
 from shardtune.config.compat import MAPPED, Refused
 from shardtune.config.lf_v1 import V1_PREFIX, describe_v1_key, is_v1_file, translate_file_values, v1_defaults_for_file
 from shardtune.config.load import build_config, load_yaml_file, unknown_key_message
-from shardtune.config.refused import REFUSED_REASONS
-from shardtune.config.schema import UNSUPPORTED_KEYS, key_names
+from shardtune.config.refused import REFUSED_REASONS, UNSUPPORTED_KEYS
+from shardtune.config.schema import key_names
 from shardtune.errors import ConfigError
 from shardtune.paths import output_file_problem
 

@@ -18,8 +18,8 @@ from typing import Any
 import yaml
 
 from shardtune.config.compat import translate_keys
-from shardtune.config.refused import REFUSED_REASONS, REFUSED_VALUES
-from shardtune.config.schema import UNSUPPORTED_KEYS, TrainConfig, config_fields
+from shardtune.config.refused import REFUSED_REASONS, REFUSED_VALUES, UNSUPPORTED_KEYS
+from shardtune.config.schema import TrainConfig, config_fields
 from shardtune.errors import ConfigError
 from shardtune.paths import ascii_lookalike, expand_user_path, shown, unusual_characters
 

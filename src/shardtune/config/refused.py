@@ -127,3 +127,28 @@ REFUSED_REASONS: dict[str, str] = {
     **_group("the official Qwen3 template keeps only the last turn's reasoning and shardtune follows it; "
              "remove it", "preserve_thinking"),
 }
+
+
+# Hugging Face TrainingArguments (and common LLaMA-Factory) names that shardtune does not implement.
+# Refused by name so that a user never believes a setting took effect when it did not.
+UNSUPPORTED_KEYS = frozenset(
+    """
+    accelerator_config adafactor auto_find_batch_size average_tokens_across_devices batch_eval_metrics
+    bf16_full_eval data_seed
+    dataloader_prefetch_factor ddp_backend ddp_broadcast_buffers ddp_bucket_cap_mb debug disable_tqdm
+    dispatch_batches eval_accumulation_steps eval_delay eval_do_concat_batches eval_on_start
+    eval_use_gather_object fp16_backend fp16_full_eval fp16_opt_level
+    full_determinism generation_max_length generation_num_beams
+    greater_is_better half_precision_backend hub_always_push
+    hub_model_id hub_private_repo hub_strategy hub_token ignore_data_skip include_for_metrics
+    include_inputs_for_metrics include_tokens_per_second jit_mode_eval label_names length_column_name
+    load_best_model_at_end log_level log_level_replica log_on_each_node logging_nan_inf_filter logging_strategy
+    lr_scheduler_kwargs metric_for_best_model mp_parameters no_cuda optim_args optim_target_modules past_index
+    per_gpu_eval_batch_size per_gpu_train_batch_size prediction_loss_only push_to_hub
+    push_to_hub_model_id push_to_hub_organization push_to_hub_token ray_scope remove_unused_columns
+    restore_callback_states_from_checkpoint save_on_each_node skip_memory_metrics split_batches
+    torch_empty_cache_steps torchdynamo tpu_metrics_debug tpu_num_cores
+    use_cpu use_ipex use_legacy_prediction_loop use_mps_device
+    use_unsloth shift_attn upcast_layernorm
+    """.split()
+)
