@@ -123,3 +123,12 @@ def test_names_joined_by_spaces_or_semicolons_are_told_to_use_commas() -> None:
     assert "separated by commas: demo,demo_sharegpt" in separator_hint("demo demo_sharegpt", registry)
     assert "separated by commas: demo,demo_sharegpt" in separator_hint("demo; demo_sharegpt", registry)
     assert separator_hint("demo unknown", registry) == ""
+
+
+def test_dropping_long_samples_is_refused_where_there_are_no_samples() -> None:
+    """pt cuts one text into rows: excess_length_strategy: drop would silently do nothing there."""
+    problems = check_data_settings(DataSettings(dataset=("demo_pt",), stage="pt", excess_length_strategy="drop",
+                                                dataset_dir=str(REPO / "data")))
+    assert any(p.startswith("excess_length_strategy (drop) with stage (pt)") for p in problems)
+    assert not any("excess_length_strategy" in p for p in check_data_settings(
+        DataSettings(dataset=("demo_pt",), stage="pt", dataset_dir=str(REPO / "data"))))

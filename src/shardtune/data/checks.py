@@ -95,6 +95,9 @@ def setting_problems(settings: DataSettings) -> list[str]:
         problems.append(unknown_tool_format_message(settings.tool_format))
     if settings.cutoff_len < 1:
         problems.append(f"cutoff_len ({settings.cutoff_len}) must be a positive number of tokens")
+    if settings.stage == "pt" and settings.excess_length_strategy == "drop":  # pt has no samples to drop
+        problems.append("excess_length_strategy (drop) with stage (pt): pre-training cuts its text into rows of "
+                        "cutoff_len and drops nothing; the key is for sft and preference samples: remove it")
     if settings.max_samples is not None and settings.max_samples < 1:
         problems.append(f"max_samples ({settings.max_samples}) must be at least 1, or unset to use all samples")
     val_size = settings.val_size
