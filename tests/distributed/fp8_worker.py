@@ -47,8 +47,8 @@ def run_reference(out: Path) -> None:
 
 def run_engines(out: Path) -> None:
     from shardtune.engines.distributed import init_distributed
+    from shardtune.engines.engine_plan import FsdpSettings
     from shardtune.engines.fsdp import FSDPEngine
-    from shardtune.engines.fsdp_config import FsdpSettings
     from shardtune.launch.env import read_rank_env
 
     ctx = init_distributed(read_rank_env(), 300)

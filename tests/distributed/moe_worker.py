@@ -122,8 +122,8 @@ def make_engine(kind: str, ctx: object) -> Engine:
 
         return DDPEngine(PrecisionSettings(), ctx)
     if kind in ("fsdp2", "fsdp1"):
+        from shardtune.engines.engine_plan import FsdpSettings
         from shardtune.engines.fsdp import FSDPEngine
-        from shardtune.engines.fsdp_config import FsdpSettings
 
         return FSDPEngine(FsdpSettings(version=int(kind[-1])), PrecisionSettings(), ctx)
     assert kind in ("z2", "z3"), kind

@@ -19,8 +19,9 @@ import torch.multiprocessing as mp
 from shardtune.engines.base import PrecisionSettings
 from shardtune.engines.collective_guard import CollectiveDeviceError, CollectiveGuard
 from shardtune.engines.distributed import DistContext, group_backends, process_group_backend
+from shardtune.engines.engine_plan import FsdpSettings
 from shardtune.engines.fsdp import FSDPEngine, broadcast_from_rank0
-from shardtune.engines.fsdp_config import FULL_STATE_FILE, FsdpSettings
+from shardtune.engines.fsdp_config import FULL_STATE_FILE
 from shardtune.model.adapters import FinetuningSettings
 from shardtune.model.source import ModelSource
 

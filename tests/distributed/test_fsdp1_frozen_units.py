@@ -36,8 +36,8 @@ def worker(model_dir: str, out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
+    from shardtune.engines.engine_plan import FsdpSettings
     from shardtune.engines.fsdp import wrap_fsdp1
-    from shardtune.engines.fsdp_config import FsdpSettings
     from shardtune.engines.fsdp_qlora import fsdp1_lora_units, unify_dtypes
     from shardtune.model.adapters import FinetuningSettings, apply_finetuning
 

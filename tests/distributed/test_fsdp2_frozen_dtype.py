@@ -49,8 +49,8 @@ def worker(model_dir: str, out: Path, mode: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
+    from shardtune.engines.engine_plan import FsdpSettings
     from shardtune.engines.fsdp import settle_fsdp2_trainable, shard_fsdp2, store_frozen_in_gather_dtype
-    from shardtune.engines.fsdp_config import FsdpSettings
     from shardtune.model.adapters import FinetuningSettings, apply_finetuning
 
     dist.init_process_group("gloo")

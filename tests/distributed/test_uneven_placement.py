@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shardtune.engines.distributed import DistContext
+from shardtune.engines.engine_plan import FsdpSettings
 from shardtune.engines.fsdp import build_mesh
-from shardtune.engines.fsdp_config import FsdpSettings
 from shardtune.errors import ConfigError
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]

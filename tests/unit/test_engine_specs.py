@@ -8,8 +8,9 @@ import importlib
 import pytest
 
 from shardtune.engines.base import Engine
+from shardtune.engines.engine_plan import EnginePlan
 from shardtune.engines.fsdp_config import resolve_fsdp_settings
-from shardtune.engines.plan import ENGINE_SPECS, EnginePlan
+from shardtune.engines.plan import ENGINE_SPECS
 from shardtune.estimate.options import OPTION_SPECS
 
 PLANS = [EnginePlan("local"), EnginePlan("ddp"),

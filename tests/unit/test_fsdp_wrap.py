@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from shardtune.engines.fsdp_config import FsdpSettings
+from shardtune.engines.engine_plan import FsdpSettings
 from shardtune.engines.fsdp_wrap import wrap_targets
 from shardtune.model.registry import tiny_registry_config
 

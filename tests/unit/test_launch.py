@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from shardtune.engines.engine_plan import FsdpSettings
 from shardtune.engines.fsdp_config import (
     STRATEGIES,
-    FsdpSettings,
     fsdp1_strategy_member,
     reshards_after_forward,
     resolve_fsdp_settings,

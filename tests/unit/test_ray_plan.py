@@ -139,7 +139,7 @@ def test_gpu_workers_share_their_node_cpus():
 
 def test_a_rank_placed_unevenly_gets_its_plan(tmp_path):
     """12 workers on 8-GPU nodes: the ranks on the full node used to raise while the others waited for them."""
-    from shardtune.engines.plan import EnginePlan
+    from shardtune.engines.engine_plan import EnginePlan
     from shardtune.launch import worker
     from shardtune.launch.preflight import RunPlan, write_run_plan
     from shardtune.world import RankEnv, WorldLayout

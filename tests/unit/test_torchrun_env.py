@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shardtune.config.schema import TrainConfig
-from shardtune.engines.plan import plan_engine
+from shardtune.engines.plan import plan_engine, spec_for
 from shardtune.launch.supervise import torchrun_env
 from shardtune.launch.torchrun import LaunchPlan
 
@@ -24,8 +24,8 @@ LAUNCH = LaunchPlan(nnodes=1, node_rank=0, nproc_per_node=2, master_addr="127.0.
 def test_engines_that_gather_layers_fix_the_threshold_on_cpu(engine_keys, gathers):
     plan, problems = plan_engine(TrainConfig(model_name_or_path="m", **engine_keys), world_size=2, has_cuda=False)
     assert not problems
-    assert plan.gathers_parameters is gathers
-    env = torchrun_env({}, LAUNCH, plan.gathers_parameters, gpus=0)
+    assert spec_for(plan.kind).gathers_parameters(plan) is gathers
+    env = torchrun_env({}, LAUNCH, gathers, gpus=0)
     assert ("MALLOC_MMAP_THRESHOLD_" in env) is gathers
     assert env["OMP_NUM_THREADS"] and env["GLOO_SOCKET_IFNAME"] == "lo"
 

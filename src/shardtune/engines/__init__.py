@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from shardtune.config.schema import TrainConfig
     from shardtune.engines.base import Engine
-    from shardtune.engines.plan import EnginePlan
+    from shardtune.engines.engine_plan import EnginePlan
     from shardtune.world import RankEnv
 
 

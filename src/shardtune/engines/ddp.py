@@ -15,7 +15,7 @@ from shardtune.engines.torch_native import TorchEngine
 
 if TYPE_CHECKING:
     from shardtune.config.schema import TrainConfig
-    from shardtune.engines.plan import EnginePlan
+    from shardtune.engines.engine_plan import EnginePlan
     from shardtune.model.source import ModelSource
 
 

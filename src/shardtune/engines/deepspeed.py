@@ -45,7 +45,7 @@ from shardtune.world import WorldLayout
 
 if TYPE_CHECKING:
     from shardtune.config.schema import TrainConfig
-    from shardtune.engines.plan import EnginePlan
+    from shardtune.engines.engine_plan import EnginePlan
     from shardtune.model.source import ModelSource
 
 UNIVERSAL_TAG = "deepspeed_universal"

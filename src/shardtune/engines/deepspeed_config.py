@@ -33,7 +33,7 @@ from shardtune.optim.settings import OptimizerSettings, optimizer_settings
 from shardtune.world import WorldLayout
 
 if TYPE_CHECKING:
-    from shardtune.engines.plan import EnginePlan
+    from shardtune.engines.engine_plan import EnginePlan
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 PRESETS: dict[str, str] = {
@@ -437,6 +437,8 @@ DEEPSPEED = EngineSpec(
     resolved_settings=_resolved_settings,
     refusals=deepspeed_refusals,
     memory_layout=deepspeed_memory_layout,
+    # ZeRO-3; a config whose stage is not a number counts as one
+    gathers_parameters=lambda plan: zero_stage(plan.deepspeed_raw or {}) not in (0, 1, 2),
     engine="shardtune.engines.deepspeed:DeepSpeedEngine",
     checkpoints=(CheckpointLayout("deepspeed", CHECKPOINT_TAG, read_zero_checkpoint),),
 )

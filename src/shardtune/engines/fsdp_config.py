@@ -1,12 +1,13 @@
-"""FSDP settings from the Hugging Face `fsdp` / `fsdp_config` keys or accelerate's variables (pure functions)."""
+"""FSDP settings (``FsdpSettings``, engines/engine_plan.py) from the Hugging Face `fsdp` / `fsdp_config` keys or
+accelerate's variables (pure functions), and the FSDP engine's record."""
 
 from __future__ import annotations
 
 import difflib
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shardtune.engines.engine_plan import EnginePlan, FsdpSettings
 from shardtune.engines.spec import (
     CheckpointLayout,
     EngineSpec,
@@ -25,42 +26,12 @@ from shardtune.model.moe import expert_count, fsdp1_fused_lora_problem, targets_
 
 if TYPE_CHECKING:
     from shardtune.config.schema import TrainConfig
-    from shardtune.engines.plan import EnginePlan
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
 FSDP_WORDS = {"full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2", "offload", "auto_wrap"}
-
-
-@dataclass(frozen=True)
-class FsdpSettings:
-    """Resolved FSDP options; ``version`` 2 is torch ``fully_shard``, 1 is ``FullyShardedDataParallel``."""
-
-    version: int = 2
-    sharding_strategy: str = "FULL_SHARD"
-    offload_params: bool = False
-    auto_wrap_policy: str = "TRANSFORMER_BASED_WRAP"
-    transformer_layer_cls_to_wrap: tuple[str, ...] = ()
-    min_num_params: int = 100_000_000
-    state_dict_type: str = "SHARDED_STATE_DICT"
-    backward_prefetch: str = "BACKWARD_PRE"
-    forward_prefetch: bool = False
-    cpu_ram_efficient_loading: bool = False
-    sync_module_states: bool = True
-    use_orig_params: bool = True
-    hsdp_shard_size: int | None = None
-    ignored: tuple[str, ...] = field(default=())
-
-    @property
-    def is_hybrid(self) -> bool:
-        return self.sharding_strategy.startswith("HYBRID")
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data.pop("ignored")
-        return data
 
 
 # fsdp_config key (HF spelling without the "fsdp_" prefix) -> FsdpSettings field.
@@ -299,6 +270,7 @@ FSDP = EngineSpec(
     resolved_settings=lambda plan, config, layout: plan.fsdp.to_dict() if plan.fsdp else None,
     refusals=fsdp_refusals,
     memory_layout=fsdp_memory_layout,
+    gathers_parameters=lambda plan: True,
     engine="shardtune.engines.fsdp:FSDPEngine",
     checkpoints=(CheckpointLayout("fsdp_sharded", DCP_DIR, read_sharded_checkpoint),
                  CheckpointLayout("fsdp_full", FULL_STATE_FILE, read_full_checkpoint)),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from shardtune.engines.fsdp_config import FsdpSettings
+from shardtune.engines.engine_plan import FsdpSettings
 
 
 def wrap_targets(model: torch.nn.Module, s: FsdpSettings) -> list[torch.nn.Module]:

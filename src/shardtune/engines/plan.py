@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from shardtune.config.schema import TrainConfig
 from shardtune.engines import deepspeed_config, fsdp_config, replicated
-from shardtune.engines.fsdp_config import (
-    FsdpSettings,
-    fsdp1_qlora_problems,
-    is_fsdp_requested,
-    resolve_fsdp_settings,
-)
+from shardtune.engines.engine_plan import EnginePlan
+from shardtune.engines.fsdp_config import fsdp1_qlora_problems, is_fsdp_requested, resolve_fsdp_settings
 from shardtune.engines.spec import EngineSpec
 from shardtune.model.folder import pre_quantized_method
 
@@ -24,38 +19,6 @@ ENGINE_KINDS = tuple(ENGINE_SPECS)
 
 def spec_for(kind: str) -> EngineSpec:
     return ENGINE_SPECS[kind]
-
-
-@dataclass(frozen=True)
-class EnginePlan:
-    kind: str
-    fsdp: FsdpSettings | None = None
-    deepspeed_raw: dict[str, Any] | None = None
-    deepspeed_source: str | None = None
-
-    @property
-    def needs_process_group(self) -> bool:
-        return self.kind != "local"
-
-    @property
-    def gathers_parameters(self) -> bool:
-        """Whether each rank gathers whole layers from shards and frees them again, step after step (FSDP, ZeRO-3;
-        a DeepSpeed config whose stage is not a number counts as one)."""
-        if self.kind == "fsdp":
-            return True
-        return self.kind == "deepspeed" and deepspeed_config.zero_stage(self.deepspeed_raw or {}) not in (0, 1, 2)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready, for the plan the launching host writes for its ranks."""
-        return {"kind": self.kind, "fsdp": self.fsdp.to_dict() if self.fsdp else None,
-                "deepspeed_raw": self.deepspeed_raw, "deepspeed_source": self.deepspeed_source}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> EnginePlan:
-        fsdp = data.get("fsdp")
-        settings = None if fsdp is None else FsdpSettings(
-            **{**fsdp, "transformer_layer_cls_to_wrap": tuple(fsdp["transformer_layer_cls_to_wrap"])})
-        return cls(data["kind"], settings, data.get("deepspeed_raw"), data.get("deepspeed_source"))
 
 
 def plan_engine(c: TrainConfig, world_size: int, has_cuda: bool) -> tuple[EnginePlan, list[str]]:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from shardtune.config.schema import TrainConfig
-    from shardtune.engines.plan import EnginePlan
+    from shardtune.engines.engine_plan import EnginePlan
 
 WEIGHTS_FILE = "trainable.safetensors"  # a checkpoint's trained weights (all of them, or the adapter's)
 
@@ -45,6 +45,7 @@ LOCAL = EngineSpec(
     resolved_settings=lambda plan, config, layout: None,
     refusals=_no_refusals,
     memory_layout=lambda plan: MemoryLayout("DDP", "replicated"),
+    gathers_parameters=lambda plan: False,
     engine="shardtune.engines.ddp:DDPEngine",  # one process under a launcher (FORCE_TORCHRUN): DDP of one rank
     checkpoints=CHECKPOINTS,
 )

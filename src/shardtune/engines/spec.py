@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from shardtune.config.schema import TrainConfig
-    from shardtune.engines.plan import EnginePlan
+    from shardtune.engines.engine_plan import EnginePlan
     from shardtune.world import WorldLayout
 
 
@@ -54,6 +54,8 @@ class EngineSpec:
     resolved_settings: Callable[[EnginePlan, TrainConfig, WorldLayout], dict | None]  # what the dry run prints
     refusals: Callable[[TrainConfig, EnginePlan, bool], list[str]]  # (config, plan, has_cuda) -> problems
     memory_layout: Callable[[EnginePlan], MemoryLayout]
+    # whether each rank gathers whole layers from shards and frees them again, step after step (FSDP, ZeRO-3)
+    gathers_parameters: Callable[[EnginePlan], bool]
     # "module:Class" of the Engine, imported only when a rank builds it; Class.from_plan(config, plan, ctx, precision)
     engine: str
     checkpoints: tuple[CheckpointLayout, ...] = ()

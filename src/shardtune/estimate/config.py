@@ -9,7 +9,8 @@ from shardtune.config.adapter_method import adapter_targets
 from shardtune.config.preference import PREFERENCE_STAGES, holds_reference_copy
 from shardtune.config.schema import TrainConfig
 from shardtune.data.settings import takes_offsets
-from shardtune.engines.plan import EnginePlan, plan_engine, spec_for
+from shardtune.engines.engine_plan import EnginePlan
+from shardtune.engines.plan import plan_engine, spec_for
 from shardtune.errors import ConfigError, ShardtuneError
 from shardtune.estimate.compare import RunMemoryEstimate, run_memory_estimate
 from shardtune.estimate.hardware import Hardware, format_size
@@ -24,7 +25,7 @@ from shardtune.model.oft import OftSettings
 from shardtune.world import WorldLayout
 
 if TYPE_CHECKING:
-    from shardtune.engines.fsdp_config import FsdpSettings
+    from shardtune.engines.engine_plan import FsdpSettings
 
 # Images per sample when the data has an images column: the estimate reads dataset_info.json, not the records, so it
 # assumes one image per sample (each at image_max_pixels); the report says so.

@@ -20,7 +20,8 @@ from shardtune.config.args import CommandLine, read_config
 from shardtune.config.generation import prediction_datasets, predicts_only
 from shardtune.config.load import KeyProblem, build_config, config_to_dict
 from shardtune.config.schema import TrainConfig
-from shardtune.engines.plan import EnginePlan, plan_engine
+from shardtune.engines.engine_plan import EnginePlan
+from shardtune.engines.plan import plan_engine
 from shardtune.engines.sequence_parallel_plan import sequence_parallel_problems, with_deepspeed_sequence_parallel
 from shardtune.errors import ConfigError, ShardtuneError
 from shardtune.host import cuda_visible_devices, local_cpu_memory, local_gpu_memory, visible_gpu_count

@@ -14,7 +14,8 @@ from typing import Any
 
 from shardtune import run_files
 from shardtune.config.schema import TrainConfig
-from shardtune.engines.plan import ENGINE_SPECS, EnginePlan, spec_for
+from shardtune.engines.engine_plan import EnginePlan
+from shardtune.engines.plan import ENGINE_SPECS, spec_for
 from shardtune.model.folder import model_config_json
 from shardtune.train.checkpoint_folders import MODEL_ONLY_MARKER
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from shardtune import run_files
+from shardtune.engines.plan import spec_for
 from shardtune.errors import ConfigError
 from shardtune.host import visible_gpu_count
 from shardtune.launch import env as launch_env
@@ -71,7 +72,8 @@ def run_planned(plan: RunPlan, commands: list[list[str]], use_torchrun: bool, co
     # Every node agrees before a collective can hang (one node: no-op).
     check_nodes(launch, run_plan_dict(plan), plan.scheduler)
     write_run_plan(plan)
-    code = run_torchrun(commands[launch.node_rank], launch, plan.run_dir, debug, plan.engine.gathers_parameters,
+    gathers_parameters = spec_for(plan.engine.kind).gathers_parameters(plan.engine)
+    code = run_torchrun(commands[launch.node_rank], launch, plan.run_dir, debug, gathers_parameters,
                         stop_grace=plan.config.ddp_timeout + STOP_GRACE_MARGIN)
     if code not in (0, 130) and launch.nnodes > 1:
         remedy = (f"check that {plan.scheduler} started one shardtune on each of the {launch.nnodes} nodes"
