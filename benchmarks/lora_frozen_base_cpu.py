@@ -68,12 +68,9 @@ def main() -> None:
 
     from shardtune.engines.base import PrecisionSettings
     from shardtune.engines.local import LocalEngine
-    from shardtune.model.adapters import (
-        FinetuningSettings,
-        apply_finetuning,
-        leave_adapter_inputs_to_autocast,
-        store_frozen_bases_in,
-    )
+    from shardtune.model.finetuning.apply import apply_finetuning
+    from shardtune.model.finetuning.lora import leave_adapter_inputs_to_autocast, store_frozen_bases_in
+    from shardtune.model.finetuning.settings import FinetuningSettings
     from shardtune.optim.build import build_optimizer, build_scheduler
     from shardtune.optim.settings import OptimizerSettings
     from shardtune.train.loop import train_step

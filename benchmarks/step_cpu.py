@@ -31,7 +31,8 @@ def main(argv: list[str]) -> int:
 
     from shardtune.engines.base import PrecisionSettings
     from shardtune.engines.local import LocalEngine
-    from shardtune.model.adapters import FinetuningSettings, apply_finetuning
+    from shardtune.model.finetuning.apply import apply_finetuning
+    from shardtune.model.finetuning.settings import FinetuningSettings
     from shardtune.optim.build import build_optimizer, build_scheduler
     from shardtune.optim.settings import OptimizerSettings
     from shardtune.train.loop import train_step

@@ -113,8 +113,8 @@ def load(folder: Path, ids, reference) -> str | None:
 def skeleton(folder: Path, ids, reference) -> str | None:
     import torch
 
-    from shardtune.model.adapters import FinetuningSettings
     from shardtune.model.attention import auto_choice
+    from shardtune.model.finetuning.settings import FinetuningSettings
     from shardtune.model.folder import read_config_json
     from shardtune.model.source import ModelSource
 
@@ -147,7 +147,8 @@ def full(model, ids) -> str | None:
 def lora(folder: Path, ids) -> str | None:
     import torch
 
-    from shardtune.model.adapters import FinetuningSettings, apply_finetuning
+    from shardtune.model.finetuning.apply import apply_finetuning
+    from shardtune.model.finetuning.settings import FinetuningSettings
     from shardtune.model.load import load_causal_lm
 
     model = apply_finetuning(load_causal_lm(str(folder)), FinetuningSettings(finetuning_type="lora"))

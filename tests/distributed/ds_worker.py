@@ -22,7 +22,8 @@ import torch
 from shardtune.engines.base import Engine, PrecisionSettings
 from shardtune.engines.deepspeed import DeepSpeedEngine
 from shardtune.engines.distributed import DistContext
-from shardtune.model.adapters import FinetuningSettings, apply_finetuning
+from shardtune.model.finetuning.apply import apply_finetuning
+from shardtune.model.finetuning.settings import FinetuningSettings
 from shardtune.optim.build import OptimizerSettings, build_optimizer, build_scheduler
 from shardtune.train.loop import IGNORE_INDEX, Batch, accumulation_windows, token_loss_sum, train_step
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from shardtune.engines.base import Engine, PrecisionSettings
-from shardtune.model.adapters import FinetuningSettings, apply_finetuning
+from shardtune.model.finetuning.apply import apply_finetuning
+from shardtune.model.finetuning.settings import FinetuningSettings
 from shardtune.model.moe import ROUTER_NAMES, router_aux_loss_coef, router_module_names
 from shardtune.optim.build import OptimizerSettings, build_optimizer, build_scheduler
 from shardtune.train.loop import IGNORE_INDEX, Batch, train_step

@@ -22,7 +22,7 @@ from shardtune.engines.distributed import DistContext, group_backends, process_g
 from shardtune.engines.engine_plan import FsdpSettings
 from shardtune.engines.fsdp import FSDPEngine, broadcast_from_rank0
 from shardtune.engines.fsdp_config import FULL_STATE_FILE
-from shardtune.model.adapters import FinetuningSettings
+from shardtune.model.finetuning.settings import FinetuningSettings
 from shardtune.model.source import ModelSource
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]

@@ -39,7 +39,8 @@ def worker(model_dir: str, out: Path) -> None:
     from shardtune.engines.engine_plan import FsdpSettings
     from shardtune.engines.fsdp import wrap_fsdp1
     from shardtune.engines.fsdp_qlora import fsdp1_lora_units, unify_dtypes
-    from shardtune.model.adapters import FinetuningSettings, apply_finetuning
+    from shardtune.model.finetuning.apply import apply_finetuning
+    from shardtune.model.finetuning.settings import FinetuningSettings
 
     dist.init_process_group("gloo")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)

@@ -51,7 +51,8 @@ def worker(model_dir: str, out: Path, mode: str) -> None:
 
     from shardtune.engines.engine_plan import FsdpSettings
     from shardtune.engines.fsdp import settle_fsdp2_trainable, shard_fsdp2, store_frozen_in_gather_dtype
-    from shardtune.model.adapters import FinetuningSettings, apply_finetuning
+    from shardtune.model.finetuning.apply import apply_finetuning
+    from shardtune.model.finetuning.settings import FinetuningSettings
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

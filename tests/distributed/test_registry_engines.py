@@ -80,14 +80,15 @@ def test_registry_family_under_engine_matches_one_process(family, engine, finetu
 def assert_same_model_as_download(trained: torch.nn.Module, download: torch.nn.Module) -> None:
     """The saved folder loads as the download's class with every one of its tensors; those of the frozen vision
     tower and projector are the download's own, and the language model trained."""
-    from shardtune.model.composite import FrozenParts, model_parts
+    from shardtune.model.composite import model_parts
+    from shardtune.model.finetuning.settings import FrozenParts
 
     trained_tensors, download_tensors = dict(trained.named_parameters()), dict(download.named_parameters())
     assert type(trained) is type(download) and trained_tensors.keys() == download_tensors.keys()
     parts = model_parts(download)
     if parts is None:
         return
-    frozen = [name for name in download_tensors if parts.frozen(name, FrozenParts())]
+    frozen = [name for name in download_tensors if FrozenParts().freezes(parts.part_of(name))]
     assert frozen, "an image-text model without a vision tower"
     for name in frozen:
         torch.testing.assert_close(trained_tensors[name], download_tensors[name], rtol=0, atol=0, msg=name)

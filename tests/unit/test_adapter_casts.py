@@ -8,7 +8,7 @@ import copy
 import torch
 from peft import LoraConfig, get_peft_model
 
-from shardtune.model.adapters import leave_adapter_inputs_to_autocast, store_frozen_bases_in
+from shardtune.model.finetuning.lora import leave_adapter_inputs_to_autocast, store_frozen_bases_in
 from tests.unit.test_chunked_loss import tiny_llama
 
 

@@ -14,7 +14,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from shardtune.data.collator import DataCollator
 from shardtune.engines.base import PrecisionSettings
 from shardtune.errors import ModelError
-from shardtune.model.adapters import FinetuningSettings, apply_finetuning
+from shardtune.model.finetuning.apply import apply_finetuning
+from shardtune.model.finetuning.settings import FinetuningSettings
 from shardtune.train import loss as loss_module
 from shardtune.train.loop import evaluate, token_loss_sum, train_step
 from shardtune.train.loss import DEFAULT_LOSS_CHUNK_SIZE, causal_lm_loss_sum, linear_cross_entropy_sum

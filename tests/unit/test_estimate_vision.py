@@ -14,7 +14,7 @@ from shardtune.estimate.activations import activation_bytes, vision_activation_b
 from shardtune.estimate.config import workload_from_config
 from shardtune.estimate.shape import shape_from_config
 from shardtune.estimate.workload import trainable_params
-from shardtune.model.composite import FrozenParts
+from shardtune.model.finetuning.settings import FrozenParts
 from tests.conftest import REPO
 
 # The families the task names, and the others whose towers the estimate knows.
@@ -89,7 +89,8 @@ def test_a_text_model_has_no_tower():
 
 def trainable_by_part(model, finetuning: str, frozen: FrozenParts, targets: tuple[str, ...] = ("all",)) -> int:
     """Trainable parameters after shardtune's own fine-tuning setup (model/adapters.py)."""
-    from shardtune.model.adapters import FinetuningSettings, apply_finetuning
+    from shardtune.model.finetuning.apply import apply_finetuning
+    from shardtune.model.finetuning.settings import FinetuningSettings
 
     settings = FinetuningSettings(finetuning_type=finetuning, lora_rank=4, lora_target=targets, frozen_parts=frozen)
     trained = apply_finetuning(model, settings)

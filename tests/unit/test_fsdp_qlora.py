@@ -88,7 +88,8 @@ def test_unify_dtypes_on_a_peft_lora_llama(tiny_model_dir):
     """The real shape: peft LoRA on a LLaMA upcast to fp32, as prepare_model_for_kbit_training leaves it."""
     from transformers import AutoModelForCausalLM
 
-    from shardtune.model.adapters import FinetuningSettings, apply_finetuning
+    from shardtune.model.finetuning.apply import apply_finetuning
+    from shardtune.model.finetuning.settings import FinetuningSettings
 
     model = apply_finetuning(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
                              FinetuningSettings(finetuning_type="lora"))
@@ -307,7 +308,8 @@ def worker(model_dir: str, out: Path, mode: str) -> None:
 def _load_4bit_lora(model_dir: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from shardtune.model.adapters import FinetuningSettings, apply_finetuning
+    from shardtune.model.finetuning.apply import apply_finetuning
+    from shardtune.model.finetuning.settings import FinetuningSettings
 
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                       bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardtune.model.composite import FrozenParts, image_text_class_name, model_parts
+from shardtune.model.composite import image_text_class_name, model_parts
+from shardtune.model.finetuning.settings import FrozenParts
 from shardtune.model.registry import image_text_families
 from tests.unit.test_registry_families import STEPS, census
 
@@ -79,7 +80,8 @@ def trainable_parts(model) -> set[str]:
     (FrozenParts(multi_modal_projector=False, language_model=True), {"projector"}),
 ])
 def test_full_fine_tuning_trains_the_parts_the_freeze_keys_leave(qwen35, frozen, trained, capsys):
-    from shardtune.model.adapters import FinetuningSettings, apply_finetuning
+    from shardtune.model.finetuning.apply import apply_finetuning
+    from shardtune.model.finetuning.settings import FinetuningSettings
     from shardtune.model.load import load_causal_lm
 
     model = apply_finetuning(load_causal_lm(str(qwen35[0])), FinetuningSettings(finetuning_type="full",
@@ -89,7 +91,8 @@ def test_full_fine_tuning_trains_the_parts_the_freeze_keys_leave(qwen35, frozen,
 
 
 def test_lora_all_adapts_the_language_model_and_leaves_the_tower_alone(qwen35):
-    from shardtune.model.adapters import FinetuningSettings, apply_finetuning
+    from shardtune.model.finetuning.apply import apply_finetuning
+    from shardtune.model.finetuning.settings import FinetuningSettings
     from shardtune.model.load import load_causal_lm
 
     model = apply_finetuning(load_causal_lm(str(qwen35[0])), FinetuningSettings(finetuning_type="lora",

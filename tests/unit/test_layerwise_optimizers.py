@@ -16,7 +16,7 @@ import torch
 from shardtune.config.load import build_config
 from shardtune.engines.plan import plan_engine
 from shardtune.launch.validate import cross_key_problems
-from shardtune.model.adapters import FinetuningSettings
+from shardtune.model.finetuning.settings import FinetuningSettings
 from shardtune.model.source import ModelSource
 from shardtune.optim.build import build_optimizer, build_scheduler
 from shardtune.optim.layerwise import LayerwiseOptimizer

@@ -12,7 +12,7 @@ from shardtune.engines.plan import plan_engine
 from shardtune.errors import ConfigError
 from shardtune.launch.validate import cross_key_problems
 from shardtune.model.adapter_files import save_lora_adapter
-from shardtune.model.adapters import FinetuningSettings
+from shardtune.model.finetuning.settings import FinetuningSettings
 from shardtune.model.source import ModelSource
 from shardtune.optim.build import build_optimizer, parameter_names
 from shardtune.optim.settings import OptimizerSettings

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shardtune.errors import ModelError
-from shardtune.model.adapters import FinetuningSettings
+from shardtune.model.finetuning.settings import FinetuningSettings
 from shardtune.model.pretrained_adapters import plan_adapters
 from shardtune.model.source import ModelSource
 

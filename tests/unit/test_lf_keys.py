@@ -174,7 +174,7 @@ def test_rope_scaling_is_skipped_when_cutoff_len_fits(short_context_model, capsy
 
 
 def test_rope_scaling_reaches_the_loaded_model(short_context_model):
-    from shardtune.model.adapters import FinetuningSettings
+    from shardtune.model.finetuning.settings import FinetuningSettings
     from shardtune.model.source import ModelSource
 
     source = ModelSource(str(short_context_model), FinetuningSettings(), rope_scaling="linear", max_length=128)
@@ -185,7 +185,7 @@ def test_rope_scaling_reaches_the_loaded_model(short_context_model):
 # --- gradient checkpointing arguments ---
 
 def checkpointed_gradients(model_dir, **settings) -> tuple[dict[str, torch.Tensor], object]:
-    from shardtune.model.adapters import FinetuningSettings
+    from shardtune.model.finetuning.settings import FinetuningSettings
     from shardtune.model.source import ModelSource
 
     torch.manual_seed(0)

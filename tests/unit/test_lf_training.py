@@ -12,7 +12,9 @@ import torch.nn.functional as F
 
 from shardtune.config.load import build_config
 from shardtune.launch.validate import cross_key_problems
-from shardtune.model.adapters import FinetuningSettings, apply_finetuning, apply_neftune
+from shardtune.model.finetuning.apply import apply_finetuning
+from shardtune.model.finetuning.neftune import apply_neftune
+from shardtune.model.finetuning.settings import FinetuningSettings
 from shardtune.train.loop import TrainState
 from shardtune.train.loss import causal_lm_loss_sum, linear_cross_entropy_sum
 from shardtune.train.setup import build_loader, loader_options

@@ -14,16 +14,10 @@ from shardtune.config.load import build_config
 from shardtune.engines.sharded_loading import ShardedLoad, fill_fully_sharded
 from shardtune.launch.validate import cross_key_problems
 from shardtune.model.adapter_files import save_lora_adapter
-from shardtune.model.adapters import FinetuningSettings
+from shardtune.model.finetuning.settings import FinetuningSettings
 from shardtune.model.load import load_tokenizer
 from shardtune.model.source import ModelSource
-from shardtune.model.vocab import (
-    VocabGrowth,
-    adapter_embedding_rows,
-    add_new_tokens,
-    grown_tensor,
-    plan_vocab_growth,
-)
+from shardtune.model.vocab import VocabGrowth, adapter_embedding_rows, add_new_tokens, grown_tensor, plan_vocab_growth
 
 NEW = ["<tool_call>", "</tool_call>"]
 

@@ -10,7 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from shardtune.errors import ConfigError
-from shardtune.model.adapters import FinetuningSettings, apply_finetuning, trainable_layer_ids
+from shardtune.model.finetuning.apply import apply_finetuning
+from shardtune.model.finetuning.freeze import trainable_layer_ids
+from shardtune.model.finetuning.settings import FinetuningSettings
 from shardtune.model.llama_pro import expansion_sources
 from tests.conftest import run_cli
 

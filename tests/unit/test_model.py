@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from shardtune.errors import ConfigError
-from shardtune.model.adapters import FinetuningSettings, apply_finetuning, count_parameters
+from shardtune.model.finetuning.apply import apply_finetuning, count_parameters
+from shardtune.model.finetuning.settings import FinetuningSettings
 from tests.unit.test_loop import tiny_llama
 
 HIDDEN, INTER, LAYERS, VOCAB, KV = 32, 64, 2, 128, 16  # KV: 2 kv heads x head dim 8

@@ -14,7 +14,9 @@ from shardtune.engines.base import PrecisionSettings
 from shardtune.engines.local import LocalEngine
 from shardtune.errors import ConfigError
 from shardtune.model import moe
-from shardtune.model.adapters import FinetuningSettings, LoraTargets, apply_adapter, lora_targets
+from shardtune.model.finetuning.adapter import apply_adapter
+from shardtune.model.finetuning.settings import FinetuningSettings
+from shardtune.model.finetuning.targets import LoraTargets, lora_targets
 from shardtune.optim.build import OptimizerSettings, build_optimizer, build_scheduler
 from shardtune.train.loop import train_step
 

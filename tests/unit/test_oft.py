@@ -9,8 +9,9 @@ from shardtune.config.load import build_config
 from shardtune.errors import ConfigError, ModelError
 from shardtune.launch.validate import cross_key_problems, file_problems
 from shardtune.model.adapter_files import save_lora_adapter
-from shardtune.model.adapters import FinetuningSettings, apply_finetuning, count_parameters
-from shardtune.model.oft import OftSettings, divisor_problems, size_problem
+from shardtune.model.finetuning.apply import apply_finetuning, count_parameters
+from shardtune.model.finetuning.oft import OftSettings, divisor_problems, size_problem
+from shardtune.model.finetuning.settings import FinetuningSettings
 
 BLOCK = 4  # divides the tiny model's widths (64 and its MLP's 172)
 OFT = FinetuningSettings(finetuning_type="oft", oft=OftSettings(block_size=BLOCK))

@@ -17,7 +17,7 @@ from shardtune.engines.base import PrecisionSettings
 from shardtune.engines.local import LocalEngine
 from shardtune.engines.plan import plan_engine
 from shardtune.launch.validate import preference_key_problems
-from shardtune.model.adapters import FinetuningSettings
+from shardtune.model.finetuning.settings import FinetuningSettings
 from shardtune.model.source import ModelSource
 from shardtune.optim.build import build_optimizer, build_scheduler
 from shardtune.optim.settings import OptimizerSettings

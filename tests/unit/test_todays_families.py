@@ -128,7 +128,7 @@ def test_ddp_searches_for_unused_parameters_when_the_probe_fails(capsys):
     ("gemma3n_text", "correction_coefs", "altup_projections.0"),  # its weight read directly in training
 ])
 def test_lora_all_leaves_out_what_lora_cannot_adapt(family, left_out, kept, arch_model_dir, capsys):
-    from shardtune.model.adapters import lora_targets
+    from shardtune.model.finetuning.targets import lora_targets
 
     targets = lora_targets(load(arch_model_dir(family)), ("all",))
     assert left_out not in targets.modules and kept in targets.modules
@@ -137,7 +137,7 @@ def test_lora_all_leaves_out_what_lora_cannot_adapt(family, left_out, kept, arch
 
 
 def test_a_list_index_is_no_bare_lora_target_name():
-    from shardtune.model.adapters import short_module_name
+    from shardtune.model.finetuning.targets import short_module_name
 
     assert short_module_name("model.altup_projections.0") == "altup_projections.0"  # "0" names every first layer
     assert short_module_name("model.layers.0.self_attn.q_proj") == "q_proj"
@@ -155,13 +155,13 @@ def test_zero3_gathers_modules_that_call_a_submodule_once_per_position_whole(arc
 
 
 def test_lora_all_keeps_a_plain_linear_reimplementation(arch_model_dir):
-    from shardtune.model.adapters import lora_targets
+    from shardtune.model.finetuning.targets import lora_targets
 
     assert lora_targets(load(arch_model_dir("falcon")), ("all",)).modules == "all-linear"  # FalconLinear
 
 
 def test_lora_naming_a_module_lora_cannot_adapt_is_refused_with_the_reason(arch_model_dir):
-    from shardtune.model.adapters import lora_targets
+    from shardtune.model.finetuning.targets import lora_targets
 
     with pytest.raises(ConfigError, match=r"lora_target \(out_proj\): LoRA cannot adapt it: peft refuses it"):
         lora_targets(load(arch_model_dir("nemotron_h")), ("q_proj", "out_proj"))

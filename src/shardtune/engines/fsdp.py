@@ -23,7 +23,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-from shardtune.engines.checkpoint_writer import CheckpointWriter
 from shardtune.engines.base import OptimizerFactory, PrecisionSettings, SchedulerFactory
 from shardtune.engines.distributed import DistContext, DistributedMixin, gather_local_world_sizes
 from shardtune.engines.engine_plan import FsdpSettings
@@ -44,7 +43,7 @@ from shardtune.engines.sharded_loading import ShardedLoad, fill_fully_sharded, f
 from shardtune.engines.torch_native import SCHEDULER_FILE, TorchEngine
 from shardtune.errors import ConfigError, ModelError
 from shardtune.model.adapter_files import save_lora_adapter
-from shardtune.model.adapters import parametrized_lora_weights
+from shardtune.model.finetuning.lora import parametrized_lora_weights
 from shardtune.model.fp8 import float8_all_gathers
 from shardtune.model.moe import fsdp1_fused_lora_problem
 from shardtune.model.saved import (
@@ -282,31 +281,17 @@ class FSDPEngine(DistributedMixin, TorchEngine):
             verify_saved(out_dir, expected)
         self.barrier()
 
-    def save_state(self, ckpt_dir: Path, writer: CheckpointWriter | None = None) -> None:
-        writer = writer or CheckpointWriter(background=False)
+    def save_state(self, ckpt_dir: Path) -> None:
         if self.settings.state_dict_type == "FULL_STATE_DICT":
             model_sd, optim_sd = get_state_dict(self.model, optimizer_parts(self.optimizer),
                                                 options=self.full_state_options())
             if self.is_main:
-                writer.save_torch({"model": model_sd, "optim": optim_sd}, ckpt_dir / FULL_STATE_FILE)
+                torch.save({"model": model_sd, "optim": optim_sd}, ckpt_dir / FULL_STATE_FILE)
         else:
             model_sd, optim_sd = self._sharded_state()
-            state, folder = {"model": model_sd, "optim": optim_sd}, str(ckpt_dir / DCP_DIR)
-            if writer.background:
-                # torch stages the shards into host memory, then plans and writes in a thread; its collectives go
-                # through a gloo group of their own, never the one the training steps use meanwhile.
-                writer.follow(dcp.async_save(state, checkpoint_id=folder, process_group=self._save_group()))
-            else:
-                dcp.save(state, checkpoint_id=folder)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(ckpt_dir / DCP_DIR))
         if self.is_main:
-            writer.save_torch(self.scheduler_state(), ckpt_dir / SCHEDULER_FILE)
-
-    def _save_group(self) -> dist.ProcessGroup:
-        """The process group background checkpoint writes coordinate over (made once, by every rank together: the
-        first save is collective)."""
-        if getattr(self, "_checkpoint_group", None) is None:
-            self._checkpoint_group = dist.new_group(backend="gloo")
-        return self._checkpoint_group
+            torch.save(self.scheduler_state(), ckpt_dir / SCHEDULER_FILE)
 
     def load_state(self, ckpt_dir: Path) -> None:
         if (ckpt_dir / FULL_STATE_FILE).is_file():

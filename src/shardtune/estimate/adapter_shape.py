@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from shardtune.errors import ConfigError
 from shardtune.estimate.shape import LINEAR_MODULES, ModelShape
-from shardtune.model.oft import OftSettings, trainable_params
+from shardtune.model.finetuning.oft import OftSettings, trainable_params
 
 
 def adapted_widths(shape: ModelShape, targets: tuple[str, ...] | list[str], index: int | None = None) -> dict[str, int]:

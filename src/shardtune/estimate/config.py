@@ -20,8 +20,8 @@ from shardtune.estimate.recommend import recommend
 from shardtune.estimate.shape import ModelShape, load_model_shape
 from shardtune.estimate.workload import Workload
 from shardtune.estimate.zero import zero_settings, zero_states
-from shardtune.model.composite import FrozenParts
-from shardtune.model.oft import OftSettings
+from shardtune.model.finetuning.oft import OftSettings
+from shardtune.model.finetuning.settings import FrozenParts
 from shardtune.world import WorldLayout
 
 if TYPE_CHECKING:

@@ -14,9 +14,9 @@ from shardtune.estimate.adapter_shape import (
 )
 from shardtune.estimate.shape import ModelShape
 from shardtune.estimate.vision_shape import Linear
-from shardtune.model.composite import FrozenParts
-from shardtune.model.oft import OftSettings
-from shardtune.model.oft import trainable_params as oft_layer_params
+from shardtune.model.finetuning.oft import OftSettings
+from shardtune.model.finetuning.oft import trainable_params as oft_layer_params
+from shardtune.model.finetuning.settings import FrozenParts
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 FINETUNING_TYPES = ("full", "freeze", "lora", "qlora", "oft")

@@ -71,9 +71,10 @@ def merges_adapter(model: object) -> TypeGuard[MergesAdapter]:
 def build_trained_model(base: str, finetuning: dict[str, Any], reward: RewardHead | None) -> torch.nn.Module:
     """The model structure that was trained: base weights (under the score head of a reward model), plus the
     adapter's modules when LoRA or OFT was used; under freeze, the layers that trained are the trainable ones."""
-    from shardtune.model.adapters import FinetuningSettings, apply_finetuning
+    from shardtune.model.finetuning.apply import apply_finetuning
+    from shardtune.model.finetuning.oft import OftSettings
+    from shardtune.model.finetuning.settings import FinetuningSettings
     from shardtune.model.load import load_causal_lm
-    from shardtune.model.oft import OftSettings
 
     model = load_causal_lm(base)
     if reward is not None:

@@ -18,7 +18,7 @@ def layer_problems(c: TrainConfig) -> list[str]:
     starts = c.use_badam and c.badam_start_block is not None
     if not (freezes or starts):
         return []  # freeze_trainable_layers 0 without LLaMA-Pro: said by schedule_problems already
-    from shardtune.model.adapters import layer_count_problem
+    from shardtune.model.finetuning.freeze import layer_count_problem
 
     layers = decoder_layer_count(c)
     if layers is None:

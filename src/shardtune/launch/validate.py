@@ -19,10 +19,10 @@ from shardtune.launch.model_checks import attention_problems, layer_problems, mo
 from shardtune.launch.optimizer_checks import badam_layer_problems, optimizer_key_problems
 from shardtune.launch.write_guard import write_problems
 from shardtune.model.depth_checks import depth_checkpoint_problems
+from shardtune.model.finetuning.oft import size_problem
 from shardtune.model.folder import is_reward_model_config, model_config_json, model_folder_problems
 from shardtune.model.fp8 import float8_key_problems
 from shardtune.model.load import offline_hub_problems
-from shardtune.model.oft import size_problem
 from shardtune.model.tiny import tiny_model_build_problem
 from shardtune.paths import folder_problem, reads_as_hub_id, shown
 from shardtune.train.checkpoint_folders import checkpoint_problems, latest_checkpoint, resume_source
@@ -354,7 +354,7 @@ def oft_size_problems(c: TrainConfig) -> list[str]:
     from shardtune.estimate.adapter_shape import all_adapted_widths
     from shardtune.estimate.shape import shape_from_config
     from shardtune.model.attention import known_model_config
-    from shardtune.model.oft import OftSettings, divisor_problems
+    from shardtune.model.finetuning.oft import OftSettings, divisor_problems
 
     known = known_model_config(c.model_name_or_path or "", builds_tiny_model=c.build_tiny_model_if_missing)
     try:

@@ -10,7 +10,8 @@ The parts follow LLaMA-Factory's keys: ``freeze_vision_tower`` and ``freeze_mult
 default) and ``freeze_language_model``. They are found from the model itself, not from a table of names: a tower
 is the outermost module holding the tower's own sub-config (``vision_config``), the language model the outermost
 module holding ``text_config`` plus the output layer, and the projector whatever connects them (modules outside
-both, and the mergers that some towers keep inside: Qwen's ``visual.merger``).
+both, and the mergers that some towers keep inside: Qwen's ``visual.merger``). Which parts stay frozen in training:
+model/finetuning/image_text.py.
 """
 
 from __future__ import annotations
@@ -53,15 +54,6 @@ def auto_model_class(config: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class FrozenParts:
-    """LLaMA-Factory's freeze_* keys for image-text models (ignored by text models)."""
-
-    vision_tower: bool = True
-    multi_modal_projector: bool = True
-    language_model: bool = False
-
-
-@dataclass(frozen=True)
 class ModelParts:
     """Module names of an image-text model's parts (outermost modules; a part may hold several)."""
 
@@ -78,11 +70,6 @@ class ModelParts:
         if _under(name, self.towers):
             return "tower"
         return "language" if not self.language or _under(name, self.language) else "projector"
-
-    def frozen(self, name: str, frozen: FrozenParts) -> bool:
-        part = self.part_of(name)
-        return {"tower": frozen.vision_tower, "projector": frozen.multi_modal_projector,
-                "language": frozen.language_model}[part]
 
 
 def _under(name: str, prefixes: tuple[str, ...]) -> bool:
@@ -114,28 +101,3 @@ def model_parts(model: Any) -> ModelParts | None:
         found["language"] += [name for name, module in model.named_modules() if module is output]
     return ModelParts(tuple(found["tower"]), tuple(found["merger"]), tuple(found["language"]))
 
-
-def freeze_parts(model: Any, frozen: FrozenParts) -> list[str]:
-    """Stop training the frozen parts (after the fine-tuning method chose its trainable parameters); returns the
-    names of the parts frozen, for the run log."""
-    parts = model_parts(model)
-    if parts is None:
-        return []
-    for name, param in model.named_parameters():
-        if parts.frozen(name, frozen):
-            param.requires_grad_(False)
-    named = (("vision tower", "freeze_vision_tower", frozen.vision_tower),
-             ("projector", "freeze_multi_modal_projector", frozen.multi_modal_projector),
-             ("language model", "freeze_language_model", frozen.language_model))
-    return [f"{part} ({key})" for part, key, on in named if on]
-
-
-def excluded_modules(model: Any, frozen: FrozenParts) -> list[str]:
-    """Full names of the Linear layers of frozen parts, which LoRA leaves alone (peft's ``exclude_modules``)."""
-    import torch
-
-    parts = model_parts(model)
-    if parts is None:
-        return []
-    return [name for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and parts.frozen(name, frozen)]

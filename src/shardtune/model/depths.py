@@ -36,7 +36,7 @@ def routed_layer_ids(num_layers: int) -> list[int]:
 def apply_mixture_of_depths(model: Any, mode: str, folder: str) -> list[int]:
     """Give the model's routed layers their routers (new for convert, read from ``folder`` for load) and route
     their forward; returns the routed layer indices."""
-    from shardtune.model.adapters import decoder_layer_prefixes
+    from shardtune.model.finetuning.freeze import decoder_layer_prefixes
 
     config = model.config
     problem = depth_problem(mode, config.to_dict())

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from shardtune.errors import ModelError
-from shardtune.model.adapters import FinetuningSettings, apply_finetuning, count_parameters
 from shardtune.model.conversion import converted_weights
+from shardtune.model.finetuning.apply import apply_finetuning, count_parameters
+from shardtune.model.finetuning.settings import FinetuningSettings
 from shardtune.model.load import Quantization, load_model_config
 from shardtune.model.pretrained_adapters import AdapterPlan, merge_adapters
 from shardtune.model.reward_head import RewardHead, to_reward_model

@@ -103,14 +103,6 @@ def apply_vocab_growth(model: Any, growth: VocabGrowth) -> None:
     print(f"[shardtune] resize_vocab: embedding {growth.old_rows} -> {growth.new_rows} rows", flush=True)
 
 
-def embedding_module_names(model: Any) -> list[str]:
-    """Short names of the input embedding and output layer (``embed_tokens``, ``lm_head``) for peft's
-    ``modules_to_save``, as LLaMA-Factory picks them when the vocabulary is resized."""
-    wanted = [model.get_input_embeddings(), model.get_output_embeddings()]
-    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                   if any(module is w for w in wanted if w is not None)})
-
-
 def adapter_embedding_rows(adapter_dir: str, model: Any) -> int | None:
     """Rows of the input embedding an adapter folder saved (a LoRA run with a grown vocabulary), else None."""
     from pathlib import Path

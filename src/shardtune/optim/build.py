@@ -9,7 +9,7 @@ import torch
 
 from shardtune.config.schema import BITSANDBYTES_OPTIMIZERS
 from shardtune.errors import ConfigError
-from shardtune.model.adapters import linear_module_names
+from shardtune.model.finetuning.targets import linear_module_names
 from shardtune.optim import replacements as optimizers
 from shardtune.optim.layerwise import build_layerwise
 from shardtune.optim.settings import OptimizerSettings

@@ -41,7 +41,7 @@ from shardtune.config.adapter_method import is_adapter_type
 from shardtune.data.images import image_inputs_of_rows
 from shardtune.engines.base import Engine
 from shardtune.errors import ModelError
-from shardtune.model.adapters import FinetuningSettings
+from shardtune.model.finetuning.settings import FinetuningSettings
 from shardtune.model.pretrained_adapters import AdapterPlan
 from shardtune.model.source import ModelSource
 from shardtune.train.loop import MODEL_INPUTS, Batch, count_input_tokens, rank_rows, targets_of, to_device

@@ -7,9 +7,8 @@ from typing import TYPE_CHECKING
 from shardtune.config.adapter_method import adapter_targets
 from shardtune.config.schema import TrainConfig
 from shardtune.data.settings import DataSettings, resolved_packing
-from shardtune.model.adapters import FinetuningSettings
-from shardtune.model.composite import FrozenParts
-from shardtune.model.oft import OftSettings
+from shardtune.model.finetuning.oft import OftSettings
+from shardtune.model.finetuning.settings import FinetuningSettings, FrozenParts
 from shardtune.model.pretrained_adapters import AdapterPlan, plan_adapters
 
 if TYPE_CHECKING:

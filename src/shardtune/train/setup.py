@@ -15,7 +15,7 @@ from shardtune.config.schema import TrainConfig
 from shardtune.data.budget_batches import TokenBudgetBatches
 from shardtune.engines.base import Engine
 from shardtune.errors import ConfigError, ModelError
-from shardtune.model.adapters import FinetuningSettings
+from shardtune.model.finetuning.settings import FinetuningSettings
 from shardtune.model.reward_head import RewardHead
 from shardtune.model.source import ModelSource
 from shardtune.model.vocab import VocabGrowth, plan_vocab_growth

@@ -19,8 +19,8 @@ from shardtune.config.load import config_to_dict
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.base import Engine
 from shardtune.errors import ConfigError
-from shardtune.model.adapters import leave_adapter_inputs_to_autocast, store_frozen_bases_in
 from shardtune.model.compile import CompileReport
+from shardtune.model.finetuning.lora import leave_adapter_inputs_to_autocast, store_frozen_bases_in
 from shardtune.optim.build import build_optimizer, build_scheduler, parameter_names, warmup_steps_for
 from shardtune.optim.settings import optimizer_settings
 from shardtune.startup_gc import resume_collection, start_loop_collection

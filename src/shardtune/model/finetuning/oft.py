@@ -7,7 +7,7 @@ gives one of the two (``oft_rank`` or ``oft_block_size``) and peft derives the o
 identity rotation), so a new adapter leaves the model's output unchanged. peft silently rounds a size that does not
 divide a layer's ``in_features`` to a near divisor; shardtune refuses it instead (``divisor_problems``), so the
 trained adapter is the one the config describes. LoRA and OFT share everything around the adapter (targets, saving,
-merging, resuming: model/adapters.py); this module holds what is OFT's own.
+merging, resuming: model/finetuning/adapter.py); this module holds what is OFT's own.
 """
 
 from __future__ import annotations
