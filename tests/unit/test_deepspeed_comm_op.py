@@ -25,3 +25,20 @@ def test_the_engine_leaves_the_inference_all_reduce_op_unbuilt_on_a_cpu(monkeypa
     assert deepspeed_for_training() is deepspeed
     assert build_shm_op() is None
     assert not any(tmp_path.iterdir()), "a JIT build started"
+
+
+def test_zero_collectives_are_called_by_torch_current_names():
+    """torch 2.13 warns on every call of the old names DeepSpeed looks up (all_gather_into_tensor,
+    reduce_scatter_tensor); the backend is given the current ones, and a collective DeepSpeed found none for stays
+    without."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from shardtune.engines.deepspeed import use_current_collective_names
+
+    old = getattr(dist, "all_gather_into_tensor", None)
+    backend = SimpleNamespace(all_gather_function=old, reduce_scatter_function=None)
+    use_current_collective_names(backend)
+    assert backend.all_gather_function is getattr(dist, "all_gather_single", old)
+    assert backend.reduce_scatter_function is None

@@ -10,6 +10,7 @@ The config arrives resolved (see ``deepspeed_config.build_deepspeed_config``): n
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -117,7 +118,7 @@ class DeepSpeedEngine(DistributedMixin, Engine):
         policy is; below ZeRO-3 a replica, as the policy is one."""
         if self.zero_stage != 3:
             return super().load_frozen(source)
-        deepspeed = deepspeed_for_training()
+        deepspeed = self._deepspeed()
 
         config = frozen_zero3_config(self.ds_config)
         with torch.random.fork_rng(devices=[]):
@@ -136,19 +137,26 @@ class DeepSpeedEngine(DistributedMixin, Engine):
         """Entered only where the model is constructed: zero.Init replaces torch.Tensor.__new__, and a module first
         imported under it (transformers.modeling_utils -> torch._dynamo, reached first inside the construction of
         Qwen3 and Qwen3-MoE models) fails its signature check; so it is imported before."""
-        deepspeed = deepspeed_for_training()
+        # zero.Init sizes partitions by DeepSpeed's view of the world: join the existing process group first.
+        deepspeed = self._deepspeed()
         import transformers.modeling_utils  # noqa: F401
         from transformers.integrations.deepspeed import prevent_arange_dtype_change
 
-        # zero.Init sizes partitions by DeepSpeed's view of the world: join the existing process group first.
-        deepspeed.init_distributed(dist_backend=self.ctx.backend, dist_init_required=False)
         # Must come first: zero.Init would otherwise cast the rotary frequencies' arange to the training dtype.
         with prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=ds_config):
             yield
 
+    def _deepspeed(self) -> Any:
+        """The deepspeed module, joined to this run's process group (``deepspeed.initialize`` would join it too,
+        after its first collectives are set up) with torch's current names of its collectives."""
+        deepspeed = deepspeed_for_training(self.device)
+        deepspeed.init_distributed(dist_backend=self.ctx.backend, dist_init_required=False)
+        use_current_collective_names(deepspeed.comm.comm.cdb)
+        return deepspeed
+
     def prepare(self, model: torch.nn.Module, build_optimizer: OptimizerFactory,
                 build_scheduler: SchedulerFactory) -> None:
-        deepspeed = deepspeed_for_training()
+        deepspeed = self._deepspeed()
 
         trainable = [p for p in model.parameters() if p.requires_grad]
         params: list[torch.nn.Parameter] | list[dict[str, Any]]
@@ -369,8 +377,13 @@ class DeepSpeedEngine(DistributedMixin, Engine):
         super().close()
 
 
-def deepspeed_for_training() -> Any:
-    """The deepspeed module, told on a CPU machine not to build its shared-memory all-reduce op.
+def deepspeed_for_training(device: torch.device | None = None) -> Any:
+    """The deepspeed module, told the ``device`` the ranks train on and, on a CPU machine, not to build its
+    shared-memory all-reduce op.
+
+    Why the device: without ``DS_ACCELERATOR`` DeepSpeed guesses its accelerator when first imported and, finding no
+    GPU, warns on every rank that it was "unable to detect" one. A rank training on the host has its tensors there,
+    so DeepSpeed's accelerator is the CPU: said before the import rather than guessed (a value the user set stays).
 
     Why: DeepSpeed's communication backend compiles that C++ op the first time a process group starts on a CPU
     machine (48 s on 2 cores, with a compiler on the host), for its inference all-reduce of tensor-parallel
@@ -378,6 +391,8 @@ def deepspeed_for_training() -> Any:
     buildable ops is one dict per process (``deepspeed.ops.__compatible_ops__``), so marking the op there is what
     its ``build_shm_op`` reads.
     """
+    if device is not None and device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
@@ -385,6 +400,20 @@ def deepspeed_for_training() -> Any:
     if get_accelerator().device_name() == "cpu":
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     return deepspeed
+
+
+def use_current_collective_names(backend: Any) -> None:
+    """Point DeepSpeed's communication ``backend`` at torch's current names of ZeRO's two sharding collectives.
+
+    DeepSpeed (0.19) looks up ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` once and calls them for every
+    gather and gradient reduction; torch 2.13 renamed them ``all_gather_single`` and ``reduce_scatter_single`` (the
+    old names call the new ones, with the same arguments) and warns on every call, on every rank. Where torch has
+    only the old names, or DeepSpeed no such attributes, nothing changes.
+    """
+    renamed = {"all_gather_function": "all_gather_single", "reduce_scatter_function": "reduce_scatter_single"}
+    for attribute, current in renamed.items():
+        if getattr(backend, attribute, None) is not None and hasattr(dist, current):
+            setattr(backend, attribute, getattr(dist, current))
 
 
 def apply_zero3_moe_leaves(model: torch.nn.Module) -> list[str]:

@@ -292,7 +292,9 @@ def _head_computes_loss(head: torch.nn.Linear, targets: torch.Tensor, chunk_size
             return torch.nn.functional.linear(hidden, head.weight, head.bias)
         call.loss = linear_cross_entropy_sum(hidden, head.weight, head.bias, targets, chunk_size, label_smoothing,
                                              weighting, anchor)
-        return call.loss.reshape(1, 1, 1)
+        # A copy, not a view of the loss: this becomes the wrapped model's output, and FSDP2 hooks its backward on
+        # that output and warns on every rank when it is a view (an in-place op there would skip the hook).
+        return call.loss.reshape(1, 1, 1).clone()
 
     # An instance attribute: nn.Module.__call__ still runs every hook around it (mypy models only methods here).
     head.forward = forward  # type: ignore[method-assign, assignment]
