@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/lora_frozen_base_cpu.py [--layers 8 --hidden 1024 --intermediate 2816] [--steps 10]
 
-``model/adapters.py::store_frozen_bases_in`` keeps each plain LoRA layer's frozen base weight in the autocast dtype
-(what one process and DDP run with ``bf16: true`` since 2026-11-28). Two copies of one random LLaMA with the same
+``model/finetuning/lora.py::store_frozen_bases_in`` keeps each plain LoRA layer's frozen base weight in the autocast
+dtype (what one process and DDP run with ``bf16: true`` since 2026-11-28). Two copies of one random LLaMA with the same
 LoRA adapter (rank 16, every linear layer) train the same batches in turn, one step each, through shardtune's own
 step (``train.loop.train_step``, local engine, AdamW): the copy as before (fp32 bases) and the copy with bf16 bases.
 Reported: CPU time per step (``time.process_time``, median over ``--steps`` after 2 warm-up steps), the weights'

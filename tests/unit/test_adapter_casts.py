@@ -1,5 +1,5 @@
 """Under autocast, peft's cast of a LoRA layer's input to the fp32 adapter weights (undone at once by autocast) is
-switched off: the same loss and gradients bit for bit, fewer copies (model/adapters.py)."""
+switched off: the same loss and gradients bit for bit, fewer copies (model/finetuning/lora.py)."""
 
 from __future__ import annotations
 

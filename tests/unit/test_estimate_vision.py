@@ -88,7 +88,7 @@ def test_a_text_model_has_no_tower():
 
 
 def trainable_by_part(model, finetuning: str, frozen: FrozenParts, targets: tuple[str, ...] = ("all",)) -> int:
-    """Trainable parameters after shardtune's own fine-tuning setup (model/adapters.py)."""
+    """Trainable parameters after shardtune's own fine-tuning setup (model/finetuning/apply.py)."""
     from shardtune.model.finetuning.apply import apply_finetuning
     from shardtune.model.finetuning.settings import FinetuningSettings
 

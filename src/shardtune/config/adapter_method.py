@@ -2,7 +2,7 @@
 
 LoRA and OFT share the plumbing around the adapter (a folder saved with ``save_pretrained``'s layout, merged by
 ``shardtune export``, resumed from ``adapter_name_or_path``, the reference of dpo/kto with the adapter off); only
-the adapter's own settings differ (model/adapters.py for LoRA, model/oft.py for OFT).
+the adapter's own settings differ (model/finetuning/lora.py for LoRA, model/finetuning/oft.py for OFT).
 """
 
 from __future__ import annotations

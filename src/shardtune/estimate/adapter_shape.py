@@ -1,7 +1,7 @@
 """What each fine-tuning method trains, on a model shape: LoRA's and OFT's adapters, freeze's layers.
 
-The same arithmetic as model/adapters.py and model/oft.py, on config.json's numbers instead of a built model, so
-that the estimate and the launching host's checks see what the ranks will build.
+The same arithmetic as model/finetuning/ (targets.py, freeze.py, oft.py), on config.json's numbers instead of a built
+model, so that the estimate and the launching host's checks see what the ranks will build.
 """
 
 from __future__ import annotations

@@ -113,9 +113,9 @@ def fsdp1_fused_lora_problem(weights: str) -> str:
 
 
 def targets_fused_experts(config_json: dict, lora_target: list[str]) -> bool:
-    """Whether LoRA with ``lora_target`` adapts an MoE model's fused expert weights (model/adapters.py: ``all``
-    includes them; GPT-OSS-style ``gate_up_proj`` exists only fused). A ``down_proj`` that is also a Linear elsewhere
-    in the model is decided on the ranks, where the modules are known."""
+    """Whether LoRA with ``lora_target`` adapts an MoE model's fused expert weights (model/finetuning/targets.py:
+    ``all`` includes them; GPT-OSS-style ``gate_up_proj`` exists only fused). A ``down_proj`` that is also a Linear
+    elsewhere in the model is decided on the ranks, where the modules are known."""
     return expert_count(config_json) > 1 and bool({"all", "gate_up_proj"} & set(lora_target))
 
 
