@@ -18,6 +18,8 @@ from shardtune.estimate.parts import (
     CPU_RUNTIME_BYTES,
     FP32,
     GPU_RUNTIME_BYTES,
+    CheckpointFn,
+    CheckpointShare,
     Components,
     Context,
     Option,
@@ -30,7 +32,7 @@ from shardtune.estimate.parts import (
 )
 from shardtune.estimate.shape import ModelShape
 from shardtune.estimate.workload import Workload, language_trained, weight_bytes
-from shardtune.estimate.zero import zero_preset_states
+from shardtune.estimate.zero import zero_preset_checkpoint, zero_preset_states
 
 # --- torch engines: DDP and FSDP ---
 
@@ -54,6 +56,11 @@ def ddp_states(c: Context) -> tuple[Components, float, Setup]:
     )
     # The reducer allocates its buckets when DDP wraps the model (on the CPU they stay unwritten until a backward).
     return device, 0.0, with_reference_setup(full_load_setup(c, weights + buckets), reference, reference)
+
+def ddp_checkpoint(c: Context) -> CheckpointShare:
+    """The main rank writes every trained weight (fp32, as DDP and one process keep them) and the optimizer states;
+    the others only their RNG state (engines/torch_native.py, save_state)."""
+    return CheckpointShare(first_rank=(FP32 + c.workload.optimizer_state_bytes) * c.trainable)
 
 def lora_bases_in_compute_dtype(c: Context) -> int:
     """Parameters one process and DDP keep in the autocast dtype: the frozen bases of plain LoRA layers
@@ -132,6 +139,13 @@ def fsdp_states(c: Context, group: int, reshard: bool, offload: bool) -> tuple[C
     setup = sharded_load_setup(c, stored / group, FP32, offload)
     return device, offloaded + offloaded_reference, with_reference_setup(setup, reference, offloaded_reference)
 
+def fsdp_checkpoint(c: Context, group: int) -> CheckpointShare:
+    """Each rank writes its shard of the model's state dict (every weight as FSDP stores it; QLoRA leaves the frozen
+    4-bit base out) and of the optimizer states, through torch's distributed checkpoint (engines/fsdp.py)."""
+    w = c.workload
+    weights = FP32 * c.trainable if w.quantization_bit is not None else fsdp_stored_weight_bytes(c)
+    return CheckpointShare.even((weights + w.optimizer_state_bytes * c.trainable) / group)
+
 # --- the options, fastest first ---
 
 
@@ -144,26 +158,36 @@ class OptionSpec:
     speed_rank: int
     states: StateFn
     family: str  # "torch", "fsdp" or "deepspeed": availability rules differ
+    checkpoint: CheckpointFn
     offload: bool = False
 
 
+def _zero(preset: str) -> tuple[StateFn, str, CheckpointFn]:
+    return zero_preset_states(preset), "deepspeed", zero_preset_checkpoint(preset)
+
+def _fsdp_sharded_by_world(c: Context) -> CheckpointShare:
+    return fsdp_checkpoint(c, c.ranks)
+
+def _fsdp_sharded_by_node(c: Context) -> CheckpointShare:
+    return fsdp_checkpoint(c, c.hardware.gpus_per_node)
+
 OPTION_SPECS: tuple[OptionSpec, ...] = (
-    OptionSpec("DDP", {}, 0, ddp_states, "torch"),
-    OptionSpec("ZeRO-1", {"deepspeed": "z1"}, 1, zero_preset_states("z1"), "deepspeed"),
-    OptionSpec("ZeRO-2", {"deepspeed": "z2"}, 2, zero_preset_states("z2"), "deepspeed"),
+    OptionSpec("DDP", {}, 0, ddp_states, "torch", ddp_checkpoint),
+    OptionSpec("ZeRO-1", {"deepspeed": "z1"}, 1, *_zero("z1")),
+    OptionSpec("ZeRO-2", {"deepspeed": "z2"}, 2, *_zero("z2")),
     OptionSpec("FSDP SHARD_GRAD_OP", {"fsdp": "shard_grad_op auto_wrap"}, 3,
-               lambda c: fsdp_states(c, c.ranks, reshard=False, offload=False), "fsdp"),
+               lambda c: fsdp_states(c, c.ranks, reshard=False, offload=False), "fsdp", _fsdp_sharded_by_world),
     OptionSpec("FSDP HYBRID_SHARD", {"fsdp": "hybrid_shard auto_wrap"}, 4,
-               lambda c: fsdp_states(c, c.hardware.gpus_per_node, reshard=True, offload=False), "fsdp"),
-    OptionSpec("ZeRO-3", {"deepspeed": "z3"}, 5, zero_preset_states("z3"), "deepspeed"),
+               lambda c: fsdp_states(c, c.hardware.gpus_per_node, reshard=True, offload=False), "fsdp",
+               _fsdp_sharded_by_node),
+    OptionSpec("ZeRO-3", {"deepspeed": "z3"}, 5, *_zero("z3")),
     OptionSpec("FSDP FULL_SHARD", {"fsdp": "full_shard auto_wrap"}, 5,
-               lambda c: fsdp_states(c, c.ranks, reshard=True, offload=False), "fsdp"),
-    OptionSpec("ZeRO-2+offload", {"deepspeed": "z2_offload"}, 6,
-               zero_preset_states("z2_offload"), "deepspeed", offload=True),
-    OptionSpec("ZeRO-3+offload", {"deepspeed": "z3_offload"}, 7,
-               zero_preset_states("z3_offload"), "deepspeed", offload=True),
+               lambda c: fsdp_states(c, c.ranks, reshard=True, offload=False), "fsdp", _fsdp_sharded_by_world),
+    OptionSpec("ZeRO-2+offload", {"deepspeed": "z2_offload"}, 6, *_zero("z2_offload"), offload=True),
+    OptionSpec("ZeRO-3+offload", {"deepspeed": "z3_offload"}, 7, *_zero("z3_offload"), offload=True),
     OptionSpec("FSDP offload", {"fsdp": "full_shard auto_wrap offload"}, 7,
-               lambda c: fsdp_states(c, c.ranks, reshard=True, offload=True), "fsdp", offload=True),
+               lambda c: fsdp_states(c, c.ranks, reshard=True, offload=True), "fsdp", _fsdp_sharded_by_world,
+               offload=True),
 )
 
 def unavailable_reason(spec: OptionSpec, c: Context) -> str:
@@ -213,19 +237,27 @@ def node_cpu_bytes(device: Components, cpu_per_rank: float, setup: Setup, hw: Ha
     return loading, ranks * max(device.total, cpu_per_rank)
 
 def build_option(spec: OptionSpec, c: Context) -> Option:
-    """Evaluate one option and decide whether it fits the hardware."""
+    """Evaluate one option and decide whether it fits the hardware.
+
+    Under async_save each rank keeps one staged copy of what it writes in a checkpoint in host memory while training
+    goes on (engines/checkpoint_writer.py: a save waits for the previous one, so never two): the node's training
+    memory holds its ranks' checkpoint once more."""
     device, cpu_rank, setup = spec.states(c)
     hw = c.hardware
     device = with_overhead(device, hw.on_gpu)
     peak = max(device.total, setup.device)
+    checkpoint = spec.checkpoint(c)
+    checkpoint_per_node = checkpoint.per_node(hw.gpus_per_node)
+    staging = checkpoint_per_node if c.workload.async_save else 0.0
     loading, training = node_cpu_bytes(device, cpu_rank, setup, hw)
-    per_node = max(loading, training) + hw.gpus_per_node * CPU_RUNTIME_BYTES
+    per_node = max(loading, training + staging) + hw.gpus_per_node * CPU_RUNTIME_BYTES
     reason = unavailable_reason(spec, c)
     fits_device = not hw.on_gpu or peak <= (hw.gpu_memory or 0)
     fits = not reason and fits_device and per_node <= hw.cpu_memory
     return Option(spec.name, dict(spec.engine_values), spec.speed_rank, device, cpu_rank, setup,
                   available=not reason, note=reason, fits=fits, cpu_per_node=per_node, setup_cpu_per_node=loading,
-                  device_peak=peak)
+                  device_peak=peak, checkpoint=checkpoint, checkpoint_per_node=checkpoint_per_node,
+                  staging_per_node=staging)
 
 def build_options(shape: ModelShape, workload: Workload, hardware: Hardware) -> list[Option]:
     """Every engine option, fastest first."""

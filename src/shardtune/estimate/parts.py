@@ -73,6 +73,26 @@ class Setup:
 
 
 @dataclass(frozen=True)
+class CheckpointShare:
+    """Bytes one rank writes in a checkpoint: its weights in the dtype it stores them and its optimizer states (the
+    scheduler and RNG states are a few KB). The first rank's and every other rank's: they differ where rank 0 writes
+    what the others do not (DDP's whole state, the module file below ZeRO-3)."""
+
+    first_rank: float = 0.0
+    other_rank: float = 0.0
+
+    @classmethod
+    def even(cls, per_rank: float) -> CheckpointShare:
+        """Every rank writes its own shard of the same size."""
+        return cls(per_rank, per_rank)
+
+    def per_node(self, ranks_per_node: int) -> float:
+        """What the ranks of one node write in a checkpoint: of the node with rank 0, the largest (what a scheduler
+        must wait for before it kills a node, and what async_save stages in its host memory)."""
+        return self.first_rank + (ranks_per_node - 1) * self.other_rank
+
+
+@dataclass(frozen=True)
 class Option:
     """One way to run the job, with its memory on each device and in each node's CPU memory."""
 
@@ -88,6 +108,11 @@ class Option:
     cpu_per_node: float = 0.0  # the larger of set-up and training, plus every rank's runtime
     setup_cpu_per_node: float = 0.0  # while loading, without the runtime
     device_peak: float = 0.0
+    checkpoint: CheckpointShare = CheckpointShare()  # what each rank writes in one checkpoint
+    checkpoint_per_node: float = 0.0  # what the ranks of the first node write in one checkpoint (the largest node)
+    # async_save: the staged copy of checkpoint_per_node in the first node's host memory (counted in cpu_per_node);
+    # 0 without async_save
+    staging_per_node: float = 0.0
 
     @property
     def setup_device(self) -> float:
@@ -95,6 +120,7 @@ class Option:
 
 
 StateFn = Callable[["Context"], tuple[Components, float, Setup]]
+CheckpointFn = Callable[["Context"], CheckpointShare]
 
 
 @dataclass(frozen=True)

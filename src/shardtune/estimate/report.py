@@ -40,6 +40,10 @@ def option_dict(o: Option) -> dict[str, Any]:
         "setup_cpu_bytes_per_node": int(round(o.setup_cpu_per_node)),
         "cpu_bytes_per_rank": int(round(o.cpu_per_rank)),
         "cpu_bytes_per_node": int(round(o.cpu_per_node)),
+        "checkpoint_bytes_first_rank": int(round(o.checkpoint.first_rank)),
+        "checkpoint_bytes_other_rank": int(round(o.checkpoint.other_rank)),
+        "checkpoint_bytes_per_node": int(round(o.checkpoint_per_node)),
+        "async_save_staging_bytes_per_node": int(round(o.staging_per_node)),
     }
 
 
@@ -64,15 +68,19 @@ COLUMNS = ("option", "params", "grads", "optim", "buffers", "activ", "overhead",
 
 def render_table(e: Estimate) -> str:
     """Header lines, one row per option (GiB), and the recommendation with its reason; a 'ref' column after
-    'optim' when a preference run holds a frozen reference model."""
-    with_ref = e.workload.reference_copy
-    columns = COLUMNS[:4] + ("ref",) + COLUMNS[4:] if with_ref else COLUMNS
-    rows = [columns] + [_row(o, e.hardware, with_ref) for o in e.options]
+    'optim' when a preference run holds a frozen reference model, and a 'staging' column before 'CPU/node' (with
+    its line below the table) under async_save."""
+    with_ref, staged = e.workload.reference_copy, e.workload.async_save
+    columns = COLUMNS[:4] + (("ref",) if with_ref else ()) + COLUMNS[4:9] + (("staging",) if staged else ()) \
+        + COLUMNS[9:]
+    rows = [columns] + [_row(o, e.hardware, with_ref, staged) for o in e.options]
     widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     lines = [_header(e), ""]
     for row in rows:
         cells = [row[0].ljust(widths[0])] + [c.rjust(widths[i + 1]) for i, c in enumerate(row[1:-1])] + [row[-1]]
         lines.append("  ".join(cells).rstrip())
+    if staged:
+        lines += ["", *staging_lines(e)]
     if e.hardware.on_gpu and any(_setup_dominates(o) for o in e.options):
         lines += ["", "* the peak comes while the model is loaded and the engine sets up (the 'setup' column)"]
     notes = [f"  {o.name}: {o.note}" for o in e.options if o.note]
@@ -103,6 +111,20 @@ def _header(e: Estimate) -> str:
         "gradients, buckets); 'setup' is the peak while the model loads and the engine shards it; 'CPU/node' adds "
         "every rank of a node (the copies loaded, offloaded states, 1 GiB runtime each)",
     ])
+
+
+def staging_lines(e: Estimate) -> list[str]:
+    """What async_save holds in host memory: per option, what rank 0 and every other rank stage (GiB)."""
+    shares = "; ".join(f"{o.name} {_rank_shares(o)}" for o in e.options)
+    return ["async_save staging (host): each rank holds one copy of what it writes in a checkpoint (its shard of the "
+            "weights and optimizer states) until it is written; 'staging' is the node with rank 0, included in "
+            "CPU/node",
+            f"  per rank in GiB: {shares}"]
+
+
+def _rank_shares(o: Option) -> str:
+    first, other = o.checkpoint.first_rank, o.checkpoint.other_rank
+    return _gib(first) if first == other else f"{_gib(first)} on rank 0, {_gib(other)} on the others"
 
 
 def _sequence_parallel_lines(e: Estimate) -> list[str]:
@@ -180,13 +202,14 @@ def architecture_lines(s: ModelShape) -> list[str]:
     return lines
 
 
-def _row(o: Option, hw: Hardware, with_ref: bool = False) -> tuple[str, ...]:
+def _row(o: Option, hw: Hardware, with_ref: bool = False, staged: bool = False) -> tuple[str, ...]:
     d = o.device
     fits = "yes" if o.fits else ("n/a" if not o.available else "no")
     peak = _gib(o.device_peak) + ("*" if _setup_dominates(o) else "") if hw.on_gpu else "-"
     ref = (_gib(d.reference),) if with_ref else ()
+    staging = (_gib(o.staging_per_node),) if staged else ()
     return (o.name, _gib(d.parameters), _gib(d.gradients), _gib(d.optimizer_states), *ref, _gib(d.buffers),
-            _gib(d.activations), _gib(d.overhead), peak, _gib(o.setup_device), _gib(o.cpu_per_node), fits)
+            _gib(d.activations), _gib(d.overhead), peak, _gib(o.setup_device), *staging, _gib(o.cpu_per_node), fits)
 
 
 def _setup_dominates(o: Option) -> bool:

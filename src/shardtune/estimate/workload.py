@@ -75,6 +75,9 @@ class Workload:
     frozen_parts: FrozenParts = FrozenParts()
     images_per_sample: int = 0
     image_max_pixels: int = 768 * 768
+    # async_save: each rank holds one staged copy of what it writes in a checkpoint in host memory until it is
+    # written (engines/checkpoint_writer.py).
+    async_save: bool = False
 
     @property
     def local_seq_len(self) -> int:

@@ -9,6 +9,8 @@ from shardtune.estimate.activations import activation_bytes
 from shardtune.estimate.adapter_shape import lora_small_params
 from shardtune.estimate.parts import (
     FP32,
+    CheckpointFn,
+    CheckpointShare,
     Components,
     Context,
     Setup,
@@ -197,3 +199,21 @@ def zero_setup(c: Context, z: ZeroSettings, weights: float) -> Setup:
 def zero_preset_states(preset: str) -> StateFn:
     """The state function of an option that runs a DeepSpeed preset."""
     return lambda c: zero_states(c, preset_zero_settings(preset, c.shape.hidden_size))
+
+def zero_checkpoint(c: Context, stage: int) -> CheckpointShare:
+    """What DeepSpeed's ``save_checkpoint`` writes per rank (engines/deepspeed.py, save_state): each rank its partition
+    of the fp32 master weights and optimizer states (K·T/N; at stage 0 rank 0 all of them); below ZeRO-3 the first
+    rank also the module's weights in their dtype (b·P, only the trained ones for adapters: the frozen base is left
+    out), while at ZeRO-3 each rank's module file holds only empty partitions."""
+    w, t = c.workload, c.trainable
+    optimizer = (FP32 + w.optimizer_state_bytes) * t
+    if stage >= 3:
+        return CheckpointShare.even(optimizer / c.ranks)
+    module = c.ds_bytes * t if w.is_adapter else weight_bytes(c.shape, w, c.ds_bytes)
+    if stage == 0:
+        return CheckpointShare(module + optimizer, 0.0)
+    return CheckpointShare(module + optimizer / c.ranks, optimizer / c.ranks)
+
+def zero_preset_checkpoint(preset: str) -> CheckpointFn:
+    """The checkpoint function of an option that runs a DeepSpeed preset."""
+    return lambda c: zero_checkpoint(c, preset_zero_settings(preset, c.shape.hidden_size).stage)
