@@ -206,6 +206,23 @@ MAPPED.update({key: Mapped("nothing: only read with videos, whose column is refu
                for key in ("video_fps", "video_max_pixels", "video_maxlen", "video_min_pixels")})
 
 
+# --- torchtitan's checkpoint.async_mode: staging always uses pinned memory on a GPU here ---
+TORCHTITAN_ASYNC_MODES = {"disabled": False, "async": True, "async_with_pinned_mem": True}
+
+
+def _async_mode(value: Any, _values: Mapping[str, Any]) -> dict[str, Any]:
+    if value is None:
+        return {}
+    mode = str(value).strip().lower()
+    if mode not in TORCHTITAN_ASYNC_MODES:
+        raise ValueError(f"key 'async_mode' ({value!r}): torchtitan's modes are {', '.join(TORCHTITAN_ASYNC_MODES)}")
+    return {"async_save": TORCHTITAN_ASYNC_MODES[mode]}
+
+
+MAPPED["async_mode"] = Mapped("async_save (torchtitan's checkpoint.async_mode: disabled -> false, async and "
+                              "async_with_pinned_mem -> true)", _async_mode)
+
+
 # --- LLaMA-Factory's use_v1_kernels: its v1 "auto" kernel set, which lists kernels for Ascend NPUs only ---
 MAPPED["use_v1_kernels"] = Mapped(f"nothing: {V1_KERNELS_MEANING}", _inert_setting)
 

@@ -271,6 +271,9 @@ class TrainConfig:
     save_only_model: bool = _key(
         False, "checkpoints hold the model only (no optimizer/scheduler state; a resume restarts the optimizer)",
         OUTPUT)
+    async_save: bool = _key(
+        False, "checkpoints are copied into host memory and written by a background thread while training goes on "
+               "(one checkpoint per rank held at most; docs/checkpoints.md)", OUTPUT)
     plot_loss: bool = _key(False, "write training_loss.png at the end", OUTPUT)
     save_dtype: str = _key("auto", "dtype of the saved full model (final output, export, merged LoRA); auto: the "
                                    "base checkpoint's dtype from its config.json", OUTPUT,

@@ -14,6 +14,7 @@ import torch
 from shardtune.model.varlen import generation_kernel
 
 if TYPE_CHECKING:
+    from shardtune.engines.checkpoint_writer import CheckpointWriter
     from shardtune.engines.sequence_parallel import SequenceParallel
     from shardtune.engines.sharded_loading import ShardedLoad
     from shardtune.model.source import ModelSource
@@ -208,8 +209,9 @@ class Engine(ABC):
         """Write the final model (or adapter) in Hugging Face format; main rank writes."""
 
     @abstractmethod
-    def save_state(self, ckpt_dir: Path) -> None:
-        """Write everything needed to resume: weights, optimizer, scheduler."""
+    def save_state(self, ckpt_dir: Path, writer: CheckpointWriter | None = None) -> None:
+        """Write everything needed to resume: weights, optimizer, scheduler; through ``writer`` (staged and written in
+        the background under ``async_save``), at once without one."""
 
     @abstractmethod
     def load_state(self, ckpt_dir: Path) -> None: ...

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from shardtune.engines.base import Engine, OptimizerFactory, PrecisionSettings, SchedulerFactory
+from shardtune.engines.checkpoint_writer import CheckpointWriter
 from shardtune.engines.deepspeed_config import (
     CHECKPOINT_TAG,
     deepspeed_inputs,
@@ -312,14 +313,22 @@ class DeepSpeedEngine(DistributedMixin, Engine):
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def save_state(self, ckpt_dir: Path) -> None:
-        """All ranks write their shards; a LoRA run leaves the frozen base weights out.
+    def save_state(self, ckpt_dir: Path, writer: CheckpointWriter | None = None) -> None:
+        """All ranks write their shards, through ``writer`` (deepspeed_checkpoint.py); a LoRA run leaves the frozen
+        base weights out.
 
         The (empty) universal-checkpoint info lets ``ds_to_universal`` convert the shards later, which is how a
         checkpoint resumes on a different number of processes.
         """
-        self.ds.save_checkpoint(str(ckpt_dir), tag=CHECKPOINT_TAG, exclude_frozen_parameters=self.is_peft,
-                                client_state={"universal_checkpoint_info": {}})
+        from shardtune.engines.deepspeed_checkpoint import WriterCheckpointEngine
+
+        own = self.ds.checkpoint_engine
+        self.ds.checkpoint_engine = WriterCheckpointEngine(writer or CheckpointWriter(background=False))
+        try:
+            self.ds.save_checkpoint(str(ckpt_dir), tag=CHECKPOINT_TAG, exclude_frozen_parameters=self.is_peft,
+                                    client_state={"universal_checkpoint_info": {}})
+        finally:
+            self.ds.checkpoint_engine = own
 
     def load_state(self, ckpt_dir: Path) -> None:
         tag = CHECKPOINT_TAG

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 from shardtune.engines.base import OptimizerFactory, PrecisionSettings, SchedulerFactory
+from shardtune.engines.checkpoint_writer import CheckpointWriter
 from shardtune.engines.distributed import DistContext, DistributedMixin, gather_local_world_sizes
 from shardtune.engines.engine_plan import FsdpSettings
 from shardtune.engines.fsdp_config import DCP_DIR, FULL_STATE_FILE, fsdp1_strategy_member, reshards_after_forward
@@ -281,17 +282,31 @@ class FSDPEngine(DistributedMixin, TorchEngine):
             verify_saved(out_dir, expected)
         self.barrier()
 
-    def save_state(self, ckpt_dir: Path) -> None:
+    def save_state(self, ckpt_dir: Path, writer: CheckpointWriter | None = None) -> None:
+        writer = writer or CheckpointWriter(background=False)
         if self.settings.state_dict_type == "FULL_STATE_DICT":
             model_sd, optim_sd = get_state_dict(self.model, optimizer_parts(self.optimizer),
                                                 options=self.full_state_options())
             if self.is_main:
-                torch.save({"model": model_sd, "optim": optim_sd}, ckpt_dir / FULL_STATE_FILE)
+                writer.save_torch({"model": model_sd, "optim": optim_sd}, ckpt_dir / FULL_STATE_FILE)
         else:
             model_sd, optim_sd = self._sharded_state()
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(ckpt_dir / DCP_DIR))
+            state, folder = {"model": model_sd, "optim": optim_sd}, str(ckpt_dir / DCP_DIR)
+            if writer.background:
+                # torch stages the shards into host memory, then plans and writes in a thread; its collectives go
+                # through a gloo group of their own, never the one the training steps use meanwhile.
+                writer.follow(dcp.async_save(state, checkpoint_id=folder, process_group=self._save_group()))
+            else:
+                dcp.save(state, checkpoint_id=folder)
         if self.is_main:
-            torch.save(self.scheduler_state(), ckpt_dir / SCHEDULER_FILE)
+            writer.save_torch(self.scheduler_state(), ckpt_dir / SCHEDULER_FILE)
+
+    def _save_group(self) -> dist.ProcessGroup:
+        """The process group background checkpoint writes coordinate over (made once, by every rank together: the
+        first save is collective)."""
+        if getattr(self, "_checkpoint_group", None) is None:
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        return self._checkpoint_group
 
     def load_state(self, ckpt_dir: Path) -> None:
         if (ckpt_dir / FULL_STATE_FILE).is_file():

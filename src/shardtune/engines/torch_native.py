@@ -6,9 +6,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from shardtune.engines.base import Engine, OptimizerFactory, PrecisionSettings, SchedulerFactory
+from shardtune.engines.checkpoint_writer import CheckpointWriter
 from shardtune.engines.replicated import WEIGHTS_FILE
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -77,15 +78,15 @@ class TorchEngine(Engine):
 
     # Resume state: trainable weights as safetensors, optimizer/scheduler as tensor-only pickles
     # that load with weights_only=True (no arbitrary objects).
-    def save_state(self, ckpt_dir: Path) -> None:
+    def save_state(self, ckpt_dir: Path, writer: CheckpointWriter | None = None) -> None:
         if not self.is_main:
             return
+        writer = writer or CheckpointWriter(background=False)
         trained = self.trained_names()
-        weights = {n: p.detach().contiguous().cpu() for n, p in self.unwrapped_model().named_parameters()
-                   if n in trained}
-        save_file(weights, str(ckpt_dir / WEIGHTS_FILE))
-        torch.save(self.optimizer.state_dict(), ckpt_dir / OPTIMIZER_FILE)
-        torch.save(self.scheduler_state(), ckpt_dir / SCHEDULER_FILE)
+        weights = {n: p.detach().contiguous() for n, p in self.unwrapped_model().named_parameters() if n in trained}
+        writer.save_safetensors(weights, ckpt_dir / WEIGHTS_FILE)
+        writer.save_torch(self.optimizer.state_dict(), ckpt_dir / OPTIMIZER_FILE)
+        writer.save_torch(self.scheduler_state(), ckpt_dir / SCHEDULER_FILE)
 
     def trained_names(self) -> set[str]:
         """The weights a checkpoint must hold: those that take gradients now and every one the optimizer holds

@@ -40,6 +40,13 @@ def elastic_restart_count(env: Mapping[str, str] | None = None) -> int:
     return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
+def scheduler_restart_count(env: Mapping[str, str] | None = None) -> int:
+    """How many times the scheduler requeued this job (Slurm's SLURM_RESTART_COUNT; 0 on the first attempt)."""
+    env = os.environ if env is None else env
+    value = env.get("SLURM_RESTART_COUNT", "0") or "0"
+    return int(value) if value.isdigit() else 0
+
+
 def inside_launcher(env: Mapping[str, str] | None = None) -> bool:
     """True when a launcher (torchrun, deepspeed, accelerate) already started this process as a rank.
 

@@ -173,8 +173,20 @@ def read_checked_config(argv: list[str], defaults: dict[str, Any] | None = None
     keys and on files (those need no world size). A DeepSpeed JSON's ``sequence_parallel_size`` is read into the
     config here, before anything depends on it (the attention kernel, the world layout)."""
     config, cmd, key_problems = read_config(argv, defaults)
+    config = continued_when_requeued(config)
     config, sequence_problems = with_deepspeed_sequence_parallel(config)
     return config, cmd, key_problems, sequence_problems + cross_key_problems(config) + file_problems(config)
+
+
+def continued_when_requeued(config: TrainConfig) -> TrainConfig:
+    """A job its scheduler requeued (Slurm's SLURM_RESTART_COUNT, after a preemption or ``scontrol requeue``)
+    continues from its newest complete checkpoint: overwrite_output_dir applies to the first attempt only."""
+    restarts = launch_env.scheduler_restart_count()
+    if restarts == 0 or not config.overwrite_output_dir:
+        return config
+    print(f"[shardtune] requeued by Slurm (restart {restarts}): resuming from the latest complete checkpoint "
+          "instead of overwriting output_dir", file=sys.stderr, flush=True)
+    return replace(config, overwrite_output_dir=False)
 
 
 def problem_lines(key_problems: list[KeyProblem], later: list[str]) -> list[str]:

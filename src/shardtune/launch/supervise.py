@@ -24,6 +24,7 @@ from shardtune.launch import env as launch_env
 from shardtune.launch.failures import saved_failure_report
 from shardtune.launch.launcher_output import LauncherOutput, pump
 from shardtune.launch.nodes import check_nodes
+from shardtune.launch.preemption import INTERRUPTED_EXIT_CODE, REQUEUE_EXIT_CODE, STOP_SIGNALS, exit_code_for
 from shardtune.launch.preflight import RunPlan, run_plan_dict, write_run_plan
 from shardtune.launch.run_lock import holding_run_lock
 from shardtune.launch.torchrun import LaunchPlan, build_torchrun_argv, worker_argv
@@ -75,7 +76,7 @@ def run_planned(plan: RunPlan, commands: list[list[str]], use_torchrun: bool, co
     gathers_parameters = spec_for(plan.engine.kind).gathers_parameters(plan.engine)
     code = run_torchrun(commands[launch.node_rank], launch, plan.run_dir, debug, gathers_parameters,
                         stop_grace=plan.config.ddp_timeout + STOP_GRACE_MARGIN)
-    if code not in (0, 130) and launch.nnodes > 1:
+    if code not in (0, INTERRUPTED_EXIT_CODE, REQUEUE_EXIT_CODE) and launch.nnodes > 1:
         remedy = (f"check that {plan.scheduler} started one shardtune on each of the {launch.nnodes} nodes"
                   if plan.scheduler else f"start every node with NNODES={launch.nnodes}, "
                   f"MASTER_ADDR={launch.master_addr} and MASTER_PORT={launch.master_port}")
@@ -169,7 +170,7 @@ def run_torchrun(argv: list[str], launch: LaunchPlan, run_dir: Path, debug: bool
 def report_launch_failure(code: int, output: LauncherOutput, run_dir: Path, started: float) -> int:
     """One line when no rank could say why it failed (killed, for instance); exit code 2 for bad input."""
     failed = output.failed_ranks()
-    if code in (0, 130) or not failed:
+    if code in (0, INTERRUPTED_EXIT_CODE, REQUEUE_EXIT_CODE) or not failed:
         return code
     if not output.any_rank_reported:
         # torchrun stops the other ranks with SIGTERM: the cause is the first failure that is not one of those.
@@ -185,7 +186,8 @@ def wait_for_launcher(proc: subprocess.Popen, stop_grace: float = 1800 + STOP_GR
     """Wait for torchrun; Ctrl-C / SIGTERM reach the ranks directly so they finish the step and save.
 
     torchrun runs in its own session so the terminal's Ctrl-C does not hit it: torchrun treats a signal as a
-    failure (a traceback, ranks killed). Ranks that stop on request exit 0; this process then exits 130. Every wait
+    failure (a traceback, ranks killed). Ranks that stop on request exit 0; this process then exits 130 after
+    Ctrl-C, or asks a scheduler to requeue it after SIGTERM / SIGUSR1 (launch/preemption.py). Every wait
     is bounded: ranks that have not stopped ``stop_grace`` seconds after the request (a rank stuck in a collective)
     are killed with the whole job, at once on a second request; torchrun still in its rendezvous (no ranks yet) is
     stopped itself. Whatever of the job's session is left when torchrun ends is killed (no process left behind);
@@ -207,14 +209,14 @@ def wait_for_launcher(proc: subprocess.Popen, stop_grace: float = 1800 + STOP_GR
                 os.kill(pid, signal.SIGTERM)
         threading.Thread(target=kill_after, args=(proc, stop_grace), daemon=True).start()
 
-    signal.signal(signal.SIGINT, stop_ranks)
-    signal.signal(signal.SIGTERM, stop_ranks)
+    for stop_signal in STOP_SIGNALS:
+        signal.signal(stop_signal, stop_ranks)
     try:
         code = proc.wait()
     finally:
         kill_session(proc.pid)
     if interrupted:
-        return 130
+        return exit_code_for(signal.Signals(interrupted[0]).name)
     return code if code >= 0 else 128 - code
 
 

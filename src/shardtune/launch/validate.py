@@ -83,7 +83,17 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
     problems += preference_key_problems(c)
     problems += token_weighting_problems(c)
     problems += float8_key_problems(c)
+    problems += checkpoint_key_problems(c)
     return problems
+
+
+def checkpoint_key_problems(c: TrainConfig) -> list[str]:
+    """``async_save`` stages the engine's resume state; a model-only checkpoint is Hugging Face files written by
+    ``save_pretrained`` at once, which it cannot stage."""
+    if c.async_save and c.save_only_model and c.save_strategy != "no":
+        return ["async_save (true) with save_only_model (true): a model-only checkpoint is written in Hugging Face "
+                "format at once (save_pretrained), which async_save cannot stage; remove one of them"]
+    return []
 
 
 def token_weighting_problems(c: TrainConfig) -> list[str]:

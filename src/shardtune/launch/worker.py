@@ -20,6 +20,7 @@ from shardtune.config.schema import BITSANDBYTES_OPTIMIZERS
 from shardtune.errors import ShardtuneError, debug_requested, report_error, write_stderr_line
 from shardtune.launch import env as launch_env
 from shardtune.launch.failures import peer_failed_since, report_rank_failure, save_rank_failure, save_stopped_after_peer
+from shardtune.launch.preemption import STOP_SIGNALS, exit_code_for
 from shardtune.launch.preflight import RunPlan, preflight, read_run_plan
 from shardtune.world import RankEnv, WorldLayout
 
@@ -137,8 +138,9 @@ def run_worker(plan: RunPlan, rank_env: RankEnv | None = None) -> int:
         if engine.is_main:
             print(f"[shardtune] interrupted at step {results['global_step']}; checkpoint saved where save_steps is "
                   "set. Run the same command again to resume.", flush=True)
-        # Under a launcher exit 0, so torchrun reports no failure; the launching process says 130.
-        return 0 if rank_env is not None else 130
+        # Under a launcher exit 0, so torchrun reports no failure; the launching process says 130 (Ctrl-C) or asks
+        # for a requeue (a scheduler's SIGTERM / SIGUSR1: launch/preemption.py).
+        return 0 if rank_env is not None else exit_code_for(stop.signal_name)
     if results.get("predict_only"):
         if engine.is_main:
             model = ", ".join([plan.config.model_name_or_path or "", *plan.config.adapter_name_or_path])
@@ -184,7 +186,7 @@ def memory_probe(plan: RunPlan, engine, rank_env: RankEnv | None):
 
 
 def install_stop_handlers(stop, run_dir: Path | None = None, started: float = 0.0, rank: int = 0) -> None:
-    """Ctrl-C and SIGTERM finish the current step, save a checkpoint and exit instead of killing the run.
+    """Ctrl-C, SIGTERM and SIGUSR1 finish the current step, save a checkpoint and exit instead of killing the run.
 
     One exception, under a launcher (``run_dir`` set): a signal that arrives after another rank of this run
     wrote its error file is torchrun stopping a failed job. No checkpoint can be saved without every rank, and
@@ -211,10 +213,11 @@ def install_stop_handlers(stop, run_dir: Path | None = None, started: float = 0.
             return
         stop.requested = True
         name = signal.Signals(signum).name
+        stop.signal_name = name
         write_stderr_line(f"[shardtune] {name}: stopping after this step and saving a checkpoint")
 
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
+    for stop_signal in STOP_SIGNALS:
+        signal.signal(stop_signal, request_stop)
 
 
 def quiet_this_rank() -> None:

@@ -7,7 +7,10 @@ import json
 import random
 import secrets
 import shutil
+import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,15 @@ from shardtune import run_files
 from shardtune.config.adapter_method import is_adapter_type
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.base import Engine
+from shardtune.engines.checkpoint_writer import (
+    CheckpointWriter,
+    SaveTimes,
+    fault_point,
+    fsync_path,
+    fsync_tree,
+    save_torch_file,
+    write_durably,
+)
 from shardtune.errors import ConfigError
 from shardtune.model.pretrained_adapters import plan_adapters
 from shardtune.train.checkpoint_folders import (  # noqa: F401 - discovery lives there, torch-free
@@ -37,32 +49,133 @@ RNG_FILE = "rng_state.pt"
 
 def save_checkpoint(engine: Engine, output_dir: Path, state: TrainState, save_total_limit: int | None,
                     model_only: bool = False) -> Path:
-    """Write engine state (or, ``model_only``, the model as the final save writes it), progress and RNG; the
-    marker goes last so a crash never leaves a 'complete' half."""
-    path = checkpoint_dir(output_dir, state.global_step)
-    if engine.is_main:
-        if path.exists():  # our own save of this step, cut off (the launching host refused anyone else's)
-            assert is_shardtune_checkpoint(path), f"{path} was not written by shardtune"
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
-        run_config = output_dir / run_files.RESOLVED_CONFIG
-        if run_config.is_file():  # first: it marks the folder as ours and says what layout it holds
-            shutil.copyfile(run_config, path / run_files.RESOLVED_CONFIG)
-    engine.barrier()
-    if model_only:
-        engine.save_model(path)
-    else:
-        engine.save_state(path)
-    save_rng_file(path / f"rank{engine.rank}_{RNG_FILE}")
-    engine.barrier()
-    if engine.is_main:
-        (path / STATE_FILE).write_text(json.dumps(state.to_dict(), indent=2))
+    """Write engine state (or, ``model_only``, the model as the final save writes it), progress and RNG, all at
+    once; the marker goes last so a crash never leaves a 'complete' half."""
+    saver = CheckpointSaver(engine, output_dir, save_total_limit, background=False)
+    try:
+        return saver.save(state, model_only)
+    finally:
+        saver.close()
+
+
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint whose files are still being written: its folder, the progress of its step, what it cost."""
+
+    path: Path
+    progress: dict[str, Any]
+    model_only: bool
+    blocked_seconds: float
+
+
+SavedCallback = Callable[[int, SaveTimes], None]
+
+
+class CheckpointSaver:
+    """Saves checkpoints as every rank's engine and writer produce them, and marks each complete once every rank's
+    files are written, flushed and fsynced (``COMPLETE`` last, then the old ones rotate out).
+
+    ``background`` (``async_save``): a save stages this rank's state into host memory and returns; ``poll`` (called
+    between steps: a collective while a checkpoint is being written) marks it complete once every rank's writer
+    has finished; the next save, and the run's end (``finish``), wait for the writes first. At most one checkpoint
+    per rank is ever staged."""
+
+    def __init__(self, engine: Engine, output_dir: Path, save_total_limit: int | None, background: bool,
+                 on_saved: SavedCallback | None = None) -> None:
+        self.engine = engine
+        self.output_dir = output_dir
+        self.save_total_limit = save_total_limit
+        self.writer = CheckpointWriter(background, pin=engine.device.type == "cuda")
+        self.on_saved = on_saved
+        self.pending: PendingCheckpoint | None = None
+
+    def save(self, state: TrainState, model_only: bool = False) -> Path:
+        started = time.perf_counter()
+        self.finish()  # the previous checkpoint's writes first
+        path = checkpoint_dir(self.output_dir, state.global_step)
+        if self.engine.is_main:
+            prepare_checkpoint_folder(path, self.output_dir)
+        self.engine.barrier()
+        fault_point("stage")
         if model_only:
-            (path / MODEL_ONLY_MARKER).write_text("model weights only: the optimizer restarts on resume\n")
-        (path / COMPLETE_MARKER).write_text("ok\n")
-        rotate_checkpoints(output_dir, save_total_limit)
-    engine.barrier()
-    return path
+            self.engine.save_model(path)  # Hugging Face files, written at once (async_save refuses model-only)
+        else:
+            self.engine.save_state(path, self.writer)
+        self.writer.save_torch(rng_state(), path / f"rank{self.engine.rank}_{RNG_FILE}")
+        fault_point("staged")
+        self.pending = PendingCheckpoint(path, state.to_dict(), model_only, time.perf_counter() - started)
+        if not self.writer.background:
+            self.finish()
+        return path
+
+    def poll(self) -> None:
+        """Between steps: mark the checkpoint in flight complete once every rank's writes ended (all ranks call
+        this together; nothing happens, and nothing is exchanged, without one in flight)."""
+        if self.pending is None:
+            return
+        failed = self.writer.failure() is not None
+        flags = self.engine.all_reduce_sum(torch.tensor([0 if self.writer.finished() else 1, int(failed)],
+                                                        dtype=torch.int64, device=self.engine.device))
+        if int(flags[1]) or int(flags[0]) == 0:
+            self.finish()
+
+    def finish(self) -> None:
+        """Every rank: wait for this rank's writes, then the checkpoint is marked complete (or, when a rank's write
+        failed, every rank raises)."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        error: BaseException | None = None
+        written = 0.0
+        try:
+            written = self.writer.wait()
+        except Exception as err:  # noqa: BLE001 - re-raised below, once every rank knows
+            error = err
+        failures = self.engine.all_reduce_sum(torch.tensor([int(error is not None)], dtype=torch.int64,
+                                                           device=self.engine.device))
+        if error is not None:
+            raise RuntimeError(f"checkpoint {pending.path}: writing this rank's files failed: {error}") from error
+        if int(failures[0]):
+            raise RuntimeError(f"checkpoint {pending.path}: another rank's write failed (its log says why); the "
+                               "latest complete checkpoint stays the one to resume from")
+        times = SaveTimes(pending.blocked_seconds, written)
+        if self.engine.is_main:
+            complete_checkpoint(pending, self.output_dir, self.save_total_limit, times, self.writer.background)
+        self.engine.barrier()
+        if self.on_saved is not None:
+            self.on_saved(int(pending.progress["global_step"]), times)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def prepare_checkpoint_folder(path: Path, output_dir: Path) -> None:
+    """An empty ``checkpoint-<step>`` holding the run's config (first: it marks the folder as ours)."""
+    if path.exists():  # our own save of this step, cut off (the launching host refused anyone else's)
+        assert is_shardtune_checkpoint(path), f"{path} was not written by shardtune"
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    run_config = output_dir / run_files.RESOLVED_CONFIG
+    if run_config.is_file():
+        shutil.copyfile(run_config, path / run_files.RESOLVED_CONFIG)
+
+
+def complete_checkpoint(pending: PendingCheckpoint, output_dir: Path, save_total_limit: int | None,
+                        times: SaveTimes, in_background: bool) -> None:
+    """Rank 0, once every rank's files are written: progress, everything fsynced, then the ``COMPLETE`` marker
+    (itself fsynced, and the folders' entries; it holds rank 0's save times for the run page), and only then the
+    old checkpoints rotated out."""
+    write_durably(pending.path / STATE_FILE, json.dumps(pending.progress, indent=2))
+    if pending.model_only:
+        write_durably(pending.path / MODEL_ONLY_MARKER, "model weights only: the optimizer restarts on resume\n")
+    fsync_tree(pending.path)
+    fault_point("before-marker")
+    write_durably(pending.path / COMPLETE_MARKER, json.dumps({
+        "async_save": in_background, "blocked_seconds": round(times.blocked, 4),
+        "write_seconds": round(times.written, 4)}) + "\n")
+    fsync_path(output_dir)
+    fault_point("after-marker")
+    rotate_checkpoints(output_dir, save_total_limit)
 
 
 def agreed_resume_source(engine: Engine, config: TrainConfig, output_dir: Path) -> Path | None:
@@ -111,11 +224,23 @@ def _run_token(output_dir: Path) -> str | None:
         return None
 
 
+DELETING_PREFIX = ".deleting-"
+
+
 def rotate_checkpoints(output_dir: Path, save_total_limit: int | None) -> None:
+    """Delete all but the newest ``save_total_limit`` complete checkpoints. Each is first renamed out of the
+    ``checkpoint-<step>`` pattern (one atomic step), so a kill during the deletion never leaves a half-deleted
+    folder that still looks complete; leftovers of such a kill go on the next rotation."""
+    for leftover in output_dir.glob(f"{DELETING_PREFIX}checkpoint-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
     if not save_total_limit:
         return
     for old in complete_checkpoints(output_dir)[:-save_total_limit]:
-        shutil.rmtree(old, ignore_errors=True)
+        doomed = old.with_name(DELETING_PREFIX + old.name)
+        old.rename(doomed)
+        fsync_path(output_dir)
+        fault_point("rotate")
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def is_model_only(path: Path) -> bool:
@@ -161,7 +286,7 @@ def model_only_config(config: TrainConfig, path: Path) -> TrainConfig:
 
 
 def save_rng_file(path: Path) -> None:
-    torch.save(rng_state(), path)
+    save_torch_file(rng_state(), path)
 
 
 def load_rng_file(path: Path) -> None:

@@ -31,6 +31,7 @@ class StopRequest:
     """Set from a signal handler; the loop checks it between steps (all ranks agree through a reduction)."""
 
     requested: bool = False
+    signal_name: str | None = None  # the first stop signal (SIGINT: a person; SIGTERM, SIGUSR1: a scheduler)
 
 
 def run_name(c: TrainConfig, output_dir: Path) -> str:
@@ -69,12 +70,15 @@ class RunHooks:
                             start_step=self.start_step, estimate_peak_bytes=self.estimate_peak_bytes,
                             baseline_rss_bytes=self.baseline_rss_bytes)
         self.stop_wait = 0.0  # seconds the last stop-flag reduction waited for the other ranks
+        self.saver = checkpoint.CheckpointSaver(self.engine, self.output_dir, self.config.save_total_limit,
+                                                background=self.config.async_save, on_saved=self.on_saved)
 
     def on_step(self, state: TrainState, metrics: dict[str, float]) -> None:
         if self.compiling is not None:
             self.compiling.on_step(state.global_step)
         self.rank_log.step(state.global_step, metrics, self.stop_wait)
         self.stop_wait = 0.0
+        self.saver.poll()  # a checkpoint written in the background is marked complete once every rank's is
         collect_between_steps(state.global_step)
         record_step(self.meter, self.profile, metrics)
         self.train_losses.append(metrics["loss"])
@@ -106,11 +110,21 @@ class RunHooks:
     def on_save(self, state: TrainState) -> None:
         started = time.perf_counter()
         self.rank_log.event("saving", state.global_step)
-        checkpoint.save_checkpoint(self.engine, self.output_dir, state, self.config.save_total_limit,
-                                   model_only=self.config.save_only_model)
+        self.saver.save(state, model_only=self.config.save_only_model)
         self.rank_log.event("save", state.global_step, seconds=round(time.perf_counter() - started, 3))
         self.rank_log.restart_clock()
         self.meter.start()  # saving is not training time
+
+    def on_saved(self, step: int, times: checkpoint.SaveTimes) -> None:
+        """A checkpoint became complete: what it held the training for and how long its files took to write."""
+        self.rank_log.event("saved", step, blocked_seconds=round(times.blocked, 3),
+                            write_seconds=round(times.written, 3))
+        self.reporter.log_save(step, times.blocked, times.written, self.config.async_save)
+
+    def finish_saves(self) -> None:
+        """The run's end (or stop): the last checkpoint's writes are waited for and it is marked complete."""
+        self.saver.finish()
+        self.saver.close()
 
     def on_evaluate(self, state: TrainState) -> None:
         if self.eval_loader is not None:

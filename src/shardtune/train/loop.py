@@ -276,20 +276,21 @@ def run_loop(engine: Engine, epoch_batches: Callable[[int, int], Iterable[Batch]
             interval.append(metrics)
             hooks.on_step(state, metrics)
             end_of_epoch = index + 1 == s.steps_per_epoch
-            _after_step(state, s, hooks, interval, end_of_epoch)
+            saved = _after_step(state, s, hooks, interval, end_of_epoch)
             if state.global_step >= s.total_steps:
                 break
             if stop:
                 state.interrupted = True
-                if s.save_steps and state.global_step % s.save_steps:
-                    hooks.on_save(state)  # not already saved by _after_step
+                if (s.save_steps or s.save_each_epoch) and not saved:
+                    hooks.on_save(state)  # a stop (Ctrl-C, preemption) always leaves this step's checkpoint
                 return state
             fetch_started = time.perf_counter()
     return state
 
 
 def _after_step(state: TrainState, s: LoopSettings, hooks: LoopHooks, interval: list[dict[str, float]],
-                end_of_epoch: bool) -> None:
+                end_of_epoch: bool) -> bool:
+    """Log, evaluate and save as due after this step; whether it saved a checkpoint."""
     step, last = state.global_step, state.global_step >= s.total_steps
     if step % s.logging_steps == 0 or last or (step == 1 and s.logging_first_step):
         hooks.on_log(state, _interval_metrics(interval))
@@ -298,6 +299,8 @@ def _after_step(state: TrainState, s: LoopSettings, hooks: LoopHooks, interval: 
         hooks.on_evaluate(state)
     if (s.save_steps and step % s.save_steps == 0) or (s.save_each_epoch and end_of_epoch):
         hooks.on_save(state)
+        return True
+    return False
 
 
 def _interval_metrics(interval: list[dict[str, float]]) -> dict[str, float]:

@@ -71,6 +71,12 @@ class Reporter:
         self.track({"eval/loss": eval_loss, **{f"eval/{key.removeprefix('eval_')}": value
                                               for key, value in (extra or {}).items()}}, step)
 
+    def log_save(self, step: int, blocked_seconds: float, write_seconds: float, in_background: bool) -> None:
+        """A checkpoint became complete: the seconds the training was held for it and its files' write time."""
+        self.write_record({"current_steps": step, "total_steps": self.total_steps, "checkpoint": f"checkpoint-{step}",
+                           "save_blocked_seconds": round(blocked_seconds, 4),
+                           "save_write_seconds": round(write_seconds, 4), "async_save": in_background})
+
     def track(self, metrics: dict[str, float], step: int) -> None:
         """The same metrics to every tracker of ``report_to``."""
         for tracker in self.trackers:

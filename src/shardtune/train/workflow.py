@@ -137,6 +137,7 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     start_loop_collection()  # paused while the rank started; the loop collects itself (startup_gc.py)
     hooks.meter.start()
     state = run_loop(engine, epoch_batches_for(train_loader), loop, state, hooks)
+    hooks.finish_saves()  # a checkpoint still being written is waited for, then marked complete
     if state.interrupted:
         hooks.rank_log.close(state.global_step, interrupted=True)
         hooks.reporter.close()

@@ -216,9 +216,20 @@ def checkpoints(folder: Path, launch: dict[str, Any]) -> list[dict[str, Any]]:
                 continue
             complete = (path / COMPLETE_MARKER).is_file()
             found.append({"name": path.name, "step": int(path.name[11:]), "complete": complete,
-                          "size_bytes": folder_size(path),
+                          "size_bytes": folder_size(path), **save_times(path),
                           "resume_command": resume_command(folder, path, launch) if complete else None})
     return sorted(found, key=lambda c: c["step"])
+
+
+def save_times(checkpoint: Path) -> dict[str, Any]:
+    """What the save held training for and how long its files took, as rank 0's marker records them (empty for a
+    checkpoint written before the marker held them, or not complete)."""
+    with contextlib.suppress(OSError, ValueError):
+        marker = json.loads((checkpoint / COMPLETE_MARKER).read_text(encoding="utf-8"))
+        if isinstance(marker, dict):
+            return {key: marker[key] for key in ("async_save", "blocked_seconds", "write_seconds")
+                    if isinstance(marker.get(key), (bool, int, float))}
+    return {}
 
 
 def folder_size(path: Path) -> int:

@@ -233,10 +233,17 @@ function renderErrors(card, consoleCard, d) {
 function renderCheckpoints(card, d) {
   const rows = d.checkpoints.map((c) => el("tr", { "data-name": c.name, "data-complete": c.complete ? "1" : "0" },
     el("td", {}, c.name), el("td", { class: "num" }, c.step), el("td", {}, c.complete ? "complete" : "incomplete (interrupted mid-save)"),
-    el("td", { class: "num" }, fmtBytes(c.size_bytes)), el("td", {}, c.resume_command ? el("code", {}, c.resume_command) : "–")));
+    el("td", { class: "num" }, fmtBytes(c.size_bytes)), el("td", { class: "num" }, saveCost(c)),
+    el("td", {}, c.resume_command ? el("code", {}, c.resume_command) : "–")));
   card.replaceChildren(el("h2", {}, "Checkpoints"), rows.length ? el("table", { id: "checkpoint-table" },
-    el("thead", {}, el("tr", {}, ["folder", "step", "state", "size", "resume with"].map((h) => el("th", {}, h)))),
+    el("thead", {}, el("tr", {}, ["folder", "step", "state", "size", "training held / write", "resume with"].map((h) => el("th", {}, h)))),
     el("tbody", {}, rows)) : el("p", { class: "muted" }, "No checkpoint yet."));
+}
+
+function saveCost(c) {
+  if (typeof c.blocked_seconds !== "number") return "–";
+  const mode = c.async_save ? " (async)" : "";
+  return `${c.blocked_seconds.toFixed(2)} s / ${(c.write_seconds ?? 0).toFixed(2)} s${mode}`;
 }
 
 function renderNodes(card, d) {

@@ -1,0 +1,234 @@
+"""Writing one rank's checkpoint files: at once (``async_save: false``), or staged into host memory and written by a
+background thread while training goes on (``async_save: true``).
+
+Every file is flushed and fsynced before its write counts as done, so the ``COMPLETE`` marker written after every
+rank's writes (train/checkpoint.py) never vouches for data still in a page cache. Staging copies each tensor (to
+pinned host memory from an accelerator), so the files hold the weights of the step that was saved even while the
+next steps change the live ones. One thread writes the files of one checkpoint after another: a second save waits
+for the first (``wait``), so at most one checkpoint per rank is held in host memory.
+
+``SHARDTUNE_TEST_KILL_AT`` (tests only, tests/e2e/test_checkpoint_kills.py) names a point of the save at which this
+process kills itself with SIGKILL, to prove that no instant of a save can leave a checkpoint that resume picks
+but cannot read.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KILL_AT_VARIABLE = "SHARDTUNE_TEST_KILL_AT"
+_point_counts: dict[str, int] = {}
+_count_lock = threading.Lock()
+
+
+def fault_point(name: str) -> None:
+    """Die here by SIGKILL when the test harness asked for ``name``: ``name[#n][@rank]``, its n-th visit (counted
+    from 1 in this process), on the rank numbered ``rank`` only; nothing otherwise."""
+    wanted = os.environ.get(KILL_AT_VARIABLE)
+    if not wanted:
+        return
+    with _count_lock:
+        _point_counts[name] = _point_counts.get(name, 0) + 1
+        visit = _point_counts[name]
+    wanted, _, rank = wanted.partition("@")
+    point, _, nth = wanted.partition("#")
+    if point == name and visit == int(nth or 1) and (not rank or os.environ.get("RANK", "0") == rank):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's (or a folder's entries') data to the storage device."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: Path) -> None:
+    """Every file and folder below ``folder``, then ``folder`` itself (files written by libraries that do not
+    fsync: DeepSpeed's, torch's distributed checkpoint metadata)."""
+    for root, _dirs, files in os.walk(folder, topdown=False):
+        for name in files:
+            fsync_path(Path(root) / name)
+        fsync_path(Path(root))
+
+
+def write_durably(path: Path, text: str) -> None:
+    """A small file written, flushed and fsynced, then its folder's entry."""
+    with open(path, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    fsync_path(path.parent)
+
+
+class _FaultingFile:
+    """A file whose first write is a fault point: the harness can kill the rank in the middle of a file (some bytes
+    written, the file incomplete)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.visited = False
+
+    def write(self, data: Any) -> int:
+        written = self.handle.write(data)
+        if not self.visited and self.handle.tell() > 0:
+            self.visited = True
+            self.handle.flush()
+            fault_point("write-file")
+        return written
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.handle, name)
+
+
+def save_torch_file(obj: Any, path: Path) -> None:
+    """``torch.save`` flushed and fsynced."""
+    with open(path, "wb") as raw:
+        handle = _FaultingFile(raw) if os.environ.get(KILL_AT_VARIABLE) else raw
+        torch.save(obj, handle)
+        raw.flush()
+        os.fsync(raw.fileno())
+
+
+def save_safetensors_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """A safetensors file flushed and fsynced."""
+    from safetensors.torch import save
+
+    data = save({name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()})
+    with open(path, "wb") as raw:
+        handle = _FaultingFile(raw) if os.environ.get(KILL_AT_VARIABLE) else raw
+        handle.write(data)
+        raw.flush()
+        os.fsync(raw.fileno())
+
+
+def staged(obj: Any, pin: bool) -> Any:
+    """``obj`` with every tensor copied into host memory of its own (pinned when ``pin``); containers rebuilt, other
+    values shared (they are configuration, not state the next step changes)."""
+    if isinstance(obj, torch.Tensor):
+        tensor = obj.detach()
+        if tensor.device.type == "cpu":
+            return tensor.clone()
+        copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+        copy.copy_(tensor, non_blocking=pin)
+        return copy
+    if isinstance(obj, dict):
+        copy = {key: staged(value, pin) for key, value in obj.items()}
+        return collections.OrderedDict(copy) if isinstance(obj, collections.OrderedDict) else copy
+    if isinstance(obj, list):
+        return [staged(value, pin) for value in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(staged(value, pin) for value in obj)
+    return obj
+
+
+@dataclass
+class SaveTimes:
+    """What one save cost this rank: seconds the training was held, and seconds the files took to write."""
+
+    blocked: float = 0.0
+    written: float = 0.0
+
+
+class CheckpointWriter:
+    """One rank's checkpoint writes; ``background``: staged copies written by one thread, in order."""
+
+    def __init__(self, background: bool, pin: bool = False) -> None:
+        self.background = background
+        self.pin = pin
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, "shardtune-checkpoint") if background else None
+        self._pending: list[concurrent.futures.Future] = []
+        self._first_submit: float | None = None
+        self._last_done: float | None = None
+        self._lock = threading.Lock()
+
+    def save_torch(self, obj: Any, path: Path) -> None:
+        if self._pool is None:
+            save_torch_file(obj, path)
+            return
+        copy = staged(obj, self.pin)
+        self._synchronize_copies()
+        self.submit(lambda: save_torch_file(copy, path))
+
+    def save_safetensors(self, tensors: dict[str, torch.Tensor], path: Path) -> None:
+        if self._pool is None:
+            save_safetensors_file(tensors, path)
+            return
+        copy = staged(tensors, self.pin)
+        self._synchronize_copies()
+        self.submit(lambda: save_safetensors_file(copy, path))
+
+    def submit(self, write: Callable[[], None]) -> None:
+        """Run ``write`` after the writes before it (at once when not in the background)."""
+        if self._pool is None:
+            write()
+            return
+        if self._first_submit is None:
+            self._first_submit = time.perf_counter()
+        future = self._pool.submit(self._timed, write)
+        self._pending.append(future)
+
+    def follow(self, future: Any) -> None:
+        """A write another library runs in the background (torch's ``dcp.async_save``): waited for like ours."""
+        if self._first_submit is None:
+            self._first_submit = time.perf_counter()
+        self._pending.append(future)
+        future.add_done_callback(lambda _f: self._mark_done())
+
+    def _timed(self, write: Callable[[], None]) -> None:
+        write()
+        self._mark_done()
+
+    def _mark_done(self) -> None:
+        with self._lock:
+            self._last_done = time.perf_counter()
+
+    def _synchronize_copies(self) -> None:
+        # Pinned copies from an accelerator are asynchronous: the live tensors may change once this returns.
+        if self.pin and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.current_stream().synchronize()
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
+
+    def finished(self) -> bool:
+        """Whether every write submitted so far has ended (well or not)."""
+        return all(f.done() for f in self._pending)
+
+    def failure(self) -> BaseException | None:
+        """The first error of a finished write, if any."""
+        for future in self._pending:
+            if future.done() and future.exception() is not None:
+                return future.exception()
+        return None
+
+    def wait(self) -> float:
+        """Block until every write has ended; re-raise the first one's error. Returns the seconds the writes took
+        (first submitted to last done)."""
+        started = self._first_submit
+        try:
+            for future in self._pending:
+                future.result()
+        finally:
+            self._pending = []
+            self._first_submit = None
+        ended = self._last_done or time.perf_counter()
+        return 0.0 if started is None else max(0.0, ended - started)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

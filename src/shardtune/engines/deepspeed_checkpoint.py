@@ -1,0 +1,45 @@
+"""DeepSpeed's checkpoint files written through shardtune's checkpoint writer (engines/checkpoint_writer.py).
+
+DeepSpeed hands every file of ``save_checkpoint`` (the module states, each rank's ZeRO partitions) to its engine's
+``checkpoint_engine.save(state_dict, path)``. This one writes them flushed and fsynced, and under ``async_save``
+stages each state into host memory of its own before returning, so DeepSpeed's next steps (which update the very
+fp32 partitions and Adam moments it handed over) cannot reach the files. The layout is DeepSpeed's own: resume,
+re-splitting onto another world size and ``zero_to_fp32`` read it as before.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+
+from shardtune.engines.checkpoint_writer import CheckpointWriter
+
+
+class WriterCheckpointEngine(CheckpointEngine):
+    """DeepSpeed's checkpoint engine interface over a ``CheckpointWriter``; loading is torch's, as DeepSpeed's own."""
+
+    def __init__(self, writer: CheckpointWriter) -> None:
+        super().__init__()
+        self.name = "ShardtuneCheckpointEngine"
+        self.writer = writer
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        return None
+
+    def save(self, state_dict: Any, path: str) -> None:
+        self.writer.save_torch(state_dict, Path(path))
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        # Installed for saves only (DeepSpeedEngine.save_state); a load through it reads tensors and the DeepSpeed
+        # config objects that weights_only_loads (engines/safe_load.py) allows, nothing else.
+        return torch.load(path, map_location=map_location or "cpu", weights_only=True)
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        # Whether the checkpoint counts is decided once every rank's writes ended (train/checkpoint.py).
+        return True
+
+    def preserves_storage_sharing(self) -> bool:
+        return not self.writer.background  # staged copies are tensors of their own already
