@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from shardtune.engines.checkpoint_writer import PAUSE_AT_VARIABLE
+from shardtune.launch.preemption import INTERRUPTED_EXIT_CODE, REQUEUE_EXIT_CODE
 from tests.conftest import REPO, cli_env, overrides_merged
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -68,7 +70,7 @@ def test_sigterm_saves_and_the_same_command_resumes(nproc, tiny_model_dir, tmp_p
         os.kill(job.process.pid, signal.SIGTERM)
     finally:
         _, stderr = job.finish(timeout=120)
-    assert job.process.returncode != 0 and "Traceback" not in stderr, stderr[-3000:]
+    assert job.process.returncode == REQUEUE_EXIT_CODE and "Traceback" not in stderr, stderr[-3000:]
     assert not (tmp_path / "train_results.json").exists()
     steps = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("checkpoint-*") if (p / "COMPLETE").is_file())
     assert steps and steps[-1] >= 5
@@ -78,3 +80,57 @@ def test_sigterm_saves_and_the_same_command_resumes(nproc, tiny_model_dir, tmp_p
     assert resumed.process.returncode == 0, stderr[-3000:]
     assert f"resuming from {tmp_path / f'checkpoint-{steps[-1]}'}" in stdout
     assert json.loads((tmp_path / "train_results.json").read_text())["global_step"] == steps[-1] + 4
+
+
+def test_ctrl_c_exits_130_and_saves(tiny_model_dir, tmp_path):
+    job = Job(tiny_model_dir, tmp_path, tmp_path.parent / f"{tmp_path.name}-logs")
+    try:
+        job.wait_for(tmp_path, "checkpoint-*/COMPLETE")
+        os.kill(job.process.pid, signal.SIGINT)
+    finally:
+        _, stderr = job.finish(timeout=120)
+    assert job.process.returncode == INTERRUPTED_EXIT_CODE, stderr[-3000:]  # a person, not a scheduler: no requeue
+
+
+# Constant learning rate, no warm-up: the curve does not depend on max_steps, so a run preempted at any step and
+# resumed with max_steps=12 must log the reference run's losses.
+CURVE = ("lr_scheduler_type=constant", "warmup_ratio=0", "warmup_steps=0", "logging_steps=1")
+
+
+def losses_by_step(out: Path) -> dict[int, float]:
+    records = [json.loads(x) for x in (out / "trainer_log.jsonl").read_text().splitlines() if x.strip()]
+    return {r["current_steps"]: r["loss"] for r in records if "loss" in r}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGUSR1], ids=["sigterm", "sigusr1"])
+def test_a_preemption_signal_during_an_async_save_finishes_it_and_the_requeued_run_continues_the_curve(
+        stop_signal, tiny_model_dir, tmp_path):
+    """Under torchrun with 2 processes: the signal arrives while rank 0 is held inside the save of checkpoint-5.
+    That save completes, the next step stops, its checkpoint is written, the job exits 143 (requeue), and the
+    same command continues the uninterrupted curve."""
+    two = {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2"}
+    reference = tmp_path / "reference"
+    done = Job(tiny_model_dir, reference, tmp_path / "logs-reference", *CURVE, "max_steps=12", **two)
+    _, stderr = done.finish(timeout=300)
+    assert done.process.returncode == 0, stderr[-3000:]
+    out = tmp_path / "run"
+    job = Job(tiny_model_dir, out, tmp_path / "logs-first", *CURVE, "async_save=true",
+              **two, **{PAUSE_AT_VARIABLE: "staged#1@0"})
+    try:
+        job.wait_for(out, "checkpoint-5")  # the save has begun; rank 0 is held in it for seconds
+        assert not (out / "checkpoint-5" / "COMPLETE").exists()
+        os.kill(job.process.pid, stop_signal)
+    finally:
+        _, stderr = job.finish(timeout=120)
+    assert job.process.returncode == REQUEUE_EXIT_CODE and "Traceback" not in stderr, stderr[-3000:]
+    complete = sorted(int(p.parent.name.split("-")[1]) for p in out.glob("checkpoint-*/COMPLETE"))
+    assert complete[0] == 5 and len(complete) >= 2, complete  # the save in flight, then the stop's own
+    resumed = Job(tiny_model_dir, out, tmp_path / "logs-resumed", *CURVE, "async_save=true",
+                  "overwrite_output_dir=false", "max_steps=12", **two)
+    stdout, stderr = resumed.finish(timeout=300)
+    assert resumed.process.returncode == 0, stderr[-3000:]
+    assert f"resuming from {out / f'checkpoint-{complete[-1]}'}" in stdout
+    expected, losses = losses_by_step(reference), losses_by_step(out)
+    for step in range(complete[-1] + 1, 13):
+        assert losses[step] == pytest.approx(expected[step], rel=2e-3), (step, losses, expected)

@@ -9,7 +9,7 @@ for the first (``wait``), so at most one checkpoint per rank is held in host mem
 
 ``SHARDTUNE_TEST_KILL_AT`` (tests only, tests/e2e/test_checkpoint_kills.py) names a point of the save at which this
 process kills itself with SIGKILL, to prove that no instant of a save can leave a checkpoint that resume picks
-but cannot read.
+but cannot read; ``SHARDTUNE_TEST_PAUSE_AT`` holds a save there, for a signal to arrive in the middle of it.
 """
 
 from __future__ import annotations
@@ -28,23 +28,36 @@ from typing import Any
 import torch
 
 KILL_AT_VARIABLE = "SHARDTUNE_TEST_KILL_AT"
+PAUSE_AT_VARIABLE = "SHARDTUNE_TEST_PAUSE_AT"
+PAUSE_SECONDS = 5.0
 _point_counts: dict[str, int] = {}
 _count_lock = threading.Lock()
 
 
 def fault_point(name: str) -> None:
-    """Die here by SIGKILL when the test harness asked for ``name``: ``name[#n][@rank]``, its n-th visit (counted
-    from 1 in this process), on the rank numbered ``rank`` only; nothing otherwise."""
-    wanted = os.environ.get(KILL_AT_VARIABLE)
-    if not wanted:
+    """What the test harness asked for at ``name`` (nothing otherwise): ``SHARDTUNE_TEST_KILL_AT`` dies here by
+    SIGKILL, ``SHARDTUNE_TEST_PAUSE_AT`` sleeps (a save made long enough to signal the run in the middle of it).
+    Either names ``name[#n][@rank]``: its n-th visit (counted from 1 in this process), on that rank only."""
+    kill, pause = os.environ.get(KILL_AT_VARIABLE), os.environ.get(PAUSE_AT_VARIABLE)
+    if not kill and not pause:
         return
     with _count_lock:
         _point_counts[name] = _point_counts.get(name, 0) + 1
         visit = _point_counts[name]
+    if kill and _names(kill, name, visit):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if pause and _names(pause, name, visit):
+        time.sleep(PAUSE_SECONDS)
+
+
+def _harness_active() -> bool:
+    return bool(os.environ.get(KILL_AT_VARIABLE) or os.environ.get(PAUSE_AT_VARIABLE))
+
+
+def _names(wanted: str, name: str, visit: int) -> bool:
     wanted, _, rank = wanted.partition("@")
     point, _, nth = wanted.partition("#")
-    if point == name and visit == int(nth or 1) and (not rank or os.environ.get("RANK", "0") == rank):
-        os.kill(os.getpid(), signal.SIGKILL)
+    return point == name and visit == int(nth or 1) and (not rank or os.environ.get("RANK", "0") == rank)
 
 
 def fsync_path(path: Path) -> None:
@@ -97,7 +110,7 @@ class _FaultingFile:
 def save_torch_file(obj: Any, path: Path) -> None:
     """``torch.save`` flushed and fsynced."""
     with open(path, "wb") as raw:
-        handle = _FaultingFile(raw) if os.environ.get(KILL_AT_VARIABLE) else raw
+        handle = _FaultingFile(raw) if _harness_active() else raw
         torch.save(obj, handle)
         raw.flush()
         os.fsync(raw.fileno())
@@ -109,7 +122,7 @@ def save_safetensors_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
     data = save({name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()})
     with open(path, "wb") as raw:
-        handle = _FaultingFile(raw) if os.environ.get(KILL_AT_VARIABLE) else raw
+        handle = _FaultingFile(raw) if _harness_active() else raw
         handle.write(data)
         raw.flush()
         os.fsync(raw.fileno())
@@ -122,12 +135,12 @@ def staged(obj: Any, pin: bool) -> Any:
         tensor = obj.detach()
         if tensor.device.type == "cpu":
             return tensor.clone()
-        copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
-        copy.copy_(tensor, non_blocking=pin)
-        return copy
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+        host.copy_(tensor, non_blocking=pin)
+        return host
     if isinstance(obj, dict):
-        copy = {key: staged(value, pin) for key, value in obj.items()}
-        return collections.OrderedDict(copy) if isinstance(obj, collections.OrderedDict) else copy
+        entries = {key: staged(value, pin) for key, value in obj.items()}
+        return collections.OrderedDict(entries) if isinstance(obj, collections.OrderedDict) else entries
     if isinstance(obj, list):
         return [staged(value, pin) for value in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):

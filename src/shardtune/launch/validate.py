@@ -394,7 +394,7 @@ def mistyped_target_problems(c: TrainConfig) -> list[str]:
     return problems
 
 
-# What the rank's own refusal of an absent name suggests (model/adapters.py).
+# What the rank's own refusal of an absent name suggests (model/finetuning/targets.py).
 ABSENT_REMEDY = {"additional_target": "use module names such as embed_tokens, lm_head, norm",
                  "lora_target": "use the model's linear modules (q_proj, v_proj, ...) or all",
                  "oft_target": "use the model's linear modules (q_proj, v_proj, ...) or all"}
