@@ -33,7 +33,7 @@ VOLUME = obj(["name"], name=STRING, configMap=obj(name=STRING, optional=BOOL),
              emptyDir=obj(medium=STRING, sizeLimit=QUANTITY))
 CONTAINER = obj(["name"], name=STRING, image=STRING, command=array(STRING), args=array(STRING), env=ENV,
                 resources=RESOURCES, volumeMounts=array(VOLUME_MOUNT))
-POD_SPEC = obj(["containers"], containers=array(CONTAINER), volumes=array(VOLUME))
+POD_SPEC = obj(["containers"], containers=array(CONTAINER), volumes=array(VOLUME), terminationGracePeriodSeconds=INT)
 REPLICA = obj(replicas=INT, restartPolicy={"type": "string", "enum": ["Always", "OnFailure", "Never", "ExitCode"]},
               template=obj(spec=POD_SPEC))
 
@@ -45,7 +45,7 @@ PYTORCHJOB = obj(
 )
 
 PATCH_CONTAINER = obj(["name"], name=STRING, env=ENV, volumeMounts=array(VOLUME_MOUNT))
-PATCH_POD = obj(volumes=array(VOLUME), containers=array(PATCH_CONTAINER))
+PATCH_POD = obj(volumes=array(VOLUME), containers=array(PATCH_CONTAINER), terminationGracePeriodSeconds=INT)
 REPLICATED_JOB = obj(["name"], name=STRING, template=obj(spec=obj(template=obj(spec=PATCH_POD))))
 TRAINJOB = obj(
     ["apiVersion", "kind", "metadata", "spec"],

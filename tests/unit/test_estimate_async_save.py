@@ -4,18 +4,24 @@ scheduler's warning with. No torch import."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from shardtune.estimate import Hardware, Workload, build_options, recommend
+from shardtune.config.args import load_config
+from shardtune.estimate import Hardware, Workload, build_options, estimate_command, recommend
+from shardtune.estimate.config import configured_option, hardware_for
 from shardtune.estimate.parts import CPU_RUNTIME_BYTES, CheckpointShare
 from shardtune.estimate.report import Estimate, estimate_dict, render_table
 from shardtune.estimate.shape import shape_from_config
+from tests.conftest import REPO
 
 GiB = 1024**3
 TINY_CONFIG = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "intermediate_size": 172, "vocab_size": 2048, "tie_word_embeddings": False}
 SHAPE = shape_from_config(TINY_CONFIG)
 P = SHAPE.total_params
+TINY_LORA = str(REPO / "examples" / "tiny" / "sft_lora.yaml")
 
 
 def options(async_save: bool, nodes: int = 2, per_node: int = 2, **workload) -> dict:
@@ -23,6 +29,13 @@ def options(async_save: bool, nodes: int = 2, per_node: int = 2, **workload) -> 
     w = Workload(micro_batch=1, seq_len=128, precision="bf16", async_save=async_save, **workload)
     hw = Hardware(nodes=nodes, gpus_per_node=per_node, gpu_memory=80 * GiB, cpu_memory=512 * GiB)
     return {o.name: o for o in build_options(SHAPE, w, hw)}
+
+
+@pytest.fixture
+def tiny_model(tmp_path):
+    """Only config.json: the estimate never reads weights."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    return tmp_path
 
 
 def test_no_staging_without_async_save():
@@ -87,3 +100,24 @@ def test_report_shows_the_staging_line_and_column():
     assert data["async_save_staging_bytes_per_node"] == data["checkpoint_bytes_per_node"] == \
         data["checkpoint_bytes_first_rank"] == 12 * P
     assert data["checkpoint_bytes_other_rank"] == 0
+
+
+def test_configured_run_counts_staging_from_its_config(tiny_model):
+    """The key reaches the estimate a run's memory request is sized from (launch/node_resources.py)."""
+    hardware = hardware_for(4, 2, 80 * GiB, 512 * GiB)
+    config, _ = load_config([TINY_LORA, f"model_name_or_path={tiny_model}", "deepspeed=z3", "async_save=true"])
+    option = configured_option(config, hardware)
+    assert option.name == "ZeRO-3" and option.staging_per_node == option.checkpoint_per_node > 0
+    plain, _ = load_config([TINY_LORA, f"model_name_or_path={tiny_model}", "deepspeed=z3"])
+    assert configured_option(plain, hardware).staging_per_node == 0
+
+
+def test_estimate_command_shows_staging_for_an_async_save_config(tiny_model, capsys):
+    argv = [TINY_LORA, f"model_name_or_path={tiny_model}", "--gpus-per-node", "2", "--gpu-memory", "24GB",
+            "--cpu-memory=64GiB"]
+    assert estimate_command(argv) == 0
+    assert "async_save staging (host)" not in capsys.readouterr().out
+    assert estimate_command([*argv, "async_save=true"]) == 0
+    out = capsys.readouterr().out
+    assert "async_save staging (host): each rank holds one copy" in out
+    assert "DDP 0.00 on rank 0, 0.0 on the others" in out  # a tiny LoRA: a few KB on rank 0

@@ -224,6 +224,29 @@ def test_every_pod_requests_cpus_and_memory_and_mounts_shm(kind):
     assert validate(job, SCHEMAS[job["kind"]]) == []
 
 
+@pytest.mark.parametrize("kind", ["pytorchjob", "trainjob"])
+def test_pods_get_the_time_to_save_before_sigkill(kind):
+    """terminationGracePeriodSeconds = the computed warning time, on every pod (TrainJob: through the patch)."""
+    req = replace(manifest_request(kind, nodes=3), grace_seconds=600, grace_source="--grace-seconds")
+    job = build_manifest(req)[1]
+    if kind == "pytorchjob":
+        pods = [r["template"]["spec"] for r in job["spec"]["pytorchReplicaSpecs"].values()]
+    else:
+        replicated = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+        pods = [replicated[0]["template"]["spec"]["template"]["spec"]]
+    assert [pod["terminationGracePeriodSeconds"] for pod in pods] == [600] * len(pods)
+    assert validate(job, SCHEMAS[job["kind"]]) == []
+    assert "A deleted pod has 600 s after SIGTERM to save (--grace-seconds), then exits 143" in manifest_text(req)
+
+
+def test_pytorchjob_restarts_a_preempted_pod_but_not_a_bad_config():
+    """restartPolicy ExitCode: the training-operator (v1.7-v1.9, IsRetryableExitCode) recreates a pod that exited
+    128-255 (143: stopped after saving) and fails the job on 1-127 (a config error exits 2), where OnFailure would
+    restart a bad config forever."""
+    replicas = build_manifest(manifest_request("pytorchjob", nodes=3))[1]["spec"]["pytorchReplicaSpecs"]
+    assert {r["restartPolicy"] for r in replicas.values()} == {"ExitCode"}
+
+
 def test_node_resources_defaults_and_flags():
     assert node_resources(None, None, 4, 10 * 2**30) == NodeResources(32, int(12.5 * 2**30), "estimate")
     assert node_resources(None, None, 2, None) == NodeResources(16, 64 * 2**30, "default")
@@ -252,6 +275,17 @@ def test_k8s_command_writes_a_manifest(tmp_path, tiny_model_dir):
     # The tiny model's estimate is far below one rank's runtime: the floor, 8 CPUs per process.
     assert docs[1]["spec"]["trainer"]["resourcesPerNode"]["requests"] == {"cpu": "16", "memory": "8Gi"}
     assert "Each pod requests 16 CPUs and 8 GiB of memory (estimate)" in out.read_text()
+    # No --grace-seconds: the tiny model's checkpoint, estimated, needs the minimum.
+    patch = docs[1]["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+    assert patch["template"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 120
+    assert "time to write a node's checkpoint, estimated" in out.read_text()
+    done = run_cli("k8s", "examples/tiny/sft_full.yaml", "--nodes", "2", "--gpus-per-node", "0",
+                   "--nproc-per-node", "2", "--image", "shardtune:dev", "--grace-seconds", "900", "--out", str(out),
+                   f"model_name_or_path={tiny_model_dir}")
+    assert done.returncode == 0, done.stderr
+    job = list(yaml.safe_load_all(out.read_text()))[1]
+    assert {r["template"]["spec"]["terminationGracePeriodSeconds"]
+            for r in job["spec"]["pytorchReplicaSpecs"].values()} == {900}
 
 
 def test_k8s_command_validates_the_config_first(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -10,7 +11,8 @@ import pytest
 
 from shardtune.errors import ConfigError
 from shardtune.launch.env import inside_launcher, read_launch_env
-from shardtune.launch.node_resources import NodeResources
+from shardtune.launch.node_resources import NodeResources, stop_warning
+from shardtune.launch.preemption import REQUEUE_EXIT_CODE
 from shardtune.launch.sbatch import SbatchRequest, build_sbatch_script, parse_job_id
 from shardtune.launch.slurm import expand_counts, expand_hostlist, port_for_job
 from shardtune.launch.torchrun import build_torchrun_argv, plan_launch, worker_argv
@@ -166,11 +168,13 @@ def test_sbatch_script_text():
     assert directives == ["#SBATCH --job-name=sft", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1",
                           "#SBATCH --gpus-per-node=4", "#SBATCH --cpus-per-task=32", "#SBATCH --mem=128G",
                           "#SBATCH --partition=gpu", "#SBATCH --time=04:00:00",
-                          "#SBATCH --account=proj1", "#SBATCH --output=/work/my runs/shardtune-%x-%j.out"]
+                          "#SBATCH --account=proj1", "#SBATCH --signal=USR1@120", "#SBATCH --requeue",
+                          "#SBATCH --open-mode=append", "#SBATCH --output=/work/my runs/shardtune-%x-%j.out"]
     assert "cd '/work/my runs'" in lines
     assert "export NPROC_PER_NODE=4" in lines
-    assert lines[-1] == ("srun --ntasks-per-node=1 /opt/venv/bin/python -m shardtune train /work/cfg.yaml "
-                         "max_steps=3")
+    assert ("srun --ntasks-per-node=1 /opt/venv/bin/python -m shardtune train /work/cfg.yaml max_steps=3 "
+            "|| code=$?") in lines
+    assert lines[-1] == 'exit "$code"'
     assert "2 node(s) x 4 process(es) = 8 rank(s)" in lines[1]
     # Every line that is not a directive or a command explains itself.
     assert sum(line.startswith("# ") for line in lines) >= 5
@@ -182,6 +186,60 @@ def test_cpu_sbatch_script_requests_no_gpus():
     assert "--gpus-per-node" not in text and "--partition" not in text
     assert "#SBATCH --cpus-per-task=2" in text and "export NPROC_PER_NODE=2" in text
     assert "#SBATCH --mem=0" in text  # all of the node's memory
+
+
+def test_sbatch_script_signals_before_the_time_limit_and_requeues():
+    """SIGUSR1 the computed seconds before the limit (the comment says why); the ranks' 143 requeues the job."""
+    text = build_sbatch_script(sbatch_request(signal_seconds=600, signal_source="--signal-seconds"))
+    lines = text.splitlines()
+    signal = lines.index("#SBATCH --signal=USR1@600")
+    assert "600 s before the time limit (--signal-seconds)" in lines[signal - 2]
+    assert f"exit {REQUEUE_EXIT_CODE}" in lines[signal - 1]
+    assert f'if [ "$code" -eq {REQUEUE_EXIT_CODE} ]; then' in lines
+    assert '    scontrol requeue "$SLURM_JOB_ID"' in lines
+    assert "set -euo pipefail" in lines and "code=0" in lines  # srun's code is taken without tripping set -e
+
+
+def test_stop_warning_fits_the_checkpoint_write():
+    """warning_seconds: one checkpoint at 200 MiB/s plus 60 s, whole minutes, at least 2 (launch/preemption.py)."""
+    assert stop_warning(None, "--signal-seconds", 100 * 2**30) == (
+        600, "time to write a node's checkpoint, estimated 100.00 GiB")
+    assert stop_warning(None, "--signal-seconds", 0)[0] == 120  # the size unknown: the minimum
+    assert stop_warning(900, "--signal-seconds", 100 * 2**30) == (900, "--signal-seconds")
+
+
+def fake_slurm_bin(folder: Path, srun_code: int) -> Path:
+    """srun that exits ``srun_code`` and scontrol that records its arguments, as executables on a PATH."""
+    folder.mkdir()
+    (folder / "srun").write_text(f'#!/bin/bash\necho "$@" > "{folder}/srun.args"\nexit {srun_code}\n')
+    (folder / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> "{folder}/scontrol.args"\n')
+    for name in ("srun", "scontrol"):
+        (folder / name).chmod(0o755)
+    return folder
+
+
+def run_script(tmp_path: Path, srun_code: int) -> tuple[subprocess.CompletedProcess, Path]:
+    script = tmp_path / "job.sbatch"
+    script.write_text(build_sbatch_script(sbatch_request(workdir=tmp_path)))
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0  # syntax
+    bin_dir = fake_slurm_bin(tmp_path / f"bin{srun_code}", srun_code)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
+    return subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=30), bin_dir
+
+
+def test_sbatch_script_requeues_the_job_when_the_ranks_exit_143(tmp_path):
+    done, bin_dir = run_script(tmp_path, REQUEUE_EXIT_CODE)
+    assert done.returncode == 0, done.stderr
+    assert (bin_dir / "srun.args").read_text().startswith("--ntasks-per-node=1 /opt/venv/bin/python -m shardtune")
+    assert (bin_dir / "scontrol.args").read_text() == "requeue 4242\n"
+    assert "requeueing job 4242" in done.stderr
+
+
+@pytest.mark.parametrize("srun_code", [0, 1, 2])
+def test_sbatch_script_passes_other_codes_on_without_requeue(tmp_path, srun_code):
+    done, bin_dir = run_script(tmp_path, srun_code)
+    assert done.returncode == srun_code
+    assert not (bin_dir / "scontrol.args").exists()
 
 
 def test_sbatch_job_id():
@@ -200,7 +258,9 @@ def test_slurm_command_writes_the_script(tmp_path, tiny_model_dir):
     assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=4" in text and "#SBATCH --partition=gpu" in text
     # Each node's CPUs and memory are requested: 8 CPUs per process, the estimate's floor for the tiny model.
     assert "#SBATCH --cpus-per-task=32" in text and "#SBATCH --mem=8G" in text
-    assert text.rstrip().endswith(f"examples/tiny/sft_full.yaml model_name_or_path={tiny_model_dir} max_steps=3")
+    assert f"examples/tiny/sft_full.yaml model_name_or_path={tiny_model_dir} max_steps=3 || code=$?" in text
+    # The tiny model's checkpoint is written in well under a minute: the minimum warning, sized by the estimate.
+    assert "#SBATCH --signal=USR1@120" in text and "time to write a node's checkpoint, estimated" in text
 
 
 def test_slurm_command_validates_the_config_and_the_shape_first(tmp_path):

@@ -78,6 +78,7 @@ def workload_from_config(c: TrainConfig) -> Workload:
         frozen_parts=FrozenParts(c.freeze_vision_tower, c.freeze_multi_modal_projector, c.freeze_language_model),
         images_per_sample=IMAGES_PER_SAMPLE if data_has_images(c) else 0,
         image_max_pixels=c.image_max_pixels,
+        async_save=c.async_save,
     )
 
 

@@ -7,6 +7,13 @@ Two kinds, both with the config file in a ConfigMap mounted at /etc/shardtune:
 Each pod runs `shardtune train /etc/shardtune/<config>`; launch/kubernetes.py reads what the operator sets.
 Each pod requests CPUs and memory (launch/node_resources.py) and mounts a memory-backed /dev/shm: a container's
 default 64 MiB is too little for NCCL with several GPUs per pod and for DataLoader workers.
+
+Preemption: a deleted or evicted pod gets SIGTERM, then SIGKILL after ``terminationGracePeriodSeconds`` (set to the
+time the estimated checkpoint needs, or ``--grace-seconds``); the ranks finish the step, save and exit
+``REQUEUE_EXIT_CODE`` (143). PyTorchJob replicas use the training-operator's ``restartPolicy: ExitCode``, which
+recreates a pod that exited 128-255 (143: stopped after saving; 137: killed) and fails the job on 1-127 (a config
+error exits 2), where ``OnFailure`` would restart a bad config forever (pkg/util/train/train_util.go,
+``IsRetryableExitCode``, training-operator v1.7-v1.9). A TrainJob restarts as its runtime's JobSet failure policy says.
 """
 
 from __future__ import annotations
@@ -21,12 +28,17 @@ from shardtune.arguments import CommandParser
 from shardtune.errors import ConfigError
 from shardtune.launch.cluster import add_node_shape_arguments, node_shape_problems, processes_per_node
 from shardtune.launch.node_resources import (
+    UNSIZED_CHECKPOINT,
     NodeResources,
     add_resource_arguments,
+    estimated_checkpoint_bytes,
     estimated_node_memory,
+    estimated_option,
     node_resources,
     resource_problems,
+    stop_warning,
 )
+from shardtune.launch.preemption import REQUEUE_EXIT_CODE, warning_seconds
 from shardtune.paths import output_file_problem
 from shardtune.world import WorldLayout
 
@@ -38,6 +50,8 @@ GPU_RESOURCE = "nvidia.com/gpu"
 TRAINJOB_RUNTIME = "torch-distributed"
 # Kubeflow's names: PyTorchJob's container must be "pytorch"; the torch runtime's job and container are "node".
 PYTORCH_CONTAINER, TRAINJOB_NODE = "pytorch", "node"
+# The training-operator recreates a pod that exited 128-255 and fails the job on 1-127 (module docstring).
+RESTART_POLICY = "ExitCode"
 
 
 @dataclass(frozen=True)
@@ -53,6 +67,9 @@ class ManifestRequest:
     kind: str = "pytorchjob"
     namespace: str | None = None
     resources: NodeResources = field(default_factory=lambda: NodeResources(cpus=8, memory=32 * 2**30))
+    # Seconds between SIGTERM and SIGKILL when a pod is deleted: the ranks' time to save (and where it came from).
+    grace_seconds: int = warning_seconds(0)
+    grace_source: str = UNSIZED_CHECKPOINT
 
     @property
     def world_size(self) -> int:
@@ -93,8 +110,8 @@ def _pytorch_replica(req: ManifestRequest, replicas: int) -> dict[str, Any]:
         "env": [{"name": "NPROC_PER_NODE", "value": str(req.nproc_per_node)}],
         "volumeMounts": _volume_mounts(), "resources": _resources(req),
     }
-    return {"replicas": replicas, "restartPolicy": "OnFailure",
-            "template": {"spec": {"containers": [container], "volumes": _volumes(req)}}}
+    pod = {"containers": [container], "volumes": _volumes(req), "terminationGracePeriodSeconds": req.grace_seconds}
+    return {"replicas": replicas, "restartPolicy": RESTART_POLICY, "template": {"spec": pod}}
 
 
 def build_trainjob(req: ManifestRequest) -> dict[str, Any]:
@@ -109,11 +126,12 @@ def build_trainjob(req: ManifestRequest) -> dict[str, Any]:
 
 def _config_mount_patch(req: ManifestRequest) -> dict[str, Any]:
     """Trainer v2.3's runtimePatches: the ConfigMap and /dev/shm volumes and their mounts on the runtime's "node"
-    job and container.
+    job and container, and the pods' termination grace period (a field of v2.3's PodSpecPatch).
 
     (Trainer v2.0 called this podSpecOverrides and v2.1 podTemplateOverrides, with other shapes.)
     """
-    pod = {"volumes": _volumes(req), "containers": [{"name": TRAINJOB_NODE, "volumeMounts": _volume_mounts()}]}
+    pod = {"volumes": _volumes(req), "containers": [{"name": TRAINJOB_NODE, "volumeMounts": _volume_mounts()}],
+           "terminationGracePeriodSeconds": req.grace_seconds}
     job = {"name": TRAINJOB_NODE, "template": {"spec": {"template": {"spec": pod}}}}
     return {"manager": "shardtune", "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [job]}}}}
 
@@ -146,9 +164,17 @@ def manifest_text(req: ManifestRequest) -> str:
 
     header = (f"# Written by `shardtune k8s`: {req.kind} {req.name}, {req.nodes} pod(s) x {req.nproc_per_node} "
               f"process(es) = {req.world_size} rank(s).\n# Each pod requests {req.resources.describe()}; output_dir "
-              "must be on a volume every pod mounts (docs/clusters.md).\n# Apply with `kubectl apply -f THIS_FILE`. "
+              f"must be on a volume every pod mounts (docs/clusters.md).\n# {_preemption_comment(req)}\n"
+              "# Apply with `kubectl apply -f THIS_FILE`. "
               "The image must contain shardtune, the model and the data the config names.\n")
     return header + yaml.dump_all(build_manifest(req), Dumper=_block_dumper(), sort_keys=False)
+
+
+def _preemption_comment(req: ManifestRequest) -> str:
+    restart = ("the operator recreates the pod (restartPolicy ExitCode), which resumes from the newest complete "
+               "checkpoint" if req.kind == "pytorchjob" else "the runtime's failure policy decides whether it restarts")
+    return (f"A deleted pod has {req.grace_seconds} s after SIGTERM to save ({req.grace_source}), then exits "
+            f"{REQUEUE_EXIT_CODE}:\n# {restart}.")
 
 
 def _block_dumper():
@@ -185,13 +211,20 @@ def k8s_command(args: list[str]) -> int:
     parser.add_argument("--kind", choices=KINDS, default="pytorchjob")
     parser.add_argument("--namespace")
     parser.add_argument("--name", help="job name (default: from the config file name)")
+    parser.add_argument("--grace-seconds", type=int, dest="grace_seconds",
+                        help="seconds a deleted pod has after SIGTERM to save before SIGKILL "
+                             "(terminationGracePeriodSeconds; default: the estimated checkpoint's write time, at "
+                             "least 120)")
     parser.add_argument("--out", help="file to write (default: <config name>.<kind>.yaml here)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     ns, overrides = parser.parse_known_args(args)
     req = manifest_request(ns, overrides)
     plan = preflight([ns.config, *overrides], req.nodes, req.nproc_per_node)
+    option = estimated_option(plan, req.gpus_per_node)
+    seconds, source = stop_warning(ns.grace_seconds, "--grace-seconds", estimated_checkpoint_bytes(option))
     req = replace(req, resources=node_resources(ns.cpus_per_node, ns.memory_per_node, req.nproc_per_node,
-                                                estimated_node_memory(plan, req.gpus_per_node)))
+                                                estimated_node_memory(option)),
+                  grace_seconds=seconds, grace_source=source)
     out = Path(ns.out or f"{Path(ns.config).stem}.{req.kind}.yaml").resolve()
     problem = output_file_problem(out, "k8s: --out")
     if problem:
@@ -204,6 +237,8 @@ def k8s_command(args: list[str]) -> int:
 def manifest_request(ns: argparse.Namespace, overrides: list[str]) -> ManifestRequest:
     problems = node_shape_problems(ns.nodes, ns.gpus_per_node, ns.nproc_per_node) + \
         resource_problems(ns.cpus_per_node, ns.memory_per_node)
+    if ns.grace_seconds is not None and ns.grace_seconds < 1:
+        problems.append(f"--grace-seconds must be >= 1 (got {ns.grace_seconds})")
     name = ns.name or job_name(Path(ns.config))
     if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) or len(name) > 50:
         problems.append(f"--name {name!r} must be a DNS label: lower-case letters, digits and '-', starting "

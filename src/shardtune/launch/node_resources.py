@@ -4,7 +4,9 @@ Without a request a pod gets what is left on its node and can be evicted under m
 gets the site's default, often one CPU and a little memory per task: the ranks then load the model into too little
 memory or tokenize on one core. ``--cpus-per-node`` / ``--memory-per-node`` choose; by default each process gets
 ``CPUS_PER_PROCESS`` CPUs and the node the host memory shardtune's estimate gives for the run (what `shardtune
-estimate` shows as CPU memory per node: loading, offloaded states, each rank's runtime) with a margin.
+estimate` shows as CPU memory per node: loading, offloaded states, async_save's staged checkpoint, each rank's
+runtime) with a margin. The same estimate sizes a node's checkpoint, and so the warning a scheduler gives before it
+kills the job (Slurm's --signal, Kubernetes' terminationGracePeriodSeconds: ``stop_warning``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from shardtune.launch.preemption import warning_seconds
+
 if TYPE_CHECKING:
+    from shardtune.estimate.parts import Option
     from shardtune.launch.preflight import RunPlan
 
 CPUS_PER_PROCESS = 8  # data loading, tokenization and the rank's own threads
@@ -24,6 +29,7 @@ MEMORY_PER_PROCESS = 32 * 2**30  # per rank, when the estimate cannot size the m
 MARGIN = 1.25  # over the estimate: allocator slack, page cache of the files being read
 # A GPU node's memory size is only needed for the estimate's verdict on the device, not for the host figure.
 NOMINAL_GPU_MEMORY = 80 * 2**30
+UNSIZED_CHECKPOINT = "the minimum: the checkpoint's size was not estimated"
 _UNITS = {"": 2**30, "k": 2**10, "ki": 2**10, "m": 2**20, "mi": 2**20, "g": 2**30, "gi": 2**30, "t": 2**40,
           "ti": 2**40}
 
@@ -94,8 +100,8 @@ def node_resources(cpus: int | None, memory: str | None, nproc_per_node: int,
     return NodeResources(cpus=cpus or CPUS_PER_PROCESS * nproc_per_node, memory=amount, memory_source=source)
 
 
-def estimated_node_memory(plan: RunPlan, gpus_per_node: int) -> int | None:
-    """Host bytes per node the memory estimate gives for this plan (None when it cannot size the model)."""
+def estimated_option(plan: RunPlan, gpus_per_node: int) -> Option | None:
+    """The memory estimate of the engine this plan runs (None when it cannot size the model)."""
     from shardtune.errors import ShardtuneError
     from shardtune.estimate.config import configured_option, hardware_for
 
@@ -103,7 +109,28 @@ def estimated_node_memory(plan: RunPlan, gpus_per_node: int) -> int | None:
     hardware = hardware_for(layout.world_size, layout.procs_per_node,
                             NOMINAL_GPU_MEMORY if gpus_per_node else None, 2**50)
     try:
-        option = configured_option(plan.config, hardware, engine=plan.engine)
+        return configured_option(plan.config, hardware, engine=plan.engine)
     except (ShardtuneError, OSError, ValueError, KeyError):
         return None
-    return int(option.cpu_per_node) or None
+
+
+def estimated_node_memory(option: Option | None) -> int | None:
+    """Host bytes per node the memory estimate gives (async_save's staged checkpoint included); None without one."""
+    return (int(option.cpu_per_node) or None) if option else None
+
+
+def estimated_checkpoint_bytes(option: Option | None) -> int:
+    """What the ranks of one node (the one with rank 0) write in one checkpoint; 0 without an estimate."""
+    return int(option.checkpoint_per_node) if option else 0
+
+
+def stop_warning(given: int | None, flag: str, checkpoint_bytes_per_node: int) -> tuple[int, str]:
+    """Seconds a scheduler should warn the ranks before it kills them (Slurm's --signal, Kubernetes' grace period),
+    and where the number came from: ``flag``'s value, else the time a node's checkpoint needs to be written
+    (launch/preemption.py, ``warning_seconds``)."""
+    if given is not None:
+        return given, flag
+    if not checkpoint_bytes_per_node:
+        return warning_seconds(0), UNSIZED_CHECKPOINT
+    return (warning_seconds(checkpoint_bytes_per_node),
+            f"time to write a node's checkpoint, estimated {checkpoint_bytes_per_node / 2**30:.2f} GiB")

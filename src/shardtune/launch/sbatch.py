@@ -4,6 +4,10 @@ The script runs `srun --ntasks-per-node=1 python -m shardtune train CONFIG` on e
 launch/slurm.py then turns the job's variables into a c10d torchrun launch on each node. The script requests the
 node's CPUs (``--cpus-per-task``: the one task per node is shardtune and all its ranks) and memory (``--mem``, per
 node): without them a job gets the site's default, often one CPU and a little memory (launch/node_resources.py).
+
+Preemption: Slurm sends SIGUSR1 ``--signal-seconds`` before the time limit (by default the time the estimated
+checkpoint needs: launch/preemption.py, ``warning_seconds``); the ranks finish their step, save and exit
+``REQUEUE_EXIT_CODE``, and the script then requeues the job, which resumes from the newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -20,12 +24,17 @@ from shardtune.arguments import CommandParser
 from shardtune.errors import ConfigError
 from shardtune.launch.cluster import add_node_shape_arguments, node_shape_problems, processes_per_node
 from shardtune.launch.node_resources import (
+    UNSIZED_CHECKPOINT,
     NodeResources,
     add_resource_arguments,
+    estimated_checkpoint_bytes,
     estimated_node_memory,
+    estimated_option,
     node_resources,
     resource_problems,
+    stop_warning,
 )
+from shardtune.launch.preemption import REQUEUE_EXIT_CODE, warning_seconds
 from shardtune.paths import output_file_problem
 from shardtune.world import WorldLayout
 
@@ -47,6 +56,9 @@ class SbatchRequest:
     account: str | None = None
     output: str | None = None
     resources: NodeResources | None = None  # None: the defaults for nproc_per_node (node_resources)
+    # Seconds before the time limit at which Slurm asks the ranks to save and stop (SIGUSR1), and where that came from.
+    signal_seconds: int = warning_seconds(0)
+    signal_source: str = UNSIZED_CHECKPOINT
 
     @property
     def world_size(self) -> int:
@@ -74,19 +86,50 @@ def build_sbatch_script(req: SbatchRequest) -> str:
     optional = {"partition": req.partition, "time": req.time, "account": req.account}
     lines += [f"#SBATCH --{name}={value}" for name, value in optional.items() if value is not None]
     lines += [
+        *preemption_directives(req),
         f"#SBATCH --output={req.output or str(req.workdir / 'shardtune-%x-%j.out')}",
         "set -euo pipefail",
         "# Relative paths in the config (dataset_dir, output_dir, the model) are read from here.",
         f"cd {shlex.quote(str(req.workdir))}",
         "# Processes per node (one per GPU); shardtune checks it against the GPUs Slurm gives each node.",
         f"export NPROC_PER_NODE={req.nproc_per_node}",
+        *train_and_requeue_lines(req),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def preemption_directives(req: SbatchRequest) -> list[str]:
+    """The warning signal before the time limit, and what lets the job go back to the queue."""
+    return [
+        f"# Slurm sends SIGUSR1 to the ranks {req.signal_seconds} s before the time limit ({req.signal_source}):",
+        f"# they finish the step, save a checkpoint and exit {REQUEUE_EXIT_CODE}; the job is then requeued (below).",
+        f"#SBATCH --signal=USR1@{req.signal_seconds}",
+        "# The job may go back to the queue (below, and when the cluster preempts it); its log is appended to.",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+    ]
+
+
+def train_and_requeue_lines(req: SbatchRequest) -> list[str]:
+    """srun on every node, then a requeue when the ranks stopped on a signal after saving."""
+    train = shlex.join([req.python, "-m", "shardtune", "train", str(req.config), *req.overrides])
+    return [
+        "# A preemption may signal this shell too: with a trap set, bash lets srun finish (the ranks' save) first.",
+        "trap 'echo \"shardtune job: signalled; waiting for the ranks to save\" >&2' TERM USR1",
         "# Every node runs the same command. The first host of SLURM_JOB_NODELIST hosts the rendezvous, on a",
         "# port derived from the job id (export MASTER_PORT=... to choose one); torchrun numbers the nodes.",
         "# The Python below is the one that validated this script: every node must see it (shared filesystem).",
-        "srun --ntasks-per-node=1 " + shlex.join([req.python, "-m", "shardtune", "train", str(req.config),
-                                                   *req.overrides]),
+        "# A requeued job (SLURM_RESTART_COUNT > 0) resumes from the newest complete checkpoint in output_dir.",
+        "code=0",
+        f"srun --ntasks-per-node=1 {train} || code=$?",
+        f"# {REQUEUE_EXIT_CODE}: the ranks stopped on SIGUSR1/SIGTERM after saving: back to the queue, not a failure.",
+        f"if [ \"$code\" -eq {REQUEUE_EXIT_CODE} ]; then",
+        "    echo \"shardtune job: checkpoint saved; requeueing job $SLURM_JOB_ID\" >&2",
+        "    scontrol requeue \"$SLURM_JOB_ID\"",
+        "    exit 0",
+        "fi",
+        "exit \"$code\"",
     ]
-    return "\n".join(lines) + "\n"
 
 
 def build_submit_argv(script: Path) -> list[str]:
@@ -127,14 +170,20 @@ def slurm_command(args: list[str]) -> int:
     parser.add_argument("--account")
     parser.add_argument("--job-name", default="shardtune")
     parser.add_argument("--output", help="Slurm's log file pattern (default: shardtune-%%x-%%j.out)")
+    parser.add_argument("--signal-seconds", type=int, dest="signal_seconds",
+                        help="seconds before the time limit at which the ranks are told to save and stop (SIGUSR1; "
+                             "default: the estimated checkpoint's write time, at least 120)")
     parser.add_argument("--script", help="file to write (default: <config name>.sbatch here)")
     parser.add_argument("--submit", action="store_true", help="submit it with sbatch and print the job id")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     ns, overrides = parser.parse_known_args(args)
     req = sbatch_request(ns, overrides)
     plan = preflight([str(req.config), *overrides], req.nodes, req.nproc_per_node)
+    option = estimated_option(plan, req.gpus_per_node)
+    seconds, source = stop_warning(ns.signal_seconds, "--signal-seconds", estimated_checkpoint_bytes(option))
     req = replace(req, resources=node_resources(ns.cpus_per_node, ns.memory_per_node, req.nproc_per_node,
-                                                estimated_node_memory(plan, req.gpus_per_node)))
+                                                estimated_node_memory(option)),
+                  signal_seconds=seconds, signal_source=source)
     script = Path(ns.script or f"{req.config.stem}.sbatch").resolve()
     problem = output_file_problem(script, "slurm: --script")
     if problem:
@@ -149,6 +198,8 @@ def slurm_command(args: list[str]) -> int:
 def sbatch_request(ns: argparse.Namespace, overrides: list[str]) -> SbatchRequest:
     problems = node_shape_problems(ns.nodes, ns.gpus_per_node, ns.nproc_per_node) + \
         resource_problems(ns.cpus_per_node, ns.memory_per_node)
+    if ns.signal_seconds is not None and ns.signal_seconds < 1:
+        problems.append(f"--signal-seconds must be >= 1 (got {ns.signal_seconds})")
     if problems:
         raise ConfigError(*problems)
     config = Path(ns.config).resolve()
