@@ -6,28 +6,29 @@ import sys
 
 USAGE = """usage: shardtune <command> [options]
 
-commands:
+commands (a config key goes as key=value, --key value or --key=value, to every command that reads settings):
   train CONFIG.yaml [key=value ...] [--key value ...]   fine-tune a model
   check CONFIG.yaml [key=value ...]                      validate config, data and model paths; no weights loaded
-  estimate CONFIG.yaml [--gpus-per-node N --nodes M --gpu-memory 80GiB --cpu-memory 512GiB] [--json]
+  estimate CONFIG.yaml [--gpus-per-node N --nodes M --gpu-memory 80GiB --cpu-memory 512GiB] [--json] [key=value ...]
                                                          memory per engine option and the recommended engine
   export SOURCE --out DIR [--merge-lora] [--model BASE] [--dtype D] [--max-shard-size 5GB]
                                                          a checkpoint or output -> a Hugging Face folder ready to serve
-  export FILE.yaml                                       LLaMA-Factory's merge_lora file (export_dir, export_size, ...)
+  export FILE.yaml [key=value ...]                       LLaMA-Factory's merge_lora file (export_dir, export_size, ...)
   chat OUTPUT|FILE.yaml [--prompt TEXT | --file F] [key=value ...]
                                                          talk to a trained model (interactive, or one-shot)
   eval OUTPUT [CONFIG.yaml] [key=value ...]              generate for eval_dataset and score it (BLEU, ROUGE)
   make-tiny-model --out DIR [--arch NAME --layers N ...]  write a random tiny model + local tokenizer
   expand-model MODEL --out DIR --num-expand N            LLaMA-Pro: insert N zero-output copies of decoder layers
                                                          (then train them with use_llama_pro: true)
-  slurm CONFIG.yaml --nodes N --gpus-per-node G [--partition P --time T --account A --submit]
+  slurm CONFIG.yaml --nodes N --gpus-per-node G [--partition P --time T --account A --submit] [key=value ...]
                                                          write (and submit) an sbatch script for the config
-  k8s CONFIG.yaml --nodes N --gpus-per-node G --image IMG [--kind pytorchjob|trainjob --namespace NS]
+  k8s CONFIG.yaml --nodes N --gpus-per-node G --image IMG [--kind pytorchjob|trainjob --namespace NS] [key=value ...]
                                                          write a Kubeflow manifest with the config in a ConfigMap
   doctor [CONFIG.yaml ...] [--iterations N]              check every node (versions, devices, network) and time
                                                          all-reduces across them; run it on each node like train
   keys [--markdown]                                      list every config key
-  convert-config FILE.yaml [--out NEW.yaml]              what happens to each key of a LLaMA-Factory file
+  convert-config FILE.yaml [--out NEW.yaml] [key=value ...]
+                                                         what happens to each key of a LLaMA-Factory file
   status OUTPUT_DIR [--watch SECONDS] [--json]           a run's progress, ETA, every rank's row, last error
   web [ROOT] [--port P] [--host H]                       a live page of the runs under ROOT; launch and stop
                                                          runs from it (needs the web extra: shardtune[web])
@@ -70,9 +71,9 @@ def unknown_command_message(command: str, commands: list[str]) -> str:
 
 
 def _keys_help() -> str:
-    from shardtune.config.reference import help_text
+    from shardtune.config.args import keys_help
 
-    return "config keys (in the YAML, as key=value, or as --key value):" + help_text()
+    return keys_help()
 
 
 def _train(args: list[str]) -> int:
@@ -95,8 +96,9 @@ def _train(args: list[str]) -> int:
 
 def _check(args: list[str]) -> int:
     if "-h" in args or "--help" in args:
-        print("usage: shardtune check CONFIG.yaml [key=value ...]\n\nValidates everything `train` would, "
-              "without loading weights; exit 0 when fine, 2 with every problem listed.")
+        print("usage: shardtune check CONFIG.yaml [key=value ...] [--key value ...]\n\nValidates everything `train` "
+              "would, without loading weights; exit 0 when fine, 2 with every problem listed.\n")
+        print(_keys_help())
         return 0
     from shardtune.launch.preflight import check_command
 
@@ -243,18 +245,20 @@ def _convert_config(args: list[str]) -> int:
     from pathlib import Path
 
     from shardtune.arguments import CommandParser
+    from shardtune.config.args import parse_subcommand, read_settings
 
     parser = CommandParser(prog="shardtune convert-config",
                                      description="Each key of a LLaMA-Factory or Trainer YAML file: honoured, mapped "
                                                  "(and to what), refused (and why) or unknown. Exit 0 when the file "
-                                                 "runs as it is, 2 otherwise.")
+                                                 "runs as it is, 2 otherwise. Settings on the command line (key=value, "
+                                                 "--key value) override the file's.")
     parser.add_argument("config", help="the YAML file")
     parser.add_argument("--out", help="also write the file in shardtune's spelling")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    ns = parser.parse_args(args)
+    ns, settings = parse_subcommand(parser, args)
     from shardtune.config.convert import convert_config
 
-    lines, runs = convert_config(Path(ns.config), Path(ns.out) if ns.out else None)
+    lines, runs = convert_config(Path(ns.config), Path(ns.out) if ns.out else None, read_settings(settings))
     print("\n".join(lines))
     return 0 if runs else 2
 

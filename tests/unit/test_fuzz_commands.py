@@ -26,6 +26,10 @@ BASES = {
     "convert-config": ["{cfg}"], "status": ["{run}"], "web": ["{tmp}"], "doctor": ["{cfg}"],
 }
 SERVES = {"web", "status", "doctor"}
+# A config key each command that takes settings reads, given as --key VALUE like its own options (config/args.py:
+# every command reads settings in one grammar); export's folder form refuses config keys by name.
+SETTINGS = {"estimate": "cutoff_len", "chat": "max_new_tokens", "export": "export_size", "slurm": "max_steps",
+            "k8s": "max_steps", "convert-config": "max_steps"}
 NUMBER = re.compile(r"^(N|M|SECONDS|PORT|ITERATIONS|LAYERS|HIDDEN|HEADS|KV_HEADS|INTERMEDIATE|VOCAB_SIZE|SEED|"
                     r"NODES|GPUS_PER_NODE|NPROC_PER_NODE|CPUS_PER_NODE|NUM_EXPAND)$")
 PATHS = re.compile(r"^(OUT|FILE|PATH|MODEL|BASE|SCRIPT|OUTPUT)$")
@@ -52,8 +56,9 @@ def mistakes(command: str, metavar: str) -> list[str]:
 
 
 def cases() -> list[tuple[str, str, str]]:
-    return [(command, option, value) for command in sorted(BASES) for option, metavar in options_of(command)
-            for value in mistakes(command, metavar)]
+    options = [(command, option, value) for command in sorted(BASES) for option, metavar in options_of(command)
+               for value in mistakes(command, metavar)]
+    return options + [(command, f"--{key}", value) for command, key in SETTINGS.items() for value in ("abc", "-1", "")]
 
 
 @pytest.fixture(scope="module")

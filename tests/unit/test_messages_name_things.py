@@ -324,10 +324,12 @@ def test_option_typo_message(capsys):
                                        "'--merge-lora'?; `shardtune export --help` lists the options)\n")
 
 
-def test_estimate_flag_typo_says_did_you_mean(config):
-    code, err = run("estimate", str(config), "--gpu-memry", "80GiB")
-    assert code == 2
-    assert err == "shardtune: error: estimate: unknown option --gpu-memry (did you mean '--gpu-memory'?)\n", err
+def test_estimate_flag_typo_says_did_you_mean(config, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["estimate", str(config), "--gpu-memry", "80GiB"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == ("shardtune estimate: error: unrecognized arguments: --gpu-memry 80GiB (did you "
+                                       "mean '--gpu-memory'?; `shardtune estimate --help` lists the options)\n")
 
 
 OPENAI_PAIR = {"messages": [{"role": "user", "content": "hi"}], "chosen": {"role": "assistant", "content": "hello"},

@@ -75,9 +75,10 @@ def validation_problems(values: dict[str, Any], source: str) -> list[str]:
     return []
 
 
-def convert_config(path: Path, out: Path | None) -> tuple[list[str], bool]:
-    """(report lines, whether the file runs as it is); writes shardtune's spelling to ``out`` when given."""
-    values = load_yaml_file(path)
+def convert_config(path: Path, out: Path | None, overrides: dict[str, Any] | None = None) -> tuple[list[str], bool]:
+    """(report lines, whether the file runs as it is); writes shardtune's spelling to ``out`` when given.
+    ``overrides``: command-line settings over the file's keys, as ``train`` would apply them."""
+    values = {**load_yaml_file(path), **(overrides or {})}
     if out is not None:
         problem = ("convert-config: --out names the file being converted; give a new file name"
                    if out.resolve() == path.resolve() else output_file_problem(out, "convert-config: --out"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import typing
+from collections.abc import Collection
 
 from shardtune.config.load import type_label
 from shardtune.config.schema import GROUP_TITLES, TrainConfig, config_fields
@@ -32,13 +33,14 @@ def key_rows() -> list[tuple[str, str, str, str, str]]:
     return rows
 
 
-def help_text() -> str:
+def help_text(keys: Collection[str] | None = None) -> str:
+    """Every key (or those of ``keys``) by group, one line each: name, type, default and doc."""
     lines: list[str] = []
     for group, title in GROUP_TITLES.items():
-        lines.append(f"\n{title}:")
-        for g, key, kind, default, doc in key_rows():
-            if g == group:
-                lines.append(f"  {key:<30} {kind:<14} default {default:<12} {doc}")
+        rows = [row for row in key_rows() if row[0] == group and (keys is None or row[1] in keys)]
+        if rows:
+            lines.append(f"\n{title}:")
+        lines += [f"  {key:<30} {kind:<14} default {default:<12} {doc}" for _, key, kind, default, doc in rows]
     return "\n".join(lines)
 
 

@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import difflib
 import json
 from dataclasses import dataclass
 
+from shardtune.arguments import CommandParser
+from shardtune.config.args import parse_subcommand
 from shardtune.errors import ConfigError
 from shardtune.estimate.hardware import Hardware, parse_size
 from shardtune.host import local_cpu_memory, local_gpu_memory, visible_gpu_count
 
-USAGE = """usage: shardtune estimate CONFIG.yaml [key=value ...] [--gpus-per-node N] [--nodes M]
-                          [--gpu-memory SIZE] [--cpu-memory SIZE] [--model-config PATH] [--json]
-
-Estimates per-device memory of every engine option (DDP, ZeRO-1/2/3 with and without offload, FSDP
-strategies) from the model's config.json alone, marks which fit and recommends the fastest that does.
-
-  --gpus-per-node N    ranks per node (default: NPROC_PER_NODE, else the GPUs visible here, else 1)
-  --nodes M            number of nodes (default: NNODES, else 1)
-  --gpu-memory SIZE    memory of one GPU, e.g. 80GiB, 24GB (default: the GPUs visible here)
-  --cpu-memory SIZE    CPU memory of one node, e.g. 512GiB (default: this machine's)
-  --model-config PATH  config.json (or its folder) when model_name_or_path is a hub id not downloaded here
-  --json               print JSON (one object per option, bytes per component) instead of the table"""
-
+DESCRIPTION = ("Estimates per-device memory of every engine option (DDP, ZeRO-1/2/3 with and without offload, FSDP "
+               "strategies) from the model's config.json alone, marks which fit and recommends the fastest that does.")
 VALUE_FLAGS = ("--gpus-per-node", "--nodes", "--gpu-memory", "--cpu-memory", "--model-config")
 
 
@@ -36,45 +27,29 @@ class EstimateArgs:
     as_json: bool
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = CommandParser(prog="shardtune estimate", description=DESCRIPTION)
+    parser.add_argument("config", nargs="?", help="the training config (YAML)")
+    parser.add_argument("--gpus-per-node", metavar="N",
+                        help="ranks per node (default: NPROC_PER_NODE, else the GPUs visible here, else 1)")
+    parser.add_argument("--nodes", metavar="M", help="number of nodes (default: NNODES, else 1)")
+    parser.add_argument("--gpu-memory", metavar="SIZE",
+                        help="memory of one GPU, e.g. 80GiB, 24GB (default: the GPUs visible here)")
+    parser.add_argument("--cpu-memory", metavar="SIZE", help="CPU memory of one node, e.g. 512GiB (default: this "
+                                                             "machine's)")
+    parser.add_argument("--model-config", metavar="PATH", help="config.json (or its folder) when model_name_or_path "
+                                                               "is a hub id not downloaded here")
+    parser.add_argument("--json", action="store_true", help="print JSON (one object per option, bytes per component) "
+                                                            "instead of the table")
+    return parser
+
+
 def split_estimate_args(argv: list[str]) -> EstimateArgs:
-    """Take our flags (``--flag value`` or ``--flag=value``) out; the rest is a train/check command line."""
-    rest: list[str] = []
-    values: dict[str, str] = {}
-    as_json = False
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        name, sep, value = arg.partition("=")
-        if arg == "--json":
-            as_json = True
-        elif name in VALUE_FLAGS:
-            if not sep:
-                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                    raise ConfigError(f"{name} needs a value, e.g. {name} {_EXAMPLES[name]}")
-                i += 1
-                value = argv[i]
-            values[name] = value
-        else:
-            _refuse_misspelt_flag(name)
-            rest.append(arg)
-        i += 1
-    return EstimateArgs(rest, values, as_json)
-
-
-def _refuse_misspelt_flag(name: str) -> None:
-    """A --flag close to one of ours and no config key: a typo of ours, which the config would call an unknown key
-    (and suggest a config key for)."""
-    from shardtune.config.schema import key_names
-
-    if not name.startswith("--") or name[2:].replace("-", "_") in key_names():
-        return
-    close = difflib.get_close_matches(name, [*VALUE_FLAGS, "--json"], n=1, cutoff=0.8)
-    if close:
-        raise ConfigError(f"estimate: unknown option {name} (did you mean '{close[0]}'?)")
-
-
-_EXAMPLES = {"--gpus-per-node": "8", "--nodes": "2", "--gpu-memory": "80GiB", "--cpu-memory": "512GiB",
-             "--model-config": "path/to/config.json"}
+    """Our flags (``--flag value`` or ``--flag=value``) and the train command line (config file and settings)."""
+    ns, settings = parse_subcommand(build_parser(), argv)
+    values = {flag: getattr(ns, flag[2:].replace("-", "_")) for flag in VALUE_FLAGS}
+    config = [ns.config] if ns.config is not None else []
+    return EstimateArgs([*config, *settings], {k: v for k, v in values.items() if v is not None}, ns.json)
 
 
 def parse_count(text: str, flag: str) -> int:
@@ -117,9 +92,6 @@ def estimate_command(argv: list[str], launch_nodes: int = 1, launch_procs: int |
     from shardtune.estimate.recommend import checkpointing_note, recommend
     from shardtune.estimate.report import Estimate, estimate_dict, render_table
 
-    if "-h" in argv or "--help" in argv:
-        print(USAGE)
-        return 0
     args = split_estimate_args(argv)
     config, _ = load_config(args.config_argv)
     config, _ = with_deepspeed_sequence_parallel(config)  # its problems are `shardtune check`'s to report

@@ -11,12 +11,16 @@ import re
 from pathlib import Path
 
 from shardtune.arguments import CommandParser
+from shardtune.config.args import parse_subcommand, read_settings
 from shardtune.errors import ConfigError, ModelError
 from shardtune.paths import folder_problem
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+# The config keys `export FILE.yaml` reads (LLaMA-Factory's merge_lora keys); `export --help` lists them.
+FILE_KEYS = ("model_name_or_path", "adapter_name_or_path", "template", "export_dir", "export_size", "export_device",
+             "export_legacy_format", "save_dtype", "trust_remote_code")
 
 
 def parse_size(text: str) -> int:
@@ -32,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="shardtune export",
         description="Any checkpoint-<step> folder (any engine, any number of processes that wrote it), a run's "
                     "output or a LoRA adapter -> a Hugging Face model folder ready to serve (dtype, chat template, "
-                    "stop token). Or FILE.yaml with LLaMA-Factory's merge_lora keys.")
+                    "stop token). Or FILE.yaml with LLaMA-Factory's merge_lora keys (listed below), which the command "
+                    "line overrides as key=value or --key value.")
     parser.add_argument("source", help="checkpoint-<step> folder, a run's output_dir, or a YAML file")
     parser.add_argument("--out", help="folder to write: never the source or the base model; an existing folder "
                                       "only when it is an earlier export (or with --overwrite)")
@@ -50,12 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def export_command(args: list[str]) -> int:
-    if args and Path(args[0]).suffix in (".yaml", ".yml", ".json"):  # LLaMA-Factory's merge file, not a folder
-        if not Path(args[0]).exists():
-            raise ConfigError(f"export: config file not found: {args[0]}")
-        if Path(args[0]).is_file():
-            return export_file(args)
-    ns = build_parser().parse_args(args)
+    ns, settings = parse_subcommand(build_parser(), args, FILE_KEYS)
+    if Path(ns.source).suffix in (".yaml", ".yml", ".json"):  # LLaMA-Factory's merge file, not a folder
+        if not Path(ns.source).exists():
+            raise ConfigError(f"export: config file not found: {ns.source}")
+        if Path(ns.source).is_file():
+            return export_file(ns, settings)
+    if settings:  # each key checked as train checks it (a typo is named the same way), then refused here
+        given = ", ".join(read_settings(settings))
+        raise ConfigError(f"export: {given}: config keys are read from FILE.yaml (export FILE.yaml key=value); "
+                          "export SOURCE --out DIR takes its options (`shardtune export --help`)")
     if ns.out is None:
         raise ConfigError("export: --out DIR is required (or give a YAML file with export_dir)")
     from shardtune.export.convert import ExportOptions, export_model
@@ -72,13 +81,19 @@ def export_command(args: list[str]) -> int:
     return report(source, Path(ns.out), notes)
 
 
-def export_file(args: list[str]) -> int:
+def export_file(ns: argparse.Namespace, settings: list[str]) -> int:
     """LLaMA-Factory's ``llamafactory-cli export FILE``: the adapters of adapter_name_or_path merged into
     model_name_or_path (or that model alone), written to export_dir in shards of export_size GB."""
     from shardtune.config.args import load_config
     from shardtune.export.convert import ExportOptions, export_model
 
-    config, _ = load_config([arg for arg in args if arg != "--overwrite"])
+    folder_options = [f"--{name.replace('_', '-')}" for name in ("out", "merge_lora", "model", "finetuning_type",
+                                                                  "dtype", "max_shard_size") if getattr(ns, name)]
+    if folder_options:
+        raise ConfigError(f"export FILE.yaml: {', '.join(folder_options)}: options of export SOURCE --out DIR; here "
+                          "the file's keys say it (export_dir, export_size, save_dtype, model_name_or_path)")
+    template = [f"template={ns.template}"] if ns.template is not None else []  # a config key here
+    config, _ = load_config([ns.source, *template, *settings])
     problems = []
     if config.model_name_or_path is None:
         problems.append("model_name_or_path is required (the model, or the base of adapter_name_or_path)")
@@ -93,7 +108,7 @@ def export_file(args: list[str]) -> int:
     source = Path(adapters[-1] if adapters else config.model_name_or_path)
     options = ExportOptions(save_dtype=config.save_dtype, template=config.template, device=config.export_device,
                             max_shard_bytes=config.export_size * 10**9, trust_remote_code=config.trust_remote_code,
-                            overwrite="--overwrite" in args, out_name="export_dir")
+                            overwrite=ns.overwrite, out_name="export_dir")
     notes = export_model(source, Path(config.export_dir), base=config.model_name_or_path if adapters else None,
                          merge_lora=True, finetuning_type="lora" if adapters else None, options=options,
                          merged_first=tuple(adapters[:-1]))

@@ -19,20 +19,25 @@ from typing import Any, TextIO
 
 from shardtune import run_files
 from shardtune.arguments import CommandParser
+from shardtune.config.args import parse_subcommand
 from shardtune.config.schema import TrainConfig
 from shardtune.errors import ConfigError
 from shardtune.paths import folder_problem
 
 # What a chat takes from the run that trained the model (its resolved config).
 RUN_KEYS = ("template", "default_system", "enable_thinking", "tool_format", "trust_remote_code")
+# The config keys a chat reads (`shardtune chat --help` lists them): the model, its template, how to generate.
+CHAT_KEYS = (*RUN_KEYS, "model_name_or_path", "adapter_name_or_path", "infer_dtype", "do_sample", "temperature",
+             "top_p", "top_k", "num_beams", "max_new_tokens", "repetition_penalty", "length_penalty",
+             "skip_special_tokens")
 Message = dict[str, str]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(
         prog="shardtune chat", description="Talk to a trained model: a run's output, an adapter, a checkpoint-<step> "
-                                           "folder, an exported folder, or a LLaMA-Factory inference YAML. Generation "
-                                           "keys as key=value (temperature=0.3 max_new_tokens=256 do_sample=false).")
+                                           "folder, an exported folder, or a LLaMA-Factory inference YAML. Config "
+                                           "keys as key=value or --key value (temperature=0.3 --max_new_tokens 256).")
     parser.add_argument("model", help="model folder or YAML file")
     parser.add_argument("--prompt", help="answer this one message and exit")
     parser.add_argument("--file", help="answer each non-empty line of this file (each on its own) and exit")
@@ -43,11 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def chat_command(args: list[str]) -> int:
-    ns, overrides = build_parser().parse_known_args(args)
-    unknown = [arg for arg in overrides if "=" not in arg]
-    if unknown:
-        raise ConfigError(f"chat: unexpected argument(s) {unknown}; generation keys go as key=value")
-    session = open_session(ns.model, overrides, ns.base)
+    ns, settings = parse_subcommand(build_parser(), args, CHAT_KEYS)
+    session = open_session(ns.model, settings, ns.base)
     if ns.prompt is not None:
         session.answer([], ns.prompt, ns.system, sys.stdout)
         return 0

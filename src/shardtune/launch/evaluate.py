@@ -18,7 +18,7 @@ from shardtune.errors import ConfigError
 from shardtune.model.pretrained_adapters import adapter_method
 from shardtune.paths import folder_problem
 
-USAGE = ("usage: shardtune eval OUTPUT [CONFIG.yaml] [key=value ...] [--dry-run]\n\n"
+USAGE = ("usage: shardtune eval OUTPUT [CONFIG.yaml] [key=value ...] [--key value ...] [--dry-run]\n\n"
          "Generates answers for eval_dataset (else dataset) with the model in OUTPUT (a full model folder or a LoRA "
          "adapter) and scores them: OUTPUT/predict/generated_predictions.jsonl and predict_results.json.\n"
          "Without CONFIG.yaml the run's shardtune_config.json in OUTPUT gives the data, template and cutoff_len.\n"
@@ -29,16 +29,21 @@ RUN_KEYS = ("template", "default_system", "enable_thinking", "tool_format", "dat
 
 
 def eval_arguments(args: list[str]) -> list[str]:
-    """The ``train`` command line that evaluates OUTPUT: its config file and key=value overrides."""
-    if not args or args[0].startswith("-"):
+    """The ``train`` command line that evaluates OUTPUT: its config file and settings (key=value, --key value)."""
+    from shardtune.arguments import CommandParser
+    from shardtune.config.args import parse_command_line, split_settings
+
+    positional, overrides = split_settings(args, CommandParser(prog="shardtune eval"))
+    if not positional or positional[0].startswith("-"):
         raise ConfigError("eval: give the trained model folder first: " + USAGE.splitlines()[0])
-    output = Path(args[0])
+    output = Path(positional[0])
     if not output.is_dir():
-        raise ConfigError(output_folder_problem(args[0]))
-    rest = args[1:]
-    config_file = rest[0] if rest and not rest[0].startswith("-") and "=" not in rest[0] else None
-    overrides = rest[1:] if config_file else rest
-    given_out = given_output_dir(overrides)
+        raise ConfigError(output_folder_problem(positional[0]))
+    if len(positional) > 2:
+        raise ConfigError(f"eval: unexpected argument '{positional[2]}': " + USAGE.splitlines()[0])
+    config_file = positional[1] if len(positional) > 1 else None
+    given = parse_command_line(overrides).values.get("output_dir")
+    given_out = None if given is None else str(given)
     out = Path(given_out) if given_out else output / "predict"
     forced = [*model_overrides(output), "do_train=false", "do_predict=true", "predict_with_generate=true",
               "do_eval=false", "eval_strategy=no"]
@@ -54,19 +59,6 @@ def output_folder_problem(output: str) -> str:
                 f"{USAGE.splitlines()[0].removeprefix('usage: ')}")
     return folder_problem("eval", output, "the trained model folder first (a run's output_dir or an exported "
                                           "model)") or ""
-
-
-def given_output_dir(overrides: list[str]) -> str | None:
-    """output_dir from ``output_dir=X``, ``--output_dir X`` or ``--output-dir=X`` on the command line."""
-    for position, arg in enumerate(overrides):
-        name, sep, value = arg.lstrip("-").partition("=")
-        if name.replace("-", "_") != "output_dir":
-            continue
-        if sep:
-            return value
-        if arg.startswith("--") and position + 1 < len(overrides):
-            return overrides[position + 1]
-    return None
 
 
 def model_overrides(output: Path) -> list[str]:
@@ -107,7 +99,9 @@ def write_run_config(output: Path, folder: Path) -> Path:
 
 def eval_command(args: list[str]) -> int:
     if "-h" in args or "--help" in args:
-        print(USAGE)
+        from shardtune.config.args import keys_help
+
+        print(USAGE + "\n\n" + keys_help())
         return 0
     from shardtune.errors import debug_requested
     from shardtune.launch.preflight import plan_run

@@ -201,6 +201,7 @@ def job_name(config: Path) -> str:
 
 def k8s_command(args: list[str]) -> int:
     """`shardtune k8s CONFIG --nodes N --gpus-per-node G --image IMG [...] [key=value ...]`."""
+    from shardtune.config.args import parse_subcommand
     from shardtune.launch.preflight import preflight
 
     parser = CommandParser(prog="shardtune k8s", description="Validate CONFIG and write a Kubeflow "
@@ -217,7 +218,7 @@ def k8s_command(args: list[str]) -> int:
                              "least 120)")
     parser.add_argument("--out", help="file to write (default: <config name>.<kind>.yaml here)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    ns, overrides = parser.parse_known_args(args)
+    ns, overrides = parse_subcommand(parser, args)
     req = manifest_request(ns, overrides)
     plan = preflight([ns.config, *overrides], req.nodes, req.nproc_per_node)
     option = estimated_option(plan, req.gpus_per_node)

@@ -158,6 +158,7 @@ def submit(script: Path) -> str:
 
 def slurm_command(args: list[str]) -> int:
     """`shardtune slurm CONFIG --nodes N --gpus-per-node G [...] [key=value ...] [--submit]`."""
+    from shardtune.config.args import parse_subcommand
     from shardtune.launch.preflight import preflight
 
     parser = CommandParser(prog="shardtune slurm", description="Validate CONFIG and write an sbatch "
@@ -176,7 +177,7 @@ def slurm_command(args: list[str]) -> int:
     parser.add_argument("--script", help="file to write (default: <config name>.sbatch here)")
     parser.add_argument("--submit", action="store_true", help="submit it with sbatch and print the job id")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    ns, overrides = parser.parse_known_args(args)
+    ns, overrides = parse_subcommand(parser, args)
     req = sbatch_request(ns, overrides)
     plan = preflight([str(req.config), *overrides], req.nodes, req.nproc_per_node)
     option = estimated_option(plan, req.gpus_per_node)
