@@ -5,6 +5,8 @@ DeepSpeed calls) teaches users to skip the warnings that matter."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.conftest import run_cli
@@ -37,3 +39,7 @@ def test_two_process_run_prints_no_warning(engine, example, tiny_model_dir, tmp_
     assert "world size 2" in result.stdout + result.stderr
     warnings = warning_lines(result.stdout + result.stderr)
     assert warnings == [], f"{len(warnings)} warning line(s):\n" + "\n".join(warnings)
+    # ZeRO-3 builds the model partitioned: its count is of full sizes, not of the empty placeholders ("0 of 0").
+    counts = [(int(t.replace(",", "")), int(n.replace(",", "")))
+              for t, n in re.findall(r"trainable params ([\d,]+) of ([\d,]+)", result.stdout + result.stderr)]
+    assert counts and all(0 < trainable <= total for trainable, total in counts), counts

@@ -44,10 +44,11 @@ def apply_finetuning(model: Any, settings: FinetuningSettings) -> Any:
 
 
 def count_parameters(model: Any) -> tuple[int, int]:
-    """(trainable, total) parameter counts."""
+    """(trainable, total) parameter counts; a ZeRO-3 partitioned parameter (an empty placeholder on every rank)
+    counts its full size, ``ds_numel``."""
     trainable = total = 0
     for param in model.parameters():
-        n = param.numel()
+        n = int(getattr(param, "ds_numel", param.numel()))
         total += n
         if param.requires_grad:
             trainable += n
