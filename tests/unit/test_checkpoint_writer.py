@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from shardtune.engines.base import PrecisionSettings
-from shardtune.engines.checkpoint_writer import CheckpointWriter, staged
+from shardtune.engines.checkpoint_writer import CheckpointWriter, HostStaging, staged
 from shardtune.engines.local import LocalEngine
 from shardtune.train.checkpoint import DELETING_PREFIX, CheckpointSaver, load_checkpoint, rotate_checkpoints
 from shardtune.train.checkpoint_folders import complete_checkpoints, latest_checkpoint
@@ -130,3 +130,15 @@ def test_a_checkpoint_cut_off_while_deleted_is_never_picked(tmp_path):
     doomed.mkdir()
     (doomed / "COMPLETE").write_text("ok\n")
     assert latest_checkpoint(Path(tmp_path)) is None
+
+
+def test_later_stagings_fill_the_host_copies_of_the_first():
+    staging = HostStaging(pin=False)
+    live = {"w": torch.ones(3), "m": [torch.zeros(2)]}
+    first = staging.stage("optimizer.pt", live)
+    live["w"].add_(1)
+    second = staging.stage("optimizer.pt", live)
+    assert second["w"].data_ptr() == first["w"].data_ptr()  # no new allocation
+    assert torch.equal(second["w"], torch.full((3,), 2.0))
+    grown = staging.stage("optimizer.pt", {"w": torch.ones(4), "m": [torch.zeros(2)]})
+    assert grown["w"].shape == (4,) and grown["m"][0].data_ptr() == first["m"][0].data_ptr()

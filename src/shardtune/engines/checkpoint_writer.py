@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,24 +129,46 @@ def save_safetensors_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
         os.fsync(raw.fileno())
 
 
-def staged(obj: Any, pin: bool) -> Any:
+def staged(obj: Any, pin: bool, reuse: list[torch.Tensor] | None = None,
+           made: list[torch.Tensor] | None = None) -> Any:
     """``obj`` with every tensor copied into host memory of its own (pinned when ``pin``); containers rebuilt, other
-    values shared (they are configuration, not state the next step changes)."""
+    values shared (they are configuration, not state the next step changes). ``reuse``: host tensors of an earlier
+    staging of the same state, filled again where shape and dtype match (no allocation, no page faults); ``made``
+    receives every host tensor used, in order."""
+    made = [] if made is None else made
     if isinstance(obj, torch.Tensor):
         tensor = obj.detach()
-        if tensor.device.type == "cpu":
-            return tensor.clone()
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
-        host.copy_(tensor, non_blocking=pin)
+        index = len(made)
+        host = reuse[index] if reuse is not None and index < len(reuse) else None
+        if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin and tensor.device.type != "cpu")
+        host.copy_(tensor, non_blocking=pin and tensor.device.type != "cpu")
+        made.append(host)
         return host
     if isinstance(obj, dict):
-        entries = {key: staged(value, pin) for key, value in obj.items()}
+        entries = {key: staged(value, pin, reuse, made) for key, value in obj.items()}
         return collections.OrderedDict(entries) if isinstance(obj, collections.OrderedDict) else entries
     if isinstance(obj, list):
-        return [staged(value, pin) for value in obj]
+        return [staged(value, pin, reuse, made) for value in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(staged(value, pin) for value in obj)
+        return tuple(staged(value, pin, reuse, made) for value in obj)
     return obj
+
+
+class HostStaging:
+    """Host copies kept from one save to the next, one set per file name: a run's checkpoint has the same tensors
+    every time, so from the second save on staging is a copy into memory already mapped (the first save also pays
+    for allocating it). Held for the whole run: the one checkpoint per rank that async_save costs in host memory."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.slots: dict[str, list[torch.Tensor]] = {}
+
+    def stage(self, slot: str, obj: Any) -> Any:
+        made: list[torch.Tensor] = []
+        copy = staged(obj, self.pin, self.slots.get(slot), made)
+        self.slots[slot] = made
+        return copy
 
 
 @dataclass
@@ -163,6 +186,8 @@ class CheckpointWriter:
         self.background = background
         self.pin = pin
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "shardtune-checkpoint") if background else None
+        self._staging = HostStaging(pin)
+        self._held: list[Callable[[], None]] | None = None
         self._pending: list[concurrent.futures.Future] = []
         self._first_submit: float | None = None
         self._last_done: float | None = None
@@ -172,7 +197,7 @@ class CheckpointWriter:
         if self._pool is None:
             save_torch_file(obj, path)
             return
-        copy = staged(obj, self.pin)
+        copy = self._staging.stage(path.name, obj)  # the previous save's writes have ended (CheckpointSaver.save)
         self._synchronize_copies()
         self.submit(lambda: save_torch_file(copy, path))
 
@@ -180,19 +205,35 @@ class CheckpointWriter:
         if self._pool is None:
             save_safetensors_file(tensors, path)
             return
-        copy = staged(tensors, self.pin)
+        copy = self._staging.stage(path.name, tensors)
         self._synchronize_copies()
         self.submit(lambda: save_safetensors_file(copy, path))
 
     def submit(self, write: Callable[[], None]) -> None:
-        """Run ``write`` after the writes before it (at once when not in the background)."""
+        """Run ``write`` after the writes before it (at once when not in the background; inside ``staging``, once
+        the staging ends)."""
         if self._pool is None:
             write()
+            return
+        if self._held is not None:
+            self._held.append(write)
             return
         if self._first_submit is None:
             self._first_submit = time.perf_counter()
         future = self._pool.submit(self._timed, write)
         self._pending.append(future)
+
+    @contextlib.contextmanager
+    def staging(self) -> Iterator[None]:
+        """Stage a whole checkpoint before the thread writes any of it: the thread's serialising would compete for
+        the cores and memory bandwidth the copies need, and the copies are the time training is held."""
+        self._held = []
+        try:
+            yield
+        finally:
+            held, self._held = self._held, None
+            for write in held:
+                self.submit(write)
 
     def follow(self, future: Any) -> None:
         """A write another library runs in the background (torch's ``dcp.async_save``): waited for like ours."""

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -295,11 +296,22 @@ class FSDPEngine(DistributedMixin, TorchEngine):
             if writer.background:
                 # torch stages the shards into host memory, then plans and writes in a thread; its collectives go
                 # through a gloo group of their own, never the one the training steps use meanwhile.
-                writer.follow(dcp.async_save(state, checkpoint_id=folder, process_group=self._save_group()))
+                writer.follow(dcp.async_save(state, checkpoint_id=folder, process_group=self._save_group(),
+                                             async_stager=self._stager()))
             else:
                 dcp.save(state, checkpoint_id=folder)
         if self.is_main:
             writer.save_torch(self.scheduler_state(), ckpt_dir / SCHEDULER_FILE)
+
+    def _stager(self) -> DefaultStager:
+        """torch's stager, kept for the run: it keeps its host copies from one save to the next (pinned on a GPU),
+        so later saves copy into memory already there. The next save waits for the previous one's writes."""
+        if getattr(self, "_checkpoint_stager", None) is None:
+            pinned = self.device.type == "cuda"
+            self._checkpoint_stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                                                   use_async_staging=False,
+                                                                   use_non_blocking_copy=False))
+        return self._checkpoint_stager
 
     def _save_group(self) -> dist.ProcessGroup:
         """The process group background checkpoint writes coordinate over (made once, by every rank together: the

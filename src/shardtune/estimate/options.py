@@ -64,7 +64,7 @@ def ddp_checkpoint(c: Context) -> CheckpointShare:
 
 def lora_bases_in_compute_dtype(c: Context) -> int:
     """Parameters one process and DDP keep in the autocast dtype: the frozen bases of plain LoRA layers
-    (model/adapters.py, store_frozen_bases_in); DoRA and quantized bases keep theirs."""
+    (model/finetuning/lora.py, store_frozen_bases_in); DoRA and quantized bases keep theirs."""
     w = c.workload
     if w.finetuning_type != "lora" or not w.mixed_precision or w.use_dora or w.quantization_bit is not None:
         return 0

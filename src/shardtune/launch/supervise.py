@@ -74,8 +74,14 @@ def run_planned(plan: RunPlan, commands: list[list[str]], use_torchrun: bool, co
     check_nodes(launch, run_plan_dict(plan), plan.scheduler)
     write_run_plan(plan)
     gathers_parameters = spec_for(plan.engine.kind).gathers_parameters(plan.engine)
+    started = time.time()
     code = run_torchrun(commands[launch.node_rank], launch, plan.run_dir, debug, gathers_parameters,
                         stop_grace=plan.config.ddp_timeout + STOP_GRACE_MARGIN)
+    if code == 0 and stopped_elsewhere(plan.run_dir, started):
+        # Another node (a pod its scheduler deleted) asked the job to stop: every node's ranks saved and stopped,
+        # and this node too must not report a finished run, or its scheduler would not requeue the job.
+        print("[shardtune] the job was stopped from another node; exiting for a requeue", file=sys.stderr, flush=True)
+        code = REQUEUE_EXIT_CODE
     if code not in (0, INTERRUPTED_EXIT_CODE, REQUEUE_EXIT_CODE) and launch.nnodes > 1:
         remedy = (f"check that {plan.scheduler} started one shardtune on each of the {launch.nnodes} nodes"
                   if plan.scheduler else f"start every node with NNODES={launch.nnodes}, "
@@ -83,6 +89,22 @@ def run_planned(plan: RunPlan, commands: list[list[str]], use_torchrun: bool, co
         print(f"shardtune: error: the job failed (exit code {code}); if the log shows a rendezvous timeout, a node "
               f"never joined: {remedy}", file=sys.stderr)
     return code
+
+
+def stopped_elsewhere(run_dir: Path, since: float) -> bool:
+    """Whether this attempt's ranks ended on a stop request (rank 0's last record: an interrupted end)."""
+    from shardtune.train.rank_log import rank_log_path
+
+    try:
+        with open(rank_log_path(run_dir, 0), "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - 4096))
+            last = handle.read().decode("utf-8", "replace").strip().splitlines()[-1]
+        record = json.loads(last)
+    except (OSError, IndexError, ValueError):
+        return False
+    return (isinstance(record, dict) and record.get("event") == "end" and record.get("interrupted") is True
+            and float(record.get("time", 0)) >= since)
 
 
 def write_launch_commands(run_dir: Path, command_line: list[str] | None, commands: list[list[str]],

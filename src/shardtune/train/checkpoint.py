@@ -97,11 +97,12 @@ class CheckpointSaver:
             prepare_checkpoint_folder(path, self.output_dir)
         self.engine.barrier()
         fault_point("stage")
-        if model_only:
-            self.engine.save_model(path)  # Hugging Face files, written at once (async_save refuses model-only)
-        else:
-            self.engine.save_state(path, self.writer)
-        self.writer.save_torch(rng_state(), path / f"rank{self.engine.rank}_{RNG_FILE}")
+        with self.writer.staging():
+            if model_only:
+                self.engine.save_model(path)  # Hugging Face files, written at once (async_save refuses model-only)
+            else:
+                self.engine.save_state(path, self.writer)
+            self.writer.save_torch(rng_state(), path / f"rank{self.engine.rank}_{RNG_FILE}")
         fault_point("staged")
         self.pending = PendingCheckpoint(path, state.to_dict(), model_only, time.perf_counter() - started)
         if not self.writer.background:
