@@ -171,6 +171,12 @@ class HostStaging:
         return copy
 
 
+def _lower_priority() -> None:
+    """The writer thread yields the cores to the training step: a checkpoint waits, a step holds every rank."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # Linux: a thread's own nice value
+
+
 @dataclass
 class SaveTimes:
     """What one save cost this rank: seconds the training was held, and seconds the files took to write."""
@@ -185,7 +191,8 @@ class CheckpointWriter:
     def __init__(self, background: bool, pin: bool = False) -> None:
         self.background = background
         self.pin = pin
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, "shardtune-checkpoint") if background else None
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            1, "shardtune-checkpoint", initializer=_lower_priority) if background else None
         self._staging = HostStaging(pin)
         self._held: list[Callable[[], None]] | None = None
         self._pending: list[concurrent.futures.Future] = []

@@ -139,7 +139,8 @@ class CheckpointSaver:
         if int(failures[0]):
             raise RuntimeError(f"checkpoint {pending.path}: another rank's write failed (its log says why); the "
                                "latest complete checkpoint stays the one to resume from")
-        times = SaveTimes(pending.blocked_seconds, written)
+        # Without a background writer the files were written inside the save: its held time is their write time.
+        times = SaveTimes(pending.blocked_seconds, written if self.writer.background else pending.blocked_seconds)
         if self.engine.is_main:
             complete_checkpoint(pending, self.output_dir, self.save_total_limit, times, self.writer.background)
         self.engine.barrier()
