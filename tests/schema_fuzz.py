@@ -128,6 +128,21 @@ def config_cases(seed: int) -> list[Case]:
     return cases
 
 
+def mapped_key_cases() -> list[Case]:
+    """Every key another project spells (config/compat.py MAPPED: LLaMA-Factory, the Trainer, torchtitan, axolotl)
+    with values of the wrong kind: it is translated or refused in a line naming it or what it becomes."""
+    from shardtune.config.compat import MAPPED
+
+    known = {f.name for f in config_fields()}
+    cases = []
+    for key, mapped in sorted(MAPPED.items()):
+        targets = tuple(word.strip("(),:;'`") for word in mapped.becomes.split())
+        culprits = (key, *[t for t in targets if t in known])
+        for label, value in (("word", "sometimes"), ("number", 7), ("list", [1, "x"]), ("mapping", {"a": 1})):
+            cases.append(Case(f"mapped-{key}-{label}", {key: value}, culprits))
+    return cases
+
+
 # Features a run switches on, each with the value that switches it on.
 FEATURES: dict[str, Any] = {
     "packing": True, "neat_packing": True, "sequence_parallel_size": 2, "mixture_of_depths": "convert",
@@ -137,7 +152,8 @@ FEATURES: dict[str, Any] = {
     "quantization_bit": 4, "enable_liger_kernel": True, "use_unsloth": True, "shift_attn": True,
     "train_on_prompt": True, "mask_history": True, "padding_free": True, "attn_implementation": "varlen",
     "finetuning_type": "freeze", "do_predict": True, "val_size": 0.1, "report_to": "tensorboard",
-    "optim": "sgd", "resize_vocab": True, "flash_attn": "fa2", "use_adam_mini": True,
+    "optim": "sgd", "resize_vocab": True, "flash_attn": "fa2", "use_adam_mini": True, "async_save": True,
+    "save_only_model": True,
 }
 STAGES = ("pt", "dpo", "kto", "rm")
 ENGINES: dict[str, dict[str, Any]] = {"zero3": {"deepspeed": "z3"}, "zero2_offload": {"deepspeed": "z2_offload"},

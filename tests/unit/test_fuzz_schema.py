@@ -36,6 +36,7 @@ from tests.schema_fuzz import (
     OTHER_FORMAT,
     Case,
     config_cases,
+    mapped_key_cases,
     pair_cases,
     sequence_parallel_refusal_cases,
 )
@@ -44,7 +45,7 @@ SEED = int(os.environ.get("SHARDTUNE_FUZZ_SEED", "20261129"))
 MAX_LINES = 8  # "a few lines": a mistake and what follows from it
 HANG_SECONDS = 60
 TRAIN_SECONDS = 300  # one step, compiled ones included, on a loaded 2-core machine: a hang, not a slow step
-CASES = config_cases(SEED)
+CASES = config_cases(SEED) + mapped_key_cases()
 PAIRS_FAST = pair_cases(SEED, 120)
 PAIRS_MATRIX = pair_cases(SEED + 1, 1200)
 TRAIN_SAMPLE_FAST, TRAIN_SAMPLE_MATRIX = 8, 80

@@ -112,9 +112,9 @@ def resolve_fsdp_settings(fsdp: Any, fsdp_config: dict[str, Any] | None) -> tupl
 
 def _convert(key: str, value: Any) -> Any:
     if key == "version":
-        if int(value) not in (1, 2):
+        if _whole(value) not in (1, 2):
             raise ValueError(f"{value!r} must be 1 or 2")
-        return int(value)
+        return _whole(value)
     if key == "reshard_after_forward":
         return "FULL_SHARD" if _to_bool(value) else "SHARD_GRAD_OP"
     if key == "sharding_strategy":
@@ -126,11 +126,26 @@ def _convert(key: str, value: Any) -> Any:
     if key == "backward_prefetch":
         return _choice(value, PREFETCH)
     if key == "transformer_layer_cls_to_wrap":
+        if not isinstance(value, (str, list, tuple)):
+            raise ValueError(f"{value!r}: give layer class names, e.g. LlamaDecoderLayer (comma separated or a list)")
         items = value.split(",") if isinstance(value, str) else list(value)
         return tuple(str(v).strip() for v in items if str(v).strip())
     if key in ("min_num_params", "hsdp_shard_size"):
-        return int(value)
+        return _whole(value)
     return _to_bool(value)
+
+
+def _whole(value: Any) -> int:
+    """A whole number, written as one (1e8 and "100000000" too); anything else is the key's problem, in a line."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{value!r} is not a whole number")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a whole number") from None
+    if not number.is_integer():
+        raise ValueError(f"{value!r} is not a whole number")
+    return int(number)
 
 
 def _choice(value: Any, allowed: tuple[str, ...], numbered: bool = False) -> str:
