@@ -286,6 +286,12 @@ def test_k8s_command_writes_a_manifest(tmp_path, tiny_model_dir):
     job = list(yaml.safe_load_all(out.read_text()))[1]
     assert {r["template"]["spec"]["terminationGracePeriodSeconds"]
             for r in job["spec"]["pytorchReplicaSpecs"].values()} == {900}
+    # The example overwrites its output_dir: a pod recreated after a preemption would delete the checkpoints.
+    assert "overwrite_output_dir (true): a pod recreated after a preemption" in done.stderr
+    done = run_cli("k8s", "examples/tiny/sft_full.yaml", "--nodes", "2", "--gpus-per-node", "0",
+                   "--nproc-per-node", "2", "--image", "shardtune:dev", "--out", str(out),
+                   f"model_name_or_path={tiny_model_dir}", "overwrite_output_dir=false")
+    assert done.returncode == 0 and "overwrite_output_dir" not in done.stderr, done.stderr
 
 
 def test_k8s_command_validates_the_config_first(tmp_path):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -221,6 +222,11 @@ def k8s_command(args: list[str]) -> int:
     ns, overrides = parse_subcommand(parser, args)
     req = manifest_request(ns, overrides)
     plan = preflight([ns.config, *overrides], req.nodes, req.nproc_per_node)
+    if plan.config.overwrite_output_dir:
+        # A pod recreated after a preemption cannot tell it is a second attempt (Slurm's requeue can).
+        print("shardtune: warning: overwrite_output_dir (true): a pod recreated after a preemption would start "
+              "afresh and delete the run's checkpoints; set it to false for a job that may be preempted",
+              file=sys.stderr)
     option = estimated_option(plan, req.gpus_per_node)
     seconds, source = stop_warning(ns.grace_seconds, "--grace-seconds", estimated_checkpoint_bytes(option))
     req = replace(req, resources=node_resources(ns.cpus_per_node, ns.memory_per_node, req.nproc_per_node,
