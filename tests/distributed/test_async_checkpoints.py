@@ -23,9 +23,18 @@ ENGINES = {
     "zero3": ("deepspeed=z3",),
     "fsdp2": ("fsdp=full_shard auto_wrap",),
 }
+# FULL_STATE_DICT (gathered on rank 0, staged there) under FSDP1 and FSDP2: full fine-tuning only. FSDP1's sharded
+# state dict (ShardedTensors) is refused with async_save before launch (torch's stager cannot copy them).
+OTHER_LAYOUTS = {
+    "fsdp1_full_state_dict": ("fsdp=full_shard auto_wrap",
+                              "fsdp_config={'fsdp_version': 1, 'fsdp_state_dict_type': 'FULL_STATE_DICT'}"),
+    "fsdp2_full_state_dict": ("fsdp=full_shard auto_wrap", "fsdp_config={'fsdp_state_dict_type': 'FULL_STATE_DICT'}"),
+}
 IN_MAKE_TEST = {"ddp-full", "zero3-lora"}  # the rest: make test-matrix
 CELLS = [pytest.param(engine, method, marks=() if f"{engine}-{method}" in IN_MAKE_TEST else pytest.mark.matrix,
                       id=f"{engine}-{method}") for engine in ENGINES for method in ("full", "lora")]
+CELLS += [pytest.param(engine, "full", marks=pytest.mark.matrix, id=f"{engine}-full") for engine in OTHER_LAYOUTS]
+ENGINES.update(OTHER_LAYOUTS)
 
 
 def train(model: Path, out: Path, nproc: int, *extra: str, overwrite: bool = True):

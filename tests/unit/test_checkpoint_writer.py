@@ -142,3 +142,17 @@ def test_later_stagings_fill_the_host_copies_of_the_first():
     assert torch.equal(second["w"], torch.full((3,), 2.0))
     grown = staging.stage("optimizer.pt", {"w": torch.ones(4), "m": [torch.zeros(2)]})
     assert grown["w"].shape == (4,) and grown["m"][0].data_ptr() == first["m"][0].data_ptr()
+
+
+@pytest.mark.parametrize(("version", "state_dict_type", "refused"), [
+    (1, "SHARDED_STATE_DICT", True), (1, "FULL_STATE_DICT", False), (2, "SHARDED_STATE_DICT", False)])
+def test_async_save_is_refused_only_where_torch_cannot_stage_the_shards(version, state_dict_type, refused):
+    from shardtune.config.load import build_config
+    from shardtune.engines.plan import plan_engine
+
+    config = build_config({"model_name_or_path": "m", "output_dir": "o", "fsdp": "full_shard auto_wrap",
+                           "async_save": True, "fsdp_config": {"fsdp_version": version,
+                                                              "fsdp_state_dict_type": state_dict_type}})
+    _, problems = plan_engine(config, 2, has_cuda=False)
+    said = [p for p in problems if "async_save" in p]
+    assert bool(said) is refused and all("fsdp_version" in p for p in said), problems

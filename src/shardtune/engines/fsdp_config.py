@@ -110,6 +110,15 @@ def resolve_fsdp_settings(fsdp: Any, fsdp_config: dict[str, Any] | None) -> tupl
     return settings, problems + settings_problems(settings)
 
 
+def fsdp_async_save_problems(async_save: bool, settings: FsdpSettings) -> list[str]:
+    """FSDP1's sharded state dict holds ShardedTensors, which torch's asynchronous checkpoint cannot stage."""
+    if async_save and settings.version == 1 and settings.state_dict_type == "SHARDED_STATE_DICT":
+        return ["async_save (true) with fsdp_version 1 and fsdp_state_dict_type SHARDED_STATE_DICT: FSDP1's shards "
+                "are ShardedTensors, which torch's asynchronous checkpoint cannot copy to host memory; use "
+                "fsdp_version: 2, or fsdp_state_dict_type: FULL_STATE_DICT, or remove async_save"]
+    return []
+
+
 def _convert(key: str, value: Any) -> Any:
     if key == "version":
         if _whole(value) not in (1, 2):

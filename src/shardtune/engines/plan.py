@@ -7,7 +7,12 @@ from typing import Any
 from shardtune.config.schema import TrainConfig
 from shardtune.engines import deepspeed_config, fsdp_config, replicated
 from shardtune.engines.engine_plan import EnginePlan
-from shardtune.engines.fsdp_config import fsdp1_qlora_problems, is_fsdp_requested, resolve_fsdp_settings
+from shardtune.engines.fsdp_config import (
+    fsdp1_qlora_problems,
+    fsdp_async_save_problems,
+    is_fsdp_requested,
+    resolve_fsdp_settings,
+)
 from shardtune.engines.spec import EngineSpec
 from shardtune.model.folder import pre_quantized_method
 
@@ -57,7 +62,8 @@ def _plan_fsdp(c: TrainConfig, world_size: int) -> tuple[EnginePlan, list[str]]:
     if isinstance(fsdp_config, str):
         fsdp_config, problems = _load_fsdp_config_file(fsdp_config, world_size)
     settings, more = resolve_fsdp_settings(c.fsdp, fsdp_config)
-    return EnginePlan("fsdp", fsdp=settings), problems + more + fsdp1_qlora_problems(c, settings, world_size)
+    return EnginePlan("fsdp", fsdp=settings), problems + more + fsdp1_qlora_problems(c, settings, world_size) + \
+        fsdp_async_save_problems(c.async_save, settings)
 
 
 def _load_fsdp_config_file(path: str, world_size: int) -> tuple[dict[str, Any], list[str]]:
