@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from shardtune import versions
 from shardtune.config.load import build_config
 from shardtune.data.collator import DataCollator, block_causal_mask
 from shardtune.data.settings import packs_half_rows, packs_sample_boundaries
@@ -216,12 +217,12 @@ def test_a_torch_without_varlen_attn_is_refused_on_a_gpu(monkeypatch) -> None:
     from shardtune.model import attention
 
     assert attention.varlen_device_problem(VARLEN, has_cuda=True, half_precision=True) is None
-    monkeypatch.setattr(attention, "torch_version", lambda: "2.9.1+cu128")
+    monkeypatch.setattr(versions, "installed_version", lambda name: "2.9.1+cu128")
     problem = attention.varlen_device_problem(VARLEN, has_cuda=True, half_precision=True)
     assert problem is not None and "2.9.1+cu128 lacks" in problem
     assert attention.varlen_device_problem(VARLEN, has_cuda=False, half_precision=False) is None
     assert choose_attention(AUTO, support(), flash_usable=False, model="m",
-                            varlen_usable=attention.varlen_installed()).kernel == "sdpa"
+                            varlen_usable=versions.varlen_attn_available()).kernel == "sdpa"
 
 
 @pytest.mark.matrix  # about a minute of inductor compilation on 2 cores: make test-matrix

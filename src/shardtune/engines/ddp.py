@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -12,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shardtune.engines.base import PrecisionSettings
 from shardtune.engines.distributed import DistContext, DistributedMixin
 from shardtune.engines.torch_native import TorchEngine
+from shardtune.versions import ddp_no_forward_buffer_sync
 
 if TYPE_CHECKING:
     from shardtune.config.schema import TrainConfig
@@ -54,8 +54,9 @@ class DDPEngine(DistributedMixin, TorchEngine):
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         if not self.find_unused_parameters:
             self.find_unused_parameters = self._freeze_unreached(model)
+        no_buffer_sync = ddp_no_forward_buffer_sync(DistributedDataParallel)
         return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=self.find_unused_parameters,
-                                       gradient_as_bucket_view=True, **no_forward_buffer_sync())
+                                       gradient_as_bucket_view=True, **no_buffer_sync)
 
     def _freeze_unreached(self, model: torch.nn.Module) -> bool:
         """Freeze the parameters the LM loss never reaches (model/gradient_probe.py): DDP then waits for none of
@@ -104,13 +105,3 @@ class DDPEngine(DistributedMixin, TorchEngine):
         self.wrapped()  # raises unless the model is DistributedDataParallel
         if dist.get_world_size() != self.ctx.world_size:
             raise RuntimeError(f"engine ddp: world size {dist.get_world_size()} != expected {self.ctx.world_size}")
-
-
-def no_forward_buffer_sync() -> dict[str, Any]:
-    """DDP's switch for the buffer broadcast before each forward, as the installed torch names it: torch 2.13 added
-    ``forward_sync_buffers`` and deprecated ``broadcast_buffers``; earlier versions (2.11 on the GPU machines seen)
-    know only ``broadcast_buffers``, which also leaves buffers out of the initial sync: harmless here, as every
-    rank builds the same constant buffers."""
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
-        return {"forward_sync_buffers": False}
-    return {"broadcast_buffers": False}

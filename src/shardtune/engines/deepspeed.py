@@ -43,6 +43,7 @@ from shardtune.model.saved import (
     saved_weights_problem,
 )
 from shardtune.optim.build import split_decay_groups
+from shardtune.versions import current_collectives
 from shardtune.world import WorldLayout
 
 if TYPE_CHECKING:
@@ -419,10 +420,11 @@ def use_current_collective_names(backend: Any) -> None:
     old names call the new ones, with the same arguments) and warns on every call, on every rank. Where torch has
     only the old names, or DeepSpeed no such attributes, nothing changes.
     """
-    renamed = {"all_gather_function": "all_gather_single", "reduce_scatter_function": "reduce_scatter_single"}
-    for attribute, current in renamed.items():
-        if getattr(backend, attribute, None) is not None and hasattr(dist, current):
-            setattr(backend, attribute, getattr(dist, current))
+    current = current_collectives(dist)
+    attributes = {"all_gather_function": "all_gather_into_tensor", "reduce_scatter_function": "reduce_scatter_tensor"}
+    for attribute, old in attributes.items():
+        if getattr(backend, attribute, None) is not None and old in current:
+            setattr(backend, attribute, current[old])
 
 
 def apply_zero3_moe_leaves(model: torch.nn.Module) -> list[str]:

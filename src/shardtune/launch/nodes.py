@@ -21,7 +21,6 @@ import socket
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from shardtune.host import local_available_memory, visible_gpu_count, visible_gp
 from shardtune.launch import env as launch_env
 from shardtune.launch import kubernetes
 from shardtune.launch.torchrun import LaunchPlan
+from shardtune.versions import installed_version
 
 # Facts every node must share, in the order a difference is reported; a difference stops the job.
 EQUAL_FIELDS = ("shardtune", "code_hash", "python", "torch", "cuda", "nccl", "transformers", "deepspeed", "peft",
@@ -123,10 +123,7 @@ def _gib(size: int | None) -> str:
 
 
 def package_version(name: str) -> str:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "not installed"
+    return installed_version(name) or "not installed"
 
 
 def shardtune_version() -> str:

@@ -15,12 +15,12 @@ layers get the window on top of the sample boundaries. ``layer_windows`` reads t
 from __future__ import annotations
 
 import importlib.util
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardtune import versions
 from shardtune.data.settings import VARLEN, takes_offsets
 from shardtune.errors import ModelError
 from shardtune.model.composite import image_text_class_name
@@ -178,7 +178,7 @@ def auto_choice(config: Mapping[str, Any], *, has_cuda: bool, model: str, splits
     rows with sample boundaries in bf16 or fp16 (data/settings.py ``packs_half_rows``)."""
     return choose_attention(AUTO, kernel_support(config), flash_usable=flash_available(has_cuda), model=model,
                             splits_sequences=splits_sequences,
-                            varlen_usable=has_cuda and packed_half_rows and varlen_installed())
+                            varlen_usable=has_cuda and packed_half_rows and versions.varlen_attn_available())
 
 
 def kernel_problem(kernel: str, support: KernelSupport | None, model: str) -> str | None:
@@ -224,29 +224,14 @@ def varlen_device_problem(kernel: str, *, has_cuda: bool, half_precision: bool) 
     """On a CUDA GPU varlen runs torch's varlen_attn: torch 2.10 or later, bf16 or fp16."""
     if kernel != VARLEN or not has_cuda:
         return None
-    if not varlen_installed():
-        return (f"attn_implementation (varlen) on a CUDA GPU runs torch's varlen_attn, which torch "
-                f"{torch_version() or '(not installed)'} lacks (2.10 or later has it); use attn_implementation: sdpa")
+    if not versions.varlen_attn_available():
+        found = versions.installed_version("torch") or "(not installed)"
+        return (f"attn_implementation (varlen) on a CUDA GPU runs torch's varlen_attn, which torch {found} lacks "
+                "(2.10 or later has it); use attn_implementation: sdpa")
     if not half_precision:
         return ("attn_implementation (varlen) on a CUDA GPU runs the flash kernel, which takes bf16 or fp16 only; "
                 "set bf16: true (or fp16: true), or use attn_implementation: sdpa")
     return None
-
-
-def torch_version() -> str | None:
-    """The installed torch's version, read from its metadata (importing torch takes seconds)."""
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def varlen_installed() -> bool:
-    """torch.nn.attention.varlen (torch 2.10 and later)."""
-    found = re.match(r"(\d+)\.(\d+)", torch_version() or "")
-    return found is not None and (int(found[1]), int(found[2])) >= (2, 10)
 
 
 def layer_windows(config: Any) -> dict[str, int | None]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.errors import ModelError
+from shardtune.versions import installed_version
 
 CONFIG_FILE = "config.json"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -101,7 +102,7 @@ def _config_problems(path: Path) -> list[str]:
         return [f"{path} has no model_type, so transformers cannot tell the architecture; {_REMEDY}"]
     if "auto_map" not in data and not _is_known_model_type(str(model_type)):  # (auto_map: the model's own code)
         return [f"{path}: model_type {model_type!r} is not known to the installed transformers "
-                f"{_transformers_version()}{_closest_model_type(str(model_type))}; fix config.json, or install the "
+                f"{_transformers()}{_closest_model_type(str(model_type))}; fix config.json, or install the "
                 "transformers release that added it"]
     if "auto_map" not in data:
         return (untrainable_problems(path, str(model_type), data)
@@ -162,7 +163,7 @@ def _no_causal_lm_problems(path: Path, model_type: str, data: dict[str, Any]) ->
     if not table("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES") or causal_lm_class_name(model_type) \
             or image_text_class_name(data):
         return []  # an unreadable table decides nothing
-    return [f"{path}: model_type {model_type!r} has no causal-LM class in transformers {_transformers_version()} "
+    return [f"{path}: model_type {model_type!r} has no causal-LM class in transformers {_transformers()} "
             "(AutoModelForCausalLM cannot build it); shardtune fine-tunes causal LMs: use a decoder LM checkpoint"]
 
 
@@ -182,13 +183,8 @@ def _closest_model_type(model_type: str) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _transformers_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("transformers")
-    except PackageNotFoundError:
-        return "(not installed)"
+def _transformers() -> str:
+    return installed_version("transformers") or "(not installed)"
 
 
 def _tokenizer_problems(folder: Path) -> list[str]:

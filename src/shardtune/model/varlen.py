@@ -20,14 +20,13 @@ for a kernel it has no mask function for, so the function sees the offsets and n
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from shardtune.data.settings import VARLEN
+from shardtune.versions import varlen_attn_keywords
 
 
 def register_varlen() -> None:
@@ -112,7 +111,7 @@ def gpu_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch
                scaling: float | None, window: int | None) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
-    q, k, v, options = kernel_arguments(varlen_parameters(), q, k, v, scaling, window)
+    q, k, v, options = kernel_arguments(varlen_attn_keywords(), q, k, v, scaling, window)
     out = varlen_attn(q, k, v, offsets, offsets, longest, longest, **options)
     assert isinstance(out, torch.Tensor)
     return out
@@ -142,15 +141,6 @@ def kernel_arguments(takes: frozenset[str], q: torch.Tensor, k: torch.Tensor, v:
     elif q.shape[1] != k.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     return q, k, v, options
-
-
-@functools.cache
-def varlen_parameters() -> frozenset[str]:
-    """The keywords the installed torch's varlen_attn takes: it gained sliding windows, a scale and GQA after its
-    first release (torch 2.10), and the GPU machines run the torch they come with."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    return frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def per_sample_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, offsets: torch.Tensor,
