@@ -272,6 +272,11 @@ def test_form_launch_is_live_flags_a_straggler_reattaches_and_stops(driver, web_
                                        ".map((r) => [r.dataset.name, r.dataset.complete])"))
     on_disk = {p.name: "1" if (p / "COMPLETE").is_file() else "0" for p in out.glob("checkpoint-*")}
     assert shown == on_disk and shown
+    # What each complete save held training for, and its write, as rank 0's marker recorded them.
+    costs = driver.execute_script("return Array.from(document.querySelectorAll("
+                                  "'#checkpoint-table tbody tr[data-complete=\"1\"] td:nth-child(5)'))"
+                                  ".map((c) => c.textContent)")
+    assert costs and all(re.fullmatch(r"\d+\.\d\d s / \d+\.\d\d s", c) for c in costs), costs
     screenshot(driver, "web-run-stopped")
     driver.get(web_url + "#/")
     wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, '#runs tr[data-run-id="outputs/live"]'), 20, "the runs list")
