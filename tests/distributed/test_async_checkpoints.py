@@ -30,7 +30,7 @@ OTHER_LAYOUTS = {
                               "fsdp_config={'fsdp_version': 1, 'fsdp_state_dict_type': 'FULL_STATE_DICT'}"),
     "fsdp2_full_state_dict": ("fsdp=full_shard auto_wrap", "fsdp_config={'fsdp_state_dict_type': 'FULL_STATE_DICT'}"),
 }
-IN_MAKE_TEST = {"ddp-full", "zero3-lora"}  # the rest: make test-matrix
+IN_MAKE_TEST = {"zero3-lora"}  # the rest: make test-matrix
 CELLS = [pytest.param(engine, method, marks=() if f"{engine}-{method}" in IN_MAKE_TEST else pytest.mark.matrix,
                       id=f"{engine}-{method}") for engine in ENGINES for method in ("full", "lora")]
 CELLS += [pytest.param(engine, "full", marks=pytest.mark.matrix, id=f"{engine}-full") for engine in OTHER_LAYOUTS]
@@ -79,7 +79,8 @@ def test_async_save_trains_like_sync_and_each_checkpoint_resumes_the_curve(engin
             assert resumed[later] == pytest.approx(expected[later], rel=1e-5), (step, later, resumed, expected)
 
 
-@pytest.mark.parametrize("engine", [pytest.param("zero2"), pytest.param("fsdp2", marks=pytest.mark.matrix)])
+@pytest.mark.matrix
+@pytest.mark.parametrize("engine", ["zero2", "fsdp2"])
 def test_an_async_checkpoint_of_two_processes_resumes_on_one(engine, tiny_model_dir, tmp_path):
     background = tmp_path / "async"
     train(tiny_model_dir, background, 2, *ENGINES[engine], "async_save=true")

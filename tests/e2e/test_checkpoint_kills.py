@@ -36,8 +36,7 @@ INSTANTS = {
     "after-marker#2": 4,  # marked complete, checkpoint-2 not yet rotated out
     "rotate#1": 4,  # checkpoint-2 renamed out of the way, not yet deleted
 }
-IN_MAKE_TEST = {("async", "write-file#6"), ("async", "before-marker#2"), ("async", "rotate#1"),
-                ("sync", "after-marker#2")}
+IN_MAKE_TEST = {("async", "write-file#6"), ("sync", "before-marker#2")}  # the rest: make test-matrix
 
 
 def cells():

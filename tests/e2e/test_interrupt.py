@@ -103,7 +103,8 @@ def losses_by_step(out: Path) -> dict[int, float]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGUSR1], ids=["sigterm", "sigusr1"])
+@pytest.mark.parametrize("stop_signal", [pytest.param(signal.SIGTERM, marks=pytest.mark.matrix), signal.SIGUSR1],
+                         ids=["sigterm", "sigusr1"])
 def test_a_preemption_signal_during_an_async_save_finishes_it_and_the_requeued_run_continues_the_curve(
         stop_signal, tiny_model_dir, tmp_path):
     """Under torchrun with 2 processes: the signal arrives while rank 0 is held inside the save of checkpoint-5.
