@@ -8,7 +8,8 @@
 #   env            nvidia-smi, versions, imports, a 4-bit bitsandbytes product on the GPU      (~1 min)
 #   tests-engines  tests/gpu/test_engines.py: local, DDP, FSDP2, FSDP1, ZeRO-2, ZeRO-3 in bf16, and the
 #                  split attention on the flash kernel (test_sequence_parallel_gpu.py), an image-text LoRA
-#                  SFT in bf16 (test_image_text_gpu.py)                                          (~7 min)
+#                  SFT in bf16 (test_image_text_gpu.py), async_save staged in pinned memory on the
+#                  local engine, FSDP2 and ZeRO-3 (test_async_save_gpu.py)                       (~8 min)
 #   tests-qlora    tests/gpu/test_qlora.py + tests/unit/test_fsdp_qlora.py (bitsandbytes)       (~4 min)
 #   tests-families tests/gpu/test_todays_families_gpu.py: Qwen3-Next, Qwen3.5-MoE, DeepSeek-V4, Nemotron-H and
 #                  Qwen3-MoE under FSDP2 and ZeRO-3 in bf16 against one process                  (~5 min)
@@ -155,7 +156,7 @@ install_wheels
 status=0
 case "$STEP" in
   env)           run_step env env_report || status=$? ;;
-  tests-engines) run_step tests-engines run_pytest -m gpu tests/gpu/test_engines.py tests/gpu/test_sequence_parallel_gpu.py tests/gpu/test_image_text_gpu.py || status=$? ;;
+  tests-engines) run_step tests-engines run_pytest -m gpu tests/gpu/test_engines.py tests/gpu/test_sequence_parallel_gpu.py tests/gpu/test_image_text_gpu.py tests/gpu/test_async_save_gpu.py || status=$? ;;
   tests-qlora)   run_step tests-qlora run_pytest tests/gpu/test_qlora.py tests/unit/test_fsdp_qlora.py || status=$? ;;
   tests-families) run_step tests-families run_pytest tests/gpu/test_todays_families_gpu.py || status=$? ;;
   tests-kernels) run_step tests-kernels run_pytest tests/gpu/test_kernels_gpu.py tests/unit/test_fp8.py tests/unit/test_liger.py || status=$? ;;
