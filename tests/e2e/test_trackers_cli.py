@@ -166,8 +166,8 @@ def test_an_uncached_hub_id_in_offline_mode_is_one_line_before_launch(hub_env, t
 
 
 def test_a_hub_that_does_not_answer_ends_in_one_line_naming_the_id_and_endpoint(hub_env, tmp_path):
-    """The download is asked for on the rank; huggingface_hub retries 5 times (1+2+4+8+8 s apart) with its own
-    timeouts (10 s a try), so the wait is bounded, and its last line says what it waited for."""
+    """The download is asked for on the launching host before any rank starts (shardtune.hub), within
+    huggingface_hub's own timeouts (10 s a try), and the last line says what it waited for."""
     endpoint = f"http://127.0.0.1:{closed_port()}"
     code, lines, took = run_bounded(*train_args("someorg/somemodel", tmp_path / "run",
                                                 "build_tiny_model_if_missing=false"), limit=120,

@@ -70,10 +70,15 @@ def test_entry_keys_and_column_keys_are_checked(tmp_path: Path) -> None:
     assert "unknown columns key 'respone' (did you mean 'response'?)" in problem
 
 
-def test_hub_datasets_are_rejected_with_a_remedy(tmp_path: Path) -> None:
+def test_hub_datasets_offline_and_not_cached_are_one_line_with_a_remedy(tmp_path: Path, monkeypatch) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
     write_registry(tmp_path, {"hub": {"hf_hub_url": "someone/data"}})
     [problem] = check_data_settings(settings_for(tmp_path, "hub"))
-    assert "'hf_hub_url'" in problem and "local file" in problem
+    assert "dataset 'hub': hf_hub_url: someone/data is not in the Hugging Face cache" in problem
+    assert "hf download someone/data --repo-type dataset" in problem
 
 
 def test_unknown_template_and_bad_settings(tmp_path: Path) -> None:

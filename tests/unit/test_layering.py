@@ -5,6 +5,7 @@ Every import counts, also one inside a function (a hidden cycle is still a cycle
 may import its own layer's leaf modules and anything below, never above:
 
     errors, host, world, run_files, paths, arguments   leaves: the standard library only
+    hub                              leaf: brings hub repositories into the cache (through huggingface_hub)
     versions                         leaf: installed versions and what differs between them (probes torch lazily)
     config                           keys, types, files of settings
     data                             datasets, templates, packing (takes DataSettings, never the config)
@@ -26,7 +27,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "shardtune"
 LAYERS = [
-    {"errors", "host", "world", "run_files", "paths", "startup_gc", "arguments", "versions"},
+    {"errors", "host", "world", "run_files", "paths", "startup_gc", "arguments", "versions", "hub"},
     {"config"},
     {"data"},
     {"model"},

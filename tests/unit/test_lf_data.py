@@ -1,5 +1,5 @@
 """A LLaMA-Factory data folder used unchanged: every column kind, folders, split/subset, num_samples, mixing,
-mask_history, eval_dataset, ranking/KTO entries and hub entries (refused only when used)."""
+mask_history, eval_dataset, ranking/KTO entries and hub entries (fetched only when used)."""
 
 from __future__ import annotations
 
@@ -226,11 +226,13 @@ def test_setting_checks_name_both_keys(folder: Path) -> None:
         assert any(expected in p for p in problems), (expected, problems)
 
 
-def test_used_hub_entry_exits_2_with_one_line(folder: Path, tmp_path: Path) -> None:
+def test_used_hub_entry_offline_and_not_cached_exits_2_with_one_line(folder: Path, tmp_path: Path) -> None:
     config = tmp_path / "cfg.yaml"
     config.write_text(f"model_name_or_path: {tmp_path}/tiny-model\nbuild_tiny_model_if_missing: true\n"
                       f"output_dir: {tmp_path}/out\ndataset: alpaca_full,remote\ndataset_dir: {folder}\n")
-    result = run_cli("check", str(config))
+    result = run_cli("check", str(config), HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"),
+                     HF_HUB_CACHE=str(tmp_path / "hf" / "hub"))  # the hub itself: tests/e2e/test_hub_cli.py
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2, result.stderr
-    assert len(lines) == 1 and "'remote'" in lines[0] and "hf_hub_url" in lines[0] and "file_name" in lines[0]
+    assert len(lines) == 1 and "'remote'" in lines[0] and "hf_hub_url: someone/remote-data" in lines[0]
+    assert "HF_HUB_OFFLINE=1" in lines[0]

@@ -6,8 +6,9 @@ The file follows LLaMA-Factory's layout so that users can bring theirs::
               "columns": {"prompt": "instruction", ...}, "tags": {"role_tag": "from", ...}}}
 
 ``file_name`` may name a file or a folder of files (``folder``, ``subset`` and ``split`` pick inside it, see
-``datafiles``). Entries that download (``hf_hub_url``, ``ms_hub_url``, ...) are refused, with the way to use a
-local copy, only when ``dataset`` names them: a large registry of hub entries loads fine.
+``datafiles``). Entries on a hub (``hf_hub_url``, ``ms_hub_url``, ``om_hub_url``) are brought into the hub's
+cache when ``dataset`` names them and then read the same way (``hub_data``); ``dataset_dir: REMOTE:org/name`` is a
+registry on the hub.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.data.datafiles import pick_data_files
+from shardtune.data.hub_data import HUB_URL_KEYS, UNREAD_SOURCE_KEYS, dataset_folder, fetch_hub_entry, is_hub_entry
 from shardtune.data.lf_v1_data import V1_FORMATTING, is_v1_dataset_file, load_v1_registry, v1_media_dir
 from shardtune.paths import ascii_lookalike, shown, url_problem
 
@@ -48,9 +50,8 @@ DEFAULT_COLUMNS[V1_FORMATTING] = DEFAULT_COLUMNS["openai"]
 DEFAULT_TAGS[V1_FORMATTING] = DEFAULT_TAGS["openai"]
 # LLaMA-Factory's video and audio columns: refused by name (images are read: data/images.py).
 MEDIA_COLUMNS = ("videos", "audios")
-ENTRY_KEYS = ("file_name", "formatting", "columns", "tags", "ranking", "subset", "split", "folder", "num_samples")
-# Keys of entries whose data lives on a hub or in a bucket; this machine cannot download.
-HUB_KEYS = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
+ENTRY_KEYS = ("file_name", "formatting", "columns", "tags", "ranking", "subset", "split", "folder", "num_samples",
+              *HUB_URL_KEYS, "revision", *UNREAD_SOURCE_KEYS)
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,9 @@ def load_registry(dataset_dir: str | Path) -> tuple[dict[str, Any], list[str]]:
     """Read ``dataset_info.json``; returns (entries, problems) and never raises for user mistakes."""
     if is_v1_dataset_file(dataset_dir):
         return load_v1_registry(Path(dataset_dir))
-    directory = Path(dataset_dir)
+    directory, problems = dataset_folder(dataset_dir)
+    if problems:
+        return {}, problems
     path = info_path(directory)
     if directory.exists() and not directory.is_dir():
         own_folder = f" ({directory.parent})" if directory.name == INFO_FILE else ""
@@ -161,6 +164,7 @@ def resolve_entries(names: list[str], dataset_dir: str | Path, key: str = "datas
     registry, problems = load_registry(dataset_dir)
     if problems:
         return [], problems
+    dataset_dir, _ = dataset_folder(dataset_dir)  # REMOTE:org/name: the snapshot load_registry just read
     path = info_path(dataset_dir)
     entries: list[DatasetEntry] = []
     for name in dict.fromkeys(names):
@@ -181,9 +185,6 @@ def resolve_entry(name: str, raw: Any, dataset_dir: Path, path: Path) -> tuple[D
     where = f"{path}: dataset '{name}'"
     if not isinstance(raw, dict):
         return None, [f"{where} must be an object with a file_name, got {type(raw).__name__}"]
-    hub = hub_problem(raw, where, dataset_dir)
-    if hub:
-        return None, [hub]
     problems = key_problems(raw, where)
     formatting = raw.get("formatting", "alpaca")
     if formatting not in FORMATTINGS:
@@ -193,24 +194,19 @@ def resolve_entry(name: str, raw: Any, dataset_dir: Path, path: Path) -> tuple[D
     columns = mapping_field(raw, "columns", DEFAULT_COLUMNS[formatting], COMMON_COLUMNS, where, problems)
     tags = mapping_field(raw, "tags", DEFAULT_TAGS[formatting], (), where, problems)
     ranking, num_samples, split = option_values(raw, columns, where, problems)
-    file_path = data_path_problems(raw, dataset_dir, where, problems)
+    if is_hub_entry(raw):
+        if problems:  # nothing is downloaded for an entry that could not be read anyway
+            return None, problems
+        file_path, problems = fetch_hub_entry(raw, where)
+    else:
+        file_path = data_path_problems(raw, dataset_dir, where, problems)
     if problems or file_path is None:
         return None, problems
     files, file_problems = pick_data_files(file_path, raw.get("folder"), raw.get("subset"), split, where)
     if file_problems:
         return None, file_problems
-    media_dir = v1_media_dir() if is_v1_dataset_file(dataset_dir) else dataset_dir
+    media_dir = v1_media_dir() if is_v1_dataset_file(dataset_dir) else dataset_dir  # hub entries too, as there
     return DatasetEntry(name, file_path, formatting, columns, tags, files, ranking, num_samples, split, media_dir), []
-
-
-def hub_problem(raw: dict[str, Any], where: str, dataset_dir: Path) -> str:
-    """One line for an entry that downloads its data; only entries named by ``dataset`` get here."""
-    key = next((k for k in HUB_KEYS if k in raw), None)
-    if key is None:
-        return ""
-    return (f"{where} is downloaded from '{key}' ({raw[key]}), but shardtune does not download data: download it "
-            f"on a machine with network access, copy it into {dataset_dir}, and in the entry replace {key} by "
-            "\"file_name\" naming that local file or folder")
 
 
 def key_problems(raw: dict[str, Any], where: str) -> list[str]:
@@ -232,7 +228,7 @@ def option_values(raw: dict[str, Any], columns: Mapping[str, str], where: str, p
                                     or num_samples < 1):
         problems.append(f"{where}: num_samples must be a positive whole number, got {num_samples!r}")
         num_samples = None
-    for key in ("split", "subset", "folder"):
+    for key in ("split", "subset", "folder", "revision"):
         if raw.get(key) is not None and (not isinstance(raw[key], str) or not raw[key]):
             problems.append(f"{where}: {key} must be a non-empty string, got {raw[key]!r}")
     split = raw.get("split") or "train"

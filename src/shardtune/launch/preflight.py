@@ -34,6 +34,7 @@ from shardtune.launch.resume_check import resume_read_problems
 from shardtune.launch.run_lock import live_run_problems, stale_lock_warning
 from shardtune.launch.torchrun import LaunchPlan, device_problems, plan_launch
 from shardtune.launch.validate import cross_key_problems, file_problems
+from shardtune.paths import reads_as_hub_id
 from shardtune.train.checkpoint_folders import checkpoint_problems, resume_source
 from shardtune.world import WorldLayout
 
@@ -99,6 +100,8 @@ def preflight(argv: list[str], nodes: int, procs_per_node: int, *, defaults: dic
             later += [p for p in [master_problem(launch, scheduler)] if p]
         later += badam_launch_problems(config, launch.force_torchrun)
     later += worker_process_problems(config, procs_per_node, launch_env.node_cpus())
+    if ranks_here and not key_problems:  # before the attention choice below reads the model's config.json
+        later += hub_model_problems(config)
     layout = WorldLayout(nodes, procs_per_node, config.per_device_train_batch_size,
                          config.gradient_accumulation_steps, sequence_parallel=config.sequence_parallel_size)
     has_cuda = visible_gpu_count() > 0
@@ -129,6 +132,29 @@ def preflight(argv: list[str], nodes: int, procs_per_node: int, *, defaults: dic
 # Helper processes (data loaders, tokenisers) a node may start: LLaMA-Factory's files ask 16 tokenisers, fine on a
 # laptop; past this (a number meant for a far larger machine, or a typo) the forks take the node's memory.
 WORKERS_PER_CPU, WORKERS_ANYWHERE = 8, 64
+
+
+def hub_model_problems(config: TrainConfig) -> list[str]:
+    """A hub id as model_name_or_path is downloaded here, on each node's launching host, before any rank starts:
+    the ranks then read the cache. Offline (HF_HUB_OFFLINE) the cache is used as it is (validate says when the id
+    is not there)."""
+    from huggingface_hub import constants
+
+    from shardtune.hub import HubError, fetch_hub_repo
+
+    name = config.model_name_or_path
+    if (not name or config.build_tiny_model_if_missing or not reads_as_hub_id(name) or Path(name).expanduser().exists()
+            or constants.HF_HUB_OFFLINE):
+        return []
+    try:
+        fetch_hub_repo(name, what="model_name_or_path", refresh=True, ignore_patterns=MODEL_FILES_NOT_READ)
+    except HubError as err:
+        return [str(err)]
+    return []
+
+
+# Files of model repositories that transformers does not read: other frameworks' weights, original checkpoints.
+MODEL_FILES_NOT_READ = ["original/*", "*.pth", "*.pt", "*.onnx", "*.msgpack", "*.h5", "*.gguf", "*.ot", "*.tflite"]
 
 
 def worker_process_problems(config: TrainConfig, procs_per_node: int, cpus: int) -> list[str]:
