@@ -92,9 +92,13 @@ REFUSED_REASONS: dict[str, str] = {
              "kto and rm are, see docs/config.md); remove it",
              """ld_alpha pref_bco_weight ppo_buffer_size ppo_epochs ppo_score_norm ppo_target ppo_whiten_rewards
              reward_model reward_model_adapters reward_model_quantization_bit reward_model_type"""),
-    **_group("this machine reads models from local folders only; download the model once, point "
-             "model_name_or_path at the folder and remove it",
-             "cache_dir hf_hub_token model_revision ms_hub_token om_hub_token data_shared_file_system"),
+    **_group("hub downloads read the hub clients' own variables instead (HF_TOKEN, HF_HOME / HF_HUB_CACHE, "
+             "MODELSCOPE_CACHE; docs/data.md, 'Hub datasets'), and a revision other than the default branch is read "
+             "from a folder (`hf download ID --revision REV --local-dir DIR`, then model_name_or_path: DIR): remove it",
+             "cache_dir hf_hub_token model_revision ms_hub_token om_hub_token"),
+    **_group("hub data is downloaded once per node before the ranks start, and once in all when HF_HOME is on a "
+             "shared file system (the first process takes a lock, the others read its download): remove it",
+             "data_shared_file_system"),
     **_group(KTRANSFORMERS_REASON, KTRANSFORMERS_KEYS),
     **_group(MEGATRON_REASON, MEGATRON_KEYS),
     **_group("HyperParallel is a back-end shardtune does not run; its engines are DDP, FSDP and DeepSpeed (`fsdp:` or "
