@@ -29,6 +29,7 @@ OTHER_LAYOUTS = {
     "fsdp1_full_state_dict": ("fsdp=full_shard auto_wrap",
                               "fsdp_config={'fsdp_version': 1, 'fsdp_state_dict_type': 'FULL_STATE_DICT'}"),
     "fsdp2_full_state_dict": ("fsdp=full_shard auto_wrap", "fsdp_config={'fsdp_state_dict_type': 'FULL_STATE_DICT'}"),
+    "zero3_sp2": ("deepspeed=z3", "sequence_parallel_size=2"),  # both ranks read the same rows, each half of each
 }
 IN_MAKE_TEST = {"zero3-lora"}  # the rest: make test-matrix
 CELLS = [pytest.param(engine, method, marks=() if f"{engine}-{method}" in IN_MAKE_TEST else pytest.mark.matrix,

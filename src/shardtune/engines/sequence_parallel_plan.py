@@ -95,6 +95,11 @@ COMBINATIONS: tuple[Combination, ...] = (
     Combination("val_size", EXACT, "evaluation runs the same split forward and token loss as training "
                 "(packed-eval cell)", _SPLIT),
     Combination("report_to", EXACT, "reports the loss the loop computes; touches no tensor"),
+    Combination("async_save", EXACT, "stages and writes the engine's own checkpoint state, which splitting the rows "
+                "does not change", "tests/distributed/test_async_checkpoints.py::"
+                "test_async_save_trains_like_sync_and_each_checkpoint_resumes_the_curve"),
+    Combination("save_only_model", EXACT, "saves the model as the final save writes it; the split attention is "
+                "detached from the saved module"),
     Combination("use_dft_loss", EXACT, _TOKEN_LOSS + " (packed-dft cell)", _SPLIT),
     Combination("use_eaft_loss", EXACT, _TOKEN_LOSS + " (packed-eaft cell)", _SPLIT),
     Combination("use_asft_loss", EXACT, _TOKEN_LOSS + "; the anchor's reference scores the same slice "
