@@ -10,16 +10,15 @@ export OMP_NUM_THREADS ?= 1
 # process (the CLI, each rank, each test's run) compiled them again (0.1-0.3 s each). Refreshed before each target.
 BYTECODE := $(PY) -m compileall -q src > /dev/null
 
-.PHONY: setup demo test test-fast test-matrix test-big lint docs clean
+.PHONY: setup demo test test-fast test-matrix test-big test-oldest test-install lint docs clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# torch first and pinned: on these machines it is a local CPU wheel; a range would pull CUDA.
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -r requirements.txt
-	DS_BUILD_OPS=0 $(PY) -m pip install --quiet deepspeed==0.19.8
+	# torch first, alone, at the lock's version: on these machines it is a local CPU wheel; a range would pull CUDA.
+	$(PY) -m pip install --quiet $$(grep -E '^torch==' requirements.txt)
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet -r requirements.txt
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
@@ -35,7 +34,7 @@ demo: setup
 
 test: setup
 	$(BYTECODE)
-	$(PY) -m pytest -q -m "not bigmodel and not matrix" --durations=40
+	$(PY) -m pytest -q -m "not bigmodel and not matrix and not install" --durations=40
 
 # The rest of every engine matrix beyond make test's slice; must pass before an issue is resolved.
 test-matrix: setup
@@ -46,6 +45,32 @@ test-matrix: setup
 test-big: setup
 	$(BYTECODE)
 	$(PY) -m pytest -q -m bigmodel
+
+# The oldest supported versions: pyproject.toml's lower bounds (scripts/oldest_requirements.py) with the lock's torch
+# (the one CPU build here), in build/oldest-venv (made anew each time, about 2 minutes); then the unit tier and a
+# 2-process slice (DDP, FSDP2 LoRA, ZeRO-3). Not part of make test; docs/development.md, "Supported versions".
+OLDEST := build/oldest-venv
+OLDEST_EXTRAS := deepspeed,metrics,optimizers,web,wandb,mlflow,ray
+OLDEST_SLICE := "tests/distributed/test_engines_cli.py::test_engine_matches_single_process[ddp-full]" \
+	"tests/distributed/test_engines_cli.py::test_engine_matches_single_process[fsdp2-full_shard-lora]" \
+	"tests/distributed/test_deepspeed_engine.py::test_losses_match_single_process[z3_lora]"
+test-oldest:
+	rm -rf $(OLDEST) && mkdir -p build && $(PYTHON) -m venv $(OLDEST)
+	$(PYTHON) scripts/oldest_requirements.py --extras $(OLDEST_EXTRAS) > build/oldest-requirements.txt
+	$(OLDEST)/bin/python -m pip install --quiet $$(grep -E '^torch==' requirements.txt)
+	DS_BUILD_OPS=0 $(OLDEST)/bin/python -m pip install --quiet -r build/oldest-requirements.txt \
+		$$(grep -E '^(pytest|pytest-timeout|hypothesis)==' requirements.txt)
+	$(OLDEST)/bin/python -m pip install --quiet -e ".[$(OLDEST_EXTRAS)]"
+	$(PYTHON) scripts/oldest_requirements.py --extras $(OLDEST_EXTRAS) --check $(OLDEST)/bin/python
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(OLDEST)/torch_extensions $(OLDEST)/bin/python -m pytest -q -p no:cacheprovider \
+		-m "not distributed and not e2e and not matrix and not bigmodel and not gpu" tests/unit
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(OLDEST)/torch_extensions $(OLDEST)/bin/python -m pytest -q -p no:cacheprovider \
+		$(OLDEST_SLICE)
+
+# Build the wheel, install it with scripts/install_wheel.sh (docker/Dockerfile's commands) into a fresh venv holding
+# the lock's torch, check no torch file changed and train the tiny example outside the checkout (a few minutes).
+test-install: setup
+	$(PY) -m pytest -q -m install tests/e2e/test_wheel_install.py
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not distributed and not e2e"
