@@ -106,6 +106,34 @@ def test_every_requirement_is_inside_the_declared_ranges(installed) -> None:
     run([str(installed["python"]), "-c", import_check])
 
 
+def test_an_empty_venv_resolves_inside_the_declared_ranges(installed, tmp_path) -> None:
+    """pip's resolution of the wheel and its default extras in an empty venv (a dry run: nothing is installed, and
+    with this machine's indexes torch resolves to the local CPU build): every package shardtune declares resolves to
+    a version its range allows."""
+    from packaging.requirements import Requirement
+
+    venv = tmp_path / "empty"
+    run([sys.executable, "-m", "venv", str(venv)])
+    report = tmp_path / "resolution.json"
+    run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--dry-run", "--ignore-installed",
+         "--report", str(report), f"{installed['wheel']}[deepspeed]"], env=installed["env"])
+    resolved = {item["metadata"]["name"].lower().replace("_", "-"): item["metadata"]["version"]
+                for item in json.loads(report.read_text())["install"]}
+    wheel_meta = zipfile.ZipFile(installed["wheel"])
+    metadata = next(n for n in wheel_meta.namelist() if n.endswith(".dist-info/METADATA"))
+    declared = [Requirement(line.split(":", 1)[1].strip()) for line in
+                wheel_meta.read(metadata).decode().splitlines() if line.startswith("Requires-Dist:")]
+    checked = []
+    for requirement in declared:
+        if requirement.marker is not None and not requirement.marker.evaluate({"extra": "deepspeed"}):
+            continue
+        version = resolved.get(requirement.name.lower().replace("_", "-"))
+        assert version is not None, f"{requirement.name} was not resolved"
+        assert requirement.specifier.contains(version, prereleases=True), f"{requirement.name} {version}: {requirement}"
+        checked.append(requirement.name)
+    assert {"torch", "transformers", "peft", "accelerate", "datasets", "deepspeed"} <= set(checked), checked
+
+
 def test_the_wheel_holds_every_file_the_package_reads(installed) -> None:
     in_wheel = set(zipfile.ZipFile(installed["wheel"]).namelist())
     package_files = {name.removeprefix("src/") for name in checkout_files()
