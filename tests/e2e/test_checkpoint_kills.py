@@ -71,6 +71,17 @@ def assert_only_complete_checkpoints_are_picked(out: Path, newest: int) -> None:
         assert checkpoint_problems(folder) == [], folder
 
 
+def assert_resumes_the_curve(resumed, out: Path, newest: int, uninterrupted: dict[int, float], rel: float) -> None:
+    """The run after the kill resumed from checkpoint-``newest``, logged the uninterrupted losses after it, and ended
+    with only its final checkpoint complete (save_total_limit: 1)."""
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {out / f'checkpoint-{newest}'}" in resumed.stdout
+    losses = losses_by_step(out)
+    for step in range(newest + 1, 7):
+        assert losses[step] == pytest.approx(uninterrupted[step], rel=rel), (step, losses, uninterrupted)
+    assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-6"]
+
+
 @pytest.mark.parametrize(("mode", "instant"), list(cells()))
 def test_a_kill_at_any_instant_of_a_save_resumes_from_the_newest_complete_checkpoint(
         mode, instant, uninterrupted, tiny_model_dir, tmp_path):
@@ -80,13 +91,8 @@ def test_a_kill_at_any_instant_of_a_save_resumes_from_the_newest_complete_checkp
     assert killed.returncode == -9, (killed.returncode, killed.stderr[-3000:])  # died at the instant, by SIGKILL
     newest = INSTANTS[instant]
     assert_only_complete_checkpoints_are_picked(out, newest)
-    resumed = train(tiny_model_dir, out, asynchronous, overwrite=False)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resuming from {out / f'checkpoint-{newest}'}" in resumed.stdout
-    losses = losses_by_step(out)
-    for step in range(newest + 1, 7):
-        assert losses[step] == pytest.approx(uninterrupted[step], rel=1e-5), (step, losses, uninterrupted)
-    assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-6"]
+    assert_resumes_the_curve(train(tiny_model_dir, out, asynchronous, overwrite=False), out, newest, uninterrupted,
+                             rel=1e-5)
     assert not list(out.glob(".deleting-*"))
 
 
@@ -111,10 +117,5 @@ def test_a_rank_killed_during_an_async_save_of_two_resumes_from_the_newest_compl
     assert killed.returncode not in (0, 2), killed.stderr[-3000:]
     newest = TWO_RANKS[(engine, instant)]
     assert_only_complete_checkpoints_are_picked(out, newest)
-    resumed = train(tiny_model_dir, out, *keys, overwrite=False, **two)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resuming from {out / f'checkpoint-{newest}'}" in resumed.stdout
-    losses = losses_by_step(out)
-    for step in range(newest + 1, 7):
-        assert losses[step] == pytest.approx(uninterrupted[step], rel=2e-3), (step, losses, uninterrupted)
-    assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-6"]
+    assert_resumes_the_curve(train(tiny_model_dir, out, *keys, overwrite=False, **two), out, newest, uninterrupted,
+                             rel=2e-3)

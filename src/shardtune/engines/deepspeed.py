@@ -315,21 +315,16 @@ class DeepSpeedEngine(DistributedMixin, Engine):
         return box[0]
 
     def save_state(self, ckpt_dir: Path, writer: CheckpointWriter | None = None) -> None:
-        """All ranks write their shards, through ``writer`` (deepspeed_checkpoint.py); a LoRA run leaves the frozen
-        base weights out.
+        """All ranks write their shards through ``writer`` (deepspeed_checkpoint.py); LoRA leaves the frozen base out.
 
         The (empty) universal-checkpoint info lets ``ds_to_universal`` convert the shards later, which is how a
         checkpoint resumes on a different number of processes.
         """
-        from shardtune.engines.deepspeed_checkpoint import WriterCheckpointEngine
+        from shardtune.engines.deepspeed_checkpoint import writing_through
 
-        own = self.ds.checkpoint_engine
-        self.ds.checkpoint_engine = WriterCheckpointEngine(writer or CheckpointWriter(background=False))
-        try:
+        with writing_through(self.ds, writer or CheckpointWriter(background=False)):
             self.ds.save_checkpoint(str(ckpt_dir), tag=CHECKPOINT_TAG, exclude_frozen_parameters=self.is_peft,
                                     client_state={"universal_checkpoint_info": {}})
-        finally:
-            self.ds.checkpoint_engine = own
 
     def load_state(self, ckpt_dir: Path) -> None:
         tag = CHECKPOINT_TAG

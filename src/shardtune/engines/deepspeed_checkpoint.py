@@ -9,6 +9,8 @@ re-splitting onto another world size and ``zero_to_fp32`` read it as before.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,3 +45,15 @@ class WriterCheckpointEngine(CheckpointEngine):
 
     def preserves_storage_sharing(self) -> bool:
         return not self.writer.background  # staged copies are tensors of their own already
+
+
+@contextlib.contextmanager
+def writing_through(ds_engine: Any, writer: CheckpointWriter) -> Iterator[None]:
+    """DeepSpeed's engine saves through ``writer`` inside this block; its own checkpoint engine (which its loads use)
+    is back afterwards."""
+    own = ds_engine.checkpoint_engine
+    ds_engine.checkpoint_engine = WriterCheckpointEngine(writer)
+    try:
+        yield
+    finally:
+        ds_engine.checkpoint_engine = own

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -26,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 from shardtune.engines.base import OptimizerFactory, PrecisionSettings, SchedulerFactory
 from shardtune.engines.checkpoint_writer import CheckpointWriter
+from shardtune.engines.dcp_background import DcpBackground
 from shardtune.engines.distributed import DistContext, DistributedMixin, gather_local_world_sizes
 from shardtune.engines.engine_plan import FsdpSettings
 from shardtune.engines.fsdp_config import DCP_DIR, FULL_STATE_FILE, fsdp1_strategy_member, reshards_after_forward
@@ -294,31 +294,12 @@ class FSDPEngine(DistributedMixin, TorchEngine):
             model_sd, optim_sd = self._sharded_state()
             state, folder = {"model": model_sd, "optim": optim_sd}, str(ckpt_dir / DCP_DIR)
             if writer.background:
-                # torch stages the shards into host memory, then plans and writes in a thread; its collectives go
-                # through a gloo group of their own, never the one the training steps use meanwhile.
-                writer.follow(dcp.async_save(state, checkpoint_id=folder, process_group=self._save_group(),
-                                             async_stager=self._stager()))
+                self._dcp_background = getattr(self, "_dcp_background", None) or DcpBackground(self.device)
+                writer.follow(self._dcp_background.save(state, folder))
             else:
                 dcp.save(state, checkpoint_id=folder)
         if self.is_main:
             writer.save_torch(self.scheduler_state(), ckpt_dir / SCHEDULER_FILE)
-
-    def _stager(self) -> DefaultStager:
-        """torch's stager, kept for the run: it keeps its host copies from one save to the next (pinned on a GPU),
-        so later saves copy into memory already there. The next save waits for the previous one's writes."""
-        if getattr(self, "_checkpoint_stager", None) is None:
-            pinned = self.device.type == "cuda"
-            self._checkpoint_stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
-                                                                   use_async_staging=False,
-                                                                   use_non_blocking_copy=False))
-        return self._checkpoint_stager
-
-    def _save_group(self) -> dist.ProcessGroup:
-        """The process group background checkpoint writes coordinate over (made once, by every rank together: the
-        first save is collective)."""
-        if getattr(self, "_checkpoint_group", None) is None:
-            self._checkpoint_group = dist.new_group(backend="gloo")
-        return self._checkpoint_group
 
     def load_state(self, ckpt_dir: Path) -> None:
         if (ckpt_dir / FULL_STATE_FILE).is_file():
