@@ -42,11 +42,12 @@ class WorldLayout:
     grad_accum: int = 1  # gradient_accumulation_steps
     uneven_ranks: int | None = None
     sequence_parallel: int = 1  # ranks that split one sequence
+    expert_parallel: int = 1  # ranks that split each mixture-of-experts layer's experts
 
     def __post_init__(self) -> None:
         named = {"nodes": self.nodes, "processes per node": self.procs_per_node,
                  "per_device_train_batch_size": self.micro_batch, "gradient_accumulation_steps": self.grad_accum,
-                 "sequence_parallel_size": self.sequence_parallel}
+                 "sequence_parallel_size": self.sequence_parallel, "expert_parallel_size": self.expert_parallel}
         bad = [f"{name} ({value})" for name, value in named.items() if value < 1]
         if bad:
             raise ValueError(f"world layout: {', '.join(bad)} must be at least 1")
@@ -97,6 +98,26 @@ class WorldLayout:
             return [f"sequence_parallel_size ({n}) does not divide the processes per node ({self.procs_per_node}): "
                     "a sequence group must stay inside one node; use a divisor of the processes per node"]
         return []
+
+    def expert_parallel_problems(self, experts: int | None = None) -> list[str]:
+        """Why this world cannot split ``experts`` experts per layer over ``expert_parallel`` ranks (empty: it can).
+        The ranks form a (expert-data-parallel x expert-parallel) grid; dense weights stay sharded over all."""
+        n, world = self.expert_parallel, self.world_size
+        if n == 1:
+            return []
+        problems = []
+        if world % n:
+            problems.append(f"expert_parallel_size ({n}) does not divide the world size ({world}); use a divisor of "
+                            f"it or {-(-world // n) * n} processes")
+        if experts is not None and experts % n:
+            problems.append(f"expert_parallel_size ({n}) does not divide the model's {experts} experts per layer; "
+                            "use a divisor of the expert count")
+        return problems
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """Ranks that hold the same experts (FSDP shards each expert between them)."""
+        return max(1, self.world_size // self.expert_parallel)
 
     def sequence_group_of(self, rank: int) -> tuple[int, ...]:
         """The ranks that share ``rank``'s sequences, in shard order (consecutive ranks, inside one node)."""

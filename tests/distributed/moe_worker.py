@@ -47,6 +47,9 @@ def build_model(model_dir: str, finetuning: str) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(model_dir, **({"attn_implementation": "eager"} if eager else {}))
     if finetuning == "lora":
         model = apply_finetuning(model, FinetuningSettings(finetuning_type="lora", lora_rank=4))
+    elif finetuning == "attnlora":  # LoRA beside experts that stay whole-weight (expert parallelism's LoRA)
+        model = apply_finetuning(model, FinetuningSettings(finetuning_type="lora", lora_rank=4,
+                                                           lora_target=["o_proj"]))
     return model
 
 
@@ -105,7 +108,7 @@ def run_reference(model_dir: str, out: Path) -> None:
     from shardtune.engines.local import LocalEngine
 
     results = {}
-    for finetuning in ("full", "lora"):
+    for finetuning in ("full", "lora", "attnlora"):
         model = build_model(model_dir, finetuning)
         per_rank = rank_batches(model.config.vocab_size)
         # one window per step: every micro-batch of every rank, each its own forward (as on two ranks)
@@ -122,6 +125,11 @@ def make_engine(kind: str, ctx: object) -> Engine:
         from shardtune.engines.ddp import DDPEngine
 
         return DDPEngine(PrecisionSettings(), ctx)
+    if kind.startswith("fsdp2ep"):  # FSDP2 with expert parallelism: fsdp2ep<E>
+        from shardtune.engines.engine_plan import FsdpSettings
+        from shardtune.engines.fsdp import FSDPEngine
+
+        return FSDPEngine(FsdpSettings(version=2), PrecisionSettings(), ctx, expert_parallel=int(kind[7:]))
     if kind in ("fsdp2", "fsdp1"):
         from shardtune.engines.engine_plan import FsdpSettings
         from shardtune.engines.fsdp import FSDPEngine

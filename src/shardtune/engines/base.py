@@ -174,6 +174,11 @@ class Engine(ABC):
         """Every rank's ``value`` (picklable), in rank order, on every rank."""
         return [value]
 
+    def expert_parallel_report(self, steps: int) -> dict[str, Any] | None:
+        """Under expert parallelism (a collective: every rank calls): the mesh, the experts each rank holds and
+        the all-to-all bytes per optimizer step, for train_results.json; None without it."""
+        return None
+
     # --- generation (do_predict) ---
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """``generate`` on this rank's prompts with the model as trained. Where the weights are sharded each forward

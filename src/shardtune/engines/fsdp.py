@@ -28,6 +28,13 @@ from shardtune.engines.checkpoint_writer import CheckpointWriter
 from shardtune.engines.dcp_background import DcpBackground
 from shardtune.engines.distributed import DistContext, DistributedMixin, gather_local_world_sizes
 from shardtune.engines.engine_plan import FsdpSettings
+from shardtune.engines.expert_parallel import (
+    ExpertPlacement,
+    build_expert_mesh,
+    clip_grad_norm_by_mesh,
+    place_experts,
+    shard_experts,
+)
 from shardtune.engines.fsdp_config import DCP_DIR, FULL_STATE_FILE, fsdp1_strategy_member, reshards_after_forward
 from shardtune.engines.fsdp_qlora import (
     drop_quant_state_entries,
@@ -71,13 +78,17 @@ class FSDPEngine(DistributedMixin, TorchEngine):
     @classmethod
     def from_plan(cls, config: TrainConfig, plan: EnginePlan, ctx: DistContext,
                   precision: PrecisionSettings) -> FSDPEngine:
-        return cls(plan.fsdp or FsdpSettings(), precision, ctx)
+        return cls(plan.fsdp or FsdpSettings(), precision, ctx, config.expert_parallel_size)
 
-    def __init__(self, settings: FsdpSettings, precision: PrecisionSettings, ctx: DistContext) -> None:
+    def __init__(self, settings: FsdpSettings, precision: PrecisionSettings, ctx: DistContext,
+                 expert_parallel: int = 1) -> None:
         super().__init__(precision, ctx.device)
         self.ctx = ctx
         self.settings = settings
         self.mesh = build_mesh(settings, ctx)
+        self.expert_mesh = build_expert_mesh(self.mesh.device_type, ctx.world_size, expert_parallel) \
+            if expert_parallel > 1 else None
+        self.experts: ExpertPlacement | None = None
         # FSDP shards gradients; torch's GradScaler cannot unscale them (validation refuses fp16 before launch).
         self.scaler = None
         self.quantized = False
@@ -112,7 +123,10 @@ class FSDPEngine(DistributedMixin, TorchEngine):
         if self.settings.version == 2:
             if hasattr(model, "peft_config") and self.param_cast_dtype is not None:
                 store_frozen_in_gather_dtype(model, self.param_cast_dtype)
-            self.model = shard_fsdp2(model, self.settings, self.mesh, self.device, self.param_cast_dtype)
+            if self.expert_mesh is not None:
+                self.experts = place_experts(model, self.expert_mesh)
+            self.model = shard_fsdp2(model, self.settings, self.mesh, self.device, self.param_cast_dtype,
+                                     self.expert_mesh)
             if self.loading is not None:
                 fill_fully_sharded(self.model, self.loading, self.storage_device)
             settle_fsdp2_trainable(self.model)
@@ -215,8 +229,13 @@ class FSDPEngine(DistributedMixin, TorchEngine):
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         if self.settings.version == 1:
             return self.fsdp1_root().clip_grad_norm_(max_norm)
+        if self.experts is not None:  # dense and expert weights live on different meshes
+            return clip_grad_norm_by_mesh(self.iter_trainable(), max_norm)
         norm = torch.nn.utils.clip_grad_norm_(list(self.iter_trainable()), max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def expert_parallel_report(self, steps: int) -> dict | None:
+        return None if self.experts is None else self.experts.summary(self.gather_objects(self.experts.report()), steps)
 
     def unwrapped_model(self) -> torch.nn.Module:
         return self.inner
@@ -353,8 +372,9 @@ def build_mesh(s: FsdpSettings, ctx: DistContext) -> DeviceMesh:
 
 
 def shard_fsdp2(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, device: torch.device,
-                compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """``fully_shard`` each wrap unit, then the root; meta parameters stay meta (filled afterwards)."""
+                compute_dtype: torch.dtype | None = None, expert_mesh: DeviceMesh | None = None) -> torch.nn.Module:
+    """``fully_shard`` each wrap unit, then the root; meta parameters stay meta (filled afterwards). Under
+    expert parallelism the experts modules are units of their own first, on the expert mesh."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     # Pinned memory needs an accelerator; on a CPU-only machine offload without pinning.
@@ -362,6 +382,9 @@ def shard_fsdp2(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, devic
     precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if compute_dtype \
         else MixedPrecisionPolicy()
     reshard = reshards_after_forward(s.sharding_strategy)  # hybrid strategies also get a 2-D mesh (build_mesh)
+    if expert_mesh is not None:
+        shard_experts(model, expert_mesh, mesh.size(), reshard_after_forward=reshard, offload_policy=offload,
+                      mp_policy=precision)
     units = wrap_targets(model, s)
     unsafe = fsdp2_units_unsafe_for_4bit(units, model, compute_dtype)
     if unsafe:

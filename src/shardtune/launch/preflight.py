@@ -21,6 +21,7 @@ from shardtune.config.generation import prediction_datasets, predicts_only
 from shardtune.config.load import KeyProblem, build_config, config_to_dict
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.engine_plan import EnginePlan
+from shardtune.engines.expert_parallel_plan import expert_parallel_problems
 from shardtune.engines.plan import plan_engine
 from shardtune.engines.sequence_parallel_plan import sequence_parallel_problems, with_deepspeed_sequence_parallel
 from shardtune.errors import ConfigError, ShardtuneError
@@ -68,7 +69,7 @@ def plan_run(argv: list[str], ranks_here: bool = False) -> RunPlan:
         env = launch_env.read_launch_env()
     except ConfigError as launch_error:
         config, _, key_problems, later = read_checked_config(argv)
-        later += sequence_parallel_problems(config)
+        later += sequence_parallel_problems(config) + expert_parallel_problems(config)
         if launch_env.ray_requested():
             from shardtune.launch.ray_plan import ray_init_function, ray_problems
 
@@ -103,7 +104,8 @@ def preflight(argv: list[str], nodes: int, procs_per_node: int, *, defaults: dic
     if ranks_here and not key_problems:  # before the attention choice below reads the model's config.json
         later += hub_model_problems(config)
     layout = WorldLayout(nodes, procs_per_node, config.per_device_train_batch_size,
-                         config.gradient_accumulation_steps, sequence_parallel=config.sequence_parallel_size)
+                         config.gradient_accumulation_steps, sequence_parallel=config.sequence_parallel_size,
+                         expert_parallel=config.expert_parallel_size)
     has_cuda = visible_gpu_count() > 0
     attention_was_auto = config.attn_implementation == "auto"
     try:  # the steps below read the model's config.json: a damaged one is already among the file problems
@@ -123,6 +125,7 @@ def preflight(argv: list[str], nodes: int, procs_per_node: int, *, defaults: dic
     if ranks_here and launch is not None and not launch.use_ray:
         later += unsaid(local_kernel_problems(config, visible_gpu_count()), later)
     later += sequence_parallel_problems(config, layout)  # after the attention kernel is decided
+    later += expert_parallel_problems(config, engine, layout)
     problems = problem_lines(key_problems, later)
     if problems:
         raise ConfigError(*problems)

@@ -6,6 +6,7 @@ import json
 import shlex
 from typing import TYPE_CHECKING
 
+from shardtune.engines.expert_parallel_plan import describe_expert_parallel
 from shardtune.engines.plan import spec_for
 from shardtune.engines.sequence_parallel_plan import describe_sequence_parallel
 from shardtune.run_files import LAUNCH_PLAN
@@ -31,9 +32,11 @@ def dry_run_report(run: RunPlan, commands: list[list[str]], ray: str | None = No
         lines.append(f"rendezvous: c10d at {plan.master_addr}:{plan.master_port}, id {plan.rdzv_id} (set by the "
                      "scheduler; every node runs the same command and torchrun numbers the nodes)")
     split = describe_sequence_parallel(run.config, layout)
+    experts = describe_expert_parallel(run.config, layout)
     lines += [
         f"nodes: {layout.nodes}, processes per node: {layout.procs_per_node}, world size: {layout.world_size}",
         *([split] if split else []),
+        *([experts] if experts else []),
         f"global batch: {layout.describe_global_batch()}",
         f"engine: {engine_description(run)}",
     ]

@@ -394,6 +394,9 @@ def finish_run(engine: Engine, tokenizer: Any, c: TrainConfig, output_dir: Path,
     if engine.sequence is not None:
         results["sequence_parallel"] = {"size": engine.sequence.size, "mode": engine.sequence.mode,
                                         "data_parallel_size": engine.data_parallel_size}
+    experts = engine.expert_parallel_report(state.global_step)
+    if experts is not None:
+        results["expert_parallel"] = experts
     if hooks.eval_loader is not None:
         results.update(hooks.eval_metrics())
     if state.input_tokens_seen(c.include_num_input_tokens_seen) is not None:

@@ -1,0 +1,110 @@
+"""What expert parallelism (``expert_parallel_size`` E > 1) needs, decided on the launching host before any rank
+starts: the engine, the model and the features it is built for, and the dry run's line. Pure: it reads config.json
+files, never torch (the dispatch itself is engines/expert_parallel.py, which runs on the ranks).
+
+Exact and proven (tests/distributed/test_expert_parallel.py): FSDP2 (FULL_SHARD, SHARD_GRAD_OP), full fine-tuning,
+freeze, and LoRA on the layers outside the experts (attention, dense and shared-expert MLPs), every MoE family with
+transformers' fused experts. Everything else is refused here, with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardtune.config.schema import TrainConfig
+from shardtune.engines.engine_plan import EnginePlan
+from shardtune.errors import ModelError
+from shardtune.model.folder import model_config_json
+from shardtune.model.moe import expert_count, targets_fused_experts
+from shardtune.world import WorldLayout
+
+FIX = "set expert_parallel_size: 1"
+SHARDING_ENGINE = "use FSDP2 (fsdp: full_shard, fsdp_version: 2)"
+
+
+def expert_parallel_problems(c: TrainConfig, engine: EnginePlan | None = None,
+                             layout: WorldLayout | None = None) -> list[str]:
+    """Why this run cannot split its experts over ``c.expert_parallel_size`` ranks, one line each naming the key and
+    the fix (empty with E = 1). ``engine``/``layout``: None while they are unknown (a bad launch variable)."""
+    n = c.expert_parallel_size
+    if n == 1:
+        return []
+    key = f"expert_parallel_size ({n})"
+    problems = feature_problems(c, key) + model_problems(c, key)
+    if engine is not None:
+        problems += engine_problems(engine, key)
+    if layout is not None:
+        problems += layout.expert_parallel_problems(_experts(c))
+    return problems
+
+
+def engine_problems(engine: EnginePlan, key: str) -> list[str]:
+    if engine.kind in ("local", "ddp"):
+        return [f"{key} with engine {engine.kind}: expert parallelism places each expert on some ranks only, which "
+                f"needs a sharding engine; {SHARDING_ENGINE}, or {FIX}"]
+    if engine.kind == "deepspeed":
+        return [f"{key} with deepspeed: shardtune drives expert parallelism through FSDP2; DeepSpeed's AutoEP "
+                f"(its 'expert_parallel' section) is not wired in yet; {SHARDING_ENGINE}, or {FIX}"]
+    s = engine.fsdp
+    if s is None:
+        return []
+    if s.version == 1:
+        return [f"{key} with fsdp_version: 1: FSDP1 flattens every weight of a unit into one buffer and cannot hold "
+                f"a layer's experts on some ranks only; set fsdp_version: 2, or {FIX}"]
+    if s.is_hybrid or s.sharding_strategy == "NO_SHARD":
+        return [f"{key} with sharding_strategy {s.sharding_strategy}: the experts are sharded over the ranks that "
+                "hold the same experts, the dense weights over all ranks; replicated groups are not built for it "
+                f"yet; use FULL_SHARD or SHARD_GRAD_OP, or {FIX}"]
+    if s.offload_params:
+        return [f"{key} with offload_params: the experts' dispatch runs on the device with their local weights; "
+                f"set offload_params: false, or {FIX}"]
+    return []
+
+
+def feature_problems(c: TrainConfig, key: str) -> list[str]:
+    problems = []
+    if c.sequence_parallel_size > 1:
+        problems.append(f"{key} with sequence_parallel_size ({c.sequence_parallel_size}): the two splits are not "
+                        f"combined yet; choose one, or {FIX}")
+    if c.quantization_bit is not None:
+        problems.append(f"{key} with quantization_bit ({c.quantization_bit}): 4-/8-bit expert weights cannot be "
+                        f"split as DTensors; train without quantization, or {FIX}")
+    return problems
+
+
+def model_problems(c: TrainConfig, key: str) -> list[str]:
+    config = _config(c)
+    if config is None:
+        return []  # a hub id not downloaded yet, or a folder the file checks report
+    if not expert_count(config):
+        return [f"{key}: {c.model_name_or_path} has no mixture-of-experts layers (no num_experts, "
+                f"num_local_experts or n_routed_experts in its config.json); {FIX}"]
+    if c.finetuning_type == "lora" and targets_fused_experts(config, list(c.lora_target)):
+        targets = ",".join(c.lora_target)
+        return [f"{key} with lora_target ({targets}): LoRA on the fused expert weights is not split over the "
+                "expert-parallel ranks yet; name the layers outside the experts (e.g. lora_target: "
+                f"q_proj,k_proj,v_proj,o_proj), or {FIX}"]
+    return []
+
+
+def describe_expert_parallel(c: TrainConfig, layout: WorldLayout) -> str | None:
+    """The dry run's line: the mesh and how many experts each rank holds."""
+    n = layout.expert_parallel
+    if n == 1:
+        return None
+    experts = _experts(c)
+    held = f", {experts // n} of {experts} experts per layer on each rank" if experts else ""
+    return (f"expert parallel: mesh (expert-data-parallel {layout.expert_data_parallel_size} x expert-parallel "
+            f"{n}){held}; dense weights sharded over all {layout.world_size} ranks")
+
+
+def _config(c: TrainConfig) -> dict[str, Any] | None:
+    try:
+        return model_config_json(c.model_name_or_path)
+    except ModelError:
+        return None
+
+
+def _experts(c: TrainConfig) -> int | None:
+    config = _config(c)
+    return expert_count(config) or None if config else None
