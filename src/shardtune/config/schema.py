@@ -12,10 +12,12 @@ from typing import Any
 
 MODEL, FINETUNE, DATA, OUTPUT, TRAIN, ENGINE = "model", "finetuning", "data", "output", "training", "engine"
 PREFERENCE, RAY, GENERATE, EXPORT = "preference", "ray", "generation", "export"
+GRPO = "grpo"
 GROUP_TITLES = {
     MODEL: "Model",
     FINETUNE: "Fine-tuning method",
     PREFERENCE: "Preference training (stage dpo, kto, rm)",
+    GRPO: "Online reinforcement learning (stage grpo; TRL's GRPOConfig names, docs/grpo.md)",
     DATA: "Data",
     OUTPUT: "Output, logging and saving",
     TRAIN: "Optimisation",
@@ -116,7 +118,7 @@ class TrainConfig:
     # --- fine-tuning method ---
     stage: str = _key("sft", "training stage: supervised fine-tuning, pre-training, preference optimisation (dpo "
                              "with pref_loss), KTO, or a pairwise reward model (rm)", FINETUNE,
-                      choices=("sft", "pt", "dpo", "kto", "rm"))
+                      choices=("sft", "pt", "dpo", "kto", "rm", "grpo"))
     do_train: bool = _key(True, "run training (false only with do_predict: generate with the model as it is)",
                           FINETUNE)
     finetuning_type: str = _key("lora", "which parameters train (lora and oft train a peft adapter)", FINETUNE,
@@ -178,6 +180,33 @@ class TrainConfig:
     ref_model_quantization_bit: int | None = _key(None, "dpo/kto/use_asft_loss: load ref_model in 4 or 8 bits "
                                                         "(bitsandbytes: a CUDA GPU; not under ZeRO-3/FSDP)", PREFERENCE,
                                                   choices=(4, 8, None))
+    # --- online RL (stage grpo; TRL's names; rules in config/grpo.py) ---
+    reward_funcs: list[str] = _key([], "grpo: reward functions as module:function (or a built-in: answer_match, "
+                                       "format_match), comma separated", GRPO)
+    reward_weights: list[str] | None = _key(None, "grpo: one weight per reward function (default: 1 each)", GRPO)
+    reward_format_regex: str | None = _key(None, "grpo: the regular expression the built-in format_match reward "
+                                                 "wants the whole completion to match", GRPO)
+    num_generations: int = _key(8, "grpo: completions sampled per prompt (a group); must divide "
+                                   "per_device_train_batch_size, which counts completions", GRPO, minimum=2)
+    max_completion_length: int = _key(256, "grpo: most tokens generated per completion", GRPO, minimum=1)
+    beta: float = _key(0.0, "grpo: weight of the KL to the reference model (0: no reference is loaded)", GRPO,
+                       minimum=0)
+    epsilon: float = _key(0.2, "grpo: the ratio's lower clip, 1 - epsilon (and its upper one without "
+                               "epsilon_high)", GRPO, minimum=0, maximum=1, exclusive_minimum=True)
+    epsilon_high: float | None = _key(None, "grpo: the ratio's upper clip, 1 + epsilon_high (DAPO: 0.28)", GRPO,
+                                      minimum=0, exclusive_minimum=True)
+    loss_type: str = _key("dapo", "grpo: per-token loss over the batch's tokens (dapo), per-sequence means (grpo), "
+                                  "over rows x max_completion_length (dr_grpo), or grpo's with one importance ratio "
+                                  "per sequence (gspo)", GRPO, choices=("grpo", "dapo", "dr_grpo", "gspo"))
+    scale_rewards: str = _key("group", "grpo: divide advantages by the group's reward std, the batch's, or not",
+                              GRPO, choices=("group", "batch", "none"))
+    num_iterations: int = _key(1, "grpo: optimizer steps per batch of rollouts (mu; > 1 reuses them)", GRPO,
+                               minimum=1)
+    mask_truncated_completions: bool = _key(False, "grpo: completions that hit max_completion_length count for "
+                                                   "nothing in the loss", GRPO)
+    use_bias_correction_kl: bool = _key(True, "grpo: multiply the KL term by the importance ratio (TRL's default)",
+                                        GRPO)
+
     use_dora: bool = _key(False, "LoRA: weight-decomposed LoRA (DoRA; a trained magnitude per output row)", FINETUNE)
     use_rslora: bool = _key(False, "LoRA: rank-stabilised scaling lora_alpha / sqrt(lora_rank)", FINETUNE)
     pissa_init: bool = _key(False, "LoRA: initialise from the principal singular vectors of each weight (PiSSA)",
@@ -420,10 +449,6 @@ class TrainConfig:
     sequence_parallel_size: int = _key(
         1, "split each sequence over this many ranks (long context); data parallelism runs over world / N "
            "(LLaMA-Factory: cp_size; axolotl: context_parallel_size)", ENGINE, minimum=1)
-    expert_parallel_size: int = _key(
-        1, "split each mixture-of-experts layer's experts over this many ranks (FSDP2); tokens travel to their "
-           "experts by all-to-all; a divisor of the world size and of the expert count (LLaMA-Factory v1: "
-           "dist_config.ep_size; torchtitan: expert_parallel_degree)", ENGINE, minimum=1)
     sequence_parallel_mode: str = _key(
         "auto", "how the ranks of a sequence exchange attention inputs: ulysses (all-to-all of heads; the heads and "
                 "KV heads must divide by N), allgather (every rank gathers K and V; any head count), auto: ulysses "

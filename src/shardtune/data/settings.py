@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from shardtune.config.schema import TrainConfig
 
-STAGES = ("sft", "pt", "dpo", "kto", "rm")  # dpo, kto, rm: preference data (data.preference)
+STAGES = ("sft", "pt", "dpo", "kto", "rm", "grpo")  # dpo, kto, rm: preference data (data.preference); grpo: prompts
 # How several datasets become one, as LLaMA-Factory names it -> datasets' interleave stopping strategy.
 MIX_STRATEGIES = {"concat": None, "interleave_under": "first_exhausted", "interleave_over": "all_exhausted",
                   "interleave_once": "all_exhausted_without_replacement"}

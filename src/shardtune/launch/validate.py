@@ -9,6 +9,7 @@ from shardtune import run_files
 from shardtune.config.adapter_method import adapter_targets, is_adapter_type
 from shardtune.config.batching import micro_batch_tokens_problems
 from shardtune.config.generation import generation_key_problems, predicts_only
+from shardtune.config.grpo import grpo_problems
 from shardtune.config.preference import PREFERENCE_STAGES, split_paths, uses_reference
 from shardtune.config.schema import REPORT_TO, TrainConfig
 from shardtune.data.settings import VARLEN
@@ -80,7 +81,7 @@ def cross_key_problems(c: TrainConfig) -> list[str]:
     problems += streaming_key_problems(c)
     problems += micro_batch_tokens_problems(c)
     problems += optimizer_key_problems(c)
-    problems += preference_key_problems(c)
+    problems += preference_key_problems(c) + grpo_problems(c)
     problems += token_weighting_problems(c)
     problems += float8_key_problems(c)
     problems += checkpoint_key_problems(c)

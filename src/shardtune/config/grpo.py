@@ -1,0 +1,65 @@
+"""The rules of stage grpo, read from the config before any rank starts: its keys' ranges, its reward functions,
+the batch its groups need, and what it cannot run with (one table, ``GRPO_REFUSED``)."""
+
+from __future__ import annotations
+
+from shardtune.config.rewards import reward_function_problems
+from shardtune.config.schema import TrainConfig
+
+# Keys of stage grpo only; set for another stage they would be ignored.
+GRPO_KEYS = ("reward_funcs", "reward_weights", "reward_format_regex", "num_generations", "max_completion_length",
+             "beta", "epsilon", "epsilon_high", "loss_type", "scale_rewards", "num_iterations",
+             "mask_truncated_completions", "use_bias_correction_kl")
+
+# What stage grpo does not do, by key: why, for the refusal's line. A key counts as set when it differs from its
+# default (a value in a tuple: when it is that value).
+GRPO_REFUSED: dict[str, str] = {
+    "packing": "rollouts are whole prompt + completion rows scored per group; packed rows are not built for them",
+    "neat_packing": "rollouts are whole prompt + completion rows scored per group; packed rows are not built for them",
+    "padding_free": "rollouts are padded prompt + completion rows",
+    "sequence_parallel_size": "generation runs whole sequences on each rank and is not split",
+    "streaming": "prompts are read from a map-style dataset (the prompt cursor of a resumed run is its index)",
+    "micro_batch_tokens": "a micro-batch is num_generations x prompts completions, not a token budget",
+    "group_by_length": "the prompt's length says nothing of its completions'",
+    "neftune_noise_alpha": "the noise would reach the generation and the reference's forward",
+    "do_eval": "evaluation of stage grpo (rewards on held-out prompts) is not built yet",
+    "val_size": "evaluation of stage grpo (rewards on held-out prompts) is not built yet",
+    "eval_dataset": "evaluation of stage grpo (rewards on held-out prompts) is not built yet",
+    "ref_model": "the reference of stage grpo is the model as loaded (LoRA: adapters off; full: a frozen copy)",
+    "use_llama_pro": "not built for stage grpo",
+    "mixture_of_depths": "not built for stage grpo",
+    "tokenized_path": "prompts are read from the datasets each run (no tokenised copy is saved for them)",
+}
+
+
+def grpo_problems(c: TrainConfig) -> list[str]:
+    """Stage grpo's keys set for another stage, or for stage grpo everything it cannot run with: one line each."""
+    defaults = TrainConfig()
+    if c.stage != "grpo":
+        return [f"{key} ({getattr(c, key)}) is read by stage grpo only, but stage is {c.stage}; remove it or set "
+                "stage: grpo" for key in GRPO_KEYS if getattr(c, key) != getattr(defaults, key)]
+    problems = [f"{key} ({getattr(c, key)}) with stage grpo: {why}; remove it"
+                for key, why in GRPO_REFUSED.items() if _switched_on(getattr(c, key), getattr(defaults, key))]
+    if not c.reward_funcs:
+        problems.append("reward_funcs is required with stage grpo: module:function (or path/to/file.py:function, or "
+                        "a built-in: answer_match, format_match), comma separated")
+    problems += reward_function_problems(c.reward_funcs, c.reward_weights, c.reward_format_regex)
+    if c.per_device_train_batch_size % c.num_generations:
+        problems.append(f"num_generations ({c.num_generations}) must divide per_device_train_batch_size "
+                        f"({c.per_device_train_batch_size}), which counts completions: each micro-batch holds whole "
+                        "groups, so a group's advantages need no other rank")
+    if c.epsilon_high is not None and c.epsilon_high < c.epsilon and c.loss_type != "gspo":
+        problems.append(f"epsilon_high ({c.epsilon_high}) is below epsilon ({c.epsilon}): the upper clip would be "
+                        "tighter than the lower; raise epsilon_high or remove it")
+    if c.max_completion_length + 1 > c.cutoff_len:
+        problems.append(f"max_completion_length ({c.max_completion_length}) leaves no room for a prompt within "
+                        f"cutoff_len ({c.cutoff_len}), which bounds prompt + completion; raise cutoff_len")
+    if c.do_sample is False:
+        problems.append("do_sample (false) with stage grpo: the num_generations completions of a prompt would all "
+                        "be the same greedy one, so every advantage is 0; remove it")
+    return problems
+
+
+def _switched_on(value: object, default: object) -> bool:
+    """Set to something that turns the feature on: not its default, nor off (false, null, an empty list)."""
+    return value != default and value not in (None, False, [], 0)

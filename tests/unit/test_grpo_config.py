@@ -1,0 +1,81 @@
+"""Stage grpo's keys and rules: every problem on one line naming its key, all at once, exit 2 before any rank."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from shardtune.config.grpo import GRPO_KEYS, GRPO_REFUSED, grpo_problems
+from shardtune.config.rewards import answer_match, format_match, load_reward_function
+from shardtune.config.schema import TrainConfig
+from shardtune.errors import ConfigError
+from tests.conftest import run_cli
+
+GOOD = dict(stage="grpo", reward_funcs=["tests.grpo_rewards:letter_share"], num_generations=4,
+            per_device_train_batch_size=8, max_completion_length=16, cutoff_len=64)
+
+
+def config(**changes) -> TrainConfig:
+    return dataclasses.replace(TrainConfig(), **{**GOOD, **changes})
+
+
+def test_a_good_config_has_no_problem():
+    assert grpo_problems(config()) == []
+
+
+@pytest.mark.parametrize(("changes", "named"), [
+    ({"reward_funcs": []}, "reward_funcs is required"),
+    ({"reward_funcs": ["tests.grpo_rewards:missing"]}, "reward_funcs (tests.grpo_rewards:missing)"),
+    ({"reward_funcs": ["no_such_module_xyz:f"]}, "cannot import no_such_module_xyz"),
+    ({"reward_funcs": ["tests.grpo_rewards:NOT_A_FUNCTION"]}, "not a function"),
+    ({"reward_funcs": ["tests/grpo_rewards.py:letter_share", "nofile.py:f"]}, "no file nofile.py"),
+    ({"reward_funcs": ["letter_share"]}, "write module:function"),
+    ({"reward_funcs": ["format_match"]}, "needs reward_format_regex"),
+    ({"reward_funcs": ["format_match"], "reward_format_regex": "a("}, "reward_format_regex (a(): not a regular"),
+    ({"reward_weights": ["1", "2"]}, "reward_weights (2 values)"),
+    ({"reward_weights": ["x"]}, "reward_weights: x not a number"),
+    ({"num_generations": 3}, "num_generations (3) must divide per_device_train_batch_size (8)"),
+    ({"epsilon": 0.3, "epsilon_high": 0.1}, "epsilon_high (0.1) is below epsilon (0.3)"),
+    ({"max_completion_length": 64}, "max_completion_length (64) leaves no room"),
+    ({"do_sample": False}, "do_sample (false)"),
+    ({"packing": True}, "packing (True) with stage grpo"),
+    ({"sequence_parallel_size": 2}, "sequence_parallel_size (2) with stage grpo"),
+])
+def test_each_problem_names_its_key(changes, named):
+    problems = grpo_problems(config(**changes))
+    assert any(named in p for p in problems), problems
+
+
+def test_every_refused_key_is_a_key_and_refused():
+    defaults = TrainConfig()
+    for key in GRPO_REFUSED:
+        default = getattr(defaults, key)
+        value = {bool: True, int: 2, float: 0.5, str: "x", list: ["x"]}.get(type(default), True)
+        assert any(p.startswith(f"{key} (") for p in grpo_problems(config(**{key: value}))), key
+
+
+def test_grpo_keys_on_another_stage_are_refused_by_name():
+    problems = grpo_problems(dataclasses.replace(TrainConfig(), stage="sft", beta=0.1, num_generations=4))
+    assert sorted(problems) == ["beta (0.1) is read by stage grpo only, but stage is sft; remove it or set stage: "
+                                "grpo", "num_generations (4) is read by stage grpo only, but stage is sft; remove it "
+                                "or set stage: grpo"]
+    assert set(GRPO_KEYS) <= {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def test_builtin_rewards():
+    assert answer_match(["p", "p"], [" 42\n", "41"], answer=["42", "42"]) == [1.0, 0.0]
+    assert format_match(["p"] * 2, ["<a>x</a>", "x"], pattern=r"<a>.*</a>") == [1.0, 0.0]
+    assert load_reward_function("format_match", r"\d+")(["p"], ["12"]) == [1.0]
+    with pytest.raises(ConfigError, match="reward_funcs"):
+        load_reward_function("tests.grpo_rewards:missing")
+
+
+def test_check_reports_every_problem_at_once_and_exits_2(tmp_path):
+    result = run_cli("check", "examples/grpo/tiny_letter.yaml", "reward_funcs=tests.grpo_rewards:missing",
+                     "num_generations=3", "loss_type=ppo", "packing=true", f"output_dir={tmp_path}")
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("shardtune: error:")]
+    for named in ("loss_type", "reward_funcs (tests.grpo_rewards:missing)", "num_generations (3)", "packing (True)"):
+        assert any(named in line for line in lines), (named, lines)
+    assert "Traceback" not in result.stderr
