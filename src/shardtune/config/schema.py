@@ -449,6 +449,10 @@ class TrainConfig:
     sequence_parallel_size: int = _key(
         1, "split each sequence over this many ranks (long context); data parallelism runs over world / N "
            "(LLaMA-Factory: cp_size; axolotl: context_parallel_size)", ENGINE, minimum=1)
+    expert_parallel_size: int = _key(
+        1, "split each mixture-of-experts layer's experts over this many ranks (FSDP2); tokens travel to their "
+           "experts by all-to-all; a divisor of the world size and of the expert count (LLaMA-Factory v1: "
+           "dist_config.ep_size; torchtitan: expert_parallel_degree)", ENGINE, minimum=1)
     sequence_parallel_mode: str = _key(
         "auto", "how the ranks of a sequence exchange attention inputs: ulysses (all-to-all of heads; the heads and "
                 "KV heads must divide by N), allgather (every rank gathers K and V; any head count), auto: ulysses "
