@@ -17,9 +17,16 @@ from shardtune.train.loop import AnchorSource, Objective
 from shardtune.train.setup import build_collator
 
 
-def stage_objective(c: TrainConfig, source: ModelSource, engine: Engine) -> Objective | None:
+def stage_objective(c: TrainConfig, source: ModelSource, engine: Engine, tokenizer: Any = None) -> Objective | None:
     """dpo/kto: the preference step and its reference (a full-parameter run's frozen model loaded from the policy's
-    ``source`` and placed by the engine); rm: the pairwise reward step; None (the token loss) for sft and pt."""
+    ``source`` and placed by the engine); rm: the pairwise reward step; grpo: rollouts and the clipped surrogate
+    (train/grpo_step.py); None (the token loss) for sft and pt."""
+    if c.stage == "grpo":
+        from shardtune.train.grpo_run import build_grpo_objective
+
+        if c.beta > 0:
+            refuse_trained_reference(c, "stage grpo with beta > 0")
+        return build_grpo_objective(c, source, engine, tokenizer)
     if c.stage == "rm":
         from shardtune.train.reward import RewardObjective
 

@@ -72,7 +72,12 @@ def prepare_datasets(tokenizer: Any, c: TrainConfig, engine: Engine) -> tuple[An
     # Rank 0 tokenises first and fills the datasets cache; the other ranks then read it.
     if not engine.is_main:
         engine.barrier()
-    datasets = build_datasets(tokenizer, data_settings(c))
+    if c.stage == "grpo":  # prompts with their reward columns, no eval set (data/rl_prompts.py)
+        from shardtune.data.rl_prompts import build_rl_prompts
+
+        datasets = build_rl_prompts(tokenizer, data_settings(c), c.max_completion_length), None
+    else:
+        datasets = build_datasets(tokenizer, data_settings(c))
     if engine.is_main:
         engine.barrier()
     return datasets
@@ -175,6 +180,8 @@ def build_loader(dataset: Any, tokenizer: Any, batch_size: int, engine: Engine, 
     if dataset is None:
         return None
     collator = build_collator(tokenizer, c, has_images(dataset))
+    if c.stage == "grpo":  # a micro-batch of completions is this many prompts' groups
+        batch_size //= c.num_generations
     if is_stream(dataset):  # already this rank's share, shuffled by its buffer
         return DataLoader(dataset, batch_size=batch_size, collate_fn=collator,
                           **loader_options(c, torch.cuda.is_available()))
@@ -224,6 +231,10 @@ def build_collator(tokenizer: Any, c: TrainConfig, has_images: bool = False) -> 
     from shardtune.model.fp8 import ALIGNMENT, float8_wanted
     from shardtune.train.settings import resolved_packing
 
+    if c.stage == "grpo":
+        from shardtune.data.rl_prompts import RolloutPromptCollator
+
+        return RolloutPromptCollator()
     padding_free = padding_free_rows(c) and not has_images
     windows = model_layer_windows(c) if resolved_packing(c) or padding_free else None
     # fp8: the weight gradient's float8 matmul contracts over the micro-batch's tokens, which must then be a

@@ -27,6 +27,7 @@ from shardtune.startup_gc import resume_collection, start_loop_collection
 from shardtune.train import checkpoint
 from shardtune.train.checkpoint import resume_source
 from shardtune.train.checkpoint_folders import checkpoint_folders, is_shardtune_checkpoint
+from shardtune.train.grpo_run import repeated_windows
 from shardtune.train.hooks import RunHooks, StopRequest, run_name
 from shardtune.train.kernels import apply_kernels, check_kernel_devices
 from shardtune.train.loop import (
@@ -91,7 +92,8 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
                           f"({config.per_device_train_batch_size}) samples, so no batch is left; turn it off or "
                           "use more data")
     warn_dense_packed_masks(config, engine.is_main)
-    loop = loop_settings(config, train_micro_batches(train_loader, config), eval_loader is not None)
+    repeats = config.num_iterations if config.stage == "grpo" else 1  # grpo reuses each window's rollouts
+    loop = loop_settings(config, train_micro_batches(train_loader, config) * repeats, eval_loader is not None)
     source = model_source(*model_config(config), tokenizer_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                           reads_images=has_images(train_set))
     model = engine.build_model(source)
@@ -99,7 +101,7 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
     apply_kernels(model, config, engine.is_main)
     compiling = start_compile(model, config)
     loop = dataclasses.replace(loop, router_aux_loss_coef=router_aux_setting(model, config, engine.is_main),
-                               objective=stage_objective(config, source, engine),
+                               objective=stage_objective(config, source, engine, tokenizer),
                                anchor=asft_anchor(config, source, engine))
     # Before the engine touches the weights (ZeRO casts them to bf16): the adapter exactly as initialised.
     pissa = PissaConversion.start(model, output_dir, engine.is_main) if config.pissa_convert else None
@@ -136,7 +138,8 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
                      StepProfile(config.profile_steps) if config.profile_steps else None)
     start_loop_collection()  # paused while the rank started; the loop collects itself (startup_gc.py)
     hooks.meter.start()
-    state = run_loop(engine, epoch_batches_for(train_loader), loop, state, hooks)
+    batches = repeated_windows(epoch_batches_for(train_loader), config.gradient_accumulation_steps, repeats)
+    state = run_loop(engine, batches, loop, state, hooks)
     hooks.finish_saves()  # a checkpoint still being written is waited for, then marked complete
     if state.interrupted:
         hooks.rank_log.close(state.global_step, interrupted=True)
@@ -292,7 +295,7 @@ def router_aux_setting(model: torch.nn.Module, c: TrainConfig, is_main: bool) ->
 
     model_config = getattr(model, "config", None)
     coef = router_aux_loss_coef(model_config, c.moe_aux_loss_coef)
-    if coef is not None and c.stage in ("dpo", "kto", "rm"):
+    if coef is not None and c.stage in ("dpo", "kto", "rm", "grpo"):
         raise ConfigError(preference_aux_loss_problem(coef, c.stage))
     if is_main and coef is not None:
         print(f"[shardtune] mixture of experts: loss = LM loss + {coef:g} x router aux_loss (logged as aux_loss)",

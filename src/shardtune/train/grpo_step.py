@@ -1,0 +1,194 @@
+"""One optimizer step of stage grpo on any engine: rollouts, rewards, advantages, then the clipped surrogate.
+
+A micro-batch holds ``per_device_train_batch_size / num_generations`` prompts (``data.rl_prompts``); each is one
+group of ``num_generations`` completions, generated, scored and trained on as a unit, so a group's advantages need
+no other rank. The step's loss denominator (completion tokens, completions, or completions x max_completion_length:
+train/grpo_loss.py) is summed over every rank before the first backward, so 2 processes train as one with the same
+global batch. With ``num_iterations`` > 1 the loader hands the same window that many times in a row (the step
+function below keeps its rollouts for it) and the old log-probabilities are the policy's before the first of
+those steps, as TRL's ``num_iterations`` does. With ``beta`` > 0 the reference is placed as dpo's is
+(train/preference_step.py): the adapters-off policy for LoRA, a frozen copy placed by the engine for full runs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardtune.engines.base import Engine
+from shardtune.train.grpo_loss import (
+    GrpoSettings,
+    aggregate,
+    clip_fractions,
+    completion_logps,
+    group_advantages,
+    token_terms,
+)
+from shardtune.train.grpo_rewards import RewardSet
+from shardtune.train.preference_step import Reference
+from shardtune.train.rollout import Completions, Rollout, Sampling
+
+
+@dataclass
+class Group:
+    """One prompt's completions and everything the loss reads of them."""
+
+    prompt: torch.Tensor
+    completions: Completions
+    mask: torch.Tensor  # the tokens that count (truncated completions masked out when asked)
+    rewards: torch.Tensor  # (n, functions), unweighted
+    advantages: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+
+
+@dataclass
+class GrpoObjective:
+    """The grpo objective the loop calls instead of the token loss."""
+
+    settings: GrpoSettings
+    sampling: Sampling
+    rewards: RewardSet
+    rollout: Rollout
+    tokenizer: Any
+    num_generations: int
+    scale_rewards: str = "group"
+    num_iterations: int = 1
+    mask_truncated: bool = False
+    reference: Reference | None = None
+    _kept: tuple[Any, list[Group], float] | None = None
+
+    def train_step(self, engine: Engine, window: list[dict[str, Any]], max_grad_norm: float) -> dict[str, float]:
+        started = time.perf_counter()
+        groups = self.window_rollouts(engine, window)
+        rollout_seconds = time.perf_counter() - started
+        totals = engine.all_reduce_sum(torch.tensor([float(sum(g.mask.sum() for g in groups)),
+                                                     float(sum(len(g.mask) for g in groups))], device=engine.device))
+        tokens, rows = totals[0], totals[1]
+        denominator = {"dapo": tokens.clamp(min=1.0),
+                       "dr_grpo": rows * self.sampling.max_completion_length}.get(self.settings.loss_type, rows)
+        sums = torch.zeros(len(METRICS) + len(self.rewards.names), dtype=torch.float64, device=engine.device)
+        for i, group in enumerate(groups):
+            with engine.accumulation_context(is_last_micro_batch=i == len(groups) - 1), engine.autocast():
+                logps = self.policy_logps(engine, engine.model, group)
+                old = group.old_logps if group.old_logps is not None else logps.detach()
+                terms = token_terms(self.settings, logps, old, group.advantages, group.mask, group.ref_logps)
+                loss = aggregate(self.settings.loss_type, terms.loss, group.mask, denominator)
+            engine.backward(loss * engine.loss_scale_for_mean_reduction)
+            sums += self.group_metrics(group, terms, loss.detach())
+        grad_norm = engine.step(max_grad_norm)
+        return self.step_metrics(engine, sums, len(self.rewards.names), grad_norm, rollout_seconds)
+
+    def evaluate(self, engine: Engine, batches: Any) -> dict[str, float]:
+        raise NotImplementedError("stage grpo has no evaluation (refused by config/grpo.py)")
+
+    # --- rollouts ---
+    def window_rollouts(self, engine: Engine, window: list[dict[str, Any]]) -> list[Group]:
+        """The window's groups: generated, scored and given advantages once, then reused for the repeats of the same
+        window (num_iterations > 1)."""
+        if self._kept is not None and self._kept[0] is window[0]:
+            return self._kept[1]
+        groups = [self.group(engine, prompt, columns, row) for batch in window
+                  for prompt, columns, row in zip(batch["prompt_ids"], batch["columns"], batch["index"],
+                                                  strict=True)]
+        batch_std = self.batch_std(engine, groups) if self.scale_rewards == "batch" else None
+        for group in groups:
+            group.advantages = group_advantages(self.rewards.combined(group.rewards), self.num_generations,
+                                                self.scale_rewards, batch_std).to(engine.device)
+        with torch.no_grad():
+            for group in groups:
+                if self.num_iterations > 1:
+                    group.old_logps = self.policy_logps(engine, engine.model, group)
+                if self.reference is not None:
+                    group.ref_logps = self.reference_logps(engine, group)
+        self._kept = (window[0], groups, 0.0)
+        return groups
+
+    def group(self, engine: Engine, prompt_ids: list[int], columns: dict[str, Any], row: int) -> Group:
+        completions = self.rollout.generate(prompt_ids, self.num_generations, self.sampling, row)
+        texts = [self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+                 for ids, mask in zip(completions.ids.cpu(), completions.mask.cpu(), strict=True)]
+        prompt_text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        rewards = self.rewards.score(prompt_text, texts, columns, row)
+        mask = completions.mask
+        if self.mask_truncated:
+            mask = mask * (~completions.truncated).long().unsqueeze(1)
+        return Group(torch.tensor(prompt_ids, dtype=torch.long, device=engine.device), completions,
+                     mask.to(engine.device), rewards)
+
+    def batch_std(self, engine: Engine, groups: list[Group]) -> torch.Tensor:
+        """The unbiased std of every completion's reward of the step, over all ranks (scale_rewards: batch)."""
+        rewards = torch.cat([self.rewards.combined(g.rewards) for g in groups]).double()
+        summed = engine.all_reduce_sum(torch.stack([rewards.sum(), (rewards ** 2).sum(),
+                                                    torch.tensor(float(len(rewards)), dtype=torch.float64)]
+                                                   ).to(engine.device))
+        total, squares, count = summed.tolist()
+        variance = (squares - total * total / count) / max(count - 1, 1.0)
+        return torch.tensor(max(variance, 0.0) ** 0.5, dtype=torch.float32)
+
+    # --- log-probabilities ---
+    def policy_logps(self, engine: Engine, model: torch.nn.Module, group: Group) -> torch.Tensor:
+        ids, attention = self.inputs(engine, group)
+        logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits
+        return self.completion_part(logits, group)
+
+    def reference_logps(self, engine: Engine, group: Group) -> torch.Tensor:
+        assert self.reference is not None
+        ids, attention = self.inputs(engine, group)
+        return self.completion_part(self.reference.logits(engine, {"input_ids": ids, "attention_mask": attention}),
+                                    group)
+
+    def inputs(self, engine: Engine, group: Group) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(group.mask)
+        ids = torch.cat([group.prompt.expand(n, -1), group.completions.ids.to(engine.device)], dim=1)
+        attention = torch.cat([torch.ones(n, len(group.prompt), dtype=torch.long, device=engine.device),
+                               group.completions.mask.to(engine.device)], dim=1)
+        return ids, attention
+
+    def completion_part(self, logits: torch.Tensor, group: Group) -> torch.Tensor:
+        start = len(group.prompt) - 1  # position P - 1 predicts the first completion token
+        width = group.completions.ids.shape[1]
+        return completion_logps(logits[:, start:start + width], group.completions.ids.to(logits.device),
+                                self.settings.temperature)
+
+    # --- metrics ---
+    def group_metrics(self, group: Group, terms: Any, loss: torch.Tensor) -> torch.Tensor:
+        """This group's sums of the logged numbers, in METRICS order then one reward mean per function."""
+        mask = group.mask.double()
+        combined = self.rewards.combined(group.rewards).double()
+        low, high = clip_fractions(self.settings, terms.ratio.detach(), group.advantages, group.mask)
+        kl = (terms.kl.detach().double() * mask).sum() if terms.kl is not None else torch.zeros((), dtype=torch.float64)
+        n = float(len(combined))
+        values = [loss.double(), combined.sum(), combined.std().double() * n, mask.sum(),
+                  group.completions.mask.double().sum(), group.completions.truncated.double().sum(), kl.cpu(),
+                  low.double(), high.double(), n * float(bool(combined.std() < 1e-6)), torch.tensor(n)]
+        per_function = group.rewards.double().sum(0)
+        return torch.cat([torch.stack([torch.as_tensor(v, dtype=torch.float64).cpu() for v in values]),
+                          per_function]).to(mask.device)
+
+    def step_metrics(self, engine: Engine, sums: torch.Tensor, functions: int, grad_norm: float,
+                     rollout_seconds: float) -> dict[str, float]:
+        summed = engine.all_reduce_sum(sums).tolist()
+        found = dict(zip(METRICS, summed, strict=False))
+        n, tokens = max(found["completions"], 1.0), max(found["tokens"], 1.0)
+        metrics = {"loss": found["loss"], "reward": found["reward"] / n, "reward_std": found["reward_std"] / n,
+                   "completions/mean_length": found["lengths"] / n,
+                   "completions/clipped_ratio": found["truncated"] / n,
+                   "clip_ratio/low_mean": found["clip_low"] / tokens,
+                   "clip_ratio/high_mean": found["clip_high"] / tokens,
+                   "frac_reward_zero_std": found["zero_std"] / n, "rollout_seconds": rollout_seconds,
+                   "grad_norm": grad_norm, "tokens": found["lengths"], "slots": found["lengths"],
+                   "trainable_tokens": found["tokens"]}
+        if self.settings.beta:
+            metrics["kl"] = found["kl"] / tokens
+        for i, name in enumerate(self.rewards.names):
+            metrics[f"rewards/{name}/mean"] = summed[len(METRICS) + i] / n
+        return metrics
+
+
+# The sums every group adds (group_metrics), reduced over ranks in one call.
+METRICS = ("loss", "reward", "reward_std", "tokens", "lengths", "truncated", "kl", "clip_low", "clip_high",
+           "zero_std", "completions")

@@ -1,0 +1,90 @@
+"""Stage grpo through the real CLI on the tiny model, one process: the shipped example learns its toy reward (the
+mean reward rises clearly within 40 CPU steps), a run is deterministic (same seed: the same completions, rewards,
+losses and gradient norms), LoRA with a KL to the adapters-off reference and num_iterations 2 (the second step on the
+same rollouts moves off-policy: the ratio is clipped somewhere), each loss type trains, and a reward function that
+raises or answers with the wrong count, or a prompt longer than the cutoff allows, ends the run in one line naming it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import run_cli
+from tests.e2e.test_train_cli import read_log, train
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+EXAMPLE = "examples/grpo/tiny_letter.yaml"
+QUICK = ("max_steps=4", "save_strategy=no")
+
+
+def error_lines(stderr: str) -> list[str]:
+    """The error lines (a progress bar left without its newline may stand in front of one)."""
+    return [line[line.index("shardtune: error:"):] for line in stderr.splitlines() if "shardtune: error:" in line]
+
+
+def logged(out, key: str) -> list[float]:
+    return [r[key] for r in read_log(out) if key in r and "loss" in r]
+
+
+def test_the_example_learns_its_reward(tiny_model_dir, tmp_path):
+    out = tmp_path / "grpo"
+    train(EXAMPLE, tiny_model_dir, out)
+    rewards = logged(out, "reward")
+    assert len(rewards) == 40
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > 3 * first and last > 0.2, rewards
+    for key in ("reward_std", "completions/mean_length", "frac_reward_zero_std", "clip_ratio/low_mean",
+                "rewards/examples/grpo/rewards.py:letter_share/mean", "grad_norm", "rollout_seconds"):
+        assert key in read_log(out)[-1], key
+    assert (out / "model.safetensors").is_file()
+
+
+def test_same_seed_same_run(tiny_model_dir, tmp_path):
+    for name in ("a", "b"):
+        train(EXAMPLE, tiny_model_dir, tmp_path / name, *QUICK)
+    for key in ("loss", "grad_norm", "reward", "completions/mean_length"):
+        assert logged(tmp_path / "a", key) == logged(tmp_path / "b", key), key
+    assert len(set(logged(tmp_path / "a", "reward"))) == 4  # the policy and so its completions change each step
+
+
+def test_lora_with_kl_and_two_iterations(tiny_model_dir, tmp_path):
+    out = tmp_path / "lora"
+    train(EXAMPLE, tiny_model_dir, out, *QUICK, "finetuning_type=lora", "lora_target=all", "beta=0.04",
+          "num_iterations=2", "learning_rate=5e-2", "epsilon_high=0.28", "loss_type=grpo")
+    kl, high, low = logged(out, "kl"), logged(out, "clip_ratio/high_mean"), logged(out, "clip_ratio/low_mean")
+    assert len(kl) == 4 and kl[0] == pytest.approx(0, abs=1e-7)  # step 1: the policy is the reference (B = 0)
+    assert kl[1] > 0
+    assert high[0] == low[0] == 0  # on-policy: ratio 1, nothing clipped
+    assert max(high[1::2] + low[1::2]) > 0  # the repeat of a window trains off-policy
+    assert (out / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("loss_type", ["dr_grpo", "gspo"])
+def test_loss_types_train(loss_type, tiny_model_dir, tmp_path):
+    out = tmp_path / loss_type
+    train(EXAMPLE, tiny_model_dir, out, *QUICK, f"loss_type={loss_type}", "scale_rewards=batch")
+    assert all(g > 0 for g in logged(out, "grad_norm"))
+
+
+@pytest.mark.parametrize(("reward", "said"), [
+    ("tests.grpo_rewards:raises", "reward_funcs (tests.grpo_rewards:raises) raised ValueError: this reward always "
+                                  "fails on data row"),
+    ("tests.grpo_rewards:one_short", "reward_funcs (tests.grpo_rewards:one_short) returned 3 values for the 4 "
+                                     "completions of data row"),
+])
+def test_a_failing_reward_function_is_named_with_its_row(reward, said, tiny_model_dir, tmp_path):
+    result = run_cli("train", EXAMPLE, f"model_name_or_path={tiny_model_dir}", f"output_dir={tmp_path / 'r'}",
+                     *QUICK, f"reward_funcs={reward}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = error_lines(result.stderr)
+    assert len(errors) == 1 and said in errors[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_a_prompt_longer_than_the_cutoff_allows_is_refused(tiny_model_dir, tmp_path):
+    result = run_cli("train", EXAMPLE, f"model_name_or_path={tiny_model_dir}", f"output_dir={tmp_path / 'p'}",
+                     *QUICK, "cutoff_len=24")
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = error_lines(result.stderr)
+    assert len(errors) == 1 and "prompts are longer than cutoff_len (24) - max_completion_length (12)" in errors[0]
