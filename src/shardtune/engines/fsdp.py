@@ -207,7 +207,11 @@ class FSDPEngine(DistributedMixin, TorchEngine):
         # final norm, an untied output layer) is gathered here; the wrapped layers gather themselves.
         if self.settings.version == 1:
             return FullyShardedDataParallel.summon_full_params(self.model, recurse=False, writeback=False)
-        return contextlib.nullcontext()
+        # FSDP2: a LoRA root is peft's wrapper, whose forward generate skips, so its own weights are gathered here.
+        root, gathered = self.fsdp2_root(), contextlib.ExitStack()
+        root.unshard()
+        gathered.callback(root.reshard)
+        return gathered
 
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         if self.settings.version == 2:

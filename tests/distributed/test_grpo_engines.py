@@ -1,0 +1,59 @@
+"""Stage grpo on 2 processes against one process with the same global batch, through the real CLI.
+
+Each prompt's completions are seeded by its row number (train/rollout.py), so both runs sample the same completions
+for the same prompts whatever rank holds them: 2 gloo processes under DDP, ZeRO-2, ZeRO-3, FSDP2 and FSDP1 (the
+policy generating with its sharded weights gathered, ``synced_gpus``), full fine-tuning with a frozen reference
+placed as the policy and LoRA with its adapters-off reference (beta > 0), must log the one-process run's per-step
+loss, gradient norm, reward, completion length and KL. Gradient accumulation is 2, so a step sums 4 groups.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cli
+from tests.distributed.helpers import ENGINE_KEYS, logged
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+COMMON = ("examples/grpo/tiny_letter.yaml", "max_steps=3", "save_strategy=no", "gradient_accumulation_steps=2",
+          "beta=0.04", "max_completion_length=8")
+KINDS = {"full": ("finetuning_type=full", "learning_rate=1e-2"),
+         "lora": ("finetuning_type=lora", "lora_target=all", "learning_rate=5e-2")}
+RUNS = [(engine, kind) for engine in ("ddp", "zero2", "zero3", "fsdp2", "fsdp1") for kind in KINDS]
+COMPARED = ("loss", "grad_norm", "reward", "completions/mean_length", "kl")
+
+
+def train(model: Path, out: Path, nproc: int, micro: int, *extra: str) -> dict:
+    env = {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": str(nproc)} if nproc > 1 else {}
+    result = run_cli("train", *COMMON, f"model_name_or_path={model}", f"output_dir={out}",
+                     f"per_device_train_batch_size={micro}", *extra, **env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return json.loads((out / "train_results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_model_dir, tmp_path_factory) -> Callable[[str], Path]:
+    """``one_process(kind)``: 2 prompts (8 completions) per micro-batch, trained when a selected cell first asks."""
+    @functools.cache
+    def run(kind: str) -> Path:
+        out = tmp_path_factory.mktemp(f"one-{kind}")
+        train(tiny_model_dir, out, 1, 8, *KINDS[kind])
+        return out
+
+    return run
+
+
+@pytest.mark.parametrize(("engine", "kind"), RUNS, ids=[f"{e}-{k}" for e, k in RUNS])
+def test_grpo_matches_one_process(engine, kind, one_process, tiny_model_dir, tmp_path):
+    results = train(tiny_model_dir, tmp_path / "two", 2, 4, *KINDS[kind], *ENGINE_KEYS[engine])
+    assert results["world_size"] == 2
+    reference = one_process(kind)
+    assert len(logged(reference, "loss")) == 3 and max(logged(reference, "kl")) > 0
+    for key in COMPARED:
+        assert logged(tmp_path / "two", key) == pytest.approx(logged(reference, key), rel=2e-3, abs=1e-5), key
