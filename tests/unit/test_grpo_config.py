@@ -79,3 +79,25 @@ def test_check_reports_every_problem_at_once_and_exits_2(tmp_path):
     for named in ("loss_type", "reward_funcs (tests.grpo_rewards:missing)", "num_generations (3)", "packing (True)"):
         assert any(named in line for line in lines), (named, lines)
     assert "Traceback" not in result.stderr
+
+
+def test_convert_config_maps_axolotls_and_trls_grpo_keys(tmp_path):
+    """axolotl's rl: grpo with its trl: mapping, and TRL's own spellings (booleans for scale_rewards, sequence-level
+    ratios for GSPO, module.function reward names) become shardtune's keys; use_vllm: true is refused by name."""
+    import yaml
+
+    source = tmp_path / "axolotl.yaml"
+    source.write_text(yaml.safe_dump({
+        "rl": "grpo", "trl": {"beta": 0.001, "num_generations": 4, "max_completion_length": 12, "use_vllm": False,
+                              "reward_funcs": ["examples.grpo.rewards.letter_share"], "reward_weights": [1.0],
+                              "scale_rewards": False, "importance_sampling_level": "sequence", "loss_type": "grpo",
+                              "epsilon_high": 0.28, "mask_truncated_completions": True}}))
+    result = run_cli("convert-config", str(source), "--out", str(tmp_path / "out.yaml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert yaml.safe_load((tmp_path / "out.yaml").read_text()) == {
+        "stage": "grpo", "beta": 0.001, "num_generations": 4, "max_completion_length": 12,
+        "reward_funcs": ["examples.grpo.rewards:letter_share"], "reward_weights": [1.0], "scale_rewards": "none",
+        "loss_type": "gspo", "epsilon_high": 0.28, "mask_truncated_completions": True}
+    source.write_text(yaml.safe_dump({"rl": "grpo", "trl": {"use_vllm": True}}))
+    result = run_cli("convert-config", str(source))
+    assert "refused" in result.stdout and "vLLM back-end of stage grpo is not built yet" in result.stdout

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardtune.config.refused import V1_KERNELS_MEANING
+from shardtune.config.schema import key_names
 
 Translate = Callable[[Any, Mapping[str, Any]], dict[str, Any]]
 
@@ -225,6 +226,73 @@ MAPPED["async_mode"] = Mapped("async_save (torchtitan's checkpoint.async_mode: d
 
 # --- LLaMA-Factory's use_v1_kernels: its v1 "auto" kernel set, which lists kernels for Ascend NPUs only ---
 MAPPED["use_v1_kernels"] = Mapped(f"nothing: {V1_KERNELS_MEANING}", _inert_setting)
+
+
+# --- online RL (stage grpo, config/grpo.py): TRL's GRPOConfig keys are schema keys under their own names; these are
+# TRL's other spellings of them and axolotl's (rl: grpo, the TRL settings nested under trl:) ---
+AXOLOTL_RL_STAGES = {"grpo": "grpo", "dpo": "dpo", "kto": "kto"}
+
+
+def _axolotl_rl(value: Any, _values: Mapping[str, Any]) -> dict[str, Any]:
+    stage = AXOLOTL_RL_STAGES.get(str(value).strip().lower())
+    if stage is None:
+        raise Refused("rl", value, f"shardtune maps axolotl's rl {', '.join(AXOLOTL_RL_STAGES)} to its stages; for "
+                                   "ipo, orpo or simpo write stage: dpo with pref_loss")
+    return {"stage": stage}
+
+
+def _trl_settings(value: Any, values: Mapping[str, Any]) -> dict[str, Any]:
+    """axolotl's ``trl:`` mapping: each TRL key as if written at the top level (translated where TRL spells it
+    otherwise)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"key 'trl': expected a mapping of TRL's GRPO settings, got {value!r}")
+    found: dict[str, Any] = {}
+    for key, setting in value.items():
+        if key not in MAPPED and key not in key_names():
+            raise ValueError(f"key 'trl': {key!r} is not a TRL setting shardtune reads (see docs/grpo.md)")
+        found.update(MAPPED[key].translate(setting, value) if key in MAPPED else {key: setting})
+    return found
+
+
+def _scale_rewards(value: Any, _values: Mapping[str, Any]) -> dict[str, Any]:
+    """TRL also takes booleans: true is group, false none."""
+    return {"scale_rewards": {True: "group", False: "none"}.get(value, value) if isinstance(value, bool) else value}
+
+
+def _importance_sampling_level(value: Any, values: Mapping[str, Any]) -> dict[str, Any]:
+    if value in (None, "token"):
+        return {}
+    if value == "sequence" and values.get("loss_type", "grpo") in ("grpo", "gspo"):
+        return {"loss_type": "gspo"}
+    raise Refused("importance_sampling_level", value, "sequence-level ratios are loss_type gspo here (TRL's grpo "
+                                                      "with importance_sampling_level sequence); write loss_type: gspo")
+
+
+def _loss_type(value: Any, values: Mapping[str, Any]) -> dict[str, Any]:
+    """TRL's grpo with sequence-level ratios is gspo (importance_sampling_level says which)."""
+    sequence = values.get("importance_sampling_level") == "sequence"
+    return {"loss_type": "gspo" if sequence and value == "grpo" else value}
+
+
+def _reward_funcs(value: Any, _values: Mapping[str, Any]) -> dict[str, Any]:
+    """axolotl names a reward function module.function; shardtune (like a path) module:function."""
+    specs = value if isinstance(value, list) else [value]
+    return {"reward_funcs": [s if not isinstance(s, str) or ":" in s or "." not in s else ":".join(s.rsplit(".", 1))
+                             for s in specs]}
+
+
+MAPPED.update({
+    "rl": Mapped("stage (axolotl's rl: grpo, dpo, kto)", _axolotl_rl),
+    "trl": Mapped("the TRL settings in it, each as its own key (axolotl's trl: mapping)", _trl_settings),
+    "scale_rewards": Mapped("scale_rewards (TRL's true: group, false: none)", _scale_rewards),
+    "importance_sampling_level": Mapped("loss_type gspo (TRL's grpo with sequence-level ratios)",
+                                        _importance_sampling_level),
+    "reward_funcs": Mapped("reward_funcs (axolotl's module.function -> module:function)", _reward_funcs),
+    "loss_type": Mapped("loss_type (grpo with importance_sampling_level sequence: gspo)", _loss_type),
+    "use_vllm": Mapped("nothing: the transformers back-end generates (false only)", _refuse_unless(
+        False, "the vLLM back-end of stage grpo is not built yet: the policy generates with transformers; remove "
+               "the key")("use_vllm")),
+})
 
 
 def translate_keys(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
