@@ -249,6 +249,9 @@ MATRIX_ONLY = {
     # peft wraps); the other cells take the same rollout and loss paths on engines those three cover.
     *(f"tests/distributed/test_grpo_engines.py::test_grpo_matches_one_process[{cell}]" for cell in (
         "ddp-lora", "zero2-full", "zero2-lora", "zero3-full", "fsdp2-full", "fsdp1-full", "fsdp1-lora")),
+    # and resumes on 2 processes from a 1-process checkpoint; resuming on the same count takes the same path.
+    "tests/distributed/test_grpo_engines.py::test_a_resumed_run_samples_the_same_prompts_and_continues_the_curve"
+    "[same-1]",
     "tests/e2e/test_after_training.py::test_chat_one_shot",
     "tests/e2e/test_attention_cli.py::test_packed_sft_under_varlen_equals_the_dense_block_mask",
     "tests/unit/test_compile.py::test_padded_rows_and_a_shorter_last_batch_compile_nothing_after_step_2[lora]",

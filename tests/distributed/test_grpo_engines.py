@@ -57,3 +57,20 @@ def test_grpo_matches_one_process(engine, kind, one_process, tiny_model_dir, tmp
     assert len(logged(reference, "loss")) == 3 and max(logged(reference, "kl")) > 0
     for key in COMPARED:
         assert logged(tmp_path / "two", key) == pytest.approx(logged(reference, key), rel=2e-3, abs=1e-5), key
+
+
+@pytest.mark.parametrize("processes", [1, 2], ids=["same-1", "then-2"])
+def test_a_resumed_run_samples_the_same_prompts_and_continues_the_curve(processes, tiny_model_dir, tmp_path):
+    """A one-process run that died right after checkpoint-2 resumes on 1 or on 2 processes (DDP) and logs the
+    uninterrupted run's steps 3 and 4: the same prompts (the sampler's cursor is the step), the same completions (seeded
+    by row) and the same updates (weights, optimizer and reference restored)."""
+    from tests.conftest import crash_after_checkpoint
+
+    finished, crashed = tmp_path / "finished", tmp_path / "crashed"
+    keys = (*KINDS["full"], "max_steps=4", "save_strategy=steps", "save_steps=2")
+    train(tiny_model_dir, finished, 1, 8, *keys)
+    crash_after_checkpoint(finished, crashed, 2)
+    train(tiny_model_dir, crashed, processes, 8 // processes, *keys, "overwrite_output_dir=false")
+    for key in COMPARED:
+        expected, resumed = logged(finished, key), logged(crashed, key)
+        assert len(resumed) == 4 and resumed[2:] == pytest.approx(expected[2:], rel=2e-3, abs=1e-5), key
