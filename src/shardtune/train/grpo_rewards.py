@@ -24,6 +24,11 @@ class RewardSet:
     functions: tuple[RewardFunction, ...]
     weights: tuple[float, ...]
 
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """Each function's name as the logs show it (TRL's: the function's own name)."""
+        return tuple(spec.rpartition(":")[2] for spec in self.names)
+
     @classmethod
     def load(cls, specs: list[str], weights: list[str] | None, format_regex: str | None) -> RewardSet:
         functions = tuple(load_reward_function(spec, format_regex) for spec in specs)

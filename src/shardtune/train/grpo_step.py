@@ -184,7 +184,7 @@ class GrpoObjective:
                    "trainable_tokens": found["tokens"]}
         if self.settings.beta:
             metrics["kl"] = found["kl"] / tokens
-        for i, name in enumerate(self.rewards.names):
+        for i, name in enumerate(self.rewards.labels):
             metrics[f"rewards/{name}/mean"] = summed[len(METRICS) + i] / n
         return metrics
 
