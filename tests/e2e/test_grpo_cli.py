@@ -88,3 +88,33 @@ def test_a_prompt_longer_than_the_cutoff_allows_is_refused(tiny_model_dir, tmp_p
     assert result.returncode == 2, result.stderr[-3000:]
     errors = error_lines(result.stderr)
     assert len(errors) == 1 and "prompts are longer than cutoff_len (24) - max_completion_length (12)" in errors[0]
+
+
+def test_a_reward_model_folder_scores_the_completions(tiny_model_dir, tmp_path):
+    """A stage rm output named in reward_funcs scores each prompt + completion (the batch padded on the right) as its
+    own forward scores one row alone: the score at the last token that is not padding."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from shardtune.train.reward_model_scorer import RewardModelScorer
+
+    rm = tmp_path / "rm"
+    train("examples/tiny/dpo_lora.yaml", tiny_model_dir, rm, "stage=rm", "finetuning_type=full", "max_steps=2",
+          "save_strategy=no", "learning_rate=1e-3", "plot_loss=false")
+    out = tmp_path / "grpo"
+    train(EXAMPLE, tiny_model_dir, out, *QUICK, f"reward_funcs={rm}")
+    rewards = logged(out, "rewards/rm/mean")
+    assert len(rewards) == 4 and len(set(rewards)) == 4 and min(logged(out, "reward_std")) > 0
+    scorer = RewardModelScorer(str(rm), torch.device("cpu"), AutoTokenizer.from_pretrained(tiny_model_dir))
+    rows = [[5, 9, 13, 40, 41, 42, 7], [5, 9, 13, 40], [5, 9, 13, 40, 99]]
+    model = AutoModelForSequenceClassification.from_pretrained(rm)
+    with torch.no_grad():
+        alone = [float(model(input_ids=torch.tensor([row])).logits[0, 0]) for row in rows]
+    assert scorer.score(rows) == pytest.approx(alone, abs=1e-5)
+
+
+def test_a_folder_that_is_no_reward_model_is_refused_before_launch(tiny_model_dir, tmp_path):
+    result = run_cli("check", EXAMPLE, f"model_name_or_path={tiny_model_dir}", f"reward_funcs={tiny_model_dir}",
+                     f"output_dir={tmp_path}")
+    assert result.returncode == 2
+    assert f"reward_funcs ({tiny_model_dir}) is not a reward model" in result.stderr, result.stderr

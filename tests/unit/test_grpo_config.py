@@ -101,3 +101,19 @@ def test_convert_config_maps_axolotls_and_trls_grpo_keys(tmp_path):
     source.write_text(yaml.safe_dump({"rl": "grpo", "trl": {"use_vllm": True}}))
     result = run_cli("convert-config", str(source))
     assert "refused" in result.stdout and "vLLM back-end of stage grpo is not built yet" in result.stdout
+
+
+def test_a_reward_model_folder_is_checked_by_its_files(tmp_path):
+    from shardtune.config.rewards import reward_model_problems
+
+    (tmp_path / "rm").mkdir()
+    (tmp_path / "rm" / "config.json").write_text('{"architectures": ["LlamaForSequenceClassification"]}')
+    (tmp_path / "lm").mkdir()
+    (tmp_path / "lm" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    assert grpo_problems(config(reward_funcs=[str(tmp_path / "rm")])) == []
+    assert "is not a reward model" in reward_model_problems(str(tmp_path / "lm"))[0]
+    assert "holds a LoRA adapter" in reward_model_problems(str(tmp_path / "adapter"))[0]
+    assert "no readable config.json" in reward_model_problems(str(tmp_path / "empty"))[0]

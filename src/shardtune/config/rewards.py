@@ -1,13 +1,15 @@
-"""Reward functions of stage grpo, named in ``reward_funcs`` as ``module:function``, ``path/to/file.py:function`` or a
-built-in name; resolved the same way on the launching host (to refuse a missing one before any rank starts) and on
-every rank. A reward function takes the prompts, the completions and the rows' other columns as keyword arguments
-(TRL's signature) and returns one float per completion.
+"""Reward functions of stage grpo, named in ``reward_funcs`` as ``module:function``, ``path/to/file.py:function``, a
+built-in name or a reward model folder (stage rm's output, scored by train/reward_model_scorer.py); resolved the
+same way on the launching host (to refuse a missing one before any rank starts) and on every rank. A reward
+function takes the prompts, the completions and the rows' other columns as keyword arguments (TRL's signature) and
+returns one float per completion.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -88,11 +90,36 @@ def reward_weights(weights: Sequence[str] | None, count: int) -> list[float]:
     return [1.0] * count if weights is None else [float(w) for w in weights]
 
 
+def is_reward_model_folder(spec: str) -> bool:
+    """A folder named in reward_funcs: a reward model (stage rm's output) scores the completions."""
+    return ":" not in spec and Path(spec).is_dir()
+
+
+def reward_model_problems(folder: str) -> list[str]:
+    """A reward model folder must hold a whole sequence-classification model (config.json's architectures)."""
+    if (Path(folder) / "adapter_config.json").is_file():
+        return [f"reward_funcs ({folder}) holds a LoRA adapter; merge it into its model first (shardtune export) and "
+                "name the merged folder"]
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return [f"reward_funcs ({folder}): no readable config.json; name a reward model folder (stage rm's output)"]
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    if not isinstance(architectures, list) or not any(str(a).endswith("ForSequenceClassification")
+                                                      for a in architectures):
+        return [f"reward_funcs ({folder}) is not a reward model (config.json names {architectures}, not a "
+                "...ForSequenceClassification); train one with stage: rm"]
+    return []
+
+
 def reward_function_problems(specs: Sequence[str], weights: Sequence[str] | None, format_regex: str | None
                              ) -> list[str]:
     """Every reward function that cannot be loaded, and weights that do not fit them: one line each."""
     problems = []
     for spec in specs:
+        if is_reward_model_folder(spec):
+            problems += reward_model_problems(spec)
+            continue
         try:
             load_reward_function(spec, format_regex)
         except ConfigError as err:

@@ -37,7 +37,8 @@ def build_grpo_objective(c: TrainConfig, source: ModelSource, engine: Engine, to
         print(f"[shardtune] stage grpo: loss_type {c.loss_type}, {c.num_generations} completions per prompt "
               f"(transformers back-end: the policy generates with its own weights), rewards "
               f"{', '.join(c.reward_funcs)}; reference: {where}", flush=True)
-    return GrpoObjective(settings, sampling, RewardSet.load(c.reward_funcs, c.reward_weights, c.reward_format_regex),
+    return GrpoObjective(settings, sampling, RewardSet.load(c.reward_funcs, c.reward_weights, c.reward_format_regex,
+                                                            engine.device, tokenizer),
                          TransformersRollout(engine, stops, pad), tokenizer, c.num_generations, c.scale_rewards,
                          c.num_iterations, c.mask_truncated_completions, reference)
 

@@ -112,7 +112,9 @@ class GrpoObjective:
         texts = [self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
                  for ids, mask in zip(completions.ids.cpu(), completions.mask.cpu(), strict=True)]
         prompt_text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-        rewards = self.rewards.score(prompt_text, texts, columns, row)
+        rows = [prompt_ids + ids[mask.bool()].tolist()
+                for ids, mask in zip(completions.ids.cpu(), completions.mask.cpu(), strict=True)]
+        rewards = self.rewards.score(prompt_text, texts, columns, row, rows)
         mask = completions.mask
         if self.mask_truncated:
             mask = mask * (~completions.truncated).long().unsqueeze(1)
