@@ -39,12 +39,16 @@ ENGINES = ("ddp", "z2", "z3", "fsdp2", "fsdp1")
 
 
 def build_model(model_dir: str, finetuning: str) -> torch.nn.Module:
+    """``finetuning``: full, lora, attnlora (LoRA on o_proj only), or skewfull: full with every routed choice
+    moved into the first half of the experts (the first expert-parallel rank's), so the other ranks receive none."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     # GPT-OSS refuses sdpa (its attention sinks): eager, as a user must ask for it until attention is chosen per model
     eager = json.loads((Path(model_dir) / "config.json").read_text())["model_type"] == "gpt_oss"
     model = AutoModelForCausalLM.from_pretrained(model_dir, **({"attn_implementation": "eager"} if eager else {}))
+    if finetuning == "skewfull":
+        skew_routing(model)
     if finetuning == "lora":
         model = apply_finetuning(model, FinetuningSettings(finetuning_type="lora", lora_rank=4))
     elif finetuning == "attnlora":  # LoRA beside experts that stay whole-weight (expert parallelism's LoRA)
@@ -53,11 +57,33 @@ def build_model(model_dir: str, finetuning: str) -> torch.nn.Module:
     return model
 
 
+def skew_routing(model: torch.nn.Module) -> None:
+    """Send every (token, choice) to an expert of the first half (index mod half the experts)."""
+    from shardtune.model.moe import EXPERTS_NAME, sparse_moe_blocks
+
+    def first_half(module: torch.nn.Module, args: tuple) -> tuple:
+        hidden, index, weights = args
+        return hidden, index % (module.num_experts // 2), weights
+
+    for _, block in sparse_moe_blocks(model):
+        getattr(block, EXPERTS_NAME).register_forward_pre_hook(first_half)
+
+
+def weight_fingerprints(state: dict[str, torch.Tensor]) -> dict[str, list[float]]:
+    """Per weight: its norm and its dot product with a fixed random vector (any change of a value shows)."""
+    found = {}
+    for name, value in sorted(state.items()):
+        flat = value.detach().float().flatten()
+        probe = torch.randn(flat.numel(), generator=torch.Generator().manual_seed(7))
+        found[name] = [flat.norm().item(), flat.dot(probe).item()]
+    return found
+
+
 def rank_batches(vocab: int) -> list[list[Batch]]:
     """batches[rank][i]; rank r's token ids come from its own half of the vocabulary."""
     gen = torch.Generator().manual_seed(1234)
     out = []
-    half = vocab // 2
+    half = vocab // WORLD
     for rank in range(WORLD):
         batches = []
         for _ in range(STEPS * ACCUMULATION):
@@ -108,7 +134,7 @@ def run_reference(model_dir: str, out: Path) -> None:
     from shardtune.engines.local import LocalEngine
 
     results = {}
-    for finetuning in ("full", "lora", "attnlora"):
+    for finetuning in ("full", "lora", "attnlora", "skewfull"):
         model = build_model(model_dir, finetuning)
         per_rank = rank_batches(model.config.vocab_size)
         # one window per step: every micro-batch of every rank, each its own forward (as on two ranks)
@@ -117,6 +143,7 @@ def run_reference(model_dir: str, out: Path) -> None:
         engine = LocalEngine(PrecisionSettings(), torch.device("cpu"))
         prepare(engine, model)
         results[finetuning] = train(engine, windows, model.config)
+        results[f"{finetuning}:weights"] = weight_fingerprints(model.state_dict())
     (out / "reference.json").write_text(json.dumps(results, indent=2))
 
 
@@ -158,6 +185,10 @@ def run_case(ctx: object, model_dir: str, name: str) -> dict:
     prepare(engine, model)
     result: dict = {"metrics": train(engine, windows, config), "expert_shards": expert_shards(engine.model),
                     "z3_leaves": z3_leaves(engine.model)}
+    if finetuning in ("full", "skewfull") and kind.startswith("fsdp2"):
+        result["weights"] = weight_fingerprints(engine.full_state_dict())
+    if getattr(engine, "experts", None) is not None:
+        result["expert_parallel"] = engine.expert_parallel_report(STEPS)
     everyone = [torch.zeros_like(counts) for _ in range(WORLD)]
     torch.distributed.all_gather(everyone, counts)
     result["expert_counts"] = [c.tolist() for c in everyone]
@@ -199,12 +230,15 @@ def run_distributed(model_dir: str, out: Path, names: list[str]) -> None:
 
 
 def main() -> None:
+    global WORLD
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", default="")
     parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--world", type=int, default=WORLD, help="ranks (the reference: ranks it stands for)")
     args = parser.parse_args()
+    WORLD = args.world
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.reference:

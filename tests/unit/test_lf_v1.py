@@ -73,10 +73,10 @@ def test_a_v1_setting_without_counterpart_is_refused_naming_v1(key, value, reaso
     assert reason in problems[0]
 
 
-def test_fsdpturbo_trains_under_fsdp2_with_its_experts_sharded_like_any_weight():
+def test_fsdpturbo_trains_under_fsdp2_with_its_experts_split_over_ep_size_ranks():
     values, problems = translate_v1({"model": "m", "dist_config": {"name": "fsdpturbo", "ep_size": 16,
                                                                     "ep_dispatcher": "eager"}})
-    assert problems == [] and values["fsdp"] == "full_shard"
+    assert problems == [] and values["fsdp"] == "full_shard" and values["expert_parallel_size"] == 16
 
 
 def test_flash_linear_attention_is_accepted_as_transformers_calls_fla():

@@ -199,6 +199,12 @@ MAPPED.update({
     "cp_mode": Mapped("sequence_parallel_mode (ulysses; LLaMA-Factory v1 has no other)", _cp_mode),
     "context_parallel_size": Mapped("sequence_parallel_size (axolotl's and Megatron's context-parallel size)",
                                     _rename("sequence_parallel_size")),
+    # --- expert parallelism (engines/expert_parallel_plan.py) ---
+    "ep_size": Mapped("expert_parallel_size (LLaMA-Factory v1's dist_config.ep_size)", _rename("expert_parallel_size")),
+    "expert_parallel_degree": Mapped("expert_parallel_size (torchtitan's parallelism.expert_parallel_degree)",
+                                     _rename("expert_parallel_size")),
+    "expert_model_parallel_size": Mapped("expert_parallel_size (Megatron's expert-parallel size)",
+                                         _rename("expert_parallel_size")),
 })
 
 

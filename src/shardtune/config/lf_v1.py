@@ -300,13 +300,13 @@ def _fsdp2(given: Section) -> dict[str, Any]:
 
 def _fsdpturbo(given: Section) -> dict[str, Any]:
     """v1's FSDPTurbo plugin: FSDP2 whose MoE experts are split over ``ep_size`` ranks (expert parallelism, tokens
-    sent to their experts' rank by an all-to-all). The model and its gradients are the same as under FSDP2, which
-    shards each expert like any other weight: that is what runs here, whatever ``ep_size`` says."""
+    sent to their experts' rank by an all-to-all): shardtune's FSDP2 with ``expert_parallel_size``."""
     ep_size = given.get("ep_size")
     if ep_size is not None and (isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1):
         raise v1_problem("dist_config.ep_size", ep_size, "ep_size must be a whole number of ranks, 1 or more")
     rest = {k: v for k, v in given.items() if k != "ep_size"}
-    return {"fsdp": "full_shard", **_settings("dist_config", rest, {}, fixed={
+    experts = {"expert_parallel_size": ep_size} if ep_size is not None else {}
+    return {"fsdp": "full_shard", **experts, **_settings("dist_config", rest, {}, fixed={
         "dcp_path": None, "ep_dispatcher": "eager", "fsdp_implementation": "native", "reshard_after_forward": True,
         "offload_params": False, "pin_memory": True, "fsdp_ignored_modules": [], "hook_modules": []})}
 

@@ -23,13 +23,15 @@ KTRANSFORMERS_REASON = ("this file is for KTransformers (use_kt: MoE experts com
 KTRANSFORMERS_KEYS = """_kt_adapter_artifact_path _kt_config_handle _kt_inference_config kt_cpu_activation
     kt_expert_checkpoint_path kt_lora_expert_intermediate_size kt_lora_expert_num kt_non_expert_weight_path
     kt_use_lora_experts kt_weight_path use_kt"""
-# Megatron's context_parallel_size is shardtune's sequence_parallel_size (config/compat.py), so it is not listed.
-MEGATRON_REASON = ("this file is for Megatron-Core (LLaMA-Factory's USE_MCA=1 back-end) or Megatron Bridge: tensor, "
-                   "pipeline, and expert parallelism are not in shardtune, whose engines are DDP, FSDP and "
+# Megatron's context_parallel_size and expert_model_parallel_size are shardtune's sequence_parallel_size and
+# expert_parallel_size (config/compat.py), so they are not listed.
+MEGATRON_REASON = ("this file is for Megatron-Core (LLaMA-Factory's USE_MCA=1 back-end) or Megatron Bridge: tensor "
+                   "and pipeline parallelism are not in shardtune, whose engines are DDP, FSDP and "
                    "DeepSpeed (every rank holds whole layers, sharded): remove the Megatron settings and choose "
-                   "`fsdp:` or `deepspeed:` (context parallelism is sequence_parallel_size)")
+                   "`fsdp:` or `deepspeed:` (context parallelism is sequence_parallel_size, expert parallelism "
+                   "expert_parallel_size)")
 MEGATRON_KEYS = """use_mca use_megatron_bridge megatron_bridge_args tensor_model_parallel_size
-    pipeline_model_parallel_size virtual_pipeline_model_parallel_size expert_model_parallel_size
+    pipeline_model_parallel_size virtual_pipeline_model_parallel_size
     expert_tensor_parallel_size sequence_parallel use_distributed_optimizer overlap_param_gather overlap_grad_reduce
     bias_activation_fusion apply_rope_fusion moe_grouped_gemm moe_token_dispatcher_type recompute_granularity
     recompute_method recompute_num_layers mixed_precision use_packed_sequences export_hf_on_finish"""

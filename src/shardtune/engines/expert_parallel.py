@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from shardtune.model.moe import EXPERTS_NAME, sparse_moe_blocks
+from shardtune.errors import ModelError
+from shardtune.model.moe import EXPERTS_NAME, routing_interface_problem, sparse_moe_blocks
 
 MESH_DIMS = ("edp", "ep")
 
@@ -39,6 +40,7 @@ class ExpertTraffic:
     """Bytes this rank sent through the experts' all-to-alls (rows out and results back, forward only)."""
 
     bytes_sent: int = 0
+    rows_received: int = 0  # (token, choice) rows this rank's experts computed
 
     def add(self, rows: torch.Tensor) -> None:
         self.bytes_sent += rows.numel() * rows.element_size()
@@ -59,14 +61,16 @@ class ExpertPlacement:
 
     def report(self) -> dict[str, Any]:
         """This rank's part: the experts it holds (the same indices in every MoE layer) and the bytes it sent."""
-        return {"experts_held": next(iter(self.held.values()), []), "all_to_all_bytes": self.traffic.bytes_sent}
+        return {"experts_held": next(iter(self.held.values()), []), "all_to_all_bytes": self.traffic.bytes_sent,
+                "rows_received": self.traffic.rows_received}
 
     def summary(self, per_rank: list[dict[str, Any]], steps: int) -> dict[str, Any]:
         """train_results.json's ``expert_parallel``: the mesh and, per rank, what it held and sent per step."""
         return {"size": self.mesh.size(1), "expert_data_parallel_size": self.mesh.size(0),
                 "experts_per_rank": self.experts_per_rank, "moe_layers": len(self.held),
                 "ranks": [{"experts_held": r["experts_held"],
-                           "all_to_all_bytes_per_step": round(r["all_to_all_bytes"] / max(steps, 1))}
+                           "all_to_all_bytes_per_step": round(r["all_to_all_bytes"] / max(steps, 1)),
+                           "rows_received_per_step": round(r["rows_received"] / max(steps, 1))}
                           for r in per_rank]}
 
 
@@ -83,6 +87,9 @@ def place_experts(model: torch.nn.Module, mesh: DeviceMesh) -> ExpertPlacement:
     placement: ExpertPlacement | None = None
     for name, block in sparse_moe_blocks(model):
         experts = getattr(block, EXPERTS_NAME)
+        problem = routing_interface_problem(type(experts))
+        if problem:
+            raise ModelError(problem)
         total = int(experts.num_experts)
         per_rank = total // ep
         first = ep_rank * per_rank
@@ -114,6 +121,10 @@ def shard_experts(model: torch.nn.Module, mesh: DeviceMesh, world_size: int, **f
     for experts in expert_modules(model):
         fully_shard(experts, mesh=mesh["edp"], shard_placement_fn=lambda _p: Shard(1), **fsdp_kwargs)
         experts.set_gradient_divide_factor(float(world_size))
+        # gloo has no pre-multiplied sum: scale, then sum. Not on a one-rank edp group: there torch 2.13 divides
+        # by the factor without any collective and then once more as the forced sum's post-division.
+        if mesh["edp"].size() > 1 and dist.get_backend(mesh["edp"].get_group()) == "gloo":
+            experts.set_force_sum_reduction_for_comms(True)
 
 
 def _dispatching_forward(family_forward: Callable[..., torch.Tensor], total: int, per_rank: int,
@@ -136,6 +147,7 @@ def _dispatching_forward(family_forward: Callable[..., torch.Tensor], total: int
         returned = _all_to_all(computed, sends, receives, group)
         placement.traffic.add(rows)
         placement.traffic.add(computed)
+        placement.traffic.rows_received += received.shape[0]
         per_choice = returned[torch.argsort(order)].view(tokens, k, -1)
         combined = (per_choice.float() * top_k_weights.float().unsqueeze(-1)).sum(dim=1)
         return combined.to(hidden.dtype)

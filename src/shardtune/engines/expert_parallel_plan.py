@@ -15,7 +15,7 @@ from shardtune.config.schema import TrainConfig
 from shardtune.engines.engine_plan import EnginePlan
 from shardtune.errors import ModelError
 from shardtune.model.folder import model_config_json
-from shardtune.model.moe import expert_count, targets_fused_experts
+from shardtune.model.moe import expert_count, experts_classes, routing_interface_problem, targets_fused_experts
 from shardtune.world import WorldLayout
 
 FIX = "set expert_parallel_size: 1"
@@ -79,6 +79,10 @@ def model_problems(c: TrainConfig, key: str) -> list[str]:
     if not expert_count(config):
         return [f"{key}: {c.model_name_or_path} has no mixture-of-experts layers (no num_experts, "
                 f"num_local_experts or n_routed_experts in its config.json); {FIX}"]
+    model_type = str(config.get("model_type", ""))
+    problems = [p for cls in experts_classes(model_type) if (p := routing_interface_problem(cls))]
+    if problems:
+        return problems[:1]
     if c.finetuning_type == "lora" and targets_fused_experts(config, list(c.lora_target)):
         targets = ",".join(c.lora_target)
         return [f"{key} with lora_target ({targets}): LoRA on the fused expert weights is not split over the "

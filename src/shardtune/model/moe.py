@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -160,3 +162,27 @@ def apply_experts_implementation(model: torch.nn.Module, device_type: str, weigh
     if kept != choice:  # a model class whose experts cannot be switched
         return f"mixture of experts: experts_implementation {kept} (the model's class fixes it)"
     return f"mixture of experts: experts_implementation {choice} ({reason})"
+
+
+def routing_interface_problem(experts_class: type) -> str | None:
+    """Why expert parallelism cannot drive ``experts_class``: the dispatch needs transformers' fused-experts
+    interface, ``forward(hidden_states, top_k_index, top_k_weights)``, to send each routed choice to its rank."""
+    params = list(inspect.signature(experts_class.forward).parameters)[1:]
+    if len(params) >= 3:
+        return None
+    return (f"expert_parallel_size: {experts_class.__name__}.forward({', '.join(params)}) takes no routing choices "
+            "(the family routes its tokens before its experts), so they cannot be sent to other ranks; set "
+            "expert_parallel_size: 1")
+
+
+def experts_classes(model_type: str) -> list[type]:
+    """The fused-experts classes of transformers' modeling module for ``model_type`` (empty when there is none)."""
+    from transformers import CONFIG_MAPPING
+
+    try:  # the config class names the package: llama4_text's is llama4's
+        package = CONFIG_MAPPING[model_type].__module__.rsplit(".", 1)[0]
+        module = importlib.import_module(f"{package}.modeling_{package.rsplit('.', 1)[-1]}")
+    except (KeyError, ImportError):
+        return []
+    return [value for name, value in vars(module).items()
+            if name.endswith("Experts") and isinstance(value, type) and value.__module__ == module.__name__]
