@@ -1,7 +1,8 @@
 """What this year's families need from shardtune, each checked on a tiny model of the family built from
 transformers' registry (model/registry.py): the sharding engines' reader applies transformers' checkpoint
 conversion, DDP freezes what the LM loss never reaches, ``lora_target: all`` leaves out what LoRA cannot adapt,
-and packing is refused where layers carry a state along the row."""
+and packing passes the launch check where layers carry a state along the row (they run once per packed sample:
+model/packed_state.py, tests/unit/test_packed_state.py)."""
 
 from __future__ import annotations
 
@@ -169,25 +170,34 @@ def test_lora_naming_a_module_lora_cannot_adapt_is_refused_with_the_reason(arch_
 
 # --- packed rows and layers with a state ---
 
-@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_next", "mamba"])
-def test_packing_is_refused_for_layers_with_a_state_under_every_kernel(family, arch_model_dir):
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_next"])
+def test_packing_passes_the_launch_check_for_layers_with_a_state_under_every_kernel(family, arch_model_dir):
     import json
 
-    from shardtune.model.attention import packing_problem
+    from shardtune.model.attention import kernel_support, packing_problem
 
     config = json.loads((arch_model_dir(family) / "config.json").read_text())
     for kernel in ("sdpa", "eager", "flash_attention_2"):
-        problem = packing_problem(config, None, kernel, family)
-        assert problem and "packed samples would leak" in problem and "packing: false" in problem
+        assert packing_problem(config, kernel_support(config), kernel, family) is None
 
 
-def test_padding_free_is_off_for_a_model_with_state_space_layers(arch_model_dir, tmp_path):
+def test_packing_stays_refused_for_a_state_space_model_that_builds_its_own_mask(arch_model_dir):
+    import json
+
+    from shardtune.model.attention import kernel_support, packing_problem
+
+    config = json.loads((arch_model_dir("mamba") / "config.json").read_text())
+    problem = packing_problem(config, kernel_support(config), "sdpa", "mamba")
+    assert problem and "builds its attention mask itself" in problem and "packing: false" in problem
+
+
+def test_padding_free_is_on_for_a_model_with_state_space_layers(arch_model_dir, tmp_path):
     from shardtune.config.schema import TrainConfig
     from shardtune.train.setup import padding_free_rows
 
     config = TrainConfig(model_name_or_path=str(arch_model_dir("nemotron_h")), stage="sft", dataset="demo",
                          output_dir=str(tmp_path))
-    assert padding_free_rows(config) is False
+    assert padding_free_rows(config) is True  # its Mamba blocks run once per sample of the row
     dense = TrainConfig(model_name_or_path=str(arch_model_dir("llama")), stage="sft", dataset="demo",
                         output_dir=str(tmp_path), padding_free=True)
     assert padding_free_rows(dense) is True

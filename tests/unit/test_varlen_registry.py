@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from shardtune.data.collator import DataCollator
-from shardtune.model.attention import kernel_problem, kernel_support, layer_windows, packing_problem
+from shardtune.model.attention import (
+    kernel_problem,
+    kernel_support,
+    layer_windows,
+    packing_problem,
+    stateful_layer_kinds,
+)
+from shardtune.model.packed_state import apply_sample_boundaries
 from shardtune.model.registry import decoder_families, tiny_registry_config
 from shardtune.model.varlen import VARLEN, register_varlen
 from tests.unit.test_packing_architectures import largest_difference as packed_difference
@@ -36,10 +43,14 @@ def families() -> list[str]:
 
 
 def build(config: Any, kernel: str) -> Any:
+    """The tiny model as a packed run trains it: layers with a state run once per sample (train/kernels.py)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation=kernel, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=kernel, dtype=torch.float32).eval()
+    if kinds := stateful_layer_kinds(config):
+        apply_sample_boundaries(model, kinds)
+    return model
 
 
 def largest_difference(model: Any) -> float:

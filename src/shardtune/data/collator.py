@@ -65,7 +65,8 @@ class DataCollator:
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None,
                  attn_implementation: str | None = None,
                  window_by_layer_type: Mapping[str, int | None] | None = None, padding_free: bool = False,
-                 sequence_parallel: int = 1, row_tokens: int | None = None, unmasked_padding: bool = False) -> None:
+                 sequence_parallel: int = 1, row_tokens: int | None = None, unmasked_padding: bool = False,
+                 recurrent_kinds: frozenset[str] = frozenset()) -> None:
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
         self.attn_implementation = attn_implementation
@@ -78,6 +79,9 @@ class DataCollator:
         # of a mask (each rank builds the whole row's mask itself: train/sequence_shards.py).
         self.sequence_parallel = sequence_parallel
         self.unmasked_padding = unmasked_padding  # see the module docstring
+        # Layer kinds with a recurrent state or a short convolution (model/packed_state.py): they run once per sample
+        # and read a mask only as a 2-D padding mask, so they get none (transformers gives them none for a 4-D mask).
+        self.recurrent_kinds = recurrent_kinds
 
     def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if self.padding_free and not any("segment_ids" in f for f in features):
@@ -107,9 +111,9 @@ class DataCollator:
             batch["attention_mask"] = self.packed_masks(segments)
         return batch
 
-    def packed_masks(self, segments: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+    def packed_masks(self, segments: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor | None] | None:
         as_bool = self.attn_implementation == "sdpa"
-        masks = {kind: block_causal_mask(segments, as_bool, window)
+        masks = {kind: None if kind in self.recurrent_kinds else block_causal_mask(segments, as_bool, window)
                  for kind, window in self.window_by_layer_type.items()}
         return next(iter(masks.values())) if len(masks) == 1 else masks
 

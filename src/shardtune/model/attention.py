@@ -15,7 +15,7 @@ layers get the window on top of the sample boundaries. ``layer_windows`` reads t
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -276,13 +276,28 @@ def _carries_state(kind: str) -> bool:
     return "linear" in kind or "attention" not in kind
 
 
+def recurrent_kinds(kinds: Iterable[str]) -> frozenset[str]:
+    """The layer kinds (keys of ``layer_windows``) whose layers hold a state and no attention (linear attention,
+    Mamba, short convolutions): they run once per packed sample (model/packed_state.py) and take no block mask.
+    Hybrid kinds ("hybrid": Mamba beside a shared attention) attend too, so they are not among them."""
+    return frozenset(kind for kind in kinds if _carries_state(kind) and "hybrid" not in kind)
+
+
+# Families with stateful layers whose packed rows shardtune cannot keep apart, and why (found with transformers 5.23;
+# tests/unit/test_packed_state.py checks every other family with such layers against each sample trained alone).
+_OWN_MASK_NAMES = ("its layers read their masks under names of their own (full_attention, linear_attention) rather "
+                   "than the layer kinds its config lists (hybrid, linear_attention), so the block mask that keeps "
+                   "packed samples apart cannot reach its hybrid layers")
+PACKING_NOT_EXACT: dict[str, str] = {"zamba": _OWN_MASK_NAMES, "zamba2": _OWN_MASK_NAMES}
+
+
 def packing_problem(config: Mapping[str, Any], support: KernelSupport | None, kernel: str, model: str) -> str | None:
-    """Why packed rows of ``model`` cannot stay isolated under ``kernel`` (None when they can)."""
-    stateful = stateful_layer_kinds(config)
-    if stateful:
-        return (f"packing: {model or 'the model'} has {', '.join(stateful)} layers, whose state runs along the "
-                "row with no mask to stop it, so packed samples would leak into each other; set packing: false "
-                "(padding_free is off for it)")
+    """Why packed rows of ``model`` cannot stay isolated under ``kernel`` (None when they can). Layers with a state
+    (stateful_layer_kinds) run once per sample (model/packed_state.py), so they alone refuse nothing."""
+    family = str(_get(_get(config, "text_config") or config, "model_type"))
+    if family in PACKING_NOT_EXACT and stateful_layer_kinds(config):
+        return (f"packing: {model or 'the model'} ({family}) has {', '.join(stateful_layer_kinds(config))} layers, "
+                f"and {PACKING_NOT_EXACT[family]}; set packing: false (padding_free is off for it)")
     if support is not None and not support.prepared_mask:
         return (f"packing: {support.model_class} ({model or 'the model'}) builds its attention mask itself from a "
                 "2-D padding mask, so the block mask that keeps packed samples apart cannot reach it; set packing: "
@@ -290,7 +305,7 @@ def packing_problem(config: Mapping[str, Any], support: KernelSupport | None, ke
     if takes_offsets(kernel):
         return None  # varlen offsets bound every layer, and the kernel applies each layer's own window
     kinds = layer_windows(config)
-    unknown = sorted(set(kinds) - {FULL, SLIDING})
+    unknown = sorted(set(kinds) - {FULL, SLIDING} - recurrent_kinds(kinds))
     if unknown:
         return (f"packing with attn_implementation ({kernel}): {model} has {', '.join(unknown)} layers, for which "
                 "shardtune cannot build a mask that keeps packed samples apart; set packing: false")

@@ -13,8 +13,9 @@ distributed run equals the one-process run. The classes are listed by name (the 
 length-dependent is found by probing every family of transformers' registry at a short and a long length
 (tests/unit/test_length_dependent.py), and a family with a length-dependent weight outside the table fails it.
 
-A second table, ROW_DEPENDENT_CALLS, lists modules whose forward calls a submodule as many times as the rows say.
-ZeRO-3 gathers the classes of both tables whole on entry (``zero3_whole_classes``, engines/deepspeed.py): a
+A second table, ROW_DEPENDENT_CALLS, lists modules whose forward calls a submodule as many times as the rows say;
+the blocks with a state that packed rows run once per sample (model/packed_state.py) are such modules too. ZeRO-3
+gathers the classes of both tables, and those blocks, whole on entry (``zero3_whole_classes``, engines/deepspeed.py): a
 length-dependent module so its output hook sees every weight gathered, a row-dependent one so that two ranks do not
 gather its submodules' weights in another order.
 """
@@ -40,9 +41,12 @@ ROW_DEPENDENT_CALLS: dict[str, str] = {
 
 
 def zero3_whole_classes(model: torch.nn.Module) -> list[type[torch.nn.Module]]:
-    """The model's classes named in either table, sorted by name: ZeRO-3 gathers each such module whole."""
+    """The model's classes named in either table, and those of blocks run once per packed sample (as many times as
+    each rank's rows hold samples), sorted by name: ZeRO-3 gathers each such module whole."""
+    from shardtune.model.packed_state import runs_per_sample
+
     named = LENGTH_DEPENDENT.keys() | ROW_DEPENDENT_CALLS.keys()
-    found = {type(module) for module in model.modules() if type(module).__name__ in named}
+    found = {type(module) for module in model.modules() if type(module).__name__ in named or runs_per_sample(module)}
     return sorted(found, key=lambda cls: cls.__name__)
 
 

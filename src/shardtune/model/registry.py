@@ -72,6 +72,9 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     # its default leaves layer_types unset, yet each layer reads its kind (conv or attention) from it: a dense
     # layer, then expert layers with a convolution and with attention
     "lfm2_moe": {"num_hidden_layers": 3, "num_dense_layers": 1, "layer_types": ["conv", "full_attention", "conv"]},
+    # its layer kinds are derived from full_attn_idxs, which the shrinking renumbers onto attention layers only:
+    # a convolution layer and an attention layer, as its checkpoints mix them
+    "lfm2": {"layer_types": ["conv", "full_attention"]},
     # its defaults leave the token indexer of its indexed-attention layers unset (None), yet the layers build one;
     # the hyper-connections' low rank is a width of its own
     "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 16,

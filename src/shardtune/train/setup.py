@@ -228,6 +228,7 @@ def build_collator(tokenizer: Any, c: TrainConfig, has_images: bool = False) -> 
     with images get their pixel inputs (data/images.py)."""
     from shardtune.data import DataCollator
     from shardtune.data.collator import PairCollator
+    from shardtune.model.attention import recurrent_kinds
     from shardtune.model.fp8 import ALIGNMENT, float8_wanted
     from shardtune.train.settings import resolved_packing
 
@@ -243,7 +244,8 @@ def build_collator(tokenizer: Any, c: TrainConfig, has_images: bool = False) -> 
                             attn_implementation=c.attn_implementation,
                             window_by_layer_type=windows, padding_free=padding_free,
                             sequence_parallel=c.sequence_parallel_size, row_tokens=c.micro_batch_tokens,
-                            unmasked_padding=not has_images and not padding_free and padding_left_unmasked(c))
+                            unmasked_padding=not has_images and not padding_free and padding_left_unmasked(c),
+                            recurrent_kinds=recurrent_kinds(windows or {}))
     if has_images:
         from shardtune.data.build import image_settings
         from shardtune.data.images import VisionCollator, load_image_processor
