@@ -153,7 +153,7 @@ FEATURES: dict[str, Any] = {
     "train_on_prompt": True, "mask_history": True, "padding_free": True, "attn_implementation": "varlen",
     "finetuning_type": "freeze", "do_predict": True, "val_size": 0.1, "report_to": "tensorboard",
     "optim": "sgd", "resize_vocab": True, "flash_attn": "fa2", "use_adam_mini": True, "async_save": True,
-    "save_only_model": True,
+    "save_only_model": True, "expert_parallel_size": 2,
 }
 STAGES = ("pt", "dpo", "kto", "rm")
 ENGINES: dict[str, dict[str, Any]] = {"zero3": {"deepspeed": "z3"}, "zero2_offload": {"deepspeed": "z2_offload"},

@@ -39,8 +39,9 @@ ENGINES = ("ddp", "z2", "z3", "fsdp2", "fsdp1")
 
 
 def build_model(model_dir: str, finetuning: str) -> torch.nn.Module:
-    """``finetuning``: full, lora, attnlora (LoRA on o_proj only), or skewfull: full with every routed choice
-    moved into the first half of the experts (the first expert-parallel rank's), so the other ranks receive none."""
+    """``finetuning``: full, lora, attnlora (LoRA on o_proj only), skewfull: full with every routed choice moved
+    into the first half of the experts (the first expert-parallel rank's), so the other ranks receive none, or
+    loopfull: full with the experts computed by transformers' per-expert loop (default: its grouped matmul)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -49,6 +50,8 @@ def build_model(model_dir: str, finetuning: str) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(model_dir, **({"attn_implementation": "eager"} if eager else {}))
     if finetuning == "skewfull":
         skew_routing(model)
+    if finetuning == "loopfull":  # transformers' per-expert loop instead of its default grouped matmul
+        model.set_experts_implementation("eager")
     if finetuning == "lora":
         model = apply_finetuning(model, FinetuningSettings(finetuning_type="lora", lora_rank=4))
     elif finetuning == "attnlora":  # LoRA beside experts that stay whole-weight (expert parallelism's LoRA)
@@ -134,7 +137,7 @@ def run_reference(model_dir: str, out: Path) -> None:
     from shardtune.engines.local import LocalEngine
 
     results = {}
-    for finetuning in ("full", "lora", "attnlora", "skewfull"):
+    for finetuning in ("full", "lora", "attnlora", "skewfull", "loopfull"):
         model = build_model(model_dir, finetuning)
         per_rank = rank_batches(model.config.vocab_size)
         # one window per step: every micro-batch of every rank, each its own forward (as on two ranks)
@@ -185,7 +188,7 @@ def run_case(ctx: object, model_dir: str, name: str) -> dict:
     prepare(engine, model)
     result: dict = {"metrics": train(engine, windows, config), "expert_shards": expert_shards(engine.model),
                     "z3_leaves": z3_leaves(engine.model)}
-    if finetuning in ("full", "skewfull") and kind.startswith("fsdp2"):
+    if finetuning in ("full", "skewfull", "loopfull") and kind.startswith("fsdp2"):
         result["weights"] = weight_fingerprints(engine.full_state_dict())
     if getattr(engine, "experts", None) is not None:
         result["expert_parallel"] = engine.expert_parallel_report(STEPS)

@@ -50,7 +50,8 @@ def worker(model_dir: str, out: Path, mode: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from shardtune.engines.engine_plan import FsdpSettings
-    from shardtune.engines.fsdp import settle_fsdp2_trainable, shard_fsdp2, store_frozen_in_gather_dtype
+    from shardtune.engines.fsdp import settle_fsdp2_trainable, store_frozen_in_gather_dtype
+    from shardtune.engines.fsdp_wrap import shard_fsdp2
     from shardtune.model.finetuning.apply import apply_finetuning
     from shardtune.model.finetuning.settings import FinetuningSettings
 

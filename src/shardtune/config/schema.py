@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MODEL, FINETUNE, DATA, OUTPUT, TRAIN, ENGINE = "model", "finetuning", "data", "output", "training", "engine"
-PREFERENCE, RAY, GENERATE, EXPORT = "preference", "ray", "generation", "export"
-GRPO = "grpo"
+PREFERENCE, RAY, GENERATE, EXPORT, GRPO = "preference", "ray", "generation", "export", "grpo"
 GROUP_TITLES = {
     MODEL: "Model",
     FINETUNE: "Fine-tuning method",
@@ -28,15 +27,8 @@ GROUP_TITLES = {
 }
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
-LR_SCHEDULERS = (
-    "linear",
-    "cosine",
-    "cosine_with_restarts",
-    "polynomial",
-    "constant",
-    "constant_with_warmup",
-    "inverse_sqrt",
-)
+LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                 "inverse_sqrt")
 # optim name -> the bitsandbytes class it builds (optim/build.py); a run that names one needs bitsandbytes on every rank
 BITSANDBYTES_OPTIMIZERS = {"adamw_8bit": "AdamW8bit", "paged_adamw_8bit": "PagedAdamW8bit",
                            "paged_adamw_32bit": "PagedAdamW32bit"}
@@ -59,15 +51,8 @@ def _key(
 ) -> Any:
     """Declare one config key; ``minimum``/``maximum`` bound numbers, ``choices`` enumerate values, ``path`` marks
     file and folder names (``~`` and ``$VAR`` are expanded in them)."""
-    meta = {
-        "doc": doc,
-        "group": group,
-        "choices": choices,
-        "minimum": minimum,
-        "maximum": maximum,
-        "exclusive_minimum": exclusive_minimum,
-        "path": path,
-    }
+    meta = {"doc": doc, "group": group, "choices": choices, "minimum": minimum, "maximum": maximum,
+            "exclusive_minimum": exclusive_minimum, "path": path}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)

@@ -118,8 +118,8 @@ def shard_experts(model: torch.nn.Module, mesh: DeviceMesh, world_size: int, **f
     gradient is summed over ``edp`` and divided by the world size: what the dense weights get (see module doc)."""
     from torch.distributed.fsdp import fully_shard
 
-    for experts in expert_modules(model):
-        fully_shard(experts, mesh=mesh["edp"], shard_placement_fn=lambda _p: Shard(1), **fsdp_kwargs)
+    for module in expert_modules(model):
+        experts = fully_shard(module, mesh=mesh["edp"], shard_placement_fn=lambda _p: Shard(1), **fsdp_kwargs)
         experts.set_gradient_divide_factor(float(world_size))
         # gloo has no pre-multiplied sum: scale, then sum. Not on a one-rank edp group: there torch 2.13 divides
         # by the factor without any collective and then once more as the forced sum's post-division.
@@ -183,12 +183,14 @@ def _local_view(experts: torch.nn.Module, per_rank: int) -> torch.nn.Module:
     view = object.__new__(type(experts))
     view.__dict__.update(experts.__dict__)
     view.__dict__.pop("forward", None)
-    view._parameters = {name: _as_local(p) for name, p in experts._parameters.items()}
-    view.num_experts = per_rank
+    # Plain tensors where parameters were: nn.Module reads _parameters by name, and autograd needs the views.
+    view.__dict__["_parameters"] = {name: _as_local(p) for name, p in experts._parameters.items() if p is not None}
+    view.__dict__["num_experts"] = per_rank
     return view
 
 
-def _as_local(value: torch.Tensor) -> torch.Tensor:
+def _as_local(value: torch.Tensor | None) -> torch.Tensor:
+    assert value is not None
     return value.to_local() if isinstance(value, DTensor) else value
 
 

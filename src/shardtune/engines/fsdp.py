@@ -28,29 +28,22 @@ from shardtune.engines.checkpoint_writer import CheckpointWriter
 from shardtune.engines.dcp_background import DcpBackground
 from shardtune.engines.distributed import DistContext, DistributedMixin, gather_local_world_sizes
 from shardtune.engines.engine_plan import FsdpSettings
-from shardtune.engines.expert_parallel import (
-    ExpertPlacement,
-    build_expert_mesh,
-    clip_grad_norm_by_mesh,
-    place_experts,
-    shard_experts,
-)
+from shardtune.engines.expert_parallel import ExpertPlacement, build_expert_mesh, clip_grad_norm_by_mesh, place_experts
 from shardtune.engines.fsdp_config import DCP_DIR, FULL_STATE_FILE, fsdp1_strategy_member, reshards_after_forward
 from shardtune.engines.fsdp_qlora import (
     drop_quant_state_entries,
     fsdp1_lora_units,
-    fsdp2_units_unsafe_for_4bit,
     layers_missing_quant_state,
     prepare_qlora_for_fsdp,
     quantized_layers,
     rank0_first,
     tensors_to_broadcast,
 )
-from shardtune.engines.fsdp_wrap import wrap_targets
+from shardtune.engines.fsdp_wrap import shard_fsdp2, wrap_targets
 from shardtune.engines.safe_load import load_dcp_weights_only
 from shardtune.engines.sharded_loading import ShardedLoad, fill_fully_sharded, fsdp1_param_init
 from shardtune.engines.torch_native import SCHEDULER_FILE, TorchEngine
-from shardtune.errors import ConfigError, ModelError
+from shardtune.errors import ConfigError
 from shardtune.model.adapter_files import save_lora_adapter
 from shardtune.model.finetuning.lora import parametrized_lora_weights
 from shardtune.model.fp8 import float8_all_gathers
@@ -239,7 +232,9 @@ class FSDPEngine(DistributedMixin, TorchEngine):
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def expert_parallel_report(self, steps: int) -> dict | None:
-        return None if self.experts is None else self.experts.summary(self.gather_objects(self.experts.report()), steps)
+        if self.experts is None:
+            return None
+        return self.experts.summary(cast(list[dict], self.gather_objects(self.experts.report())), steps)
 
     def unwrapped_model(self) -> torch.nn.Module:
         return self.inner
@@ -373,41 +368,6 @@ def build_mesh(s: FsdpSettings, ctx: DistContext) -> DeviceMesh:
     if s.sharding_strategy == "NO_SHARD" and s.version == 2:
         return init_device_mesh(device_type, (ctx.world_size, 1), mesh_dim_names=("replicate", "shard"))
     return init_device_mesh(device_type, (ctx.world_size,), mesh_dim_names=("shard",))
-
-
-def shard_fsdp2(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, device: torch.device,
-                compute_dtype: torch.dtype | None = None, expert_mesh: DeviceMesh | None = None) -> torch.nn.Module:
-    """``fully_shard`` each wrap unit, then the root; meta parameters stay meta (filled afterwards). Under
-    expert parallelism the experts modules are units of their own first, on the expert mesh."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-    # Pinned memory needs an accelerator; on a CPU-only machine offload without pinning.
-    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if s.offload_params else OffloadPolicy()
-    precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if compute_dtype \
-        else MixedPrecisionPolicy()
-    reshard = reshards_after_forward(s.sharding_strategy)  # hybrid strategies also get a 2-D mesh (build_mesh)
-    if expert_mesh is not None:
-        shard_experts(model, expert_mesh, mesh.size(), reshard_after_forward=reshard, offload_policy=offload,
-                      mp_policy=precision)
-    units = wrap_targets(model, s)
-    unsafe = fsdp2_units_unsafe_for_4bit(units, model, compute_dtype)
-    if unsafe:
-        raise ModelError(f"fsdp: units {', '.join(unsafe)} hold only 4-bit weights, which FSDP2 would gather as "
-                         "floating-point values; wrap LoRA layers with them or use fsdp_version: 1")
-    sharded = [fully_shard(module, mesh=mesh, reshard_after_forward=reshard, offload_policy=offload,
-                           mp_policy=precision) for module in units]
-    # The root unit (embeddings, final norm, output layer) is the first the backward needs, right after the forward:
-    # freeing it after the forward would only gather it again at once (as torchtitan, it stays gathered).
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, offload_policy=offload, mp_policy=precision)
-    if s.backward_prefetch == "NO_PREFETCH":
-        # One unit gathered at a time in backward: less memory, no overlap of gathering and compute.
-        for unit in sharded:
-            unit.set_modules_to_backward_prefetch([])
-    if s.forward_prefetch:
-        # FSDP2 prefetches one unit ahead in backward by itself; forward prefetch is explicit.
-        for current, following in zip(sharded, sharded[1:], strict=False):
-            current.set_modules_to_forward_prefetch([following])
-    return model
 
 
 def store_frozen_in_gather_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -1,11 +1,17 @@
 """Which submodules of a model get their own FSDP unit (FSDP2 and FSDP1 alike): the decoder layers by class, or
-by size; the rest stays in the root's unit."""
+by size; the rest stays in the root's unit. FSDP2's ``fully_shard`` of those units (and, under expert parallelism,
+of the experts first) is here too."""
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from shardtune.engines.engine_plan import FsdpSettings
+from shardtune.engines.expert_parallel import shard_experts
+from shardtune.engines.fsdp_config import reshards_after_forward
+from shardtune.engines.fsdp_qlora import fsdp2_units_unsafe_for_4bit
+from shardtune.errors import ModelError
 
 
 def wrap_targets(model: torch.nn.Module, s: FsdpSettings) -> list[torch.nn.Module]:
@@ -65,3 +71,38 @@ def _size_based_targets(model: torch.nn.Module, min_num_params: int) -> list[tor
             chosen.append(module)
             covered.update(id(p) for p in module.parameters())
     return chosen
+
+
+def shard_fsdp2(model: torch.nn.Module, s: FsdpSettings, mesh: DeviceMesh, device: torch.device,
+                compute_dtype: torch.dtype | None = None, expert_mesh: DeviceMesh | None = None) -> torch.nn.Module:
+    """``fully_shard`` each wrap unit, then the root; meta parameters stay meta (filled afterwards). Under
+    expert parallelism the experts modules are units of their own first, on the expert mesh."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    # Pinned memory needs an accelerator; on a CPU-only machine offload without pinning.
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if s.offload_params else OffloadPolicy()
+    precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if compute_dtype \
+        else MixedPrecisionPolicy()
+    reshard = reshards_after_forward(s.sharding_strategy)  # hybrid strategies also get a 2-D mesh (build_mesh)
+    if expert_mesh is not None:
+        shard_experts(model, expert_mesh, mesh.size(), reshard_after_forward=reshard, offload_policy=offload,
+                      mp_policy=precision)
+    units = wrap_targets(model, s)
+    unsafe = fsdp2_units_unsafe_for_4bit(units, model, compute_dtype)
+    if unsafe:
+        raise ModelError(f"fsdp: units {', '.join(unsafe)} hold only 4-bit weights, which FSDP2 would gather as "
+                         "floating-point values; wrap LoRA layers with them or use fsdp_version: 1")
+    sharded = [fully_shard(module, mesh=mesh, reshard_after_forward=reshard, offload_policy=offload,
+                           mp_policy=precision) for module in units]
+    # The root unit (embeddings, final norm, output layer) is the first the backward needs, right after the forward:
+    # freeing it after the forward would only gather it again at once (as torchtitan, it stays gathered).
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, offload_policy=offload, mp_policy=precision)
+    if s.backward_prefetch == "NO_PREFETCH":
+        # One unit gathered at a time in backward: less memory, no overlap of gathering and compute.
+        for unit in sharded:
+            unit.set_modules_to_backward_prefetch([])
+    if s.forward_prefetch:
+        # FSDP2 prefetches one unit ahead in backward by itself; forward prefetch is explicit.
+        for current, following in zip(sharded, sharded[1:], strict=False):
+            current.set_modules_to_forward_prefetch([following])
+    return model

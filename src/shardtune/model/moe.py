@@ -164,7 +164,7 @@ def apply_experts_implementation(model: torch.nn.Module, device_type: str, weigh
     return f"mixture of experts: experts_implementation {choice} ({reason})"
 
 
-def routing_interface_problem(experts_class: type) -> str | None:
+def routing_interface_problem(experts_class: type[torch.nn.Module]) -> str | None:
     """Why expert parallelism cannot drive ``experts_class``: the dispatch needs transformers' fused-experts
     interface, ``forward(hidden_states, top_k_index, top_k_weights)``, to send each routed choice to its rank."""
     params = list(inspect.signature(experts_class.forward).parameters)[1:]
@@ -175,7 +175,7 @@ def routing_interface_problem(experts_class: type) -> str | None:
             "expert_parallel_size: 1")
 
 
-def experts_classes(model_type: str) -> list[type]:
+def experts_classes(model_type: str) -> list[type[torch.nn.Module]]:
     """The fused-experts classes of transformers' modeling module for ``model_type`` (empty when there is none)."""
     from transformers import CONFIG_MAPPING
 
