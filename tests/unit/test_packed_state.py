@@ -183,3 +183,20 @@ def test_every_stateful_registry_family_packs_exactly_or_is_refused_with_the_rea
             failures.append(f"{family}: packed samples differ from alone by {fixed:.2e}")
     print("\n".join(report))
     assert not failures, failures
+
+
+@pytest.mark.parametrize("keys", [{"packing": True}, {}], ids=["packing", "padding-free-by-default"])
+def test_rows_that_hold_several_samples_run_the_stateful_blocks_per_sample(keys, arch_model_dir, tmp_path):
+    """sft with packing, and sft with padding_free left unset (on by default on the CPU, where the block mask costs
+    nothing): both put several samples in a row, and both wrap the blocks; unpacked rows with padding_free off not."""
+    from shardtune.config.schema import TrainConfig
+    from shardtune.model.packed_state import runs_per_sample
+    from shardtune.train.kernels import apply_kernels
+
+    folder = arch_model_dir("nemotron_h")
+    for fields, wrapped in ((keys, True), ({"padding_free": False}, False)):
+        model, _ = tiny_model("nemotron_h", fixed=False)
+        config = TrainConfig(model_name_or_path=str(folder), stage="sft", dataset="demo", output_dir=str(tmp_path),
+                             **fields)
+        apply_kernels(model, config, is_main=False)
+        assert any(runs_per_sample(module) for module in model.modules()) is wrapped, fields

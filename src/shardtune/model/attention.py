@@ -258,7 +258,8 @@ STATE_SIZE_KEYS = ("ssm_state_size", "state_size", "mamba_d_state", "linear_key_
 
 def stateful_layer_kinds(config: Any) -> list[str]:
     """The model's layer kinds that carry a state along the sequence (linear attention, Mamba, recurrent, short
-    convolutions): no attention mask bounds them, so samples packed in one row would leak into each other."""
+    convolutions): no attention mask bounds them, so packed rows run them once per sample (model/packed_state.py)
+    and sequence parallelism, which would have to pass the state from rank to rank, refuses them."""
     config = _get(config, "text_config") or config
     kinds: dict[str, None] = {}
     for key in LAYER_KIND_KEYS:

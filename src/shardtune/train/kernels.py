@@ -15,6 +15,7 @@ from shardtune.config.schema import TrainConfig
 from shardtune.data.settings import packs_sample_boundaries
 from shardtune.model.fp8 import apply_float8_training, check_float8_device, float8_wanted
 from shardtune.model.liger import apply_liger_kernels, check_liger_device
+from shardtune.train.setup import padding_free_rows
 
 
 def check_kernel_devices(c: TrainConfig) -> None:
@@ -28,7 +29,8 @@ def check_kernel_devices(c: TrainConfig) -> None:
 def apply_kernels(model: torch.nn.Module, c: TrainConfig, is_main: bool) -> None:
     """Liger's kernels, then float8 Linear layers, on the model the engine built (a meta skeleton under FSDP)."""
     lines = []
-    if packs_sample_boundaries(c) and (line := apply_packed_state(model)):
+    # padding_free_rows: unset, padding_free is on wherever the block mask is free (the CPU), so it counts here too
+    if (packs_sample_boundaries(c) or padding_free_rows(c)) and (line := apply_packed_state(model)):
         lines.append(line)
     if c.enable_liger_kernel:
         lines.append(apply_liger_kernels(model).line())
