@@ -31,6 +31,9 @@ OFT_MODEL, OFT_MLP_WIDTH = "__OFT_MODEL__", 192
 # A file for an image-text model: ``__IMAGE_TEXT_MODEL_<model type>__`` is that family's tiny image-text folder
 # (with its image processor), built once beside the tiny model.
 IMAGE_TEXT_MODEL = re.compile(r"__IMAGE_TEXT_MODEL_(\w+?)__")
+# A file that splits a mixture-of-experts model's experts over ep_size ranks (v1's FSDPTurbo, ep_size 16): the tiny
+# Qwen3-MoE with MOE_EXPERTS experts per layer, so that ep_size divides them.
+MOE_MODEL, MOE_EXPERTS = "__MOE_MODEL__", 16
 RUNS, REFUSED, NOT_TRAINING = "runs", "refused: ", "not training: "
 NEEDS_GPU, RUNS_ON_GPU = "needs a GPU: ", "runs on a GPU: "
 RUNS_ONE_PROCESS = "runs on one process: "
@@ -68,6 +71,8 @@ def filled_in(relative: str, work: Path, model: Path, output: Path) -> Path:
         text = text.replace(LLAMA_PRO_MODEL, str(llama_pro_model(model.parent / "llama-pro-expanded")))
     if OFT_MODEL in text:
         text = text.replace(OFT_MODEL, str(oft_model(model.parent / "tiny-llama-mlp-192")))
+    if MOE_MODEL in text:
+        text = text.replace(MOE_MODEL, str(moe_model(model.parent / f"tiny-qwen3-moe-{MOE_EXPERTS}")))
     text = IMAGE_TEXT_MODEL.sub(lambda found: str(image_text_model(model.parent, found.group(1))), text)
     text = text.replace(MODEL, str(model)).replace(OUTPUT, str(output)).replace(DATA_DIR, str(work / "data"))
     path = work / "configs" / relative
@@ -85,6 +90,28 @@ def llama_pro_model(folder: Path) -> Path:
         base = build_tiny_model(folder.with_name(folder.name + "-base"), layers=LLAMA_PRO_BLOCKS)
         expand_model(str(base), str(folder), LLAMA_PRO_BLOCKS)
     return folder
+
+
+def moe_model(folder: Path) -> Path:
+    """The tiny Qwen3-MoE with ``MOE_EXPERTS`` experts per layer (written once): its config with the expert count
+    raised, random weights, the tiny family's tokenizer."""
+    if not (folder / "config.json").is_file():
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        from shardtune.model.tiny import build_tiny_model
+
+        base = build_tiny_model(folder.with_name(folder.name + "-base"), arch="qwen3_moe")
+        config = AutoConfig.from_pretrained(base)
+        config.num_experts = MOE_EXPERTS
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(base).save_pretrained(folder)
+    return folder
+
+
+def expert_parallel_ranks(config: dict) -> int:
+    """The ranks a file's experts are split over (v1's dist_config.ep_size), 1 when it does not split them."""
+    dist = config.get("dist_config")
+    return int(dist.get("ep_size") or 1) if isinstance(dist, dict) else 1
 
 
 def oft_model(folder: Path) -> Path:

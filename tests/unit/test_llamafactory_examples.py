@@ -24,6 +24,7 @@ from tests.llamafactory_examples import (
     RUNS,
     RUNS_ON_GPU,
     RUNS_ONE_PROCESS,
+    expert_parallel_ranks,
     filled_in,
     first_error,
     load_manifest,
@@ -46,8 +47,9 @@ def test_example_file_gets_its_verdict(relative, tiny_model_dir, tmp_path, monke
     monkeypatch.chdir(work)  # LLaMA-Factory resolves data/ and examples/deepspeed/ from the cwd
     monkeypatch.setenv("WANDB_MODE", "offline")  # files with report_to: wandb need a W&B login otherwise
     path = filled_in(relative, work, tiny_model_dir, tmp_path / "out")
-    split = yaml.safe_load(path.read_text()).get("cp_size") or 1
-    if split > 1:  # a file splitting rows over cp_size ranks is launched with at least that many
+    config = yaml.safe_load(path.read_text())
+    split = max(config.get("cp_size") or 1, expert_parallel_ranks(config))
+    if split > 1:  # a file splitting rows (cp_size) or experts (ep_size) over ranks is launched with that many
         monkeypatch.setenv("NPROC_PER_NODE", str(split))
     code = main(["check", str(path)])
     captured = capsys.readouterr()
