@@ -32,19 +32,21 @@ def expert_parallel_problems(c: TrainConfig, engine: EnginePlan | None = None,
     key = f"expert_parallel_size ({n})"
     problems = feature_problems(c, key) + model_problems(c, key)
     if engine is not None:
-        problems += engine_problems(engine, key)
+        problems += engine_problems(engine, key, str((_config(c) or {}).get("model_type", "this model")))
     if layout is not None:
         problems += layout.expert_parallel_problems(_experts(c))
     return problems
 
 
-def engine_problems(engine: EnginePlan, key: str) -> list[str]:
+def engine_problems(engine: EnginePlan, key: str, family: str = "this model") -> list[str]:
     if engine.kind in ("local", "ddp"):
         return [f"{key} with engine {engine.kind}: expert parallelism places each expert on some ranks only, which "
                 f"needs a sharding engine; {SHARDING_ENGINE}, or {FIX}"]
     if engine.kind == "deepspeed":
-        return [f"{key} with deepspeed: shardtune drives expert parallelism through FSDP2; DeepSpeed's AutoEP "
-                f"(its 'expert_parallel' section) is not wired in yet; {SHARDING_ENGINE}, or {FIX}"]
+        stage = ((engine.deepspeed_raw or {}).get("zero_optimization") or {}).get("stage", 0)
+        return [f"{key} with deepspeed (ZeRO stage {stage}) on {family}: shardtune drives expert parallelism "
+                "through FSDP2; DeepSpeed's AutoEP (its 'expert_parallel' section) is not wired in for any stage or "
+                f"family yet; {SHARDING_ENGINE}, or {FIX}"]
     s = engine.fsdp
     if s is None:
         return []
