@@ -167,3 +167,21 @@ def test_train_refuses_as_check_does(arch_model_dir, tmp_path: Path) -> None:
         assert result.returncode == 2, (command, result.stdout[-1000:], result.stderr[-2000:])
         assert "expert_parallel_size (2) with engine ddp" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.matrix
+def test_evaluation_and_generation_under_expert_parallelism(arch_model_dir, tmp_path: Path) -> None:
+    """Evaluation and greedy generation (do_predict, ranks with different numbers of prompts: 41 over 2) run the
+    dispatch in every forward; they equal the run without expert parallelism."""
+    model = arch_model_dir("qwen3_moe")
+    runs = {}
+    for name, extra in (("ep2", ("expert_parallel_size=2",)), ("ep1", ())):
+        out = tmp_path / name
+        train(model, out, "full", 2, 2, *CLI, *extra, "do_eval=true", "eval_strategy=steps",
+              "eval_steps=2", "do_predict=true", "predict_with_generate=true", "eval_dataset=demo",
+              "max_new_tokens=8", "per_device_eval_batch_size=3", "do_sample=false", "max_samples=41")
+        log = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines() if line.strip()]
+        runs[name] = ([r["eval_loss"] for r in log if "eval_loss" in r],
+                      [json.loads(line)["predict"] for line in (out / "generated_predictions.jsonl").open()])
+    assert runs["ep2"][0] and runs["ep2"][0] == pytest.approx(runs["ep1"][0], rel=RTOL)
+    assert len(runs["ep2"][1]) == 41 and runs["ep2"][1] == runs["ep1"][1]
