@@ -21,7 +21,9 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 # moe_aux_loss_coef: Qwen3-Next is a mixture of experts, and transformers reads its router loss from a 2-D mask,
 # which packed rows do not have (refused before launch: model/moe.py packed_aux_loss_problem)
 PACKED = ("packing=true", "cutoff_len=96", "moe_aux_loss_coef=0")
-TOLERANCE = 1e-4  # fp32; the engines sum gradients in another order, and Adam carries that over 4 steps
+# fp32, relative. Measured 2026-11-29: losses within 1.3e-7 (the log's 7 digits), gradient norms within 1.4e-5
+# (ZeRO-3 and FSDP2 sum the gradients in another order)
+LOSS_TOLERANCE, GRAD_NORM_TOLERANCE = 1e-5, 5e-5
 CELLS = [(family, engine) for family in ("qwen3_next", "nemotron_h") for engine in ("ddp", "zero3", "fsdp2")]
 
 
@@ -31,8 +33,8 @@ def test_packed_hybrid_rows_under_engine_match_one_process(family, engine, arch_
     one, two = tmp_path / "one", tmp_path / "two"
     train_packed(base, one, 1, 4)
     assert train_packed(base, two, 2, 2, *ENGINE_KEYS[engine])["world_size"] == 2
-    assert losses(two) == pytest.approx(losses(one), rel=TOLERANCE)
-    assert logged(two, "grad_norm") == pytest.approx(logged(one, "grad_norm"), rel=TOLERANCE)
+    assert losses(two) == pytest.approx(losses(one), rel=LOSS_TOLERANCE)
+    assert logged(two, "grad_norm") == pytest.approx(logged(one, "grad_norm"), rel=GRAD_NORM_TOLERANCE)
 
 
 def train_packed(model: Path, out: Path, nproc: int, micro: int, *extra: str) -> dict:
