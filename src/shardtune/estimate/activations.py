@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from shardtune.data.settings import takes_offsets
 from shardtune.engines.sequence_parallel_plan import resolved_mode
+from shardtune.estimate.expert_parallel import combine_bytes_per_token
 from shardtune.estimate.shape import ModelShape
 from shardtune.estimate.vision_shape import VisionShape
 from shardtune.estimate.workload import (
@@ -161,7 +162,8 @@ def mlp_bytes(shape: ModelShape, w: Workload, index: int, stream_bytes: int | No
     """A gated MLP keeps gate, up, act(gate) and act(gate)*up (4i). An MoE layer keeps that for each of the
     top-k experts a token goes to, plus the token's gathered input and the expert output it weights (2h each),
     the router's logits and fp32 probabilities (and the routing weights and indices), the shared experts as a
-    plain MLP, and with the load-balancing loss (output_router_logits) one more fp32 softmax of the logits.
+    plain MLP, and with the load-balancing loss (output_router_logits) one more fp32 softmax of the logits; under
+    expert parallelism the combine's fp32 copy of every choice's returned row (estimate/expert_parallel.py).
 
     The fused experts run through transformers' grouped_mm, which autocast does not cover: it casts its input to
     the weights' dtype, so under DDP/FSDP (fp32 weights, autocast) the experts compute and keep fp32 tensors;
@@ -176,7 +178,7 @@ def mlp_bytes(shape: ModelShape, w: Workload, index: int, stream_bytes: int | No
     experts = moe.top_k * eb * (2 * shape.hidden_size + kept_widths * moe.expert_intermediate)
     router = moe.experts * (cb + FP32) + moe.top_k * (FP32 + 8) + (moe.experts * FP32 if moe.aux_loss else 0)
     shared = 4 * moe.shared_intermediate * cb + (2 * shape.hidden_size * cb if moe.shared_gate else 0)
-    return experts + router + shared
+    return experts + router + shared + combine_bytes_per_token(shape, w, index)
 
 
 def layer_activation_bytes(shape: ModelShape, w: Workload, stream_bytes: int, seq_len: int,

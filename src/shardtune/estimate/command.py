@@ -88,6 +88,7 @@ def estimate_command(argv: list[str], launch_nodes: int = 1, launch_procs: int |
     from shardtune.config.args import load_config
     from shardtune.engines.sequence_parallel_plan import with_deepspeed_sequence_parallel
     from shardtune.estimate.config import model_shape_for, workload_from_config
+    from shardtune.estimate.expert_parallel import expert_parallel_problems
     from shardtune.estimate.options import build_options
     from shardtune.estimate.recommend import checkpointing_note, recommend
     from shardtune.estimate.report import Estimate, estimate_dict, render_table
@@ -98,6 +99,9 @@ def estimate_command(argv: list[str], launch_nodes: int = 1, launch_procs: int |
     shape = model_shape_for(config, args.values.get("--model-config"))
     hardware = resolve_hardware(args.values, launch_nodes, launch_procs)
     workload = workload_from_config(config)
+    problems = expert_parallel_problems(shape, workload, hardware.nodes, hardware.gpus_per_node)
+    if problems:
+        raise ConfigError("; ".join(problems))
     options = build_options(shape, workload, hardware)
     estimate = Estimate(shape, workload, hardware, options, recommend(options, hardware, workload))
     note = None

@@ -74,6 +74,7 @@ def workload_from_config(c: TrainConfig) -> Workload:
         reference_copy=holds_reference_copy(c),
         sequence_parallel=c.sequence_parallel_size,
         sequence_parallel_mode=c.sequence_parallel_mode,
+        expert_parallel=c.expert_parallel_size,
         dense_mask=not concatenated_rows(c),
         frozen_parts=FrozenParts(c.freeze_vision_tower, c.freeze_multi_modal_projector, c.freeze_language_model),
         images_per_sample=IMAGES_PER_SAMPLE if data_has_images(c) else 0,

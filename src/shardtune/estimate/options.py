@@ -12,6 +12,13 @@ from typing import Any
 
 from shardtune.estimate.activations import activation_bytes, autocast_weight_copy_bytes
 from shardtune.estimate.adapter_shape import lora_base_params
+from shardtune.estimate.expert_parallel import (
+    dispatch_bytes,
+    gathered_layer_params,
+    held_share,
+    held_trainable,
+    splits_experts,
+)
 from shardtune.estimate.hardware import Hardware
 from shardtune.estimate.parts import (
     ALLOCATOR_RESERVE,
@@ -77,8 +84,9 @@ def fsdp_units(c: Context) -> tuple[float, float]:
     root_params = s.embedding_params + s.head_params + s.hidden_size + (s.vision.unwrapped_params if s.vision else 0)
     root = FP32 * root_params
     decoder = s.total_params - root_params
-    # The largest unit (an MoE layer with every expert, where layers differ): its share of the decoder's bytes.
-    layer = (weight_bytes(s, c.workload, FP32) - root) * s.layer_params / decoder
+    # The largest unit (an MoE layer with every expert, or this rank's experts under expert parallelism, where
+    # layers differ): its share of the decoder's bytes.
+    layer = (weight_bytes(s, c.workload, FP32) - root) * gathered_layer_params(s, c.workload) / decoder
     return root, layer
 
 def fsdp_trainable_units(c: Context) -> tuple[float, float]:
@@ -87,7 +95,7 @@ def fsdp_trainable_units(c: Context) -> tuple[float, float]:
     if w.finetuning_type != "full":
         return 0.0, FP32 * c.trainable / max(1, s.num_layers)
     root = FP32 * (s.embedding_params + s.head_params + s.hidden_size)
-    return root, FP32 * s.layer_params
+    return root, FP32 * gathered_layer_params(s, w)
 
 def fsdp_stored_weight_bytes(c: Context) -> float:
     """All weights as FSDP2 stores them: fp32, except that under mixed precision an adapter run's frozen weights are
@@ -112,17 +120,17 @@ def fsdp_states(c: Context, group: int, reshard: bool, offload: bool) -> tuple[C
     backward). With gradient accumulation the resharding strategies (FULL_SHARD, HYBRID_SHARD) reduce-scatter every
     micro-batch and accumulate the shard; the others (SHARD_GRAD_OP) turn gradient sync off for all but the last
     micro-batch, and FSDP then keeps the accumulated gradients unsharded: the whole fp32 gradient on every device
-    (engines/fsdp.py, accumulation_context).
+    (engines/fsdp.py, accumulation_context). Under expert parallelism "whole" is this rank's experts and the rest.
     """
     w, t = c.workload, c.trainable
     weights = weight_bytes(c.shape, w, FP32)
     stored = fsdp_stored_weight_bytes(c)
     root, layer = fsdp_units(c)
-    gathered = root + (2 * layer if reshard else weights - root)
+    gathered = root + (2 * layer if reshard else (weights - root) * held_share(c.shape, w))
     kept = 0.0 if offload else 1.0  # offload keeps the shards in host memory
     grads: float
     if w.gradient_accumulation_steps > 1 and not reshard:
-        grads, unreduced = FP32 * t, 0.0
+        grads, unreduced = FP32 * held_trainable(c.shape, w, t), 0.0
     else:
         grads, unreduced = kept * FP32 * t / group, sum(fsdp_trainable_units(c))
     reference = fsdp_reference_share(c, kept, group)
@@ -130,7 +138,7 @@ def fsdp_states(c: Context, group: int, reshard: bool, offload: bool) -> tuple[C
         parameters=kept * stored / group,
         gradients=grads,
         optimizer_states=kept * w.optimizer_state_bytes * t / group,
-        buffers=gathered + unreduced + autocast_weight_copy_bytes(c.shape, w),
+        buffers=gathered + unreduced + autocast_weight_copy_bytes(c.shape, w) + dispatch_bytes(c.shape, w, FP32),
         activations=activation_bytes(c.shape, w, FP32),
         reference=reference,
     )
@@ -198,6 +206,10 @@ def unavailable_reason(spec: OptionSpec, c: Context) -> str:
     refusal = engine_refusal(spec, c)
     if refusal:
         return refusal
+    if splits_experts(c.shape, w):
+        refusal = expert_parallel_refusal(spec, c)
+        if refusal:
+            return refusal
     if spec.family == "deepspeed" and spec.offload and w.optim not in ("adamw_torch", "adamw_torch_fused"):
         return f"optimizer offload runs DeepSpeedCPUAdam, not {w.optim}"
     if spec.name == "FSDP HYBRID_SHARD" and (hw.nodes < 2 or hw.gpus_per_node < 2):
@@ -206,18 +218,34 @@ def unavailable_reason(spec: OptionSpec, c: Context) -> str:
 
 def engine_refusal(spec: OptionSpec, c: Context) -> str:
     """The engine's own first refusal of this workload, from its record (engines/spec.py), as `train` says it."""
-    from shardtune.config.load import build_config
     from shardtune.engines.plan import plan_engine, spec_for
+
+    config = _estimate_config(spec, c)
+    plan, _ = plan_engine(config, c.ranks, has_cuda=c.hardware.on_gpu)
+    problems = spec_for(plan.kind).refusals(config, plan, c.hardware.on_gpu)
+    return problems[0] if problems else ""
+
+def expert_parallel_refusal(spec: OptionSpec, c: Context) -> str:
+    """The expert-parallel plan's refusal of this option's engine (only FSDP2 FULL_SHARD and SHARD_GRAD_OP split
+    experts: engines/expert_parallel_plan.py), as `train` says it."""
+    from shardtune.engines.expert_parallel_plan import engine_problems
+    from shardtune.engines.plan import plan_engine
+
+    config = _estimate_config(spec, c)
+    plan, _ = plan_engine(config, c.ranks, has_cuda=c.hardware.on_gpu)
+    problems = engine_problems(plan, f"expert_parallel_size ({c.workload.expert_parallel})")
+    return problems[0] if problems else ""
+
+def _estimate_config(spec: OptionSpec, c: Context) -> Any:
+    """A config with the workload's keys and this option's engine values, for the engines' own rules."""
+    from shardtune.config.load import build_config
 
     w = c.workload
     values: dict[str, Any] = {"bf16": w.precision == "bf16", "fp16": w.precision == "fp16", "optim": w.optim,
                               "finetuning_type": "lora" if w.finetuning_type == "qlora" else w.finetuning_type,
                               **({"quantization_bit": w.quantization_bit} if w.quantization_bit else {}),
                               **spec.engine_values}
-    config = build_config(values, source="estimate")
-    plan, _ = plan_engine(config, c.ranks, has_cuda=c.hardware.on_gpu)
-    problems = spec_for(plan.kind).refusals(config, plan, c.hardware.on_gpu)
-    return problems[0] if problems else ""
+    return build_config(values, source="estimate")
 
 def with_overhead(device: Components, on_gpu: bool) -> Components:
     """Add the GPU runtime and the allocator reserve (nothing on CPU ranks: their runtime is in CPU memory)."""

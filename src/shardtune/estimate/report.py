@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from shardtune.estimate.activations import sequence_mode
+from shardtune.estimate.expert_parallel import describe_expert_parallel, expert_parallel_dict
 from shardtune.estimate.hardware import GiB, Hardware
 from shardtune.estimate.parts import Option
 from shardtune.estimate.recommend import Recommendation
@@ -55,6 +56,7 @@ def estimate_dict(e: Estimate) -> dict[str, Any]:
                   "trainable_params": trainable_params(e.shape, e.workload)},
         "workload": asdict(e.workload),
         "hardware": {**asdict(e.hardware), "world_size": e.hardware.world_size},
+        "expert_parallel": expert_parallel_dict(e.shape, e.workload, e.hardware.nodes, e.hardware.gpus_per_node),
         "options": [option_dict(o) for o in e.options],
         "recommendation": {"name": best.name if best else None,
                            "engine_values": best.engine_values if best else None,
@@ -106,6 +108,7 @@ def _header(e: Estimate) -> str:
         *_preference_lines(w, e.shape),
         *image_text_lines(s, w),
         *_sequence_parallel_lines(e),
+        *describe_expert_parallel(s, w, e.hardware.nodes, e.hardware.gpus_per_node),
         f"hardware: {e.hardware.describe()} (world size {e.hardware.world_size})",
         "memory per device in GiB; 'buffers' are transient copies (gathered weights, autocast casts, unreduced "
         "gradients, buckets); 'setup' is the peak while the model loads and the engine shards it; 'CPU/node' adds "

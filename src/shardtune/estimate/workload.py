@@ -67,6 +67,8 @@ class Workload:
     # configured (auto: ulysses where the heads divide, see engines/sequence_parallel_plan.py).
     sequence_parallel: int = 1
     sequence_parallel_mode: str = "auto"
+    # expert_parallel_size: ranks that split each MoE layer's experts (FSDP2 only; estimate/expert_parallel.py).
+    expert_parallel: int = 1
     # Whether rows carry a [S, S] attention mask (padded or packed sft rows); pt's packing concatenates texts into
     # full rows that need none (data/processing.py), and causal attention then builds no mask.
     dense_mask: bool = True
