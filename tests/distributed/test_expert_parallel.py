@@ -185,3 +185,19 @@ def test_evaluation_and_generation_under_expert_parallelism(arch_model_dir, tmp_
                       [json.loads(line)["predict"] for line in (out / "generated_predictions.jsonl").open()])
     assert runs["ep2"][0] and runs["ep2"][0] == pytest.approx(runs["ep1"][0], rel=RTOL)
     assert len(runs["ep2"][1]) == 41 and runs["ep2"][1] == runs["ep1"][1]
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize("saving", [("async_save=true",), ("fsdp_config={'state_dict_type': 'FULL_STATE_DICT'}",)],
+                         ids=["async-save", "full-state-dict"])
+def test_checkpoints_of_every_kind_resume_under_expert_parallelism(arch_model_dir, tmp_path: Path,
+                                                                    saving: tuple[str, ...]) -> None:
+    """A background (async_save) or whole (FULL_STATE_DICT) checkpoint of the split experts resumes onto the same
+    curve."""
+    model = arch_model_dir("qwen3_moe")
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    train(model, first, "full", 2, 2, *CLI, "expert_parallel_size=2", "save_strategy=steps", "save_steps=2", *saving)
+    assert (first / "checkpoint-2" / "COMPLETE").is_file()
+    train(model, resumed, "full", 2, 2, *CLI, "expert_parallel_size=2", *saving[1:] if "async" in saving[0] else saving,
+          f"resume_from_checkpoint={first / 'checkpoint-2'}")
+    assert losses(resumed)[-2:] == pytest.approx(losses(first)[-2:], rel=RTOL)
