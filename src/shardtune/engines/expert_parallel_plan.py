@@ -64,10 +64,7 @@ def engine_problems(engine: EnginePlan, key: str, family: str = "this model") ->
 
 
 def feature_problems(c: TrainConfig, key: str) -> list[str]:
-    problems = []
-    if c.sequence_parallel_size > 1:
-        problems.append(f"{key} with sequence_parallel_size ({c.sequence_parallel_size}): the two splits are not "
-                        f"combined yet; choose one, or {FIX}")
+    problems = []  # with sequence_parallel_size: engines/sequence_parallel_plan.py's COMBINATIONS refuses it
     if c.quantization_bit is not None:
         problems.append(f"{key} with quantization_bit ({c.quantization_bit}): 4-/8-bit expert weights cannot be "
                         f"split as DTensors; train without quantization, or {FIX}")

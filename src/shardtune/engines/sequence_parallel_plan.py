@@ -122,6 +122,8 @@ COMBINATIONS: tuple[Combination, ...] = (
                 "each forward, and a rank holds its slice's positions only (the first slice of a row past the "
                 "trained context would rotate unscaled)", value="dynamic",
                 fix="use rope_scaling: linear, yarn or llama3 (fixed frequencies), or sequence_parallel_size: 1"),
+    Combination("expert_parallel_size", REFUSED, "the experts' all-to-all and the split attention's would share "
+                "the ranks, and the two splits are not combined yet", fix="choose one of the two splits"),
     Combination("use_badam", REFUSED, "BAdam steps on one process (it changes the trainable weights DDP registered "
                 "at set-up), and a split runs N >= 2", fix="train on one process"),
 )
