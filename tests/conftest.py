@@ -256,6 +256,11 @@ MATRIX_ONLY = {
     "tests/e2e/test_attention_cli.py::test_packed_sft_under_varlen_equals_the_dense_block_mask",
     "tests/unit/test_compile.py::test_padded_rows_and_a_shorter_last_batch_compile_nothing_after_step_2[lora]",
     "tests/unit/test_asft_loss.py::test_asft_trains_from_the_cli_anchored_to_the_model_as_loaded[lora]",
+    # The weight sync of a generator with its own weights (issue 44): ZeRO-3 LoRA (the merge of gathered layers)
+    # stays in make test; the other cells take the same sync under FSDP2's and DDP's gathers.
+    *(f"tests/distributed/test_weight_sync.py::"
+      f"test_the_generator_holds_the_trained_weights_bit_for_bit_after_every_step[{cell}]"
+      for cell in ("zero3-full", "fsdp2-full", "fsdp2-lora", "ddp-lora")),
     # Packed hybrid rows (issue 43.2): make test keeps Qwen3-Next under ZeRO-3 (the engine that gathers the stateful
     # blocks whole); DDP and FSDP2, and Nemotron-H under all three, take paths that cell and the unit tier cover.
     *(f"tests/distributed/test_packed_state_engines.py::test_packed_hybrid_rows_under_engine_match_one_process"

@@ -117,3 +117,21 @@ def test_a_reward_model_folder_is_checked_by_its_files(tmp_path):
     assert "is not a reward model" in reward_model_problems(str(tmp_path / "lm"))[0]
     assert "holds a LoRA adapter" in reward_model_problems(str(tmp_path / "adapter"))[0]
     assert "no readable config.json" in reward_model_problems(str(tmp_path / "empty"))[0]
+
+
+@pytest.mark.parametrize(("gpus", "has_vllm", "why"), [
+    (0, True, "this machine has none"), (1, False, "vllm package is not installed"), (1, True, "not built yet")])
+def test_the_vllm_backend_is_refused_in_one_line_naming_the_key(gpus, has_vllm, why):
+    from shardtune.config.grpo import rollout_backend_problems
+
+    problems = rollout_backend_problems("vllm", gpus, has_vllm)
+    assert len(problems) == 1 and problems[0].startswith("rollout_backend (vllm): ") and why in problems[0]
+    assert rollout_backend_problems("transformers", 0, False) == []
+
+
+def test_train_with_the_vllm_backend_on_this_machine_exits_2_before_any_rank(tmp_path):
+    result = run_cli("train", "examples/grpo/tiny_letter.yaml", "rollout_backend=vllm", f"output_dir={tmp_path}")
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("shardtune: error:")]
+    assert len(lines) == 1 and "rollout_backend (vllm)" in lines[0], result.stderr
+    assert not (tmp_path / "trainer_log.jsonl").exists() and "Traceback" not in result.stderr

@@ -9,7 +9,7 @@ from shardtune.config.schema import TrainConfig
 # Keys of stage grpo only; set for another stage they would be ignored.
 GRPO_KEYS = ("reward_funcs", "reward_weights", "reward_format_regex", "num_generations", "max_completion_length",
              "beta", "epsilon", "epsilon_high", "loss_type", "scale_rewards", "num_iterations",
-             "mask_truncated_completions", "use_bias_correction_kl")
+             "mask_truncated_completions", "use_bias_correction_kl", "rollout_backend")
 
 # What stage grpo does not do, by key: why, for the refusal's line. A key counts as set when it differs from its
 # default (a value in a tuple: when it is that value).
@@ -54,10 +54,31 @@ def grpo_problems(c: TrainConfig) -> list[str]:
     if c.max_completion_length + 1 > c.cutoff_len:
         problems.append(f"max_completion_length ({c.max_completion_length}) leaves no room for a prompt within "
                         f"cutoff_len ({c.cutoff_len}), which bounds prompt + completion; raise cutoff_len")
+    problems += rollout_backend_problems(c.rollout_backend)
     if c.do_sample is False:
         problems.append("do_sample (false) with stage grpo: the num_generations completions of a prompt would all "
                         "be the same greedy one, so every advantage is 0; remove it")
     return problems
+
+
+def rollout_backend_problems(backend: str, gpus: int | None = None, has_vllm: bool | None = None) -> list[str]:
+    """``rollout_backend: vllm`` needs a GPU and the vllm package, and its client is not built yet (the weight-sync
+    protocol it would speak is: train/weight_sync.py); one line naming the key, whatever is missing first."""
+    if backend != "vllm":
+        return []
+    import importlib.util
+
+    from shardtune.host import visible_gpu_count
+
+    gpus = visible_gpu_count() if gpus is None else gpus
+    has_vllm = importlib.util.find_spec("vllm") is not None if has_vllm is None else has_vllm
+    if gpus == 0:
+        why = "vLLM generates on a GPU and this machine has none"
+    elif not has_vllm:
+        why = "the vllm package is not installed (pip install vllm)"
+    else:
+        why = "its client is not built yet (the weight-sync protocol it would speak is, docs/grpo.md)"
+    return [f"rollout_backend (vllm): {why}; use rollout_backend: transformers (the policy generates itself)"]
 
 
 def _switched_on(value: object, default: object) -> bool:

@@ -202,6 +202,13 @@ class Engine(ABC):
         that the model's forward hooks do not gather overrides it)."""
         return contextlib.nullcontext()
 
+    @contextlib.contextmanager
+    def gathered_weights(self, params: list[torch.nn.Parameter]) -> Iterator[list[torch.Tensor]]:
+        """The whole tensors of ``params`` (parameters of ``unwrapped_model()``), valid inside the context only (a
+        weight sync reads them there). Where weights are sharded this is a collective: every rank enters it with the
+        same parameters in the same order. Here they are whole already."""
+        yield [p.detach() for p in params]
+
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 

@@ -253,6 +253,15 @@ class DeepSpeedEngine(DistributedMixin, Engine):
         # At the boundary the gradients are already averaged over ranks, so the local norm is the global one.
         return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
 
+    @contextlib.contextmanager
+    def gathered_weights(self, params: list[torch.nn.Parameter]) -> Iterator[list[torch.Tensor]]:
+        """ZeRO-3: ``GatheredParameters`` on these parameters alone (read-only, re-partitioned on exit)."""
+        if self.zero_stage != 3:
+            yield [p.detach() for p in params]
+            return
+        with self._deepspeed().zero.GatheredParameters(params, modifier_rank=None):
+            yield [p.data for p in params]
+
     def current_lr(self) -> float:
         return float(self.ds.get_lr()[0])
 
@@ -363,6 +372,8 @@ class DeepSpeedEngine(DistributedMixin, Engine):
         if self.is_main and not (universal / "zero").is_dir():
             print(f"[shardtune] checkpoint written by {writers} processes, resuming on {self.world_size}: "
                   f"converting to DeepSpeed's universal checkpoint in {universal}", flush=True)
+            from shardtune.engines.deepspeed_checkpoint import convert_to_universal
+
             convert_to_universal(ckpt_dir / CHECKPOINT_TAG, universal)
         self.barrier()
         self.ds._config.load_universal_checkpoint = True  # read by load_checkpoint; initialize() set it False
@@ -483,18 +494,3 @@ def copies_keeping_ties(state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
                                     t.detach().clone()) if t.numel() else t.detach().clone()
             for name, t in state.items()}
 
-
-def convert_to_universal(source: Path, target: Path) -> None:
-    import subprocess
-    import sys
-
-    from shardtune.errors import ModelError
-
-    argv = [sys.executable, "-m", "shardtune.engines.safe_load", "deepspeed.checkpoint.ds_to_universal",
-            "--input_folder", str(source),
-            "--output_folder", str(target)]
-    result = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        tail = result.stderr.strip().splitlines()[-1:] or ["(no message)"]
-        raise ModelError(f"checkpoint {source} cannot be converted for a different world size: {tail[0]}; resume "
-                         "with the number of processes that wrote it, or `shardtune export` it and start from that")

@@ -57,3 +57,20 @@ def writing_through(ds_engine: Any, writer: CheckpointWriter) -> Iterator[None]:
         yield
     finally:
         ds_engine.checkpoint_engine = own
+
+
+def convert_to_universal(source: Path, target: Path) -> None:
+    """DeepSpeed's ``ds_to_universal`` on a checkpoint's ZeRO shards, in a child process that loads weights only."""
+    import subprocess
+    import sys
+
+    from shardtune.errors import ModelError
+
+    argv = [sys.executable, "-m", "shardtune.engines.safe_load", "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder", str(source),
+            "--output_folder", str(target)]
+    result = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        tail = result.stderr.strip().splitlines()[-1:] or ["(no message)"]
+        raise ModelError(f"checkpoint {source} cannot be converted for a different world size: {tail[0]}; resume "
+                         "with the number of processes that wrote it, or `shardtune export` it and start from that")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
 
 from shardtune.engines.base import OptimizerFactory, PrecisionSettings, SchedulerFactory
 from shardtune.engines.checkpoint_writer import CheckpointWriter
@@ -205,6 +206,15 @@ class FSDPEngine(DistributedMixin, TorchEngine):
         root.unshard()
         gathered.callback(root.reshard)
         return gathered
+
+    @contextlib.contextmanager
+    def gathered_weights(self, params: list[torch.nn.Parameter]) -> Iterator[list[torch.Tensor]]:
+        """FSDP2: ``full_tensor()`` of each sharded parameter (an all-gather each, in the order given). FSDP1's flat
+        parameters gather by unit only (``summon_full_params``), not by parameter: not built."""
+        if self.settings.version == 1:
+            raise RuntimeError("engine fsdp1: gathering single weights (a generator's weight sync) is not built; "
+                               "use FSDP2")
+        yield [p.full_tensor() if isinstance(p, DTensor) else p.detach() for p in params]
 
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         if self.settings.version == 2:

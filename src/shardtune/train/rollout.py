@@ -80,9 +80,15 @@ class TransformersRollout:
                                        top_k=sampling.top_k, max_new_tokens=sampling.max_completion_length,
                                        eos_token_id=self.stop_ids, pad_token_id=self.pad_token_id,
                                        return_dict_in_generate=True, output_logits=True)  # a GenerateOutput
-        ids = out.sequences[:, len(prompt_ids):]
-        mask, truncated = completion_mask(ids, self.stop_ids)
-        ids = ids.masked_fill(mask == 0, self.pad_token_id)
-        logits = torch.stack(out.logits, dim=1).float() / sampling.temperature
-        logps = torch.gather(logits.log_softmax(-1), -1, ids.unsqueeze(-1)).squeeze(-1) * mask
-        return Completions(ids, mask, truncated, logps)
+        return sampled_completions(out, len(prompt_ids), self.stop_ids, self.pad_token_id, sampling.temperature)
+
+
+def sampled_completions(out: Any, prompt_length: int, stop_ids: list[int], pad_token_id: int,
+                        temperature: float) -> Completions:
+    """The completions of a ``GenerateOutput`` (sequences and logits), with the sampler's log-probabilities."""
+    ids = out.sequences[:, prompt_length:]
+    mask, truncated = completion_mask(ids, stop_ids)
+    ids = ids.masked_fill(mask == 0, pad_token_id)
+    logits = torch.stack(out.logits, dim=1).float() / temperature
+    logps = torch.gather(logits.log_softmax(-1), -1, ids.unsqueeze(-1)).squeeze(-1) * mask
+    return Completions(ids, mask, truncated, logps)
