@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.distributed.helpers import ENGINE_KEYS, logged
+from tests.distributed.test_grpo_engines import COMPARED, KINDS, one_process, train  # noqa: F401 - a fixture
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -60,3 +62,16 @@ def test_the_generator_holds_the_trained_weights_bit_for_bit_after_every_step(ca
         assert sync["buckets"] > 2
     tokens = result["rollout_tokens_by_rank"]  # per rank, per step (None before the first)
     assert [t[1:] for t in tokens] != [tokens[0][1:]] * 2 and 0 in tokens[0][1:] and 0 in tokens[1][1:]
+
+
+@pytest.mark.parametrize(("engine", "kind"), [("zero3", "lora"), ("fsdp2", "full")], ids=["zero3-lora", "fsdp2-full"])
+def test_a_cli_run_with_the_protocol_generator_logs_the_one_process_run(engine, kind, one_process,  # noqa: F811
+                                                                        tiny_model_dir, tmp_path):
+    """Through the real CLI: 2 ranks whose completions come from the generator process (rollout_backend
+    vllm_protocol_cpu, synced after every step) log the one-process run where the policy generates itself."""
+    results = train(tiny_model_dir, tmp_path / "two", 2, 4, *KINDS[kind], *ENGINE_KEYS[engine],
+                    "rollout_backend=vllm_protocol_cpu")
+    assert results["world_size"] == 2
+    for key in COMPARED:
+        assert logged(tmp_path / "two", key) == pytest.approx(logged(one_process(kind), key), rel=2e-3, abs=1e-5), key
+    assert len(logged(tmp_path / "two", "weight_sync_seconds")) == 3

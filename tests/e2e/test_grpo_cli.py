@@ -118,3 +118,18 @@ def test_a_folder_that_is_no_reward_model_is_refused_before_launch(tiny_model_di
                      f"output_dir={tmp_path}")
     assert result.returncode == 2
     assert f"reward_funcs ({tiny_model_dir}) is not a reward model" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("kind", [("finetuning_type=full",),
+                                  ("finetuning_type=lora", "lora_target=all", "learning_rate=5e-2")],
+                         ids=["full", "lora"])
+def test_a_generator_with_its_own_synced_weights_gives_the_policys_own_run(kind, tiny_model_dir, tmp_path):
+    """rollout_backend vllm_protocol_cpu (the vLLM protocol's CPU test double: a generator process with its own
+    weights, streamed to it after every step; LoRA merged) samples the completions the policy itself samples, so
+    the run logs the transformers back-end's losses, rewards and gradient norms exactly, and the sync's seconds."""
+    train(EXAMPLE, tiny_model_dir, tmp_path / "own", *QUICK, *kind)
+    train(EXAMPLE, tiny_model_dir, tmp_path / "synced", *QUICK, *kind, "rollout_backend=vllm_protocol_cpu")
+    for key in ("loss", "grad_norm", "reward", "completions/mean_length"):
+        assert logged(tmp_path / "synced", key) == logged(tmp_path / "own", key), key
+    assert len(set(logged(tmp_path / "own", "reward"))) == 4  # the weights, and so the completions, change each step
+    assert all(s > 0 for s in logged(tmp_path / "synced", "weight_sync_seconds"))

@@ -135,3 +135,11 @@ def test_train_with_the_vllm_backend_on_this_machine_exits_2_before_any_rank(tmp
     lines = [line for line in result.stderr.splitlines() if line.startswith("shardtune: error:")]
     assert len(lines) == 1 and "rollout_backend (vllm)" in lines[0], result.stderr
     assert not (tmp_path / "trainer_log.jsonl").exists() and "Traceback" not in result.stderr
+
+
+def test_the_protocol_generator_takes_full_freeze_and_plain_lora_only():
+    for allowed in ({"finetuning_type": "full"}, {"finetuning_type": "freeze"}, {"finetuning_type": "lora"}):
+        assert grpo_problems(config(rollout_backend="vllm_protocol_cpu", **allowed)) == []
+    for refused in ({"finetuning_type": "oft"}, {"finetuning_type": "lora", "use_dora": True}):
+        problems = grpo_problems(config(rollout_backend="vllm_protocol_cpu", **refused))
+        assert len(problems) == 1 and problems[0].startswith("rollout_backend (vllm_protocol_cpu) with"), problems

@@ -55,6 +55,11 @@ def grpo_problems(c: TrainConfig) -> list[str]:
         problems.append(f"max_completion_length ({c.max_completion_length}) leaves no room for a prompt within "
                         f"cutoff_len ({c.cutoff_len}), which bounds prompt + completion; raise cutoff_len")
     problems += rollout_backend_problems(c.rollout_backend)
+    if c.rollout_backend == "vllm_protocol_cpu" and (c.finetuning_type not in ("full", "freeze", "lora") or c.use_dora
+                                                     or c.quantization_bit is not None):
+        problems.append(f"rollout_backend (vllm_protocol_cpu) with finetuning_type {c.finetuning_type} (use_dora "
+                        f"{c.use_dora}, quantization_bit {c.quantization_bit}): the weight sync sends full weights "
+                        "or plain LoRA merged; use full, freeze or lora")
     if c.do_sample is False:
         problems.append("do_sample (false) with stage grpo: the num_generations completions of a prompt would all "
                         "be the same greedy one, so every advantage is 0; remove it")

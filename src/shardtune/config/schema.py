@@ -188,10 +188,10 @@ class TrainConfig:
     num_iterations: int = _key(1, "grpo: optimizer steps per batch of rollouts (mu; > 1 reuses them)", GRPO,
                                minimum=1)
     mask_truncated_completions: bool = _key(False, "grpo: truncated completions count for nothing in the loss", GRPO)
-    use_bias_correction_kl: bool = _key(True, "grpo: multiply the KL term by the importance ratio (TRL's default)",
-                                        GRPO)
+    use_bias_correction_kl: bool = _key(True, "grpo: the KL term times the importance ratio (TRL's default)", GRPO)
     rollout_backend: str = _key("transformers", "grpo: the policy generates (transformers) or vLLM, its weights "
-                                "streamed after each step (GPU)", GRPO, choices=("transformers", "vllm"))
+                                "streamed after each step (GPU; vllm_protocol_cpu: that protocol's CPU test double)",
+                                GRPO, choices=("transformers", "vllm", "vllm_protocol_cpu"))
     use_dora: bool = _key(False, "LoRA: weight-decomposed LoRA (DoRA; a trained magnitude per output row)", FINETUNE)
     use_rslora: bool = _key(False, "LoRA: rank-stabilised scaling lora_alpha / sqrt(lora_rank)", FINETUNE)
     pissa_init: bool = _key(False, "LoRA: initialise from the principal singular vectors of each weight (PiSSA)",

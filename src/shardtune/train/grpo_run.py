@@ -14,7 +14,8 @@ from shardtune.model.source import ModelSource
 from shardtune.train.grpo_loss import GrpoSettings
 from shardtune.train.grpo_rewards import RewardSet
 from shardtune.train.grpo_step import GrpoObjective
-from shardtune.train.rollout import Sampling, TransformersRollout
+from shardtune.train.rollout import Rollout, Sampling, TransformersRollout
+from shardtune.train.weight_sync import WeightSync
 
 
 def build_grpo_objective(c: TrainConfig, source: ModelSource, engine: Engine, tokenizer: Any) -> GrpoObjective:
@@ -32,15 +33,32 @@ def build_grpo_objective(c: TrainConfig, source: ModelSource, engine: Engine, to
                         max_completion_length=c.max_completion_length, seed=c.seed)
     stops = stop_token_ids(tokenizer, prediction_stop_token(tokenizer, c))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    rollout, weight_sync, backend = rollout_backend(c, source, engine, stops, pad)
     if engine.is_main:
         where = "none (beta 0)" if reference is None else reference.kind
         print(f"[shardtune] stage grpo: loss_type {c.loss_type}, {c.num_generations} completions per prompt "
-              f"(transformers back-end: the policy generates with its own weights), rewards "
-              f"{', '.join(c.reward_funcs)}; reference: {where}", flush=True)
+              f"({backend}), rewards {', '.join(c.reward_funcs)}; reference: {where}", flush=True)
     return GrpoObjective(settings, sampling, RewardSet.load(c.reward_funcs, c.reward_weights, c.reward_format_regex,
                                                             engine.device, tokenizer),
-                         TransformersRollout(engine, stops, pad), tokenizer, c.num_generations, c.scale_rewards,
-                         c.num_iterations, c.mask_truncated_completions, reference)
+                         rollout, tokenizer, c.num_generations, c.scale_rewards,
+                         c.num_iterations, c.mask_truncated_completions, reference, weight_sync)
+
+
+def rollout_backend(c: TrainConfig, source: ModelSource, engine: Engine, stops: list[int], pad: int
+                    ) -> tuple[Rollout, WeightSync | None, str]:
+    """Who generates: the policy itself, or (vllm_protocol_cpu, the vLLM protocol's CPU test double) a generator
+    process with its own copy of the weights, started by rank 0 and synced after every step."""
+    if c.rollout_backend != "vllm_protocol_cpu":
+        return TransformersRollout(engine, stops, pad), None, "transformers back-end: the policy generates with " \
+            "its own weights"
+    import torch
+
+    from shardtune.train.protocol_generator import connect_generator
+
+    dtype = torch.bfloat16 if c.bf16 else torch.float16 if c.fp16 else torch.float32
+    client, process = connect_generator(engine, source.name_or_path, dtype, stops, pad)
+    sync = WeightSync(client if engine.is_main else None, keep=process)
+    return client, sync, "vllm_protocol_cpu: a generator process with its own weights, streamed after every step"
 
 
 def repeated_windows(epoch_batches: Callable[[int, int], Iterable[Any]], window: int, times: int

@@ -30,6 +30,7 @@ from shardtune.train.grpo_loss import (
 from shardtune.train.grpo_rewards import RewardSet
 from shardtune.train.preference_step import Reference
 from shardtune.train.rollout import Completions, Rollout, Sampling
+from shardtune.train.weight_sync import WeightSync
 
 
 @dataclass
@@ -59,9 +60,11 @@ class GrpoObjective:
     num_iterations: int = 1
     mask_truncated: bool = False
     reference: Reference | None = None
+    weight_sync: WeightSync | None = None  # a generator with its own weights (rollout_backend vllm_protocol_cpu)
     _kept: tuple[Any, list[Group], float] | None = None
 
     def train_step(self, engine: Engine, window: list[dict[str, Any]], max_grad_norm: float) -> dict[str, float]:
+        sync_seconds = self.weight_sync.before_rollouts(engine) if self.weight_sync is not None else 0.0
         started = time.perf_counter()
         groups = self.window_rollouts(engine, window)
         rollout_seconds = time.perf_counter() - started
@@ -80,7 +83,10 @@ class GrpoObjective:
             engine.backward(loss * engine.loss_scale_for_mean_reduction)
             sums += self.group_metrics(group, terms, loss.detach())
         grad_norm = engine.step(max_grad_norm)
-        return self.step_metrics(engine, sums, len(self.rewards.names), grad_norm, rollout_seconds)
+        metrics = self.step_metrics(engine, sums, len(self.rewards.names), grad_norm, rollout_seconds)
+        if self.weight_sync is not None:  # every rank, after every optimizer step, whatever it generated
+            metrics["weight_sync_seconds"] = sync_seconds + self.weight_sync.after_step(engine)
+        return metrics
 
     def evaluate(self, engine: Engine, batches: Any) -> dict[str, float]:
         raise NotImplementedError("stage grpo has no evaluation (refused by config/grpo.py)")

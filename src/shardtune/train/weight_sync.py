@@ -223,3 +223,23 @@ def sync_weights(engine: Engine, receiver: WeightReceiver | None, bucket_bytes: 
     engine.barrier()  # no rank generates before rank 0's generator holds the new weights
     report.seconds = time.perf_counter() - started
     return report
+
+
+@dataclass
+class WeightSync:
+    """A run's sync: before its first rollout (the generator then holds the policy as loaded or resumed) and after
+    every optimizer step. ``receiver``: rank 0's, None on the other ranks."""
+
+    receiver: WeightReceiver | None
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    started: bool = False
+    keep: object = None  # what must live as long as the run (rank 0's generator process)
+
+    def before_rollouts(self, engine: Engine) -> float:
+        if self.started:
+            return 0.0
+        self.started = True
+        return sync_weights(engine, self.receiver, self.bucket_bytes).seconds
+
+    def after_step(self, engine: Engine) -> float:
+        return sync_weights(engine, self.receiver, self.bucket_bytes).seconds
