@@ -128,14 +128,21 @@ def runs_per_sample(module: torch.nn.Module) -> bool:
 
 def _first_input_by_position(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
                              name: str) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """Pass the block's first input (``hidden_states``) by position when its layer passed it by name: ZeRO-3 finds
-    a module's inputs among its positional arguments only, and with none its backward hook fires before the
-    block's own backward ran, releasing the weights its segments still need (Qwen3-Next calls ``linear_attn``
-    with keywords alone)."""
-    if args or name not in kwargs:
-        return None
+    """The block's first input (``hidden_states``) by position, and carrying a gradient while the block trains.
+
+    ZeRO-3 releases a module's gathered weights once the gradients of its positional inputs are computed; with no
+    such input its backward hook fires as the block's backward starts, and the segments' backward then reads
+    released weights (Qwen3-Next calls ``linear_attn`` with keywords alone; Kimi-Linear's first block under LoRA
+    gets the frozen embeddings). A detached copy that requires a gradient changes no value and no weight's
+    gradient."""
     rest = dict(kwargs)
-    return (rest.pop(name),), rest
+    if not args and name not in rest:
+        return None
+    first, others = (args[0], args[1:]) if args else (rest.pop(name), ())
+    if (isinstance(first, torch.Tensor) and first.is_floating_point() and not first.requires_grad
+            and torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters())):
+        first = first.detach().requires_grad_()
+    return (first, *others), rest
 
 
 class PerSampleForward:
