@@ -138,3 +138,22 @@ def test_a_weight_the_generator_does_not_have_is_an_error_naming_it(generator):
     with pytest.raises(RuntimeError, match=r"weight lm_head.weight \(torch.float32 \[3\]\)"):
         client.load_weights([("lm_head.weight", torch.zeros(3))])
     client.close()
+
+
+@pytest.mark.parametrize("finetuning", ["full", "lora"])
+def test_a_bf16_generator_holds_the_trained_weights_cast_bit_for_bit(finetuning, model_dir):
+    """The generator's dtype is what is sent: each fp32 weight (LoRA: merged in fp32, then cast) rounded to bf16."""
+    engine = engine_for(model_dir, finetuning)
+    train_one_step(engine)
+    process = GeneratorProcess(model_dir, torch.bfloat16)
+    try:
+        client = GeneratorClient(process.address, torch.bfloat16, [2], 0)
+        report = sync_weights(engine, client, bucket_bytes=LAYER // 4)
+        plain = copy.deepcopy(engine.unwrapped_model())
+        plain = plain.merge_and_unload() if finetuning == "lora" else plain
+        expected = {name: tensor_digest(t.to(torch.bfloat16)) for name, t in plain.state_dict().items()}
+        assert client.digest() == expected
+        assert report.bytes_sent == sum(t.nelement() * 2 for t in plain.state_dict().values())
+        client.close()
+    finally:
+        process.stop()
