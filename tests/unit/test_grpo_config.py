@@ -143,3 +143,12 @@ def test_the_protocol_generator_takes_full_freeze_and_plain_lora_only():
     for refused in ({"finetuning_type": "oft"}, {"finetuning_type": "lora", "use_dora": True}):
         problems = grpo_problems(config(rollout_backend="vllm_protocol_cpu", **refused))
         assert len(problems) == 1 and problems[0].startswith("rollout_backend (vllm_protocol_cpu) with"), problems
+
+
+def test_the_protocol_generator_under_fsdp1_is_refused_before_launch(tmp_path):
+    result = run_cli("check", "examples/grpo/tiny_letter.yaml", "rollout_backend=vllm_protocol_cpu",
+                     "fsdp=full_shard auto_wrap", "fsdp_config={'fsdp_version': 1}", f"output_dir={tmp_path}",
+                     NPROC_PER_NODE="2")
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("shardtune: error:")]
+    assert any("rollout_backend (vllm_protocol_cpu) with fsdp_version 1" in line for line in lines), result.stderr

@@ -246,6 +246,9 @@ def fsdp_refusals(c: TrainConfig, plan: EnginePlan, has_cuda: bool) -> list[str]
                         "dtype so that FSDP can shard them; shardtune shards them in bf16 only)")
     if settings.version == 1 and c.finetuning_type == "lora":
         problems += fsdp1_fused_lora_problems(c)
+    if settings.version == 1 and c.rollout_backend == "vllm_protocol_cpu":
+        problems.append("rollout_backend (vllm_protocol_cpu) with fsdp_version 1: the weight sync gathers single "
+                        "weights, and FSDP1's flat parameters gather by wrapped unit only; use fsdp_version: 2")
     fsdp1_compile = ("FSDP1 flattens each unit's parameters into one, which compiled layers would read as views; "
                      "use fsdp_version: 2 (compile, then fully_shard)") if settings.version == 1 else None
     fsdp1_float8 = ("torchao's float8 layers are built for FSDP2's per-parameter shards, FSDP1 flattens them; use "
