@@ -3,8 +3,8 @@ experts each rank's router chose, and writes per-step metrics as JSON.
 
     torchrun --standalone --nproc-per-node 2 moe_worker.py --model DIR --out DIR --cases z3_full,fsdp2_lora,...
 
-A case is ``<engine>_<finetuning>``: engine one of ENGINES (DDP, DeepSpeed ZeRO-2/ZeRO-3, FSDP2, FSDP1), finetuning
-``full`` or ``lora``.
+A case is ``<engine>_<finetuning>``: engine one of ENGINES (DDP, DeepSpeed ZeRO-2/ZeRO-3, FSDP2, FSDP1), or with
+expert parallelism ``fsdp2ep<E>`` / ``z<stage>ep<E>`` (DeepSpeed's AutoEP), finetuning ``full`` or ``lora``.
     python moe_worker.py --model DIR --out DIR --reference
 
 The two ranks draw token ids from disjoint halves of the vocabulary, so their routers see different inputs and
@@ -150,7 +150,7 @@ def run_reference(model_dir: str, out: Path) -> None:
     (out / "reference.json").write_text(json.dumps(results, indent=2))
 
 
-def make_engine(kind: str, ctx: object) -> Engine:
+def make_engine(kind: str, ctx: object, model_dir: str = "") -> Engine:
     if kind == "ddp":
         from shardtune.engines.ddp import DDPEngine
 
@@ -165,15 +165,19 @@ def make_engine(kind: str, ctx: object) -> Engine:
         from shardtune.engines.fsdp import FSDPEngine
 
         return FSDPEngine(FsdpSettings(version=int(kind[-1])), PrecisionSettings(), ctx)
-    assert kind in ("z2", "z3"), kind
-    from shardtune.engines.deepspeed import DeepSpeedEngine
+    zero, _, ep = kind.partition("ep")  # z<stage>, or z<stage>ep<E>: DeepSpeed's AutoEP over E ranks
+    assert zero in ("z1", "z2", "z3"), kind
+    from shardtune.engines.deepspeed_autoep import with_autoep
     from shardtune.engines.deepspeed_checks import build_deepspeed_config
     from shardtune.engines.deepspeed_config import DeepSpeedInputs
+    from shardtune.engines.deepspeed_ep import DeepSpeedEngineEP
     from shardtune.world import WorldLayout
 
     inputs = DeepSpeedInputs(layout=WorldLayout(1, WORLD, MICRO_BATCH, ACCUMULATION), max_grad_norm=1.0,
                              bf16=False, fp16=False, hidden_size=64)
-    return DeepSpeedEngine(build_deepspeed_config(kind, inputs), PrecisionSettings(), ctx)
+    config = build_deepspeed_config(zero, inputs)
+    model_type = json.loads((Path(model_dir) / "config.json").read_text())["model_type"] if ep else None
+    return DeepSpeedEngineEP(with_autoep(config, int(ep or 1), model_type), PrecisionSettings(), ctx)
 
 
 def run_case(ctx: object, model_dir: str, name: str) -> dict:
@@ -184,14 +188,17 @@ def run_case(ctx: object, model_dir: str, name: str) -> dict:
     counts = count_expert_choices(model, config.num_experts_per_tok, expert_count(config))
     batches = rank_batches(config.vocab_size)[rank]
     windows = [batches[s * ACCUMULATION:(s + 1) * ACCUMULATION] for s in range(STEPS)]
-    engine = make_engine(kind, ctx)
+    engine = make_engine(kind, ctx, model_dir)
     prepare(engine, model)
     result: dict = {"metrics": train(engine, windows, config), "expert_shards": expert_shards(engine.model),
                     "z3_leaves": z3_leaves(engine.model)}
-    if finetuning in ("full", "skewfull", "loopfull") and kind.startswith("fsdp2"):
-        result["weights"] = weight_fingerprints(engine.full_state_dict())
-    if getattr(engine, "experts", None) is not None:
-        result["expert_parallel"] = engine.expert_parallel_report(STEPS)
+    if finetuning in ("full", "skewfull", "loopfull") and (kind.startswith("fsdp2") or "ep" in kind):
+        state = engine.full_state_dict()  # DeepSpeed's AutoEP: under transformers' names, on rank 0 only
+        if state is not None:
+            result["weights"] = weight_fingerprints(state)
+    report = engine.expert_parallel_report(STEPS)
+    if report is not None:
+        result["expert_parallel"] = report
     everyone = [torch.zeros_like(counts) for _ in range(WORLD)]
     torch.distributed.all_gather(everyone, counts)
     result["expert_counts"] = [c.tolist() for c in everyone]

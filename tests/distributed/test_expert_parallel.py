@@ -32,14 +32,20 @@ METRICS = ("loss", "grad_norm", "aux_loss")
 # (family, world) -> cases launched together. make test: Qwen3-MoE on 2 ranks; the matrix: the other families
 # (Mixtral, DeepSeek-V3 with shared experts and a dense first layer, GPT-OSS with expert biases, Qwen2-MoE with a
 # gated shared expert) and 4 ranks (EP 2 x expert-data-parallel 2, EP 4).
+# DeepSpeed's AutoEP (z<stage>ep<E>, ZeRO-1/2, full: deepspeed_autoep.py refuses the rest) against one process
+# and against the same ZeRO stage without it (z2_full): Qwen3-MoE's in make test, the other families it has a
+# preset for and 4 ranks (EP 2 x expert-data-parallel 2, EP 4, ZeRO-1) in the matrix.
+AUTOEP = {("qwen3_moe", 2): ("z2_full", "z2ep2_full"), ("qwen3_moe", 4): ("z2_full", "z2ep2_full", "z2ep4_full",
+                                                                          "z1ep2_full"),
+          **{(family, 2): ("z2_full", "z2ep2_full") for family in ("mixtral", "deepseek_v3", "qwen2_moe")}}
 GROUPS: dict[tuple[str, int], tuple[str, ...]] = {
     ("qwen3_moe", 2): ("fsdp2_full", "fsdp2ep2_full", "fsdp2ep2_attnlora", "fsdp2ep2_skewfull", "fsdp2ep2_loopfull"),
     **{(family, 2): ("fsdp2ep2_full", "fsdp2ep2_attnlora") for family in ("mixtral", "deepseek_v3", "gpt_oss",
                                                                           "qwen2_moe")},
     ("qwen3_moe", 4): ("fsdp2ep2_full", "fsdp2ep4_full", "fsdp2ep4_attnlora", "fsdp2ep4_skewfull"),
 }
-CELLS = [(family, world, case) for (family, world), cases in GROUPS.items() for case in cases
-         if case != "fsdp2_full"]
+GROUPS = {key: cases + AUTOEP.get(key, ()) for key, cases in GROUPS.items()}
+CELLS = [(family, world, case) for (family, world), cases in GROUPS.items() for case in cases if "ep" in case]
 IN_MAKE_TEST = {("qwen3_moe", 2)}
 
 
@@ -62,7 +68,7 @@ def ep_results(arch_model_dir, tmp_path_factory):
             run_worker([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                         str(world), str(WORKER), "--model", model, "--out", str(out), "--world", str(world),
                         "--cases", ",".join(GROUPS[family, world])], 900)
-        without = out / "fsdp2_full.json"
+        without = out / f"{case.split('ep')[0]}_full.json"  # the same engine without expert parallelism
         return (references[family, world], json.loads((out / f"{case}.json").read_text()),
                 json.loads(without.read_text()) if without.is_file() else None)
 
@@ -94,10 +100,10 @@ def assert_same_weights(expected: dict[str, list[float]], got: dict[str, list[fl
 def test_expert_parallel_equals_one_process(ep_results, family: str, world: int, case: str) -> None:
     reference, result, without = ep_results(family, world, case)
     finetuning = case.split("_")[1]
-    size = int(case.split("_")[0].removeprefix("fsdp2ep"))
+    size = int(case.split("_")[0].split("ep")[1])
     assert_close(reference[finetuning], result["metrics"], f"{family} {case} vs one process")
     if without is not None and finetuning in ("full", "loopfull"):  # loopfull: the loop equals the grouped matmul
-        assert_close(without["metrics"], result["metrics"], f"{family} {case} vs FSDP2 without expert parallelism")
+        assert_close(without["metrics"], result["metrics"], f"{family} {case} vs the engine without expert parallelism")
     if "weights" in result:
         assert_same_weights(reference[f"{finetuning}:weights"], result["weights"], f"{family} {case}")
     report = result["expert_parallel"]
@@ -108,6 +114,9 @@ def test_expert_parallel_equals_one_process(ep_results, family: str, world: int,
     for first in range(0, world, size):
         held = [e for r in ranks[first:first + size] for e in r["experts_held"]]
         assert sorted(held) == list(range(experts)), f"ep group at rank {first} holds {held}"
+    if report.get("via") == "deepspeed-autoep":  # DeepSpeed's dispatch: the rows its experts computed are counted
+        assert "weights" in result and all(r["rows_received_per_step"] > 0 for r in ranks)
+        return
     assert all(r["all_to_all_bytes_per_step"] > 0 for r in ranks)
     if finetuning == "skewfull":  # the router sends every choice to the first half of the experts
         assert all(r["rows_received_per_step"] == 0 for r in ranks if min(r["experts_held"]) >= experts // 2)
@@ -201,3 +210,26 @@ def test_checkpoints_of_every_kind_resume_under_expert_parallelism(arch_model_di
     train(model, resumed, "full", 2, 2, *CLI, "expert_parallel_size=2", *saving[1:] if "async" in saving[0] else saving,
           f"resume_from_checkpoint={first / 'checkpoint-2'}")
     assert losses(resumed)[-2:] == pytest.approx(losses(first)[-2:], rel=RTOL)
+
+
+DEEPSPEED = ("deepspeed=examples/deepspeed/ds_z2_config.json", "finetuning_type=full")
+
+
+@pytest.mark.matrix
+def test_cli_deepspeed_autoep_saves_resumes_and_exports(arch_model_dir, tmp_path: Path) -> None:
+    """Through `shardtune train` with ZeRO-2: AutoEP 2 equals the same run without it step for step, each rank held
+    its half of the experts, the saved model loads in transformers as the family's class with the EP = 1 run's
+    logits, and a checkpoint resumes (same EP size, same world) onto the same curve."""
+    model = arch_model_dir("qwen3_moe")
+    with_ep, without, resumed = tmp_path / "ep2", tmp_path / "ep1", tmp_path / "resumed"
+    results = train(model, with_ep, "full", 2, 2, *DEEPSPEED, "expert_parallel_size=2", "save_strategy=steps",
+                    "save_steps=2")
+    train(model, without, "full", 2, 2, *DEEPSPEED)
+    assert losses(with_ep) == pytest.approx(losses(without), rel=RTOL)
+    assert logged(with_ep, "grad_norm") == pytest.approx(logged(without, "grad_norm"), rel=RTOL)
+    report = results["expert_parallel"]
+    assert report["via"] == "deepspeed-autoep" and [r["experts_held"] for r in report["ranks"]] == [[0, 1], [2, 3]]
+    assert_same_logits(with_ep, without)
+    train(model, resumed, "full", 2, 2, *DEEPSPEED, "expert_parallel_size=2",
+          f"resume_from_checkpoint={with_ep / 'checkpoint-2'}")
+    assert losses(resumed)[-2:] == pytest.approx(losses(with_ep)[-2:], rel=RTOL)

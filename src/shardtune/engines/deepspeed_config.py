@@ -439,6 +439,6 @@ DEEPSPEED = EngineSpec(
     memory_layout=deepspeed_memory_layout,
     # ZeRO-3; a config whose stage is not a number counts as one
     gathers_parameters=lambda plan: zero_stage(plan.deepspeed_raw or {}) not in (0, 1, 2),
-    engine="shardtune.engines.deepspeed:DeepSpeedEngine",
+    engine="shardtune.engines.deepspeed_ep:DeepSpeedEngineEP",  # AutoEP when expert_parallel_size > 1
     checkpoints=(CheckpointLayout("deepspeed", CHECKPOINT_TAG, read_zero_checkpoint),),
 )

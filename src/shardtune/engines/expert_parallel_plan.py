@@ -4,7 +4,8 @@ files, never torch (the dispatch itself is engines/expert_parallel.py, which run
 
 Exact and proven (tests/distributed/test_expert_parallel.py): FSDP2 (FULL_SHARD, SHARD_GRAD_OP), full fine-tuning,
 freeze, and LoRA on the layers outside the experts (attention, dense and shared-expert MLPs), every MoE family with
-transformers' fused experts. Everything else is refused here, with the reason.
+transformers' fused experts; DeepSpeed ZeRO-1/2 through its AutoEP for the families deepspeed_autoep.py lists, full
+fine-tuning. Everything else is refused here, with the reason.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from shardtune.config.schema import TrainConfig
+from shardtune.engines.deepspeed_autoep import autoep_problems
+from shardtune.engines.deepspeed_config import offloads_optimizer, offloads_params, zero_stage
 from shardtune.engines.engine_plan import EnginePlan
 from shardtune.errors import ModelError
 from shardtune.model.folder import model_config_json
@@ -32,21 +35,23 @@ def expert_parallel_problems(c: TrainConfig, engine: EnginePlan | None = None,
     key = f"expert_parallel_size ({n})"
     problems = feature_problems(c, key) + model_problems(c, key)
     if engine is not None:
-        problems += engine_problems(engine, key, str((_config(c) or {}).get("model_type", "this model")))
+        family = str((_config(c) or {}).get("model_type", "this model"))
+        problems += engine_problems(engine, key, family, c.finetuning_type)
     if layout is not None:
         problems += layout.expert_parallel_problems(_experts(c))
     return problems
 
 
-def engine_problems(engine: EnginePlan, key: str, family: str = "this model") -> list[str]:
+def engine_problems(engine: EnginePlan, key: str, family: str = "this model",
+                    finetuning_type: str | None = None) -> list[str]:
+    """The engine's refusals (``finetuning_type``: None where unknown, the estimate's question)."""
     if engine.kind in ("local", "ddp"):
         return [f"{key} with engine {engine.kind}: expert parallelism places each expert on some ranks only, which "
                 f"needs a sharding engine; {SHARDING_ENGINE}, or {FIX}"]
     if engine.kind == "deepspeed":
-        stage = ((engine.deepspeed_raw or {}).get("zero_optimization") or {}).get("stage", 0)
-        return [f"{key} with deepspeed (ZeRO stage {stage}) on {family}: shardtune drives expert parallelism "
-                "through FSDP2; DeepSpeed's AutoEP (its 'expert_parallel' section) is not wired in for any stage or "
-                f"family yet; {SHARDING_ENGINE}, or {FIX}"]
+        raw = engine.deepspeed_raw or {}
+        return autoep_problems(key, zero_stage(raw), family, finetuning_type,
+                               offloads=offloads_optimizer(raw) or offloads_params(raw))
     s = engine.fsdp
     if s is None:
         return []

@@ -1,0 +1,92 @@
+"""``expert_parallel_size`` under DeepSpeed ZeRO: DeepSpeed's own AutoEP (its ``expert_parallel`` config section),
+translated from our key and refused where it is not exact here. Pure: no torch, no deepspeed import (the launching
+host's checks and the dry run read it); the rank-side part is deepspeed_autoep_runtime.py.
+
+What was measured (DeepSpeed 0.19.8, transformers 5.23, 2 and 4 gloo CPU processes, fp32, tests/distributed/
+test_expert_parallel.py): ZeRO-1/2 with AutoEP train Qwen3-MoE, Qwen2-MoE, Mixtral and DeepSeek-V3 (full) with
+per-step loss, aux loss, gradient norm and final weights within 4e-6 of one process. ZeRO-3 trained as exactly but
+cannot save; ZeRO-0's reported norm is off; LoRA trips DeepSpeed's assertion: the refusals below say so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from shardtune.engines.deepspeed_config import zero_shard_writers
+
+# model_type -> AutoEP preset (deepspeed/module_inject/auto_ep_presets), the families measured here.
+AUTOEP_PRESETS = {"qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen3_moe", "mixtral": "mixtral",
+                  "deepseek_v3": "deepseek_v3"}
+# The presets' block pattern, also under a peft wrapper (AutoEP full-matches module names).
+MOE_LAYER_PATTERN = r"(?:base_model\.model\.)?model\.layers\.\d+\.mlp"
+SUPPORTED_STAGES = (1, 2)
+FIX = "set expert_parallel_size: 1"
+FSDP2 = "use FSDP2 (fsdp: full_shard, fsdp_version: 2)"
+
+STAGE_REASONS = {
+    0: "ZeRO-0 steps a plain optimizer, whose gradient norm (reported, and clipped by us) counts only the experts "
+       "this rank holds (measured 1.3% under the one-process norm)",
+    3: "DeepSpeed 0.19.8 partitions AutoEP's experts over the expert-data-parallel ranks and cannot consolidate "
+       "them (its save_16bit_model raises NotImplementedError), so the trained model could not be saved or "
+       "exported (training itself matched one process within 1e-6)",
+}
+
+
+def autoep_section(expert_parallel_size: int, model_type: str) -> dict[str, Any]:
+    """DeepSpeed's ``expert_parallel`` section for ``expert_parallel_size`` ranks per expert group."""
+    return {"enabled": True, "autoep_size": expert_parallel_size, "preset_model": AUTOEP_PRESETS[model_type],
+            "moe_layer_pattern": MOE_LAYER_PATTERN}
+
+
+def with_autoep(ds_config: dict, expert_parallel_size: int, model_type: str | None) -> dict:
+    """The resolved config with the ``expert_parallel`` section when E > 1 (a copy; E = 1: unchanged)."""
+    if expert_parallel_size == 1:
+        return ds_config
+    assert model_type in AUTOEP_PRESETS, f"refused before launch: {model_type}"
+    return {**ds_config, "expert_parallel": autoep_section(expert_parallel_size, model_type)}
+
+
+def autoep_enabled(ds_config: dict) -> bool:
+    return bool((ds_config.get("expert_parallel") or {}).get("enabled"))
+
+
+def autoep_problems(key: str, stage: int, family: str, finetuning_type: str | None = None,
+                    offloads: bool = False) -> list[str]:
+    """Why AutoEP cannot run this ZeRO stage, family and finetuning exactly, one line naming all three."""
+    where = f"{key} with deepspeed (ZeRO stage {stage}) on {family}"
+    if stage not in SUPPORTED_STAGES:
+        return [f"{where}: {STAGE_REASONS.get(stage, 'not a ZeRO stage')}; use ZeRO stage 1 or 2, {FSDP2}, or {FIX}"]
+    if family not in AUTOEP_PRESETS and family != "this model":  # "this model": unknown (the estimate)
+        known = ", ".join(sorted(AUTOEP_PRESETS))
+        return [f"{where}: DeepSpeed's AutoEP is driven here for {known} only (the families whose presets were "
+                f"measured exact on this stack); {FSDP2}, or {FIX}"]
+    if finetuning_type not in (None, "full"):
+        return [f"{where} and finetuning_type {finetuning_type}: with the experts frozen DeepSpeed 0.19.8's ZeRO "
+                "stage 1/2 optimizer asserts 'The model has moe layers, but None of the param groups are marked as "
+                f"MoE'; train full, {FSDP2}, or {FIX}"]
+    if offloads:
+        return [f"{where} and offload: AutoEP with ZeRO offload was not run on this stack; remove the offload "
+                f"sections, or {FIX}"]
+    return []
+
+
+def autoep_resume_problems(checkpoint_dir: Path | None, expert_parallel_size: int, world_size: int) -> list[str]:
+    """A DeepSpeed checkpoint written with AutoEP (its per-expert files) holds AutoEP's module names: it resumes only
+    under AutoEP on the world size that wrote it, and a checkpoint without them not under AutoEP."""
+    tag = Path(checkpoint_dir) / "deepspeed" if checkpoint_dir is not None else None
+    if tag is None or not tag.is_dir():
+        return []
+    with_experts = any(tag.glob("layer_*_expert_*_model_states.pt"))
+    writers = zero_shard_writers(tag)
+    key = f"resume_from_checkpoint ({checkpoint_dir})"
+    if with_experts and expert_parallel_size == 1:
+        return [f"{key}: written with DeepSpeed's AutoEP (expert_parallel_size > 1), whose module layout a run "
+                "without it cannot load; resume with the expert_parallel_size that wrote it"]
+    if not with_experts and expert_parallel_size > 1:
+        return [f"{key}: written without expert parallelism, and expert_parallel_size ({expert_parallel_size}) "
+                "under deepspeed replaces the MoE blocks with AutoEP's; resume with expert_parallel_size: 1"]
+    if with_experts and writers and writers != world_size:
+        return [f"{key}: written with DeepSpeed's AutoEP by {writers} processes, whose expert shards shardtune does "
+                f"not re-split; resume on {writers} processes"]
+    return []
