@@ -57,10 +57,11 @@ def autoep_problems(key: str, stage: int, family: str, finetuning_type: str | No
     where = f"{key} with deepspeed (ZeRO stage {stage}) on {family}"
     if stage not in SUPPORTED_STAGES:
         return [f"{where}: {STAGE_REASONS.get(stage, 'not a ZeRO stage')}; use ZeRO stage 1 or 2, {FSDP2}, or {FIX}"]
-    if family not in AUTOEP_PRESETS and family != "this model":  # "this model": unknown (the estimate)
+    if family not in AUTOEP_PRESETS:  # also "this model" (the estimate's question: a family it does not model)
         known = ", ".join(sorted(AUTOEP_PRESETS))
         return [f"{where}: DeepSpeed's AutoEP is driven here for {known} only (the families whose presets were "
-                f"measured exact on this stack); {FSDP2}, or {FIX}"]
+                f"measured exact on this stack; the estimate models expert parallelism under FSDP2 only); {FSDP2}, "
+                f"or {FIX}"]
     if finetuning_type not in (None, "full"):
         return [f"{where} and finetuning_type {finetuning_type}: with the experts frozen DeepSpeed 0.19.8's ZeRO "
                 "stage 1/2 optimizer asserts 'The model has moe layers, but None of the param groups are marked as "
