@@ -116,7 +116,7 @@ def checkpoint_name(name: str) -> str | None:
 def merged_lora_weight(layer: Any, base: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """``base`` plus each active adapter's scaling x B @ A, as peft's ``merge`` computes it (bit for bit: its delta
     is ``(B @ A) * scaling`` and IEEE addition commutes), from the unit's gathered tensors; a new tensor."""
-    if getattr(layer, "disable_adapters", False):
+    if getattr(layer, "disable_adapters", False) or getattr(layer, "merged", False):  # off, or in base already
         return base.clone()
     merged: torch.Tensor | None = None
     for adapter in layer.active_adapters:
