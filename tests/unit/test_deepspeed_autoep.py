@@ -33,7 +33,7 @@ def test_the_config_gains_the_section_only_with_expert_parallelism() -> None:
 
 
 @pytest.mark.parametrize(("stage", "family", "finetuning", "offloads", "named"), [
-    (0, "qwen3_moe", "full", False, "(ZeRO stage 0) on qwen3_moe: ZeRO-0 steps a plain optimizer"),
+    (0, "qwen3_moe", "full", False, "(ZeRO stage 0) on qwen3_moe: DeepSpeed's ZeRO-0 clips with the average"),
     (3, "mixtral", "full", False, "(ZeRO stage 3) on mixtral: DeepSpeed 0.19.8 partitions AutoEP's experts"),
     (2, "gpt_oss", "full", False, "(ZeRO stage 2) on gpt_oss: DeepSpeed's AutoEP is driven here for"),
     (1, "qwen3_moe", "lora", False, "and finetuning_type lora: with the experts frozen"),

@@ -25,8 +25,9 @@ FIX = "set expert_parallel_size: 1"
 FSDP2 = "use FSDP2 (fsdp: full_shard, fsdp_version: 2)"
 
 STAGE_REASONS = {
-    0: "ZeRO-0 steps a plain optimizer, whose gradient norm (reported, and clipped by us) counts only the experts "
-       "this rank holds (measured 1.3% under the one-process norm)",
+    0: "DeepSpeed's ZeRO-0 clips with the average of the ranks' norms (runtime/utils.py clip_grad_norm_), each "
+       "counting only the experts its rank holds: measured 1.3% under the true norm, and the weights 1e-5 off one "
+       "process after 3 steps",
     3: "DeepSpeed 0.19.8 partitions AutoEP's experts over the expert-data-parallel ranks and cannot consolidate "
        "them (its save_16bit_model raises NotImplementedError), so the trained model could not be saved or "
        "exported (training itself matched one process within 1e-6)",
