@@ -76,3 +76,13 @@ def test_an_autoep_checkpoint_resumes_only_under_autoep_on_its_world(tmp_path) -
     assert "written without expert parallelism" in autoep_resume_problems(plain, 2, 2)[0]
     assert "by 2 processes" in autoep_resume_problems(split, 2, 4)[0]
     assert autoep_resume_problems(None, 2, 2) == [] and autoep_resume_problems(tmp_path / "none", 2, 2) == []
+
+
+def test_export_of_an_autoep_checkpoint_is_refused_by_name(tmp_path) -> None:
+    from shardtune.engines.deepspeed_config import read_zero_checkpoint
+    from shardtune.errors import ModelError
+
+    (tmp_path / "deepspeed").mkdir()
+    (tmp_path / "deepspeed" / "layer_0_expert_1_mp_rank_00_model_states.pt").touch()
+    with pytest.raises(ModelError, match="written with DeepSpeed's AutoEP"):
+        read_zero_checkpoint(None, tmp_path)

@@ -27,7 +27,7 @@ from shardtune.engines.spec import (
     preference_problems,
     whole_weight_optimizer_problems,
 )
-from shardtune.errors import ConfigError
+from shardtune.errors import ConfigError, ModelError
 from shardtune.model.folder import model_config_json
 from shardtune.optim.settings import OptimizerSettings, optimizer_settings
 from shardtune.world import WorldLayout
@@ -382,6 +382,11 @@ def read_zero_checkpoint(model: Any, folder: Path) -> dict[str, Any]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from shardtune.engines.safe_load import weights_only_loads
+
+    if any((Path(folder) / CHECKPOINT_TAG).glob("layer_*_expert_*_model_states.pt")):
+        raise ModelError(f"export: {folder} was written with DeepSpeed's AutoEP (expert_parallel_size > 1): its ZeRO "
+                         "shards hold each rank's experts under AutoEP's names; export the run's output_dir (saved "
+                         "under transformers' names), or resume the run to its end")
 
     with weights_only_loads():
         return dict(get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=CHECKPOINT_TAG))
