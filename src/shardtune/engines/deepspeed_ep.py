@@ -14,7 +14,6 @@ from shardtune.engines.base import OptimizerFactory, PrecisionSettings, Schedule
 from shardtune.engines.checkpoint_writer import CheckpointWriter
 from shardtune.engines.deepspeed import DeepSpeedEngine
 from shardtune.engines.deepspeed_autoep import autoep_enabled, with_autoep
-from shardtune.engines.deepspeed_checkpoint import writing_through
 from shardtune.engines.deepspeed_config import CHECKPOINT_TAG
 from shardtune.engines.distributed import DistContext
 from shardtune.model.folder import model_config_json
@@ -89,6 +88,9 @@ class DeepSpeedEngineEP(DeepSpeedEngine):
         if not self.autoep:
             super().save_state(ckpt_dir, writer)
             return
+        # Imported here: it imports deepspeed, which must not load before the engine says the ranks' device.
+        from shardtune.engines.deepspeed_checkpoint import writing_through
+
         with writing_through(self.ds, writer or CheckpointWriter(background=False)):
             self.ds.save_checkpoint(str(ckpt_dir), tag=CHECKPOINT_TAG)
 
