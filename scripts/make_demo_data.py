@@ -618,6 +618,8 @@ DATASET_INFO = {
                     "columns": {"messages": "messages", "images": "images"},
                     "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
                              "assistant_tag": "assistant"}},
+    # stage grpo's prompts (examples/grpo/): written by hand, not by this script
+    "demo_grpo": {"file_name": "demo_grpo.json", "formatting": "alpaca"},
 }
 # demo_images: a shape in a colour on white, each picture asked about twice (what it shows, its colour).
 PICTURES = {"red_square": ((220, 30, 30), "square"), "blue_circle": ((30, 60, 220), "circle"),

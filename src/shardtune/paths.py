@@ -128,7 +128,7 @@ def shown(text: str, quote: bool = True) -> str:
 
 def is_inside(path: Path, folder: Path) -> bool:
     """``path`` is ``folder`` or lies inside it (both resolved; neither has to exist)."""
-    path, folder = path.expanduser().resolve(), folder.expanduser().resolve()
+    path, folder = home_expanded(path).resolve(), home_expanded(folder).resolve()
     return path == folder or folder in path.parents
 
 
@@ -184,3 +184,9 @@ def ascii_lookalike(text: str) -> str:
 # Cyrillic and Greek letters that render like Latin ones (the usual copy-paste culprits).
 _CONFUSABLE = dict(zip("аеорсухіјѕԁԛԝАВЕКМНОРСТХІЈЅαοϲνΑΒΕΖΗΙΚΜΝΟΡΤΥΧ",
                       "aeopcyxijsdqwABEKMHOPCTXIJSaocvABEZHIKMNOPTYX", strict=True))
+
+
+def home_expanded(value: str | Path) -> Path:
+    """``value`` with a leading ``~`` or ``~user`` expanded as the shell does: a ``~name`` of no known user stays
+    as written (``Path.expanduser`` raises RuntimeError there, a traceback for a mistyped path)."""
+    return Path(os.path.expanduser(value))

@@ -84,3 +84,15 @@ def test_world_arithmetic_names_every_number() -> None:
         "expert_parallel_size (4) does not divide the world size (6); use a divisor of it or 8 processes"]
     assert "does not divide the model's 6 experts" in WorldLayout(1, 4, expert_parallel=4).expert_parallel_problems(
         6)[0]
+
+
+def test_a_home_of_no_known_user_is_a_path_as_written(tmp_path, capsys) -> None:
+    """The fuzzer's find: `~0` (no user 0) made pathlib raise RuntimeError inside check; it is a path that does not
+    exist, reported as such (paths.home_expanded, as the shell expands it)."""
+    from shardtune.paths import home_expanded
+
+    assert str(home_expanded("~0/model")) == "~0/model"
+    path = write_config(tmp_path, tmp_path / "unused", model_name_or_path="~0", stage="rm", dataset="demo_dpo")
+    assert main(["check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "model_name_or_path" in err, err

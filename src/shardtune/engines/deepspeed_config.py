@@ -30,6 +30,7 @@ from shardtune.engines.spec import (
 from shardtune.errors import ConfigError, ModelError
 from shardtune.model.folder import model_config_json
 from shardtune.optim.settings import OptimizerSettings, optimizer_settings
+from shardtune.paths import home_expanded
 from shardtune.world import WorldLayout
 
 if TYPE_CHECKING:
@@ -129,7 +130,7 @@ def load_deepspeed_setting(value: str | dict) -> tuple[dict, str]:
                           "a JSON file path or a mapping")
     if value in PRESETS:
         return read_json_config(PRESET_DIR / PRESETS[value]), f"preset {value} ({PRESETS[value]})"
-    path = Path(value).expanduser()
+    path = home_expanded(value)
     if path.is_dir():
         raise ConfigError(f"deepspeed: {value} is a folder; give its JSON file or a preset ({preset_list()})")
     if not path.is_file():

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from shardtune.errors import ConfigError
+from shardtune.paths import home_expanded
 
 SAVE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_SHARD_BYTES = 5 * 2**30
@@ -87,8 +88,8 @@ def processor_file(base_model: str, name: str) -> Path | None:
     from shardtune.model.composite import image_text_class_name
     from shardtune.model.folder import model_config_json
 
-    if Path(base_model).expanduser().exists():
-        path = Path(base_model).expanduser() / name
+    if home_expanded(base_model).exists():
+        path = home_expanded(base_model) / name
         return path if path.is_file() else None
     config = model_config_json(base_model)
     if config is None or image_text_class_name(config) is None:

@@ -35,7 +35,7 @@ from shardtune.launch.resume_check import resume_read_problems
 from shardtune.launch.run_lock import live_run_problems, stale_lock_warning
 from shardtune.launch.torchrun import LaunchPlan, device_problems, plan_launch
 from shardtune.launch.validate import cross_key_problems, file_problems
-from shardtune.paths import reads_as_hub_id
+from shardtune.paths import home_expanded, reads_as_hub_id
 from shardtune.train.checkpoint_folders import checkpoint_problems, resume_source
 from shardtune.world import WorldLayout
 
@@ -146,7 +146,7 @@ def hub_model_problems(config: TrainConfig) -> list[str]:
     from shardtune.hub import HubError, fetch_hub_repo
 
     name = config.model_name_or_path
-    if (not name or config.build_tiny_model_if_missing or not reads_as_hub_id(name) or Path(name).expanduser().exists()
+    if (not name or config.build_tiny_model_if_missing or not reads_as_hub_id(name) or home_expanded(name).exists()
             or constants.HF_HUB_OFFLINE):
         return []
     try:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.config.schema import TrainConfig
+from shardtune.paths import home_expanded
 
 RAY_PIN = "ray[train]==2.60.0"  # the version requirements.txt pins and the tests ran with
 
@@ -69,7 +70,7 @@ def build_ray_plan(config: TrainConfig, max_restarts: int, cluster_gpus: float) 
     return RayPlan(num_workers=config.ray_num_workers, resources_per_worker=resources,
                    placement_strategy=config.placement_strategy, use_gpu=use_gpu,
                    backend=process_group_backend("cuda" if use_gpu else "cpu"),
-                   storage_path=str(Path(config.ray_storage_path).expanduser().resolve()),
+                   storage_path=str(home_expanded(config.ray_storage_path).resolve()),
                    run_name=config.ray_run_name or default_name, max_failures=max_restarts,
                    timeout_s=config.ddp_timeout, init_kwargs=dict(config.ray_init_kwargs or {}))
 

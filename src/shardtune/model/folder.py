@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.errors import ModelError
+from shardtune.paths import home_expanded
 from shardtune.versions import installed_version
 
 CONFIG_FILE = "config.json"
@@ -45,8 +46,8 @@ def model_config_json(name: str | None) -> dict[str, Any] | None:
     sizes and the estimate all ask it). Never downloads."""
     if not name:
         return None
-    local = read_config_json(Path(name).expanduser())
-    if local is not None or Path(name).expanduser().exists():
+    local = read_config_json(home_expanded(name))
+    if local is not None or home_expanded(name).exists():
         return local
     cached = hub_cache_config(name)
     if cached is None:

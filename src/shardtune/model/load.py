@@ -11,7 +11,7 @@ from typing import Any
 from shardtune.data.settings import VARLEN
 from shardtune.errors import ModelError
 from shardtune.model.folder import hub_cache_config
-from shardtune.paths import reads_as_hub_id
+from shardtune.paths import home_expanded, reads_as_hub_id
 
 _DEFAULT_ENDPOINT = "https://huggingface.co"
 
@@ -20,7 +20,7 @@ def offline_hub_problems(name: str | None, builds_model: bool) -> list[str]:
     """A hub id not in the Hugging Face cache while HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE forbid downloading it:
     refused before launch, rather than by every rank once it starts loading (``builds_model``: a tiny model is
     built at that path instead, nothing is downloaded)."""
-    if not name or builds_model or not reads_as_hub_id(name) or Path(name).expanduser().exists():
+    if not name or builds_model or not reads_as_hub_id(name) or home_expanded(name).exists():
         return []
     switch = next((key for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if _is_on(os.environ.get(key))), None)
     if switch is None or hub_cache_config(name) is not None:

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 from urllib.parse import SplitResult, urlsplit
 
 from shardtune.errors import ConfigError
+from shardtune.paths import home_expanded
 
 # tracker -> (module, the pinned package, the extra that installs it)
 OPTIONAL_TRACKERS = {"wandb": ("wandb", "wandb==0.31.0", "wandb"),
@@ -155,7 +156,7 @@ def _wandb_settings(env: Mapping[str, str]) -> dict[str, str]:
 def _netrc_path(env: Mapping[str, str]) -> Path:
     """The netrc file wandb reads: NETRC, else ~/.netrc, else ~/_netrc when only that exists."""
     if env.get("NETRC"):
-        return Path(env["NETRC"]).expanduser()
+        return home_expanded(env["NETRC"])
     unix, windows = Path("~/.netrc").expanduser(), Path("~/_netrc").expanduser()
     return windows if windows.exists() and not unix.exists() else unix
 
