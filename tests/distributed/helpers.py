@@ -83,9 +83,15 @@ def logged(out: Path, key: str) -> list[float]:
 
 
 def train(model: Path, out: Path, finetuning: str, nproc: int, micro: int, *extra: str) -> dict:
+    return train_with(COMMON, model, out, nproc, micro, f"finetuning_type={finetuning}", *extra)
+
+
+def train_with(common: tuple[str, ...], model: Path, out: Path, nproc: int, micro: int, *extra: str) -> dict:
+    """`shardtune train` of ``common`` + ``extra`` on ``nproc`` processes (torchrun when more than one); the run's
+    train_results.json."""
     env = {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": str(nproc)} if nproc > 1 else {}
-    result = run_cli("train", *COMMON, f"model_name_or_path={model}", f"output_dir={out}",
-                     f"finetuning_type={finetuning}", f"per_device_train_batch_size={micro}", *extra, **env)
+    result = run_cli("train", *common, f"model_name_or_path={model}", f"output_dir={out}",
+                     f"per_device_train_batch_size={micro}", *extra, **env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return json.loads((out / "train_results.json").read_text())
 

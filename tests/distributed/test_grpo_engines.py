@@ -10,14 +10,12 @@ loss, gradient norm, reward, completion length and KL. Gradient accumulation is 
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
-from tests.distributed.helpers import ENGINE_KEYS, logged
+from tests.distributed.helpers import ENGINE_KEYS, logged, train_with
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -30,11 +28,7 @@ COMPARED = ("loss", "grad_norm", "reward", "completions/mean_length", "kl")
 
 
 def train(model: Path, out: Path, nproc: int, micro: int, *extra: str) -> dict:
-    env = {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": str(nproc)} if nproc > 1 else {}
-    result = run_cli("train", *COMMON, f"model_name_or_path={model}", f"output_dir={out}",
-                     f"per_device_train_batch_size={micro}", *extra, **env)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return json.loads((out / "train_results.json").read_text())
+    return train_with(COMMON, model, out, nproc, micro, *extra)
 
 
 @pytest.fixture(scope="module")

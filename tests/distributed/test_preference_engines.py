@@ -11,14 +11,12 @@ the live reference of one process, and against the live sharded reference of the
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
-from tests.distributed.helpers import ENGINE_KEYS, check_saved_model, logged
+from tests.distributed.helpers import ENGINE_KEYS, check_saved_model, logged, train_with
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -54,12 +52,8 @@ COMPARED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/
 
 
 def train(model: Path, out: Path, nproc: int, micro: int, *extra: str) -> dict:
-    env = {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": str(nproc)} if nproc > 1 else {}
     extra = tuple(value.replace("{model}", str(model)) for value in extra)  # ref_model={model}
-    result = run_cli("train", *COMMON, f"model_name_or_path={model}", f"output_dir={out}",
-                     f"per_device_train_batch_size={micro}", *extra, **env)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return json.loads((out / "train_results.json").read_text())
+    return train_with(COMMON, model, out, nproc, micro, *extra)
 
 
 @pytest.fixture(scope="module")
