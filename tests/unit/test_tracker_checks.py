@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -96,8 +97,15 @@ def test_an_mlflow_folder_uri_is_written(tmp_path, monkeypatch):
 
 def test_a_name_lookup_that_hangs_is_cut_at_the_timeout(monkeypatch):
     """getaddrinfo has no timeout of its own; the probe waits for it at most its timeout."""
-    monkeypatch.setattr(trackers.socket, "getaddrinfo", lambda *a, **k: time.sleep(30))
+    answer = threading.Event()
+
+    def hanging_lookup(*args, **kwargs):
+        answer.wait(30)
+        raise socket.gaierror(socket.EAI_AGAIN, "gave up")  # as a real lookup ends, so the thread ends cleanly
+
+    monkeypatch.setattr(trackers.socket, "getaddrinfo", hanging_lookup)
     reason, took = timed(unanswered_reason, "slow.tracker.invalid", 443, 0.5)
+    answer.set()
     assert took < 1.5 and "slow.tracker.invalid" in reason and "0.5 s" in reason
 
 

@@ -14,12 +14,14 @@ when its holder's process no longer runs on this host, or, held on another host,
 was touched for ``STALE_AFTER_SECONDS`` (a shared filesystem: the holder's host died or lost the mount).
 
 The lock is created whole or not at all (written to a private file, then hard-linked into place, which fails when
-a lock is there: atomic on local filesystems and on NFS), so two runs that start together cannot both win.
+a lock is there: atomic on local filesystems and on NFS), so two runs that start together cannot both win. A stale
+lock is judged and removed by one process at a time (``_taking_over``), so two runs taking it over cannot both win.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import socket
@@ -172,19 +174,35 @@ def acquire_run_lock(output_dir: Path, job: str | None = None) -> RunLock:
         raise ConfigError(f"output_dir: cannot create {path.parent} ({err.strerror}); choose a writable "
                           "output_dir") from None
     record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "job": job}
-    for _ in range(3):  # a stale lock taken over by another run between our look and our link: look again
+    for _ in range(3):  # the lock went away between our link and our look: link again
         if _link_new_lock(path, record):
             return RunLock(path, record)
-        holder = read_holder(output_dir)
-        if holder is None:
-            continue
-        if job is not None and holder.job == job:  # another process of this job took it: share it
-            return _SharedLock(path, record)
-        if holder.alive():
-            raise ConfigError(live_run_message(output_dir, holder))
-        _set_aside(path, holder)
+        with _taking_over(path):  # one process at a time judges and removes a stale lock
+            holder = read_holder(output_dir)
+            if holder is None:
+                continue
+            if job is not None and holder.job == job:  # another process of this job took it: share it
+                return _SharedLock(path, record)
+            if holder.alive():
+                raise ConfigError(live_run_message(output_dir, holder))
+            _remove_stale(path, holder)
+            if _link_new_lock(path, record):
+                return RunLock(path, record)
     raise ConfigError(f"output_dir: {output_dir}: could not take the run lock ({path}): other runs keep taking it "
                       "over; start one run per output_dir")
+
+
+@contextlib.contextmanager
+def _taking_over(path: Path) -> Iterator[None]:
+    """Hold the take-over mutex: an advisory lock on a file beside the lock, dropped by the kernel if this process
+    dies (Linux NFS clients map it to a lock the server keeps). Without it, two runs that both judged a lock stale
+    could each remove what the other had just put in its place, and both win."""
+    with open(path.with_name(path.name + ".takeover"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 class _SharedLock(RunLock):
@@ -223,9 +241,9 @@ def _create_new_lock(path: Path, record: dict[str, Any]) -> bool:
     return True
 
 
-def _set_aside(path: Path, stale: LockHolder) -> None:
-    """Move a stale lock out of the way, only if it is still the one judged stale (a rename is atomic; a lock
-    that a faster run put there in the meantime is put back)."""
+def _remove_stale(path: Path, stale: LockHolder) -> None:
+    """Remove the lock judged stale, only if it is still that one (moved aside first, a rename being atomic; the
+    lock of a run that linked in meanwhile is put back)."""
     aside = path.with_name(f"{path.name}.stale.{os.getpid()}")
     try:
         os.rename(path, aside)
