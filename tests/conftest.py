@@ -59,6 +59,25 @@ def arch_model_dir(tmp_path_factory):
     return build
 
 
+@pytest.fixture(autouse=True)
+def _launch_kind(request):
+    """``@pytest.mark.real_launch``: this test's ``run_cli`` calls are real launches (tests/rank_server.py)."""
+    from tests import rank_server
+
+    rank_server.REAL_LAUNCHES.append(request.node.get_closest_marker("real_launch") is not None)
+    yield
+    rank_server.REAL_LAUNCHES.pop()
+
+
+def pytest_terminal_summary(terminalreporter):
+    from tests import rank_server
+
+    if rank_server.LEAKS:
+        terminalreporter.section("cells that left processes or temporary files behind (tests/rank_server.py)")
+        for leak in rank_server.LEAKS:
+            terminalreporter.line(leak)
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -71,10 +90,20 @@ def cli_env(**extra: str) -> dict[str, str]:
 
 
 def run_cli(*args: str, cwd: Path = REPO, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
-    """Run the real `shardtune` entry point in a subprocess. Tests build a command from shared base arguments
+    """Run the real `shardtune` entry point in a new process. Tests build a command from shared base arguments
     plus their own ``key=value`` overrides; the CLI refuses a key given twice, so a later override replaces an
-    earlier one here, as the test's author means it."""
-    return subprocess.run([sys.executable, "-m", "shardtune", *overrides_merged(args)], cwd=cwd, env=cli_env(**env),
+    earlier one here, as the test's author means it.
+
+    The process is forked by the test session's rank server (tests/rank_server.py: the same entry, arguments,
+    environment and working directory, without importing torch again), and so are the ranks of a `train` it
+    launches; a real `python -m shardtune` where the server cannot serve it or SHARDTUNE_TEST_LAUNCH=real."""
+    from tests.rank_server import run_cli_on_server
+
+    argv, full_env = overrides_merged(args), cli_env(**env)
+    served = run_cli_on_server(argv, full_env, cwd, timeout)
+    if served is not None:
+        return served
+    return subprocess.run([sys.executable, "-m", "shardtune", *argv], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import traceback
 from collections.abc import Callable
@@ -13,6 +12,7 @@ from pathlib import Path
 import torch
 
 from tests.conftest import REPO, run_cli
+from tests.rank_server import run_python
 
 STEPS = 4
 COMMON = ("examples/tiny/sft_full.yaml", f"max_steps={STEPS}", "logging_steps=1", "save_strategy=no",
@@ -58,7 +58,7 @@ def run_under_torchrun(script: Path, nproc: int, *args: str, timeout: float) -> 
            "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")])}
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script),
             *args]
-    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    done = run_python(argv, env, REPO, timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
 
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from tests.rank_server import run_python
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -43,7 +44,7 @@ def worker_env() -> dict[str, str]:
 def run_worker(args: list[str], timeout: float) -> float:
     """Run the worker; fail with its output tail if it fails. Returns the wall time."""
     start = time.perf_counter()
-    proc = subprocess.run(args, cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+    proc = run_python(args, worker_env(), REPO, timeout)
     elapsed = time.perf_counter() - start
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(args[-4:])} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")

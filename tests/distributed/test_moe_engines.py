@@ -15,7 +15,6 @@ transformers/peft (every MoE family x engine x finetuning, with resume: test_arc
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 
 from tests.distributed.helpers import check_saved_model, logged, losses, train
 from tests.distributed.test_deepspeed_engine import REPO, worker_env
+from tests.rank_server import run_python
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -40,7 +40,7 @@ MATRIX = ("ddp_lora", "z3_lora", "fsdp2_full", "z2_full")
 
 def run_worker(args: list[str], timeout: float) -> None:
     start = time.perf_counter()
-    proc = subprocess.run(args, cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+    proc = run_python(args, worker_env(), REPO, timeout)
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(args[-4:])} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
     print(f"[moe-test] {' '.join(args[-4:])}: {time.perf_counter() - start:.1f}s")

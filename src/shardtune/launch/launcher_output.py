@@ -110,6 +110,10 @@ class LauncherOutput:
         root = self._failed[self._root_cause_from:]
         return root + [e for e in self._failed[:self._root_cause_from] if e not in root]
 
+    def add_failures(self, exits: list[RankExit]) -> None:
+        """Failures known otherwise than from torchrun's table (ranks the rank server ran), the first one first."""
+        self._failed[self._root_cause_from:self._root_cause_from] = exits
+
     def _line(self, line: str) -> str:
         report = read_watchdog_line(line)
         if report is not None:

@@ -22,7 +22,7 @@ from shardtune.errors import ConfigError
 from shardtune.host import visible_gpu_count
 from shardtune.launch import env as launch_env
 from shardtune.launch.failures import saved_failure_report
-from shardtune.launch.launcher_output import LauncherOutput, pump
+from shardtune.launch.launcher_output import LauncherOutput, RankExit, pump
 from shardtune.launch.nodes import check_nodes
 from shardtune.launch.preemption import INTERRUPTED_EXIT_CODE, REQUEUE_EXIT_CODE, STOP_SIGNALS, exit_code_for
 from shardtune.launch.preflight import RunPlan, run_plan_dict, write_run_plan
@@ -75,8 +75,11 @@ def run_planned(plan: RunPlan, commands: list[list[str]], use_torchrun: bool, co
     write_run_plan(plan)
     gathers_parameters = spec_for(plan.engine.kind).gathers_parameters(plan.engine)
     started = time.time()
-    code = run_torchrun(commands[launch.node_rank], launch, plan.run_dir, debug, gathers_parameters,
-                        stop_grace=plan.config.ddp_timeout + STOP_GRACE_MARGIN)
+    stop_grace = plan.config.ddp_timeout + STOP_GRACE_MARGIN
+    code = run_on_rank_server(launch, worker_argv(str(plan.run_dir / run_files.LAUNCH_PLAN), debug), plan.run_dir,
+                              gathers_parameters, stop_grace)
+    if code is None:
+        code = run_torchrun(commands[launch.node_rank], launch, plan.run_dir, debug, gathers_parameters, stop_grace)
     if code == 0 and stopped_elsewhere(plan.run_dir, started):
         # Another node (a pod its scheduler deleted) asked the job to stop: every node's ranks saved and stopped,
         # and this node too must not report a finished run, or its scheduler would not requeue the job.
@@ -187,6 +190,46 @@ def run_torchrun(argv: list[str], launch: LaunchPlan, run_dir: Path, debug: bool
     if not reader.is_alive():
         proc.stderr.close()
     return report_launch_failure(code, output, run_dir, started)
+
+
+def run_on_rank_server(launch: LaunchPlan, worker: list[str], run_dir: Path, gathers_parameters: bool,
+                       stop_grace: float) -> int | None:
+    """This node's ranks forked by the rank server SHARDTUNE_RANK_SERVER names (launch/rank_server.py), watched and
+    reported as torchrun's are; None when there is no server or it cannot serve this launch (then torchrun)."""
+    from shardtune.launch import served
+
+    address = served.server_address(os.environ)
+    if address is None or launch.nnodes != 1 or launch.is_elastic or launch.c10d_rendezvous:
+        return None
+    env = torchrun_env(dict(os.environ), launch, gathers_parameters, visible_gpu_count())
+    envs = served.rank_environments(env, launch.nproc_per_node, launch.master_addr, launch.master_port,
+                                    run_id=f"served-{os.getpid()}-{time.time_ns()}")
+    output = LauncherOutput()
+    read_end, write_end = os.pipe()
+    reader = threading.Thread(target=pump, args=(read_end, output, sys.stderr), daemon=True)
+    reader.start()
+    group = served.RankGroup()
+    received = served.stop_on_signals(group, stop_grace)
+    started = time.time()
+    try:
+        codes = served.run_served_ranks(address, envs, worker, write_end, group)
+    except served.ServerRefused as why:
+        print(f"[shardtune] the rank server cannot start these ranks ({why}); launching with torchrun", flush=True)
+        return None
+    finally:
+        os.close(write_end)
+        reader.join(timeout=5)
+    print(f"[shardtune] ran {len(codes)} ranks on the rank server {address}", flush=True)
+    for rank in group.ranks:
+        if rank.left_running:
+            print(f"{served.LEFT_RUNNING} {rank.left_running}", file=sys.stderr, flush=True)
+    if received:
+        import signal
+
+        return exit_code_for(signal.Signals(received[0]).name)
+    failed = sorted((i for i, c in enumerate(codes) if c != 0), key=lambda i: codes[i] == -15)
+    output.add_failures([RankExit(rank, codes[rank]) for rank in failed])
+    return report_launch_failure(1 if failed else 0, output, run_dir, started)
 
 
 def report_launch_failure(code: int, output: LauncherOutput, run_dir: Path, started: float) -> int:

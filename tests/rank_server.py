@@ -1,0 +1,163 @@
+"""The test session's rank server (src/shardtune/launch/rank_server.py): one process that imported the stack, forking
+the CLI runs of ``run_cli`` and the ranks of their launches, so that a cell pays for training, not for imports.
+
+Started at the first ``run_cli`` of the session, stopped at its end. ``SHARDTUNE_TEST_LAUNCH=real`` runs every cell
+with real launches instead (`python -m shardtune`, torchrun): a failing cell is rerun alone that way with
+
+    SHARDTUNE_TEST_LAUNCH=real .venv/bin/python -m pytest 'tests/...::test_name[cell]'
+
+Tests whose subject is the launch itself (torchrun, accelerate, the deepspeed launcher, Ray, Slurm, signals and
+failure handling) start their processes themselves and never come here; so do those that measure a process's memory
+(a fork shares its parent's pages) — they are marked ``real_launch``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import select
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tests.conftest import REPO, cli_env
+
+_SERVER: dict[str, object] = {}
+READY_WITHIN_SECONDS = 180
+REAL_LAUNCHES: list[bool] = []  # set by the real_launch marker for the test that runs now (conftest)
+
+
+def wanted() -> bool:
+    return os.environ.get("SHARDTUNE_TEST_LAUNCH", "served") != "real" and not (REAL_LAUNCHES and REAL_LAUNCHES[-1])
+
+
+def server_address() -> str | None:
+    """The session's server (started here the first time), None when it could not start."""
+    if "address" in _SERVER:
+        return _SERVER["address"]  # type: ignore[return-value]
+    folder = Path(tempfile.mkdtemp(prefix="shardtune-rank-server-"))
+    address = str(folder / "server.sock")
+    log = open(folder / "server.log", "w+")  # noqa: SIM115 - kept for the session
+    process = subprocess.Popen([sys.executable, "-m", "shardtune.launch.rank_server", address], cwd=REPO,
+                               env=cli_env(), stdout=subprocess.PIPE, stderr=log, text=True)
+    atexit.register(_stop, process)
+    ready = select.select([process.stdout], [], [], READY_WITHIN_SECONDS)[0]
+    line = process.stdout.readline() if ready else ""  # type: ignore[union-attr]  # "ready PID", or "" at its end
+    _SERVER["address"] = address if line.startswith("ready") else None
+    if _SERVER["address"] is None:
+        log.seek(0)
+        print(f"rank server did not start ({log.read()[-2000:]}); real launches for this session", file=sys.stderr)
+        _stop(process)
+    return _SERVER["address"]  # type: ignore[return-value]
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def run_cli_on_server(argv: list[str], env: dict[str, str], cwd: Path, timeout: float
+                      ) -> subprocess.CompletedProcess | None:
+    """``python -m shardtune ARGV`` forked by the server, as ``subprocess.run(..., capture_output=True, text=True)``
+    reports it; None when it must be a real launch."""
+    if not wanted():
+        return None
+    address = server_address()
+    if address is None:
+        return None
+    from shardtune.launch.served import LEFT_RUNNING, ServerRefused, run_cli_served
+
+    command = [sys.executable, "-m", "shardtune", *argv]
+    temporary = set(os.listdir(tempfile.gettempdir()))
+    with tempfile.TemporaryDirectory(prefix="shardtune-cell-") as folder:
+        out, err = Path(folder, "stdout"), Path(folder, "stderr")
+        try:
+            process = run_cli_served(address, argv, {**env, "SHARDTUNE_RANK_SERVER": address}, cwd, timeout, out, err)
+        except ServerRefused:
+            return None
+        except TimeoutError:
+            raise subprocess.TimeoutExpired(command, timeout, _read(out), _read(err)) from None
+        result = subprocess.CompletedProcess(command, process.returncode, _read(out), _read(err))
+    left_files = sorted(set(os.listdir(tempfile.gettempdir())) - temporary)
+    left_by_ranks = [line for line in result.stderr.splitlines() if line.startswith(LEFT_RUNNING)]
+    if process.left_running or left_files or left_by_ranks:
+        LEAKS.append(f"{' '.join(argv)[:160]}: left running {process.left_running} {left_by_ranks}, left in "
+                     f"{tempfile.gettempdir()}: {left_files}")
+    return result
+
+
+# What cells left behind (processes still running when they ended, files in the temporary folder): the session's
+# summary lists them (conftest's pytest_terminal_summary).
+LEAKS: list[str] = []
+
+
+def _read(path: Path) -> str:
+    return path.read_bytes().decode("utf-8", "replace") if path.exists() else ""
+
+
+def run_python(args: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run(args, capture_output=True, text=True)`` for a test's own worker: `python FILE ARGS`, or
+    `python -m torch.distributed.run --standalone --nproc-per-node=N FILE ARGS` (N ranks with the environment
+    torchrun gives them, their streams shared as under torchrun; exit code 1 when any failed, as torchrun's).
+    Forked by the server when it can serve them, else run as given."""
+    ranks, script = _worker_launch(args)
+    address = server_address() if wanted() and script is not None else None
+    if address is None:
+        return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    from shardtune.launch.served import RankGroup, ServedProcess, ServerRefused, rank_environments
+    from shardtune.launch.torchrun import find_free_port
+
+    envs = rank_environments(env, ranks, "127.0.0.1", find_free_port(), "test") if ranks else [env]
+    with tempfile.TemporaryDirectory(prefix="shardtune-worker-") as folder:
+        out, err = Path(folder, "stdout"), Path(folder, "stderr")
+        group = RankGroup()
+        with open(os.devnull) as stdin, open(out, "w") as out_file, open(err, "w") as err_file:
+            fds = (stdin.fileno(), out_file.fileno(), err_file.fileno())
+            try:
+                for rank_env in envs:
+                    group.ranks.append(ServedProcess(address, script, args[args.index(script) + 1:], rank_env,
+                                                     str(cwd), fds))
+            except ServerRefused:
+                group.kill_all()
+                return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        codes = _wait_bounded(group, timeout, args)
+        code = codes[0] if not ranks else (0 if all(c == 0 for c in codes) else 1)
+        return subprocess.CompletedProcess(args, code, _read(out), _read(err))
+
+
+def _worker_launch(args: list[str]) -> tuple[int, str | None]:
+    """(ranks under torchrun, 0 for a plain script; the script) of a worker command, (0, None) for anything else."""
+    if len(args) >= 2 and args[0] == sys.executable and args[1].endswith(".py"):
+        return 0, args[1]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    if args[:4] == torchrun and len(args) > 5 and args[4].startswith("--nproc-per-node=") and args[5].endswith(".py"):
+        return int(args[4].split("=", 1)[1]), args[5]
+    return 0, None
+
+
+def _wait_bounded(group, timeout: float, args: list[str]) -> list[int]:
+    """Every process's exit code; subprocess.TimeoutExpired (all of them killed) after ``timeout`` seconds."""
+    import threading
+
+    from shardtune.launch.served import wait_for_ranks
+
+    fired = threading.Event()
+
+    def kill() -> None:
+        fired.set()
+        group.kill_all()
+
+    timer = threading.Timer(timeout, kill)
+    timer.start()
+    try:
+        codes = wait_for_ranks(group.ranks)
+    finally:
+        timer.cancel()
+    if fired.is_set():
+        raise subprocess.TimeoutExpired(args, timeout)
+    return codes
