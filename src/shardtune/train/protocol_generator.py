@@ -23,6 +23,7 @@ The process ends when its parent's pipe on its stdin closes (``GeneratorProcess.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import hashlib
 import os
@@ -210,6 +211,9 @@ class GeneratorProcess:
             self.stop()
             raise RuntimeError(f"generator process for {model_dir} did not start (exit code {self.process.poll()})")
         self.address = GeneratorAddress(line[1], int(line[2]), authkey)
+        # Stopped when the rank ends (leave_rank runs the exit handlers), not left to notice its closed stdin after
+        # the rank is gone: a launcher that ends the job right then would find it still running.
+        atexit.register(self.stop)
 
     def stop(self) -> None:
         if self.process.stdin is not None:
