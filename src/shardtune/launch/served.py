@@ -86,16 +86,19 @@ def server_address(env: Mapping[str, str]) -> str | None:
     return env.get(SERVER_VARIABLE) or None
 
 
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default --signals-to-handle
+
+
 def rank_environments(env: Mapping[str, str], nproc: int, master_addr: str, master_port: int,
                       run_id: str) -> list[dict[str, str]]:
     """Each rank's environment: ``env`` with its place in a one-node job, as torchrun sets it."""
     shared = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
               "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": master_addr,
               "MASTER_PORT": str(master_port), "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0",
+              # No agent hosts a store here: rank 0 hosts the rendezvous store (env://).
               "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "False",
-              "TORCHELASTIC_SIGNALS_TO_HANDLE": env.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT"),
-              "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get(
-                  "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")}
+              "TORCHELASTIC_SIGNALS_TO_HANDLE": env.get("TORCHELASTIC_SIGNALS_TO_HANDLE", TORCHRUN_SIGNALS),
+              "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")}
     return [{**env, **shared, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)} for r in range(nproc)]
 
 
