@@ -201,7 +201,8 @@ def session_members(session: int) -> list[str]:
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
             fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) == session:  # the fields after the name: state, ppid, pgrp, session
+            # The fields after the name: state, ppid, pgrp, session. A zombie (Z) has ended: nothing runs.
+            if int(fields[3]) == session and fields[0] != "Z":
                 found.append(stat.with_name("cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
     return found
 
