@@ -65,39 +65,29 @@ def run_cli_on_server(argv: list[str], env: dict[str, str], cwd: Path, timeout: 
                       ) -> subprocess.CompletedProcess | None:
     """``python -m shardtune ARGV`` forked by the server, as ``subprocess.run(..., capture_output=True, text=True)``
     reports it; None when it must be a real launch."""
-    if not wanted():
-        return None
-    address = server_address()
+    address = server_address() if wanted() else None
     if address is None:
         return None
-    from shardtune.launch.served import LEFT_RUNNING, ServerRefused, run_cli_served
+    from shardtune.launch.served import LEFT_RUNNING
 
     command = [sys.executable, "-m", "shardtune", *argv]
     temporary = set(os.listdir(tempfile.gettempdir()))
-    with tempfile.TemporaryDirectory(prefix="shardtune-cell-") as folder:
-        out, err = Path(folder, "stdout"), Path(folder, "stderr")
-        try:
-            process = run_cli_served(address, argv, {**env, "SHARDTUNE_RANK_SERVER": address}, cwd, timeout, out, err)
-        except ServerRefused:
-            return None
-        except TimeoutError:
-            raise subprocess.TimeoutExpired(command, timeout, _read(out), _read(err)) from None
-        result = subprocess.CompletedProcess(command, process.returncode, _read(out), _read(err))
+    served = _run_on_server(address, ["-m", "shardtune", *argv], [{**env, "SHARDTUNE_RANK_SERVER": address}], cwd,
+                            timeout, command)
+    if served is None:
+        return None
+    (process,), (code,), stdout, stderr = served
     left_files = sorted(set(os.listdir(tempfile.gettempdir())) - temporary)
-    left_by_ranks = [line for line in result.stderr.splitlines() if line.startswith(LEFT_RUNNING)]
+    left_by_ranks = [line for line in stderr.splitlines() if line.startswith(LEFT_RUNNING)]
     if process.left_running or left_files or left_by_ranks:
         LEAKS.append(f"{' '.join(argv)[:160]}: left running {process.left_running} {left_by_ranks}, left in "
                      f"{tempfile.gettempdir()}: {left_files}")
-    return result
+    return subprocess.CompletedProcess(command, code, stdout, stderr)
 
 
 # What cells left behind (processes still running when they ended, files in the temporary folder): the session's
 # summary lists them (conftest's pytest_terminal_summary).
 LEAKS: list[str] = []
-
-
-def _read(path: Path) -> str:
-    return path.read_bytes().decode("utf-8", "replace") if path.exists() else ""
 
 
 def run_python(args: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
@@ -107,27 +97,18 @@ def run_python(args: list[str], env: dict[str, str], cwd: Path, timeout: float) 
     Forked by the server when it can serve them, else run as given."""
     ranks, script = _worker_launch(args)
     address = server_address() if wanted() and script is not None else None
-    if address is None:
-        return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    from shardtune.launch.served import RankGroup, ServedProcess, ServerRefused, rank_environments
-    from shardtune.launch.torchrun import find_free_port
+    served = None
+    if address is not None and script is not None:
+        from shardtune.launch.served import rank_environments
+        from shardtune.launch.torchrun import find_free_port
 
-    envs = rank_environments(env, ranks, "127.0.0.1", find_free_port(), "test") if ranks else [env]
-    with tempfile.TemporaryDirectory(prefix="shardtune-worker-") as folder:
-        out, err = Path(folder, "stdout"), Path(folder, "stderr")
-        group = RankGroup()
-        with open(os.devnull) as stdin, open(out, "w") as out_file, open(err, "w") as err_file:
-            fds = (stdin.fileno(), out_file.fileno(), err_file.fileno())
-            try:
-                for rank_env in envs:
-                    group.ranks.append(ServedProcess(address, script, args[args.index(script) + 1:], rank_env,
-                                                     str(cwd), fds))
-            except ServerRefused:
-                group.kill_all()
-                return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-        codes = _wait_bounded(group, timeout, args)
-        code = codes[0] if not ranks else (0 if all(c == 0 for c in codes) else 1)
-        return subprocess.CompletedProcess(args, code, _read(out), _read(err))
+        envs = rank_environments(env, ranks, "127.0.0.1", find_free_port(), "test") if ranks else [env]
+        served = _run_on_server(address, args[args.index(script):], envs, cwd, timeout, args)
+    if served is None:
+        return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    _, codes, stdout, stderr = served
+    code = codes[0] if not ranks else (0 if all(c == 0 for c in codes) else 1)
+    return subprocess.CompletedProcess(args, code, stdout, stderr)
 
 
 def _worker_launch(args: list[str]) -> tuple[int, str | None]:
@@ -140,24 +121,35 @@ def _worker_launch(args: list[str]) -> tuple[int, str | None]:
     return 0, None
 
 
-def _wait_bounded(group, timeout: float, args: list[str]) -> list[int]:
-    """Every process's exit code; subprocess.TimeoutExpired (all of them killed) after ``timeout`` seconds."""
+def _run_on_server(address: str, program: list[str], envs: list[dict[str, str]], cwd: Path, timeout: float,
+                   command: list[str]) -> tuple[list, list[int], str, str] | None:
+    """``program`` once per environment on the server, their output captured: (the processes, their exit codes,
+    stdout, stderr); None when the server refused; subprocess.TimeoutExpired, all of them killed, after
+    ``timeout`` seconds."""
     import threading
 
-    from shardtune.launch.served import wait_for_ranks
+    from shardtune.launch.served import RankGroup, ServerRefused, run_served_ranks
 
+    group = RankGroup()
     fired = threading.Event()
 
     def kill() -> None:
         fired.set()
         group.kill_all()
 
-    timer = threading.Timer(timeout, kill)
-    timer.start()
-    try:
-        codes = wait_for_ranks(group.ranks)
-    finally:
-        timer.cancel()
+    with tempfile.TemporaryDirectory(prefix="shardtune-cell-") as folder:
+        out, err = Path(folder, "stdout"), Path(folder, "stderr")
+        with open(os.devnull) as stdin, open(out, "w") as out_file, open(err, "w") as err_file:
+            timer = threading.Timer(timeout, kill)
+            timer.start()
+            try:
+                codes = run_served_ranks(address, envs, program, str(cwd),
+                                         (stdin.fileno(), out_file.fileno(), err_file.fileno()), group)
+            except ServerRefused:
+                return None
+            finally:
+                timer.cancel()
+        stdout, stderr = (path.read_bytes().decode("utf-8", "replace") for path in (out, err))
     if fired.is_set():
-        raise subprocess.TimeoutExpired(args, timeout)
-    return codes
+        raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
+    return group.ranks, codes, stdout, stderr

@@ -32,3 +32,8 @@ def warning_seconds(checkpoint_bytes_per_node: float, step_seconds: float = 0.0)
     ``ASSUMED_WRITE_BYTES_PER_SECOND``, plus the overhead; whole minutes, at least two."""
     needed = step_seconds + checkpoint_bytes_per_node / ASSUMED_WRITE_BYTES_PER_SECOND + SAVE_OVERHEAD_SECONDS
     return max(120, int(-(-needed // 60)) * 60)
+
+
+# What the launching process says at the first stop request, whoever started the ranks (torchrun or the rank server).
+STOP_NOTICE = ("[shardtune] interrupted: the ranks finish this step, save a checkpoint and exit (a second Ctrl-C kills "
+               "them at once)")

@@ -39,6 +39,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
+from shardtune.launch.torchrun_agent import die_with_parent
+
 # Read when a library is imported or a process starts, so a forked process cannot take a new value of them:
 # a request that changes one is refused (the caller launches the usual way). OMP_NUM_THREADS and glibc's mmap
 # threshold are read at start too, but the forked process applies them itself (``apply_process_settings``).
@@ -131,13 +133,6 @@ def reap_handlers() -> None:
             pass
 
 
-def die_with_parent(signum: int) -> None:
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signum), 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
 def handle(connection: socket.socket) -> NoReturn:
     """One request: fork its process, report its pid and exit code, pass signals on, and take it down if the
     client goes away."""
@@ -183,12 +178,12 @@ def supervise(channel: Channel, pid: int) -> None:
         if pidfd in ready:
             _, status = os.waitpid(pid, 0)
             left = session_members(pid)
-            kill_session(pid)  # what it started and left behind
+            kill_process_group(pid)  # what it started and left behind
             channel.send({"exit": os.waitstatus_to_exitcode(status), "left_running": left})
             return
         message = channel.receive()
         if message is None:  # the client went away: so does its process
-            kill_session(pid)
+            kill_process_group(pid)
             os.waitpid(pid, 0)
             return
         with contextlib.suppress(ProcessLookupError):
@@ -207,7 +202,8 @@ def session_members(session: int) -> list[str]:
     return found
 
 
-def kill_session(pid: int) -> None:
+def kill_process_group(pid: int) -> None:
+    """SIGKILL what is left of the served process's session (it leads its own group: ``setsid``)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
 
@@ -321,11 +317,9 @@ class Channel:
             raise ValueError("the request ended early")
         return message, list(fds)
 
-    def receive(self, timeout: float | None = None) -> dict[str, Any] | None:
-        """The next message; None when the other side closed the connection; TimeoutError after ``timeout``."""
+    def receive(self) -> dict[str, Any] | None:
+        """The next message; None when the other side closed the connection."""
         while b"\n" not in self._buffer:
-            if timeout is not None and not select.select([self.connection], [], [], timeout)[0]:
-                raise TimeoutError
             try:
                 more = self.connection.recv(1 << 16)
             except OSError:

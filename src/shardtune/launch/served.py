@@ -3,8 +3,6 @@ instead of torchrun, watched as torchrun watches them."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import select
 import signal
 import socket
@@ -12,7 +10,6 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from pathlib import Path
 
 from shardtune.launch.rank_server import SERVER_VARIABLE, Channel
 
@@ -106,15 +103,16 @@ def rank_environments(env: Mapping[str, str], nproc: int, master_addr: str, mast
 STOP_AFTER_FAILURE_SECONDS = 30
 
 
-def run_served_ranks(address: str, envs: list[dict[str, str]], worker: list[str], stderr_fd: int,
-                     group: RankGroup) -> list[int]:
-    """Start one rank per environment on the server (``worker``: `-m shardtune.train PLAN ...`), wait for all of
-    them; each one's exit code. As torchrun does, the first failure stops the others (SIGTERM, then SIGKILL).
-    ServerRefused, with none of them left running, when the server cannot start them as asked."""
-    assert worker[0] == "-m", worker
+def run_served_ranks(address: str, envs: list[dict[str, str]], program: list[str], cwd: str,
+                     fds: tuple[int, int, int], group: RankGroup) -> list[int]:
+    """Start ``program`` (`-m MODULE ARGS...` or `FILE ARGS...`) once per environment on the server, in ``cwd`` with
+    the standard streams ``fds``, and wait for all of them; each one's exit code. As torchrun does, the first failure
+    stops the others (SIGTERM, then SIGKILL). ServerRefused, with none of them left running, when the server cannot
+    start them as asked."""
+    target, args = (program[1], program[2:]) if program[0] == "-m" else (program[0], program[1:])
     try:
         for env in envs:
-            group.ranks.append(ServedProcess(address, worker[1], worker[2:], env, os.getcwd(), (0, 1, stderr_fd)))
+            group.ranks.append(ServedProcess(address, target, args, env, cwd, fds))
     except ServerRefused:
         group.kill_all()
         for rank in group.ranks:
@@ -124,20 +122,22 @@ def run_served_ranks(address: str, envs: list[dict[str, str]], worker: list[str]
 
 
 def wait_for_ranks(ranks: list[ServedProcess]) -> list[int]:
-    stop_deadline: float | None = None
+    stop_at: float | None = None  # set at the first failure: the others' time to stop
+    killed = False
     while any(rank.returncode is None for rank in ranks):
         running = [rank for rank in ranks if rank.returncode is None]
-        timeout = None if stop_deadline is None else max(0.0, stop_deadline - time.time())
+        timeout = None if stop_at is None or killed else max(0.0, stop_at - time.time())
         ready, _, _ = select.select(running, [], [], timeout)
         for rank in ready:
             rank.poll()
-        if stop_deadline is None and any(rank.returncode not in (None, 0) for rank in ranks):
+        if stop_at is None and any(rank.returncode not in (None, 0) for rank in ranks):
             for rank in running:
                 rank.send_signal(signal.SIGTERM)
-            stop_deadline = time.time() + STOP_AFTER_FAILURE_SECONDS
-        elif stop_deadline is not None and time.time() >= stop_deadline:
+            stop_at = time.time() + STOP_AFTER_FAILURE_SECONDS
+        elif stop_at is not None and not killed and time.time() >= stop_at:
             for rank in running:
                 rank.kill()
+            killed = True  # their handlers report each end
     return [int(rank.returncode) for rank in ranks]  # type: ignore[arg-type]
 
 
@@ -149,28 +149,11 @@ class RankGroup:
 
     def signal_all(self, signum: int) -> None:
         for rank in self.ranks:
-            with contextlib.suppress(OSError):
-                rank.send_signal(signum)
+            rank.send_signal(signum)
 
     def kill_all(self) -> None:
         for rank in self.ranks:
             rank.kill()
-
-
-def run_cli_served(address: str, args: list[str], env: Mapping[str, str], cwd: Path, timeout: float,
-                   stdout_path: Path, stderr_path: Path) -> ServedProcess:
-    """`python -m shardtune ARGS` as a process of the server, its output written to the two files; the process once
-    it ended. TimeoutError (after killing it and what it started) when it runs past ``timeout``."""
-    with open(os.devnull) as stdin, open(stdout_path, "w") as out, open(stderr_path, "w") as err:
-        process = ServedProcess(address, "shardtune", args, env, str(cwd), (stdin.fileno(), out.fileno(), err.fileno()))
-    try:
-        process.wait(timeout)
-    except TimeoutError:
-        process.kill()
-        with contextlib.suppress(TimeoutError):
-            process.wait(10)
-        raise
-    return process
 
 
 def stop_on_signals(group: RankGroup, stop_grace: float) -> list[int]:
@@ -183,14 +166,13 @@ def stop_on_signals(group: RankGroup, stop_grace: float) -> list[int]:
         if len(received) > 1:
             group.kill_all()
             return
-        print("[shardtune] interrupted: the ranks finish this step, save a checkpoint and exit (a second Ctrl-C "
-              "kills them at once)", file=sys.stderr, flush=True)
+        print(STOP_NOTICE, file=sys.stderr, flush=True)
         group.signal_all(signal.SIGTERM)
         timer = threading.Timer(stop_grace, group.kill_all)
         timer.daemon = True
         timer.start()
 
-    from shardtune.launch.preemption import STOP_SIGNALS
+    from shardtune.launch.preemption import STOP_NOTICE, STOP_SIGNALS
 
     for stop_signal in STOP_SIGNALS:
         signal.signal(stop_signal, stop)

@@ -24,7 +24,13 @@ from shardtune.launch import env as launch_env
 from shardtune.launch.failures import saved_failure_report
 from shardtune.launch.launcher_output import LauncherOutput, RankExit, pump
 from shardtune.launch.nodes import check_nodes
-from shardtune.launch.preemption import INTERRUPTED_EXIT_CODE, REQUEUE_EXIT_CODE, STOP_SIGNALS, exit_code_for
+from shardtune.launch.preemption import (
+    INTERRUPTED_EXIT_CODE,
+    REQUEUE_EXIT_CODE,
+    STOP_NOTICE,
+    STOP_SIGNALS,
+    exit_code_for,
+)
 from shardtune.launch.preflight import RunPlan, run_plan_dict, write_run_plan
 from shardtune.launch.run_lock import holding_run_lock
 from shardtune.launch.torchrun import LaunchPlan, build_torchrun_argv, worker_argv
@@ -212,7 +218,7 @@ def run_on_rank_server(launch: LaunchPlan, worker: list[str], run_dir: Path, gat
     received = served.stop_on_signals(group, stop_grace)
     started = time.time()
     try:
-        codes = served.run_served_ranks(address, envs, worker, write_end, group)
+        codes = served.run_served_ranks(address, envs, worker, os.getcwd(), (0, 1, write_end), group)
     except served.ServerRefused as why:
         print(f"[shardtune] the rank server cannot start these ranks ({why}); launching with torchrun", flush=True)
         return None
@@ -267,8 +273,7 @@ def wait_for_launcher(proc: subprocess.Popen, stop_grace: float = 1800 + STOP_GR
         if len(interrupted) > 1:
             kill_job(proc, "a second stop request")
             return
-        print("[shardtune] interrupted: the ranks finish this step, save a checkpoint and exit (a second Ctrl-C "
-              "kills them at once)", file=sys.stderr, flush=True)
+        print(STOP_NOTICE, file=sys.stderr, flush=True)
         for pid in child_pids(proc.pid) or [proc.pid]:  # no ranks yet: torchrun is still in its rendezvous
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)

@@ -16,20 +16,22 @@ import contextlib
 import gc
 
 
-def die_with_parent() -> None:
-    """torchrun runs in its own session (the terminal's Ctrl-C must not reach it): without this, a launcher killed
-    outright (SIGKILL, a scheduler's time limit) would leave torchrun and its ranks running. Linux sends SIGTERM at
-    the parent's death, and torchrun stops its ranks on SIGTERM."""
+def die_with_parent(signum: int | None = None) -> None:
+    """Receive ``signum`` (SIGTERM by default) when the parent dies. torchrun runs in its own session (the terminal's
+    Ctrl-C must not reach it): without this, a launcher killed outright (SIGKILL, a scheduler's time limit) would
+    leave torchrun and its ranks running. Linux sends SIGTERM at the parent's death, and torchrun stops its ranks on
+    SIGTERM. The rank server (launch/rank_server.py) uses it too, for itself and for the processes it forks."""
     import ctypes
     import os
     import signal
 
+    signum = int(signal.SIGTERM if signum is None else signum)
     parent = os.getppid()
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-    if os.getppid() != parent:  # the launcher died before the request took effect
-        os.kill(os.getpid(), signal.SIGTERM)
+        libc.prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os.kill(os.getpid(), signum)
 
 
 PR_SET_PDEATHSIG = 1
