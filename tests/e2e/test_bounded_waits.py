@@ -168,7 +168,9 @@ def test_a_second_stop_request_kills_ranks_that_cannot_stop(tiny_model_dir, tmp_
 
 
 def test_the_stop_bound_kills_a_job_that_does_not_stop(tmp_path):
-    """kill_after's bound: a job (here a process tree that ignores SIGTERM) still running is killed, all of it."""
+    """kill_after's bound: a job (here a process tree that ignores SIGTERM) still running is killed, all of it, and
+    nothing else this process started (a test session's rank server was killed as an "adopted orphan" once)."""
+    unrelated = subprocess.Popen(["sleep", "60"])
     tree = subprocess.Popen([sys.executable, "-c", "import signal, subprocess, sys, time; "
                              "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                              "subprocess.Popen([sys.executable, '-c', 'import os, time; os.setsid(); "
@@ -187,3 +189,6 @@ def test_the_stop_bound_kills_a_job_that_does_not_stop(tmp_path):
         time.sleep(0.05)
     stat = Path(f"/proc/{child}/stat")
     assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    assert unrelated.poll() is None, "kill_after killed a process that is not the job's"
+    unrelated.kill()
+    unrelated.wait()

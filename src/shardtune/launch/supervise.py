@@ -307,10 +307,13 @@ def kill_job(proc: subprocess.Popen, why: str) -> None:
 def kill_session(session: int) -> None:
     """SIGKILL torchrun and every process below it: its ranks (each in a process group of its own) and theirs;
     then whatever of the job was handed to this process (a subreaper, see ``adopt_orphans``) after its parent
-    died, reaped so that none is left as a zombie. This process's other children are not the job's."""
+    died, reaped so that none is left as a zombie. This process's other children are not the job's: only a child
+    in the job's session (torchrun's, which its ranks and theirs keep) counts as adopted (a process that embeds
+    the launcher, a test session with its rank server, has children of its own started at any time)."""
     import signal
 
-    adopted = [pid for pid in child_pids(os.getpid()) if pid not in _OWN_CHILDREN and pid != session]
+    adopted = [pid for pid in child_pids(os.getpid())
+               if pid not in _OWN_CHILDREN and pid != session and session_of(pid) == session]
     orphans = [p for pid in adopted for p in (pid, *descendants(pid))]
     for pid in [session, *descendants(session), *orphans]:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -318,6 +321,13 @@ def kill_session(session: int) -> None:
     for pid in adopted:
         with contextlib.suppress(ChildProcessError, OSError):
             os.waitpid(pid, 0)
+
+
+def session_of(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:  # ended meanwhile
+        return None
 
 
 def descendants(pid: int) -> list[int]:
