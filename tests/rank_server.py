@@ -16,9 +16,11 @@ from __future__ import annotations
 import atexit
 import os
 import select
+import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 from tests.conftest import REPO, cli_env
@@ -41,24 +43,29 @@ def server_address() -> str | None:
     log = open(folder / "server.log", "w+")  # noqa: SIM115 - kept for the session
     process = subprocess.Popen([sys.executable, "-m", "shardtune.launch.rank_server", address], cwd=REPO,
                                env=cli_env(), stdout=subprocess.PIPE, stderr=log, text=True)
-    atexit.register(_stop, process)
+    _SERVER.update(process=process, folder=folder)
+    atexit.register(stop)
     ready = select.select([process.stdout], [], [], READY_WITHIN_SECONDS)[0]
     line = process.stdout.readline() if ready else ""  # type: ignore[union-attr]  # "ready PID", or "" at its end
     _SERVER["address"] = address if line.startswith("ready") else None
     if _SERVER["address"] is None:
         log.seek(0)
         print(f"rank server did not start ({log.read()[-2000:]}); real launches for this session", file=sys.stderr)
-        _stop(process)
+        stop()
     return _SERVER["address"]  # type: ignore[return-value]
 
 
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
+def stop() -> None:
+    """Stop the session's server (when one was started) and remove its folder."""
+    process, folder = _SERVER.pop("process", None), _SERVER.pop("folder", None)
+    if isinstance(process, subprocess.Popen) and process.poll() is None:
         process.terminate()
         try:
             process.wait(10)
         except subprocess.TimeoutExpired:
             process.kill()
+    if isinstance(folder, Path):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_cli_on_server(argv: list[str], env: dict[str, str], cwd: Path, timeout: float
@@ -68,25 +75,17 @@ def run_cli_on_server(argv: list[str], env: dict[str, str], cwd: Path, timeout: 
     address = server_address() if wanted() else None
     if address is None:
         return None
-    from shardtune.launch.served import LEFT_RUNNING
-
     command = [sys.executable, "-m", "shardtune", *argv]
-    temporary = set(os.listdir(tempfile.gettempdir()))
     served = _run_on_server(address, ["-m", "shardtune", *argv], [{**env, "SHARDTUNE_RANK_SERVER": address}], cwd,
                             timeout, command)
     if served is None:
         return None
-    (process,), (code,), stdout, stderr = served
-    left_files = sorted(set(os.listdir(tempfile.gettempdir())) - temporary)
-    left_by_ranks = [line for line in stderr.splitlines() if line.startswith(LEFT_RUNNING)]
-    if process.left_running or left_files or left_by_ranks:
-        LEAKS.append(f"{' '.join(argv)[:160]}: left running {process.left_running} {left_by_ranks}, left in "
-                     f"{tempfile.gettempdir()}: {left_files}")
+    _, (code,), stdout, stderr = served
     return subprocess.CompletedProcess(command, code, stdout, stderr)
 
 
-# What cells left behind (processes still running when they ended, files in the temporary folder): the session's
-# summary lists them (conftest's pytest_terminal_summary).
+# What cells left behind (processes still running when they ended, files in the temporary folder, which is the test
+# process's own: conftest's pytest_configure): the test that ran them fails (conftest's _launch_kind).
 LEAKS: list[str] = []
 
 
@@ -137,6 +136,7 @@ def _run_on_server(address: str, program: list[str], envs: list[dict[str, str]],
         fired.set()
         group.kill_all()
 
+    temporary = set(os.listdir(tempfile.gettempdir()))
     with tempfile.TemporaryDirectory(prefix="shardtune-cell-") as folder:
         out, err = Path(folder, "stdout"), Path(folder, "stderr")
         with open(os.devnull) as stdin, open(out, "w") as out_file, open(err, "w") as err_file:
@@ -145,11 +145,25 @@ def _run_on_server(address: str, program: list[str], envs: list[dict[str, str]],
             try:
                 codes = run_served_ranks(address, envs, program, str(cwd),
                                          (stdin.fileno(), out_file.fileno(), err_file.fileno()), group)
-            except ServerRefused:
+            except ServerRefused as refused:  # a real launch instead: slower, so said (pytest's warnings summary)
+                warnings.warn(f"rank server refused {' '.join(command)[:120]}: {refused}", stacklevel=2)
                 return None
             finally:
                 timer.cancel()
         stdout, stderr = (path.read_bytes().decode("utf-8", "replace") for path in (out, err))
     if fired.is_set():
         raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
+    note_leaks(command, group.ranks, stderr, sorted(set(os.listdir(tempfile.gettempdir())) - temporary))
     return group.ranks, codes, stdout, stderr
+
+
+def note_leaks(command: list[str], processes: list, stderr: str, left_files: list[str]) -> None:
+    """Adds to ``LEAKS`` what a served command left: processes its handlers killed after it (theirs, or those a
+    ``train`` among them reported of its ranks) and files in the temporary folder."""
+    from shardtune.launch.served import LEFT_RUNNING
+
+    left_running = [name for process in processes for name in process.left_running]
+    left_by_ranks = [line for line in stderr.splitlines() if line.startswith(LEFT_RUNNING)]
+    if left_running or left_by_ranks or left_files:
+        LEAKS.append(f"{' '.join(command)[:160]}: left running {left_running} {left_by_ranks}, left in "
+                     f"{tempfile.gettempdir()}: {left_files}")

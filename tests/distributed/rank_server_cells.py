@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -63,6 +64,8 @@ def disturb() -> None:
 def main(mode: str, out: str) -> None:
     if mode == "env":
         result: dict = dict(os.environ)
+    elif mode == "leak":  # a process still running and a file in the temporary folder when the cell ends
+        result = {"pid": subprocess.Popen(["sleep", "60"]).pid, "file": tempfile.mkstemp(prefix="left-by-cell-")[1]}
     elif mode == "disturb":
         disturb()
         result = {"disturbed": True}

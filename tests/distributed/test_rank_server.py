@@ -7,14 +7,16 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from shardtune.launch.served import ServedProcess, rank_environments
+from tests import rank_server
 from tests.conftest import REPO, cli_env, run_cli
 from tests.distributed.helpers import COMMON, losses
-from tests.rank_server import server_address
+from tests.rank_server import run_python, server_address
 
 pytestmark = pytest.mark.distributed
 CELLS = "tests.distributed.rank_server_cells"
@@ -87,3 +89,68 @@ def test_a_served_run_after_a_disturbing_cell_equals_a_real_launch(engine, tiny_
         served_line = "ranks on the rank server" in result.stdout
         assert served_line == (launch == "served"), result.stdout[-2000:]
     assert losses(outs["served"]) == losses(outs["real"])
+
+
+def test_what_a_served_cell_leaves_behind_is_found_and_its_processes_are_killed(tmp_path):
+    """A process still running and a file in the temporary folder after a cell: the handler kills the process, and
+    the cell is listed (conftest's _launch_kind fails the test that ran it; here the test takes the entry back)."""
+    if server_address() is None:
+        pytest.skip("the rank server did not start")
+    before = len(rank_server.LEAKS)
+    done = run_python([sys.executable, str(REPO / "tests" / "distributed" / "rank_server_cells.py"), "leak",
+                       str(tmp_path / "leak.json")], cli_env(), REPO, 120)
+    assert done.returncode == 0, done.stderr
+    left = json.loads((tmp_path / "leak.json").read_text())
+    found = rank_server.LEAKS[before:]
+    del rank_server.LEAKS[before:]
+    assert len(found) == 1 and "sleep 60" in found[0] and Path(left["file"]).name in found[0]
+    os.unlink(left["file"])
+    assert gone_within(left["pid"], 10), "the process the cell left is still running"
+
+
+STARTER = """
+import subprocess, sys, threading, time
+started = {}
+def start():
+    started["server"] = subprocess.Popen([sys.executable, "-m", "shardtune.launch.rank_server", sys.argv[1]],
+                                         stdout=subprocess.PIPE, text=True)
+thread = threading.Thread(target=start)
+thread.start()
+thread.join()  # the thread that started the server has ended
+print(started["server"].stdout.readline().strip(), started["server"].pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_server_started_from_a_thread_serves_after_it_ends_and_stops_with_its_parent(tmp_path):
+    """A client may start the server from a thread (PR_SET_PDEATHSIG would stop it when that thread ends); the
+    server watches its parent process instead, and ends when that dies."""
+    address = str(tmp_path / "server.sock")
+    starter = subprocess.Popen([sys.executable, "-c", STARTER, address], cwd=REPO, env=cli_env(),
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        words = starter.stdout.readline().split()  # "ready PID PID"
+        assert words and words[0] == "ready", words
+        server_pid = int(words[-1])
+        with open(os.devnull) as stdin, open(tmp_path / "cell.log", "w") as log:
+            process = ServedProcess(address, CELLS, ["observe", str(tmp_path / "cell.json")], cli_env(), str(REPO),
+                                    (stdin.fileno(), log.fileno(), log.fileno()))
+        assert process.wait(120) == 0, (tmp_path / "cell.log").read_text()
+    finally:
+        starter.kill()
+        starter.wait()
+    assert gone_within(server_pid, 10), "the server outlived its parent"
+
+
+def gone_within(pid: int, seconds: float) -> bool:
+    """Whether process ``pid`` ended (or is a zombie: ended, not yet reaped) within ``seconds`` (a SIGKILL takes
+    effect asynchronously)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+                return True
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        time.sleep(0.05)
+    return False

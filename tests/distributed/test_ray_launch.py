@@ -4,7 +4,9 @@ killed worker under MAX_RESTARTS restarts the group, which resumes from the late
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -34,9 +36,20 @@ def torchrun_run(tiny_model_dir, tmp_path_factory) -> Path:
     return out
 
 
-def test_ray_run_matches_torchrun_losses(torchrun_run, tiny_model_dir, tmp_path):
+@pytest.fixture
+def ray_temp_dir():
+    """Ray's session folder (logs, sockets), which a local cluster leaves behind: short (its socket paths must fit
+    108 bytes) and removed after the test."""
+    folder = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_ray_run_matches_torchrun_losses(torchrun_run, tiny_model_dir, tmp_path, ray_temp_dir):
     out = tmp_path / "ray"
-    result = run_cli("train", *RUN, *RAY, f"model_name_or_path={tiny_model_dir}", f"output_dir={out}",
+    result = run_cli("train", *RUN, "ray_num_workers=2",
+                     f'ray_init_kwargs={{"num_cpus": 2, "_temp_dir": "{ray_temp_dir}"}}',
+                     f"model_name_or_path={tiny_model_dir}", f"output_dir={out}",
                      f"ray_storage_path={tmp_path / 'ray_state'}", USE_RAY="1")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Ray Train TorchTrainer: 2 workers x {CPU: 1} (gloo), placement PACK" in result.stdout

@@ -85,8 +85,9 @@ def preload() -> None:
 
 def serve(address: str) -> NoReturn:
     """Import, check that this process may fork, then fork a handler per connection until SIGTERM or the parent's
-    death."""
-    die_with_parent(signal.SIGTERM)
+    death. The parent is watched in the loop, not with PR_SET_PDEATHSIG: that signal comes when the *thread* that
+    started this process ends, and a client may start the server from a thread that ends before it does."""
+    parent = os.getppid()
     import gc
 
     STARTED_WITH.update(os.environ)
@@ -115,7 +116,7 @@ def serve(address: str) -> NoReturn:
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     print(f"ready {os.getpid()}", flush=True)
-    while True:
+    while os.getppid() == parent:  # an orphan is adopted by another process
         reap_handlers()
         ready, _, _ = select.select([listener], [], [], 1.0)
         if not ready:
@@ -125,6 +126,10 @@ def serve(address: str) -> NoReturn:
             listener.close()
             handle(connection)
         connection.close()
+    listener.close()
+    with contextlib.suppress(OSError):
+        os.unlink(address)
+    os._exit(0)
 
 
 def reap_handlers() -> None:
