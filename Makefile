@@ -32,14 +32,18 @@ demo: setup
 	@echo "  train_results.json         loss, runtime, tokens/s"
 	@echo "  training_loss.png          loss curve"
 
+# Tests run on every core (pytest-xdist: one worker per core, a file's tests on one worker); each holds the cores it
+# keeps busy while it runs (tests/cores.py), so 2-process cells and 1-process cells share the machine, never crowd it.
+PARALLEL := -n auto --dist loadfile
+
 test: setup
 	$(BYTECODE)
-	$(PY) -m pytest -q -m "not bigmodel and not matrix and not install" --durations=40
+	$(PY) -m pytest -q $(PARALLEL) -m "not bigmodel and not matrix and not install" --durations=40
 
 # The rest of every engine matrix beyond make test's slice; must pass before an issue is resolved.
 test-matrix: setup
 	$(BYTECODE)
-	$(PY) -m pytest -q -m matrix
+	$(PY) -m pytest -q $(PARALLEL) -m matrix
 
 # Memory checks on a ~200M-parameter model (about 4 minutes on 2 cores); must pass before a release.
 test-big: setup
@@ -73,7 +77,7 @@ test-install: setup
 	$(PY) -m pytest -q -m install tests/e2e/test_wheel_install.py
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not distributed and not e2e"
+	$(PY) -m pytest -q $(PARALLEL) -m "not distributed and not e2e"
 
 lint: setup
 	$(PY) -m ruff check src tests scripts

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -61,21 +63,50 @@ def arch_model_dir(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _launch_kind(request):
-    """``@pytest.mark.real_launch``: this test's ``run_cli`` calls are real launches (tests/rank_server.py)."""
+    """``@pytest.mark.real_launch``: this test's ``run_cli`` calls are real launches (tests/rank_server.py). A test
+    whose served cells left a process running or a file in the temporary folder fails, naming them."""
     from tests import rank_server
 
     rank_server.REAL_LAUNCHES.append(request.node.get_closest_marker("real_launch") is not None)
+    leaks_before = len(rank_server.LEAKS)
     yield
     rank_server.REAL_LAUNCHES.pop()
+    if len(rank_server.LEAKS) > leaks_before:
+        pytest.fail("cells left processes or temporary files behind (tests/rank_server.py): "
+                    + "; ".join(rank_server.LEAKS[leaks_before:]), pytrace=False)
 
 
-def pytest_terminal_summary(terminalreporter):
-    from tests import rank_server
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """Each test process gets a temporary folder of its own (TMPDIR, inherited by what it starts), so that what a
+    cell leaves there is its own and nothing is left on the machine; under ``pytest -n`` the controlling process
+    makes the pool of cores its workers share (tests/cores.py)."""
+    from tests import cores, rank_server
 
-    if rank_server.LEAKS:
-        terminalreporter.section("cells that left processes or temporary files behind (tests/rank_server.py)")
-        for leak in rank_server.LEAKS:
-            terminalreporter.line(leak)
+    if not hasattr(config, "workerinput"):
+        if config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None):
+            os.environ[cores.ENV] = cores.make_pool()
+            config.add_cleanup(lambda: shutil.rmtree(os.environ.pop(cores.ENV), ignore_errors=True))
+    config._tmp_path_factory.getbasetemp()  # pytest's own folders stay where they are (kept for a failure's look)
+    session_tmp = tempfile.mkdtemp(prefix=f"st-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-")
+    os.environ["TMPDIR"] = tempfile.tempdir = session_tmp
+    config.add_cleanup(lambda: shutil.rmtree(session_tmp, ignore_errors=True))
+    config.add_cleanup(rank_server.stop)  # first: the server's socket and log are in that folder
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under ``pytest -n``, a test runs (setup to teardown) while it holds the cores it needs (tests/cores.py)."""
+    from tests import cores
+
+    pool = os.environ.get(cores.ENV)
+    if pool is None:
+        yield
+        return
+    marker = item.get_closest_marker("cores")
+    with cores.holding(pool, cores.need_of(item.nodeid, marker.args[0] if marker else None, cores.measured_needs(),
+                                           cores.machine_cores())):
+        yield
 
 
 def cli_env(**extra: str) -> dict[str, str]:
