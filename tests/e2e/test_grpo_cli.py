@@ -2,7 +2,8 @@
 mean reward rises clearly within 40 CPU steps), a run is deterministic (same seed: the same completions, rewards,
 losses and gradient norms), LoRA with a KL to the adapters-off reference and num_iterations 2 (the second step on the
 same rollouts moves off-policy: the ratio is clipped somewhere), each loss type trains, and a reward function that
-raises or answers with the wrong count, or a prompt longer than the cutoff allows, ends the run in one line naming it.
+raises or answers with the wrong count, or a prompt longer than the cutoff allows (before launch, as `check` says
+it), ends the run in one line naming it.
 """
 
 from __future__ import annotations
@@ -82,12 +83,16 @@ def test_a_failing_reward_function_is_named_with_its_row(reward, said, tiny_mode
     assert "Traceback" not in result.stderr
 
 
-def test_a_prompt_longer_than_the_cutoff_allows_is_refused(tiny_model_dir, tmp_path):
-    result = run_cli("train", EXAMPLE, f"model_name_or_path={tiny_model_dir}", f"output_dir={tmp_path / 'p'}",
-                     *QUICK, "cutoff_len=24")
-    assert result.returncode == 2, result.stderr[-3000:]
-    errors = error_lines(result.stderr)
-    assert len(errors) == 1 and "prompts are longer than cutoff_len (24) - max_completion_length (12)" in errors[0]
+def test_a_prompt_longer_than_the_cutoff_allows_is_refused_before_launch(tiny_model_dir, tmp_path):
+    """`check` finds it (the launching host builds the prompts as the ranks would), and so `train` refuses before
+    any rank starts."""
+    for command in ("check", "train"):
+        result = run_cli(command, EXAMPLE, f"model_name_or_path={tiny_model_dir}", f"output_dir={tmp_path / 'p'}",
+                         *QUICK, "cutoff_len=24", NPROC_PER_NODE="2")
+        assert result.returncode == 2, result.stderr[-3000:]
+        errors = error_lines(result.stderr)
+        assert len(errors) == 1 and "prompts are longer than cutoff_len (24) - max_completion_length (12)" in errors[0]
+        assert "[rank" not in result.stdout + result.stderr
 
 
 def test_a_reward_model_folder_scores_the_completions(tiny_model_dir, tmp_path):

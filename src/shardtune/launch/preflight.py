@@ -116,6 +116,8 @@ def preflight(argv: list[str], nodes: int, procs_per_node: int, *, defaults: dic
             layout = replace(layout, sequence_parallel=config.sequence_parallel_size)
         engine, engine_problems = plan_engine(config, layout.world_size, has_cuda=has_cuda)
         later += engine_problems + data_problems(config) + layout_problems(config, engine, layout)
+        if config.stage == "grpo" and not key_problems and not later:  # the prompts read well: are they short enough
+            later += rl_prompt_problems(config)
         later += resume_problems(config, engine)
         if attention_was_auto:  # a chosen kernel was checked with the other keys; one picked here is checked now
             later += attention_problems(config)
@@ -278,6 +280,25 @@ def data_problems(config: TrainConfig) -> list[str]:
     from shardtune.train.settings import data_settings
 
     return check_data_settings(data_settings(config)) if config.dataset else []
+
+
+def rl_prompt_problems(config: TrainConfig) -> list[str]:
+    """Stage grpo's prompts built as the ranks build them (data/rl_prompts.py, the owner of the rule that a prompt
+    must leave max_completion_length tokens of cutoff_len), so that a prompt too long is refused before any rank
+    starts; the datasets cache keeps the result for rank 0."""
+    from shardtune.data.rl_prompts import build_rl_prompts
+    from shardtune.model.load import load_tokenizer
+    from shardtune.train.settings import data_settings
+
+    try:
+        tokenizer = load_tokenizer(config.model_name_or_path or "", trust_remote_code=config.trust_remote_code)
+    except Exception:  # noqa: BLE001 - a model not on this host (a hub id, a node's own disk): the ranks say it
+        return []
+    try:
+        build_rl_prompts(tokenizer, data_settings(config), config.max_completion_length)
+    except ShardtuneError as err:
+        return list(err.problems)
+    return []
 
 
 def layout_problems(config: TrainConfig, engine: EnginePlan, layout: WorldLayout) -> list[str]:
