@@ -290,9 +290,12 @@ def rl_prompt_problems(config: TrainConfig) -> list[str]:
     from shardtune.model.load import load_tokenizer
     from shardtune.train.settings import data_settings
 
+    model = home_expanded(config.model_name_or_path or "")
+    if not (model / "config.json").is_file():  # a hub id, or a folder built at launch: the ranks check its prompts
+        return []  # (asking the hub for a tokenizer here could wait on the network)
     try:
-        tokenizer = load_tokenizer(config.model_name_or_path or "", trust_remote_code=config.trust_remote_code)
-    except Exception:  # noqa: BLE001 - a model not on this host (a hub id, a node's own disk): the ranks say it
+        tokenizer = load_tokenizer(str(model), trust_remote_code=config.trust_remote_code)
+    except Exception:  # noqa: BLE001 - a folder the model's own loading reports on
         return []
     try:
         build_rl_prompts(tokenizer, data_settings(config), config.max_completion_length)
