@@ -13,7 +13,6 @@ failure handling) start their processes themselves and never come here; so do th
 
 from __future__ import annotations
 
-import atexit
 import os
 import select
 import shutil
@@ -43,8 +42,7 @@ def server_address() -> str | None:
     log = open(folder / "server.log", "w+")  # noqa: SIM115 - kept for the session
     process = subprocess.Popen([sys.executable, "-m", "shardtune.launch.rank_server", address], cwd=REPO,
                                env=cli_env(), stdout=subprocess.PIPE, stderr=log, text=True)
-    _SERVER.update(process=process, folder=folder)
-    atexit.register(stop)
+    _SERVER.update(process=process, folder=folder)  # stopped by conftest's cleanup (stop)
     ready = select.select([process.stdout], [], [], READY_WITHIN_SECONDS)[0]
     line = process.stdout.readline() if ready else ""  # type: ignore[union-attr]  # "ready PID", or "" at its end
     _SERVER["address"] = address if line.startswith("ready") else None
@@ -80,7 +78,7 @@ def run_cli_on_server(argv: list[str], env: dict[str, str], cwd: Path, timeout: 
                             timeout, command)
     if served is None:
         return None
-    _, (code,), stdout, stderr = served
+    (code,), stdout, stderr = served
     return subprocess.CompletedProcess(command, code, stdout, stderr)
 
 
@@ -105,7 +103,7 @@ def run_python(args: list[str], env: dict[str, str], cwd: Path, timeout: float) 
         served = _run_on_server(address, args[args.index(script):], envs, cwd, timeout, args)
     if served is None:
         return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    _, codes, stdout, stderr = served
+    codes, stdout, stderr = served
     code = codes[0] if not ranks else (0 if all(c == 0 for c in codes) else 1)
     return subprocess.CompletedProcess(args, code, stdout, stderr)
 
@@ -121,10 +119,10 @@ def _worker_launch(args: list[str]) -> tuple[int, str | None]:
 
 
 def _run_on_server(address: str, program: list[str], envs: list[dict[str, str]], cwd: Path, timeout: float,
-                   command: list[str]) -> tuple[list, list[int], str, str] | None:
-    """``program`` once per environment on the server, their output captured: (the processes, their exit codes,
-    stdout, stderr); None when the server refused; subprocess.TimeoutExpired, all of them killed, after
-    ``timeout`` seconds."""
+                   command: list[str]) -> tuple[list[int], str, str] | None:
+    """``program`` once per environment on the server, their output captured: (their exit codes, stdout, stderr),
+    what they left behind noted in ``LEAKS``; None when the server refused; subprocess.TimeoutExpired, all of them
+    killed, after ``timeout`` seconds."""
     import threading
 
     from shardtune.launch.served import RankGroup, ServerRefused, run_served_ranks
@@ -154,7 +152,7 @@ def _run_on_server(address: str, program: list[str], envs: list[dict[str, str]],
     if fired.is_set():
         raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
     note_leaks(command, group.ranks, stderr, sorted(set(os.listdir(tempfile.gettempdir())) - temporary))
-    return group.ranks, codes, stdout, stderr
+    return codes, stdout, stderr
 
 
 def note_leaks(command: list[str], processes: list, stderr: str, left_files: list[str]) -> None:

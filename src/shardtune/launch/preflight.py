@@ -285,13 +285,13 @@ def data_problems(config: TrainConfig) -> list[str]:
 def rl_prompt_problems(config: TrainConfig) -> list[str]:
     """Stage grpo's prompts built as the ranks build them (data/rl_prompts.py, the owner of the rule that a prompt
     must leave max_completion_length tokens of cutoff_len), so that a prompt too long is refused before any rank
-    starts; the datasets cache keeps the result for rank 0."""
+    starts. Rank 0 builds them again (0.06 s for the shipped example's; loading the tokenizer is most of this)."""
     from shardtune.data.rl_prompts import build_rl_prompts
-    from shardtune.model.load import load_tokenizer
+    from shardtune.model.load import has_model_files, load_tokenizer
     from shardtune.train.settings import data_settings
 
     model = home_expanded(config.model_name_or_path or "")
-    if not (model / "config.json").is_file():  # a hub id, or a folder built at launch: the ranks check its prompts
+    if not has_model_files(model):  # a hub id, or a folder built at launch: the ranks check its prompts
         return []  # (asking the hub for a tokenizer here could wait on the network)
     try:
         tokenizer = load_tokenizer(str(model), trust_remote_code=config.trust_remote_code)

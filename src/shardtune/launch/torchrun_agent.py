@@ -20,7 +20,7 @@ def die_with_parent(signum: int | None = None) -> None:
     """Receive ``signum`` (SIGTERM by default) when the parent dies. torchrun runs in its own session (the terminal's
     Ctrl-C must not reach it): without this, a launcher killed outright (SIGKILL, a scheduler's time limit) would
     leave torchrun and its ranks running. Linux sends SIGTERM at the parent's death, and torchrun stops its ranks on
-    SIGTERM. The rank server (launch/rank_server.py) uses it too, for itself and for the processes it forks."""
+    SIGTERM. The rank server (launch/rank_server.py) uses it for the processes it forks."""
     import ctypes
     import os
     import signal
