@@ -91,9 +91,11 @@ def test_a_node_waiting_on_a_closed_port_ends_in_one_line_within_its_bound(tiny_
     result = run_cli(*train_args(tiny_model_dir, out, "max_steps=2"), timeout=120, NNODES="2", NODE_RANK="1",
                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(closed_port()), NPROC_PER_NODE="1", RDZV_TIMEOUT="5")
     waited = time.monotonic() - started
-    assert result.returncode == 2 and waited < 60, result.stderr
+    # the bound, and the CLI's start before it (TCPStore's own connect waited 46 s here for a 5 s bound)
+    assert result.returncode == 2 and waited < 5 + 20, (waited, result.stderr)
     [line] = errors(result.stderr)
     assert "node 0 never arrived within 5 s" in line
+    assert "TCPStore" not in result.stderr and "Exception raised" not in result.stderr, result.stderr
     assert none_left(out)
 
 

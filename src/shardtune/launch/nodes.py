@@ -362,6 +362,8 @@ def node_store(launch: LaunchPlan, scheduler: str | None = None) -> Iterator[Any
             store = TCPStore(address, port, None, True, timedelta(seconds=timeout), wait_for_workers=False,
                              master_listen_fd=listener.detach())  # the store owns (and closes) the socket now
         else:
+            if not port_opens(launch.master_addr, port, timeout):
+                raise OSError(f"{launch.master_addr}:{port} did not open")
             store = TCPStore(launch.master_addr, port, None, False, timedelta(seconds=timeout + READ_GRACE))
     except (RuntimeError, OSError) as err:  # DistNetworkError is a RuntimeError
         if launch.node_rank == 0:
@@ -374,6 +376,22 @@ def node_store(launch: LaunchPlan, scheduler: str | None = None) -> Iterator[Any
         yield store
     finally:
         del store
+
+
+def port_opens(host: str, port: int, timeout: float) -> bool:
+    """Whether ``host:port`` accepts a connection within ``timeout`` seconds (tried again until then). A node
+    waits for node 0's store here, not in TCPStore's own connect: that takes 15 s per try and tries twice after a
+    16 s pause whatever the timeout (a 5 s RDZV_TIMEOUT waited 46 s), and prints C++ errors on the way."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(left, 2.0))):
+                return True
+        except OSError:
+            if left <= 0:
+                return False
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
 
 def listen_for_nodes(master_addr: str, port: int) -> socket.socket:
