@@ -14,7 +14,7 @@ import pytest
 
 from shardtune.engines.checkpoint_writer import PAUSE_AT_VARIABLE
 from shardtune.launch.preemption import INTERRUPTED_EXIT_CODE, REQUEUE_EXIT_CODE
-from tests.conftest import REPO, cli_env, overrides_merged
+from tests.conftest import REPO, cli_env, overrides_merged, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -61,6 +61,12 @@ class Job:
         return self.output()
 
 
+def run_to_the_end(model: Path, out: Path, *extra: str, **env: str) -> subprocess.CompletedProcess:
+    """A run no signal reaches (a reference, a resume): through run_cli, served by the session's rank server where
+    it can be; only the interrupted run needs a launcher of its own to signal."""
+    return run_cli("train", *ARGS, f"model_name_or_path={model}", f"output_dir={out}", *extra, timeout=300, **env)
+
+
 @pytest.mark.parametrize("nproc", [1, 2], ids=["one-process", "torchrun-2"])
 def test_sigterm_saves_and_the_same_command_resumes(nproc, tiny_model_dir, tmp_path):
     env = {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2"} if nproc == 2 else {}
@@ -74,11 +80,10 @@ def test_sigterm_saves_and_the_same_command_resumes(nproc, tiny_model_dir, tmp_p
     assert not (tmp_path / "train_results.json").exists()
     steps = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("checkpoint-*") if (p / "COMPLETE").is_file())
     assert steps and steps[-1] >= 5
-    resumed = Job(tiny_model_dir, tmp_path, tmp_path.parent / f"{tmp_path.name}-logs" / "resumed",
-                  "overwrite_output_dir=false", "max_steps=" + str(steps[-1] + 4), **env)
-    stdout, stderr = resumed.finish(timeout=300)
-    assert resumed.process.returncode == 0, stderr[-3000:]
-    assert f"resuming from {tmp_path / f'checkpoint-{steps[-1]}'}" in stdout
+    resumed = run_to_the_end(tiny_model_dir, tmp_path, "overwrite_output_dir=false", f"max_steps={steps[-1] + 4}",
+                             **env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {tmp_path / f'checkpoint-{steps[-1]}'}" in resumed.stdout
     assert json.loads((tmp_path / "train_results.json").read_text())["global_step"] == steps[-1] + 4
 
 
@@ -112,9 +117,8 @@ def test_a_preemption_signal_during_an_async_save_finishes_it_and_the_requeued_r
     same command continues the uninterrupted curve."""
     two = {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2"}
     reference = tmp_path / "reference"
-    done = Job(tiny_model_dir, reference, tmp_path / "logs-reference", *CURVE, "max_steps=12", **two)
-    _, stderr = done.finish(timeout=300)
-    assert done.process.returncode == 0, stderr[-3000:]
+    done = run_to_the_end(tiny_model_dir, reference, *CURVE, "max_steps=12", **two)
+    assert done.returncode == 0, done.stderr[-3000:]
     out = tmp_path / "run"
     job = Job(tiny_model_dir, out, tmp_path / "logs-first", *CURVE, "async_save=true",
               **two, **{PAUSE_AT_VARIABLE: "staged#1@0"})
@@ -127,11 +131,10 @@ def test_a_preemption_signal_during_an_async_save_finishes_it_and_the_requeued_r
     assert job.process.returncode == REQUEUE_EXIT_CODE and "Traceback" not in stderr, stderr[-3000:]
     complete = sorted(int(p.parent.name.split("-")[1]) for p in out.glob("checkpoint-*/COMPLETE"))
     assert complete[0] == 5 and len(complete) >= 2, complete  # the save in flight, then the stop's own
-    resumed = Job(tiny_model_dir, out, tmp_path / "logs-resumed", *CURVE, "async_save=true",
-                  "overwrite_output_dir=false", "max_steps=12", **two)
-    stdout, stderr = resumed.finish(timeout=300)
-    assert resumed.process.returncode == 0, stderr[-3000:]
-    assert f"resuming from {out / f'checkpoint-{complete[-1]}'}" in stdout
+    resumed = run_to_the_end(tiny_model_dir, out, *CURVE, "async_save=true", "overwrite_output_dir=false",
+                             "max_steps=12", **two)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {out / f'checkpoint-{complete[-1]}'}" in resumed.stdout
     expected, losses = losses_by_step(reference), losses_by_step(out)
     for step in range(complete[-1] + 1, 13):
         assert losses[step] == pytest.approx(expected[step], rel=2e-3), (step, losses, expected)
