@@ -8,15 +8,11 @@ generator different numbers of prompts (each rank none in one step) finished wit
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-from tests.distributed.helpers import ENGINE_KEYS, logged
+from tests.distributed.helpers import ENGINE_KEYS, logged, run_under_torchrun
 from tests.distributed.test_grpo_engines import COMPARED, KINDS, one_process, train  # noqa: F401 - a fixture
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
@@ -33,13 +29,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def run_worker(model_dir: Path, out: Path, case: str) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER),
-            "--model", str(model_dir), "--out", str(out), "--case", case]
     # A rank left waiting in a gather would hang here: the timeout turns that into a failure.
-    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    run_under_torchrun(WORKER, 2, "--model", str(model_dir), "--out", str(out), "--case", case, timeout=420)
     return json.loads((out / f"{case}.json").read_text())
 
 

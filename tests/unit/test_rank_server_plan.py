@@ -27,3 +27,20 @@ def test_each_rank_gets_its_place_in_a_one_node_job():
                                                                             ("2", "2", "2")]
     assert {(e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["MASTER_PORT"], e["TORCHELASTIC_RUN_ID"], e["PATH"])
             for e in envs} == {("3", "3", "29511", "run-1", "/bin")}
+
+
+def test_a_pythonpath_of_folders_the_server_already_imports_from_is_served(tmp_path):
+    """A test's workers add the repository and its src folder (already on the server's path): served; a folder new
+    to the server could hold other copies of what it imported, and dropping the server's own entry cannot be
+    undone in a fork: refused."""
+    repo, src, new = tmp_path / "repo", tmp_path / "repo" / "src", tmp_path / "elsewhere"
+    for folder in (repo, src, new):
+        folder.mkdir(parents=True, exist_ok=True)
+    on_path = [str(repo), "/usr/lib/python3", str(src)]
+    served = {"HOME": "/root"}
+    for value in (f"{src}:{repo}:", f"{src}", "src", ""):  # "": the working folder, the repository here
+        assert import_time_differences(served, {**served, "PYTHONPATH": value}, on_path, str(repo)) == [], value
+    assert import_time_differences(served, {**served, "PYTHONPATH": f"{src}:{new}"}, on_path,
+                                   str(repo)) == ["PYTHONPATH"]
+    started_with = {**served, "PYTHONPATH": str(src)}
+    assert import_time_differences(started_with, served, on_path, str(repo)) == ["PYTHONPATH"]

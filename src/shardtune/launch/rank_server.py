@@ -35,7 +35,7 @@ import select
 import signal
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -53,14 +53,32 @@ APPLIED_HERE = ("OMP_NUM_THREADS", "MALLOC_MMAP_THRESHOLD_")
 READ_AT_RUN_TIME = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCH_EXTENSIONS_DIR", "TOKENIZERS_PARALLELISM")
 STARTED_WITH: dict[str, str] = {}  # the server's environment before its imports: what requests are compared with
 SET_BY_IMPORTS: dict[str, str] = {}  # what the imports set (torch sets a few): a new process's imports would too
+STARTED_ON_PATH: list[str] = []  # the server's sys.path when it started (a request's PYTHONPATH may name these)
 SERVER_VARIABLE = "SHARDTUNE_RANK_SERVER"  # the socket of a server to take a node's ranks from
 
 
-def import_time_differences(served: Mapping[str, str], wanted: Mapping[str, str]) -> list[str]:
-    """The variables ``wanted`` sets differently from ``served`` that a forked process could not honour."""
+def import_time_differences(served: Mapping[str, str], wanted: Mapping[str, str], on_path: Sequence[str] = (),
+                            cwd: str = "/") -> list[str]:
+    """The variables ``wanted`` sets differently from ``served`` that a forked process could not honour
+    (``on_path``, ``cwd``: the server's import path and the request's folder, for PYTHONPATH)."""
     names = set(served) | set(wanted)
     return sorted(n for n in names if n.startswith(IMPORT_TIME_PREFIXES) and not n.startswith(READ_AT_RUN_TIME)
-                  and n not in APPLIED_HERE and served.get(n) != wanted.get(n))
+                  and n not in APPLIED_HERE and served.get(n) != wanted.get(n)
+                  and not (n == "PYTHONPATH" and python_path_honoured(served.get(n), wanted.get(n), on_path, cwd)))
+
+
+def python_path_entries(value: str | None, cwd: str) -> list[str]:
+    """PYTHONPATH's folders as the interpreter puts them on sys.path (an empty entry is the working folder)."""
+    return [os.path.realpath(os.path.join(cwd, entry)) for entry in value.split(os.pathsep)] if value else []
+
+
+def python_path_honoured(served: str | None, wanted: str | None, on_path: Sequence[str], cwd: str) -> bool:
+    """Whether a fork can take ``wanted`` PYTHONPATH: it keeps the server's entries and adds only folders already on
+    the server's path (what the server imported was found there too; run_entry moves them to the front, where a new
+    process has them). A folder new to the server could hold other copies of what it imported: refused."""
+    wanted_entries = python_path_entries(wanted, cwd)
+    known = {os.path.realpath(entry) for entry in on_path}
+    return set(python_path_entries(served, cwd)) <= set(wanted_entries) and set(wanted_entries) <= known
 
 
 def preload() -> None:
@@ -91,6 +109,7 @@ def serve(address: str) -> NoReturn:
     import gc
 
     STARTED_WITH.update(os.environ)
+    STARTED_ON_PATH.extend(sys.path)
     gc.disable()
     stdout = os.dup(1)
     os.dup2(2, 1)  # what the imports print goes to the log; this process's stdout says "ready" and nothing else
@@ -169,7 +188,8 @@ def request_problem(request: dict[str, Any], fds: list[int]) -> str | None:
         return "the request must name a module (or a script's path) and its arguments"
     # A variable the imports set is as good absent as set to what they set (a client forked here passes it on).
     differences = import_time_differences({**SET_BY_IMPORTS, **STARTED_WITH},
-                                          {**SET_BY_IMPORTS, **request.get("env", {})})
+                                          {**SET_BY_IMPORTS, **request.get("env", {})}, STARTED_ON_PATH,
+                                          str(request.get("cwd", "/")))
     if differences:
         return "the environment differs in variables read at import time: " + ", ".join(differences)
     return None
@@ -233,6 +253,8 @@ def run_entry(request: dict[str, Any], fds: list[int]) -> NoReturn:
     script = request.get("path")
     # As the interpreter does: `python -m` puts the working directory first on the path, `python FILE` its folder.
     sys.path[0] = str(Path(script).resolve().parent) if script else request["cwd"]
+    added = python_path_entries(request["env"].get("PYTHONPATH"), request["cwd"])  # each already on the path
+    sys.path[1:] = added + [entry for entry in sys.path[1:] if os.path.realpath(entry) not in added]
     sys.argv = [script or "-m", *request["argv"]]  # runpy puts the module's file first, as `python -m` does
     apply_process_settings(request["env"])
     reset_random_state()
