@@ -18,7 +18,8 @@ from tests.unit.test_fuzz_schema import MAX_LINES, fingerprint, run_command
 # filled in by the fixture. Commands that serve or watch (web, status --watch, doctor) get only values that must be
 # refused: a value they accept would serve forever.
 BASES = {
-    "estimate": ["{cfg}"], "export": ["{run}", "--out", "{tmp}/exported"], "chat": ["{run}", "--prompt", "hi"],
+    "estimate": ["{cfg}"], "export": ["{run}", "--out", "{tmp}/exported"],
+    "chat": ["{run}", "--prompt", "hi", "--max_new_tokens", "4"],  # a short answer: the contract is the options'
     "make-tiny-model": ["--out", "{tmp}/tiny-new"], "expand-model": ["{model}", "--out", "{tmp}/expanded",
                                                                      "--num-expand", "2"],
     "slurm": ["{cfg}", "--nodes", "1", "--gpus-per-node", "1", "--script", "{tmp}/job.sbatch"],
