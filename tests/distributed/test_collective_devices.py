@@ -29,9 +29,29 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 META = torch.device("meta")
 
 
-def _setup(rank: int, init_file: str, model: str, case: str, results: str) -> None:
+CASES = ("whole-model", "skeleton-rank0-reads", "host-broadcast", "offload-cuda", "offload-nccl")
+
+
+def _case_worker(rank: int, init_file: str, model: str, results: str) -> None:
+    """One rank of a 2-process gloo group that runs every case in turn (one start-up for all of them), each case's
+    collectives checked by its own guard; ``results/<case>.rank<rank>`` holds what the guard checked and the
+    outcome. The NCCL-only case comes last: its guard refuses a collective before it runs, on both ranks alike."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        for case in CASES:
+            if case.startswith("offload-"):
+                backend = process_group_backend("cuda") if case == "offload-cuda" else "nccl"  # GPU ranks' group
+                Path(results, case).mkdir(exist_ok=True)
+                checked, outcome = _offload_step(rank, model, backend, Path(results, case))
+            else:
+                checked, outcome = _setup(rank, model, case)
+            Path(results, f"{case}.rank{rank}").write_text(f"{checked}\n{outcome}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _setup(rank: int, model: str, case: str) -> tuple[int, str]:
     guard = CollectiveGuard(META, execute=False).install()
     outcome = "ok"
     try:
@@ -42,8 +62,7 @@ def _setup(rank: int, init_file: str, model: str, case: str, results: str) -> No
         outcome = "crash: " + traceback.format_exc()
     finally:
         guard.uninstall()
-    Path(results, f"rank{rank}").write_text(f"{guard.checked}\n{outcome}")
-    dist.destroy_process_group()
+    return guard.checked, outcome
 
 
 def _run_case(case: str, rank: int, model_dir: str) -> None:
@@ -60,40 +79,44 @@ def _run_case(case: str, rank: int, model_dir: str) -> None:
                    lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0))
 
 
-def _outcomes(case: str, model: Path, tmp_path: Path) -> list[tuple[int, str]]:
-    results = tmp_path / "results"
+@pytest.fixture(scope="module")
+def outcomes(tiny_model_dir, tmp_path_factory) -> Path:
+    """The folder of every case's outcome, from one spawn of the two ranks."""
+    folder = tmp_path_factory.mktemp("collective-devices")
+    results = folder / "results"
     results.mkdir()
-    mp.start_processes(_setup, args=(str(tmp_path / "init"), str(model), case, str(results)), nprocs=2,
+    mp.start_processes(_case_worker, args=(str(folder / "init"), str(tiny_model_dir), str(results)), nprocs=2,
                        start_method="spawn")
+    return results
+
+
+def _outcomes(case: str, results: Path) -> list[tuple[int, str]]:
     found = []
     for rank in range(2):
-        checked, outcome = (results / f"rank{rank}").read_text().split("\n", 1)
+        checked, outcome = (results / f"{case}.rank{rank}").read_text().split("\n", 1)
         found.append((int(checked), outcome))
     return found
 
 
 @pytest.mark.parametrize("case", ["whole-model", "skeleton-rank0-reads"])
-def test_fsdp_setup_collectives_use_the_engine_device(case, tiny_model_dir, tmp_path):
-    outcomes = _outcomes(case, tiny_model_dir, tmp_path)
-    assert all(outcome == "ok" for _, outcome in outcomes), outcomes
-    assert all(checked > 0 for checked, _ in outcomes), "the guard saw no collective: it checked nothing"
+def test_fsdp_setup_collectives_use_the_engine_device(case, outcomes):
+    found = _outcomes(case, outcomes)
+    assert all(outcome == "ok" for _, outcome in found), found
+    assert all(checked > 0 for checked, _ in found), "the guard saw no collective: it checked nothing"
 
 
-def test_guard_catches_a_broadcast_of_host_weights(tiny_model_dir, tmp_path):
-    outcomes = _outcomes("host-broadcast", tiny_model_dir, tmp_path)
-    for _, outcome in outcomes:
+def test_guard_catches_a_broadcast_of_host_weights(outcomes):
+    for _, outcome in _outcomes("host-broadcast", outcomes):
         assert outcome.startswith("device error: collective broadcast got a tensor on cpu"), outcome
         assert "the engine's device is meta" in outcome
 
 
 # ---- the process group's backends: FSDP2 with its shards offloaded to the host ----
 
-def _offload_step(rank: int, init_file: str, model_dir: str, group_backend: str, results: str) -> None:
+def _offload_step(rank: int, model_dir: str, group_backend: str, save_to: Path) -> tuple[int, str]:
     """A real FSDP2 step with offload_params over gloo, then the work done on the offloaded (host) shards, checked
     against the backends of the group GPU ranks would build from ``group_backend``: clipping the gradient norm,
     the full state dict for the final save, and a FULL_STATE_DICT checkpoint."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     cpu = torch.device("cpu")
     ctx = DistContext(rank=rank, local_rank=rank, world_size=2, local_world_size=2, device=cpu, backend="gloo")
     engine = FSDPEngine(FsdpSettings(offload_params=True, state_dict_type="FULL_STATE_DICT"), PrecisionSettings(),
@@ -112,40 +135,30 @@ def _offload_step(rank: int, init_file: str, model_dir: str, group_backend: str,
     try:
         norm = engine.step(max_grad_norm=1.0)
         state = engine.full_state_dict()
-        engine.save_state(Path(results))
+        engine.save_state(save_to)
         outcome += f" norm={norm:.6f} tensors={len(state)}"
     except CollectiveDeviceError as err:
         outcome = f"device error: {err}"
     finally:
         guard.uninstall()
-    Path(results, f"rank{rank}").write_text(f"{guard.checked}\n{outcome}")
     dist.barrier()
-    dist.destroy_process_group()
+    return guard.checked, outcome
 
 
-def _offload_outcomes(group_backend: str, model: Path, tmp_path: Path) -> list[tuple[int, str]]:
-    results = tmp_path / "results"
-    results.mkdir()
-    mp.start_processes(_offload_step, args=(str(tmp_path / "init"), str(model), group_backend, str(results)),
-                       nprocs=2, start_method="spawn")
-    return [(int(c), o) for c, o in ((results / f"rank{r}").read_text().split("\n", 1) for r in range(2))]
-
-
-def test_fsdp2_offload_runs_its_host_collectives_on_the_gpu_ranks_group(tiny_model_dir, tmp_path):
+def test_fsdp2_offload_runs_its_host_collectives_on_the_gpu_ranks_group(outcomes):
     """The group init_distributed builds on GPUs has a backend for host tensors: the offloaded step, its clipping
     and the full-state gathers pass the guard and run (over gloo here)."""
-    outcomes = _offload_outcomes(process_group_backend("cuda"), tiny_model_dir, tmp_path)
-    assert all(outcome.startswith("ok norm=") for _, outcome in outcomes), outcomes
-    norms = [outcome.split()[1] for _, outcome in outcomes]
+    found = _outcomes("offload-cuda", outcomes)
+    assert all(outcome.startswith("ok norm=") for _, outcome in found), found
+    norms = [outcome.split()[1] for _, outcome in found]
     assert norms[0] == norms[1], f"the ranks clipped with different norms: {norms}"
-    assert not outcomes[0][1].endswith("tensors=0"), "rank 0 gathered no full state"
-    assert all(checked > 0 for checked, _ in outcomes), "the guard saw no collective: it checked nothing"
-    assert (tmp_path / "results" / FULL_STATE_FILE).is_file()
+    assert not found[0][1].endswith("tensors=0"), "rank 0 gathered no full state"
+    assert all(checked > 0 for checked, _ in found), "the guard saw no collective: it checked nothing"
+    assert (outcomes / "offload-cuda" / FULL_STATE_FILE).is_file()
 
 
-def test_an_nccl_only_group_refuses_the_offloaded_clipping(tiny_model_dir, tmp_path):
+def test_an_nccl_only_group_refuses_the_offloaded_clipping(outcomes):
     """What GPU ranks had before (an NCCL-only group, torch issue 148532): the first host collective fails."""
-    outcomes = _offload_outcomes("nccl", tiny_model_dir, tmp_path)
-    for _, outcome in outcomes:
+    for _, outcome in _outcomes("offload-nccl", outcomes):
         assert outcome.startswith("device error: collective "), outcome
         assert "no backend type associated with device type cpu in the process group (cuda:nccl)" in outcome
