@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -66,9 +67,10 @@ class _Cells:
 
 def collected_tiers() -> dict[tuple[str, str, str], str]:
     plugin = _Cells()
-    with contextlib.redirect_stdout(io.StringIO()) as printed:
-        code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", str(REPO / "tests" / "distributed")],
-                           plugins=[plugin])
+    # (its own pytest folder, removed after: collecting runs no test and leaves nothing)
+    with contextlib.redirect_stdout(io.StringIO()) as printed, tempfile.TemporaryDirectory() as base:
+        code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "--basetemp", base,
+                            str(REPO / "tests" / "distributed")], plugins=[plugin])
     if code != 0:
         raise SystemExit(f"collecting tests/distributed failed ({code}):\n{printed.getvalue()[-2000:]}")
     return plugin.tiers
