@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from shardtune.host import process_alive
 from shardtune.launch.served import ServedProcess, rank_environments
 from tests import rank_server
 from tests.conftest import REPO, cli_env, run_cli
@@ -146,11 +147,6 @@ def gone_within(pid: int, seconds: float) -> bool:
     """Whether process ``pid`` ended (or is a zombie: ended, not yet reaped) within ``seconds`` (a SIGKILL takes
     effect asynchronously)."""
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
-                return True
-        except (FileNotFoundError, ProcessLookupError):
-            return True
+    while process_alive(pid, None) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return False
+    return not process_alive(pid, None)
