@@ -126,15 +126,31 @@ def test_a_folder_that_is_no_reward_model_is_refused_before_launch(tiny_model_di
 
 
 @pytest.mark.parametrize("kind", [("finetuning_type=full",),
-                                  ("finetuning_type=lora", "lora_target=all", "learning_rate=5e-2")],
-                         ids=["full", "lora"])
+                                  ("finetuning_type=lora", "lora_target=all", "learning_rate=5e-2",
+                                   "vllm_importance_sampling_correction=false")],
+                         ids=["full-corrected", "lora"])
 def test_a_generator_with_its_own_synced_weights_gives_the_policys_own_run(kind, tiny_model_dir, tmp_path):
     """rollout_backend vllm_protocol_cpu (the vLLM protocol's CPU test double: a generator process with its own
     weights, streamed to it after every step; LoRA merged) samples the completions the policy itself samples, so
-    the run logs the transformers back-end's losses, rewards and gradient norms exactly, and the sync's seconds."""
-    train(EXAMPLE, tiny_model_dir, tmp_path / "own", *QUICK, *kind)
+    the run logs the transformers back-end's rewards and lengths exactly, and the sync's seconds. Without the
+    importance-sampling correction the losses and gradient norms are exactly the policy's own too; with it (the
+    default) the generator's log-probabilities are the trainer's within fp32 noise, so every ratio is 1 within 1e-4
+    and the losses equal within that."""
+    train(EXAMPLE, tiny_model_dir, tmp_path / "own", *QUICK, *kind[:3])
     train(EXAMPLE, tiny_model_dir, tmp_path / "synced", *QUICK, *kind, "rollout_backend=vllm_protocol_cpu")
+    corrected = "vllm_importance_sampling_correction=false" not in kind
     for key in ("loss", "grad_norm", "reward", "completions/mean_length"):
-        assert logged(tmp_path / "synced", key) == logged(tmp_path / "own", key), key
+        own, synced = logged(tmp_path / "own", key), logged(tmp_path / "synced", key)
+        if corrected and key in ("loss", "grad_norm"):
+            assert synced == pytest.approx(own, rel=1e-4, abs=1e-6), key
+        else:
+            assert synced == own, key
+    if corrected:
+        assert max(logged(tmp_path / "synced", "sampling/sampling_logp_difference/max")) < 1e-4
+        for key in ("min", "mean", "max"):
+            assert logged(tmp_path / "synced", f"sampling/importance_sampling_ratio/{key}") == \
+                pytest.approx([1.0] * 4, abs=1e-4), key
+    else:
+        assert "sampling/importance_sampling_ratio/mean" not in read_log(tmp_path / "synced")[-1]
     assert len(set(logged(tmp_path / "own", "reward"))) == 4  # the weights, and so the completions, change each step
     assert all(s > 0 for s in logged(tmp_path / "synced", "weight_sync_seconds"))

@@ -22,6 +22,9 @@ def config(**changes) -> TrainConfig:
 
 def test_a_good_config_has_no_problem():
     assert grpo_problems(config()) == []
+    assert grpo_problems(config(rollout_backend="vllm_protocol_cpu", vllm_importance_sampling_mode="token_truncate",
+                                vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0)) == []
+    assert grpo_problems(config(vllm_importance_sampling_correction=False)) == []  # off: nothing to do, no harm
 
 
 @pytest.mark.parametrize(("changes", "named"), [
@@ -41,6 +44,14 @@ def test_a_good_config_has_no_problem():
     ({"do_sample": False}, "do_sample (false)"),
     ({"packing": True}, "packing (True) with stage grpo"),
     ({"sequence_parallel_size": 2}, "sequence_parallel_size (2) with stage grpo"),
+    ({"vllm_importance_sampling_mode": "token_mask"},
+     "vllm_importance_sampling_mode (token_mask) corrects a generator with weights of its own"),
+    ({"rollout_backend": "vllm_protocol_cpu", "vllm_importance_sampling_correction": False,
+      "vllm_importance_sampling_clip_max": 2.0}, "(2.0) has no effect with vllm_importance_sampling_correction false"),
+    ({"rollout_backend": "vllm_protocol_cpu", "vllm_importance_sampling_clip_min": 2.0,
+      "vllm_importance_sampling_clip_max": 1.5}, "vllm_importance_sampling_clip_min (2.0) is above"),
+    ({"rollout_backend": "vllm_protocol_cpu", "vllm_importance_sampling_mode": "token_truncate",
+      "vllm_importance_sampling_clip_max": None}, "and both are null"),
 ])
 def test_each_problem_names_its_key(changes, named):
     problems = grpo_problems(config(**changes))
@@ -98,6 +109,10 @@ def test_convert_config_maps_axolotls_and_trls_grpo_keys(tmp_path):
         "stage": "grpo", "beta": 0.001, "num_generations": 4, "max_completion_length": 12,
         "reward_funcs": ["examples.grpo.rewards:letter_share"], "reward_weights": [1.0], "scale_rewards": "none",
         "loss_type": "gspo", "epsilon_high": 0.28, "mask_truncated_completions": True}
+    source.write_text(yaml.safe_dump({"rl": "grpo", "trl": {"vllm_importance_sampling_cap": 2.5}}))
+    assert run_cli("convert-config", str(source), "--out", str(tmp_path / "cap.yaml")).returncode == 0
+    assert yaml.safe_load((tmp_path / "cap.yaml").read_text()) == {  # TRL's older name for the upper bound
+        "stage": "grpo", "vllm_importance_sampling_clip_max": 2.5}
     source.write_text(yaml.safe_dump({"rl": "grpo", "trl": {"use_vllm": True}}))
     result = run_cli("convert-config", str(source))
     assert "refused" in result.stdout and "vLLM back-end of stage grpo is not built yet" in result.stdout

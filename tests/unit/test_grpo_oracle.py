@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
+import math
+import textwrap
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -22,10 +25,12 @@ trl_utils = pytest.importorskip("trl.trainer.utils")
 
 from shardtune.train.grpo_loss import (  # noqa: E402
     GrpoSettings,
+    SamplerCorrection,
     aggregate,
     clip_fractions,
     completion_logps,
     group_advantages,
+    sampler_ratio,
     token_terms,
 )
 
@@ -81,7 +86,7 @@ def our_logps(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.
     return completion_logps(logits, inputs["completion_ids"], TEMPERATURE)
 
 
-def trl_trainer(model: torch.nn.Module, loss_type: str, beta: float) -> SimpleNamespace:
+def trl_trainer(model: torch.nn.Module, loss_type: str, beta: float, corrected: bool = False) -> SimpleNamespace:
     """The attributes ``GRPOTrainer._compute_loss`` and ``_get_per_token_logps_and_entropies`` read, for one
     process and one micro-batch per step (accumulation 1, steps_per_generation 1), with their methods bound."""
     name, level = TRL_NAMES[loss_type]
@@ -92,7 +97,7 @@ def trl_trainer(model: torch.nn.Module, loss_type: str, beta: float) -> SimpleNa
     trainer = SimpleNamespace(
         model=model, accelerator=accelerator, args=args, loss_type=name, importance_sampling_level=level, beta=beta,
         epsilon_low=0.2, epsilon_high=0.28, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
-        use_vllm=False, vllm_importance_sampling_correction=False, current_gradient_accumulation_steps=1,
+        use_vllm=corrected, vllm_importance_sampling_correction=corrected, current_gradient_accumulation_steps=1,
         max_completion_length=MAX_LEN, aux_loss_enabled=False, _entropy_bonus_enabled=False,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)})
     cls = trl_grpo.GRPOTrainer
@@ -101,10 +106,11 @@ def trl_trainer(model: torch.nn.Module, loss_type: str, beta: float) -> SimpleNa
     return trainer
 
 
-def our_step(model: torch.nn.Module, inputs: dict[str, torch.Tensor], loss_type: str, beta: float
-             ) -> dict[str, torch.Tensor]:
+def our_step(model: torch.nn.Module, inputs: dict[str, torch.Tensor], loss_type: str, beta: float,
+             correction: SamplerCorrection | None = None) -> dict[str, torch.Tensor]:
     """shardtune's loss of the batch, computed group by group (N completions each) as the objective computes it,
-    with the step's denominator for the loss type; backward on ``model``."""
+    with the step's denominator for the loss type (and, with ``correction``, the sampler's ratio from the injected
+    sampler log-probabilities); backward on ``model``."""
     s = GrpoSettings(loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28, temperature=TEMPERATURE)
     mask = inputs["completion_mask"]
     denominator = {"dapo": mask.sum(), "dr_grpo": B * MAX_LEN}.get(loss_type, B)
@@ -113,8 +119,10 @@ def our_step(model: torch.nn.Module, inputs: dict[str, torch.Tensor], loss_type:
         rows = {k: v[start:start + N] for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
         logps = our_logps(model, rows)
         old = rows.get("old_per_token_logps", logps.detach())
+        sampler = None if correction is None else sampler_ratio(
+            correction, old, rows["sampling_per_token_logps"], rows["completion_mask"])
         terms = token_terms(s, logps, old, rows["advantages"], rows["completion_mask"],
-                            rows.get("ref_per_token_logps"))
+                            rows.get("ref_per_token_logps"), sampler)
         total = total + aggregate(loss_type, terms.loss, rows["completion_mask"], denominator)
         if terms.kl is not None:
             kl_sum += float((terms.kl * rows["completion_mask"]).sum())
@@ -175,3 +183,77 @@ def test_group_advantages_equal_trls_normalisation():
                           atol=1e-7)
     assert torch.equal(group_advantages(rewards, 4, "none"), rewards - mean)
     assert torch.equal(group_advantages(rewards, 4, "group")[4:], torch.zeros(4))  # equal rewards: no signal
+
+
+# --- the importance-sampling correction of a generator with weights of its own (TRL's vllm_importance_sampling_*) ---
+def trl_sampler_ratio(mode: str, clip_min: float | None, clip_max: float | None, old: torch.Tensor,
+                      sampled: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """TRL's own lines that compute the ratio (inline in ``_generate_and_score_completions``, no function of their
+    own), cut from its source and run on the injected tensors."""
+    source = inspect.getsource(trl_grpo.GRPOTrainer._generate_and_score_completions)
+    start = source.index("if self.use_vllm and self.vllm_importance_sampling_correction:\n")
+    start = source.rindex("\n", 0, start) + 1
+    end = source.index("# Compute the per-token log probabilities for the reference model", start)
+    settings = SimpleNamespace(use_vllm=True, vllm_importance_sampling_correction=True,
+                               vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=clip_min,
+                               vllm_importance_sampling_clip_max=clip_max)
+    scope = {"self": settings, "old_per_token_logps": old, "sampling_per_token_logps": sampled,
+             "completion_mask": mask, "tool_mask": None, "torch": torch, "math": math}
+    exec(textwrap.dedent(source[start:end].rstrip() + "\n"), scope)  # noqa: S102 - TRL's code, the oracle
+    return scope["vllm_importance_sampling_ratio"]
+
+
+def sampler_inputs(policy: torch.nn.Module, beta: float) -> dict[str, torch.Tensor]:
+    """``injected``'s off-policy batch plus a sampler's log-probabilities from another copy, far enough from the
+    trainer that ratios leave [0.5, 1.5] both ways, and one counted token the sampler could not score (NaN)."""
+    inputs = injected(policy, off_policy=True, beta=beta)
+    sampled = perturbed_logps(policy, inputs, seed=4, scale=0.05)
+    sampled[1, 0] = float("nan")
+    inputs["sampling_per_token_logps"] = sampled
+    return inputs
+
+
+MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+@pytest.mark.parametrize("bounds", [(0.5, 1.5), (None, 1.5), (0.5, None)], ids=["both", "max", "min"])
+@pytest.mark.parametrize("mode", MODES)
+def test_the_sampler_ratio_equals_trls(mode, bounds):
+    clip_min, clip_max = bounds
+    if mode.endswith("truncate") and clip_max is None:
+        clip_max = 3.0  # a truncation needs its upper bound in TRL (torch.clamp of None, None raises)
+    inputs = sampler_inputs(tiny_llama(), beta=0.0)
+    old, sampled, mask = inputs["old_per_token_logps"], inputs["sampling_per_token_logps"], inputs["completion_mask"]
+    expected = trl_sampler_ratio(mode, clip_min, clip_max, old, sampled, mask)
+    ours = sampler_ratio(SamplerCorrection(mode, clip_min, clip_max), old, sampled, mask)
+    assert ours.shape == expected.shape and torch.isfinite(ours).all()
+    assert torch.allclose(ours, expected, atol=0, rtol=1e-7)
+    counted = ours[mask.bool()] if mode.startswith("token") else ours
+    if mode.endswith("mask"):
+        assert (counted == 0).any() and (counted > 0).any()  # the bounds bit: some ratios zeroed, some kept
+    else:
+        assert ((counted == clip_max) | (counted == (clip_min or -1))).any()  # some ratios clamped
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo"])
+def test_the_corrected_loss_and_gradients_equal_trls(loss_type, mode):
+    """TRL's _compute_loss with use_vllm and the correction on, fed TRL's own ratio; ours from the sampler's
+    log-probabilities group by group (beta 0.04: the correction scales the surrogate, not the KL)."""
+    ours_model = tiny_llama()
+    trl_model = copy.deepcopy(ours_model)
+    trl_utils.add_fused_lm_head(trl_model, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))
+    inputs = sampler_inputs(ours_model, beta=0.04)
+    trl_inputs = dict(inputs, importance_sampling_ratio=trl_sampler_ratio(
+        mode, 0.5, 1.5, inputs["old_per_token_logps"], inputs["sampling_per_token_logps"],
+        inputs["completion_mask"]))
+    trainer = trl_trainer(trl_model, loss_type, 0.04, corrected=True)
+    trl_loss = trainer._compute_loss(trl_model, trl_inputs)
+    trl_loss.backward()
+    ours = our_step(ours_model, inputs, loss_type, 0.04, SamplerCorrection(mode, 0.5, 1.5))
+    uncorrected = our_step(tiny_llama(), inputs, loss_type, 0.04)
+    assert abs(float(ours["loss"]) - float(trl_loss.detach())) <= TOLERANCE
+    assert abs(float(ours["loss"]) - float(uncorrected["loss"])) > 1e-3  # the correction changed the loss
+    expected, found = gradients(trl_model), gradients(ours_model)
+    worst = max(float((found[k] - expected[k]).abs().max()) for k in expected)
+    assert worst <= TOLERANCE, worst

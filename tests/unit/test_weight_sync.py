@@ -11,6 +11,7 @@ import torch
 
 from shardtune.engines.base import PrecisionSettings
 from shardtune.engines.local import LocalEngine
+from shardtune.train.grpo_loss import completion_logps
 from shardtune.train.protocol_generator import GeneratorClient, GeneratorProcess, tensor_digest
 from shardtune.train.rollout import Sampling, TransformersRollout
 from shardtune.train.weight_sync import SyncReport, checkpoint_name, sync_weights
@@ -111,7 +112,14 @@ def test_the_generator_samples_what_the_policy_samples(model_dir, generator):
     own = TransformersRollout(engine, [2], 0).generate([5, 9, 17], 3, sampling, row=7)
     served = client.generate([5, 9, 17], 3, sampling, row=7)
     assert torch.equal(own.ids, served.ids) and torch.equal(own.mask, served.mask)
-    assert torch.allclose(own.logps, served.logps, atol=1e-5)
+    assert own.logps is None  # the policy samples with the weights it trains: no gap to correct, no logits kept
+    prompt = torch.tensor([[5, 9, 17]] * 3)
+    model = engine.unwrapped_model().eval()
+    with torch.no_grad():  # what the importance-sampling correction compares the sampler's numbers with
+        logits = model(input_ids=torch.cat([prompt, served.ids], 1),
+                       attention_mask=torch.cat([torch.ones_like(prompt), served.mask], 1)).logits[:, 2:-1]
+    trainer = completion_logps(logits, served.ids, sampling.temperature) * served.mask
+    assert served.logps is not None and torch.allclose(trainer, served.logps, atol=1e-5)
     client.close()
 
 

@@ -295,6 +295,8 @@ MAPPED.update({
                                         _importance_sampling_level),
     "reward_funcs": Mapped("reward_funcs (axolotl's module.function -> module:function)", _reward_funcs),
     "loss_type": Mapped("loss_type (grpo with importance_sampling_level sequence: gspo)", _loss_type),
+    "vllm_importance_sampling_cap": Mapped("vllm_importance_sampling_clip_max (TRL's older name)",
+                                           _rename("vllm_importance_sampling_clip_max")),
     "use_vllm": Mapped("nothing: the transformers back-end generates (false only)", _refuse_unless(
         False, "the vLLM back-end of stage grpo is not built yet: the policy generates with transformers; remove "
                "the key")("use_vllm")),

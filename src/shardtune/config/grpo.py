@@ -6,10 +6,15 @@ from __future__ import annotations
 from shardtune.config.rewards import reward_function_problems
 from shardtune.config.schema import TrainConfig
 
+SAMPLER_KEYS = ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+                "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min")
 # Keys of stage grpo only; set for another stage they would be ignored.
 GRPO_KEYS = ("reward_funcs", "reward_weights", "reward_format_regex", "num_generations", "max_completion_length",
              "beta", "epsilon", "epsilon_high", "loss_type", "scale_rewards", "num_iterations",
-             "mask_truncated_completions", "use_bias_correction_kl", "rollout_backend")
+             "mask_truncated_completions", "use_bias_correction_kl", "rollout_backend", *SAMPLER_KEYS)
+# The importance-sampling correction of a generator with weights of its own (TRL's names).
+SAMPLER_SETTINGS = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+                    "vllm_importance_sampling_clip_min")
 
 # What stage grpo does not do, by key: why, for the refusal's line. A key counts as set when it differs from its
 # default (a value in a tuple: when it is that value).
@@ -60,10 +65,32 @@ def grpo_problems(c: TrainConfig) -> list[str]:
         problems.append(f"rollout_backend (vllm_protocol_cpu) with finetuning_type {c.finetuning_type} (use_dora "
                         f"{c.use_dora}, quantization_bit {c.quantization_bit}): the weight sync sends full weights "
                         "or plain LoRA merged; use full, freeze or lora")
+    problems += sampler_correction_problems(c, defaults)
     if c.do_sample is False:
         problems.append("do_sample (false) with stage grpo: the num_generations completions of a prompt would all "
                         "be the same greedy one, so every advantage is 0; remove it")
     return problems
+
+
+def sampler_correction_problems(c: TrainConfig, defaults: TrainConfig) -> list[str]:
+    """The correction's settings where they would do nothing (the policy samples itself, or the correction is off),
+    bounds that cross, and a truncation with no bound (nothing to clamp to)."""
+    changed = [key for key in SAMPLER_SETTINGS if getattr(c, key) != getattr(defaults, key)]
+    if c.rollout_backend == "transformers" and changed:
+        return [f"{key} ({getattr(c, key)}) corrects a generator with weights of its own (rollout_backend vllm or "
+                "vllm_protocol_cpu); with rollout_backend transformers the policy samples with the weights it "
+                "trains, so there is no gap to correct; remove it" for key in changed]
+    if not c.vllm_importance_sampling_correction:
+        return [f"{key} ({getattr(c, key)}) has no effect with vllm_importance_sampling_correction false; remove "
+                "one of them" for key in changed]
+    low, high = c.vllm_importance_sampling_clip_min, c.vllm_importance_sampling_clip_max
+    if low is not None and high is not None and low > high:
+        return [f"vllm_importance_sampling_clip_min ({low}) is above vllm_importance_sampling_clip_max ({high}): "
+                "no ratio could pass; lower the one or raise the other"]
+    if c.vllm_importance_sampling_mode.endswith("truncate") and low is None and high is None:
+        return [f"vllm_importance_sampling_mode ({c.vllm_importance_sampling_mode}) clamps the ratio to its bounds, "
+                "and both are null; set vllm_importance_sampling_clip_max (TRL's default: 3.0)"]
+    return []
 
 
 def rollout_backend_problems(backend: str, gpus: int | None = None, has_vllm: bool | None = None) -> list[str]:

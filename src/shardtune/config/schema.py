@@ -192,6 +192,15 @@ class TrainConfig:
     rollout_backend: str = _key("transformers", "grpo: the policy generates (transformers) or vLLM, its weights "
                                 "streamed after each step (GPU; vllm_protocol_cpu: that protocol's CPU test double)",
                                 GRPO, choices=("transformers", "vllm", "vllm_protocol_cpu"))
+    vllm_importance_sampling_correction: bool = _key(True, "grpo: weigh the loss by the trainer's over the sampler's "
+                                                     "probability, for a generator with weights of its own", GRPO)
+    vllm_importance_sampling_mode: str = _key("sequence_mask", "grpo: that ratio per token or per completion, "
+                                              "clamped to [clip_min, clip_max] or zeroed outside", GRPO,
+                                              choices=("token_truncate", "token_mask", "sequence_truncate",
+                                                       "sequence_mask"))
+    vllm_importance_sampling_clip_max: float | None = _key(3.0, "grpo: that ratio's upper bound", GRPO, minimum=0,
+                                                           exclusive_minimum=True)
+    vllm_importance_sampling_clip_min: float | None = _key(None, "grpo: that ratio's lower bound", GRPO, minimum=0)
     use_dora: bool = _key(False, "LoRA: weight-decomposed LoRA (DoRA; a trained magnitude per output row)", FINETUNE)
     use_rslora: bool = _key(False, "LoRA: rank-stabilised scaling lora_alpha / sqrt(lora_rank)", FINETUNE)
     pissa_init: bool = _key(False, "LoRA: initialise from the principal singular vectors of each weight (PiSSA)",

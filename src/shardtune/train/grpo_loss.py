@@ -6,10 +6,16 @@ Every function takes per-token tensors of one group of completions (``mask`` mar
 every micro-batch and rank then gives the loss of one big batch, so gradient accumulation and data parallelism do not
 change the update (TRL averages per micro-batch and over ranks, the same when every micro-batch holds as many
 completions, which shardtune's batches do). tests/unit/test_grpo_oracle.py checks them against TRL.
+
+A generator with weights of its own (vLLM, or its CPU stand-in) samples from a distribution a little apart from the
+trainer's (other kernels, another dtype). ``sampler_ratio`` is TRL's correction for that gap
+(``vllm_importance_sampling_*``): each token's (or each completion's) ratio of the trainer's probability to the
+sampler's, truncated to or masked outside [clip_min, clip_max], multiplies the surrogate loss.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +39,34 @@ class GrpoSettings:
     @property
     def upper_epsilon(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+@dataclass(frozen=True)
+class SamplerCorrection:
+    """TRL's ``vllm_importance_sampling_mode`` and its clip bounds (None: unbounded on that side)."""
+
+    mode: str = "sequence_mask"
+    clip_min: float | None = None
+    clip_max: float | None = 3.0
+
+
+SAMPLER_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def sampler_ratio(c: SamplerCorrection, old_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor
+                  ) -> torch.Tensor:
+    """exp(trainer - sampler log-probability) per token (``token_*``: shape of the logps) or summed per completion
+    (``sequence_*``: one column); ``*_truncate`` clamps it to the bounds, ``*_mask`` zeroes it outside them. A token
+    the sampler could not score (NaN) counts as no gap."""
+    gap = torch.nan_to_num((old_logps - sampler_logps) * mask, nan=0.0)
+    if c.mode.startswith("sequence"):
+        gap = gap.sum(-1, keepdim=True)
+    ratio = torch.exp(gap)
+    if c.mode.endswith("truncate"):
+        return torch.clamp(ratio, min=c.clip_min, max=c.clip_max)
+    low = -math.inf if c.clip_min is None else c.clip_min
+    high = math.inf if c.clip_max is None else c.clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
 
 
 @dataclass(frozen=True)
@@ -69,9 +103,11 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str,
 
 
 def token_terms(s: GrpoSettings, logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, ref_logps: torch.Tensor | None) -> TokenTerms:
-    """The clipped surrogate per token (gspo: one ratio per sequence, the exp of its mean log-ratio), plus beta x
-    the k3 estimate of KL(policy || reference) (times the ratio with ``use_bias_correction_kl``)."""
+                mask: torch.Tensor, ref_logps: torch.Tensor | None, sampler: torch.Tensor | None = None
+                ) -> TokenTerms:
+    """The clipped surrogate per token (gspo: one ratio per sequence, the exp of its mean log-ratio), times the
+    sampler correction when there is one (``sampler_ratio``), plus beta x the k3 estimate of KL(policy || reference)
+    (times the ratio with ``use_bias_correction_kl``)."""
     log_ratio = logps - old_logps
     if s.loss_type == "gspo":
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
@@ -79,6 +115,8 @@ def token_terms(s: GrpoSettings, logps: torch.Tensor, old_logps: torch.Tensor, a
     clipped = torch.clamp(ratio, 1 - s.epsilon, 1 + s.upper_epsilon)
     adv = advantages.unsqueeze(-1)
     loss = -torch.min(ratio * adv, clipped * adv)
+    if sampler is not None:
+        loss = loss * sampler
     kl = None
     if s.beta != 0.0:
         assert ref_logps is not None, "beta > 0 needs the reference's log-probabilities"

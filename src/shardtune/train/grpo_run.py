@@ -11,7 +11,7 @@ from typing import Any
 from shardtune.config.schema import TrainConfig
 from shardtune.engines.base import Engine
 from shardtune.model.source import ModelSource
-from shardtune.train.grpo_loss import GrpoSettings
+from shardtune.train.grpo_loss import GrpoSettings, SamplerCorrection
 from shardtune.train.grpo_rewards import RewardSet
 from shardtune.train.grpo_step import GrpoObjective
 from shardtune.train.rollout import Rollout, Sampling, TransformersRollout
@@ -34,14 +34,24 @@ def build_grpo_objective(c: TrainConfig, source: ModelSource, engine: Engine, to
     stops = stop_token_ids(tokenizer, prediction_stop_token(tokenizer, c))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     rollout, weight_sync, backend = rollout_backend(c, source, engine, stops, pad)
+    correction = sampler_correction(c) if weight_sync is not None else None
     if engine.is_main:
         where = "none (beta 0)" if reference is None else reference.kind
+        corrected = "" if correction is None else f"; sampler gap corrected ({correction.mode})"
         print(f"[shardtune] stage grpo: loss_type {c.loss_type}, {c.num_generations} completions per prompt "
-              f"({backend}), rewards {', '.join(c.reward_funcs)}; reference: {where}", flush=True)
+              f"({backend}{corrected}), rewards {', '.join(c.reward_funcs)}; reference: {where}", flush=True)
     return GrpoObjective(settings, sampling, RewardSet.load(c.reward_funcs, c.reward_weights, c.reward_format_regex,
                                                             engine.device, tokenizer),
                          rollout, tokenizer, c.num_generations, c.scale_rewards,
-                         c.num_iterations, c.mask_truncated_completions, reference, weight_sync)
+                         c.num_iterations, c.mask_truncated_completions, reference, weight_sync, correction)
+
+
+def sampler_correction(c: TrainConfig) -> SamplerCorrection | None:
+    """TRL's vllm_importance_sampling_* for a generator with weights of its own (None: turned off)."""
+    if not c.vllm_importance_sampling_correction:
+        return None
+    return SamplerCorrection(c.vllm_importance_sampling_mode, c.vllm_importance_sampling_clip_min,
+                             c.vllm_importance_sampling_clip_max)
 
 
 def rollout_backend(c: TrainConfig, source: ModelSource, engine: Engine, stops: list[int], pad: int

@@ -21,10 +21,12 @@ import torch
 from shardtune.engines.base import Engine
 from shardtune.train.grpo_loss import (
     GrpoSettings,
+    SamplerCorrection,
     aggregate,
     clip_fractions,
     completion_logps,
     group_advantages,
+    sampler_ratio,
     token_terms,
 )
 from shardtune.train.grpo_rewards import RewardSet
@@ -44,6 +46,7 @@ class Group:
     advantages: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
+    sampler: torch.Tensor | None = None  # the trainer/sampler importance ratio (a generator of its own)
 
 
 @dataclass
@@ -61,6 +64,7 @@ class GrpoObjective:
     mask_truncated: bool = False
     reference: Reference | None = None
     weight_sync: WeightSync | None = None  # a generator with its own weights (rollout_backend vllm_protocol_cpu)
+    correction: SamplerCorrection | None = None  # for that generator's gap (vllm_importance_sampling_correction)
     _kept: tuple[Any, list[Group], float] | None = None
 
     def train_step(self, engine: Engine, window: list[dict[str, Any]], max_grad_norm: float) -> dict[str, float]:
@@ -78,12 +82,15 @@ class GrpoObjective:
             with engine.accumulation_context(is_last_micro_batch=i == len(groups) - 1), engine.autocast():
                 logps = self.policy_logps(engine, engine.model, group)
                 old = group.old_logps if group.old_logps is not None else logps.detach()
-                terms = token_terms(self.settings, logps, old, group.advantages, group.mask, group.ref_logps)
+                terms = token_terms(self.settings, logps, old, group.advantages, group.mask, group.ref_logps,
+                                    group.sampler)
                 loss = aggregate(self.settings.loss_type, terms.loss, group.mask, denominator)
             engine.backward(loss * engine.loss_scale_for_mean_reduction)
             sums += self.group_metrics(group, terms, loss.detach())
         grad_norm = engine.step(max_grad_norm)
         metrics = self.step_metrics(engine, sums, len(self.rewards.names), grad_norm, rollout_seconds)
+        if self.correction is not None:
+            metrics.update(sampler_metrics(engine, groups))
         if self.weight_sync is not None:  # every rank, after every optimizer step, whatever it generated
             metrics["weight_sync_seconds"] = sync_seconds + self.weight_sync.after_step(engine)
         return metrics
@@ -106,8 +113,10 @@ class GrpoObjective:
                                                 self.scale_rewards, batch_std).to(engine.device)
         with torch.no_grad():
             for group in groups:
-                if self.num_iterations > 1:
+                if self.num_iterations > 1 or self.correction is not None:
                     group.old_logps = self.policy_logps(engine, engine.model, group)
+                if self.correction is not None:
+                    group.sampler = self.sampler_ratio(engine, group)
                 if self.reference is not None:
                     group.ref_logps = self.reference_logps(engine, group)
         self._kept = (window[0], groups, 0.0)
@@ -138,6 +147,15 @@ class GrpoObjective:
         return torch.tensor(max(variance, 0.0) ** 0.5, dtype=torch.float32)
 
     # --- log-probabilities ---
+    def sampler_ratio(self, engine: Engine, group: Group) -> torch.Tensor:
+        """The correction of this group's sampler/trainer gap; the generator must have said what it sampled with."""
+        assert self.correction is not None and group.old_logps is not None
+        sampled = group.completions.logps
+        if sampled is None:
+            raise RuntimeError("the generator returned no log-probabilities, which the importance-sampling "
+                               "correction needs (vllm_importance_sampling_correction: false turns it off)")
+        return sampler_ratio(self.correction, group.old_logps, sampled.to(engine.device), group.mask)
+
     def policy_logps(self, engine: Engine, model: torch.nn.Module, group: Group) -> torch.Tensor:
         ids, attention = self.inputs(engine, group)
         logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits
@@ -195,6 +213,30 @@ class GrpoObjective:
         for i, name in enumerate(self.rewards.labels):
             metrics[f"rewards/{name}/mean"] = summed[len(METRICS) + i] / n
         return metrics
+
+
+def sampler_metrics(engine: Engine, groups: list[Group]) -> dict[str, float]:
+    """TRL's sampling/* logs of the step, over every rank: the |trainer - sampler| log-probability gap of the tokens
+    that count (mean, max) and the correction's ratio (per token, or per completion in the sequence modes)."""
+    gaps, ratios = [torch.zeros(0, dtype=torch.float64)], [torch.zeros(0, dtype=torch.float64)]
+    for g in groups:
+        assert g.old_logps is not None and g.completions.logps is not None and g.sampler is not None
+        counted = g.mask.bool()
+        gap = (g.old_logps - g.completions.logps.to(g.old_logps.device)).abs()[counted]
+        gaps.append(gap[~gap.isnan()].double().cpu())
+        per_token = g.sampler.shape == g.mask.shape
+        ratios.append((g.sampler[counted] if per_token else g.sampler.flatten()).double().cpu())
+    gap, ratio = torch.cat(gaps), torch.cat(ratios)
+    sums = engine.all_reduce_sum(torch.tensor([gap.sum(), len(gap), ratio.sum(), len(ratio)], dtype=torch.float64,
+                                              device=engine.device)).tolist()
+    ends = engine.gather_objects([gap.max().item() if len(gap) else 0.0, ratio.min().item(), ratio.max().item()]
+                                 if len(ratio) else None)
+    found = [e for e in ends if e is not None] or [[0.0, 0.0, 0.0]]
+    return {"sampling/sampling_logp_difference/mean": sums[0] / max(sums[1], 1.0),
+            "sampling/sampling_logp_difference/max": max(e[0] for e in found),
+            "sampling/importance_sampling_ratio/min": min(e[1] for e in found),
+            "sampling/importance_sampling_ratio/mean": sums[2] / max(sums[3], 1.0),
+            "sampling/importance_sampling_ratio/max": max(e[2] for e in found)}
 
 
 # The sums every group adds (group_metrics), reduced over ranks in one call.

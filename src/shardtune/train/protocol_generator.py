@@ -98,6 +98,7 @@ class ProtocolGenerator:
                                       max_new_tokens=s.max_completion_length, eos_token_id=stop_ids,
                                       pad_token_id=pad, return_dict_in_generate=True, output_logits=True)
         done = sampled_completions(out, len(prompt_ids), stop_ids, pad, s.temperature)
+        assert done.logps is not None
         return {"ids": done.ids.tolist(), "mask": done.mask.tolist(), "truncated": done.truncated.tolist(),
                 "logps": done.logps.tolist()}
 

@@ -2,7 +2,10 @@
 
 One interface so that another back-end (vLLM, with its own copy of the weights) can plug in later; the one built is
 ``TransformersRollout``: the policy being trained generates with its own weights through ``Engine.generate``, which
-gathers sharded weights (ZeRO-3, FSDP) as do_predict does, so no copy of the weights is ever made or synced.
+gathers sharded weights (ZeRO-3, FSDP) as do_predict does, so no copy of the weights is ever made or synced. Its
+sampler is the trainer, so it reports no sampler log-probabilities: keeping generate's logits for them would hold
+n x max_completion_length x vocab fp32 numbers (2.5 GB for 8 completions of 512 tokens over a 152k vocabulary) for a
+correction that has no gap to correct.
 
 Each group (the ``n`` completions of one prompt) is generated alone, with the random state seeded from the run's
 seed and the prompt's row number: the completions of a prompt do not depend on the process count, the batch the
@@ -36,13 +39,13 @@ class Sampling:
 @dataclass(frozen=True)
 class Completions:
     """``n`` completions of one prompt, right-padded: ids, the mask of the tokens that belong to each (up to and with
-    its stop token), whether each ran out of length without one, and the sampler's log-probabilities of its tokens
-    (at the sampling temperature, before top-p/top-k; 0 on padding)."""
+    its stop token), whether each ran out of length without one, and, from a generator with weights of its own, the
+    sampler's log-probabilities of its tokens (at the sampling temperature, before top-p/top-k; 0 on padding)."""
 
     ids: torch.Tensor
     mask: torch.Tensor
     truncated: torch.Tensor
-    logps: torch.Tensor
+    logps: torch.Tensor | None = None
 
 
 class Rollout(Protocol):
@@ -75,20 +78,25 @@ class TransformersRollout:
         devices = [self.engine.device] if self.engine.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(row_seed(sampling.seed, row))
-            out: Any = self.engine.generate(prompt, torch.ones_like(prompt), do_sample=True,
-                                       temperature=sampling.temperature, top_p=sampling.top_p,
-                                       top_k=sampling.top_k, max_new_tokens=sampling.max_completion_length,
-                                       eos_token_id=self.stop_ids, pad_token_id=self.pad_token_id,
-                                       return_dict_in_generate=True, output_logits=True)  # a GenerateOutput
-        return sampled_completions(out, len(prompt_ids), self.stop_ids, self.pad_token_id, sampling.temperature)
+            sequences = self.engine.generate(prompt, torch.ones_like(prompt), do_sample=True,
+                                             temperature=sampling.temperature, top_p=sampling.top_p,
+                                             top_k=sampling.top_k, max_new_tokens=sampling.max_completion_length,
+                                             eos_token_id=self.stop_ids, pad_token_id=self.pad_token_id)
+        return completions_of(sequences, len(prompt_ids), self.stop_ids, self.pad_token_id)
+
+
+def completions_of(sequences: torch.Tensor, prompt_length: int, stop_ids: list[int], pad_token_id: int
+                   ) -> Completions:
+    """The completions in generate's output rows, cut at their first stop token (padding after it)."""
+    ids = sequences[:, prompt_length:]
+    mask, truncated = completion_mask(ids, stop_ids)
+    return Completions(ids.masked_fill(mask == 0, pad_token_id), mask, truncated)
 
 
 def sampled_completions(out: Any, prompt_length: int, stop_ids: list[int], pad_token_id: int,
                         temperature: float) -> Completions:
     """The completions of a ``GenerateOutput`` (sequences and logits), with the sampler's log-probabilities."""
-    ids = out.sequences[:, prompt_length:]
-    mask, truncated = completion_mask(ids, stop_ids)
-    ids = ids.masked_fill(mask == 0, pad_token_id)
+    done = completions_of(out.sequences, prompt_length, stop_ids, pad_token_id)
     logits = torch.stack(out.logits, dim=1).float() / temperature
-    logps = torch.gather(logits.log_softmax(-1), -1, ids.unsqueeze(-1)).squeeze(-1) * mask
-    return Completions(ids, mask, truncated, logps)
+    logps = torch.gather(logits.log_softmax(-1), -1, done.ids.unsqueeze(-1)).squeeze(-1) * done.mask
+    return Completions(done.ids, done.mask, done.truncated, logps)
