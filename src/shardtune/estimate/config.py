@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from shardtune.config.adapter_method import adapter_targets
+from shardtune.config.adapter_method import adapter_targets, is_adapter_type
 from shardtune.config.preference import PREFERENCE_STAGES, holds_reference_copy
 from shardtune.config.schema import TrainConfig
 from shardtune.data.settings import takes_offsets
@@ -43,7 +43,9 @@ def workload_from_config(c: TrainConfig) -> Workload:
     budgets ``micro_batch_rows``; cutoff_len / sequence_parallel_size of them computed per rank under sequence
     parallelism); a
     dpo/kto/rm micro-batch runs two rows per sample in one forward from the full logits (loss_chunk_size does not
-    apply) and a dpo/kto run may hold a frozen reference (``holds_reference_copy``). Data with an images column is
+    apply) and a dpo/kto run may hold a frozen reference (``holds_reference_copy``; grpo's with beta > 0:
+    ``grpo_holds_reference_copy``). A grpo micro-batch is one group: num_generations rows of cutoff_len tokens (prompt
+    + max_completion_length), and its rollouts are estimated apart (estimate/grpo.py). Data with an images column is
     read as ``IMAGES_PER_SAMPLE`` images per sample, each at image_max_pixels. BAdam (``use_badam``) trains one
     decoder layer at a time: it is estimated as freeze tuning of the first layer, the block whose backward runs
     through every layer above it (the largest activation footprint of its blocks)."""
@@ -52,7 +54,9 @@ def workload_from_config(c: TrainConfig) -> Workload:
         finetuning = "freeze"
         c = dataclasses.replace(c, freeze_trainable_layers=-1, freeze_trainable_modules=["all"])
     preference = c.stage in PREFERENCE_STAGES
-    micro_batch, seq_len = micro_batch_rows(c)
+    grpo = c.stage == "grpo"
+    # grpo runs one group (num_generations rows of prompt + completion, within cutoff_len) per forward
+    micro_batch, seq_len = (c.num_generations, c.cutoff_len) if grpo else micro_batch_rows(c)
     return Workload(
         micro_batch=micro_batch,
         seq_len=seq_len,
@@ -69,9 +73,9 @@ def workload_from_config(c: TrainConfig) -> Workload:
         attn_implementation=c.attn_implementation,
         optim=c.optim,
         gradient_accumulation_steps=c.gradient_accumulation_steps,
-        loss_chunk_size=0 if preference else c.loss_chunk_size,
+        loss_chunk_size=0 if preference or grpo else c.loss_chunk_size,
         rows_per_sample=2 if preference else 1,
-        reference_copy=holds_reference_copy(c),
+        reference_copy=holds_reference_copy(c) or grpo_holds_reference_copy(c),
         sequence_parallel=c.sequence_parallel_size,
         sequence_parallel_mode=c.sequence_parallel_mode,
         expert_parallel=c.expert_parallel_size,
@@ -80,7 +84,15 @@ def workload_from_config(c: TrainConfig) -> Workload:
         images_per_sample=IMAGES_PER_SAMPLE if data_has_images(c) else 0,
         image_max_pixels=c.image_max_pixels,
         async_save=c.async_save,
+        completion_tokens=c.max_completion_length if grpo else 0,
+        external_generator=grpo and c.rollout_backend == "vllm_protocol_cpu",
     )
+
+
+def grpo_holds_reference_copy(c: TrainConfig) -> bool:
+    """grpo with beta > 0 places its reference as dpo does (train/grpo_run.py, live_reference): a frozen copy of the
+    weights for full/freeze runs, the policy with its adapter off otherwise."""
+    return c.stage == "grpo" and c.beta > 0 and not is_adapter_type(c.finetuning_type)
 
 
 def micro_batch_rows(c: TrainConfig) -> tuple[int, int]:

@@ -19,6 +19,7 @@ from shardtune.estimate.expert_parallel import (
     held_trainable,
     splits_experts,
 )
+from shardtune.estimate.grpo import generator_host, rollout_bytes
 from shardtune.estimate.hardware import Hardware
 from shardtune.estimate.parts import (
     ALLOCATOR_RESERVE,
@@ -60,6 +61,7 @@ def ddp_states(c: Context) -> tuple[Components, float, Setup]:
         buffers=autocast_weight_copy_bytes(c.shape, w) - uncopied,
         activations=activation_bytes(c.shape, w, FP32),
         reference=reference,
+        rollout=rollout_bytes(c.shape, w, FP32),
     )
     # The reducer allocates its buckets when DDP wraps the model (on the CPU they stay unwritten until a backward).
     return device, 0.0, with_reference_setup(full_load_setup(c, weights + buckets), reference, reference)
@@ -141,6 +143,7 @@ def fsdp_states(c: Context, group: int, reshard: bool, offload: bool) -> tuple[C
         buffers=gathered + unreduced + autocast_weight_copy_bytes(c.shape, w) + dispatch_bytes(c.shape, w, FP32),
         activations=activation_bytes(c.shape, w, FP32),
         reference=reference,
+        rollout=rollout_bytes(c.shape, w, FP32),
     )
     offloaded = (stored + (FP32 + w.optimizer_state_bytes) * t) / group if offload else 0.0
     offloaded_reference = fsdp_reference_share(c, 1.0, group) if offload else 0.0
@@ -269,7 +272,8 @@ def build_option(spec: OptionSpec, c: Context) -> Option:
 
     Under async_save each rank keeps one staged copy of what it writes in a checkpoint in host memory while training
     goes on (engines/checkpoint_writer.py: a save waits for the previous one, so never two): the node's training
-    memory holds its ranks' checkpoint once more."""
+    memory holds its ranks' checkpoint once more. grpo's vllm_protocol_cpu generator, started after the model is
+    loaded, adds its process to the training memory of rank 0's node."""
     device, cpu_rank, setup = spec.states(c)
     hw = c.hardware
     device = with_overhead(device, hw.on_gpu)
@@ -277,15 +281,17 @@ def build_option(spec: OptionSpec, c: Context) -> Option:
     checkpoint = spec.checkpoint(c)
     checkpoint_per_node = checkpoint.per_node(hw.gpus_per_node)
     staging = checkpoint_per_node if c.workload.async_save else 0.0
+    generator = generator_host(c.shape, c.workload)
+    generator_bytes = generator.total if generator else 0.0
     loading, training = node_cpu_bytes(device, cpu_rank, setup, hw)
-    per_node = max(loading, training + staging) + hw.gpus_per_node * CPU_RUNTIME_BYTES
+    per_node = max(loading, training + staging + generator_bytes) + hw.gpus_per_node * CPU_RUNTIME_BYTES
     reason = unavailable_reason(spec, c)
     fits_device = not hw.on_gpu or peak <= (hw.gpu_memory or 0)
     fits = not reason and fits_device and per_node <= hw.cpu_memory
     return Option(spec.name, dict(spec.engine_values), spec.speed_rank, device, cpu_rank, setup,
                   available=not reason, note=reason, fits=fits, cpu_per_node=per_node, setup_cpu_per_node=loading,
                   device_peak=peak, checkpoint=checkpoint, checkpoint_per_node=checkpoint_per_node,
-                  staging_per_node=staging)
+                  staging_per_node=staging, generator_per_node=generator_bytes)
 
 def build_options(shape: ModelShape, workload: Workload, hardware: Hardware) -> list[Option]:
     """Every engine option, fastest first."""

@@ -32,6 +32,9 @@ class Components:
     activations: float = 0.0
     overhead: float = 0.0
     reference: float = 0.0  # a preference run's frozen reference model: this rank's share, as the policy's weights
+    # grpo's rollout phase (estimate/grpo.py): a phase of its own before the training forwards, so a step holds the
+    # larger of it and the activations
+    rollout: float = 0.0
 
     @property
     def total(self) -> float:
@@ -44,12 +47,14 @@ class Components:
 
     @property
     def measurable(self) -> float:
-        """Every tensor of a step: model states, reference, buffers and activations (no runtime or allocator
-        overhead)."""
-        return self.model_states + self.reference + self.buffers + self.activations
+        """Every tensor of a step: model states, reference, buffers and activations, or grpo's rollouts where they
+        are larger (no runtime or allocator overhead)."""
+        return self.model_states + self.reference + self.buffers + max(self.activations, self.rollout)
 
     def to_dict(self) -> dict[str, int]:
-        data = {f.name: int(round(getattr(self, f.name))) for f in fields(self)}
+        """Bytes by holder and the total; 'rollout' only where a rank generates (grpo), so that the JSON of every
+        other run keeps the keys scripts read."""
+        data = {f.name: int(round(getattr(self, f.name))) for f in fields(self) if f.name != "rollout" or self.rollout}
         data["total"] = int(round(self.total))
         return data
 
@@ -113,6 +118,9 @@ class Option:
     # async_save: the staged copy of checkpoint_per_node in the first node's host memory (counted in cpu_per_node);
     # 0 without async_save
     staging_per_node: float = 0.0
+    # grpo with rollout_backend vllm_protocol_cpu: the generator process on the node with rank 0 (weights, rollouts,
+    # interpreter; counted in cpu_per_node); 0 otherwise
+    generator_per_node: float = 0.0
 
     @property
     def setup_device(self) -> float:

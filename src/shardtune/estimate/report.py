@@ -7,7 +7,8 @@ from typing import Any
 
 from shardtune.estimate.activations import sequence_mode
 from shardtune.estimate.expert_parallel import describe_expert_parallel, expert_parallel_dict
-from shardtune.estimate.hardware import GiB, Hardware
+from shardtune.estimate.grpo import generator_host, kv_cache_bytes, prompt_tokens
+from shardtune.estimate.hardware import GiB, Hardware, format_size
 from shardtune.estimate.parts import Option
 from shardtune.estimate.recommend import Recommendation
 from shardtune.estimate.shape import ModelShape
@@ -45,6 +46,7 @@ def option_dict(o: Option) -> dict[str, Any]:
         "checkpoint_bytes_other_rank": int(round(o.checkpoint.other_rank)),
         "checkpoint_bytes_per_node": int(round(o.checkpoint_per_node)),
         "async_save_staging_bytes_per_node": int(round(o.staging_per_node)),
+        "generator_bytes_per_node": int(round(o.generator_per_node)),
     }
 
 
@@ -70,12 +72,12 @@ COLUMNS = ("option", "params", "grads", "optim", "buffers", "activ", "overhead",
 
 def render_table(e: Estimate) -> str:
     """Header lines, one row per option (GiB), and the recommendation with its reason; a 'ref' column after
-    'optim' when a preference run holds a frozen reference model, and a 'staging' column before 'CPU/node' (with
-    its line below the table) under async_save."""
-    with_ref, staged = e.workload.reference_copy, e.workload.async_save
-    columns = COLUMNS[:4] + (("ref",) if with_ref else ()) + COLUMNS[4:9] + (("staging",) if staged else ()) \
-        + COLUMNS[9:]
-    rows = [columns] + [_row(o, e.hardware, with_ref, staged) for o in e.options]
+    'optim' when a preference run holds a frozen reference model, a 'rollout' column after 'activ' for stage grpo,
+    and a 'staging' column before 'CPU/node' (with its line below the table) under async_save."""
+    with_ref, staged, grpo = e.workload.reference_copy, e.workload.async_save, e.workload.is_grpo
+    columns = COLUMNS[:4] + (("ref",) if with_ref else ()) + COLUMNS[4:6] + (("rollout",) if grpo else ()) \
+        + COLUMNS[6:9] + (("staging",) if staged else ()) + COLUMNS[9:]
+    rows = [columns] + [_row(o, e.hardware, with_ref, staged, grpo) for o in e.options]
     widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     lines = [_header(e), ""]
     for row in rows:
@@ -99,13 +101,15 @@ def _header(e: Estimate) -> str:
     trainable = trainable_params(s, w)
     method = w.finetuning_type + (f" r={w.lora_rank}" if w.is_lora else "")
     checkpointing = "on" if w.gradient_checkpointing else "off"
+    batch = "one grpo group per forward:" if w.is_grpo else "micro batch"
     return "\n".join([
         f"model: {s.source or s.model_type} ({s.total_params / 1e9:.3g}B params; {method}, "
         f"{trainable / 1e9:.3g}B trainable)",
         *architecture_lines(s),
-        f"run: {w.precision}, micro batch {w.micro_batch} x {w.seq_len} tokens, gradient checkpointing "
+        f"run: {w.precision}, {batch} {w.micro_batch} x {w.seq_len} tokens, gradient checkpointing "
         f"{checkpointing}, {w.attn_implementation} attention, {w.optim}",
         *_preference_lines(w, e.shape),
+        *grpo_lines(s, w),
         *image_text_lines(s, w),
         *_sequence_parallel_lines(e),
         *describe_expert_parallel(s, w, e.hardware.nodes, e.hardware.gpus_per_node),
@@ -173,6 +177,32 @@ def _preference_lines(w: Workload, s: ModelShape) -> list[str]:
             f"{w.micro_batch * w.rows_per_sample} rows); reference model: {where}"]
 
 
+def grpo_lines(s: ModelShape, w: Workload) -> list[str]:
+    """Stage grpo's two phases, named as the table's columns: the rollouts ('rollout', or the generator process
+    of vllm_protocol_cpu in host memory) and the training forwards ('activ'); a step holds the larger."""
+    if not w.is_grpo:
+        return []
+    rows, tokens, vocab = w.micro_batch, w.seq_len, s.output_rows
+    training = (f"grpo training phase ('activ'): one group's forward and backward at a time, {rows} rows x {tokens} "
+                f"tokens (prompt up to {prompt_tokens(w)} + completion {w.completion_tokens}), full logits "
+                f"({rows} x {tokens} x {vocab}; loss_chunk_size does not apply); the no_grad forwards of old and "
+                "reference log-probabilities hold less")
+    generator = generator_host(s, w)
+    if generator is not None:
+        return [f"grpo rollout phase: none on the ranks ('rollout' 0): rollout_backend vllm_protocol_cpu generates in "
+                f"a process of its own on rank 0's node, {format_size(generator.total)} of host memory in CPU/node "
+                f"(weights in {w.precision} {format_size(generator.weights)}, its rollouts "
+                f"{format_size(generator.rollouts)}: KV cache and every step's fp32 logits, interpreter "
+                f"{format_size(generator.runtime)})", training]
+    caches = {format_size(kv_cache_bytes(s, rows, tokens, b)): name for b, name in
+              ((w.compute_bytes, f"{w.precision} under DeepSpeed"), (4, "fp32 under DDP/FSDP's autocast"))}
+    cache = ", ".join(f"{size} at {name}" for size, name in caches.items()) if len(caches) > 1 else next(iter(caches))
+    rollout = (f"grpo rollout phase ('rollout'; no_grad, before the training forwards; a step holds the larger phase): "
+               f"one group's generation, its KV cache of {rows} rows x {tokens} tokens ({cache}) and one step's "
+               f"{rows} x {vocab} logits, or its prefill where larger")
+    return [rollout, training]
+
+
 def architecture_lines(s: ModelShape) -> list[str]:
     """What the estimate took from the architecture beyond a dense LLaMA: experts, latent attention, tied
     embeddings, sliding windows, attention sinks."""
@@ -205,14 +235,17 @@ def architecture_lines(s: ModelShape) -> list[str]:
     return lines
 
 
-def _row(o: Option, hw: Hardware, with_ref: bool = False, staged: bool = False) -> tuple[str, ...]:
+def _row(o: Option, hw: Hardware, with_ref: bool = False, staged: bool = False, grpo: bool = False
+         ) -> tuple[str, ...]:
     d = o.device
     fits = "yes" if o.fits else ("n/a" if not o.available else "no")
     peak = _gib(o.device_peak) + ("*" if _setup_dominates(o) else "") if hw.on_gpu else "-"
     ref = (_gib(d.reference),) if with_ref else ()
+    rollout = (_gib(d.rollout),) if grpo else ()
     staging = (_gib(o.staging_per_node),) if staged else ()
     return (o.name, _gib(d.parameters), _gib(d.gradients), _gib(d.optimizer_states), *ref, _gib(d.buffers),
-            _gib(d.activations), _gib(d.overhead), peak, _gib(o.setup_device), *staging, _gib(o.cpu_per_node), fits)
+            _gib(d.activations), *rollout, _gib(d.overhead), peak, _gib(o.setup_device), *staging,
+            _gib(o.cpu_per_node), fits)
 
 
 def _setup_dominates(o: Option) -> bool:

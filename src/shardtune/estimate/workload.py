@@ -80,6 +80,18 @@ class Workload:
     # async_save: each rank holds one staged copy of what it writes in a checkpoint in host memory until it is
     # written (engines/checkpoint_writer.py).
     async_save: bool = False
+    # Stage grpo (0 for the other stages): max_completion_length, the generated part of each row. A micro-batch is
+    # then one group, the num_generations rows that generate and train together (train/grpo_step.py: one forward
+    # and backward per group), each row a prompt and its completion within seq_len (cutoff_len: data/rl_prompts.py
+    # refuses a prompt longer than cutoff_len - max_completion_length).
+    completion_tokens: int = 0
+    # rollout_backend vllm_protocol_cpu: a generator process on rank 0's node generates with its own copy of the
+    # weights (train/protocol_generator.py), so the ranks hold no rollout of their own.
+    external_generator: bool = False
+
+    @property
+    def is_grpo(self) -> bool:
+        return self.completion_tokens > 0
 
     @property
     def local_seq_len(self) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from shardtune.estimate.activations import activation_bytes
 from shardtune.estimate.adapter_shape import lora_small_params
+from shardtune.estimate.grpo import rollout_bytes
 from shardtune.estimate.parts import (
     FP32,
     CheckpointFn,
@@ -112,6 +113,7 @@ def zero_states(c: Context, z: ZeroSettings) -> tuple[Components, float, Setup]:
         buffers=gathered + staging_bucket_bytes(z, b, t, activations, c.hardware.on_gpu),
         activations=activations,
         reference=reference,
+        rollout=rollout_bytes(c.shape, w, b),
     )
     offloaded = 0.0
     if z.offload_optimizer:
