@@ -68,3 +68,33 @@ def test_a_resumed_run_samples_the_same_prompts_and_continues_the_curve(processe
     for key in COMPARED:
         expected, resumed = logged(finished, key), logged(crashed, key)
         assert len(resumed) == 4 and resumed[2:] == pytest.approx(expected[2:], rel=2e-3, abs=1e-5), key
+
+
+@pytest.fixture(scope="module")
+def finished_with_repeats(tiny_model_dir, tmp_path_factory) -> Path:
+    """One process, num_iterations 2 (each window trained twice on its rollouts), a checkpoint after every step."""
+    out = tmp_path_factory.mktemp("repeats")
+    train(tiny_model_dir, out, 1, 8, *REPEATS)
+    return out
+
+
+REPEATS = (*KINDS["full"], "num_iterations=2", "max_steps=4", "save_strategy=steps", "save_steps=1")
+
+
+@pytest.mark.parametrize("processes", [1, 2], ids=["same-1", "then-2"])
+def test_a_run_resumed_between_two_repeats_of_a_window_trains_on_the_same_rollouts(
+        processes, finished_with_repeats, tiny_model_dir, tmp_path):
+    """Died right after checkpoint-1, the first of two steps on one window's rollouts: resumed on 1 or 2 processes,
+    the second step trains on the checkpoint's rollouts and old log-probabilities (rows as keys, whichever rank
+    holds them now) and the run logs the uninterrupted run's steps 2 to 4. The checkpoint at a window's end carries
+    none (nothing is left to repeat)."""
+    from tests.conftest import crash_after_checkpoint
+
+    assert len(list((finished_with_repeats / "checkpoint-1").glob("rank*_grpo_rollouts.pt"))) == 1
+    assert not list((finished_with_repeats / "checkpoint-2").glob("rank*_grpo_rollouts.pt"))
+    crashed = tmp_path / "crashed"
+    crash_after_checkpoint(finished_with_repeats, crashed, 1)
+    train(tiny_model_dir, crashed, processes, 8 // processes, *REPEATS, "overwrite_output_dir=false")
+    for key in (*COMPARED, "clip_ratio/low_mean", "clip_ratio/high_mean"):
+        expected, resumed = logged(finished_with_repeats, key), logged(crashed, key)
+        assert len(resumed) == 4 and resumed[1:] == pytest.approx(expected[1:], rel=2e-3, abs=1e-5), key

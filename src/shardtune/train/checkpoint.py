@@ -42,7 +42,7 @@ from shardtune.train.checkpoint_folders import (  # noqa: F401 - discovery lives
     latest_checkpoint,
     resume_source,
 )
-from shardtune.train.loop import TrainState
+from shardtune.train.loop import KeepsCheckpointState, TrainState
 
 RNG_FILE = "rng_state.pt"
 
@@ -89,7 +89,9 @@ class CheckpointSaver:
         self.on_saved = on_saved
         self.pending: PendingCheckpoint | None = None
 
-    def save(self, state: TrainState, model_only: bool = False) -> Path:
+    def save(self, state: TrainState, model_only: bool = False, objective: object = None) -> Path:
+        """This rank's share of checkpoint-<step>: the engine's state (or the model), RNG, and the objective's own
+        files where it keeps state (``KeepsCheckpointState``)."""
         started = time.perf_counter()
         self.finish()  # the previous checkpoint's writes first
         path = checkpoint_dir(self.output_dir, state.global_step)
@@ -103,6 +105,9 @@ class CheckpointSaver:
             else:
                 self.engine.save_state(path, self.writer)
             self.writer.save_torch(rng_state(), path / f"rank{self.engine.rank}_{RNG_FILE}")
+            if isinstance(objective, KeepsCheckpointState):
+                for name, payload in objective.checkpoint_files(self.engine).items():
+                    self.writer.save_torch(payload, path / name)
         fault_point("staged")
         self.pending = PendingCheckpoint(path, state.to_dict(), model_only, time.perf_counter() - started)
         if not self.writer.background:
@@ -249,9 +254,12 @@ def is_model_only(path: Path) -> bool:
     return (path / MODEL_ONLY_MARKER).is_file()
 
 
-def load_checkpoint(engine: Engine, path: Path) -> TrainState:
-    """Restore everything; a model-only checkpoint's weights were loaded with the model (``model_only_config``),
-    so here only progress, RNG and the learning-rate schedule's position come back."""
+def load_checkpoint(engine: Engine, path: Path, objective: object = None) -> TrainState:
+    """Restore everything (the objective's own state too, ``KeepsCheckpointState``); a model-only checkpoint's
+    weights were loaded with the model (``model_only_config``), so here only progress, RNG, the objective's state and
+    the learning-rate schedule's position come back."""
+    if isinstance(objective, KeepsCheckpointState):
+        objective.restore_from(engine, path)
     if is_model_only(path):
         state = load_progress(engine, path)
         fast_forward_schedule(engine.scheduler, state.global_step)

@@ -75,8 +75,8 @@ def repeated_windows(epoch_batches: Callable[[int, int], Iterable[Any]], window:
                      ) -> Callable[[int, int], Iterable[Any]]:
     """``epoch_batches`` with every window of ``window`` micro-batches handed ``times`` times in a row (the same
     objects: the objective knows a repeat by them). ``skip`` counts repeated micro-batches; a run resumed between
-    two repeats starts the interrupted window's remaining repeats (its rollouts are drawn again, with the same seeds,
-    from the resumed policy)."""
+    two repeats starts the interrupted window's remaining repeats (on the rollouts the checkpoint carries:
+    train/grpo_group.py)."""
     if times == 1:
         return epoch_batches
 

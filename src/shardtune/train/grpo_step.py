@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from shardtune.engines.base import Engine
+from shardtune.train.grpo_group import Group, group_from, load_rollouts, rollouts_file_name, rollouts_payload
 from shardtune.train.grpo_loss import (
     GrpoSettings,
     SamplerCorrection,
@@ -31,22 +33,8 @@ from shardtune.train.grpo_loss import (
 )
 from shardtune.train.grpo_rewards import RewardSet
 from shardtune.train.preference_step import Reference
-from shardtune.train.rollout import Completions, Rollout, Sampling
+from shardtune.train.rollout import Rollout, Sampling
 from shardtune.train.weight_sync import WeightSync
-
-
-@dataclass
-class Group:
-    """One prompt's completions and everything the loss reads of them."""
-
-    prompt: torch.Tensor
-    completions: Completions
-    mask: torch.Tensor  # the tokens that count (truncated completions masked out when asked)
-    rewards: torch.Tensor  # (n, functions), unweighted
-    advantages: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
-    old_logps: torch.Tensor | None = None
-    ref_logps: torch.Tensor | None = None
-    sampler: torch.Tensor | None = None  # the trainer/sampler importance ratio (a generator of its own)
 
 
 @dataclass
@@ -65,7 +53,9 @@ class GrpoObjective:
     reference: Reference | None = None
     weight_sync: WeightSync | None = None  # a generator with its own weights (rollout_backend vllm_protocol_cpu)
     correction: SamplerCorrection | None = None  # for that generator's gap (vllm_importance_sampling_correction)
-    _kept: tuple[Any, list[Group], float] | None = None
+    _kept: tuple[Any, list[Group]] | None = None  # the window's first micro-batch and its groups
+    _repeats_done: int = 0  # steps trained on the kept groups
+    _restored: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # by row, from a checkpoint
 
     def train_step(self, engine: Engine, window: list[dict[str, Any]], max_grad_norm: float) -> dict[str, float]:
         sync_seconds = self.weight_sync.before_rollouts(engine) if self.weight_sync is not None else 0.0
@@ -101,12 +91,18 @@ class GrpoObjective:
     # --- rollouts ---
     def window_rollouts(self, engine: Engine, window: list[dict[str, Any]]) -> list[Group]:
         """The window's groups: generated, scored and given advantages once, then reused for the repeats of the same
-        window (num_iterations > 1)."""
+        window (num_iterations > 1); a run resumed between two repeats takes them from the checkpoint."""
         if self._kept is not None and self._kept[0] is window[0]:
+            self._repeats_done += 1
             return self._kept[1]
-        groups = [self.group(engine, prompt, columns, row) for batch in window
-                  for prompt, columns, row in zip(batch["prompt_ids"], batch["columns"], batch["index"],
-                                                  strict=True)]
+        rows = [(prompt, columns, row) for batch in window
+                for prompt, columns, row in zip(batch["prompt_ids"], batch["columns"], batch["index"], strict=True)]
+        groups = self.restored_groups(engine, rows) or self.new_groups(engine, rows)
+        self._kept, self._repeats_done = (window[0], groups), 1
+        return groups
+
+    def new_groups(self, engine: Engine, rows: list[tuple[list[int], dict[str, Any], int]]) -> list[Group]:
+        groups = [self.group(engine, prompt, columns, row) for prompt, columns, row in rows]
         batch_std = self.batch_std(engine, groups) if self.scale_rewards == "batch" else None
         for group in groups:
             group.advantages = group_advantages(self.rewards.combined(group.rewards), self.num_generations,
@@ -119,8 +115,25 @@ class GrpoObjective:
                     group.sampler = self.sampler_ratio(engine, group)
                 if self.reference is not None:
                     group.ref_logps = self.reference_logps(engine, group)
-        self._kept = (window[0], groups, 0.0)
         return groups
+
+    # --- resume between two repeats of a window (train/grpo_resume.py) ---
+    def checkpoint_files(self, engine: Engine) -> dict[str, Any]:
+        """This rank's groups while repeats of their window are still to come, for the checkpoint."""
+        if self._kept is None or self._repeats_done >= self.num_iterations:
+            return {}
+        return {rollouts_file_name(engine.rank): rollouts_payload(self._kept[1])}
+
+    def restore_from(self, engine: Engine, checkpoint: Path) -> None:
+        self._restored = load_rollouts(checkpoint)
+
+    def restored_groups(self, engine: Engine, rows: list[tuple[list[int], dict[str, Any], int]]
+                        ) -> list[Group] | None:
+        """The checkpoint's groups of these rows (the first window after a resume between its repeats), once."""
+        restored, self._restored = self._restored, {}
+        if not restored or any(row not in restored for _, _, row in rows):
+            return None
+        return [group_from(row, restored[row], engine.device) for _, _, row in rows]
 
     def group(self, engine: Engine, prompt_ids: list[int], columns: dict[str, Any], row: int) -> Group:
         completions = self.rollout.generate(prompt_ids, self.num_generations, self.sampling, row)
@@ -134,7 +147,7 @@ class GrpoObjective:
         if self.mask_truncated:
             mask = mask * (~completions.truncated).long().unsqueeze(1)
         return Group(torch.tensor(prompt_ids, dtype=torch.long, device=engine.device), completions,
-                     mask.to(engine.device), rewards)
+                     mask.to(engine.device), rewards, row=row)
 
     def batch_std(self, engine: Engine, groups: list[Group]) -> torch.Tensor:
         """The unbiased std of every completion's reward of the step, over all ranks (scale_rewards: batch)."""

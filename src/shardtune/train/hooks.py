@@ -110,7 +110,7 @@ class RunHooks:
     def on_save(self, state: TrainState) -> None:
         started = time.perf_counter()
         self.rank_log.event("saving", state.global_step)
-        self.saver.save(state, model_only=self.config.save_only_model)
+        self.saver.save(state, model_only=self.config.save_only_model, objective=self.objective)
         self.rank_log.event("save", state.global_step, seconds=round(time.perf_counter() - started, 3))
         self.rank_log.restart_clock()
         self.meter.start()  # saving is not training time

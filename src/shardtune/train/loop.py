@@ -12,7 +12,8 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -53,6 +54,15 @@ class Objective(Protocol):
 
     def train_step(self, engine: Engine, window: list[Batch], max_grad_norm: float) -> dict[str, float]: ...
     def evaluate(self, engine: Engine, batches: Iterable[Batch]) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class KeepsCheckpointState(Protocol):
+    """An objective with state of its own that a checkpoint carries beside the engine's (grpo: the rollouts of a
+    window whose repeats are not all done): files by name for this rank, and their restore on resume."""
+
+    def checkpoint_files(self, engine: Engine) -> dict[str, Any]: ...
+    def restore_from(self, engine: Engine, checkpoint: Path) -> None: ...
 
 
 class AnchorSource(Protocol):

@@ -131,7 +131,7 @@ def run_training(config: TrainConfig, engine: Engine, stop: StopRequest | None =
         eval_loader = build_loader(eval_set, tokenizer, config.per_device_eval_batch_size, engine, config, False)
         if train_loader is None:
             raise RuntimeError("no training data loader after scoring the reference log-probabilities")
-    state = start_state(engine, config, output_dir)
+    state = start_state(engine, config, output_dir, loop.objective)
     hooks = RunHooks(engine, config, output_dir, loop.total_steps, eval_loader, state.global_step,
                      stop or StopRequest(), loop.objective, estimated_peak(memory),
                      memory.baseline.rss_bytes if memory is not None else None, compiling,
@@ -306,8 +306,9 @@ def router_aux_setting(model: torch.nn.Module, c: TrainConfig, is_main: bool) ->
     return coef
 
 
-def start_state(engine: Engine, c: TrainConfig, output_dir: Path) -> TrainState:
-    """Fresh state, or the state of the checkpoint to resume (explicit, else the latest complete one)."""
+def start_state(engine: Engine, c: TrainConfig, output_dir: Path, objective: object = None) -> TrainState:
+    """Fresh state, or the state of the checkpoint to resume (explicit, else the latest complete one), the
+    objective's own included."""
     if engine.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         if c.overwrite_output_dir:
@@ -321,7 +322,7 @@ def start_state(engine: Engine, c: TrainConfig, output_dir: Path) -> TrainState:
         restart = (": it holds the model only (save_only_model), so the optimizer state starts afresh"
                    if checkpoint.is_model_only(source) else "")
         print(f"[shardtune] resuming from {source}{restart}", flush=True)
-    return checkpoint.load_checkpoint(engine, source)
+    return checkpoint.load_checkpoint(engine, source, objective)
 
 
 # A final model's weight files as shardtune (through transformers / peft) saves them.
