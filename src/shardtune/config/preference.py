@@ -17,11 +17,12 @@ def uses_reference(c: TrainConfig) -> bool:
 
 
 def holds_reference_copy(c: TrainConfig) -> bool:
-    """A frozen model beside the policy while training: a full/freeze run's live reference (dpo, kto, or the
-    use_asft_loss anchor), or ``ref_model`` (a LoRA or OFT run's own reference is the policy with its adapter off;
-    precomputed log-probabilities keep no model)."""
+    """A frozen model beside the policy while training: a full/freeze run's live reference (dpo, kto, grpo with
+    beta > 0, or the use_asft_loss anchor), or ``ref_model`` (a LoRA or OFT run's own reference is the policy with
+    its adapter off; precomputed log-probabilities keep no model)."""
     separate = not is_adapter_type(c.finetuning_type) or c.ref_model is not None
-    live = (uses_reference(c) and not c.precompute_ref_log_probs) or c.use_asft_loss
+    grpo_kl = c.stage == "grpo" and c.beta > 0
+    live = (uses_reference(c) and not c.precompute_ref_log_probs) or c.use_asft_loss or grpo_kl
     return live and separate
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from shardtune.config.adapter_method import adapter_targets, is_adapter_type
+from shardtune.config.adapter_method import adapter_targets
 from shardtune.config.preference import PREFERENCE_STAGES, holds_reference_copy
 from shardtune.config.schema import TrainConfig
 from shardtune.data.settings import takes_offsets
@@ -41,10 +41,9 @@ def model_shape_for(c: TrainConfig, model_config: str | None = None) -> ModelSha
 def workload_from_config(c: TrainConfig) -> Workload:
     """The estimate's view of a config: micro batch x cutoff_len tokens per device (the longest batch; under token
     budgets ``micro_batch_rows``; cutoff_len / sequence_parallel_size of them computed per rank under sequence
-    parallelism); a
-    dpo/kto/rm micro-batch runs two rows per sample in one forward from the full logits (loss_chunk_size does not
-    apply) and a dpo/kto run may hold a frozen reference (``holds_reference_copy``; grpo's with beta > 0:
-    ``grpo_holds_reference_copy``). A grpo micro-batch is one group: num_generations rows of cutoff_len tokens (prompt
+    parallelism); a dpo/kto/rm micro-batch runs two rows per sample in one forward from the full logits
+    (loss_chunk_size does not apply) and a dpo/kto run, or a grpo run with beta > 0, may hold a frozen reference
+    (``holds_reference_copy``). A grpo micro-batch is one group: num_generations rows of cutoff_len tokens (prompt
     + max_completion_length), and its rollouts are estimated apart (estimate/grpo.py). Data with an images column is
     read as ``IMAGES_PER_SAMPLE`` images per sample, each at image_max_pixels. BAdam (``use_badam``) trains one
     decoder layer at a time: it is estimated as freeze tuning of the first layer, the block whose backward runs
@@ -75,7 +74,7 @@ def workload_from_config(c: TrainConfig) -> Workload:
         gradient_accumulation_steps=c.gradient_accumulation_steps,
         loss_chunk_size=0 if preference or grpo else c.loss_chunk_size,
         rows_per_sample=2 if preference else 1,
-        reference_copy=holds_reference_copy(c) or grpo_holds_reference_copy(c),
+        reference_copy=holds_reference_copy(c),
         sequence_parallel=c.sequence_parallel_size,
         sequence_parallel_mode=c.sequence_parallel_mode,
         expert_parallel=c.expert_parallel_size,
@@ -87,12 +86,6 @@ def workload_from_config(c: TrainConfig) -> Workload:
         completion_tokens=c.max_completion_length if grpo else 0,
         external_generator=grpo and c.rollout_backend == "vllm_protocol_cpu",
     )
-
-
-def grpo_holds_reference_copy(c: TrainConfig) -> bool:
-    """grpo with beta > 0 places its reference as dpo does (train/grpo_run.py, live_reference): a frozen copy of the
-    weights for full/freeze runs, the policy with its adapter off otherwise."""
-    return c.stage == "grpo" and c.beta > 0 and not is_adapter_type(c.finetuning_type)
 
 
 def micro_batch_rows(c: TrainConfig) -> tuple[int, int]:
