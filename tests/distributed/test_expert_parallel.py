@@ -131,12 +131,12 @@ CLI = ("fsdp=full_shard", "finetuning_type=full")
 def test_cli_expert_parallel_run_saves_resumes_and_exports(arch_model_dir, tmp_path: Path) -> None:
     """Through `shardtune train`: EP = 2 (sharded loading into the split experts) equals FSDP2 without it step for
     step; the saved model loads in transformers as the family's class with the EP = 1 run's logits; a checkpoint
-    written with EP = 2 resumes with EP = 1 onto the same curve."""
+    written with EP = 2 resumes with EP = 1 onto the same curve, and one written with EP = 1 resumes with EP = 2."""
     model = arch_model_dir("qwen3_moe")
     with_ep, without, resumed = tmp_path / "ep2", tmp_path / "ep1", tmp_path / "resumed"
     results = train(model, with_ep, "full", 2, 2, *CLI, "expert_parallel_size=2", "save_strategy=steps",
                     "save_steps=2")
-    train(model, without, "full", 2, 2, *CLI)
+    train(model, without, "full", 2, 2, *CLI, "save_strategy=steps", "save_steps=2")
     assert losses(with_ep) == pytest.approx(losses(without), rel=RTOL)
     assert logged(with_ep, "grad_norm") == pytest.approx(logged(without, "grad_norm"), rel=RTOL)
     assert results["expert_parallel"]["size"] == 2
@@ -144,6 +144,10 @@ def test_cli_expert_parallel_run_saves_resumes_and_exports(arch_model_dir, tmp_p
     assert_same_logits(with_ep, without)
     train(model, resumed, "full", 2, 2, *CLI, f"resume_from_checkpoint={with_ep / 'checkpoint-2'}")
     assert losses(resumed)[-2:] == pytest.approx(losses(with_ep)[-2:], rel=RTOL)
+    split = tmp_path / "split"
+    train(model, split, "full", 2, 2, *CLI, "expert_parallel_size=2",
+          f"resume_from_checkpoint={without / 'checkpoint-2'}")
+    assert losses(split)[-2:] == pytest.approx(losses(without)[-2:], rel=RTOL)
 
 
 def assert_same_logits(trained: Path, other: Path) -> None:
@@ -233,3 +237,16 @@ def test_cli_deepspeed_autoep_saves_resumes_and_exports(arch_model_dir, tmp_path
     train(model, resumed, "full", 2, 2, *DEEPSPEED, "expert_parallel_size=2",
           f"resume_from_checkpoint={with_ep / 'checkpoint-2'}")
     assert losses(resumed)[-2:] == pytest.approx(losses(with_ep)[-2:], rel=RTOL)
+
+
+@pytest.mark.matrix
+def test_a_checkpoint_of_two_expert_ranks_resumes_on_four(arch_model_dir, tmp_path: Path) -> None:
+    """EP = 2 on 2 processes, resumed with EP = 4 on 4 (the same global batch): the experts are resharded from two
+    ranks' halves into four quarters, and the run continues the same curve."""
+    model = arch_model_dir("qwen3_moe")
+    first, resumed = tmp_path / "ep2", tmp_path / "ep4"
+    train(model, first, "full", 2, 2, *CLI, "expert_parallel_size=2", "save_strategy=steps", "save_steps=2")
+    results = train(model, resumed, "full", 4, 1, *CLI, "expert_parallel_size=4",
+                    f"resume_from_checkpoint={first / 'checkpoint-2'}")
+    assert results["expert_parallel"]["size"] == 4
+    assert losses(resumed)[-2:] == pytest.approx(losses(first)[-2:], rel=RTOL)
