@@ -27,12 +27,10 @@ FSDP2 = {"fsdp": "full_shard"}
     ({**FSDP2, "expert_parallel_size": 8}, 8, "does not divide the model's 4 experts per layer"),
     ({**FSDP2, "finetuning_type": "lora"}, 2, "with lora_target (all): LoRA on the fused expert weights"),
     ({**FSDP2, "finetuning_type": "lora", "lora_target": "gate_up_proj"}, 2, "LoRA on the fused expert weights"),
-    ({**FSDP2, "sequence_parallel_size": 2}, 2,
-     "expert_parallel_size (2) with sequence_parallel_size (2): the experts' all-to-all"),
     ({**FSDP2, "quantization_bit": 4, "finetuning_type": "lora", "lora_target": "q_proj"}, 2,
      "with quantization_bit (4)"),
 ], ids=["ddp", "local", "deepspeed", "fsdp1", "hybrid", "offload", "world", "experts", "lora-all", "lora-experts",
-        "sequence-parallel", "qlora"])
+        "qlora"])
 def test_refused_before_launch(arch_model_dir, tmp_path, capsys, monkeypatch, values, nproc, named) -> None:
     monkeypatch.setenv("NPROC_PER_NODE", str(nproc))
     monkeypatch.setenv("FORCE_TORCHRUN", "1")

@@ -5,7 +5,8 @@ files, never torch (the dispatch itself is engines/expert_parallel.py, which run
 Exact and proven (tests/distributed/test_expert_parallel.py): FSDP2 (FULL_SHARD, SHARD_GRAD_OP), full fine-tuning,
 freeze, and LoRA on the layers outside the experts (attention, dense and shared-expert MLPs), every MoE family with
 transformers' fused experts; DeepSpeed ZeRO-1/2 through its AutoEP for the families deepspeed_autoep.py lists, full
-fine-tuning. Everything else is refused here, with the reason.
+fine-tuning; either with sequence parallelism (tests/distributed/test_expert_sequence_parallel.py). Everything else
+is refused here, with the reason.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def engine_problems(engine: EnginePlan, key: str, family: str = "this model",
 
 
 def feature_problems(c: TrainConfig, key: str) -> list[str]:
-    problems = []  # with sequence_parallel_size: engines/sequence_parallel_plan.py's COMBINATIONS refuses it
+    problems = []  # with sequence_parallel_size: exact (engines/sequence_parallel_plan.py's COMBINATIONS)
     if c.quantization_bit is not None:
         problems.append(f"{key} with quantization_bit ({c.quantization_bit}): 4-/8-bit expert weights cannot be "
                         f"split as DTensors; train without quantization, or {FIX}")

@@ -122,8 +122,10 @@ COMBINATIONS: tuple[Combination, ...] = (
                 "each forward, and a rank holds its slice's positions only (the first slice of a row past the "
                 "trained context would rotate unscaled)", value="dynamic",
                 fix="use rope_scaling: linear, yarn or llama3 (fixed frequencies), or sequence_parallel_size: 1"),
-    Combination("expert_parallel_size", REFUSED, "the experts' all-to-all and the split attention's would share "
-                "the ranks, and the two splits are not combined yet", fix="choose one of the two splits"),
+    Combination("expert_parallel_size", EXACT, "a slice's tokens go to their experts' ranks whichever sequence group "
+                "holds them, and expert gradients are summed over every rank that sent tokens (FSDP2 and ZeRO-2's "
+                "AutoEP; 2 and 4 ranks)", "tests/distributed/test_expert_sequence_parallel.py::"
+                "test_split_experts_and_sequences_match_one_process"),
     Combination("use_badam", REFUSED, "BAdam steps on one process (it changes the trainable weights DDP registered "
                 "at set-up), and a split runs N >= 2", fix="train on one process"),
 )
