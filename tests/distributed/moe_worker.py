@@ -39,8 +39,9 @@ ENGINES = ("ddp", "z2", "z3", "fsdp2", "fsdp1")
 
 
 def build_model(model_dir: str, finetuning: str) -> torch.nn.Module:
-    """``finetuning``: full, lora, attnlora (LoRA on o_proj only), skewfull: full with every routed choice moved
-    into the first half of the experts (the first expert-parallel rank's), so the other ranks receive none, or
+    """``finetuning``: full, lora (every target: attention, and the fused expert weights as peft's
+    target_parameters), attnlora (LoRA on o_proj only), skewfull / skewlora: full / lora with every routed choice
+    moved into the first half of the experts (the first expert-parallel rank's), so the other ranks receive none, or
     loopfull: full with the experts computed by transformers' per-expert loop (default: its grouped matmul)."""
     from transformers import AutoModelForCausalLM
 
@@ -48,11 +49,11 @@ def build_model(model_dir: str, finetuning: str) -> torch.nn.Module:
     # GPT-OSS refuses sdpa (its attention sinks): eager, as a user must ask for it until attention is chosen per model
     eager = json.loads((Path(model_dir) / "config.json").read_text())["model_type"] == "gpt_oss"
     model = AutoModelForCausalLM.from_pretrained(model_dir, **({"attn_implementation": "eager"} if eager else {}))
-    if finetuning == "skewfull":
+    if finetuning.startswith("skew"):
         skew_routing(model)
     if finetuning == "loopfull":  # transformers' per-expert loop instead of its default grouped matmul
         model.set_experts_implementation("eager")
-    if finetuning == "lora":
+    if finetuning in ("lora", "skewlora"):
         model = apply_finetuning(model, FinetuningSettings(finetuning_type="lora", lora_rank=4))
     elif finetuning == "attnlora":  # LoRA beside experts that stay whole-weight (expert parallelism's LoRA)
         model = apply_finetuning(model, FinetuningSettings(finetuning_type="lora", lora_rank=4,
@@ -137,7 +138,7 @@ def run_reference(model_dir: str, out: Path) -> None:
     from shardtune.engines.local import LocalEngine
 
     results = {}
-    for finetuning in ("full", "lora", "attnlora", "skewfull", "loopfull"):
+    for finetuning in ("full", "lora", "attnlora", "skewfull", "skewlora", "loopfull"):
         model = build_model(model_dir, finetuning)
         per_rank = rank_batches(model.config.vocab_size)
         # one window per step: every micro-batch of every rank, each its own forward (as on two ranks)

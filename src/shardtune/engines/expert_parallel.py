@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from shardtune.engines.expert_adapters import hand_adapters_to_dispatch, unwrap_adapters, with_local_adapters
 from shardtune.errors import ModelError
 from shardtune.model.moe import EXPERTS_NAME, routing_interface_problem, sparse_moe_blocks
 
@@ -86,7 +87,8 @@ def place_experts(model: torch.nn.Module, mesh: DeviceMesh) -> ExpertPlacement:
     ep, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
     placement: ExpertPlacement | None = None
     for name, block in sparse_moe_blocks(model):
-        experts = getattr(block, EXPERTS_NAME)
+        experts, adapters = unwrap_adapters(getattr(block, EXPERTS_NAME))
+        hand_adapters_to_dispatch(adapters)
         problem = routing_interface_problem(type(experts))
         if problem:
             raise ModelError(problem)
@@ -102,15 +104,17 @@ def place_experts(model: torch.nn.Module, mesh: DeviceMesh) -> ExpertPlacement:
                 setattr(experts, pname, torch.nn.Parameter(spread, requires_grad=param.requires_grad))
         placement = placement or ExpertPlacement(mesh, per_rank)
         placement.held[f"{name}.{EXPERTS_NAME}"] = list(range(first, first + per_rank))
-        experts.forward = types.MethodType(_dispatching_forward(type(experts).forward, total, per_rank, placement),
-                                           experts)
+        experts.forward = types.MethodType(_dispatching_forward(type(experts).forward, total, per_rank, placement,
+                                                                adapters, first), experts)
     if placement is None:
         raise ValueError("expert parallelism: the model has no sparse MoE block (experts with a router)")
     return placement
 
 
 def expert_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [getattr(block, EXPERTS_NAME) for _, block in sparse_moe_blocks(model)]
+    """Every MoE layer's experts module (under peft's wrappers where LoRA adapts its fused weights: the wrappers and
+    their adapters stay with the dense weights, engines/expert_adapters.py)."""
+    return [unwrap_adapters(getattr(block, EXPERTS_NAME))[0] for _, block in sparse_moe_blocks(model)]
 
 
 def shard_experts(model: torch.nn.Module, mesh: DeviceMesh, world_size: int, **fsdp_kwargs: Any) -> None:
@@ -128,7 +132,8 @@ def shard_experts(model: torch.nn.Module, mesh: DeviceMesh, world_size: int, **f
 
 
 def _dispatching_forward(family_forward: Callable[..., torch.Tensor], total: int, per_rank: int,
-                         placement: ExpertPlacement) -> Callable[..., torch.Tensor]:
+                         placement: ExpertPlacement, adapters: list[Any], first: int
+                         ) -> Callable[..., torch.Tensor]:
     def forward(self: torch.nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         tokens, k = top_k_index.shape
@@ -143,7 +148,8 @@ def _dispatching_forward(family_forward: Callable[..., torch.Tensor], total: int
         received = _all_to_all(rows, receives, sends, group)
         local_ids = torch.empty(sum(receives), dtype=chosen.dtype, device=chosen.device)
         dist.all_to_all_single(local_ids, (chosen % per_rank)[order].contiguous(), receives, sends, group=group)
-        computed = _run_local_experts(self, family_forward, received, local_ids, per_rank)
+        weights = with_local_adapters(_local_weights(self), adapters, first, per_rank)
+        computed = _run_local_experts(self, family_forward, received, local_ids, per_rank, weights)
         returned = _all_to_all(computed, sends, receives, group)
         placement.traffic.add(rows)
         placement.traffic.add(computed)
@@ -165,26 +171,32 @@ def _all_to_all(rows: torch.Tensor, out_counts: list[int], in_counts: list[int],
 
 
 def _run_local_experts(experts: torch.nn.Module, family_forward: Callable[..., torch.Tensor], rows: torch.Tensor,
-                       local_ids: torch.Tensor, per_rank: int) -> torch.Tensor:
-    """The family's expert function on this rank's slice (its weights as local tensors), weight 1 per row."""
-    local = _local_view(experts, per_rank)
+                       local_ids: torch.Tensor, per_rank: int, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The family's expert function on this rank's slice (``weights``: its local tensors, LoRA's local delta added
+    where it adapts them), weight 1 per row."""
+    local = _local_view(experts, per_rank, weights)
     ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
     out = family_forward(local, rows, local_ids.unsqueeze(1), ones)
     if rows.shape[0] == 0:
-        # Nothing arrived: keep the rows and this rank's expert weights in the graph, so that the backward
-        # all-to-alls run here too and every edp rank reduces a gradient (zero) for the same weights.
-        out = out + 0.0 * sum(_as_local(p).sum() for p in experts.parameters(recurse=False)) + 0.0 * rows.sum()
+        # Nothing arrived: keep the rows and this rank's expert weights (and adapters) in the graph, so that the
+        # backward all-to-alls run here too and every rank reduces a gradient (zero) for the same weights.
+        out = out + 0.0 * sum(w.sum() for w in weights.values()) + 0.0 * rows.sum()
     return out
 
 
-def _local_view(experts: torch.nn.Module, per_rank: int) -> torch.nn.Module:
-    """A shallow copy of the experts module whose parameters are this rank's local tensors (autograd flows back
-    to the DTensors) and whose expert count is the local one."""
+def _local_weights(experts: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The experts' parameters as this rank's local tensors (autograd flows back to the DTensors)."""
+    return {name: _as_local(p) for name, p in experts._parameters.items() if p is not None}
+
+
+def _local_view(experts: torch.nn.Module, per_rank: int, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A shallow copy of the experts module whose parameters are ``weights`` and whose expert count is the local
+    one."""
     view = object.__new__(type(experts))
     view.__dict__.update(experts.__dict__)
     view.__dict__.pop("forward", None)
-    # Plain tensors where parameters were: nn.Module reads _parameters by name, and autograd needs the views.
-    view.__dict__["_parameters"] = {name: _as_local(p) for name, p in experts._parameters.items() if p is not None}
+    # Plain tensors where parameters were: nn.Module reads _parameters by name.
+    view.__dict__["_parameters"] = dict(weights)
     view.__dict__["num_experts"] = per_rank
     return view
 

@@ -3,7 +3,8 @@ starts: the engine, the model and the features it is built for, and the dry run'
 files, never torch (the dispatch itself is engines/expert_parallel.py, which runs on the ranks).
 
 Exact and proven (tests/distributed/test_expert_parallel.py): FSDP2 (FULL_SHARD, SHARD_GRAD_OP), full fine-tuning,
-freeze, and LoRA on the layers outside the experts (attention, dense and shared-expert MLPs), every MoE family with
+freeze, and LoRA (on attention, dense and shared-expert MLPs, and the fused expert weights: each rank applies its
+experts' slice of the adapters, engines/expert_adapters.py), every MoE family with
 transformers' fused experts; DeepSpeed ZeRO-1/2 through its AutoEP for the families deepspeed_autoep.py lists, full
 fine-tuning; either with sequence parallelism (tests/distributed/test_expert_sequence_parallel.py). Everything else
 is refused here, with the reason.
@@ -19,7 +20,7 @@ from shardtune.engines.deepspeed_config import offloads_optimizer, offloads_para
 from shardtune.engines.engine_plan import EnginePlan
 from shardtune.errors import ModelError
 from shardtune.model.folder import model_config_json
-from shardtune.model.moe import expert_count, experts_classes, routing_interface_problem, targets_fused_experts
+from shardtune.model.moe import expert_count, experts_classes, routing_interface_problem
 from shardtune.world import WorldLayout
 
 FIX = "set expert_parallel_size: 1"
@@ -88,11 +89,6 @@ def model_problems(c: TrainConfig, key: str) -> list[str]:
     problems = [p for cls in experts_classes(model_type) if (p := routing_interface_problem(cls))]
     if problems:
         return problems[:1]
-    if c.finetuning_type == "lora" and targets_fused_experts(config, list(c.lora_target)):
-        targets = ",".join(c.lora_target)
-        return [f"{key} with lora_target ({targets}): LoRA on the fused expert weights is not split over the "
-                "expert-parallel ranks yet; name the layers outside the experts (e.g. lora_target: "
-                f"q_proj,k_proj,v_proj,o_proj), or {FIX}"]
     return []
 
 
