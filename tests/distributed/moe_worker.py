@@ -73,6 +73,21 @@ def skew_routing(model: torch.nn.Module) -> None:
         getattr(block, EXPERTS_NAME).register_forward_pre_hook(first_half)
 
 
+def skew_autoep_routing(model: torch.nn.Module) -> None:
+    """``skew_routing`` for DeepSpeed's AutoEP, which replaces the MoE blocks (and the hook on their experts) with
+    its own: each of its routers' choices moved into the first half of the experts, the weights kept."""
+    from deepspeed.moe.ep_count import count_tokens_per_expert
+    from deepspeed.moe.ep_router import TokenChoiceTopKRouter
+
+    def first_half(module: torch.nn.Module, _inputs: tuple, output: tuple) -> tuple:
+        scores, chosen, _counts = output
+        moved = chosen % (module.num_experts // 2)
+        return scores, moved, count_tokens_per_expert(moved, module.num_experts)
+
+    hooked = [m.register_forward_hook(first_half) for m in model.modules() if isinstance(m, TokenChoiceTopKRouter)]
+    assert hooked, "no AutoEP router in the model"
+
+
 def weight_fingerprints(state: dict[str, torch.Tensor]) -> dict[str, list[float]]:
     """Per weight: its norm and its dot product with a fixed random vector (any change of a value shows)."""
     found = {}
@@ -191,6 +206,8 @@ def run_case(ctx: object, model_dir: str, name: str) -> dict:
     windows = [batches[s * ACCUMULATION:(s + 1) * ACCUMULATION] for s in range(STEPS)]
     engine = make_engine(kind, ctx, model_dir)
     prepare(engine, model)
+    if finetuning.startswith("skew") and kind.startswith("z") and "ep" in kind:
+        skew_autoep_routing(engine.model)
     result: dict = {"metrics": train(engine, windows, config), "expert_shards": expert_shards(engine.model),
                     "z3_leaves": z3_leaves(engine.model)}
     if finetuning in ("full", "skewfull", "loopfull") and (kind.startswith("fsdp2") or "ep" in kind):

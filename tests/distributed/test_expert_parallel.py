@@ -35,8 +35,8 @@ METRICS = ("loss", "grad_norm", "aux_loss")
 # DeepSpeed's AutoEP (z<stage>ep<E>, ZeRO-1/2, full: deepspeed_autoep.py refuses the rest) against one process
 # and against the same ZeRO stage without it (z2_full): Qwen3-MoE's in make test, the other families it has a
 # preset for and 4 ranks (EP 2 x expert-data-parallel 2, EP 4, ZeRO-1) in the matrix.
-AUTOEP = {("qwen3_moe", 2): ("z2_full", "z2ep2_full"), ("qwen3_moe", 4): ("z2_full", "z2ep2_full", "z2ep4_full",
-                                                                          "z1ep2_full"),
+AUTOEP = {("qwen3_moe", 2): ("z2_full", "z2ep2_full", "z2ep2_skewfull"),
+          ("qwen3_moe", 4): ("z2_full", "z2ep2_full", "z2ep4_full", "z1ep2_full"),
           **{(family, 2): ("z2_full", "z2ep2_full") for family in ("mixtral", "deepseek_v3", "qwen2_moe")}}
 GROUPS: dict[tuple[str, int], tuple[str, ...]] = {
     ("qwen3_moe", 2): ("fsdp2_full", "fsdp2ep2_full", "fsdp2ep2_attnlora", "fsdp2ep2_lora", "fsdp2ep2_skewfull",
@@ -117,12 +117,16 @@ def test_expert_parallel_equals_one_process(ep_results, family: str, world: int,
         held = [e for r in ranks[first:first + size] for e in r["experts_held"]]
         assert sorted(held) == list(range(experts)), f"ep group at rank {first} holds {held}"
     if report.get("via") == "deepspeed-autoep":  # DeepSpeed's dispatch: the rows its experts computed are counted
-        assert "weights" in result and all(r["rows_received_per_step"] > 0 for r in ranks)
-        return
-    assert all(r["all_to_all_bytes_per_step"] > 0 for r in ranks)
+        assert "weights" in result
+    else:
+        assert all(r["all_to_all_bytes_per_step"] > 0 for r in ranks)
     if finetuning.startswith("skew"):  # the router sends every choice to the first half of the experts
-        assert all(r["rows_received_per_step"] == 0 for r in ranks if min(r["experts_held"]) >= experts // 2)
-        assert all(r["rows_received_per_step"] > 0 for r in ranks if max(r["experts_held"]) < experts // 2)
+        idle = [r["rows_received_per_step"] for r in ranks if min(r["experts_held"]) >= experts // 2]
+        busy = [r["rows_received_per_step"] for r in ranks if max(r["experts_held"]) < experts // 2]
+        # AutoEP pads each expert's rows to its alignment, so an expert without tokens still computes a few rows
+        # (64 per step here, against 536 on the busy rank); the result equals the skewed one-process run above.
+        padding = max(busy) // 4 if report.get("via") == "deepspeed-autoep" else 0
+        assert idle and all(rows <= padding for rows in idle) and all(rows > padding for rows in busy), ranks
     else:
         assert all(r["rows_received_per_step"] > 0 for r in ranks)
 
