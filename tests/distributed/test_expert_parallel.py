@@ -35,7 +35,7 @@ METRICS = ("loss", "grad_norm", "aux_loss")
 # DeepSpeed's AutoEP (z<stage>ep<E>, ZeRO-1/2, full: deepspeed_autoep.py refuses the rest) against one process
 # and against the same ZeRO stage without it (z2_full): Qwen3-MoE's in make test, the other families it has a
 # preset for and 4 ranks (EP 2 x expert-data-parallel 2, EP 4, ZeRO-1) in the matrix.
-AUTOEP = {("qwen3_moe", 2): ("z2_full", "z2ep2_full", "z2ep2_skewfull"),
+AUTOEP = {("qwen3_moe", 2): ("z2_full", "z2ep2_full", "z2ep2_skewfull", "z3_full", "z3ep2_full"),
           ("qwen3_moe", 4): ("z2_full", "z2ep2_full", "z2ep4_full", "z1ep2_full"),
           **{(family, 2): ("z2_full", "z2ep2_full") for family in ("mixtral", "deepseek_v3", "qwen2_moe")}}
 GROUPS: dict[tuple[str, int], tuple[str, ...]] = {
@@ -242,25 +242,25 @@ def test_checkpoints_of_every_kind_resume_under_expert_parallelism(arch_model_di
     assert losses(resumed)[-2:] == pytest.approx(losses(first)[-2:], rel=RTOL)
 
 
-DEEPSPEED = ("deepspeed=examples/deepspeed/ds_z2_config.json", "finetuning_type=full")
-
-
 @pytest.mark.matrix
-def test_cli_deepspeed_autoep_saves_resumes_and_exports(arch_model_dir, tmp_path: Path) -> None:
-    """Through `shardtune train` with ZeRO-2: AutoEP 2 equals the same run without it step for step, each rank held
-    its half of the experts, the saved model loads in transformers as the family's class with the EP = 1 run's
-    logits, and a checkpoint resumes (same EP size, same world) onto the same curve."""
+@pytest.mark.parametrize("stage", [2, 3], ids=["zero2", "zero3"])
+def test_cli_deepspeed_autoep_saves_resumes_and_exports(stage, arch_model_dir, tmp_path: Path) -> None:
+    """Through `shardtune train` with ZeRO-2 (and ZeRO-3, whose experts are gathered module by module to save):
+    AutoEP 2 equals the same run without it step for step, each rank held its half of the experts, the saved model
+    loads in transformers as the family's class with the EP = 1 run's logits, and a checkpoint resumes (same EP
+    size, same world) onto the same curve."""
     model = arch_model_dir("qwen3_moe")
+    deepspeed = (f"deepspeed=examples/deepspeed/ds_z{stage}_config.json", "finetuning_type=full")
     with_ep, without, resumed = tmp_path / "ep2", tmp_path / "ep1", tmp_path / "resumed"
-    results = train(model, with_ep, "full", 2, 2, *DEEPSPEED, "expert_parallel_size=2", "save_strategy=steps",
+    results = train(model, with_ep, "full", 2, 2, *deepspeed, "expert_parallel_size=2", "save_strategy=steps",
                     "save_steps=2")
-    train(model, without, "full", 2, 2, *DEEPSPEED)
+    train(model, without, "full", 2, 2, *deepspeed)
     assert losses(with_ep) == pytest.approx(losses(without), rel=RTOL)
     assert logged(with_ep, "grad_norm") == pytest.approx(logged(without, "grad_norm"), rel=RTOL)
     report = results["expert_parallel"]
     assert report["via"] == "deepspeed-autoep" and [r["experts_held"] for r in report["ranks"]] == [[0, 1], [2, 3]]
     assert_same_logits(with_ep, without)
-    train(model, resumed, "full", 2, 2, *DEEPSPEED, "expert_parallel_size=2",
+    train(model, resumed, "full", 2, 2, *deepspeed, "expert_parallel_size=2",
           f"resume_from_checkpoint={with_ep / 'checkpoint-2'}")
     assert losses(resumed)[-2:] == pytest.approx(losses(with_ep)[-2:], rel=RTOL)
 

@@ -34,29 +34,29 @@ def test_the_config_gains_the_section_only_with_expert_parallelism() -> None:
 
 @pytest.mark.parametrize(("stage", "family", "finetuning", "offloads", "named"), [
     (0, "qwen3_moe", "full", False, "(ZeRO stage 0) on qwen3_moe: DeepSpeed's ZeRO-0 clips with the average"),
-    (3, "mixtral", "full", False, "(ZeRO stage 3) on mixtral: DeepSpeed 0.19.8 partitions AutoEP's experts"),
     (2, "gpt_oss", "full", False, "(ZeRO stage 2) on gpt_oss: DeepSpeed's AutoEP is driven here for"),
     (1, "qwen3_moe", "lora", False, "and finetuning_type lora: with the experts frozen"),
     (2, "qwen3_moe", "full", True, "and offload: AutoEP with ZeRO offload was not run"),
-], ids=["zero0", "zero3", "family", "lora", "offload"])
+], ids=["zero0", "family", "lora", "offload"])
 def test_refusals_name_the_stage_and_the_family(stage, family, finetuning, offloads, named) -> None:
     problems = autoep_problems(KEY, stage, family, finetuning, offloads)
     assert len(problems) == 1 and named in problems[0] and problems[0].startswith(f"{KEY} with deepspeed")
 
 
 def test_what_it_runs_passes() -> None:
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         for family in AUTOEP_PRESETS:
             assert autoep_problems(KEY, stage, family, "full") == []
     # the estimate asks without a family: its memory model splits experts under FSDP2 only
     assert "driven here for deepseek_v3, mixtral, qwen2_moe, qwen3_moe only" in autoep_problems(KEY, 2, "this model")[0]
 
 
-def test_check_passes_zero2_and_refuses_zero3_through_the_cli(arch_model_dir, tmp_path, capsys, monkeypatch) -> None:
+def test_check_passes_zero2_and_zero3_and_refuses_offload_through_the_cli(arch_model_dir, tmp_path, capsys,
+                                                                         monkeypatch) -> None:
     monkeypatch.setenv("NPROC_PER_NODE", "2")
     monkeypatch.setenv("FORCE_TORCHRUN", "1")
     model = arch_model_dir("qwen3_moe")
-    for config, code in (("ds_z2_config.json", 0), ("ds_z3_config.json", 2), ("ds_z2_offload_config.json", 2)):
+    for config, code in (("ds_z2_config.json", 0), ("ds_z3_config.json", 0), ("ds_z2_offload_config.json", 2)):
         path = write_config(tmp_path, model, template="qwen3", finetuning_type="full", expert_parallel_size=2,
                             deepspeed=f"examples/deepspeed/{config}")
         assert main(["check", str(path)]) == code, (config, capsys.readouterr().err)
@@ -76,6 +76,23 @@ def test_an_autoep_checkpoint_resumes_only_under_autoep_on_its_world(tmp_path) -
     assert "written without expert parallelism" in autoep_resume_problems(plain, 2, 2)[0]
     assert "by 2 processes" in autoep_resume_problems(split, 2, 4)[0]
     assert autoep_resume_problems(None, 2, 2) == [] and autoep_resume_problems(tmp_path / "none", 2, 2) == []
+
+
+def test_a_zero3_autoep_checkpoint_is_known_by_its_config(tmp_path) -> None:
+    """ZeRO-3 keeps AutoEP's experts inside its shards (no per-expert files): the checkpoint's copy of the run's
+    config says it was split, and over how many ranks."""
+    import json
+
+    from shardtune.engines.deepspeed_autoep import autoep_resume_problems
+
+    folder = tmp_path / "checkpoint-2"
+    (folder / "deepspeed").mkdir(parents=True)
+    for rank in range(2):
+        (folder / "deepspeed" / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt").touch()
+    (folder / "shardtune_config.json").write_text(json.dumps({"expert_parallel_size": 2}))
+    assert autoep_resume_problems(folder, 2, 2) == []
+    assert "written with DeepSpeed's AutoEP" in autoep_resume_problems(folder, 1, 2)[0]
+    assert "resume with expert_parallel_size: 2" in autoep_resume_problems(folder, 4, 2)[0]
 
 
 def test_export_of_an_autoep_checkpoint_is_refused_by_name(tmp_path) -> None:

@@ -18,8 +18,8 @@ FSDP2 = {"fsdp": "full_shard"}
 @pytest.mark.parametrize(("values", "nproc", "named"), [
     ({}, 2, "expert_parallel_size (2) with engine ddp: expert parallelism places each expert on some ranks only"),
     ({}, 1, "expert_parallel_size (2) with engine local"),
-    ({"deepspeed": "examples/deepspeed/ds_z3_config.json"}, 2,
-     "expert_parallel_size (2) with deepspeed (ZeRO stage 3) on qwen3_moe"),
+    ({"deepspeed": "examples/deepspeed/ds_z0_config.json"}, 2,
+     "expert_parallel_size (2) with deepspeed (ZeRO stage 0) on qwen3_moe"),
     ({"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 1}}, 2, "with fsdp_version: 1"),
     ({"fsdp": "hybrid_shard"}, 4, "with sharding_strategy HYBRID_SHARD"),
     ({"fsdp": "full_shard offload"}, 2, "with offload_params"),

@@ -4,8 +4,10 @@ host's checks and the dry run read it); the rank-side part is deepspeed_autoep_r
 
 What was measured (DeepSpeed 0.19.8, transformers 5.23, 2 and 4 gloo CPU processes, fp32, tests/distributed/
 test_expert_parallel.py): ZeRO-1/2 with AutoEP train Qwen3-MoE, Qwen2-MoE, Mixtral and DeepSeek-V3 (full) with
-per-step loss, aux loss, gradient norm and final weights within 4e-6 of one process. ZeRO-3 trained as exactly but
-cannot save; ZeRO-0's reported norm is off; LoRA trips DeepSpeed's assertion: the refusals below say so.
+per-step loss, aux loss, gradient norm and final weights within 4e-6 of one process, and ZeRO-3 (Qwen3-MoE) as
+exactly, its model saved by gathering module by module (DeepSpeed's own consolidation refuses AutoEP's experts:
+deepspeed_autoep_runtime.py). ZeRO-0's reported norm is off; LoRA trips DeepSpeed's assertion: the refusals below
+say so.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ AUTOEP_PRESETS = {"qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen3_moe", "mixtral":
                   "deepseek_v3": "deepseek_v3"}
 # The presets' block pattern, also under a peft wrapper (AutoEP full-matches module names).
 MOE_LAYER_PATTERN = r"(?:base_model\.model\.)?model\.layers\.\d+\.mlp"
-SUPPORTED_STAGES = (1, 2)
+SUPPORTED_STAGES = (1, 2, 3)
 FIX = "set expert_parallel_size: 1"
 FSDP2 = "use FSDP2 (fsdp: full_shard, fsdp_version: 2)"
 
@@ -28,9 +30,6 @@ STAGE_REASONS = {
     0: "DeepSpeed's ZeRO-0 clips with the average of the ranks' norms (runtime/utils.py clip_grad_norm_), each "
        "counting only the experts its rank holds: measured 1.3% under the true norm, and the weights 1e-5 off one "
        "process after 3 steps",
-    3: "DeepSpeed 0.19.8 partitions AutoEP's experts over the expert-data-parallel ranks and cannot consolidate "
-       "them (its save_16bit_model raises NotImplementedError), so the trained model could not be saved or "
-       "exported (training itself matched one process within 1e-6)",
 }
 
 
@@ -57,7 +56,7 @@ def autoep_problems(key: str, stage: int, family: str, finetuning_type: str | No
     """Why AutoEP cannot run this ZeRO stage, family and finetuning exactly, one line naming all three."""
     where = f"{key} with deepspeed (ZeRO stage {stage}) on {family}"
     if stage not in SUPPORTED_STAGES:
-        return [f"{where}: {STAGE_REASONS.get(stage, 'not a ZeRO stage')}; use ZeRO stage 1 or 2, {FSDP2}, or {FIX}"]
+        return [f"{where}: {STAGE_REASONS.get(stage, 'not a ZeRO stage')}; use ZeRO stage 1, 2 or 3, {FSDP2}, or {FIX}"]
     if family not in AUTOEP_PRESETS:  # also "this model" (the estimate's question: a family it does not model)
         known = ", ".join(sorted(AUTOEP_PRESETS))
         return [f"{where}: DeepSpeed's AutoEP is driven here for {known} only (the families whose presets were "
@@ -73,15 +72,32 @@ def autoep_problems(key: str, stage: int, family: str, finetuning_type: str | No
     return []
 
 
+def checkpoint_expert_parallel_size(checkpoint_dir: Path) -> int:
+    """The expert_parallel_size of the run that wrote a checkpoint (its copy of the run's config; 1 if unknown)."""
+    import json
+
+    from shardtune.run_files import RESOLVED_CONFIG
+
+    try:
+        return int(json.loads((checkpoint_dir / RESOLVED_CONFIG).read_text()).get("expert_parallel_size") or 1)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 1
+
+
 def autoep_resume_problems(checkpoint_dir: Path | None, expert_parallel_size: int, world_size: int) -> list[str]:
     """A DeepSpeed checkpoint written with AutoEP (its per-expert files) holds AutoEP's module names: it resumes only
     under AutoEP on the world size that wrote it, and a checkpoint without them not under AutoEP."""
-    tag = Path(checkpoint_dir) / "deepspeed" if checkpoint_dir is not None else None
-    if tag is None or not tag.is_dir():
+    if checkpoint_dir is None or not (Path(checkpoint_dir) / "deepspeed").is_dir():
         return []
-    with_experts = any(tag.glob("layer_*_expert_*_model_states.pt"))
+    tag = Path(checkpoint_dir) / "deepspeed"
+    written_with = checkpoint_expert_parallel_size(Path(checkpoint_dir))
+    # ZeRO-1/2 write AutoEP's experts to files of their own; ZeRO-3 keeps them in its shards: its config says.
+    with_experts = any(tag.glob("layer_*_expert_*_model_states.pt")) or written_with > 1
     writers = zero_shard_writers(tag)
     key = f"resume_from_checkpoint ({checkpoint_dir})"
+    if with_experts and expert_parallel_size > 1 and written_with > 1 and written_with != expert_parallel_size:
+        return [f"{key}: written with DeepSpeed's AutoEP over {written_with} ranks, whose expert shards shardtune "
+                f"does not re-split; resume with expert_parallel_size: {written_with}"]
     if with_experts and expert_parallel_size == 1:
         return [f"{key}: written with DeepSpeed's AutoEP (expert_parallel_size > 1), whose module layout a run "
                 "without it cannot load; resume with the expert_parallel_size that wrote it"]

@@ -81,8 +81,9 @@ def record_hf_blocks(model: torch.nn.Module) -> dict[str, HfBlockNames]:
         kept = {id(child): child_name for child_name, child in block.named_children()
                 if child is not experts and child_name not in ("gate", "router")}
         down = getattr(experts, "down_proj", None)
-        found[name] = HfBlockNames(set(block.state_dict().keys()), kept,
-                                   tuple(down.shape) if isinstance(down, torch.Tensor) else ())
+        # A model built partitioned (ZeRO-3's zero.Init) has empty local tensors: its full shape is ds_shape.
+        shape = tuple(getattr(down, "ds_shape", down.shape)) if isinstance(down, torch.Tensor) else ()
+        found[name] = HfBlockNames(set(block.state_dict().keys()), kept, shape)
     return found
 
 
@@ -125,10 +126,12 @@ def hf_block_state(layer: Any, names: HfBlockNames) -> dict[str, torch.Tensor]:
     return state
 
 
-def hf_state_dict(model: torch.nn.Module, blocks: dict[str, HfBlockNames], is_main: bool
+def hf_state_dict(model: torch.nn.Module, blocks: dict[str, HfBlockNames], is_main: bool, zero3: bool = False
                   ) -> dict[str, torch.Tensor] | None:
     """Every rank calls (the experts are gathered); rank 0 gets the model's state dict under transformers' names,
-    the others None."""
+    the others None. ``zero3``: every weight is partitioned too, and is gathered module by module first."""
+    if zero3:
+        return zero3_hf_state_dict(model, blocks, is_main)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()} if is_main else {}
     for name, layer in autoep_layers(model):
         block = hf_block_state(layer, blocks[name])
@@ -137,6 +140,36 @@ def hf_state_dict(model: torch.nn.Module, blocks: dict[str, HfBlockNames], is_ma
                 del state[key]
             state.update({f"{name}.{k}": v.detach().clone() for k, v in block.items()})
     return state if is_main else None
+
+
+def zero3_hf_state_dict(model: torch.nn.Module, blocks: dict[str, HfBlockNames], is_main: bool
+                        ) -> dict[str, torch.Tensor] | None:
+    """``hf_state_dict`` under ZeRO-3, where DeepSpeed's own consolidation refuses AutoEP's experts: each module's
+    own weights gathered (an AutoEP layer's all at once, then its experts over the expert-parallel group), copied on
+    rank 0 before they are partitioned again, one module at a time (the peak is one module, not the model)."""
+    import deepspeed
+
+    layers = dict(autoep_layers(model))
+    state: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if any(name.startswith(f"{layer}.") for layer in layers):
+            continue  # gathered with its AutoEP layer
+        whole = name in layers
+        params = list(module.parameters()) if whole else [p for _, p in module.named_parameters(
+            recurse=False, remove_duplicate=False)]
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            own = hf_block_state(module, blocks[name]) if whole else own_tensors(module)
+            if is_main:
+                state.update({f"{name}.{key}" if name else key: value.detach().clone() for key, value in own.items()})
+    return state if is_main else None
+
+
+def own_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A module's own parameters (tied ones under each name, as state_dict gives them) and persistent buffers."""
+    found: dict[str, torch.Tensor] = dict(module.named_parameters(recurse=False, remove_duplicate=False))
+    found.update({name: b for name, b in module.named_buffers(recurse=False, remove_duplicate=False)
+                  if name not in module._non_persistent_buffers_set})
+    return found
 
 
 @dataclass

@@ -66,7 +66,7 @@ class DeepSpeedEngineEP(DeepSpeedEngine):
             super().save_model(out_dir)
             return
         model = self.unwrapped_model()
-        state = autoep.hf_state_dict(model, self.hf_blocks, self.is_main)
+        state = autoep.hf_state_dict(model, self.hf_blocks, self.is_main, self.zero_stage == 3)
         error = None
         if state is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -80,7 +80,7 @@ class DeepSpeedEngineEP(DeepSpeedEngine):
         """The model under transformers' names (rank 0; None elsewhere): a collective under AutoEP."""
         if not self.autoep:
             return self._full_state_dict(adapter_only=False)
-        return autoep.hf_state_dict(self.unwrapped_model(), self.hf_blocks, self.is_main)
+        return autoep.hf_state_dict(self.unwrapped_model(), self.hf_blocks, self.is_main, self.zero_stage == 3)
 
     def save_state(self, ckpt_dir: Path, writer: CheckpointWriter | None = None) -> None:
         """Under AutoEP DeepSpeed writes its own universal-checkpoint info (and refuses ours) with the experts'
