@@ -32,11 +32,12 @@ METRICS = ("loss", "grad_norm", "aux_loss")
 # (family, world) -> cases launched together. make test: Qwen3-MoE on 2 ranks; the matrix: the other families
 # (Mixtral, DeepSeek-V3 with shared experts and a dense first layer, GPT-OSS with expert biases, Qwen2-MoE with a
 # gated shared expert) and 4 ranks (EP 2 x expert-data-parallel 2, EP 4).
-# DeepSpeed's AutoEP (z<stage>ep<E>, ZeRO-1/2, full: deepspeed_autoep.py refuses the rest) against one process
-# and against the same ZeRO stage without it (z2_full): Qwen3-MoE's in make test, the other families it has a
-# preset for and 4 ranks (EP 2 x expert-data-parallel 2, EP 4, ZeRO-1) in the matrix.
-AUTOEP = {("qwen3_moe", 2): ("z2_full", "z2ep2_full", "z2ep2_skewfull", "z3_full", "z3ep2_full"),
-          ("qwen3_moe", 4): ("z2_full", "z2ep2_full", "z2ep4_full", "z1ep2_full"),
+# DeepSpeed's AutoEP (z<stage>ep<E>, ZeRO-1/2/3, full: deepspeed_autoep.py refuses the rest) against one process
+# and against the same ZeRO stage without it (z<stage>_full): Qwen3-MoE's ZeRO-2 in make test (with a router that
+# leaves a rank without tokens), the other families it has a preset for and 4 ranks (EP 2 x expert-data-parallel 2,
+# EP 4, ZeRO-1, ZeRO-3 with its experts partitioned over the expert-data-parallel pair) in the matrix.
+AUTOEP = {("qwen3_moe", 2): ("z2_full", "z2ep2_full", "z2ep2_skewfull"),
+          ("qwen3_moe", 4): ("z2_full", "z2ep2_full", "z2ep4_full", "z1ep2_full", "z3_full", "z3ep2_full"),
           **{(family, 2): ("z2_full", "z2ep2_full") for family in ("mixtral", "deepseek_v3", "qwen2_moe")}}
 GROUPS: dict[tuple[str, int], tuple[str, ...]] = {
     ("qwen3_moe", 2): ("fsdp2_full", "fsdp2ep2_full", "fsdp2ep2_attnlora", "fsdp2ep2_lora", "fsdp2ep2_skewfull",
