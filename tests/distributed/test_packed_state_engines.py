@@ -3,12 +3,15 @@ model/packed_state.py) under the real engines: 2 gloo processes through the real
 same global batch, the same per-step losses and gradient norms. One process equals each sample trained alone
 (tests/unit/test_packed_state.py, losses and gradients), so equal steps here carry that to each engine: a block
 left leaking under an engine (its wrapper lost, its boundaries not read) moves the losses by far more than the
-tolerance. `make test` runs one cell; the rest are in `MATRIX_ONLY` (tests/conftest.py).
+tolerance. `make test` runs one cell; the rest are in `MATRIX_ONLY` (tests/conftest.py), and the matrix also runs
+every family of transformers' registry whose layers carry a state and that packs (tests/unit/test_packed_state.py
+finds them), under DDP, ZeRO-3 and FSDP2, one test per engine reporting every family's outcome.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -49,3 +52,49 @@ def train_packed(model: Path, out: Path, nproc: int, micro: int, *extra: str) ->
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "blocks with a state" in result.stdout + result.stderr, result.stdout[-2000:]
     return json.loads((out / "train_results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def one_process_packed(arch_model_dir, tmp_path_factory):
+    """``one_process_packed(family)``: the registry family's tiny model and its one-process packed run, once."""
+    found: dict[str, tuple[Path, Path]] = {}
+
+    def run(family: str) -> tuple[Path, Path]:
+        if family not in found:
+            base = arch_model_dir(f"registry:{family}")
+            out = tmp_path_factory.mktemp(f"one-{family}")
+            train_packed(base, out, 1, 4, "finetuning_type=full")
+            found[family] = base, out
+        return found[family]
+
+    return run
+
+
+@pytest.mark.matrix
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("engine", ["ddp", "zero3", "fsdp2"])
+def test_every_packable_stateful_registry_family_under_engine_matches_one_process(engine, one_process_packed,
+                                                                                   tmp_path):
+    from tests.unit.test_packed_state import packing_refusal, stateful_registry_families
+
+    families = [family for family in stateful_registry_families() if packing_refusal(family) is None]
+    assert {"qwen3_next", "nemotron_h", "bamba", "falcon_h1", "qwen3_5"} <= set(families)
+    failures, report = [], []
+    for family in families:
+        started = time.monotonic()
+        try:
+            base, one = one_process_packed(family)
+            two = tmp_path / family
+            train_packed(base, two, 2, 2, "finetuning_type=full", *ENGINE_KEYS[engine])
+            loss_gap = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses(two), losses(one), strict=True))
+            norm_gap = max(abs(a - b) / max(abs(b), 1e-12)
+                           for a, b in zip(logged(two, "grad_norm"), logged(one, "grad_norm"), strict=True))
+        except (AssertionError, ValueError, OSError) as error:  # every family's outcome in one report
+            failures.append(f"{family}: {type(error).__name__}: {str(error)[-600:]}")
+            continue
+        report.append(f"{family}: losses {loss_gap:.1e}, gradient norms {norm_gap:.1e} "
+                      f"({time.monotonic() - started:.0f} s)")
+        if loss_gap > LOSS_TOLERANCE or norm_gap > GRAD_NORM_TOLERANCE:
+            failures.append(f"{family}: losses {loss_gap:.2e}, gradient norms {norm_gap:.2e} off one process")
+    print("\n".join(report))
+    assert not failures, "\n".join(failures)
