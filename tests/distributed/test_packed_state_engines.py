@@ -11,11 +11,13 @@ finds them), under DDP, ZeRO-3 and FSDP2, one test per engine reporting every fa
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import pytest
 
+from shardtune.launch.model_checks import PACKED_ZERO3_FAILS
 from tests.conftest import run_cli
 from tests.distributed.helpers import COMMON, ENGINE_KEYS, logged, losses
 
@@ -79,13 +81,25 @@ def test_every_packable_stateful_registry_family_under_engine_matches_one_proces
 
     families = [family for family in stateful_registry_families() if packing_refusal(family) is None]
     assert {"qwen3_next", "nemotron_h", "bamba", "falcon_h1", "qwen3_5"} <= set(families)
+    # One command reruns some of them: SHARDTUNE_TEST_FAMILIES=minimax,jamba pytest -m matrix -k "every_packable"
+    chosen = [f for f in os.environ.get("SHARDTUNE_TEST_FAMILIES", "").split(",") if f]
     failures, report = [], []
-    for family in families:
+    for family in [f for f in families if not chosen or f in chosen]:
         started = time.monotonic()
+        if engine == "zero3" and family in PACKED_ZERO3_FAILS:  # hangs: refused before launch (one line)
+            base, _ = one_process_packed(family)
+            refused = run_cli("train", *COMMON, f"model_name_or_path={base}", f"output_dir={tmp_path / family}",
+                              "per_device_train_batch_size=2", *PACKED, *ENGINE_KEYS[engine],
+                              FORCE_TORCHRUN="1", NPROC_PER_NODE="2")
+            if refused.returncode != 2 or f"ZeRO stage 3 on {family}" not in refused.stderr:
+                failures.append(f"{family}: not refused before launch: {refused.stderr[-600:]}")
+            report.append(f"{family}: refused before launch ({PACKED_ZERO3_FAILS[family][:60]}...)")
+            continue
         try:
             base, one = one_process_packed(family)
             two = tmp_path / family
-            train_packed(base, two, 2, 2, "finetuning_type=full", *ENGINE_KEYS[engine])
+            # a rank stuck in a collective ends the run after ddp_timeout, reported as this family's failure
+            train_packed(base, two, 2, 2, "finetuning_type=full", "ddp_timeout=180", *ENGINE_KEYS[engine])
             loss_gap = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses(two), losses(one), strict=True))
             norm_gap = max(abs(a - b) / max(abs(b), 1e-12)
                            for a, b in zip(logged(two, "grad_norm"), logged(one, "grad_norm"), strict=True))
