@@ -6,15 +6,14 @@ from __future__ import annotations
 from shardtune.config.rewards import reward_function_problems
 from shardtune.config.schema import TrainConfig
 
-SAMPLER_KEYS = ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
-                "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min")
+# The settings of the importance-sampling correction of a generator with weights of its own (TRL's names).
+SAMPLER_SETTINGS = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+                    "vllm_importance_sampling_clip_min")
 # Keys of stage grpo only; set for another stage they would be ignored.
 GRPO_KEYS = ("reward_funcs", "reward_weights", "reward_format_regex", "num_generations", "max_completion_length",
              "beta", "epsilon", "epsilon_high", "loss_type", "scale_rewards", "num_iterations",
-             "mask_truncated_completions", "use_bias_correction_kl", "rollout_backend", *SAMPLER_KEYS)
-# The importance-sampling correction of a generator with weights of its own (TRL's names).
-SAMPLER_SETTINGS = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
-                    "vllm_importance_sampling_clip_min")
+             "mask_truncated_completions", "use_bias_correction_kl", "rollout_backend",
+             "vllm_importance_sampling_correction", *SAMPLER_SETTINGS)
 
 # What stage grpo does not do, by key: why, for the refusal's line. A key counts as set when it differs from its
 # default (a value in a tuple: when it is that value).

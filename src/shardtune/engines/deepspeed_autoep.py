@@ -12,10 +12,12 @@ say so.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from shardtune.engines.deepspeed_config import zero_shard_writers
+from shardtune.run_files import RESOLVED_CONFIG
 
 # model_type -> AutoEP preset (deepspeed/module_inject/auto_ep_presets), the families measured here.
 AUTOEP_PRESETS = {"qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen3_moe", "mixtral": "mixtral",
@@ -74,10 +76,6 @@ def autoep_problems(key: str, stage: int, family: str, finetuning_type: str | No
 
 def checkpoint_expert_parallel_size(checkpoint_dir: Path) -> int:
     """The expert_parallel_size of the run that wrote a checkpoint (its copy of the run's config; 1 if unknown)."""
-    import json
-
-    from shardtune.run_files import RESOLVED_CONFIG
-
     try:
         return int(json.loads((checkpoint_dir / RESOLVED_CONFIG).read_text()).get("expert_parallel_size") or 1)
     except (OSError, ValueError, TypeError, AttributeError):
@@ -90,7 +88,7 @@ def autoep_resume_problems(checkpoint_dir: Path | None, expert_parallel_size: in
     if checkpoint_dir is None or not (Path(checkpoint_dir) / "deepspeed").is_dir():
         return []
     tag = Path(checkpoint_dir) / "deepspeed"
-    written_with = checkpoint_expert_parallel_size(Path(checkpoint_dir))
+    written_with = checkpoint_expert_parallel_size(tag.parent)
     # ZeRO-1/2 write AutoEP's experts to files of their own; ZeRO-3 keeps them in its shards: its config says.
     with_experts = any(tag.glob("layer_*_expert_*_model_states.pt")) or written_with > 1
     writers = zero_shard_writers(tag)

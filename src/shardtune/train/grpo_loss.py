@@ -50,8 +50,6 @@ class SamplerCorrection:
     clip_max: float | None = 3.0
 
 
-SAMPLER_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-
 
 def sampler_ratio(c: SamplerCorrection, old_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor
                   ) -> torch.Tensor:

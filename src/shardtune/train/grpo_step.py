@@ -117,7 +117,7 @@ class GrpoObjective:
                     group.ref_logps = self.reference_logps(engine, group)
         return groups
 
-    # --- resume between two repeats of a window (train/grpo_resume.py) ---
+    # --- resume between two repeats of a window (train/grpo_group.py) ---
     def checkpoint_files(self, engine: Engine) -> dict[str, Any]:
         """This rank's groups while repeats of their window are still to come, for the checkpoint."""
         if self._kept is None or self._repeats_done >= self.num_iterations:
