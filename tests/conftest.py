@@ -104,9 +104,12 @@ def pytest_runtest_protocol(item, nextitem):
         yield
         return
     marker = item.get_closest_marker("cores")
-    with cores.holding(pool, cores.need_of(item.nodeid, marker.args[0] if marker else None, cores.measured_needs(),
-                                           cores.machine_cores())):
+    need = cores.need_of(item.nodeid, marker.args[0] if marker else None, cores.measured_needs(), cores.machine_cores())
+    asked = time.time()
+    with cores.holding(pool, need):
+        held = time.time()
         yield
+    cores.record_timeline(item.nodeid, need, asked, held, time.time())
 
 
 def cli_env(**extra: str) -> dict[str, str]:

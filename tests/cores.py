@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import json
 import os
 import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
-ENV = "SHARDTUNE_TEST_CORES"  # the folder of the lock files, set by the controlling pytest process for its workers
+ENV = "SHARDTUNE_TEST_CORES"
+# A file each worker appends one line per test to (worker, test, cores, asked, held, done: seconds since the epoch),
+# for scripts/test_timeline.py: where make test's wall time goes (waiting for cores, running, idle workers).
+TIMELINE_ENV = "SHARDTUNE_TEST_TIMELINE"  # the folder of the lock files, set by the controlling pytest process for its workers
 MEASURED = Path(__file__).with_name("cores_measured.txt")
 DEFAULT_BY_TIER = {"unit": 1}  # every other tier: all cores
 POLL_SECONDS = 0.05
@@ -83,3 +87,13 @@ def holding(folder: str, count: int):
     finally:
         for handle in held:
             handle.close()  # closing drops the lock
+
+
+def record_timeline(test_id: str, need: int, asked: float, held: float, done: float) -> None:
+    """One line of the timeline file, where ``SHARDTUNE_TEST_TIMELINE`` names one."""
+    path = os.environ.get(TIMELINE_ENV)
+    if path:
+        line = {"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "test": test_id, "cores": need,
+                "asked": asked, "held": held, "done": done}
+        with open(path, "a") as handle:  # one short write per line: the workers' lines do not interleave
+            handle.write(json.dumps(line) + "\n")

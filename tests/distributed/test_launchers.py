@@ -12,6 +12,7 @@ import pytest
 from shardtune.launch.torchrun import find_free_port
 from tests.conftest import REPO, cli_env
 from tests.distributed.helpers import COMMON, check_saved_model, losses
+from tests.nodes import free_port_pair, run_nodes
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 BIN = Path(sys.executable).parent
@@ -67,15 +68,14 @@ def test_accelerate_launch_with_shipped_config(config_file, reference, tiny_mode
 
 
 def test_accelerate_multi_node_config_two_machines(reference, tiny_model_dir, tmp_path):
-    port = str(find_free_port())
+    port = str(free_port_pair())
     base = [str(BIN / "accelerate"), "launch", "--config_file", "examples/accelerate/multi_node.yaml",
             "--main_process_port", port]
     args = ["-m", "shardtune.train", *training_args(tiny_model_dir, tmp_path, micro=2)]
     env = cli_env(GLOO_SOCKET_IFNAME="lo")
-    nodes = [subprocess.Popen([*base, "--machine_rank", str(rank), *args], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
-    outputs = [node.communicate(timeout=500) for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    nodes = run_nodes([[*base, "--machine_rank", str(rank), *args] for rank in (0, 1)], [env, env],
+                      tmp_path.parent / f"{tmp_path.name}-nodes", 500, cwd=REPO)
+    assert [code for code, _, _ in nodes] == [0, 0], nodes[0][2][-3000:] + nodes[1][2][-3000:]
     assert engine_of(tmp_path) == ("ddp", 2)
     assert losses(tmp_path) == pytest.approx(reference["full"], rel=2e-3)
 
@@ -89,26 +89,25 @@ def test_deepspeed_launcher_injects_local_rank(reference, tiny_model_dir, tmp_pa
 
 def test_two_nodes_through_shardtune_train(reference, tiny_model_dir, tmp_path):
     """Two `shardtune train` invocations (NNODES=2, NODE_RANK=0/1) on loopback train as one job."""
-    port = str(find_free_port())
+    port = str(free_port_pair())
     env = cli_env(NNODES="2", NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     # With a tokenised-data cache: rank 0 builds it, the other node's first rank finds it on the shared disk.
     argv = [sys.executable, "-m", "shardtune", "train", *training_args(tiny_model_dir, tmp_path, micro=2),
             f"tokenized_path={tmp_path / 'tokenized'}"]
-    nodes = [subprocess.Popen(argv, cwd=REPO, env={**env, "NODE_RANK": str(rank)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
-    outputs = [node.communicate(timeout=500) for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    nodes = run_nodes([argv, argv], [{**env, "NODE_RANK": str(rank)} for rank in (0, 1)],
+                      tmp_path.parent / f"{tmp_path.name}-nodes", 500, cwd=REPO)
+    assert [code for code, _, _ in nodes] == [0, 0], nodes[0][2][-3000:] + nodes[1][2][-3000:]
     assert engine_of(tmp_path) == ("ddp", 2)
     assert losses(tmp_path) == pytest.approx(reference["full"], rel=2e-3)
     assert (tmp_path / "tokenized" / "shardtune_data.json").is_file()
-    assert "tokenising into" in outputs[0][0] and "tokenising into" not in outputs[1][0]
+    assert "tokenising into" in nodes[0][1] and "tokenising into" not in nodes[1][1]
 
 
 def test_node_that_never_joins_ends_the_job_within_the_timeout(tiny_model_dir, tmp_path):
     import time
 
     env = cli_env(NNODES="2", NODE_RANK="0", NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1",
-                  MASTER_PORT=str(find_free_port()), RDZV_TIMEOUT="10")
+                  MASTER_PORT=str(free_port_pair()), RDZV_TIMEOUT="10")
     start = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "shardtune", "train", *training_args(tiny_model_dir, tmp_path)],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=120)

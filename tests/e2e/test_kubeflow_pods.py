@@ -7,14 +7,13 @@ processes, so a pod that took them as its own rank and world size would wait for
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from shardtune.launch.torchrun import find_free_port
 from tests.conftest import REPO, cli_env
+from tests.nodes import free_port_pair, run_nodes
 
 pytestmark = [pytest.mark.distributed, pytest.mark.e2e]
 TRAINING = ("examples/tiny/sft_full.yaml", "max_steps=4", "logging_steps=1", "save_strategy=no", "do_eval=false",
@@ -39,18 +38,14 @@ def trainjob_env(pod: int, pods: int, nproc: int, port: int) -> dict[str, str]:
 @pytest.mark.parametrize("flavour, pods, nproc", [(pytorchjob_env, 2, 2), (trainjob_env, 2, 1)],
                          ids=["pytorchjob-2x2", "trainjob-2x1"])
 def test_operator_pods_train_as_one_job(flavour, pods, nproc, tiny_model_dir, tmp_path: Path):
-    port = find_free_port()
+    port = free_port_pair()
     argv = [sys.executable, "-m", "shardtune", "train", *TRAINING, f"model_name_or_path={tiny_model_dir}",
             f"output_dir={tmp_path}", "ddp_timeout=120"]
-    procs = [subprocess.Popen(argv, cwd=REPO, env=cli_env(GLOO_SOCKET_IFNAME="lo", **flavour(pod, pods, nproc, port)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for pod in range(pods)]
-    try:
-        outputs = [proc.communicate(timeout=500) for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
-    assert [proc.returncode for proc in procs] == [0] * pods, outputs[0][1][-3000:] + outputs[1][1][-3000:]
-    assert f"--nnodes={pods} --node-rank=1 --master-addr=127.0.0.1 --master-port={port}" in outputs[1][0]
+    pods_run = run_nodes([argv] * pods, [cli_env(GLOO_SOCKET_IFNAME="lo", **flavour(pod, pods, nproc, port))
+                                         for pod in range(pods)], tmp_path.parent / f"{tmp_path.name}-pods", 500,
+                         cwd=REPO)
+    assert [code for code, _, _ in pods_run] == [0] * pods, pods_run[0][2][-3000:] + pods_run[1][2][-3000:]
+    assert f"--nnodes={pods} --node-rank=1 --master-addr=127.0.0.1 --master-port={port}" in pods_run[1][1]
     results = json.loads((tmp_path / "train_results.json").read_text())
     assert (results["world_size"], results["global_step"], results["engine"]) == (pods * nproc, 4, "ddp")
     assert (tmp_path / "model.safetensors").is_file()

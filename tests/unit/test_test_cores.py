@@ -90,3 +90,28 @@ def test_what_a_test_needs_marker_then_measured_then_tier():
     assert cores.need_of("tests/unit/test_x.py::test_a", 4, measured, 2) == 2  # never more than there are
     assert cores.need_of("tests/e2e/test_x.py::test_one_process", 2, measured, 2) == 2
 
+
+
+def test_the_timeline_says_how_full_the_cores_were_and_who_waited(tmp_path, monkeypatch):
+    """Each worker appends a line per test (SHARDTUNE_TEST_TIMELINE); scripts/test_timeline.py sums them."""
+    import importlib.util
+    import json
+
+    from tests import cores
+
+    timeline = tmp_path / "timeline.jsonl"
+    monkeypatch.setenv(cores.TIMELINE_ENV, str(timeline))
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    cores.record_timeline("tests/distributed/test_a.py::test_x", 2, 0.0, 0.0, 10.0)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    cores.record_timeline("tests/unit/test_b.py::test_y", 1, 0.0, 10.0, 15.0)  # waited for the cores 10 s
+    rows = [json.loads(line) for line in timeline.read_text().splitlines()]
+    assert [row["worker"] for row in rows] == ["gw0", "gw1"]
+    spec = importlib.util.spec_from_file_location("test_timeline", cores.MEASURED.parents[1] / "scripts" /
+                                                  "test_timeline.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    summary = module.summarize(rows, cores=2, top=5)
+    assert summary.splitlines()[0] == "2 tests over 15 s; cores held 25 core-s of 2 x 15 = 83%"
+    assert "gw1: 1 tests, running       5 s, waiting for cores     10 s" in summary
+    assert "     20  distributed" in summary and "      5  unit" in summary
