@@ -21,10 +21,10 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-ENV = "SHARDTUNE_TEST_CORES"
+ENV = "SHARDTUNE_TEST_CORES"  # the folder of the lock files, set by the controlling pytest process for its workers
 # A file each worker appends one line per test to (worker, test, cores, asked, held, done: seconds since the epoch),
 # for scripts/test_timeline.py: where make test's wall time goes (waiting for cores, running, idle workers).
-TIMELINE_ENV = "SHARDTUNE_TEST_TIMELINE"  # the folder of the lock files, set by the controlling pytest process for its workers
+TIMELINE_ENV = "SHARDTUNE_TEST_TIMELINE"
 MEASURED = Path(__file__).with_name("cores_measured.txt")
 DEFAULT_BY_TIER = {"unit": 1}  # every other tier: all cores
 POLL_SECONDS = 0.05

@@ -200,3 +200,20 @@ def test_rows_that_hold_several_samples_run_the_stateful_blocks_per_sample(keys,
                              **fields)
         apply_kernels(model, config, is_main=False)
         assert any(runs_per_sample(module) for module in model.modules()) is wrapped, fields
+
+
+def test_a_stateful_block_returns_the_same_outputs_whether_rows_hold_one_sample_or_several():
+    """ZeRO-3 hooks every tensor a module returns, and its ranks must fetch the same modules in every micro-batch:
+    MiniMax's lightning attention returned its final state only when no row held two samples, its backward fetch
+    then fired twice on that rank, and the ranks of a packed ZeRO-3 run hung at the third step. Its run there
+    equals one process (tests/distributed/test_packed_state_engines.py's registry cells)."""
+    model, collator = tiny_model("minimax")
+    (name, block), *_ = stateful_blocks(model)
+    returned: list[tuple] = []
+    block.register_forward_hook(lambda _, __, output: returned.append(
+        tuple(type(item).__name__ for item in (output if isinstance(output, tuple) else (output,)))))
+    with torch.no_grad():
+        for batch in (packed_batch(collator, A), collator([pack_row([A], [A]), pack_row([A[::-1]], [A[::-1]])])):
+            model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+    several, one_each = returned
+    assert several == one_each == ("Tensor", "NoneType"), (name, returned)

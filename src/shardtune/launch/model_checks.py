@@ -93,32 +93,3 @@ def moe_problems(c: TrainConfig) -> list[str]:
         return []  # reported by the folder checks
     coef = configured_router_aux_coef(config or {}, c.moe_aux_loss_coef)
     return [preference_aux_loss_problem(coef, c.stage)] if coef and c.stage in PREFERENCE_STAGES else []
-
-
-# Families whose packed rows (their stateful blocks run once per sample, model/packed_state.py) do not train under
-# ZeRO-3, found by tests/distributed/test_packed_state_engines.py's registry cells; why, for the refusal's line.
-PACKED_ZERO3_FAILS = {
-    "minimax": "its ranks stop agreeing on DeepSpeed's module trace at the third step (one broadcasts the trace's "
-               "length while another gathers the next weights) and wait on each other until ddp_timeout",
-}
-
-
-def packed_zero3_problems(c: TrainConfig, zero_stage: int) -> list[str]:
-    """Rows holding several samples (packing, or padding-free rows: train/setup.py) of a family that hangs under
-    ZeRO-3 with them (``PACKED_ZERO3_FAILS``), refused before launch."""
-    if zero_stage != 3:
-        return []
-    try:
-        config = model_config_json(c.model_name_or_path) or {}
-    except ModelError:
-        return []  # reported by the folder checks
-    family = str(config.get("model_type", ""))
-    if family not in PACKED_ZERO3_FAILS:
-        return []
-    from shardtune.train.setup import padding_free_rows
-
-    key = "packing" if resolved_packing(c) else "padding_free" if padding_free_rows(c) else None
-    if key is None:
-        return []
-    return [f"{key} with deepspeed ZeRO stage 3 on {family}: {PACKED_ZERO3_FAILS[family]}; train these rows under "
-            "DDP, ZeRO-1/2 or FSDP2 (exact there), or set packing: false and padding_free: false"]

@@ -315,16 +315,14 @@ def layout_problems(config: TrainConfig, engine: EnginePlan, layout: WorldLayout
         return []
     from shardtune.engines.deepspeed_autoep import autoep_resume_problems
     from shardtune.engines.deepspeed_checks import deepspeed_problems
-    from shardtune.engines.deepspeed_config import deepspeed_inputs, zero_stage
+    from shardtune.engines.deepspeed_config import deepspeed_inputs
     from shardtune.engines.deepspeed_config import resume_problems as zero_resume_problems
-    from shardtune.launch.model_checks import packed_zero3_problems
 
     source = resume_source(config)
     return deepspeed_problems(engine.deepspeed_raw, deepspeed_inputs(config, layout),
                               engine.deepspeed_source or "deepspeed") + \
         zero_resume_problems(engine.deepspeed_raw, source, layout.world_size) + \
-        autoep_resume_problems(source, config.expert_parallel_size, layout.world_size) + \
-        packed_zero3_problems(config, zero_stage(engine.deepspeed_raw))
+        autoep_resume_problems(source, config.expert_parallel_size, layout.world_size)
 
 
 def resume_problems(config: TrainConfig, engine: EnginePlan) -> list[str]:

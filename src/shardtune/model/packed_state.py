@@ -154,10 +154,16 @@ class PerSampleForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         segments = self.boundaries.segments
-        if (segments is None or self.boundaries.running or all(len(row) == 1 for row in segments)
+        if (segments is None or self.boundaries.running
                 or any(kwargs.get(name) is not None for name in CACHE_KWARGS)):
-            return self.forward(*args, **kwargs)  # whole rows, a nested block, or generation with a cache
+            return self.forward(*args, **kwargs)  # unpacked rows, a nested block, or generation with a cache
         rows, length = self.boundaries.shape
+        if all(len(row) == 1 for row in segments):
+            # One sample per row: the block runs on the whole rows, and returns what it returns when it runs per
+            # sample (a final state becomes None), so that ZeRO-3, which hooks every tensor a module returns,
+            # sees the same outputs in every micro-batch: MiniMax's final state, returned only here, fired the
+            # block's backward fetch twice, and its ranks stopped agreeing on DeepSpeed's module trace.
+            return join_row([self.forward(*args, **kwargs)], [length])
         hidden = args[0] if args else kwargs.get("hidden_states")
         if not isinstance(hidden, torch.Tensor) or tuple(hidden.shape[:2]) != (rows, length):
             raise RuntimeError(f"packed rows: a stateful block got inputs of shape {getattr(hidden, 'shape', None)}, "
