@@ -91,7 +91,6 @@ def test_what_a_test_needs_marker_then_measured_then_tier():
     assert cores.need_of("tests/e2e/test_x.py::test_one_process", 2, measured, 2) == 2
 
 
-
 def test_the_timeline_says_how_full_the_cores_were_and_who_waited(tmp_path, monkeypatch):
     """Each worker appends a line per test (SHARDTUNE_TEST_TIMELINE); scripts/test_timeline.py sums them."""
     import importlib.util

@@ -85,9 +85,9 @@ def checkpoint_expert_parallel_size(checkpoint_dir: Path) -> int:
 def autoep_resume_problems(checkpoint_dir: Path | None, expert_parallel_size: int, world_size: int) -> list[str]:
     """A DeepSpeed checkpoint written with AutoEP (its per-expert files) holds AutoEP's module names: it resumes only
     under AutoEP on the world size that wrote it, and a checkpoint without them not under AutoEP."""
-    if checkpoint_dir is None or not (Path(checkpoint_dir) / "deepspeed").is_dir():
+    tag = Path(checkpoint_dir) / "deepspeed" if checkpoint_dir is not None else None
+    if tag is None or not tag.is_dir():
         return []
-    tag = Path(checkpoint_dir) / "deepspeed"
     written_with = checkpoint_expert_parallel_size(tag.parent)
     # ZeRO-1/2 write AutoEP's experts to files of their own; ZeRO-3 keeps them in its shards: its config says.
     with_experts = any(tag.glob("layer_*_expert_*_model_states.pt")) or written_with > 1

@@ -225,12 +225,13 @@ def join_row(parts: list[Any], lengths: list[int]) -> Any:
         return {key: join_row([part[key] for part in parts], lengths) for key in first}
     if not isinstance(first, torch.Tensor):
         return first
+    one = len(parts) == 1  # whole rows, or a row of one sample: kept as it is, not copied
     if all(p.dim() >= 2 and p.shape[1] == n for p, n in zip(parts, lengths, strict=True)):
-        return torch.cat(parts, dim=1)
+        return first if one else torch.cat(parts, dim=1)
     if all(p.dim() >= 2 and tuple(p.shape[-2:]) == (n, n) for p, n in zip(parts, lengths, strict=True)):
-        return diagonal(parts, lengths)
+        return first if one else diagonal(parts, lengths)
     if all(p.shape[0] == n for p, n in zip(parts, lengths, strict=True)):
-        return torch.cat(parts, dim=0)
+        return first if one else torch.cat(parts, dim=0)
     return None
 
 

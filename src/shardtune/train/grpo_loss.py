@@ -50,7 +50,6 @@ class SamplerCorrection:
     clip_max: float | None = 3.0
 
 
-
 def sampler_ratio(c: SamplerCorrection, old_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor
                   ) -> torch.Tensor:
     """exp(trainer - sampler log-probability) per token (``token_*``: shape of the logps) or summed per completion
