@@ -34,8 +34,10 @@ SLICE = {"llama", "qwen3_next", "deepseek_v32", "deepseek_v4", "emu3", "musicgen
 # since 2026-11-28: 17 families build with model/registry.py's FAMILY_OVERRIDES, and the 6 that cannot are refused
 # before launch from their config.json alone (below).
 NOT_BUILT: dict[str, str] = {}
-# Refused by `shardtune check`: saved with a text sub-config's model_type that AutoModelForCausalLM cannot build
-# again (Emu3, Mllama); X-MOD without a default_language (every forward would raise "Input language unknown"); and
+# Refused by `shardtune check`: CPM-Ant, whose forward attends both ways (the tiny model's earlier logits move
+# when the last token changes: tests/unit/test_registry_families.py); saved with a text sub-config's model_type
+# that AutoModelForCausalLM cannot build again (Emu3, Mllama); X-MOD without a default_language (every forward
+# would raise "Input language unknown"); and
 # model/folder.py's UNTRAINABLE_FAMILIES and timm towers, whose folders the matrix writes with the family's default
 # config.json and no weights (scripts/registry_engines.py refused_as_downloaded): Gemma 3n's vision tower needs
 # timm (which needs torchvision, a CUDA torch here), the Gemma 4 assistants are draft models that read the main
@@ -50,12 +52,19 @@ REFUSED: dict[str, str] = {
     "gemma4_unified_assistant": "a draft model for Gemma 4's speculative decoding",
     "musicgen": "a text-to-music model",
     "musicgen_melody": "a text-to-music model",
+    "cpmant": "attends in both directions",
     "reformer": "Reformer trains only on rows exactly as long as its axial position table",
 }
 # Open failures (issue 29 stays open for each), with the part of the reason the run gives. DeepSeek-V4 was here
 # until 2026-11-28 (its layer-0 compressor reached the loss only on rows of 128 tokens: model/length_dependent.py),
 # then Gemma 3n text (DDP LoRA) and Qwen4-Exp (ZeRO-3), fixed the same day.
-FAILING: dict[str, dict[str, str]] = {}
+FAILING: dict[str, dict[str, str]] = {
+    # Moshi's full fine-tuning ends 4e-3 from one process (ZeRO-3 and FSDP2 alike): its first loss already differs
+    # by 1.7e-4 (7.6478 vs 7.6491), and so does one process's with 2 rows a micro-batch instead of 4, while its
+    # forward is the same alone, batched and padded (1e-7). Found on 2026-11-30 when its 22,528-wide FFN was shrunk
+    # (it was 1e-4 then, and passed within the tolerance); the cause is open.
+    "moshi": {"zero3-full": "losses", "fsdp2-full": "losses"},
+}
 
 
 def registry_engines():

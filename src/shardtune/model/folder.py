@@ -122,6 +122,11 @@ UNTRAINABLE_FAMILIES: dict[str, str] = {
     "gemma4_unified_assistant": _DRAFT,
     "musicgen": _MUSIC,
     "musicgen_melody": _MUSIC,
+    # transformers' CpmAntModel sets its whole input as context, so every token attends to the tokens after it
+    # too (a later token changes an earlier one's logits by 28 on the tiny model): as a causal LM it would learn
+    # from the tokens it predicts, and its loss depends on the padding of each micro-batch
+    "cpmant": ("CPM-Ant's forward attends in both directions (transformers treats the whole input as context), so a "
+               "causal LM trained with it sees the tokens it predicts; fine-tune another decoder LM"),
     "reformer": ("Reformer trains only on rows exactly as long as its axial position table (axial_pos_shape's "
                  "product), while shardtune's rows are as long as their samples; fine-tune another decoder LM"),
 }

@@ -35,6 +35,15 @@ TINY_SIZES: dict[str, int] = {
     "hidden_size_global": 64,
     # Jamba-style periods: an attention layer and an expert layer among the two kept
     "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
+    # widths under names of their own (left at full size, they were most of a tiny model's compute: Kimi-Linear's
+    # 32 x 128 linear-attention heads on a 64-wide model took 70-110 s a matrix cell, CPM-Ant's 10,240-wide FFN)
+    "ffn_dim": 128, "dim_ff": 128, "dff": 128, "d_inner": 128, "intermediate_size_mlp": 128,
+    "dense_intermediate_size": 128, "shared_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32,
+    "dim_head": 16, "linear_num_heads": 4, "linear_head_dim": 16, "o_lora_rank": 32, "state_size": 16,
+    "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16,
+    # encoder-decoder families whose decoder is the causal LM (ProphetNet: 12 layers of 16 heads by default)
+    "num_encoder_layers": 2, "num_decoder_layers": 2, "num_encoder_attention_heads": 4,
+    "num_decoder_attention_heads": 4,
 }
 # Sizes a default may leave unset (None) that the modelling code needs: a derived head size, the experts per token
 # (DeepSeek-V2's default routes to None experts), dots.llm1's experts (None, yet every layer is an expert layer)
