@@ -57,14 +57,9 @@ REFUSED: dict[str, str] = {
 }
 # Open failures (issue 29 stays open for each), with the part of the reason the run gives. DeepSeek-V4 was here
 # until 2026-11-28 (its layer-0 compressor reached the loss only on rows of 128 tokens: model/length_dependent.py),
-# then Gemma 3n text (DDP LoRA) and Qwen4-Exp (ZeRO-3), fixed the same day.
-FAILING: dict[str, dict[str, str]] = {
-    # Moshi's full fine-tuning ends 4e-3 from one process (ZeRO-3 and FSDP2 alike): its first loss already differs
-    # by 1.7e-4 (7.6478 vs 7.6491), and so does one process's with 2 rows a micro-batch instead of 4, while its
-    # forward is the same alone, batched and padded (1e-7). Found on 2026-11-30 when its 22,528-wide FFN was shrunk
-    # (it was 1e-4 then, and passed within the tolerance); the cause is open.
-    "moshi": {"zero3-full": "losses", "fsdp2-full": "losses"},
-}
+# then Gemma 3n text (DDP LoRA) and Qwen4-Exp (ZeRO-3), fixed the same day; Moshi's full cells on 2026-11-30 (its
+# packed rows took the sliding window its config states and its class never applies: model/attention.py).
+FAILING: dict[str, dict[str, str]] = {}
 
 
 def registry_engines():

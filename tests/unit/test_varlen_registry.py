@@ -77,3 +77,27 @@ def test_packed_samples_under_varlen_are_refused_or_equal_each_sample_alone(fami
             largest_difference(model)
         return
     assert largest_difference(model) < 1e-4
+
+
+def states_a_window(family: str) -> bool:
+    """The config states a sliding window, and every layer attends (layers with a state are the varlen test's)."""
+    config = tiny_registry_config(family, VOCAB, SPECIAL_IDS)
+    stated = any(getattr(sub, "sliding_window", None) for sub in (config, getattr(config, "text_config", None)))
+    return stated and not stateful_layer_kinds(config)
+
+
+@pytest.mark.parametrize("family", [f for f in families() if states_a_window(f)])
+def test_packed_samples_under_a_dense_mask_keep_the_window_the_model_applies(family: str) -> None:
+    """Packed rows under sdpa (eager where the class has no sdpa) take shardtune's block mask, with each layer
+    kind's window: each sample's logits equal the sample alone. Moshi states a window its class never applies, so
+    a mask with it made its packed samples see fewer tokens than padded ones (0.26 apart; model/attention.py's
+    applies_sliding_window)."""
+    config = tiny_registry_config(family, VOCAB, SPECIAL_IDS)
+    as_dict = config.to_dict()
+    support = kernel_support(as_dict)
+    kernel = "sdpa" if support is None or support.sdpa else "eager"
+    if packing_problem(as_dict, support, kernel, family):
+        return  # refused before launch, with the reason (test_packing_architectures.py)
+    model = build(config, kernel)
+    collator = DataCollator(0, attn_implementation=kernel, window_by_layer_type=layer_windows(model.config))
+    assert packed_difference(model, collator, vocab_size=VOCAB) < 1e-4

@@ -14,6 +14,7 @@ layers get the window on top of the sample boundaries. ``layer_windows`` reads t
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -240,12 +241,29 @@ def layer_windows(config: Any) -> dict[str, int | None]:
     Reads ``layer_types`` where the config has it (models mixing local and global layers), else one kind for
     every layer: sliding when ``sliding_window`` is set (Mistral), full otherwise.
     """
-    config = _get(config, "text_config") or config  # multimodal configs (Gemma 3) nest the language model's
-    window = _get(config, "sliding_window")
-    layer_types = _get(config, "layer_types")
+    language = _get(config, "text_config") or config  # multimodal configs (Gemma 3) nest the language model's
+    window = _get(language, "sliding_window") if applies_sliding_window(config) else None
+    layer_types = _get(language, "layer_types")
     if layer_types:
         return {kind: (window if kind == SLIDING else None) for kind in dict.fromkeys(layer_types)}
     return {SLIDING: window} if window else {FULL: None}
+
+
+def applies_sliding_window(config: Any) -> bool:
+    """Whether the model's class applies the ``sliding_window`` its config states. Moshi's states 3,000 (16 in a
+    tiny model) and transformers' Moshi builds a plain causal mask: a packed row's mask with the window would make
+    its samples attend to fewer tokens than the same samples padded. Read from the class's modelling file (a
+    sliding-window mask, or a window passed to the attention kernel); a class not found here (remote code) is
+    taken at its config's word."""
+    fields = config if isinstance(config, Mapping) else getattr(config, "to_dict", lambda: vars(config))()
+    found = causal_lm_class_file(fields)
+    return found is None or _source_applies_window(found[1])
+
+
+@functools.cache
+def _source_applies_window(path: Path) -> bool:
+    source = path.read_text(encoding="utf-8")
+    return "create_sliding_window_causal_mask" in source or "sliding_window=" in source
 
 
 # Per-layer descriptions in configs of hybrid models (Qwen3-Next, Nemotron-H, RecurrentGemma, ...).
