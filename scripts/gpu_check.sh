@@ -12,7 +12,8 @@
 #                  local engine, FSDP2 and ZeRO-3 (test_async_save_gpu.py)                       (~8 min)
 #   tests-qlora    tests/gpu/test_qlora.py + tests/unit/test_fsdp_qlora.py (bitsandbytes)       (~4 min)
 #   tests-families tests/gpu/test_todays_families_gpu.py: Qwen3-Next, Qwen3.5-MoE, DeepSeek-V4, Nemotron-H and
-#                  Qwen3-MoE under FSDP2 and ZeRO-3 in bf16 against one process                  (~5 min)
+#                  Qwen3-MoE under FSDP2 and ZeRO-3 in bf16 against one process; the experts' grouped
+#                  matmul against their loop, and each one's tokens/s (test_expert_kernels_gpu.py) (~6 min)
 #   tests-kernels  tests/gpu/test_kernels_gpu.py: fp8 (torchao float8; one process and FSDP2 with the float8
 #                  all-gather, on a GPU of compute capability 8.9+) and enable_liger_kernel against bf16, 3 steps
 #                  each, plus the CPU tests of both (tests/unit/test_fp8.py, test_liger.py)     (~3 min)
@@ -158,7 +159,7 @@ case "$STEP" in
   env)           run_step env env_report || status=$? ;;
   tests-engines) run_step tests-engines run_pytest -m gpu tests/gpu/test_engines.py tests/gpu/test_sequence_parallel_gpu.py tests/gpu/test_image_text_gpu.py tests/gpu/test_async_save_gpu.py || status=$? ;;
   tests-qlora)   run_step tests-qlora run_pytest tests/gpu/test_qlora.py tests/unit/test_fsdp_qlora.py || status=$? ;;
-  tests-families) run_step tests-families run_pytest tests/gpu/test_todays_families_gpu.py || status=$? ;;
+  tests-families) run_step tests-families run_pytest tests/gpu/test_todays_families_gpu.py tests/gpu/test_expert_kernels_gpu.py || status=$? ;;
   tests-kernels) run_step tests-kernels run_pytest tests/gpu/test_kernels_gpu.py tests/unit/test_fp8.py tests/unit/test_liger.py || status=$? ;;
   bench-local)   run_step bench-local bench local,ddp || status=$? ;;
   bench-fsdp)    run_step bench-fsdp bench fsdp2 || status=$? ;;
