@@ -242,7 +242,9 @@ def layer_windows(config: Any) -> dict[str, int | None]:
     every layer: sliding when ``sliding_window`` is set (Mistral), full otherwise.
     """
     language = _get(config, "text_config") or config  # multimodal configs (Gemma 3) nest the language model's
-    window = _get(language, "sliding_window") if applies_sliding_window(config) else None
+    window = _get(language, "sliding_window")
+    if window and not applies_sliding_window(config):  # the class's file is read only where a window is stated
+        window = None
     layer_types = _get(language, "layer_types")
     if layer_types:
         return {kind: (window if kind == SLIDING else None) for kind in dict.fromkeys(layer_types)}
