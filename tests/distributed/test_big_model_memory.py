@@ -23,7 +23,8 @@ import pytest
 from tests.conftest import run_cli
 from tests.distributed.helpers import losses
 
-pytestmark = [pytest.mark.distributed, pytest.mark.bigmodel, pytest.mark.timeout(1800)]
+# real_launch: these tests measure each rank's memory, which a fork of the rank server shares with its parent.
+pytestmark = [pytest.mark.distributed, pytest.mark.bigmodel, pytest.mark.real_launch, pytest.mark.timeout(1800)]
 
 SHAPES = {"fsdp2": ("--layers", "46", "--hidden", "640", "--heads", "10", "--kv-heads", "2", "--intermediate", "1792"),
           "zero3": ("--layers", "18", "--hidden", "1024", "--heads", "16", "--kv-heads", "4", "--intermediate", "2816")}
@@ -88,13 +89,15 @@ def above_tiny_run(model: Path, tiny: Path, out: Path, finetuning: str, settings
 
 def check_zero3_memory_line(results: dict) -> None:
     """Issue 42.10, measured on 2 CPU ranks (docs/estimate.md, "Measured: ZeRO-3 LoRA"): every rank measures from
-    the same libraries (rank 0 alone used to count datasets and its dependencies: 830 against 712 MB), and the
-    set-up peak is within 15% of its estimate now that it counts the adapters' copies (1.33 before, 1.06 after).
-    The whole run's peak is not asserted here: with bf16 on CPU ranks it grows with every step (1.41 after 3 steps;
-    fp32 1.22), which docs/estimate.md explains."""
+    the same libraries (rank 0 alone used to count datasets and its dependencies: 830 against 712 MB); the set-up
+    peak is within 15% of its estimate now that it counts the adapters' copies (1.33 before, 1.06 after); the whole
+    run's peak measured 1.42 times the estimate before it counted the layer a checkpointed backward holds
+    gathered, the adapters in fp32 and the CPU's bf16 kernels, and before the ranks bounded those kernels' caches;
+    1.135 to 1.172 in five runs after (2026-11-30), so the bound here is 1.20, not 1.15."""
     peaks = results["peak_memory_bytes_per_rank"]
     assert max(peaks) < 1.05 * min(peaks), peaks
     assert 0.85 <= results["setup_memory_measured_over_estimate"] <= 1.15, results
+    assert 0.85 <= results["memory_measured_over_estimate"] <= 1.20, results
 
 
 @pytest.mark.parametrize("engine", ["fsdp2", "zero3"])

@@ -244,7 +244,7 @@ def estimate_run_memory(config: TrainConfig, world_size: int, engine_kind: str, 
                                     local_world_size or world_size, on_gpu)
     except ShardtuneError:
         return None  # the shape is unknown here (or not LLaMA-like): nothing to record
-    return run_memory_estimate(device, setup, on_gpu, engine_kind)
+    return run_memory_estimate(device, setup, on_gpu, engine_kind, workload_from_config(config).mixed_precision)
 
 
 def _run_states(config: TrainConfig, world_size: int, engine_kind: str, fsdp_settings: FsdpSettings | None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardtune.estimate.activations import activation_bytes
-from shardtune.estimate.adapter_shape import lora_small_params
+from shardtune.estimate.adapter_shape import freeze_trainable_params, lora_small_params
 from shardtune.estimate.grpo import rollout_bytes
 from shardtune.estimate.parts import (
     FP32,
@@ -22,7 +22,7 @@ from shardtune.estimate.parts import (
     with_reference_setup,
 )
 from shardtune.estimate.shape import ModelShape
-from shardtune.estimate.workload import weight_bytes
+from shardtune.estimate.workload import adapter_params, weight_bytes
 
 # DeepSpeed's defaults (and the shipped presets) for the sizes that bound its buffers, in elements.
 DEFAULT_REDUCE_BUCKET = 500_000_000
@@ -98,16 +98,17 @@ def zero_states(c: Context, z: ZeroSettings) -> tuple[Components, float, Setup]:
     even in fp32 training."""
     w, t, n, b = c.workload, c.trainable, c.ranks, c.ds_bytes
     p_div, g_div, o_div = zero_divisors(z.stage, n)
-    weights = weight_bytes(c.shape, w, b)
+    weights = zero_weight_bytes(c, z)
     k = FP32 + w.optimizer_state_bytes
     activations = activation_bytes(c.shape, w, b)
     params, gathered = weights, 0.0
     if z.stage == 3:
         params = 0.0 if z.offload_params else weights / p_div
-        gathered = weights * max(min(c.params, z.live_parameters), moe_leaf_params(c.shape)) / c.params
+        gathered = weights * zero3_gathered_params(c, z) / c.params
     reference = reference_share(c, params)
+    adapters = zero3_adapter_bytes(c, z)
     device = Components(
-        parameters=params + zero3_adapter_bytes(c, z).kept,
+        parameters=params + adapters.kept + adapters.persisted,
         gradients=0.0 if z.offload_optimizer else b * t / g_div,
         optimizer_states=0.0 if z.offload_optimizer else k * t / o_div,
         buffers=gathered + staging_bucket_bytes(z, b, t, activations, c.hardware.on_gpu),
@@ -124,12 +125,59 @@ def zero_states(c: Context, z: ZeroSettings) -> tuple[Components, float, Setup]:
     host = reference_share(c, weight_bytes(c.shape, w, FP32)) if z.stage < 3 else 0.0
     return device, offloaded, with_reference_setup(zero_setup(c, z, weights), reference, host)
 
+def zero3_gathered_params(c: Context, z: ZeroSettings) -> int:
+    """Parameters ZeRO-3 holds gathered (whole) on each rank at the busiest point of a step, the largest of:
+
+    * the bound: stage3_max_live_parameters (or max_reuse_distance, the smaller), up to the whole model;
+    * one module's own parameters, which DeepSpeed gathers together whatever the bound says: the largest Linear
+      layer or the embedding; an MoE block marked a leaf module with all its experts (moe_leaf_params);
+    * with gradient checkpointing, one decoder layer's frozen parameters (recompute_held_params).
+    """
+    shape = c.shape
+    largest_module = max([shape.embedding_params, shape.head_params,
+                          *(shape.linear_params(name, i) for i in range(shape.num_layers)
+                            for name in shape.layer_linear_shapes(i))])
+    return max(min(c.params, z.live_parameters), largest_module, moe_leaf_params(shape),
+               recompute_held_params(c))
+
+
+def recompute_held_params(c: Context) -> int:
+    """Frozen parameters of one decoder layer, which ZeRO-3 keeps gathered while the backward recomputes that
+    layer and runs through it: DeepSpeed (0.19, partitioned_param_coordinator: ds_recompute_parameters) hands
+    every frozen parameter a checkpoint's recompute gathers to the module whose backward is running and releases
+    them only when that backward ends, so an adapter or freeze run holds a whole layer's base weights however
+    small stage3_max_live_parameters is. Trainable parameters are released by their own backward hooks.
+    Measured on the 206M-parameter LoRA run (docs/estimate.md, "Measured: ZeRO-3 LoRA"): 11.34M parameters
+    gathered at once in each layer's backward with max_live_parameters 1e6, where the forward keeps one module's.
+    """
+    w, shape = c.workload, c.shape
+    if not w.gradient_checkpointing or w.finetuning_type == "full":
+        return 0
+    # Freeze tuning of the last layers: the backward stops below them and holds their frozen modules only. Of
+    # the first layers: it runs through the frozen last ones, held whole.
+    trains_first_layers = w.freeze_trainable_layers < 0 and -w.freeze_trainable_layers < shape.num_layers
+    if w.finetuning_type == "freeze" and not trains_first_layers:
+        return max(0, shape.layer_params - freeze_trainable_params(shape, 1, w.freeze_trainable_modules))
+    return shape.layer_params
+
+
+def zero_weight_bytes(c: Context, z: ZeroSettings) -> float:
+    """The weights as DeepSpeed holds them, in the module dtype b; but at ZeRO-3 an adapter's weights stay fp32:
+    peft adds them after deepspeed.zero.Init has cast the model, and deepspeed.initialize partitions them as they
+    are (measured on the 206M-parameter bf16 LoRA run: the adapters' partitions and whole copies are fp32)."""
+    weights = weight_bytes(c.shape, c.workload, c.ds_bytes)
+    if z.stage == 3 and c.workload.is_adapter:
+        weights += (FP32 - c.ds_bytes) * adapter_params(c.shape, c.workload)
+    return weights
+
+
 @dataclass(frozen=True)
 class AdapterBytes:
     """What a ZeRO-3 adapter run holds on each rank beyond the partitioned share of its weights (bytes)."""
 
     kept: float = 0.0  # for the whole run
     setup_only: float = 0.0  # until deepspeed.initialize partitions the adapters
+    persisted: float = 0.0  # from the first step on
 
 
 def zero3_adapter_bytes(c: Context, z: ZeroSettings) -> AdapterBytes:
@@ -139,16 +187,16 @@ def zero3_adapter_bytes(c: Context, z: ZeroSettings) -> AdapterBytes:
       weight, in fp32 as peft creates them, and the engine keeps that load for the whole run: 4·T on every rank;
     * before deepspeed.initialize partitions them, the adapters themselves are whole fp32 tensors on every rank:
       4·T more during set-up;
-    * DeepSpeed keeps parameters below stage3_param_persistence_threshold elements whole on every rank, never
-      partitioned: LoRA's A (r x in) and B (out x r) matrices at usual ranks, b bytes each instead of a 1/N share.
+    * DeepSpeed keeps parameters below stage3_param_persistence_threshold elements whole on every rank, beside
+      their 1/N partition: LoRA's A (r x in) and B (out x r) matrices at usual ranks, in fp32 (zero_weight_bytes). They
+      are released like the others while the first step records its trace, and kept once it is complete.
     Not with offloaded parameters (the shard is in host memory, counted there).
     """
     w = c.workload
     if z.stage != 3 or not w.is_adapter or z.offload_params:
         return AdapterBytes()
     small = lora_small_params(c.shape, w.lora_rank, w.lora_targets, z.persistence_threshold) if w.is_lora else 0
-    persisted = c.ds_bytes * small * (1 - 1 / c.ranks)
-    return AdapterBytes(kept=FP32 * c.trainable + persisted, setup_only=FP32 * c.trainable)
+    return AdapterBytes(kept=FP32 * c.trainable, setup_only=FP32 * c.trainable, persisted=FP32 * small)
 
 
 def moe_leaf_params(shape: ModelShape) -> int:

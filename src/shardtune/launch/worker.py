@@ -121,11 +121,13 @@ def leave_rank(code: int) -> NoReturn:
 
 
 def run_worker(plan: RunPlan, rank_env: RankEnv | None = None) -> int:
+    from shardtune.cpu_kernel_caches import bound_cpu_kernel_caches
     from shardtune.engines import build_engine
     from shardtune.startup_gc import pause_collection
     from shardtune.train.workflow import StopRequest, run_training
 
     pause_collection()  # resumed before the first step (train/workflow.py)
+    bound_cpu_kernel_caches()  # before the first matmul, which reads them
     started = time.time()
     leave_out_bitsandbytes(plan.config)
     engine = build_engine(plan.config, plan.engine, rank_env)
