@@ -27,7 +27,8 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "shardtune"
 LAYERS = [
-    {"errors", "host", "world", "run_files", "paths", "startup_gc", "arguments", "versions", "hub"},
+    {"errors", "host", "world", "run_files", "paths", "startup_gc", "cpu_kernel_caches", "arguments", "versions",
+     "hub"},
     {"config"},
     {"data"},
     {"model"},
