@@ -46,8 +46,7 @@ from shardtune.launch.torchrun_agent import die_with_parent
 # threshold are read at start too, but the forked process applies them itself (``apply_process_settings``).
 IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "HF_", "HUGGINGFACE", "TRANSFORMERS_", "TORCH", "PYTORCH_", "DS_",
                         "DEEPSPEED", "TOKENIZERS_", "MKL_", "KMP_", "GOMP_", "OMP_", "MALLOC_", "GLIBC_", "CUDA_",
-                        "BNB_", "ACCELERATE_", "DATASETS_", "TRITON_", "XDG_", "HOME", "ONEDNN_", "DNNL_",
-                        "LRU_CACHE_CAPACITY")
+                        "BNB_", "ACCELERATE_", "DATASETS_", "TRITON_", "XDG_", "HOME")
 APPLIED_HERE = ("OMP_NUM_THREADS", "MALLOC_MMAP_THRESHOLD_")
 # A launcher's settings of each rank (read when the group starts), where compiled ops are cached (read when one is
 # built), whether the tokenizers may use threads (read at their first parallel use).
