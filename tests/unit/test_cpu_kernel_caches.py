@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from shardtune.cpu_kernel_caches import CPU_KERNEL_CACHE_ENTRIES, bound_cpu_kernel_caches
+from shardtune.cpu_kernel_caches import CPU_KERNEL_CACHE_ENTRIES, CPU_KERNEL_CACHE_SETTINGS, bound_cpu_kernel_caches
 
 # A LLaMA-like MLP in bf16, trained on rows of 150 different lengths (as batches of a run are): the resident memory
 # gained after the first 30, in MiB.
@@ -42,7 +42,7 @@ def test_the_bound_keeps_what_the_user_set():
 
 
 def growth_mib(mode: str) -> float:
-    env = {k: v for k, v in os.environ.items() if k not in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}
+    env = {k: v for k, v in os.environ.items() if k not in CPU_KERNEL_CACHE_SETTINGS}
     done = subprocess.run([sys.executable, "-c", GROWTH, mode], capture_output=True, text=True, timeout=300,
                           env={**env, "OMP_NUM_THREADS": "1"}, check=True)
     return float(done.stdout.strip().splitlines()[-1])
