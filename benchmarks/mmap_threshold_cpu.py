@@ -1,8 +1,9 @@
 """glibc's mmap threshold on CPU ranks: the side by side's shardtune run (``llamafactory_cpu.py``'s YAML, 2
 processes, DDP LoRA) with the launcher's default, where an engine that gathers nothing keeps glibc's adaptive
-threshold, against the fixed 128 KiB threshold the launcher sets for FSDP and ZeRO-3 (given here in the
-environment, which the launcher leaves as it is). Interleaved pairs; per run the loop's time (``train_runtime``),
-the wall time and the minor page faults of the whole process tree (``getrusage``).
+threshold, against a fixed 128 KiB threshold (the one the launcher set for FSDP and ZeRO-3 until 2026-11-30, 64 KiB
+since: gather_mmap_threshold_cpu.py), given here in the environment, which the launcher leaves as it is.
+Interleaved pairs; per run the loop's time (``train_runtime``), the wall time and the minor page faults of the
+whole process tree (``getrusage``).
 
     .venv/bin/python benchmarks/mmap_threshold_cpu.py --repeats 3 --steps 120
 """

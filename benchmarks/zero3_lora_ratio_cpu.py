@@ -58,17 +58,19 @@ def tiny_accelerate(work: Path) -> dict:
     return row("tiny example, accelerate + ZeRO-3 (fp32)", out)
 
 
-def big_zero3(work: Path, bf16: bool) -> dict:
+def big_zero3(work: Path, bf16: bool, name: str = "", **env: str) -> dict:
+    """The 206M run; ``env`` adds to its environment (e.g. an allocator setting), ``name`` to its output folder."""
     model = work / "big-zero3"
     if not (model / "model.safetensors").exists():
         run([sys.executable, "-m", "shardtune", "make-tiny-model", "--out", str(model), *SHAPES["zero3"]])
     z3 = work / "z3_bounded.json"
     z3.write_text(json.dumps(Z3_BOUNDED))
-    out = work / f"big-{'bf16' if bf16 else 'fp32'}"
+    out = work / f"big-{'bf16' if bf16 else 'fp32'}{name}"
     run([sys.executable, "-m", "shardtune", "train",
          *overrides_merged([*LORA_RUN, f"model_name_or_path={model}", f"output_dir={out}", f"deepspeed={z3}",
-                            f"bf16={str(bf16).lower()}"])], FORCE_TORCHRUN="1", NPROC_PER_NODE="2")
-    return row(f"206M LoRA, ZeRO-3 bounded ({'bf16' if bf16 else 'fp32'})", out)
+                            f"bf16={str(bf16).lower()}"])], FORCE_TORCHRUN="1", NPROC_PER_NODE="2", **env)
+    found = row(f"206M LoRA, ZeRO-3 bounded ({'bf16' if bf16 else 'fp32'})", out)
+    return {**found, "loop_seconds": json.loads((out / "train_results.json").read_text())["train_runtime"]}
 
 
 def main() -> None:

@@ -93,11 +93,13 @@ def check_zero3_memory_line(results: dict) -> None:
     peak is within 15% of its estimate now that it counts the adapters' copies (1.33 before, 1.06 after); the whole
     run's peak measured 1.42 times the estimate before it counted the layer a checkpointed backward holds
     gathered, the adapters in fp32 and the CPU's bf16 kernels, and before the ranks bounded those kernels' caches;
-    1.135 to 1.172 in five runs after (2026-11-30), so the bound here is 1.20, not 1.15."""
+    1.135 to 1.192 after that, from run to run, while the launcher let glibc's heap hold the LoRA run's small tensors
+    (mmap threshold 128 KiB), and 1.110 to 1.112 since it maps them (64 KiB;
+    benchmarks/gather_mmap_threshold_cpu.py)."""
     peaks = results["peak_memory_bytes_per_rank"]
     assert max(peaks) < 1.05 * min(peaks), peaks
     assert 0.85 <= results["setup_memory_measured_over_estimate"] <= 1.15, results
-    assert 0.85 <= results["memory_measured_over_estimate"] <= 1.20, results
+    assert 0.85 <= results["memory_measured_over_estimate"] <= 1.15, results
 
 
 @pytest.mark.parametrize("engine", ["fsdp2", "zero3"])

@@ -158,14 +158,21 @@ def torchrun_env(env: dict[str, str], launch: LaunchPlan, gathers_parameters: bo
     if launch.master_addr in ("127.0.0.1", "localhost") and gpus == 0:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if gpus == 0 and gathers_parameters:
-        # CPU ranks keep their weights in host memory. glibc's adaptive mmap threshold keeps freed multi-MB blocks
-        # (FSDP and ZeRO-3 gather and free one layer at a time) in its heap, so a sharded run's resident memory
-        # grew as large as a replicated one's (measured: FSDP2 LoRA of a 217M model, 1.87 GB -> 0.78 GB per rank).
-        # Engines that gather nothing keep the adaptive threshold: a fixed one maps every activation above it
-        # afresh each step (DDP LoRA of benchmarks/llamafactory_cpu.py, 120 steps: 1.35 million minor page faults
-        # against 0.28 million, and a 1.33x slower loop: benchmarks/mmap_threshold_cpu.py).
-        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(GATHERING_MMAP_THRESHOLD))
     return env
+
+
+# glibc's mmap threshold for CPU ranks of engines that gather parameters (FSDP, ZeRO-3). They keep their weights in
+# host memory, and glibc's adaptive threshold keeps the freed multi-MB blocks of the layers they gather and free in
+# its heap, so a sharded run's resident memory grew as large as a replicated one's (FSDP2 LoRA of a 217M model: 1.87
+# GB -> 0.78 GB per rank with a fixed threshold). Below the threshold, blocks come from the heap, which only shrinks
+# from its top: at 128 KiB the small tensors of a LoRA run (64 KiB adapter matrices, their gradients and partitions)
+# fragmented it, and it grew by 50-67 MiB over 3 steps of the 206M ZeRO-3 LoRA run (2 MiB at 32 KiB), run to run
+# differently (benchmarks/gather_mmap_threshold_cpu.py; docs/estimate.md, "Measured: ZeRO-3 LoRA"). Engines that
+# gather nothing keep the adaptive threshold: a fixed one maps every activation above it afresh each step (DDP LoRA
+# of benchmarks/llamafactory_cpu.py, 120 steps: 1.35 million minor page faults against 0.28 million, and a 1.33x
+# slower loop: benchmarks/mmap_threshold_cpu.py).
+GATHERING_MMAP_THRESHOLD = 64 * 1024
 
 
 # After a stop request, a rank has until its collectives time out (ddp_timeout) and this margin to finish its step
