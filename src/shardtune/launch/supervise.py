@@ -167,7 +167,7 @@ def torchrun_env(env: dict[str, str], launch: LaunchPlan, gathers_parameters: bo
 # its heap, so a sharded run's resident memory grew as large as a replicated one's (FSDP2 LoRA of a 217M model: 1.87
 # GB -> 0.78 GB per rank with a fixed threshold). Below the threshold, blocks come from the heap, which only shrinks
 # from its top: at 128 KiB the small tensors of a LoRA run (64 KiB adapter matrices, their gradients and partitions)
-# fragmented it, and it grew by 50-67 MiB over 3 steps of the 206M ZeRO-3 LoRA run (2 MiB at 32 KiB), run to run
+# fragmented it, and it grew by 50-67 MiB over 3 steps of the 206M ZeRO-3 LoRA run (8 MiB at 16 KiB), run to run
 # differently (benchmarks/gather_mmap_threshold_cpu.py; docs/estimate.md, "Measured: ZeRO-3 LoRA"). Engines that
 # gather nothing keep the adaptive threshold: a fixed one maps every activation above it afresh each step (DDP LoRA
 # of benchmarks/llamafactory_cpu.py, 120 steps: 1.35 million minor page faults against 0.28 million, and a 1.33x
